@@ -1,0 +1,131 @@
+"""The one place that knows msgpack.
+
+``encode(envelope) -> bytes`` and ``decode(bytes) -> Envelope``. Older schema
+versions are upcast to the current one on decode; anything that is not a valid
+record of a known schema raises :class:`DecodeError` (and nothing else).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import msgpack
+from pydantic import ValidationError
+
+from .records import BODY_TYPES, SCHEMA_VERSIONS, Envelope
+
+CONTENT_TYPE = "application/x-conductor+msgpack"
+MAX_RECORD_BYTES = 16 * 1024 * 1024
+
+# Short envelope field names on the wire; bodies keep their field names.
+_WIRE = {
+    "schema_name": "s",
+    "schema_version": "v",
+    "event_id": "id",
+    "producer_id": "p",
+    "producer_seq": "q",
+    "epoch": "e",
+    "ts_ms": "t",
+    "body": "b",
+}
+
+
+class DecodeError(ValueError):
+    """Bytes that are not a valid Conductor record. ``reason`` is a short code."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+        self.message = message
+
+
+Upcaster = Callable[[dict[str, Any]], dict[str, Any]]
+_UPCASTERS: dict[tuple[str, int], Upcaster] = {}
+
+
+def upcaster(kind: str, from_version: int) -> Callable[[Upcaster], Upcaster]:
+    """Register a function that turns a ``kind`` body of ``from_version`` into ``from_version + 1``."""
+
+    def register(fn: Upcaster) -> Upcaster:
+        _UPCASTERS[(kind, from_version)] = fn
+        return fn
+
+    return register
+
+
+@upcaster("heartbeat", 1)
+def _heartbeat_v1_to_v2(body: dict[str, Any]) -> dict[str, Any]:
+    # v1 named the prefill backlog ``queued_tokens`` and had no decode context or zone.
+    body = dict(body)
+    if "queued_tokens" in body:
+        body["queued_prefill_tokens"] = body.pop("queued_tokens")
+    body.setdefault("decode_context_tokens", 0)
+    return body
+
+
+def encode(record: Envelope) -> bytes:
+    """Serialise an envelope (at its current schema version)."""
+    if not isinstance(record, Envelope):
+        raise TypeError(f"encode() takes an Envelope, not {type(record).__name__}")
+    data = record.model_dump(mode="python", exclude_none=True)
+    wire = {_WIRE[k]: v for k, v in data.items()}
+    return msgpack.packb(wire, use_bin_type=True)
+
+
+def headers(record: Envelope) -> list[tuple[str, bytes]]:
+    """Kafka headers that let a consumer route or reject a record without decoding it."""
+    return [
+        ("content-type", CONTENT_TYPE.encode()),
+        ("schema", record.schema_name.encode()),
+        ("schema-version", str(record.schema_version).encode()),
+    ]
+
+
+def decode(data: bytes | bytearray | memoryview) -> Envelope:
+    """Parse, upcast and validate one record; raise :class:`DecodeError` on anything else."""
+    if not isinstance(data, (bytes, bytearray, memoryview)):
+        raise DecodeError("malformed", f"expected bytes, got {type(data).__name__}")
+    if len(data) > MAX_RECORD_BYTES:
+        raise DecodeError("too_large", f"{len(data)} bytes exceeds the {MAX_RECORD_BYTES}-byte cap")
+    try:
+        raw = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True, use_list=True)
+    except Exception as e:  # msgpack raises several unrelated types for bad input
+        raise DecodeError("malformed", f"not msgpack: {type(e).__name__}: {e}") from None
+    if not isinstance(raw, dict):
+        raise DecodeError("malformed", f"expected a map, got {type(raw).__name__}")
+    fields = {long: raw[short] for long, short in _WIRE.items() if short in raw}
+    unknown = set(raw) - set(_WIRE.values())
+    if unknown:
+        raise DecodeError("malformed", f"unknown envelope fields {sorted(map(str, unknown))[:5]}")
+    kind = fields.get("schema_name")
+    version = fields.get("schema_version")
+    body = fields.get("body")
+    if not isinstance(kind, str) or kind not in BODY_TYPES:
+        raise DecodeError("unknown_schema", f"unknown schema {kind!r}"[:200])
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise DecodeError("unsupported_version", f"bad schema version {version!r}"[:200])
+    current = SCHEMA_VERSIONS[kind]
+    if version > current:
+        raise DecodeError("unsupported_version", f"{kind} v{version} is newer than v{current}")
+    if not isinstance(body, dict):
+        raise DecodeError("malformed", "body is not a map")
+    try:
+        while version < current:
+            body = _UPCASTERS[(kind, version)](body)
+            version += 1
+    except KeyError:
+        raise DecodeError("unsupported_version", f"no upcaster for {kind} v{version}") from None
+    except Exception as e:
+        raise DecodeError("unsupported_version", f"upcasting {kind} v{version} failed: {e}") from None
+    body = dict(body)
+    body.setdefault("kind", kind)
+    fields["body"] = body
+    fields["schema_version"] = version
+    try:
+        return Envelope.model_validate(fields)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        raise DecodeError("invalid", f"{kind}: {where}: {first.get('msg')}"[:500]) from None
+    except Exception as e:  # e.g. RecursionError on absurd nesting
+        raise DecodeError("invalid", f"{kind}: {type(e).__name__}") from None

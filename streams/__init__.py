@@ -1,0 +1,1 @@
+"""The Faust app, topic declarations and the agents that fold events into the view."""

