@@ -6,7 +6,7 @@ a :class:`ViewSnapshot` into the policy's ``conductor.snapshot.ClusterSnapshot``
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -86,3 +86,82 @@ class ViewReader(Protocol):
     async def dump(self) -> dict[str, Any]:
         """A canonical, comparable picture of the whole view (for rebuild checks and tests)."""
         ...
+
+
+# --- the write side -----------------------------------------------------------------
+
+
+class ViewStore(ViewReader, Protocol):
+    """A view that can also be written: what the stream worker and ``view rebuild`` use.
+
+    Every write carries the source position of its record; a record at or below the
+    recorded offset of its ``topic:partition`` is skipped in the same atomic step, so
+    re-delivery and replays change nothing. ``pos=None`` means "no fence" (simulator,
+    synthetic loads).
+    """
+
+    async def apply(self, records: Sequence[tuple[Any, SourcePosition | None]]) -> list[str]:
+        """Fold and apply ``(Envelope, position)`` pairs in order; return each one's outcome
+        (``applied``, ``duplicate``, ``old_epoch`` or ``fenced``)."""
+        ...
+
+    async def apply_ops(self, batch: Sequence[tuple[SourcePosition | None, Sequence[Any]]]) -> int:
+        """Apply already-folded operations (``state.fold`` ops), one group per record, in
+        order and atomically with their positions; return how many groups applied."""
+        ...
+
+    async def streams(self, node_ids: Sequence[str]) -> dict[str, Any]:
+        """The stored ``state.fold.NodeStream`` of each known node among ``node_ids``."""
+        ...
+
+    async def clear(self) -> None:
+        """Remove the whole view (this namespace only)."""
+        ...
+
+
+# --- the prefix walk, shared by both stores ---------------------------------------
+
+
+def slot_mask(slots: int) -> int:
+    """Bits 0, 3, 6, ... for ``slots`` node slots (bit ``3*slot + tier`` holds a block in a tier)."""
+    return int("001" * slots, 2) if slots > 0 else 0
+
+
+def longest_prefixes(masks: Iterable[int], slot_nodes: dict[int, str]) -> dict[str, tuple[int, int, int]]:
+    """Per node, the longest contiguous prefix of a chain it holds, cumulatively per tier.
+
+    ``masks`` yields, block by block along the chain, an integer whose bit
+    ``3*slot + tier`` (tier 0 hbm, 1 dram, 2 ssd) is set when the node in ``slot`` holds
+    the block in that tier. Only slots named in ``slot_nodes`` count (a cleared node's
+    old slot does not). Stops at the first block no node holds.
+    """
+    if not slot_nodes:
+        return {}
+    m0 = 0
+    for s in slot_nodes:
+        m0 |= 1 << (3 * s)
+    a1 = a2 = a3 = m0  # slots still holding the whole prefix so far, per cumulative tier
+    ends: tuple[dict[int, int], dict[int, int], dict[int, int]] = ({}, {}, {})
+    i = 0
+    for x in masks:
+        h = x & m0
+        hd = h | ((x >> 1) & m0)
+        n3 = hd | ((x >> 2) & m0)
+        for alive, now, end in ((a1, h, ends[0]), (a2, hd, ends[1]), (a3, n3, ends[2])):
+            dropped = alive & ~now
+            while dropped:
+                low = dropped & -dropped
+                end[(low.bit_length() - 1) // 3] = i
+                dropped ^= low
+        a1 &= h
+        a2 &= hd
+        a3 &= n3
+        i += 1
+        if not a3:
+            break
+    out: dict[str, tuple[int, int, int]] = {}
+    for s, node in slot_nodes.items():
+        n3 = ends[2].get(s, i)
+        if n3 > 0:
+            out[node] = (ends[0].get(s, i), ends[1].get(s, i), n3)
+    return out

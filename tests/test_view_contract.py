@@ -1,0 +1,240 @@
+"""One contract, every view store: the same tests run against each implementation.
+
+``ViewStoreContract`` is subclassed once per store; a subclass only provides the
+``store`` fixture (an empty view).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from schemas import (
+    AllBlocksCleared,
+    BlocksMigrated,
+    BlocksRemoved,
+    BlocksStored,
+    Heartbeat,
+    chain_keys,
+    envelope,
+)
+from state.fold import AddBlocks, SetHeartbeat
+from state.memory import InMemoryViewStore
+from state.view import SourcePosition
+
+KV = "kv-events"
+HB = "heartbeats"
+
+
+def stored(node, seq, keys, *, tier="hbm", epoch=0, ts=1_000):
+    return envelope(BlocksStored(block_keys=keys, tier=tier), producer_id=node, producer_seq=seq, epoch=epoch, ts_ms=ts)
+
+
+def removed(node, seq, keys, *, tier="hbm", epoch=0):
+    return envelope(BlocksRemoved(block_keys=keys, tier=tier), producer_id=node, producer_seq=seq, epoch=epoch, ts_ms=1_000)
+
+
+def heartbeat(node, seq, ts, *, role="prefill", queue=0, epoch=0, rack=None):
+    hb = Heartbeat(role=role, queue_depth=queue, queued_prefill_tokens=queue * 100, rack=rack, tier_capacity={"hbm": 10})
+    return envelope(hb, producer_id=node, producer_seq=seq, epoch=epoch, ts_ms=ts)
+
+
+class ViewStoreContract:
+    """Behaviour every ViewStore must have. Subclasses provide an empty ``store``."""
+
+    @pytest.fixture
+    def store(self):  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    async def feed(self, store, envs, topic=KV, partition=0, start=0):
+        return await store.apply([(e, SourcePosition(topic, partition, start + i)) for i, e in enumerate(envs)])
+
+    async def test_empty_view(self, store):
+        snap = await store.snapshot([1, 2, 3], now_ms=5)
+        assert snap.nodes == () and snap.prefix == {} and snap.watermark == {}
+        assert snap.now_ms == 5
+
+    async def test_stored_blocks_make_a_prefix(self, store):
+        await self.feed(store, [stored("a", 0, [1, 2, 3]), stored("b", 0, [1, 2])])
+        snap = await store.snapshot([1, 2, 3, 4], now_ms=0)
+        assert snap.prefix == {"a": (3, 3, 3), "b": (2, 2, 2)}
+        assert snap.watermark == {f"{KV}:0": 1}
+
+    async def test_prefix_is_contiguous(self, store):
+        await self.feed(store, [stored("a", 0, [1, 2, 4, 5])])
+        snap = await store.snapshot([1, 2, 3, 4, 5], now_ms=0)
+        assert snap.prefix == {"a": (2, 2, 2)}
+        assert (await store.snapshot([3, 4], now_ms=0)).prefix == {}
+
+    async def test_tiers_are_cumulative(self, store):
+        await self.feed(
+            store,
+            [stored("a", 0, [1, 2]), stored("a", 1, [3], tier="dram"), stored("a", 2, [4, 5], tier="ssd"), stored("a", 3, [6], tier="hbm")],
+        )
+        snap = await store.snapshot([1, 2, 3, 4, 5, 6, 7], now_ms=0)
+        assert snap.prefix == {"a": (2, 3, 6)}
+
+    async def test_keys_from_tokens(self, store):
+        tokens = list(range(40))
+        env = envelope(BlocksStored(token_ids=tokens, block_size=16), producer_id="a", producer_seq=0, ts_ms=1)
+        await self.feed(store, [env])
+        chain = chain_keys(tokens + [7] * 8, 16)
+        assert (await store.snapshot(chain, now_ms=0)).prefix == {"a": (2, 2, 2)}
+        # a child event continues the chain from its parent key
+        child = envelope(
+            BlocksStored(token_ids=tokens[32:40] + [7] * 8, parent_key=chain[1], block_size=16),
+            producer_id="a", producer_seq=1, ts_ms=2,
+        )
+        await self.feed(store, [child], start=1)
+        assert (await store.snapshot(chain, now_ms=0)).prefix == {"a": (3, 3, 3)}
+
+    async def test_removed_blocks_leave(self, store):
+        await self.feed(store, [stored("a", 0, [1, 2, 3]), removed("a", 1, [2])])
+        snap = await store.snapshot([1, 2, 3], now_ms=0)
+        assert snap.prefix == {"a": (1, 1, 1)}
+        (a,) = snap.nodes
+        assert a.blocks == {"hbm": 2}
+
+    async def test_removing_from_another_tier_keeps_the_block(self, store):
+        await self.feed(store, [stored("a", 0, [1]), stored("a", 1, [1], tier="dram"), removed("a", 2, [1])])
+        assert (await store.snapshot([1], now_ms=0)).prefix == {"a": (0, 1, 1)}
+
+    async def test_duplicates_are_skipped(self, store):
+        out = await self.feed(store, [stored("a", 0, [1]), stored("a", 1, [2]), stored("a", 1, [9]), stored("a", 0, [8])])
+        assert out == ["applied", "applied", "duplicate", "duplicate"]
+        snap = await store.snapshot([1, 2], now_ms=0)
+        assert snap.prefix == {"a": (2, 2, 2)}
+        assert (await store.snapshot([9], now_ms=0)).prefix == {}
+
+    async def test_sequence_gap_is_counted_and_applied(self, store):
+        out = await self.feed(store, [stored("a", 0, [1]), stored("a", 4, [2]), stored("a", 5, [3])])
+        assert out == ["applied"] * 3
+        (a,) = await store.nodes()
+        assert a.seq_gaps == 1 and a.last_seq == 5
+        assert (await store.dump())["nodes"]["a"]["missed"] == 3
+
+    async def test_new_epoch_drops_the_nodes_blocks(self, store):
+        await self.feed(store, [stored("a", 0, [1, 2]), stored("b", 0, [1]), stored("a", 0, [7], epoch=1), stored("a", 3, [5], epoch=0)])
+        snap = await store.snapshot([1, 2], now_ms=0)
+        assert snap.prefix == {"b": (1, 1, 1)}
+        assert (await store.snapshot([7], now_ms=0)).prefix == {"a": (1, 1, 1)}
+        assert (await store.snapshot([5], now_ms=0)).prefix == {}  # a straggler of epoch 0
+        a = {n.node_id: n for n in await store.nodes()}["a"]
+        assert a.epoch == 1 and a.blocks == {"hbm": 1}
+
+    async def test_all_blocks_cleared(self, store):
+        clear = envelope(AllBlocksCleared(), producer_id="a", producer_seq=2, ts_ms=1)
+        await self.feed(store, [stored("a", 0, [1, 2]), stored("b", 0, [1, 2]), clear, stored("a", 3, [1])])
+        snap = await store.snapshot([1, 2], now_ms=0)
+        assert snap.prefix == {"a": (1, 1, 1), "b": (2, 2, 2)}
+
+    async def test_migrate_and_replicate(self, store):
+        mig = envelope(
+            BlocksMigrated(mode="migrate", block_keys=[1, 2], from_node="a", from_tier="hbm", to_node="a", to_tier="dram"),
+            producer_id="a", producer_seq=1, ts_ms=1,
+        )
+        rep = envelope(
+            BlocksMigrated(mode="replicate", block_keys=[1], from_node="a", from_tier="dram", to_node="s", to_tier="ssd"),
+            producer_id="a", producer_seq=2, ts_ms=1,
+        )
+        await self.feed(store, [stored("a", 0, [1, 2]), mig, rep])
+        snap = await store.snapshot([1, 2], now_ms=0)
+        assert snap.prefix == {"a": (0, 2, 2), "s": (0, 0, 1)}
+
+    async def test_heartbeat_sets_node_state_and_liveness(self, store):
+        await self.feed(store, [heartbeat("a", 0, 10_000, queue=3, rack="r1"), heartbeat("d", 0, 2_000, role="decode")], topic=HB)
+        snap = await store.snapshot([], now_ms=12_000)
+        by = {n.node_id: n for n in snap.nodes}
+        assert by["a"].role == "prefill" and by["a"].queue_depth == 3 and by["a"].queued_prefill_tokens == 300
+        assert by["a"].rack == "r1" and by["a"].tier_capacity == {"hbm": 10}
+        assert by["d"].role == "decode" and by["a"].last_heartbeat_ms == 10_000
+        assert [n.node_id for n in snap.live_nodes(5.0)] == ["a"]  # d is 10 s old
+        assert snap.watermark == {f"{HB}:0": 1}
+
+    async def test_older_heartbeat_never_overwrites(self, store):
+        await self.feed(store, [heartbeat("a", 5, 9_000, queue=5), heartbeat("a", 4, 8_000, queue=4)], topic=HB)
+        (a,) = await store.nodes()
+        assert a.queue_depth == 5 and a.last_heartbeat_ms == 9_000
+
+    async def test_replay_changes_nothing(self, store):
+        envs = [stored("a", 0, [1, 2]), removed("a", 1, [2]), stored("b", 0, [1])]
+        await self.feed(store, envs)
+        before = await store.dump()
+        # the same records again at the same positions (a redelivery) ...
+        assert await self.feed(store, envs) == ["fenced"] * 3
+        # ... and a mixed batch that straddles the fence
+        out = await self.feed(store, envs[1:] + [stored("b", 1, [5])], start=1)
+        assert out == ["fenced", "fenced", "applied"]
+        after = await store.dump()
+        assert after["blocks"] != before["blocks"]
+        await self.feed(store, envs)
+        assert await store.dump() == after
+
+    async def test_partitions_are_fenced_separately(self, store):
+        await self.feed(store, [stored("a", 0, [1])], partition=0, start=10)
+        out = await self.feed(store, [stored("b", 0, [2])], partition=1, start=3)
+        assert out == ["applied"]
+        assert await store.watermark() == {f"{KV}:0": 10, f"{KV}:1": 3}
+
+    async def test_apply_ops_bulk_path(self, store):
+        n = await store.apply_ops(
+            [
+                (None, [AddBlocks("a", 0, tuple(range(100, 200)))]),
+                (SourcePosition("bulk", 0, 0), [AddBlocks("b", 1, (100, 101))]),
+                (SourcePosition("bulk", 0, 0), [AddBlocks("b", 1, (102,))]),
+                (None, [SetHeartbeat("a", {"role": "prefill", "last_heartbeat_ms": 7})]),
+            ]
+        )
+        assert n == 3
+        snap = await store.snapshot(list(range(100, 210)), now_ms=7)
+        assert snap.prefix == {"a": (100, 100, 100), "b": (0, 2, 2)}
+        assert [x.node_id for x in snap.live_nodes(1.0)] == ["a"]
+
+    async def test_clear(self, store):
+        await self.feed(store, [stored("a", 0, [1])])
+        await store.clear()
+        assert await store.dump() == {"nodes": {}, "blocks": {}, "watermark": {}}
+
+    async def test_same_view_as_the_reference_store(self, store):
+        """A random stream folded by this store equals the in-memory reference, key by key."""
+        rng = random.Random(7)
+        ref = InMemoryViewStore()
+        envs = []
+        seqs = {n: 0 for n in "abcd"}
+        epochs = {n: 0 for n in "abcd"}
+        for _ in range(300):
+            node = rng.choice("abcd")
+            r = rng.random()
+            keys = rng.sample(range(40), rng.randint(1, 6))
+            tier = rng.choice(["hbm", "hbm", "dram", "ssd"])
+            if r < 0.5:
+                body = BlocksStored(block_keys=keys, tier=tier)
+            elif r < 0.8:
+                body = BlocksRemoved(block_keys=keys, tier=tier)
+            elif r < 0.85:
+                body = AllBlocksCleared()
+            elif r < 0.9:
+                epochs[node] += 1
+                seqs[node] = 0
+                body = BlocksStored(block_keys=keys)
+            else:
+                body = BlocksMigrated(mode=rng.choice(["migrate", "replicate"]), block_keys=keys, from_node=node,
+                                      from_tier=tier, to_node=rng.choice("abcd"), to_tier=rng.choice(["dram", "ssd"]))
+            envs.append(envelope(body, producer_id=node, producer_seq=seqs[node], epoch=epochs[node], ts_ms=1))
+            seqs[node] += rng.choice([1, 1, 1, 2])
+        envs += envs[50:80]  # late duplicates
+        positions = [(e, SourcePosition(KV, 0, i)) for i, e in enumerate(envs)]
+        for i in range(0, len(positions), 37):
+            await store.apply(positions[i : i + 37])
+        await ref.apply(positions)
+        assert await store.dump() == await ref.dump()
+        for _ in range(20):
+            chain = rng.sample(range(40), 10)
+            assert (await store.snapshot(chain, now_ms=0)).prefix == (await ref.snapshot(chain, now_ms=0)).prefix
+
+
+class TestInMemoryViewStore(ViewStoreContract):
+    @pytest.fixture
+    def store(self):
+        return InMemoryViewStore()
