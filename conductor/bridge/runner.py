@@ -1,0 +1,323 @@
+"""The ZMQ → Kafka bridge for one engine.
+
+Subscribes to an engine's KV-event publisher (vLLM's or SGLang's ZMQ PUB socket,
+or Conductor's emulated engine), keeps the engine's sequence in order, translates
+its events into Conductor records and hands them to a sink (in production: the
+``kv-events`` topic keyed by node id).
+
+Ordering and recovery, all per node:
+
+- On start it asks the replay socket for everything from seq 0, so blocks the
+  engine stored before the bridge connected (or while it was down) reach the view.
+- A missing sequence number is asked for again on the replay socket (DEALER →
+  ROUTER: one frame, the start seq as 8 bytes big-endian; replies ``[seq, payload]``
+  or ``[topic, seq, payload]`` after the empty delimiter, ended by seq = -1). If
+  replay cannot fill it, the node's view is stale: the bridge opens a new epoch,
+  whose first record clears the node, and goes on.
+- A sequence that goes backwards means the engine restarted: new epoch, too.
+
+Each epoch starts with an ``AllBlocksCleared`` at producer_seq 0; the records of
+engine batch ``s`` get producer_seq ``(s + 1) << 20 | i``. A restarted bridge that
+re-publishes batches the engine still buffers therefore repeats their producer
+sequence numbers within its epoch, which lets the view recognise them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import zmq
+import zmq.asyncio
+
+from schemas import AllBlocksCleared, Envelope, Heartbeat, Role, envelope
+from schemas.records import Record
+
+from .translate import NodeTranslator
+from .wire import WireError, decode_batch, parse_seq, seq_frame
+
+log = logging.getLogger(__name__)
+
+SEQ_SHIFT = 20
+"""Records one engine batch may produce (its index lives in the low bits)."""
+
+Sink = Callable[[list[Envelope]], Awaitable[None]]
+"""Publishes envelopes in order; raises if they could not be published."""
+
+
+@dataclass(frozen=True)
+class BridgeConfig:
+    node_id: str
+    role: Role
+    zmq_endpoint: str
+    replay_endpoint: str | None = None
+    block_size: int | None = None
+    replay_timeout_s: float = 2.0
+    heartbeat_s: float | None = 1.0
+    """Publish a heartbeat for the node this often (None: the engine heartbeats itself)."""
+    model: str = "default"
+
+
+class Bridge:
+    """Follow one engine's event stream and publish it as Conductor records."""
+
+    def __init__(
+        self,
+        config: BridgeConfig,
+        sink: Sink,
+        heartbeat_sink: Sink | None = None,
+        *,
+        clock_ms: Callable[[], int] = lambda: time.time_ns() // 1_000_000,
+        context: zmq.asyncio.Context | None = None,
+    ) -> None:
+        self.config = config
+        self.sink = sink
+        self.heartbeat_sink = heartbeat_sink
+        self.clock_ms = clock_ms
+        self.ctx = context or zmq.asyncio.Context.instance()
+        self.translator = NodeTranslator(expected_block_size=config.block_size)
+        self.counts: Counter[str] = Counter()
+        self.epoch = 0
+        self.expected: int | None = None
+        """The next engine seq in order (None: nothing seen in this epoch yet)."""
+        self._hb_seq = 0
+        self._last_engine_contact = 0.0
+        self._sub: zmq.asyncio.Socket | None = None
+        self._dealer: zmq.asyncio.Socket | None = None
+        self.ready = asyncio.Event()
+        """Set once the start-up replay is done and live events are being followed."""
+
+    # --- publishing ---------------------------------------------------------
+
+    async def _new_epoch(self, reason: str) -> None:
+        self.epoch = max(self.clock_ms(), self.epoch + 1)
+        self.translator.reset()
+        self.expected = None
+        self.counts[f"epoch_{reason}"] += 1
+        log.info("node %s: new epoch %d (%s)", self.config.node_id, self.epoch, reason)
+        await self._publish([AllBlocksCleared()], 0)
+
+    async def _publish(self, bodies: list[Record], first_seq: int) -> None:
+        if not bodies:
+            return
+        now = self.clock_ms()
+        envs = [
+            envelope(b, producer_id=self.config.node_id, producer_seq=first_seq + i, epoch=self.epoch, ts_ms=now)
+            for i, b in enumerate(bodies)
+        ]
+        await self.sink(envs)
+        self.counts["records"] += len(envs)
+
+    async def _apply(self, seq: int, payload: bytes) -> None:
+        """Apply engine batch ``seq``, which is the next one in order."""
+        self.expected = seq + 1
+        try:
+            batch = decode_batch(payload)
+        except WireError as e:
+            # The blocks in it are unknown: the node's view can no longer be trusted.
+            self.counts["bad_batch"] += 1
+            log.warning("node %s: undecodable batch %d (%s); marking the node stale", self.config.node_id, seq, e)
+            await self._new_epoch("bad_batch")
+            self.expected = seq + 1
+            return
+        bodies = self.translator.translate(batch)
+        if len(bodies) >= 1 << SEQ_SHIFT:
+            self.counts["oversized_batch"] += 1
+            await self._new_epoch("oversized_batch")
+            self.expected = seq + 1
+            return
+        await self._publish(bodies, (seq + 1) << SEQ_SHIFT)
+        self.counts["batches"] += 1
+        if self.translator.overflowed:
+            await self._new_epoch("too_many_blocks")
+            self.expected = seq + 1
+
+    # --- replay -------------------------------------------------------------
+
+    async def replay(self, start: int) -> list[tuple[int, bytes]] | None:
+        """Ask the engine for every batch from ``start``; None if nobody answered."""
+        if self._dealer is None:
+            return None
+        # A fresh DEALER per request: a late reply to an abandoned request can never
+        # be mistaken for the answer to this one.
+        self._dealer.close(linger=0)
+        self._dealer = self._make_dealer()
+        await self._dealer.send(seq_frame(start))
+        out: list[tuple[int, bytes]] = []
+        deadline = time.monotonic() + self.config.replay_timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0 or not await self._dealer.poll(int(left * 1000)):
+                self.counts["replay_timeout"] += 1
+                return None
+            frames = await self._dealer.recv_multipart()
+            while frames and frames[0] == b"":
+                frames = frames[1:]
+            if len(frames) not in (2, 3):
+                self.counts["bad_replay_frame"] += 1
+                continue
+            try:
+                seq = parse_seq(frames[-2])
+            except WireError:
+                self.counts["bad_replay_frame"] += 1
+                continue
+            if seq == -1:
+                self._last_engine_contact = time.monotonic()
+                return out
+            out.append((seq, frames[-1]))
+
+    def _make_dealer(self) -> zmq.asyncio.Socket:
+        s = self.ctx.socket(zmq.DEALER)
+        s.setsockopt(zmq.LINGER, 0)
+        assert self.config.replay_endpoint is not None
+        s.connect(self.config.replay_endpoint)
+        return s
+
+    async def _catch_up(self, start: int, upto: int | None) -> bool:
+        """Fill ``start`` .. ``upto`` (exclusive; None = all buffered) from replay; True if filled.
+
+        At the start of an epoch (nothing applied yet) whatever the engine still buffers is
+        applied even if it begins after ``start``: the epoch opened with a clear, so a view
+        missing older blocks is incomplete, never wrong.
+        """
+        got = await self.replay(start)
+        if got is None:
+            return False
+        got.sort()
+        for seq, payload in got:
+            if upto is not None and seq >= upto:
+                break
+            if self.expected is None:
+                if seq > start:
+                    self.counts["missed_before_join"] += 1
+            elif seq < self.expected:
+                continue  # already applied
+            elif seq != self.expected:
+                return False  # the engine's buffer no longer reaches back far enough
+            await self._apply(seq, payload)
+        return upto is None or self.expected == upto
+
+    # --- the loop -----------------------------------------------------------
+
+    async def _on_message(self, seq: int, payload: bytes) -> None:
+        if self.expected is not None and seq < self.expected:
+            # PUB never repeats a sequence number: the engine restarted.
+            await self._new_epoch("restart")
+        if self.expected is None:
+            if seq > 0 and self.config.replay_endpoint:
+                # First contact in this epoch, mid-stream: fetch what the engine still buffers.
+                await self._catch_up(0, seq)
+                if self.expected is not None and self.expected != seq:
+                    await self._new_epoch("gap")
+            await self._apply(seq, payload)
+            return
+        if seq > self.expected:
+            self.counts["gaps"] += 1
+            log.info("node %s: gap %d..%d, asking for replay", self.config.node_id, self.expected, seq - 1)
+            if not await self._catch_up(self.expected, seq):
+                self.counts["gaps_unfilled"] += 1
+                await self._new_epoch("gap")
+        await self._apply(seq, payload)
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        """Follow the engine until ``stop`` is set (or the task is cancelled)."""
+        stop = stop or asyncio.Event()
+        sub = self.ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.RCVHWM, 100_000)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(self.config.zmq_endpoint)
+        self._sub = sub
+        if self.config.replay_endpoint:
+            self._dealer = self._make_dealer()
+        hb_task = asyncio.create_task(self._heartbeats(stop)) if self.config.heartbeat_s else None
+        try:
+            await self._new_epoch("start")
+            if self.config.replay_endpoint:
+                await self._catch_up(0, None)
+            self.ready.set()
+            while not stop.is_set():
+                if not await sub.poll(200):
+                    continue
+                frames = await sub.recv_multipart()
+                self._last_engine_contact = time.monotonic()
+                if len(frames) == 3:
+                    seq_b, payload = frames[1], frames[2]
+                elif len(frames) == 2:
+                    seq_b, payload = frames
+                else:
+                    self.counts["bad_frame"] += 1
+                    continue
+                try:
+                    seq = parse_seq(seq_b)
+                except WireError:
+                    self.counts["bad_frame"] += 1
+                    continue
+                if seq < 0:
+                    self.counts["bad_frame"] += 1
+                    continue
+                await self._on_message(seq, payload)
+        finally:
+            if hb_task:
+                hb_task.cancel()
+                await asyncio.gather(hb_task, return_exceptions=True)
+            sub.close(linger=0)
+            if self._dealer is not None:
+                self._dealer.close(linger=0)
+
+    async def _heartbeats(self, stop: asyncio.Event) -> None:
+        """Heartbeat for an engine that does not heartbeat itself (a real vLLM/SGLang).
+
+        Liveness is what the bridge can see: recent events, or (with a replay socket) an
+        answer to a probe; the load fields stay zero because vLLM does not publish them.
+        """
+        assert self.config.heartbeat_s
+        interval = self.config.heartbeat_s
+        probe = self.ctx.socket(zmq.DEALER) if self.config.replay_endpoint else None
+        if probe is not None:
+            probe.setsockopt(zmq.LINGER, 0)
+            probe.connect(self.config.replay_endpoint)  # type: ignore[arg-type]
+        try:
+            while not stop.is_set():
+                if probe is not None:
+                    # Ask for a seq far ahead: a live engine answers with just the end marker.
+                    await probe.send(seq_frame(1 << 62))
+                await asyncio.sleep(interval)
+                if probe is not None:
+                    while await probe.poll(0):
+                        await probe.recv_multipart()
+                        self._last_engine_contact = time.monotonic()
+                alive = probe is None or time.monotonic() - self._last_engine_contact <= 3 * interval
+                if alive and self.heartbeat_sink is not None:
+                    hb = Heartbeat(role=self.config.role, model=self.config.model, interval_s=interval)
+                    self._hb_seq += 1
+                    env = envelope(hb, producer_id=self.config.node_id, producer_seq=self._hb_seq,
+                                   epoch=self.epoch, ts_ms=self.clock_ms())
+                    try:
+                        await self.heartbeat_sink([env])
+                    except Exception as e:  # a broker hiccup must not stop the bridge
+                        log.warning("node %s: heartbeat not published: %s", self.config.node_id, e)
+        finally:
+            if probe is not None:
+                probe.close(linger=0)
+
+
+def kafka_sink(producer: object, topic: str) -> Sink:
+    """A sink that sends envelopes to ``topic`` keyed by their producer id, in order."""
+    from schemas import encode, headers
+
+    async def send(envs: list[Envelope]) -> None:
+        futures = []
+        for env in envs:
+            futures.append(
+                await producer.send(  # type: ignore[attr-defined]
+                    topic, encode(env), key=env.producer_id.encode(), headers=headers(env)
+                )
+            )
+        await asyncio.gather(*futures)
+
+    return send
