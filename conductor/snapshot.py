@@ -23,6 +23,9 @@ class Instance:
     counting HBM only, then HBM+DRAM, then HBM+DRAM+SSD (so non-decreasing)."""
     queued_prefill_tokens: int = 0
     """Prompt tokens waiting for (or in) prefill here, including in-flight reservations."""
+    queued_requests: int = 0
+    """Requests behind ``queued_prefill_tokens`` (0 = unknown), so the queue wait can be
+    costed per request instead of as one huge quadratic prompt."""
     running_requests: int = 0
     batch_size: int = 0
     """Requests in the decode batch, including in-flight reservations."""

@@ -1,0 +1,258 @@
+"""What every policy returns, and the cost estimates they share.
+
+Pure: no I/O, no clock, randomness only from the ``random.Random`` passed to
+``decide``. The estimates come from a :class:`~conductor.profiles.ModelProfile`.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal, Protocol, Sequence, TypeVar, runtime_checkable
+
+from pydantic import BaseModel, ConfigDict
+
+from ..profiles import ModelProfile
+from ..snapshot import ClusterSnapshot, Instance, PolicyRequest
+
+RejectCode = Literal["ttft_slo", "tbt_slo", "no_live_instance", "overloaded"]
+REJECT_CODES: frozenset[str] = frozenset(("ttft_slo", "tbt_slo", "no_live_instance", "overloaded"))
+TIER_NAMES = ("hbm", "dram", "ssd")
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Run the prefill on ``prefill`` and the decode on ``decode``.
+
+    ``reused_blocks`` blocks of the prompt's prefix are read from ``reuse_source``
+    (the prefill instance itself when local) out of ``reuse_tier`` instead of being
+    recomputed; ``reuse_tier`` is the slowest tier the prefix is read from.
+    """
+
+    prefill: str
+    decode: str
+    reused_blocks: int
+    reuse_source: str | None
+    reuse_tier: str | None
+    predicted_ttft_s: float
+    predicted_tbt_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """Do not run the request; ``reason`` is a machine-readable code."""
+
+    reason: RejectCode
+    message: str
+
+    def __post_init__(self) -> None:
+        if self.reason not in REJECT_CODES:
+            raise ValueError(f"unknown rejection reason {self.reason!r}; one of {sorted(REJECT_CODES)}")
+
+
+Decision = Placement | Rejection
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """A routing policy: one placement (or rejection) per request, from a snapshot."""
+
+    name: str
+    params: dict[str, Any]
+
+    def decide(self, request: PolicyRequest, snapshot: ClusterSnapshot, rng: random.Random) -> Decision: ...
+
+
+class PolicyParams(BaseModel):
+    """Base of each policy's parameter model: unknown names are errors."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+P = TypeVar("P", bound=PolicyParams)
+
+
+class BasePolicy:
+    """Holds the profile and the validated parameters; subclasses implement ``decide``."""
+
+    name: ClassVar[str]
+    summary: ClassVar[str]
+    Params: ClassVar[type[PolicyParams]] = PolicyParams
+
+    def __init__(self, params: PolicyParams, profile: ModelProfile) -> None:
+        self.p = params
+        self.params: dict[str, Any] = params.model_dump()
+        self.profile = profile
+        self.costs = Costs(profile)
+
+    def decide(self, request: PolicyRequest, snapshot: ClusterSnapshot, rng: random.Random) -> Decision:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<policy {self.name} {self.params}>"
+
+
+# --- shared estimates --------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Reuse:
+    """One way to get a prefix into a prefill instance, and what the prefill then costs."""
+
+    blocks: int
+    source: str | None
+    tier: str | None
+    cost_s: float
+    """Load time of the prefix plus prefill compute of the rest (queue wait excluded)."""
+
+
+class Costs:
+    """The estimates the policies share, bound to one profile."""
+
+    __slots__ = ("profile",)
+
+    def __init__(self, profile: ModelProfile) -> None:
+        self.profile = profile
+
+    def queue_wait_s(self, inst: Instance) -> float:
+        """Prefill time of what is already queued on ``inst``.
+
+        With a request count, the backlog is costed as that many equal prompts (the
+        quadratic term of one prompt of the summed length would overstate it).
+        """
+        q = inst.queued_prefill_tokens
+        if q <= 0:
+            return 0.0
+        k = inst.queued_requests
+        if k <= 1:
+            return self.profile.prefill_seconds(q)
+        return k * self.profile.prefill_seconds(q / k)  # type: ignore[arg-type]
+
+    def local_reuse(self, inst: Instance, request: PolicyRequest, block_size: int) -> Reuse:
+        """Cheapest way to prefill on ``inst`` using only its own cache (possibly none of it)."""
+        n = request.prompt_tokens
+        prof = self.profile
+        best = Reuse(0, None, None, prof.prefill_seconds(n, 0))
+        h, dr, ss = _segments(inst.prefix_blocks, request.chain_len)
+        cum = 0
+        hbm_t = dram_t = ssd_t = 0
+        for tier, seg in (("hbm", h), ("dram", dr), ("ssd", ss)):
+            if seg <= 0:
+                continue
+            cum += seg
+            toks = seg * block_size
+            if tier == "hbm":
+                hbm_t = toks
+            elif tier == "dram":
+                dram_t = toks
+            else:
+                ssd_t = toks
+            cached = min(cum * block_size, n - 1)  # engines always compute the last token
+            cost = prof.prefix_load_seconds(hbm_t, dram_t, ssd_t, remote=False) + prof.prefill_seconds(n, cached)
+            if cost < best.cost_s:
+                best = Reuse(cum, inst.node_id, tier, cost)
+        return best
+
+    def remote_options(self, holder: Instance, request: PolicyRequest, block_size: int) -> tuple[Reuse, Reuse] | None:
+        """Cheapest prefill elsewhere reading ``holder``'s prefix: (same rack, other rack)."""
+        h, dr, ss = _segments(holder.prefix_blocks, request.chain_len)
+        if h + dr + ss <= 0:
+            return None
+        n = request.prompt_tokens
+        prof = self.profile
+        same = cross = None
+        cum = 0
+        hbm_t = dram_t = ssd_t = 0
+        for tier, seg in (("hbm", h), ("dram", dr), ("ssd", ss)):
+            if seg <= 0:
+                continue
+            cum += seg
+            toks = seg * block_size
+            if tier == "hbm":
+                hbm_t = toks
+            elif tier == "dram":
+                dram_t = toks
+            else:
+                ssd_t = toks
+            compute = prof.prefill_seconds(n, min(cum * block_size, n - 1))
+            cs = prof.prefix_load_seconds(hbm_t, dram_t, ssd_t, remote=True, same_rack=True) + compute
+            cc = prof.prefix_load_seconds(hbm_t, dram_t, ssd_t, remote=True, same_rack=False) + compute
+            if same is None or cs < same.cost_s:
+                same = Reuse(cum, holder.node_id, tier, cs)
+            if cross is None or cc < cross.cost_s:
+                cross = Reuse(cum, holder.node_id, tier, cc)
+        assert same is not None and cross is not None
+        return same, cross
+
+    def decode_blocks_needed(self, request: PolicyRequest, block_size: int) -> int:
+        return -(-(request.prompt_tokens + request.expected_output_tokens) // block_size)
+
+    def decode_fits(self, inst: Instance, request: PolicyRequest, block_size: int) -> bool:
+        """Whether ``inst`` has free KV blocks for the whole request (unknown capacity fits)."""
+        if inst.total_kv_blocks <= 0:
+            return True
+        return inst.free_kv_blocks >= self.decode_blocks_needed(request, block_size)
+
+    def tbt_ms(self, inst: Instance, request: PolicyRequest) -> float:
+        """Predicted decode step time on ``inst`` with this request added to its batch.
+
+        The request joins with its prompt as context; its growth over the output is
+        ignored, as is the growth of the others (they also finish and leave).
+        """
+        return 1000.0 * self.profile.decode_step_seconds(
+            inst.batch_size + 1, inst.decode_context_tokens + request.prompt_tokens
+        )
+
+
+def _segments(prefix_blocks: tuple[int, int, int], cap: int) -> tuple[int, int, int]:
+    """Blocks read from HBM, DRAM and SSD for the longest prefix, capped at the chain length."""
+    h, hd, hds = prefix_blocks
+    h = min(h, cap)
+    hd = min(max(hd, h), cap)
+    hds = min(max(hds, hd), cap)
+    return h, hd - h, hds - hd
+
+
+def split_roles(snapshot: ClusterSnapshot) -> tuple[tuple[Instance, ...], tuple[Instance, ...]] | Rejection:
+    """(prefill-capable, decode-capable) instances, or ``no_live_instance``."""
+    prefills = tuple(i for i in snapshot.instances if i.role == "prefill" or i.role == "both")
+    decodes = tuple(i for i in snapshot.instances if i.role == "decode" or i.role == "both")
+    if not prefills or not decodes:
+        missing = "prefill" if not prefills else "decode"
+        return Rejection("no_live_instance", f"no live {missing} instance among {len(snapshot.instances)}")
+    return prefills, decodes
+
+
+T = TypeVar("T")
+
+
+def pick_lowest(items: Sequence[T], scores: Sequence[float], rng: random.Random, *, tol: float = 1e-9,
+                node_id: Any = None) -> T:
+    """The item of lowest score; ties (within ``tol``) broken by ``rng`` in node-id order.
+
+    Sorting the tied group first makes the pick independent of snapshot order, so a
+    decision re-derived from the log with the same seed lands on the same instance.
+    """
+    lo = min(scores)
+    group = [it for it, s in zip(items, scores) if s <= lo + tol]
+    if len(group) == 1:
+        return group[0]
+    key = node_id or (lambda it: it.node_id)
+    group.sort(key=key)
+    return group[rng.randrange(len(group))]
+
+
+def local_placement(
+    costs: Costs, request: PolicyRequest, snapshot: ClusterSnapshot, prefill: Instance, decode: Instance
+) -> Placement:
+    """A placement that reuses only the prefill instance's own cache (what the peers do)."""
+    reuse = costs.local_reuse(prefill, request, snapshot.block_size)
+    return Placement(
+        prefill=prefill.node_id,
+        decode=decode.node_id,
+        reused_blocks=reuse.blocks,
+        reuse_source=reuse.source,
+        reuse_tier=reuse.tier,
+        predicted_ttft_s=costs.queue_wait_s(prefill) + reuse.cost_s,
+        predicted_tbt_ms=costs.tbt_ms(decode, request),
+    )

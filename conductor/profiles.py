@@ -1,0 +1,245 @@
+"""Model + hardware profiles: how long prefill, decode steps and KV transfers take.
+
+A profile is the cost model every policy predicts with. Prefill compute follows
+FAST'25 (Mooncake) Table 1: a dense transformer costs
+``flops(n) = l * (a*n^2*d + b*n*d^2)`` for an ``n``-token prompt, and an
+incremental prefill over ``c`` cached tokens costs ``flops(n) - flops(c)``; the
+FLOPs are divided by the instance's *effective* throughput (peak x achieved
+utilisation). A decode step is memory-bound: it streams the weights once plus the
+KV cache of every sequence in the batch from HBM. KV transfers move
+``kv_bytes_per_token`` per token at the bandwidth of the tier or link.
+
+Profiles ship as JSON files in ``conductor/profiles/``; ``fit_profile`` refits the
+prefill coefficients from measured timings.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from .errors import ConfigError
+
+DEFAULT_PROFILE = "llama3-70b-a800x8"
+
+
+class ModelProfile(BaseModel):
+    """One model on one instance's hardware. Bandwidths are bytes/s, times seconds."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = Field(min_length=1)
+    description: str = ""
+    # --- prefill compute (FAST'25 Table 1) ------------------------------------
+    l: int = Field(gt=0, description="transformer layers")
+    d: int = Field(gt=0, description="hidden size")
+    a: float = Field(ge=0, description="attention coefficient (quadratic in tokens)")
+    b: float = Field(ge=0, description="dense coefficient (linear in tokens)")
+    effective_flops: float = Field(gt=0, description="achieved FLOP/s of one instance")
+    prefill_overhead_s: float = Field(default=0.0, ge=0, description="fixed cost of one prefill")
+    # --- KV cache -------------------------------------------------------------
+    kv_bytes_per_token: int = Field(gt=0)
+    # --- decode (memory-bound roofline) ---------------------------------------
+    weight_bytes: float = Field(gt=0, description="bytes of weights read per decode step")
+    hbm_bandwidth: float = Field(gt=0, description="achieved HBM bytes/s of one instance")
+    step_overhead_s: float = Field(default=0.0, ge=0, description="fixed cost of one decode step")
+    per_sequence_s: float = Field(default=0.0, ge=0, description="extra cost per sequence per step")
+    # --- KV transfer ----------------------------------------------------------
+    dram_bandwidth: float = Field(gt=0, description="host DRAM -> HBM")
+    ssd_bandwidth: float = Field(gt=0, description="local SSD -> HBM")
+    rack_bandwidth: float = Field(gt=0, description="node -> node, same rack (RDMA)")
+    cross_rack_bandwidth: float = Field(gt=0, description="node -> node across racks")
+    transfer_latency_s: float = Field(default=0.0, ge=0, description="set-up cost of one remote transfer")
+
+    def flops(self, tokens: int) -> float:
+        """FLOPs of prefilling ``tokens`` tokens from scratch."""
+        n = float(tokens)
+        return self.l * (self.a * n * n * self.d + self.b * n * self.d * self.d)
+
+    def prefill_seconds(self, total_tokens: int, cached_tokens: int = 0) -> float:
+        """Compute time of prefilling ``total_tokens`` when the first ``cached_tokens`` are reused."""
+        if total_tokens <= 0:
+            return 0.0
+        cached = min(max(cached_tokens, 0), total_tokens)
+        if cached >= total_tokens:
+            return 0.0
+        return self.prefill_overhead_s + (self.flops(total_tokens) - self.flops(cached)) / self.effective_flops
+
+    def decode_step_seconds(self, batch_size: int, context_tokens: int) -> float:
+        """Time of one decode step of ``batch_size`` sequences holding ``context_tokens`` in total.
+
+        Assumes decode is memory-bound (true for batches far below the compute/bandwidth
+        ridge, i.e. every realistic decode batch of a 70B model): each step reads the
+        weights once and every sequence's KV cache once, at the achieved HBM bandwidth,
+        plus a fixed per-step and a small per-sequence overhead (sampling, scheduling).
+        """
+        if batch_size <= 0:
+            return 0.0
+        bytes_read = self.weight_bytes + max(context_tokens, 0) * self.kv_bytes_per_token
+        return self.step_overhead_s + batch_size * self.per_sequence_s + bytes_read / self.hbm_bandwidth
+
+    def transfer_seconds(self, tokens: int, tier: str, remote: bool, same_rack: bool = True) -> float:
+        """Time to bring ``tokens`` tokens of KV cache held in ``tier`` into this instance's HBM.
+
+        Local HBM costs nothing. A remote read streams from the holder's tier into the
+        network, so the slower of the two legs bounds it (plus a set-up latency).
+        """
+        if tokens <= 0:
+            return 0.0
+        nbytes = tokens * self.kv_bytes_per_token
+        if tier == "hbm":
+            read = 0.0
+        elif tier == "dram":
+            read = nbytes / self.dram_bandwidth
+        elif tier == "ssd":
+            read = nbytes / self.ssd_bandwidth
+        else:
+            raise ValueError(f"unknown tier {tier!r} (hbm, dram or ssd)")
+        if not remote:
+            return read
+        link = self.rack_bandwidth if same_rack else self.cross_rack_bandwidth
+        return self.transfer_latency_s + max(read, nbytes / link)
+
+    def prefix_load_seconds(
+        self, hbm_tokens: int, dram_tokens: int, ssd_tokens: int, remote: bool, same_rack: bool = True
+    ) -> float:
+        """Time to bring a prefix split over tiers (tokens in each) into this instance's HBM.
+
+        Like :meth:`transfer_seconds` for one tier, but each segment is read at its own
+        tier's speed; a remote prefix crosses the link once, pipelined with the reads.
+        """
+        read = 0.0
+        if dram_tokens > 0:
+            read += dram_tokens * self.kv_bytes_per_token / self.dram_bandwidth
+        if ssd_tokens > 0:
+            read += ssd_tokens * self.kv_bytes_per_token / self.ssd_bandwidth
+        if not remote:
+            return read
+        total = max(hbm_tokens, 0) + max(dram_tokens, 0) + max(ssd_tokens, 0)
+        if total <= 0:
+            return 0.0
+        link = self.rack_bandwidth if same_rack else self.cross_rack_bandwidth
+        return self.transfer_latency_s + max(read, total * self.kv_bytes_per_token / link)
+
+
+def _profile_dir() -> resources.abc.Traversable:
+    return resources.files("conductor").joinpath("profiles")
+
+
+CLUSTER_PREFIX = "cluster-"
+"""Files ``cluster-*.json`` in the same folder describe simulated clusters, not models."""
+
+
+def list_profiles() -> list[str]:
+    """Names of the shipped model profiles."""
+    return sorted(
+        p.name[:-5]
+        for p in _profile_dir().iterdir()
+        if p.name.endswith(".json") and not p.name.startswith(CLUSTER_PREFIX)
+    )
+
+
+def profile_from_dict(data: dict, *, source: str = "profile") -> ModelProfile:
+    try:
+        return ModelProfile.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ())) or "profile"
+        raise ConfigError(f"{source}: {where}: {first.get('msg')}") from None
+
+
+def load_profile(name: str) -> ModelProfile:
+    """The shipped profile ``name``, or a JSON file path; :class:`ConfigError` if unknown."""
+    if name.endswith(".json") and Path(name).is_file():
+        return profile_from_dict(json.loads(Path(name).read_text()), source=name)
+    entry = _profile_dir().joinpath(f"{name}.json")
+    if name.startswith(CLUSTER_PREFIX) or not entry.is_file():
+        raise ConfigError(f"unknown model profile {name!r}; known: {', '.join(list_profiles())}")
+    return profile_from_dict(json.loads(entry.read_text()), source=f"profile {name!r}")
+
+
+# --- fitting -------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class ProfileFit:
+    """A refitted profile and how well it explains the measurements."""
+
+    profile: ModelProfile
+    rows: int
+    rmse_s: float
+    max_rel_error: float
+
+
+def fit_profile(rows: Iterable[Sequence[float]], base: ModelProfile | None = None) -> ProfileFit:
+    """Least-squares fit of ``a``, ``b`` and ``prefill_overhead_s`` to (tokens, cached, seconds) rows.
+
+    ``l``, ``d`` and ``effective_flops`` stay those of ``base`` (the default profile);
+    only the coefficients move, so the fitted profile stays comparable to it.
+    """
+    import numpy as np
+
+    base = base or load_profile(DEFAULT_PROFILE)
+    data = [(float(t), float(c), float(s)) for t, c, s in rows]
+    if len(data) < 3:
+        raise ConfigError(f"fitting needs at least 3 timing rows, got {len(data)}")
+    for i, (t, c, s) in enumerate(data):
+        if not (t > 0 and 0 <= c < t and s > 0) or not all(map(math.isfinite, (t, c, s))):
+            raise ConfigError(f"row {i + 1}: need tokens > cached >= 0 and seconds > 0, got {(t, c, s)}")
+    arr = np.array(data)
+    n, c, y = arr[:, 0], arr[:, 1], arr[:, 2]
+    scale = base.l / base.effective_flops
+    # seconds = overhead + a * [l*d*(n^2-c^2)/F] + b * [l*d^2*(n-c)/F]: linear in (overhead, a, b).
+    x_a = scale * base.d * (n * n - c * c)
+    x_b = scale * base.d * base.d * (n - c)
+    design = np.column_stack([np.ones_like(n), x_a, x_b])
+    coef, *_ = np.linalg.lstsq(design, y, rcond=None)
+    if coef[0] < 0:  # a negative fixed cost is unphysical: refit through the origin
+        coef = np.concatenate([[0.0], np.linalg.lstsq(design[:, 1:], y, rcond=None)[0]])
+    overhead, a, b = (float(v) for v in coef)
+    if a < 0 or b < 0:
+        raise ConfigError(f"the timings do not fit the model (a={a:.3g}, b={b:.3g}); need more varied lengths")
+    pred = design @ np.array([overhead, a, b])
+    profile = base.model_copy(
+        update={
+            "name": f"{base.name}-fit",
+            "description": f"{base.name} refitted from {len(data)} timings",
+            "a": a,
+            "b": b,
+            "prefill_overhead_s": overhead,
+        }
+    )
+    return ProfileFit(
+        profile=profile,
+        rows=len(data),
+        rmse_s=float(np.sqrt(np.mean((pred - y) ** 2))),
+        max_rel_error=float(np.max(np.abs(pred - y) / y)),
+    )
+
+
+def read_timings_csv(path: Path) -> list[tuple[float, float, float]]:
+    """Rows of a CSV with columns tokens, cached, seconds (a header row is optional)."""
+    rows: list[tuple[float, float, float]] = []
+    try:
+        with open(path, newline="") as f:
+            for lineno, rec in enumerate(csv.reader(f), 1):
+                if not rec or rec[0].strip().startswith("#"):
+                    continue
+                if lineno == 1 and not rec[0].strip().lstrip("-").replace(".", "", 1).isdigit():
+                    continue  # header
+                if len(rec) < 3:
+                    raise ConfigError(f"{path}:{lineno}: need tokens,cached,seconds")
+                try:
+                    rows.append((float(rec[0]), float(rec[1]), float(rec[2])))
+                except ValueError:
+                    raise ConfigError(f"{path}:{lineno}: not numbers: {rec[:3]}") from None
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e}") from None
+    return rows
