@@ -73,10 +73,10 @@ class EventPublisher:
         assert self.router is not None
         while True:
             frames = await self.router.recv_multipart()
-            if len(frames) != 3 or len(frames[2]) != 8:
+            if len(frames) not in (2, 3) or len(frames[-1]) != 8:
                 log.warning("ignoring a malformed replay request of %d frames", len(frames))
                 continue
-            ident, _, start_b = frames
+            ident, start_b = frames[0], frames[-1]
             start = int.from_bytes(start_b, "big")
             for seq, payload in list(self.buffer):
                 if seq >= start:

@@ -16,10 +16,10 @@ Ordering and recovery, all per node:
   whose first record clears the node, and goes on.
 - A sequence that goes backwards means the engine restarted: new epoch, too.
 
-Each epoch starts with an ``AllBlocksCleared`` at producer_seq 0; the records of
-engine batch ``s`` get producer_seq ``(s + 1) << 20 | i``. A restarted bridge that
-re-publishes batches the engine still buffers therefore repeats their producer
-sequence numbers within its epoch, which lets the view recognise them.
+Each epoch starts with an ``AllBlocksCleared`` at producer_seq 0 and numbers its
+records 1, 2, 3... without holes (the view counts a hole as a gap). A bridge that
+(re)starts opens a new epoch, which clears the node and lets the replayed batches
+rebuild it, so nothing published by an earlier bridge process can linger wrongly.
 """
 
 from __future__ import annotations
@@ -41,9 +41,6 @@ from .translate import NodeTranslator
 from .wire import WireError, decode_batch, parse_seq, seq_frame
 
 log = logging.getLogger(__name__)
-
-SEQ_SHIFT = 20
-"""Records one engine batch may produce (its index lives in the low bits)."""
 
 Sink = Callable[[list[Envelope]], Awaitable[None]]
 """Publishes envelopes in order; raises if they could not be published."""
@@ -85,6 +82,8 @@ class Bridge:
         self.expected: int | None = None
         """The next engine seq in order (None: nothing seen in this epoch yet)."""
         self._hb_seq = 0
+        self._seq = 0
+        """producer_seq of the last record published in this epoch."""
         self._last_engine_contact = 0.0
         self._sub: zmq.asyncio.Socket | None = None
         self._dealer: zmq.asyncio.Socket | None = None
@@ -99,17 +98,19 @@ class Bridge:
         self.expected = None
         self.counts[f"epoch_{reason}"] += 1
         log.info("node %s: new epoch %d (%s)", self.config.node_id, self.epoch, reason)
-        await self._publish([AllBlocksCleared()], 0)
+        self._seq = -1
+        await self._publish([AllBlocksCleared()])
 
-    async def _publish(self, bodies: list[Record], first_seq: int) -> None:
+    async def _publish(self, bodies: list[Record]) -> None:
         if not bodies:
             return
         now = self.clock_ms()
         envs = [
-            envelope(b, producer_id=self.config.node_id, producer_seq=first_seq + i, epoch=self.epoch, ts_ms=now)
+            envelope(b, producer_id=self.config.node_id, producer_seq=self._seq + 1 + i, epoch=self.epoch, ts_ms=now)
             for i, b in enumerate(bodies)
         ]
         await self.sink(envs)
+        self._seq += len(envs)
         self.counts["records"] += len(envs)
 
     async def _apply(self, seq: int, payload: bytes) -> None:
@@ -124,13 +125,7 @@ class Bridge:
             await self._new_epoch("bad_batch")
             self.expected = seq + 1
             return
-        bodies = self.translator.translate(batch)
-        if len(bodies) >= 1 << SEQ_SHIFT:
-            self.counts["oversized_batch"] += 1
-            await self._new_epoch("oversized_batch")
-            self.expected = seq + 1
-            return
-        await self._publish(bodies, (seq + 1) << SEQ_SHIFT)
+        await self._publish(self.translator.translate(batch))
         self.counts["batches"] += 1
         if self.translator.overflowed:
             await self._new_epoch("too_many_blocks")
@@ -146,7 +141,8 @@ class Bridge:
         # be mistaken for the answer to this one.
         self._dealer.close(linger=0)
         self._dealer = self._make_dealer()
-        await self._dealer.send(seq_frame(start))
+        # The empty delimiter makes the DEALER look like a REQ to vLLM's ROUTER (3 frames).
+        await self._dealer.send_multipart([b"", seq_frame(start)])
         out: list[tuple[int, bytes]] = []
         deadline = time.monotonic() + self.config.replay_timeout_s
         while True:
@@ -285,7 +281,7 @@ class Bridge:
             while not stop.is_set():
                 if probe is not None:
                     # Ask for a seq far ahead: a live engine answers with just the end marker.
-                    await probe.send(seq_frame(1 << 62))
+                    await probe.send_multipart([b"", seq_frame(1 << 62)])
                 await asyncio.sleep(interval)
                 if probe is not None:
                     while await probe.poll(0):
