@@ -100,8 +100,13 @@ class SetHeartbeat:
 
 @dataclass(frozen=True, slots=True)
 class SetStream:
+    """The node's new stream state; only the ``part`` a record moves ("kv" or "hb") is written,
+    so the KV-event and heartbeat streams (separate topics, maybe separate workers) never
+    overwrite each other's half."""
+
     node: str
     stream: NodeStream
+    part: str = "kv"
 
 
 Op = AddBlocks | RemoveBlocks | ClearNode | SetHeartbeat | SetStream
@@ -168,7 +173,7 @@ def fold(env: Envelope, stream: NodeStream | None = None) -> Folded:
         if (env.epoch, env.producer_seq) <= (st.hb_epoch, st.hb_seq):
             return Folded(DUPLICATE, st, node=node)
         new = replace(st, hb_epoch=env.epoch, hb_seq=env.producer_seq)
-        return Folded(APPLIED, new, (SetHeartbeat(node, heartbeat_state(env, body)), SetStream(node, new)), node=node)
+        return Folded(APPLIED, new, (SetHeartbeat(node, heartbeat_state(env, body)), SetStream(node, new, "hb")), node=node)
 
     if not isinstance(body, (BlocksStored, BlocksRemoved, AllBlocksCleared, BlocksMigrated)):
         raise UnfoldableRecord("wrong_kind", f"{body.kind} is not a KV event or heartbeat")

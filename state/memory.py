@@ -22,7 +22,7 @@ no node holds.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from schemas import Envelope
@@ -158,7 +158,11 @@ class InMemoryViewStore:
                 n.cached = None
             elif isinstance(op, SetStream):
                 n = self._node(op.node)
-                n.stream = op.stream
+                new, cur = op.stream, n.stream
+                if op.part == "hb":
+                    n.stream = replace(cur, hb_epoch=new.hb_epoch, hb_seq=new.hb_seq)
+                else:
+                    n.stream = replace(new, hb_epoch=cur.hb_epoch, hb_seq=cur.hb_seq)
                 n.cached = None
             else:  # pragma: no cover - the Op union is closed
                 raise TypeError(f"unknown view operation {op!r}")

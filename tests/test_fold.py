@@ -95,7 +95,7 @@ def test_heartbeat_order_is_its_own():
     (set_hb, set_stream) = f.ops
     assert isinstance(set_hb, SetHeartbeat) and set_hb.state["last_heartbeat_ms"] == 1234
     assert set_hb.state["role"] == "decode" and set_hb.state["batch_size"] == 3
-    assert set_stream.stream == NodeStream(epoch=0, seq=10, hb_epoch=0, hb_seq=0)
+    assert set_stream.stream == NodeStream(epoch=0, seq=10, hb_epoch=0, hb_seq=0) and set_stream.part == "hb"
     assert fold(env(hb, seq=0), f.stream).outcome == DUPLICATE
     assert fold(env(hb, seq=0, epoch=1), f.stream).outcome == APPLIED  # a restarted engine
 

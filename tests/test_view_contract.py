@@ -238,3 +238,14 @@ class TestInMemoryViewStore(ViewStoreContract):
     @pytest.fixture
     def store(self):
         return InMemoryViewStore()
+
+
+class TestRedisViewStore(ViewStoreContract):
+    @pytest.fixture
+    async def store(self, settings):
+        from state.redis_view import RedisViewStore
+
+        s = RedisViewStore.from_settings(settings)
+        yield s
+        await s.clear()
+        await s.close()
