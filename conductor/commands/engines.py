@@ -1,0 +1,200 @@
+"""``conductor bridge``, ``conductor engine`` and ``conductor demo``: engines plug in."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import typer
+
+log = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode", "both")
+
+
+def _stop_on_signals(stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+
+
+async def _until_stopped(stop: asyncio.Event, *tasks: asyncio.Task[Any]) -> None:
+    """Wait for ``stop`` or for any task to end (an error in one stops all); re-raise errors."""
+    stopper = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
+    stop.set()
+    for t in tasks:
+        if not t.done():
+            t.cancel()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    stopper.cancel()
+    for r in results:
+        if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError):
+            raise r
+
+
+def register(groups: dict[str, typer.Typer]) -> None:
+    app = groups["app"]
+    from ..cli import err, print_json, settings_or_exit
+
+    def _need_kafka(s: Any) -> None:
+        if not s.kafka_url:
+            err.print(
+                "[red]error:[/red] CONDUCTOR_KAFKA_URL is not set: start the embedded stack with "
+                "`conductor dev up` (it prints the URLs) or name a Kafka cluster"
+            )
+            raise typer.Exit(2)
+
+    @app.command("bridge")
+    def bridge(
+        zmq_endpoint: str = typer.Option(..., "--zmq", help="the engine's KV-event PUB socket, e.g. tcp://10.0.0.5:5557"),
+        replay: str = typer.Option(None, "--replay", help="the engine's replay ROUTER socket, e.g. tcp://10.0.0.5:5558 "
+                                   "(without it, gaps cannot be filled and mark the node stale)"),
+        node_id: str = typer.Option(..., "--node-id", help="the node id Conductor routes to (the Kafka key)"),
+        role: str = typer.Option(..., "--role", help="prefill, decode or both"),
+        heartbeat_s: float = typer.Option(
+            1.0, "--heartbeat-s",
+            help="heartbeat the node this often while the engine answers; 0 = the engine heartbeats itself",
+        ),
+        model: str = typer.Option("default", help="model name announced in heartbeats"),
+    ) -> None:
+        """Carry one vLLM/SGLang engine's KV events onto the kv-events topic.
+
+        Start the engine with --kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
+        "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}'. Block keys are derived from
+        the events' token ids with CONDUCTOR_BLOCK_SIZE (it must equal the engine's block size).
+        """
+        if role not in ROLES:
+            err.print(f"[red]error:[/red] --role must be one of {', '.join(ROLES)}, not {role!r}")
+            raise typer.Exit(2)
+        s = settings_or_exit()
+        _need_kafka(s)
+        from ..bridge.runner import Bridge, BridgeConfig, kafka_sink
+
+        async def main() -> Counter[str]:
+            from streams.kafka import ensure_topics, producer
+            from streams.topics import topics
+
+            tps = topics(s)
+            await ensure_topics(s, (tps.kv_events, tps.heartbeats))
+            prod = producer(s)
+            await prod.start()
+            cfg = BridgeConfig(
+                node_id=node_id, role=role, zmq_endpoint=zmq_endpoint, replay_endpoint=replay,  # type: ignore[arg-type]
+                block_size=s.block_size, heartbeat_s=heartbeat_s or None, model=model,
+            )
+            b = Bridge(cfg, kafka_sink(prod, tps.kv_events.name), kafka_sink(prod, tps.heartbeats.name))
+            stop = asyncio.Event()
+            _stop_on_signals(stop)
+            try:
+                await _until_stopped(stop, asyncio.create_task(b.run(stop)))
+            finally:
+                await prod.stop()
+            return b.counts + b.translator.counts
+
+        counts = asyncio.run(main())
+        err.print(f"bridge {node_id} stopped: {dict(counts)}")
+
+    @app.command("engine")
+    def engine(
+        role: str = typer.Option(..., "--role", help="prefill, decode or both"),
+        node_id: str = typer.Option(..., "--node-id", help="this instance's node id"),
+        zmq_port: int = typer.Option(0, help="KV-event PUB port on CONDUCTOR_BIND_HOST (0 = a free one)"),
+        replay_port: int = typer.Option(0, help="replay ROUTER port on CONDUCTOR_BIND_HOST (0 = a free one)"),
+        kv_blocks: int = typer.Option(16_384, min=1, help="prefix-cache capacity in blocks of CONDUCTOR_BLOCK_SIZE"),
+        time_scale: float = typer.Option(1.0, min=0.001, help="run this many times faster than the profile's time"),
+        max_output_tokens: int = typer.Option(None, min=1, help="cap on decoded tokens per request"),
+        heartbeat_s: float = typer.Option(0.5, min=0.05, help="heartbeat interval"),
+        report: bool = typer.Option(False, "--report", help="print one JSON line per finished request on stdout"),
+    ) -> None:
+        """Run an emulated prefill/decode instance that speaks vLLM's KV-event protocol.
+
+        It reads its decisions from the dispatch topic, executes them with CONDUCTOR_MODEL_PROFILE's
+        timing model, keeps an LRU prefix cache and heartbeats. Its first stdout line is JSON with the
+        ZMQ endpoints to give `conductor bridge`.
+        """
+        if role not in ROLES:
+            err.print(f"[red]error:[/red] --role must be one of {', '.join(ROLES)}, not {role!r}")
+            raise typer.Exit(2)
+        s = settings_or_exit()
+        _need_kafka(s)
+        from ..bridge.publisher import EventPublisher
+        from ..dispatch import decisions_for
+        from ..engine import EmulatedEngine, EngineConfig
+        from ..errors import ConfigError
+        from ..profiles import load_profile
+
+        try:
+            profile = load_profile(s.model_profile)
+        except (ConfigError, ValueError) as e:
+            err.print(f"[red]error:[/red] {e}")
+            raise typer.Exit(2) from None
+
+        async def main() -> None:
+            from streams.kafka import ensure_topics, producer
+            from streams.topics import topics
+
+            from ..bridge.runner import kafka_sink
+
+            tps = topics(s)
+            await ensure_topics(s, tps.all())
+            pub = EventPublisher(f"tcp://{s.bind_host}:{zmq_port}", f"tcp://{s.bind_host}:{replay_port}")
+            prod = producer(s)
+            await prod.start()
+            started_ms = time.time_ns() // 1_000_000
+            cfg = EngineConfig(
+                node_id=node_id, role=role, block_size=s.block_size, kv_blocks=kv_blocks,  # type: ignore[arg-type]
+                time_scale=time_scale, heartbeat_s=heartbeat_s, max_output_tokens=max_output_tokens, seed=s.seed,
+            )
+            eng = EmulatedEngine(cfg, profile, pub, heartbeat_sink=kafka_sink(prod, tps.heartbeats.name),
+                                 report=sys.stdout if report else None)
+            print_json({"event": "ready", "node_id": node_id, "role": role, "zmq": pub.endpoint,
+                        "replay": pub.replay_endpoint})
+            stop = asyncio.Event()
+            _stop_on_signals(stop)
+            try:
+                stream = decisions_for(s, node_id, since_ms=started_ms, stop=stop)
+                await _until_stopped(stop, asyncio.create_task(eng.run(stream)))
+            finally:
+                await pub.close()
+                await prod.stop()
+
+        asyncio.run(main())
+
+    @app.command("demo")
+    def demo(
+        duration: float = typer.Option(60.0, min=10, help="wall-clock budget in seconds for both runs together"),
+        speed: float = typer.Option(10.0, min=0.1, help="trace and engines run this many times faster than real time"),
+        policy: str = typer.Option(None, help="Conductor's policy [default: CONDUCTOR_POLICY]"),
+        baseline: str = typer.Option("round-robin", help="the policy to compare with, on the same trace slice"),
+        trace: Path = typer.Option(None, help="Mooncake-format JSONL trace [default: the bundled conversation trace]"),
+        prefill: int = typer.Option(2, min=1, max=16, help="emulated prefill instances"),
+        decode: int = typer.Option(2, min=1, max=16, help="emulated decode instances"),
+        json_out: bool = typer.Option(False, "--json", help="print one JSON line with the results at the end"),
+    ) -> None:
+        """The whole system on one machine: broker, Redis, stream worker, router, bridges and emulated engines.
+
+        Replays a slice of the Mooncake conversation trace through Conductor's policy, then through the
+        baseline on the same slice, with a live dashboard on stderr, and prints a comparison. Every process
+        it starts is stopped at the end (also on Ctrl-C).
+        """
+        s = settings_or_exit()
+        from ..demo import DemoOptions, run_demo
+
+        opts = DemoOptions(
+            duration_s=duration, speed=speed, policy=policy or s.policy, baseline=baseline, trace=trace,
+            prefill=prefill, decode=decode, json_out=json_out,
+        )
+        result = run_demo(s, opts)
+        if json_out:
+            print_json(result)
+        if not result.get("ok", False):
+            raise typer.Exit(1)

@@ -1,0 +1,124 @@
+"""The emulated engine: its prefix cache (unit), and engine → ZMQ → bridge → Kafka with real decisions on dispatch."""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import time
+
+import pytest
+
+from conductor.bridge.publisher import EventPublisher
+from conductor.bridge.runner import Bridge, BridgeConfig, kafka_sink
+from conductor.dispatch import decisions_for
+from conductor.engine import EmulatedEngine, EngineConfig, PrefixCache, engine_hashes
+from conductor.profiles import load_profile
+from conductor.settings import Settings
+from schemas import (
+    BlocksStored,
+    Heartbeat,
+    RoutingDecision,
+    RoutingRequest,
+    chain_keys,
+    decode,
+    encode,
+    envelope,
+    headers,
+)
+from streams.kafka import consumer, ensure_topics, producer
+from streams.topics import topics
+
+
+def test_prefix_cache_is_lru_and_bounded() -> None:
+    c = PrefixCache(3)
+    assert c.insert([1, 2, 3]) == []
+    assert c.cached_prefix([1, 2, 9]) == 2  # touches 1 and 2
+    assert c.insert([4]) == [3]  # 3 is the least recently used
+    assert c.cached_prefix([3]) == 0
+    assert c.insert([5, 6, 7, 8]) == [1, 2, 4]  # only the last 3 of an oversized insert are kept
+    assert [h in c for h in (6, 7, 8)] == [True, True, True] and len(c) == 3
+    with pytest.raises(ValueError):
+        PrefixCache(0)
+
+
+def test_engine_hashes_are_chained_and_salted() -> None:
+    toks = list(range(64))
+    a = engine_hashes(toks, 16, b"salt-a")
+    assert len(a) == 4 and engine_hashes(toks[:32], 16, b"salt-a") == a[:2]
+    assert engine_hashes(toks, 16, b"salt-b") != a  # another instance: other hashes
+    assert a != chain_keys(toks, 16)  # and never Conductor's keys by accident
+
+
+async def _send(prod, topic: str, body, key: str, seq: int) -> None:  # type: ignore[no-untyped-def]
+    env = envelope(body, producer_id="test", producer_seq=seq, ts_ms=time.time_ns() // 1_000_000)
+    await prod.send_and_wait(topic, encode(env), key=key.encode(), headers=headers(env))
+
+
+@pytest.mark.integration
+async def test_engine_executes_its_decisions_and_the_bridge_publishes_token_derived_keys(settings: Settings) -> None:
+    tps = topics(settings)
+    await ensure_topics(settings, tps.all())
+    prod = producer(settings)
+    await prod.start()
+    report = io.StringIO()
+    pub = EventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+    cfg = EngineConfig(node_id="p0", role="prefill", block_size=settings.block_size, kv_blocks=64,
+                       time_scale=1000.0, heartbeat_s=0.2)
+    eng = EmulatedEngine(cfg, load_profile(settings.model_profile), pub,
+                         heartbeat_sink=kafka_sink(prod, tps.heartbeats.name), report=report)
+    stop = asyncio.Event()
+    bridge = Bridge(
+        BridgeConfig(node_id="p0", role="prefill", zmq_endpoint=pub.endpoint, replay_endpoint=pub.replay_endpoint,
+                     block_size=settings.block_size, heartbeat_s=None),
+        kafka_sink(prod, tps.kv_events.name),
+    )
+    tasks = [
+        asyncio.create_task(eng.run(decisions_for(settings, "p0", stop=stop))),
+        asyncio.create_task(bridge.run(stop)),
+    ]
+    tokens = list(range(7, 7 + 4 * settings.block_size + 5))  # 4 full blocks and a partial one
+    try:
+        await asyncio.wait_for(bridge.ready.wait(), 10)
+        for i in range(2):
+            rid = f"r{i}"
+            req = RoutingRequest(request_id=rid, token_ids=tokens, prompt_tokens=len(tokens), expected_output_tokens=4)
+            dec = RoutingDecision(request_id=rid, prefill_instance="p0", decode_instance="d0", reused_tokens=0,
+                                  predicted_ttft_s=0.1, predicted_tbt_ms=20, policy="test")
+            await _send(prod, tps.requests.name, req, rid, i)
+            await _send(prod, tps.dispatch.name, dec, "p0", i)
+            deadline = time.monotonic() + 20
+            while report.getvalue().count("\n") < i + 1:
+                assert time.monotonic() < deadline, "the engine did not execute its decision"
+                await asyncio.sleep(0.05)
+        rows = [json.loads(line) for line in report.getvalue().splitlines()]
+        assert [r["request_id"] for r in rows] == ["r0", "r1"]
+        assert rows[0]["cached_tokens"] == 0
+        assert rows[1]["cached_tokens"] == 4 * settings.block_size  # the second run reuses the first's blocks
+        assert rows[0]["ttft_s"] is not None and rows[0]["ttft_s"] >= 0
+
+        # What reached kv-events: Conductor keys derived from the tokens, as a request would hash them.
+        cons = consumer(settings, tps.kv_events.name, tps.heartbeats.name, group_id=None)
+        await cons.start()
+        stored: list[int] = []
+        beats: list[Heartbeat] = []
+        deadline = time.monotonic() + 20
+        while (not stored or not beats) and time.monotonic() < deadline:
+            for recs in (await cons.getmany(timeout_ms=300)).values():
+                for rec in recs:
+                    env = decode(rec.value)
+                    assert rec.key == b"p0"
+                    if isinstance(env.body, BlocksStored):
+                        stored.extend(env.body.block_keys or [])
+                    elif isinstance(env.body, Heartbeat):
+                        beats.append(env.body)
+        await cons.stop()
+        assert stored == chain_keys(tokens, settings.block_size)
+        assert beats and beats[0].role == "prefill" and beats[0].total_kv_blocks == 64
+    finally:
+        stop.set()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await pub.close()
+        await prod.stop()
