@@ -35,6 +35,7 @@ COMMAND_MODULES = (
     "conductor.commands.dev",
     "conductor.commands.pipeline",
     "conductor.commands.routing",
+    "conductor.commands.balance",
     "conductor.commands.simulate",
     "conductor.commands.engines",
 )

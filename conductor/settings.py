@@ -61,6 +61,9 @@ class Settings(BaseSettings):
     seed: int = Field(default=0, ge=0, description="base seed of the routing tie-breaks")
     reservation_ttl_s: float = Field(default=10.0, gt=0)
     max_snapshot_age_s: float = Field(default=5.0, gt=0)
+    balance_params: dict[str, Any] = Field(
+        default_factory=dict, description="KVCache balance scheduler parameters (conductor balance --help)"
+    )
 
     @field_validator("kafka_url", "redis_url")
     @classmethod
