@@ -1,0 +1,412 @@
+"""The stateless routing worker: ``requests`` → policy → ``dispatch``.
+
+Per request: compute (or take) the block-key chain, read the view for that chain
+and the in-flight reservations (concurrently: one round trip of wall time), build
+the policy's :class:`~conductor.snapshot.ClusterSnapshot`, decide, reserve the
+placement in Redis so other replicas see it, and produce the decision keyed by the
+prefill instance (a rejection keyed by the request id) onto ``dispatch``.
+
+Failure modes: a request that does not decode or validate becomes a
+``invalid_request`` rejection (keyed and named by the Kafka key when the body is
+unreadable; dead-lettered when even that is missing) and the worker goes on. When
+Redis is unreachable the worker answers from its last snapshot's node states
+(prefixes unknown), marks the decisions ``degraded`` with the snapshot's age, and
+rejects with ``view_unavailable`` once that age passes ``max_snapshot_age_s``.
+
+Delivery is at least once: offsets are committed after the batch's decisions are
+acknowledged by the broker, so a crash may decide a request twice (the same seed,
+possibly a newer view); dispatchers drop a second decision for a request id.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import os
+import random
+import socket
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from schemas import (
+    DeadLetter,
+    DecodeError,
+    Envelope,
+    RoutingDecision,
+    RoutingRejection,
+    RoutingRequest,
+    chain_keys,
+    decode,
+    encode,
+    envelope,
+    headers,
+)
+from state.reservations import InMemoryReservations, Load, ReservationStore, placement_reservations
+from state.view import NodeState, ViewReader, ViewSnapshot
+
+from .errors import ViewStoreError
+from .metrics import meter
+from .policy import Placement, Policy, Rejection, make_policy
+from .profiles import ModelProfile, load_profile
+from .settings import Settings
+from .snapshot import ClusterSnapshot, Instance, PolicyRequest
+
+log = logging.getLogger(__name__)
+
+
+def request_seed(base_seed: int, request_id: str) -> int:
+    """The tie-break seed of one request: a stable 64-bit hash of the base seed and its id."""
+    h = hashlib.blake2b(f"{base_seed}\x1f{request_id}".encode(), digest_size=8)
+    return int.from_bytes(h.digest(), "big")
+
+
+class InvalidRequest(ValueError):
+    """A request the router cannot place as given; the message goes back to the caller."""
+
+
+@dataclass(slots=True)
+class _LastView:
+    snapshot: ViewSnapshot
+    at: float  # time.monotonic() of the read
+
+
+class RouterMetrics:
+    """The router's instruments (no-ops until ``setup_metrics`` installs a provider)."""
+
+    def __init__(self) -> None:
+        m = meter("conductor.router")
+        self.latency = m.create_histogram(
+            "conductor_router_decision_latency", unit="ms", description="snapshot read + policy, per request"
+        )
+        self.reuse = m.create_histogram(
+            "conductor_router_reused_prefix_ratio", description="reused prompt tokens / prompt tokens, per decision"
+        )
+        self.decisions = m.create_counter(
+            "conductor_router_decisions", description="placements, by prefill and decode instance"
+        )
+        self.rejections = m.create_counter("conductor_router_rejections", description="rejections, by reason")
+
+
+class Router:
+    """Decides one request at a time; holds no state a replica would need to share."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        view: ViewReader,
+        reservations: ReservationStore,
+        *,
+        policy: Policy | None = None,
+        profile: ModelProfile | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.settings = settings
+        self.view = view
+        self.reservations = reservations
+        self.profile = profile or load_profile(settings.model_profile)
+        # Validates the configured name and params at start-up (ConfigError otherwise).
+        self.policy = policy or make_policy(settings.policy, settings.policy_params, self.profile)
+        self.params = {k: v for k, v in self.policy.params.items() if isinstance(v, (bool, int, float, str))}
+        self.clock = clock
+        self.metrics = RouterMetrics()
+        self._last: _LastView | None = None
+        self._since: dict[str, int] = {}  # node → last heartbeat seen: the reservation cut-off
+        self._local = InMemoryReservations(settings.reservation_ttl_s)  # degraded mode's memory
+        self.ttl_s = settings.heartbeat_ttl_s
+
+    # --- the request --------------------------------------------------------------
+
+    def chain_of(self, req: RoutingRequest) -> list[int]:
+        bs = self.settings.block_size
+        if req.block_keys is not None:
+            if req.block_size is not None and req.block_size != bs:
+                raise InvalidRequest(f"chain of block size {req.block_size}, but the view indexes blocks of {bs}")
+            full = req.prompt_tokens // bs
+            if len(req.block_keys) > full:
+                raise InvalidRequest(
+                    f"chain of {len(req.block_keys)} blocks is longer than the {req.prompt_tokens}-token prompt "
+                    f"({full} full blocks of {bs})"
+                )
+            return list(req.block_keys)
+        assert req.token_ids is not None
+        return chain_keys(req.token_ids, bs, lora_name=req.lora_name)
+
+    def policy_request(self, req: RoutingRequest, chain_len: int) -> PolicyRequest:
+        s = self.settings
+        return PolicyRequest(
+            request_id=req.request_id,
+            prompt_tokens=req.prompt_tokens,
+            chain_len=chain_len,
+            expected_output_tokens=req.expected_output_tokens,
+            ttft_slo_s=req.ttft_slo_s if req.ttft_slo_s is not None else s.ttft_slo_s,
+            tbt_slo_ms=req.tbt_slo_ms if req.tbt_slo_ms is not None else s.tbt_slo_ms,
+            priority=req.priority,
+        )
+
+    # --- the view -------------------------------------------------------------------
+
+    async def _read(self, chain: Sequence[int]) -> tuple[ViewSnapshot, dict[str, Load]]:
+        since = dict(self._since)
+        view_task = asyncio.ensure_future(self.view.snapshot(chain))
+        # The cut-off comes from the heartbeats seen last time, so both reads leave now.
+        now_guess = self._last.snapshot.now_ms if self._last else 0
+        resv_task = asyncio.ensure_future(self.reservations.pending(since, now_guess))
+        try:
+            snap = await view_task
+        except BaseException:
+            resv_task.cancel()
+            raise
+        try:
+            pending = await resv_task
+        except ViewStoreError:
+            pending = {}
+        changed = {}
+        for n in snap.nodes:
+            if n.last_heartbeat_ms != since.get(n.node_id):
+                changed[n.node_id] = n.last_heartbeat_ms
+        self._since = {n.node_id: n.last_heartbeat_ms for n in snap.nodes}
+        # Reservations were read with a stale cut-off (or a stale clock) for nodes that
+        # heartbeated since: read those again so a heartbeat's load is not counted twice.
+        floor_moved = now_guess < snap.now_ms - 1000
+        stale = {n: t for n, t in self._since.items() if floor_moved or n in changed}
+        if stale:
+            try:
+                fresh = await self.reservations.pending(stale, snap.now_ms)
+            except ViewStoreError:
+                fresh = {}
+            for n in stale:
+                pending.pop(n, None)
+            pending.update(fresh)
+        return snap, pending
+
+    def _cluster(self, snap: ViewSnapshot, pending: dict[str, Load], model: str, age_ms: float) -> ClusterSnapshot:
+        insts = []
+        for n in snap.live_nodes(self.ttl_s):
+            if n.model != model and n.role != "store":
+                continue
+            insts.append(_instance(n, snap.prefix.get(n.node_id, (0, 0, 0)), pending.get(n.node_id)))
+        return ClusterSnapshot(tuple(insts), self.settings.block_size, dict(snap.watermark), age_ms)
+
+    # --- deciding -------------------------------------------------------------------
+
+    async def route(self, req: RoutingRequest) -> RoutingDecision | RoutingRejection:
+        """Place one request (or reject it with a reason); records the reservation."""
+        t0 = time.perf_counter()
+        seed = request_seed(self.settings.seed, req.request_id)
+        try:
+            chain = self.chain_of(req)
+        except InvalidRequest as e:
+            return self.reject(req.request_id, "invalid_request", str(e), seed=seed)
+        preq = self.policy_request(req, len(chain))
+        degraded = False
+        age_ms = 0.0
+        try:
+            snap, pending = await self._read(chain)
+            self._last = _LastView(ViewSnapshot(snap.now_ms, snap.nodes, {}, snap.watermark), self.clock())
+        except (ViewStoreError, OSError, asyncio.TimeoutError) as e:
+            last = self._last
+            age_ms = (self.clock() - last.at) * 1000.0 if last else float("inf")
+            if last is None or age_ms > self.settings.max_snapshot_age_s * 1000.0:
+                return self.reject(
+                    req.request_id, "view_unavailable",
+                    f"the view is unreachable ({e}) and the last snapshot is "
+                    + ("missing" if last is None else f"{age_ms / 1000:.1f}s old"),
+                    seed=seed,
+                )
+            degraded = True
+            snap = last.snapshot  # node states only: prefixes of this chain are unknown
+            pending = self._local.pending_sync(self._since, snap.now_ms + int(age_ms))
+        cluster = self._cluster(snap, pending, req.model, age_ms)
+        decision = self.policy.decide(preq, cluster, random.Random(seed))
+        self.metrics.latency.record((time.perf_counter() - t0) * 1000.0)
+        if isinstance(decision, Rejection):
+            return self.reject(req.request_id, decision.reason, decision.message, seed=seed,
+                               watermark=cluster.watermark)
+        await self._reserve(req, preq, decision, snap.now_ms + int(age_ms), degraded)
+        reused = min(decision.reused_blocks * self.settings.block_size, req.prompt_tokens)
+        self.metrics.reuse.record(reused / req.prompt_tokens if req.prompt_tokens else 0.0)
+        self.metrics.decisions.add(1, {"prefill": decision.prefill, "decode": decision.decode})
+        return RoutingDecision(
+            request_id=req.request_id,
+            prefill_instance=decision.prefill,
+            decode_instance=decision.decode,
+            reused_tokens=reused,
+            reuse_source=decision.reuse_source,
+            reuse_tier=decision.reuse_tier,  # type: ignore[arg-type]
+            predicted_ttft_s=decision.predicted_ttft_s,
+            predicted_tbt_ms=decision.predicted_tbt_ms,
+            policy=self.policy.name,
+            params=self.params,
+            seed=seed,
+            watermark=cluster.watermark,
+            degraded=degraded,
+            snapshot_age_ms=age_ms,
+        )
+
+    async def _reserve(self, req: RoutingRequest, preq: PolicyRequest, d: Placement, now_ms: int, degraded: bool) -> None:
+        bs = self.settings.block_size
+        reused = min(d.reused_blocks * bs, req.prompt_tokens)
+        resv = placement_reservations(
+            d.prefill, d.decode,
+            prefill_tokens=req.prompt_tokens - reused,
+            context_tokens=req.prompt_tokens,
+            kv_blocks=-(-(req.prompt_tokens + req.expected_output_tokens) // bs),
+        )
+        self._local.reserve_sync(resv, now_ms)
+        if degraded:
+            return
+        try:
+            await self.reservations.reserve(resv, now_ms)
+        except (ViewStoreError, OSError) as e:
+            log.warning("reservation not recorded for %s: %s", req.request_id, e)
+
+    def reject(self, request_id: str, reason: str, message: str, *, seed: int = 0,
+               watermark: dict[str, int] | None = None) -> RoutingRejection:
+        self.metrics.rejections.add(1, {"reason": reason})
+        return RoutingRejection(
+            request_id=request_id[:256] or "unknown",
+            reason=reason,  # type: ignore[arg-type]
+            message=message[:4096],
+            policy=self.policy.name,
+            params=self.params,
+            seed=seed,
+            watermark=watermark or {},
+        )
+
+    # --- one Kafka record --------------------------------------------------------------
+
+    async def handle(self, value: bytes | None, key: bytes | None) -> tuple[str, Any]:
+        """Turn one ``requests`` record into (dispatch key, body) or ("", DeadLetter reason).
+
+        Returns the body to produce: a decision, a rejection, or ``None`` with the reason
+        as the key when the record must be dead-lettered (no request id anywhere).
+        """
+        key_id = _key_text(key)
+        try:
+            env = decode(value or b"")
+            body = env.body
+            if not isinstance(body, RoutingRequest):
+                raise DecodeError("wrong_kind", f"a {body.kind} record on the requests topic")
+        except DecodeError as e:
+            if not key_id:
+                return "", e
+            return key_id, self.reject(key_id, "invalid_request", str(e))
+        out = await self.route(body)
+        return (out.prefill_instance if isinstance(out, RoutingDecision) else out.request_id), out
+
+
+def _key_text(key: bytes | None) -> str:
+    if not key:
+        return ""
+    try:
+        return key.decode("utf-8")[:256]
+    except UnicodeDecodeError:
+        return ""
+
+
+def _instance(n: NodeState, prefix: tuple[int, int, int], extra: Load | None) -> Instance:
+    e = extra or Load()
+    return Instance(
+        node_id=n.node_id,
+        role=n.role,
+        prefix_blocks=prefix,
+        queued_prefill_tokens=n.queued_prefill_tokens + e.prefill_tokens,
+        queued_requests=n.queue_depth + e.prefill_requests,
+        running_requests=n.running_requests,
+        batch_size=n.batch_size + e.decode_requests,
+        decode_context_tokens=n.decode_context_tokens + e.decode_context_tokens,
+        free_kv_blocks=max(n.free_kv_blocks - e.kv_blocks, 0),
+        total_kv_blocks=n.total_kv_blocks,
+        rack=n.rack,
+        zone=n.zone,
+    )
+
+
+# --- the Kafka loop -------------------------------------------------------------------
+
+
+class RouterWorker:
+    """Consumes ``requests`` in a consumer group and produces onto ``dispatch``."""
+
+    GROUP = "conductor-router"
+
+    def __init__(self, settings: Settings, router: Router, *, router_id: str | None = None) -> None:
+        from streams.topics import topics
+
+        self.settings = settings
+        self.router = router
+        self.topics = topics(settings)
+        self.router_id = router_id or f"router-{socket.gethostname()}-{os.getpid()}"
+        self._seq = 0
+        self.routed = 0
+
+    def _wrap(self, body: Any) -> Envelope:
+        self._seq += 1
+        return envelope(body, producer_id=self.router_id, producer_seq=self._seq, ts_ms=int(time.time() * 1000))
+
+    async def run(self, stop: asyncio.Event, ready: asyncio.Event | None = None) -> None:
+        from streams.kafka import consumer, ensure_topics, producer
+
+        t = self.topics
+        await ensure_topics(self.settings, (t.requests, t.dispatch, t.dead_letter))
+        prod = producer(self.settings)
+        cons = consumer(self.settings, t.requests.name, group_id=self.settings.topic_prefix + self.GROUP)
+        await prod.start()
+        await cons.start()
+        try:
+            if ready is not None:
+                ready.set()
+            while not stop.is_set():
+                batches = await cons.getmany(timeout_ms=200, max_records=500)
+                if not batches:
+                    continue
+                sends = []
+                for tp, records in batches.items():
+                    for rec in records:
+                        key, out = await self.router.handle(rec.value, rec.key)
+                        if key == "":
+                            dl = DeadLetter(
+                                source_topic=tp.topic, partition=tp.partition, offset=rec.offset,
+                                reason=getattr(out, "reason", "invalid"), error=str(out)[:4096],
+                                original=(rec.value or b"")[:1_048_576],
+                            )
+                            env = self._wrap(dl)
+                            sends.append(await prod.send(t.dead_letter.name, encode(env), key=tp.topic.encode(),
+                                                         headers=headers(env)))
+                            continue
+                        env = self._wrap(out)
+                        sends.append(await prod.send(t.dispatch.name, encode(env), key=key.encode(),
+                                                     headers=headers(env)))
+                        self.routed += 1
+                await asyncio.gather(*sends)
+                await cons.commit()
+        finally:
+            await cons.stop()
+            await prod.stop()
+
+
+def redis_stores(settings: Settings) -> tuple[Any, Any]:
+    """The Redis view reader and reservation store of ``settings``, with short timeouts.
+
+    Timeouts are short on purpose: a router that waits on a dead Redis answers nobody;
+    one that fails fast answers from its last snapshot.
+    """
+    import redis.asyncio as aioredis
+
+    from state.redis_view import RedisViewStore
+    from state.reservations import RedisReservations
+
+    if not settings.redis_url:
+        raise ViewStoreError("redis_url is not set (start the embedded stack with `conductor dev up`)")
+    client = aioredis.from_url(
+        settings.redis_url, decode_responses=False, socket_timeout=0.5, socket_connect_timeout=0.5,
+        health_check_interval=0,
+    )
+    return (RedisViewStore(client, settings.view_namespace),
+            RedisReservations(client, settings.view_namespace, settings.reservation_ttl_s))
+
+
+__all__ = ["InvalidRequest", "Router", "RouterWorker", "redis_stores", "request_seed"]
