@@ -39,6 +39,9 @@ from .profiles import ModelProfile
 
 log = logging.getLogger(__name__)
 
+MIN_SLEEP_S = 0.005
+"""Shortest wall-clock sleep of the decode loop."""
+
 
 # --- the prefix cache (pure) ---------------------------------------------------
 
@@ -127,7 +130,8 @@ class _Seq:
 
 @dataclass
 class EngineState:
-    queue: deque[Assignment] = field(default_factory=deque)
+    queue: deque[tuple[Assignment, int]] = field(default_factory=deque)
+    """Prefill assignments waiting, with the wall-clock ms each was received at."""
     current_prefill_tokens: int = 0
     decoding: list[_Seq] = field(default_factory=list)
     waiting_decode: int = 0
@@ -166,7 +170,7 @@ class EmulatedEngine:
     def submit(self, a: Assignment) -> None:
         """Queue an assignment (prefill part, decode part, or both)."""
         if a.prefill:
-            self.state.queue.append(a)
+            self.state.queue.append((a, self.clock_ms()))
             self._work.set()
         if a.decode:
             asyncio.get_running_loop().create_task(self._admit_decode(a))
@@ -178,17 +182,16 @@ class EmulatedEngine:
             while not self.state.queue:
                 self._work.clear()
                 await self._work.wait()
-            a = self.state.queue.popleft()
+            a, received_ms = self.state.queue.popleft()
             try:
-                await self._prefill(a)
+                await self._prefill(a, received_ms)
             except Exception:  # one bad assignment must not stop the instance
                 log.exception("prefill of %s failed", a.decision.request_id)
 
-    async def _prefill(self, a: Assignment) -> None:
+    async def _prefill(self, a: Assignment, received_ms: int) -> None:
         req, d = a.request, a.decision
         prompt = req.prompt_tokens if req else 0
         self.state.current_prefill_tokens = prompt
-        start = time.monotonic()
         tokens = list(req.token_ids) if req and req.token_ids is not None else None
         chain = engine_hashes(tokens, self.config.block_size, self.salt) if tokens is not None else []
         local = self.cache.cached_prefix(chain)
@@ -207,7 +210,10 @@ class EmulatedEngine:
         self.state.current_prefill_tokens = 0
         self.state.done += 1
         now_ms = self.clock_ms()
-        waited = (now_ms - a.request_ts_ms) / 1000 if a.request_ts_ms else None
+        # TTFT = the real time the request took to reach this instance (routing, Kafka)
+        # + queueing and prefill here, in model time (scaled back from the emulation's).
+        routing_s = max(0.0, (received_ms - a.request_ts_ms) / 1000) if a.request_ts_ms else None
+        engine_s = (now_ms - received_ms) / 1000 * self.config.time_scale
         self._report(
             {
                 "event": "prefill_done",
@@ -218,9 +224,9 @@ class EmulatedEngine:
                 "local_cached_tokens": local * self.config.block_size,
                 "routed_reuse_tokens": d.reused_tokens,
                 "prefill_model_s": round(model_s, 6),
-                "queue_wall_s": round(time.monotonic() - start, 6),
-                # Time from the request's publication to its first token, in model seconds.
-                "ttft_s": round(waited * self.config.time_scale, 6) if waited is not None else None,
+                "routing_s": round(routing_s, 6) if routing_s is not None else None,
+                "engine_s": round(engine_s, 6),
+                "ttft_s": round(routing_s + engine_s, 6) if routing_s is not None else None,
                 "predicted_ttft_s": d.predicted_ttft_s,
             }
         )
@@ -276,13 +282,16 @@ class EmulatedEngine:
                 continue
             batch = self.state.decoding
             step = self.profile.decode_step_seconds(len(batch), sum(s.context for s in batch))
-            await asyncio.sleep(step / self.config.time_scale)
+            # At high time scales one step is shorter than the event loop can honour: run
+            # several identical steps per sleep (never past the next sequence to finish).
+            n = max(1, min(int(MIN_SLEEP_S * self.config.time_scale / max(step, 1e-9)), min(s.remaining for s in batch)))
+            await asyncio.sleep(n * step / self.config.time_scale)
             finished = []
             for s in batch:
-                s.context += 1
-                s.remaining -= 1
-                s.steps += 1
-                s.step_time_s += step
+                s.context += n
+                s.remaining -= n
+                s.steps += n
+                s.step_time_s += n * step
                 if s.remaining <= 0:
                     finished.append(s)
             for s in finished:
@@ -302,7 +311,7 @@ class EmulatedEngine:
 
     def heartbeat(self) -> Heartbeat:
         st = self.state
-        queued = sum(a.request.prompt_tokens for a in st.queue if a.request) + st.current_prefill_tokens
+        queued = sum(a.request.prompt_tokens for a, _ in st.queue if a.request) + st.current_prefill_tokens
         return Heartbeat(
             role=self.config.role,
             queue_depth=len(st.queue) + (1 if st.current_prefill_tokens else 0) + st.waiting_decode,
