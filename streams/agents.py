@@ -1,0 +1,133 @@
+"""The stream worker's agents: ``kv-events`` and ``heartbeats`` → :class:`streams.ingest.Ingestor`.
+
+Each agent takes batches (``stream.take_events``), hands them to the ingestor, and keeps
+going whatever the records hold: a bad record is dead-lettered by the ingestor; a view
+that cannot be written (Redis down) is retried with backoff, holding the batch (and so the
+offsets) until it can. Per-node stream state lives in two Faust tables keyed like the
+topics (node id, raw bytes), so a node's row moves with its partition; block data lives
+only in the Redis view.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+import faust
+
+from conductor.errors import ViewStoreError
+from schemas import DeadLetter, encode, headers
+from streams.app import make_app
+from streams.ingest import IngestMetrics, Ingestor, RawRecord, StreamRow
+from streams.topics import topics
+
+log = logging.getLogger(__name__)
+
+BATCH_MAX = 2000
+BATCH_WITHIN_S = 0.01
+
+
+class TableRows(MutableMapping[str, StreamRow]):
+    """A Faust table seen as ``node id → row`` (the table itself is keyed by raw bytes,
+    so its partitioner places a row where the node's records are)."""
+
+    def __init__(self, table: Any) -> None:
+        self.table = table
+
+    def __getitem__(self, node: str) -> StreamRow:
+        v = self.table.get(node.encode())
+        if v is None:
+            raise KeyError(node)
+        return list(v)
+
+    def __setitem__(self, node: str, row: StreamRow) -> None:
+        self.table[node.encode()] = list(row)
+
+    def __delitem__(self, node: str) -> None:
+        del self.table[node.encode()]
+
+    def __iter__(self) -> Iterator[str]:
+        return (k.decode() for k in self.table.keys())
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+
+@dataclass
+class Worker:
+    app: faust.App
+    ingestor: Ingestor
+
+
+def build_worker(settings: Any, store: Any, *, metrics: bool = True, **app_overrides: Any) -> Worker:
+    """Declare the app, its topics, tables and agents over ``store`` (a ViewStore)."""
+    app = make_app(settings, **app_overrides)
+    t = topics(settings)
+    kv_topic = app.topic(t.kv_events.name, partitions=t.kv_events.partitions, value_serializer="raw", key_serializer="raw")
+    hb_topic = app.topic(t.heartbeats.name, partitions=t.heartbeats.partitions, value_serializer="raw", key_serializer="raw")
+    dl_topic = app.topic(t.dead_letter.name, partitions=t.dead_letter.partitions, value_serializer="raw", key_serializer="raw")
+    kv_table = app.Table("kv-streams", partitions=t.kv_events.partitions, key_type=bytes, use_partitioner=True)
+    hb_table = app.Table("hb-streams", partitions=t.heartbeats.partitions, key_type=bytes, use_partitioner=True)
+
+    async def send_dead_letter(dl: DeadLetter) -> None:
+        env = ingestor.dead_letter_envelope(dl)
+        await dl_topic.send(key=dl.source_topic.encode(), value=encode(env), headers=headers(env))
+
+    ingestor = Ingestor(
+        t,
+        store,
+        kv_streams=TableRows(kv_table),
+        hb_streams=TableRows(hb_table),
+        dead_letter=send_dead_letter,
+        metrics=IngestMetrics(lambda: ingestor.live_nodes(settings.heartbeat_ttl_s)) if metrics else None,
+    )
+
+    async def consume(stream: Any) -> None:
+        async for events in stream.take_events(BATCH_MAX, within=BATCH_WITHIN_S):
+            batch = [
+                RawRecord(e.message.topic, e.message.partition, e.message.offset, e.message.key, e.message.value,
+                          int(e.message.timestamp * 1000) if e.message.timestamp else 0)
+                for e in events
+            ]
+            await process_until_done(ingestor, batch)
+
+    # Two functions, not one: Faust names an agent after its function.
+    async def kv_events(stream: Any) -> None:
+        await consume(stream)
+
+    async def heartbeats(stream: Any) -> None:
+        await consume(stream)
+
+    app.agent(kv_topic, name="kv-events")(kv_events)
+    app.agent(hb_topic, name="heartbeats")(heartbeats)
+    return Worker(app, ingestor)
+
+
+async def process_until_done(ingestor: Ingestor, batch: list[RawRecord]) -> None:
+    """Apply ``batch``; retry while the view is unreachable; never raise."""
+    delay = 0.1
+    while True:
+        try:
+            await ingestor.process(batch)
+            return
+        except ViewStoreError as e:
+            log.error("view write failed, retrying in %.1fs: %s", delay, e)
+        except Exception as e:  # a bug must not kill the worker: dead-letter the batch and go on
+            log.exception("batch of %d records failed; dead-lettering it", len(batch))
+            for rec in batch:
+                try:
+                    await ingestor._dead(_empty_result(), rec, "internal_error", f"{type(e).__name__}: {e}")
+                except Exception:
+                    log.exception("could not dead-letter %s:%d@%d", rec.topic, rec.partition, rec.offset)
+            return
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 5.0)
+
+
+def _empty_result() -> Any:
+    from streams.ingest import BatchResult
+
+    return BatchResult()

@@ -1,0 +1,80 @@
+"""The Faust app of the stream worker, configured for the settings' profile.
+
+The ``embedded`` profile carries the Tansu work-arounds: short session, heartbeat and
+rebalance timeouts (Tansu holds each group join for half the session timeout, so the
+defaults take ~30 s to become ready) and no recovery consistency check (Tansu's reported
+high watermarks of changelog topics are not trustworthy). ``production`` keeps Faust's
+defaults. The web server always binds ``settings.bind_host:settings.web_port``.
+
+One more embedded work-around needs a subclass: Tansu answers a fetch only when its
+max-wait expires (it does not return early when records arrive), and Faust hard-codes a
+1.5 s max-wait, which made records wait ~400 ms on average. The embedded app's consumer
+asks for :data:`TANSU_FETCH_MAX_WAIT_MS` instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import faust
+from faust.transport.drivers import aiokafka as faust_aiokafka
+
+from conductor.errors import ConfigError
+
+TANSU_FETCH_MAX_WAIT_MS = 10
+
+
+class _TansuConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
+    def _create_worker_consumer(self, transport: Any) -> Any:
+        consumer = super()._create_worker_consumer(transport)
+        consumer._fetch_max_wait_ms = TANSU_FETCH_MAX_WAIT_MS  # read by AIOKafkaConsumer.start()
+        return consumer
+
+
+class _TansuConsumer(faust_aiokafka.Consumer):
+    def _new_consumer_thread(self) -> Any:
+        return _TansuConsumerThread(self, loop=self.loop, beacon=self.beacon)
+
+
+class _TansuTransport(faust_aiokafka.Transport):
+    Consumer = _TansuConsumer
+
+
+class EmbeddedApp(faust.App):
+    """A Faust app whose consumer does not sit out Tansu's fetch max-wait."""
+
+    def _new_transport(self) -> Any:
+        return _TansuTransport(self.conf.broker_consumer, self)
+
+
+def broker_urls(kafka_url: str | None) -> list[str]:
+    if not kafka_url:
+        raise ConfigError("kafka_url is not set (start the embedded stack with `conductor dev up`)")
+    return [f"kafka://{h.strip()}" for h in kafka_url.split(",") if h.strip()]
+
+
+def make_app(settings: Any, *, app_id: str | None = None, **overrides: Any) -> faust.App:
+    """A Faust app for ``settings``; its id (and so its consumer group and changelog topic
+    names) derives from the topic prefix unless ``app_id`` is given."""
+    opts: dict[str, Any] = dict(
+        broker=broker_urls(settings.kafka_url),
+        store="memory://",
+        topic_partitions=settings.partitions,
+        topic_replication_factor=settings.replication_factor,
+        web_host=settings.bind_host,
+        web_bind=settings.bind_host,
+        web_port=settings.web_port,
+        consumer_auto_offset_reset="earliest",
+        value_serializer="json",
+        key_serializer="raw",
+    )
+    if settings.profile == "embedded":
+        opts.update(
+            broker_session_timeout=2,
+            broker_heartbeat_interval=0.5,
+            broker_rebalance_timeout=2,
+            recovery_consistency_check=False,
+        )
+    opts.update(overrides)
+    cls = EmbeddedApp if settings.profile == "embedded" else faust.App
+    return cls(app_id or f"{settings.topic_prefix}stream-worker", **opts)

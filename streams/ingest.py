@@ -1,0 +1,256 @@
+"""Turning a batch of raw Kafka records into one view write: decode → fold → apply.
+
+:class:`Ingestor` holds no Kafka and no Faust: the Faust agents (``streams.agents``),
+``conductor view rebuild`` and the tests all hand it lists of :class:`RawRecord`. Per
+batch it
+
+1. decodes each record; a record that does not decode, or whose kind the topic does not
+   carry, becomes a :class:`schemas.DeadLetter` (reason, error, source position, original
+   bytes) handed to ``dead_letter`` — and the batch goes on;
+2. folds the good ones (``state.fold``) with the per-node stream state from
+   ``kv_streams`` / ``hb_streams`` (Faust tables in the worker, dicts elsewhere; a node
+   missing there is loaded from the view);
+3. writes all their operations in one fenced call (``ViewStore.apply_ops``), and only then
+   updates the stream state — so a crash between the two re-folds the same records on
+   re-delivery and the view's offset fence drops them.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from schemas import DeadLetter, DecodeError, Envelope, Heartbeat, decode, envelope
+from schemas.records import MAX_ORIGINAL_BYTES, MAX_TEXT
+from state.fold import APPLIED, NodeStream, Op, UnfoldableRecord, fold
+from state.view import SourcePosition
+from streams.topics import Topics
+
+log = logging.getLogger(__name__)
+
+StreamRow = list[int]
+"""A node's stream state as a table stores it: kv part ``[epoch, seq, gaps, missed]`` or
+heartbeat part ``[epoch, seq]`` (plain lists: set-only, idempotent table writes)."""
+
+
+@dataclass(frozen=True, slots=True)
+class RawRecord:
+    topic: str
+    partition: int
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    timestamp_ms: int = 0
+
+    @property
+    def position(self) -> SourcePosition:
+        return SourcePosition(self.topic, self.partition, self.offset)
+
+
+@dataclass(slots=True)
+class BatchResult:
+    records: int = 0
+    applied: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+    """Outcome → count for records that changed nothing (duplicate, old_epoch, fenced)."""
+    dead: dict[str, int] = field(default_factory=dict)
+    block_events: int = 0
+    gaps: int = 0
+    staleness_ms: list[float] = field(default_factory=list)
+    """Publish (producer ts) → applied, per applied KV event."""
+    heartbeats: dict[str, int] = field(default_factory=dict)
+    """Node → last heartbeat ts_ms applied in this batch."""
+
+
+class IngestMetrics:
+    """The pipeline's OpenTelemetry instruments (no-ops until ``setup_metrics`` runs)."""
+
+    def __init__(self, live_nodes: Callable[[], int] | None = None) -> None:
+        from conductor.metrics import meter
+
+        m = meter("conductor.pipeline")
+        self.applied = m.create_counter("conductor_events_applied", description="records applied to the view")
+        self.block_events = m.create_counter("conductor_block_events_applied", description="block keys in applied KV events")
+        self.skipped = m.create_counter("conductor_events_skipped", description="records that changed nothing, by outcome")
+        self.dead = m.create_counter("conductor_dead_letters", description="records sent to dead-letter, by reason")
+        self.gaps = m.create_counter("conductor_sequence_gaps", description="producer sequence gaps seen")
+        self.staleness = m.create_histogram(
+            "conductor_view_staleness_ms", unit="ms", description="producer timestamp to applied in the view"
+        )
+        if live_nodes is not None:
+            from opentelemetry.metrics import CallbackOptions, Observation
+
+            def observe(_: CallbackOptions) -> list[Observation]:
+                return [Observation(live_nodes())]
+
+            m.create_observable_gauge("conductor_live_nodes", callbacks=[observe], description="nodes with a fresh heartbeat")
+
+    def record(self, topic: str, r: BatchResult) -> None:
+        attrs = {"topic": topic}
+        if r.applied:
+            self.applied.add(r.applied, attrs)
+        if r.block_events:
+            self.block_events.add(r.block_events, attrs)
+        for outcome, n in r.skipped.items():
+            self.skipped.add(n, {"topic": topic, "outcome": outcome})
+        for reason, n in r.dead.items():
+            self.dead.add(n, {"topic": topic, "reason": reason})
+        if r.gaps:
+            self.gaps.add(r.gaps, attrs)
+        for s in r.staleness_ms:
+            self.staleness.record(s)
+
+
+def _dead_letter(rec: RawRecord, reason: str, error: str) -> DeadLetter:
+    original = rec.value if isinstance(rec.value, (bytes, bytearray)) else b""
+    return DeadLetter(
+        source_topic=rec.topic,
+        partition=rec.partition,
+        offset=rec.offset,
+        reason=reason,
+        error=error[:MAX_TEXT],
+        original=bytes(original[:MAX_ORIGINAL_BYTES]),
+    )
+
+
+class Ingestor:
+    """Decode, fold and apply batches of raw records; see the module docstring."""
+
+    def __init__(
+        self,
+        topics: Topics,
+        store: Any,
+        *,
+        kv_streams: MutableMapping[str, StreamRow] | None = None,
+        hb_streams: MutableMapping[str, StreamRow] | None = None,
+        dead_letter: Callable[[DeadLetter], Awaitable[None]] | None = None,
+        metrics: IngestMetrics | None = None,
+        clock_ms: Callable[[], float] = lambda: time.time() * 1000,
+        producer_id: str = "conductor-worker",
+    ) -> None:
+        self.topics = topics
+        self.store = store
+        self.kv_streams: MutableMapping[str, StreamRow] = {} if kv_streams is None else kv_streams
+        self.hb_streams: MutableMapping[str, StreamRow] = {} if hb_streams is None else hb_streams
+        self.dead_letter = dead_letter
+        self.metrics = metrics
+        self.clock_ms = clock_ms
+        self.producer_id = producer_id
+        self._dl_seq = 0
+        self.last_heartbeat_ms: dict[str, int] = {}
+
+    def dead_letter_envelope(self, dl: DeadLetter) -> Envelope:
+        """Wrap a dead letter for the dead-letter topic (keyed by source topic)."""
+        self._dl_seq += 1
+        return envelope(dl, producer_id=self.producer_id, producer_seq=self._dl_seq, ts_ms=int(self.clock_ms()))
+
+    def _stream(self, node: str, base: NodeStream | None) -> NodeStream | None:
+        """The node's stream state: table rows over ``base`` (what the view recorded)."""
+        kv = self.kv_streams.get(node)
+        hb = self.hb_streams.get(node)
+        if kv is None and hb is None:
+            return base
+        b = base or NodeStream()
+        e, q, g, m = kv if kv is not None else (b.epoch, b.seq, b.gaps, b.missed)
+        he, hq = hb if hb is not None else (b.hb_epoch, b.hb_seq)
+        return NodeStream(e, q, g, m, he, hq)
+
+    async def process(self, records: Sequence[RawRecord]) -> BatchResult:
+        res = BatchResult(records=len(records))
+        good: list[tuple[RawRecord, Envelope]] = []
+        for rec in records:
+            try:
+                topic = self.topics.by_name(rec.topic)
+            except KeyError:
+                await self._dead(res, rec, "unknown_topic", f"{rec.topic} is not a pipeline topic")
+                continue
+            if rec.value is None:
+                await self._dead(res, rec, "malformed", "empty record value")
+                continue
+            try:
+                env = decode(rec.value)
+            except DecodeError as e:
+                await self._dead(res, rec, e.reason, str(e))
+                continue
+            if env.schema_name not in topic.kinds:
+                await self._dead(res, rec, "wrong_kind", f"{env.schema_name} does not belong on {rec.topic}")
+                continue
+            good.append((rec, env))
+
+        # A node whose table row is missing (a fresh table, a moved partition) starts from
+        # what the view recorded, never from scratch.
+        missing = sorted(
+            {
+                env.producer_id
+                for _, env in good
+                if (self.hb_streams if isinstance(env.body, Heartbeat) else self.kv_streams).get(env.producer_id) is None
+            }
+        )
+        loaded = await self.store.streams(missing) if missing else {}
+        local: dict[str, NodeStream | None] = {n: self._stream(n, loaded.get(n)) for n in missing}
+        touched_kv: set[str] = set()
+        touched_hb: set[str] = set()
+
+        groups: list[tuple[SourcePosition | None, Sequence[Op]]] = []
+        folded: list[tuple[Envelope, Any]] = []
+        for rec, env in good:
+            node = env.producer_id
+            st = local[node] if node in local else self._stream(node, None)
+            try:
+                f = fold(env, st)
+            except UnfoldableRecord as e:  # defensive: topic.kinds already filtered
+                await self._dead(res, rec, e.reason, str(e))
+                continue
+            if f.outcome == APPLIED:
+                local[node] = f.stream
+                (touched_hb if isinstance(env.body, Heartbeat) else touched_kv).add(node)
+            groups.append((rec.position, f.ops if f.outcome == APPLIED else ()))
+            folded.append((env, f))
+
+        flags = await self.store.apply_ops(groups) if groups else 0
+        del flags  # fenced groups were applied before: the fold already said what to count
+        now = self.clock_ms()
+        for env, f in folded:
+            if f.outcome != APPLIED:
+                res.skipped[f.outcome] = res.skipped.get(f.outcome, 0) + 1
+                continue
+            res.applied += 1
+            if isinstance(env.body, Heartbeat):
+                res.heartbeats[env.producer_id] = env.ts_ms
+                self.last_heartbeat_ms[env.producer_id] = max(self.last_heartbeat_ms.get(env.producer_id, 0), env.ts_ms)
+            else:
+                res.block_events += len(getattr(env.body, "block_keys", None) or ()) or _derived(f.ops)
+                res.staleness_ms.append(max(now - env.ts_ms, 0.0))
+                if f.gap:
+                    res.gaps += 1
+                    log.warning("node %s: sequence gap of %d before seq %d (epoch %d)", env.producer_id, f.gap, env.producer_seq, env.epoch)
+        # Only now, after the view has the effects, does the stream state move on.
+        # Each stream's table is written only by the agent of that stream.
+        for node in touched_kv:
+            st = local[node]
+            assert st is not None
+            self.kv_streams[node] = [st.epoch, st.seq, st.gaps, st.missed]
+        for node in touched_hb:
+            st = local[node]
+            assert st is not None
+            self.hb_streams[node] = [st.hb_epoch, st.hb_seq]
+        if self.metrics is not None and records:
+            self.metrics.record(records[0].topic, res)
+        return res
+
+    async def _dead(self, res: BatchResult, rec: RawRecord, reason: str, error: str) -> None:
+        res.dead[reason] = res.dead.get(reason, 0) + 1
+        log.warning("dead-letter %s:%d@%d: %s: %s", rec.topic, rec.partition, rec.offset, reason, error[:200])
+        if self.dead_letter is not None:
+            await self.dead_letter(_dead_letter(rec, reason, error))
+
+    def live_nodes(self, ttl_s: float) -> int:
+        now = self.clock_ms()
+        return sum(1 for ts in self.last_heartbeat_ms.values() if now - ts <= ttl_s * 1000)
+
+
+def _derived(ops: Sequence[Op]) -> int:
+    return sum(len(getattr(op, "keys", ())) for op in ops)
