@@ -152,7 +152,7 @@ async def run_ingest_bench(
         await ensure_topics(s, t.all())
         store = RedisViewStore.from_settings(s)
         mem0 = await store.memory_bytes()
-        worker = _start_worker(s, Path(tmp.name) / "worker.log")
+        worker = start_worker_process(s, Path(tmp.name) / "worker.log")
         prod = producer(s)
         await prod.start()
         try:
@@ -225,7 +225,7 @@ async def run_ingest_bench(
             n_blocks = await store.block_count()
         finally:
             await prod.stop()
-            _stop_worker(worker)
+            stop_worker_process(worker)
             await store.clear()
             await store.close()
         return {
@@ -297,7 +297,8 @@ class WatermarkTimeline:
         return None
 
 
-def _start_worker(s: Any, log_path: Path) -> subprocess.Popen[bytes]:
+def start_worker_process(s: Any, log_path: Path) -> subprocess.Popen[bytes]:
+    """Start ``conductor worker`` in a subprocess, configured from ``s`` via CONDUCTOR_* variables."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONDUCTOR_")}
     env.update(
         CONDUCTOR_KAFKA_URL=s.kafka_url,
@@ -308,6 +309,7 @@ def _start_worker(s: Any, log_path: Path) -> subprocess.Popen[bytes]:
         CONDUCTOR_PARTITIONS=str(s.partitions),
         CONDUCTOR_WEB_PORT=str(s.web_port),
         CONDUCTOR_BIND_HOST=s.bind_host,
+        CONDUCTOR_HEARTBEAT_TTL_S=str(s.heartbeat_ttl_s),
     )
     log = open(log_path, "wb")
     return subprocess.Popen(
@@ -316,7 +318,8 @@ def _start_worker(s: Any, log_path: Path) -> subprocess.Popen[bytes]:
     )
 
 
-def _stop_worker(p: subprocess.Popen[bytes]) -> None:
+def stop_worker_process(p: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the worker (Faust stops cleanly), SIGKILL it if it has not exited in 15 s."""
     if p.poll() is None:
         p.terminate()
         try:
