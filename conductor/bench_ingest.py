@@ -141,7 +141,7 @@ async def run_ingest_bench(
     try:
         if not (settings.kafka_url and settings.redis_url):
             stack = EmbeddedStack(Path(tmp.name) / "stack", host=settings.bind_host)
-            st = stack.up()
+            st = await asyncio.to_thread(stack.up)  # up() runs its own event loop
             settings = settings.model_copy(update={"kafka_url": st.kafka_url, "redis_url": st.redis_url, "profile": "embedded"})
             say(f"embedded stack up: {st.kafka_url} {st.redis_url}")
         tag = uuid.uuid4().hex[:8]
@@ -246,7 +246,7 @@ async def run_ingest_bench(
         }
     finally:
         if stack is not None:
-            stack.down()
+            await asyncio.to_thread(stack.down)
         tmp.cleanup()
 
 
