@@ -18,7 +18,7 @@ def _policies(spec: str) -> list[str]:
     if spec.strip() == "all":
         return list(POLICIES)
     names = [n.strip() for n in spec.split(",") if n.strip()]
-    unknown = [n for n in names if n not in POLICIES]
+    unknown = [n for n in names if n.split(":", 1)[0] not in POLICIES]
     if unknown or not names:
         raise ConfigError(f"--policy: unknown {', '.join(unknown) or '(empty)'}; known: all, {', '.join(POLICIES)}")
     return names
@@ -46,7 +46,8 @@ def register(groups: dict[str, typer.Typer]) -> None:
     def simulate(
         trace: Path = typer.Option(..., "--trace", help="Mooncake-format JSONL trace (timestamp ms, input_length, "
                                    "output_length, hash_ids of 512-token blocks)"),
-        policy: str = typer.Option("all", "--policy", help="comma-separated policy names, or 'all'"),
+        policy: str = typer.Option("all", "--policy", help="comma-separated policy names, or 'all'; "
+                                   "NAME:VARIANT runs NAME with the --params given under 'NAME:VARIANT' (ablations)"),
         cluster: str = typer.Option(None, "--cluster", help="instance counts as <P>P<D>D, e.g. 16P8D "
                                     "[default: the cluster profile's]"),
         profile: str = typer.Option("paper-16p8d", "--cluster-profile",
@@ -69,11 +70,11 @@ def register(groups: dict[str, typer.Typer]) -> None:
     ) -> None:
         """Replay a trace through a simulated prefill/decode cluster and score the policies.
 
-        Every request is placed by the real policy function on a snapshot built from the
-        real fold/view path (KV events delayed by --view-delay-ms). Prints per policy:
-        TTFT/TBT percentiles, SLO attainment, goodput, prefix reuse against the
-        infinite-cache bound, rejections, load balance and, with --capacity, the effective
-        request capacity. Progress goes to stderr.
+        Every request is placed by the real policy function on a snapshot built from the real fold/view path (KV events reach the view --view-delay-ms late, so views can be stale).
+
+        Prints per policy: TTFT/TBT percentiles, SLO attainment, goodput, prefix reuse against the infinite-cache bound, rejections, load balance and, with --capacity, the effective request capacity. Progress goes to stderr; --json prints one JSON line per policy on stdout.
+
+        Example: conductor simulate --trace ../shared/traces/mooncake_conversation_trace.jsonl --policy all --cluster 16P8D --capacity --json --report docs/simulation
         """
         from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
