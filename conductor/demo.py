@@ -236,9 +236,11 @@ def render(runs: list[RunStats], opts: DemoOptions) -> Group:
 class Processes:
     """Every process one run started; ``stop()`` ends exactly those (by pid), always."""
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, started: list[int] | None = None) -> None:
         self.log_dir = log_dir
         self.procs: list[tuple[str, asyncio.subprocess.Process]] = []
+        self.started = started if started is not None else []
+        """Pids of every process started (kept after ``stop()``, for the record)."""
 
     async def start(self, name: str, args: list[str], env: dict[str, str], *, stdout_pipe: bool = False) -> asyncio.subprocess.Process:
         self.log_dir.mkdir(parents=True, exist_ok=True)
@@ -250,6 +252,7 @@ class Processes:
         )
         logf.close()
         self.procs.append((name, proc))
+        self.started.append(proc.pid)
         return proc
 
     def dead(self) -> list[str]:
@@ -289,7 +292,7 @@ def _child_env(settings: Settings, extra: dict[str, str]) -> dict[str, str]:
 
 async def _run_once(
     base: Settings, opts: DemoOptions, policy: str, requests: list[DemoRequest], budget_s: float,
-    stats: RunStats, log_dir: Path, refresh: Any, *, exact: bool = False,
+    stats: RunStats, log_dir: Path, refresh: Any, *, exact: bool = False, pids: list[int] | None = None,
 ) -> None:
     from state.redis_view import RedisViewStore
     from streams.kafka import consumer, ensure_topics, producer
@@ -321,7 +324,7 @@ async def _run_once(
     env = _child_env(base, conductor_env)
     tps = topics(s)
     await ensure_topics(s, tps.all())
-    procs = Processes(log_dir / policy)
+    procs = Processes(log_dir / policy, pids)
     tasks: list[asyncio.Task[Any]] = []
     prod = producer(s)
     stop = asyncio.Event()
@@ -481,6 +484,7 @@ def run_demo(settings: Settings, opts: DemoOptions) -> dict[str, Any]:
     runs: list[RunStats] = []
     result: dict[str, Any] = {"ok": False}
     t_all = time.monotonic()
+    pids: list[int] = []
     # SIGTERM takes the Ctrl-C path, so the same finally blocks stop every process.
     previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
@@ -503,7 +507,7 @@ def run_demo(settings: Settings, opts: DemoOptions) -> dict[str, Any]:
                 stats = RunStats(policy)
                 runs.append(stats)
                 asyncio.run(_run_once(base, opts, policy, requests, budget, stats, log_dir, refresh,
-                                      exact=policy == opts.baseline))
+                                      exact=policy == opts.baseline, pids=pids))
                 # The baseline replays exactly the requests the first run replayed.
                 requests = requests[: stats.sent]
         main, other = runs[0].summary(), runs[1].summary()
@@ -524,6 +528,7 @@ def run_demo(settings: Settings, opts: DemoOptions) -> dict[str, Any]:
             "instances": {"prefill": opts.prefill, "decode": opts.decode},
             "bridge": {k: v for k, v in runs[-1].bridge_counts.items() if v},
             "wall_s": round(time.monotonic() - t_all, 1),
+            "pids": pids,
             "logs": str(log_dir),
         }
         _print_summary(console, result)

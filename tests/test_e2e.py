@@ -53,29 +53,38 @@ def _free_port() -> int:
     return free_port()
 
 
-@pytest.fixture
-def services(settings: Settings, tmp_path: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
-    """The stream worker and the router, as the real commands."""
+def _start(settings: Settings, tmp_path: Path, *commands: list[str]) -> list[subprocess.Popen[bytes]]:
     env = conductor_env(settings)
     procs = []
-    for cmd in (["worker"], ["router"]):
+    for cmd in commands:
         log = open(tmp_path / f"{cmd[0]}.log", "wb")
         procs.append(subprocess.Popen(
             [sys.executable, "-c", "from conductor.cli import main; main()", *cmd],
             env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
         ))
+    return procs
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+@pytest.fixture
+def services(settings: Settings, tmp_path: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """The stream worker and the router, as the real commands."""
+    procs = _start(settings, tmp_path, ["worker"], ["router"])
     try:
         yield procs
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
+        _stop(procs)
 
 
 async def test_an_engines_events_make_the_next_request_reuse_its_prefix(
@@ -188,4 +197,41 @@ async def test_an_engines_events_make_the_next_request_reuse_its_prefix(
         for p in pubs:
             await p.close()
         await prod.stop()
+        await view.close()
+
+
+async def test_the_bridge_command_brings_an_engine_that_does_not_heartbeat_into_the_view(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """What an operator does with a real vLLM: `conductor bridge` against its ZMQ sockets, then `view show`."""
+    from conductor.bridge.wire import EngineBlockStored
+
+    pub = EventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")  # stands for vLLM: events only, no heartbeats
+    pub.start()
+    bs = settings.block_size
+    tokens = list(range(100, 100 + 5 * bs))
+    hashes = tuple(range(-5, 0))  # signed, as SGLang may send them
+    await pub.publish(time.time(), [EngineBlockStored(hashes, None, tuple(tokens), bs, "hbm")])  # before the bridge
+    procs = _start(settings, tmp_path, ["worker"], ["bridge", "--zmq", pub.endpoint, "--replay", str(pub.replay_endpoint),
+                                                     "--node-id", "vllm-0", "--role", "prefill", "--heartbeat-s", "0.3"])
+    view = RedisViewStore.from_settings(settings)
+    try:
+        deadline = time.monotonic() + 40
+        while True:
+            assert all(p.poll() is None for p in procs), (tmp_path / "bridge.log").read_text()[-2000:]
+            out = subprocess.run([sys.executable, "-c", "from conductor.cli import main; main()", "view", "show", "--json"],
+                                 env=conductor_env(settings), capture_output=True, timeout=30)
+            assert out.returncode == 0, out.stderr.decode()[-2000:]
+            nodes = {n["node_id"]: n for n in json.loads(out.stdout)["nodes"]}
+            node = nodes.get("vllm-0")
+            if node and node["live"] and node["blocks"].get("hbm") == 5:
+                break
+            assert time.monotonic() < deadline, f"view: {nodes}"
+            await asyncio.sleep(0.3)
+        assert node["role"] == "prefill" and node["seq_gaps"] == 0
+        snap = await view.snapshot(chain_keys(tokens, bs))
+        assert snap.prefix["vllm-0"][0] == 5  # Conductor's own keys: a request with these tokens matches
+    finally:
+        _stop(procs)
+        await pub.close()
         await view.close()
