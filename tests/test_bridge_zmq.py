@@ -163,3 +163,28 @@ async def test_heartbeats_only_while_the_engine_answers(pub: EventPublisher) -> 
     await asyncio.sleep(0.5)
     assert len(out.heartbeats) == n
     await stop_all(stop, task)
+
+
+async def test_a_restarted_engine_already_past_the_old_sequence_is_not_mixed_with_the_old_run(pub: EventPublisher) -> None:
+    out = Collected()
+    bridge, stop, task = await start(pub, out, heartbeat_s=None)
+    for i in range(3):
+        await pub.publish(0.0, [stored(i)])
+    await until(lambda: len(out.stored_keys()) == 3)
+    first_epoch = out.envs[-1].epoch
+    endpoint, replay = pub.endpoint, pub.replay_endpoint
+    await pub.close()
+    await asyncio.sleep(0.2)
+    again = EventPublisher(endpoint, replay)
+    again.start()
+    # The new run stores other blocks (a chain of its own) and gets past seq 3 unseen.
+    other = [EngineBlockStored((900 + i,), None if i == 0 else 899 + i, tuple(range(16 * i, 16 * i + 16)), 16, "hbm")
+             for i in range(5)]
+    for ev in other[:4]:
+        await again.publish(0.0, [ev], send=False)
+    await asyncio.sleep(0.5)  # the subscriber reconnects
+    await again.publish(0.0, [other[4]])  # seq 4: "after" the old run's 0..2
+    await until(lambda: bridge.epoch > first_epoch and len(out.stored_keys(bridge.epoch)) == 5)
+    await stop_all(stop, task, again)
+    assert out.stored_keys(bridge.epoch) == chain_keys(list(range(80)), 16)
+    assert bridge.counts["reconnects"] >= 1 and bridge.counts["epoch_restart"] == 1

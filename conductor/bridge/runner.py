@@ -25,6 +25,7 @@ rebuild it, so nothing published by an earlier bridge process can linger wrongly
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import time
 from collections import Counter
@@ -84,6 +85,9 @@ class Bridge:
         self._hb_seq = 0
         self._seq = 0
         """producer_seq of the last record published in this epoch."""
+        self._last_applied: tuple[int, bytes] | None = None
+        self._disconnected = False
+        self._verify = False
         self._last_engine_contact = 0.0
         self._sub: zmq.asyncio.Socket | None = None
         self._dealer: zmq.asyncio.Socket | None = None
@@ -96,6 +100,7 @@ class Bridge:
         self.epoch = max(self.clock_ms(), self.epoch + 1)
         self.translator.reset()
         self.expected = None
+        self._last_applied = None
         self.counts[f"epoch_{reason}"] += 1
         log.info("node %s: new epoch %d (%s)", self.config.node_id, self.epoch, reason)
         self._seq = -1
@@ -116,6 +121,7 @@ class Bridge:
     async def _apply(self, seq: int, payload: bytes) -> None:
         """Apply engine batch ``seq``, which is the next one in order."""
         self.expected = seq + 1
+        self._last_applied = (seq, hashlib.blake2b(payload, digest_size=16).digest())
         try:
             batch = decode_batch(payload)
         except WireError as e:
@@ -199,7 +205,37 @@ class Bridge:
 
     # --- the loop -----------------------------------------------------------
 
+    async def _drain_monitor(self, monitor: zmq.asyncio.Socket) -> None:
+        from zmq.utils.monitor import parse_monitor_message
+
+        while await monitor.poll(0):
+            event = parse_monitor_message(await monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_DISCONNECTED:
+                self._disconnected = True
+            elif event == zmq.EVENT_CONNECTED and self._disconnected:
+                self._disconnected = False
+                self._verify = True
+                self.counts["reconnects"] += 1
+
+    async def _same_run(self) -> bool:
+        """After a reconnect: does the engine still hold the last batch applied, byte for byte?
+
+        A restarted engine numbers from 0 again and may already be past the old sequence,
+        so a higher seq alone proves nothing. If the batch cannot be compared (no replay
+        socket, or no longer buffered), assume a restart: a clear is safe, a mix is not.
+        """
+        self._verify = False
+        if self.expected is None or self._last_applied is None:
+            return True
+        seq, digest = self._last_applied
+        got = await self.replay(seq)
+        if not got or got[0][0] != seq:
+            return False
+        return hashlib.blake2b(got[0][1], digest_size=16).digest() == digest
+
     async def _on_message(self, seq: int, payload: bytes) -> None:
+        if self._verify and not await self._same_run():
+            await self._new_epoch("restart")
         if self.expected is not None and seq < self.expected:
             # PUB never repeats a sequence number: the engine restarted.
             await self._new_epoch("restart")
@@ -226,6 +262,8 @@ class Bridge:
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
+        # Connection events tell a reconnect apart; after one, the engine may have restarted.
+        monitor = sub.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         sub.connect(self.config.zmq_endpoint)
         self._sub = sub
         if self.config.replay_endpoint:
@@ -238,7 +276,9 @@ class Bridge:
             self.ready.set()
             while not stop.is_set():
                 if not await sub.poll(200):
+                    await self._drain_monitor(monitor)
                     continue
+                await self._drain_monitor(monitor)
                 frames = await sub.recv_multipart()
                 self._last_engine_contact = time.monotonic()
                 if len(frames) == 3:
@@ -261,6 +301,8 @@ class Bridge:
             if hb_task:
                 hb_task.cancel()
                 await asyncio.gather(hb_task, return_exceptions=True)
+            sub.disable_monitor()
+            monitor.close(linger=0)
             sub.close(linger=0)
             if self._dealer is not None:
                 self._dealer.close(linger=0)
