@@ -221,12 +221,13 @@ def render(runs: list[RunStats], opts: DemoOptions) -> Group:
                      f"{s.reuse_ratio:.1%}", pair(sm["ttft_p50_s"], sm["ttft_p90_s"]),
                      pair(sm["tbt_p50_ms"], sm["tbt_p90_ms"]), f"{s.prefills}/{s.decodes}")
     nodes = Table(title="per instance (current run)", expand=False)
-    for col in ("instance", "routed", "done", "reuse"):
+    for col in ("instance", "routed", "done", "in flight", "reuse"):
         nodes.add_column(col, justify="right" if col != "instance" else "left")
     if runs:
         for node, c in sorted(runs[-1].per_node.items()):
             reuse = c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0
-            nodes.add_row(node, str(c["routed"]), str(c["done"]), f"{reuse:.1%}" if c["prompt_tokens"] else "-")
+            nodes.add_row(node, str(c["routed"]), str(c["done"]), str(max(0, c["routed"] - c["done"])),
+                          f"{reuse:.1%}" if c["prompt_tokens"] else "-")
     return Group(head, nodes)
 
 

@@ -14,7 +14,9 @@ Ordering and recovery, all per node:
   or ``[topic, seq, payload]`` after the empty delimiter, ended by seq = -1). If
   replay cannot fill it, the node's view is stale: the bridge opens a new epoch,
   whose first record clears the node, and goes on.
-- A sequence that goes backwards means the engine restarted: new epoch, too.
+- A sequence that goes backwards means the engine restarted: new epoch, too. So
+  does a reconnect after which the engine no longer holds the last batch applied
+  (byte for byte): a restarted engine may already be past the old sequence.
 
 Each epoch starts with an ``AllBlocksCleared`` at producer_seq 0 and numbers its
 records 1, 2, 3... without holes (the view counts a hole as a gap). A bridge that

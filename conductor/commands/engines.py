@@ -41,6 +41,23 @@ async def _until_stopped(stop: asyncio.Event, *tasks: asyncio.Task[Any]) -> None
             raise r
 
 
+def _bridge_metrics(settings: Any, bridge: Any) -> None:
+    """Export the bridge's counters (records, gaps, epochs, orphans...) on CONDUCTOR_METRICS_PORT."""
+    from opentelemetry.metrics import CallbackOptions, Observation
+
+    from ..metrics import meter, setup_metrics
+
+    setup_metrics("conductor-bridge", settings.bind_host, settings.metrics_port)
+
+    def observe(_: CallbackOptions) -> list[Observation]:
+        counts = bridge.counts + bridge.translator.counts
+        return [Observation(v, {"node": bridge.config.node_id, "what": k}) for k, v in counts.items()]
+
+    meter("conductor.bridge").create_observable_counter(
+        "conductor_bridge_events", callbacks=[observe], description="bridge counters by node and kind"
+    )
+
+
 def register(groups: dict[str, typer.Typer]) -> None:
     app = groups["app"]
     from ..cli import err, print_json, settings_or_exit
@@ -92,6 +109,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
                 block_size=s.block_size, heartbeat_s=heartbeat_s or None, model=model,
             )
             b = Bridge(cfg, kafka_sink(prod, tps.kv_events.name), kafka_sink(prod, tps.heartbeats.name))
+            _bridge_metrics(s, b)
             stop = asyncio.Event()
             _stop_on_signals(stop)
             try:
