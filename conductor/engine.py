@@ -23,7 +23,6 @@ import json
 import logging
 import random
 import struct
-import sys
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
@@ -359,6 +358,3 @@ class EmulatedEngine:
             if aclose is not None:
                 await aclose()  # stops the dispatch consumer now, not at garbage collection
 
-
-def stdout_report() -> TextIO:
-    return sys.stdout

@@ -122,3 +122,63 @@ async def test_engine_executes_its_decisions_and_the_bridge_publishes_token_deri
         await asyncio.gather(*tasks, return_exceptions=True)
         await pub.close()
         await prod.stop()
+
+
+def _assignment(rid: str, tokens: list[int], *, prefill: bool, decode_: bool, out: int = 4, ts_ms: int = 0):  # type: ignore[no-untyped-def]
+    from conductor.dispatch import Assignment
+
+    req = RoutingRequest(request_id=rid, token_ids=tokens, prompt_tokens=len(tokens), expected_output_tokens=out)
+    dec = RoutingDecision(request_id=rid, prefill_instance="n0", decode_instance="n0", reused_tokens=0,
+                          predicted_ttft_s=0.0, predicted_tbt_ms=20, policy="test")
+    return Assignment(dec, req, ts_ms, ts_ms, prefill=prefill, decode=decode_)
+
+
+async def _run_engine(eng: EmulatedEngine, assignments: list, until_rows: int, report: io.StringIO) -> list[dict]:  # type: ignore[type-arg]
+    async def feed():  # type: ignore[no-untyped-def]
+        for a in assignments:
+            yield a
+        await asyncio.Event().wait()  # stay subscribed, like the dispatch stream
+
+    task = asyncio.create_task(eng.run(feed()))
+    try:
+        deadline = time.monotonic() + 10
+        while report.getvalue().count("\n") < until_rows:
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await eng.publisher.close()
+    return [json.loads(line) for line in report.getvalue().splitlines()]
+
+
+async def test_an_evicting_prefill_engine_reports_stored_then_removed_blocks_in_vllm_form() -> None:
+    from conductor.bridge.wire import EngineBlockRemoved, EngineBlockStored, decode_batch
+
+    report = io.StringIO()
+    pub = EventPublisher("tcp://127.0.0.1:0", None)
+    eng = EmulatedEngine(EngineConfig(node_id="n0", role="prefill", block_size=16, kv_blocks=4, time_scale=1e6),
+                         load_profile("llama3-70b-a800x8"), pub, report=report)
+    a, b = list(range(64)), list(range(1000, 1064))  # 4 blocks each: the second evicts the first
+    rows = await _run_engine(eng, [_assignment("a", a, prefill=True, decode_=False),
+                                   _assignment("b", b, prefill=True, decode_=False)], 2, report)
+    assert [r["cached_tokens"] for r in rows] == [0, 0]
+    batches = [decode_batch(payload).events for _, payload in pub.buffer]
+    assert [type(e) for e in batches[0]] == [EngineBlockStored]
+    assert [type(e) for e in batches[1]] == [EngineBlockStored, EngineBlockRemoved]
+    assert batches[1][1].block_hashes == batches[0][0].block_hashes  # type: ignore[union-attr]
+    assert batches[1][0].token_ids == tuple(b) and batches[1][0].parent_block_hash is None  # type: ignore[union-attr]
+
+
+async def test_a_decode_engine_decodes_in_one_batch_at_the_profiles_step_time() -> None:
+    report = io.StringIO()
+    profile = load_profile("llama3-70b-a800x8")
+    pub = EventPublisher("tcp://127.0.0.1:0", None)
+    eng = EmulatedEngine(EngineConfig(node_id="n0", role="decode", block_size=16, time_scale=1000.0),
+                         profile, pub, report=report)
+    rows = await _run_engine(eng, [_assignment("a", list(range(100)), prefill=False, decode_=True, out=40),
+                                   _assignment("b", list(range(100)), prefill=False, decode_=True, out=40)], 2, report)
+    assert {r["request_id"] for r in rows} == {"a", "b"} and all(r["output_tokens"] == 40 for r in rows)
+    alone, together = profile.decode_step_seconds(1, 100) * 1000, profile.decode_step_seconds(2, 280) * 1000
+    for r in rows:
+        assert alone * 0.99 <= r["tbt_ms"] <= together * 1.01
