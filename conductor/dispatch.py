@@ -18,6 +18,7 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 from schemas import DecodeError, RoutingDecision, RoutingRejection, RoutingRequest, decode
 
@@ -27,6 +28,8 @@ log = logging.getLogger(__name__)
 
 MAX_REMEMBERED_REQUESTS = 20_000
 MAX_PENDING_DECISIONS = 10_000
+REQUEST_LOOKBACK_MS = 60_000
+"""How far before ``since_ms`` requests are read (a decision can follow its request by this much)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,6 +104,35 @@ class _Joiner:
         return out
 
 
+async def _assign_from(cons: Any, since: dict[str, int], names: list[str], *, trust_end: bool) -> None:
+    """Read every partition of ``names``, from the first record at or after ``since[name]`` (ms).
+
+    Older records would be filtered out anyway; skipping them spares a restarted engine
+    the whole history of ``dispatch``. Where nothing is that recent, start at the end
+    (``trust_end``: a broker whose end offset is right) or else at the beginning.
+    """
+    from aiokafka import TopicPartition
+
+    await cons.topics()  # fetches the metadata that partitions_for_topic reads
+    parts = [TopicPartition(n, p) for n in names for p in sorted(cons.partitions_for_topic(n) or ())]
+    cons.assign(parts)
+    starts = {tp: since[tp.topic] for tp in parts if since.get(tp.topic, 0) > 0}
+    found: dict[Any, Any] = {}
+    if starts:
+        try:
+            found = await cons.offsets_for_times(starts)
+        except Exception as e:  # a broker without timestamp lookups: filtering still applies
+            log.info("offsets by time unavailable (%s); reading from the start", e)
+    for tp in parts:
+        hit = found.get(tp)
+        if hit is not None:
+            cons.seek(tp, hit.offset)
+        elif tp in starts and trust_end:
+            await cons.seek_to_end(tp)
+        else:
+            await cons.seek_to_beginning(tp)
+
+
 async def decisions_for(
     settings: Settings,
     instance_id: str,
@@ -124,12 +156,14 @@ async def decisions_for(
     tps = topics(settings)
     wanted = (tps.dispatch, tps.requests) if with_requests else (tps.dispatch,)
     await ensure_topics(settings, wanted)
-    cons = consumer(settings, *(t.name for t in wanted), group_id=None, fetch_max_wait_ms=50)
+    cons = consumer(settings, group_id=None, fetch_max_wait_ms=50)
     joiner = _Joiner(instance_id, since_ms, with_requests)
     if counts is not None:
         joiner.counts = counts
     await cons.start()
     try:
+        await _assign_from(cons, {tps.dispatch.name: since_ms, tps.requests.name: since_ms - REQUEST_LOOKBACK_MS},
+                           [t.name for t in wanted], trust_end=settings.profile == "production")
         while stop is None or not stop.is_set():
             batches = await cons.getmany(timeout_ms=200, max_records=500)
             now = time.monotonic()
