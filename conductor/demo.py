@@ -284,9 +284,21 @@ class Processes:
 # --- one run ------------------------------------------------------------------------
 
 
-def _child_env(settings: Settings, extra: dict[str, str]) -> dict[str, str]:
+def settings_env(s: Settings) -> dict[str, str]:
+    """The CONDUCTOR_* variables that make a child process load exactly ``s``."""
+    env = {}
+    for name in type(s).model_fields:
+        v = getattr(s, name)
+        if v is None:
+            continue
+        env[f"CONDUCTOR_{name.upper()}"] = json.dumps(v) if isinstance(v, (dict, list, bool)) else str(v)
+    return env
+
+
+def _child_env(conductor_env: dict[str, str]) -> dict[str, str]:
+    # The children's configuration is exactly ``conductor_env``; the rest (PATH...) is inherited.
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONDUCTOR_")}
-    env.update(extra)
+    env.update(conductor_env)
     env["PYTHONUNBUFFERED"] = "1"
     return env
 
@@ -303,26 +315,14 @@ async def _run_once(
 
     t_start = time.monotonic()
     tag = uuid.uuid4().hex[:6]
-    conductor_env = {
-        "CONDUCTOR_KAFKA_URL": str(base.kafka_url),
-        "CONDUCTOR_REDIS_URL": str(base.redis_url),
-        "CONDUCTOR_PROFILE": str(base.profile),
-        "CONDUCTOR_TOPIC_PREFIX": f"demo-{tag}.",
-        "CONDUCTOR_VIEW_NAMESPACE": f"demo-{tag}",
-        "CONDUCTOR_PARTITIONS": str(opts.partitions),
-        "CONDUCTOR_BLOCK_SIZE": str(opts.block_size),
-        "CONDUCTOR_POLICY": policy,
-        "CONDUCTOR_MODEL_PROFILE": base.model_profile,
-        "CONDUCTOR_BIND_HOST": base.bind_host,
-        "CONDUCTOR_WEB_PORT": str(free_port(base.bind_host)),
-        "CONDUCTOR_SEED": str(base.seed),
-        "CONDUCTOR_DATA_DIR": str(log_dir / "data"),
-    }
     s = base.model_copy(update={
-        "topic_prefix": conductor_env["CONDUCTOR_TOPIC_PREFIX"], "view_namespace": conductor_env["CONDUCTOR_VIEW_NAMESPACE"],
-        "partitions": opts.partitions, "block_size": opts.block_size, "policy": policy,
+        "topic_prefix": f"demo-{tag}.", "view_namespace": f"demo-{tag}", "partitions": opts.partitions,
+        "block_size": opts.block_size, "policy": policy,
+        # Parameters belong to the policy they were written for; the baseline runs on its defaults.
+        "policy_params": base.policy_params if policy == opts.policy else {},
+        "web_port": free_port(base.bind_host), "metrics_port": 0, "data_dir": log_dir / "data",
     })
-    env = _child_env(base, conductor_env)
+    env = _child_env(settings_env(s))
     tps = topics(s)
     await ensure_topics(s, tps.all())
     procs = Processes(log_dir / policy, pids)

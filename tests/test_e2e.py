@@ -23,6 +23,8 @@ import pytest
 
 from conductor.bridge.publisher import EventPublisher
 from conductor.bridge.runner import Bridge, BridgeConfig, kafka_sink
+from conductor.demo import settings_env
+from conductor.devstack import free_port
 from conductor.dispatch import decisions_for
 from conductor.engine import EmulatedEngine, EngineConfig
 from conductor.profiles import load_profile
@@ -36,21 +38,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
 def conductor_env(s: Settings) -> dict[str, str]:
+    """The test's settings, as the CONDUCTOR_* variables of a child process."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONDUCTOR_")}
-    env.update({
-        "CONDUCTOR_KAFKA_URL": str(s.kafka_url), "CONDUCTOR_REDIS_URL": str(s.redis_url),
-        "CONDUCTOR_PROFILE": str(s.profile), "CONDUCTOR_TOPIC_PREFIX": s.topic_prefix,
-        "CONDUCTOR_VIEW_NAMESPACE": s.view_namespace, "CONDUCTOR_PARTITIONS": str(s.partitions),
-        "CONDUCTOR_DATA_DIR": str(s.data_dir), "CONDUCTOR_WEB_PORT": str(_free_port()),
-        "CONDUCTOR_BLOCK_SIZE": str(s.block_size), "CONDUCTOR_POLICY": "kvcache-centric",
-    })
+    env.update(settings_env(s.model_copy(update={"web_port": free_port(), "policy": "kvcache-centric"})))
     return env
-
-
-def _free_port() -> int:
-    from conductor.devstack import free_port
-
-    return free_port()
 
 
 def _start(settings: Settings, tmp_path: Path, *commands: list[str]) -> list[subprocess.Popen[bytes]]:

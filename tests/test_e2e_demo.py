@@ -41,3 +41,14 @@ def test_demo_completes_and_compares_with_the_baseline(stack: StackState, settin
     assert len(r["pids"]) == 2 * (1 + 1 + 2 + 2)  # worker, router, 2 prefill, 2 decode, per run
     for pid in r["pids"]:
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split(") ")[1][:1]
+
+
+def test_settings_travel_to_child_processes_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
+    from conductor.demo import settings_env
+    from conductor.settings import load_settings
+
+    s = load_settings(policy_params={"slo_margin": 0.9, "remote_reuse": False}, kafka_url="k:9092",
+                      redis_url="redis://r:6379/0", partitions=3, data_dir=Path("/tmp/x"))
+    for k, v in settings_env(s).items():
+        monkeypatch.setenv(k, v)
+    assert load_settings() == s
