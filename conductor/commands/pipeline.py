@@ -174,6 +174,31 @@ def register(groups: dict[str, typer.Typer]) -> None:
             for k, v in out.items():
                 typer.echo(f"{k}: {v}")
 
+    @bench.command("view-read")
+    def bench_view_read(
+        json_out: bool = typer.Option(False, "--json", help="print one JSON line with the results"),
+        nodes: int = typer.Option(16, min=1, help="nodes in the synthetic view"),
+        blocks_per_node: int = typer.Option(200_000, min=1000, help="blocks each node holds"),
+        chain_len: int = typer.Option(512, min=1, help="blocks in the chain read (all held by one node)"),
+        reads: int = typer.Option(300, min=10, help="reads per option"),
+    ) -> None:
+        """Compare the two routing-read layouts on a dedicated Valkey: the store's pipelined MGET
+        (+ client-side prefix walk) against a server-side Lua walk; latency, Redis server time
+        per read, and view memory per block.
+        """
+        from ..bench_ingest import run_view_read_bench
+
+        s = settings_or_exit()
+        out = asyncio.run(
+            run_view_read_bench(nodes, blocks_per_node, chain_len, reads, host=s.bind_host,
+                                log=None if json_out else err.print)
+        )
+        if json_out:
+            print_json(out)
+        else:
+            for k, v in out.items():
+                typer.echo(f"{k}: {v}")
+
 
 async def _view_summary(store: Any, ttl_s: float) -> dict[str, Any]:
     try:
