@@ -237,8 +237,9 @@ def render(runs: list[RunStats], opts: DemoOptions) -> Group:
 class Processes:
     """Every process one run started; ``stop()`` ends exactly those (by pid), always."""
 
-    def __init__(self, log_dir: Path, started: list[int] | None = None) -> None:
+    def __init__(self, log_dir: Path, started: list[int] | None = None, cwd: Path | None = None) -> None:
         self.log_dir = log_dir
+        self.cwd = cwd
         self.procs: list[tuple[str, asyncio.subprocess.Process]] = []
         self.started = started if started is not None else []
         """Pids of every process started (kept after ``stop()``, for the record)."""
@@ -250,6 +251,7 @@ class Processes:
             sys.executable, "-c", "from conductor.cli import main; main()", *args,
             stdout=asyncio.subprocess.PIPE if stdout_pipe else logf, stderr=logf, stdin=asyncio.subprocess.DEVNULL,
             env=env, start_new_session=True,  # Ctrl-C reaches the demo only; it stops them in order
+            cwd=self.cwd,  # whatever a process writes next to itself stays in the run's directory
         )
         logf.close()
         self.procs.append((name, proc))
@@ -325,7 +327,9 @@ async def _run_once(
     env = _child_env(settings_env(s))
     tps = topics(s)
     await ensure_topics(s, tps.all())
-    procs = Processes(log_dir / policy, pids)
+    work = log_dir / policy / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    procs = Processes(log_dir / policy, pids, cwd=work)
     tasks: list[asyncio.Task[Any]] = []
     prod = producer(s)
     stop = asyncio.Event()
@@ -479,7 +483,7 @@ def run_demo(settings: Settings, opts: DemoOptions) -> dict[str, Any]:
     trace = opts.trace or DEFAULT_TRACE
     if not trace.exists():
         raise DemoError(f"trace not found: {trace} (pass --trace PATH)")
-    data_dir = Path(settings.data_dir) / "demo"
+    data_dir = (Path(settings.data_dir) / "demo").resolve()
     log_dir = data_dir / "logs" / time.strftime("%Y%m%d-%H%M%S")
     stack: EmbeddedStack | None = None
     runs: list[RunStats] = []

@@ -52,6 +52,7 @@ def _start(settings: Settings, tmp_path: Path, *commands: list[str]) -> list[sub
         procs.append(subprocess.Popen(
             [sys.executable, "-c", "from conductor.cli import main; main()", *cmd],
             env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            cwd=tmp_path,
         ))
     return procs
 
