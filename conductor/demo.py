@@ -359,6 +359,15 @@ async def _run_once(
                     stats.on_report(row)
 
         readies: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        bridge_tasks: dict[str, asyncio.Task[None]] = {}
+
+        def check_alive() -> None:
+            dead = procs.dead()
+            if dead:
+                raise DemoError(f"{dead[0]} exited early:\n{procs.log_tail(dead[0])}")
+            for node, t in bridge_tasks.items():
+                if t.done():
+                    raise DemoError(f"the bridge of {node} stopped: {t.exception() if not t.cancelled() else 'cancelled'}")
         for node, (role, proc) in engines.items():
             readies[node] = asyncio.get_running_loop().create_future()
             tasks.append(asyncio.create_task(read_reports(node, proc, readies[node])))
@@ -373,7 +382,8 @@ async def _run_once(
                              block_size=opts.block_size, heartbeat_s=None),
                 kafka_sink(prod, tps.kv_events.name),
             )
-            tasks.append(asyncio.create_task(bridge.run(stop)))
+            bridge_tasks[node] = asyncio.create_task(bridge.run(stop))
+            tasks.append(bridge_tasks[node])
             bridges = stats.bridge_counts
             tasks.append(asyncio.create_task(_collect_counts(bridge, bridges, stop)))
 
@@ -382,9 +392,7 @@ async def _run_once(
         want = set(engines)
         deadline = time.monotonic() + 90
         while True:
-            dead = procs.dead()
-            if dead:
-                raise DemoError(f"{dead[0]} exited early:\n{procs.log_tail(dead[0])}")
+            check_alive()
             live = {n.node_id for n in await view.nodes() if n.is_live(time.time_ns() // 1_000_000, base.heartbeat_ttl_s)}
             if want <= live:
                 break
@@ -421,9 +429,7 @@ async def _run_once(
             while time.monotonic() < at:
                 await asyncio.sleep(min(0.25, at - time.monotonic()))
                 refresh()
-            dead = procs.dead()
-            if dead:
-                raise DemoError(f"{dead[0]} exited during the run:\n{procs.log_tail(dead[0])}")
+            check_alive()
             toks = request_tokens(r.hash_ids, r.input_length, r.index, base.seed)
             req = RoutingRequest(request_id=f"{policy}-{r.index}", token_ids=toks, prompt_tokens=len(toks),
                                  expected_output_tokens=r.output_length)
