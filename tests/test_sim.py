@@ -221,3 +221,13 @@ def test_cluster_spec_and_default_profile() -> None:
 def test_percentile_interpolates() -> None:
     assert percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
     assert percentile([5.0], 90) == 5.0 and math.isnan(percentile([], 50))
+
+
+def test_decode_load_counts_waiting_and_in_flight_requests() -> None:
+    d = DecodeInstance("decode-0", lambda b, c: 0.01, kv_tokens=3000, max_batch=1)
+    d.submit(DecodeJob(0, 999, 3, 0.0), 0.0)  # running: context 1000, reserves 1002
+    d.submit(DecodeJob(1, 499, 3, 0.0), 0.0)  # waits (batch full): context 500, reserves 502
+    d.expect(99, 256)  # still in prefill: context 100, reserves 355
+    assert d.load() == (3, 1000 + 500 + 100, 3000 - 1002 - 502 - 355)
+    d.expect(99, 256, -1)
+    assert d.load() == (2, 1500, 3000 - 1002 - 502)

@@ -55,6 +55,17 @@ class DecodeInstance:
     busy_s: float = 0.0
     tokens: int = 0
     version: int = 0
+    assigned: int = 0
+    """Requests placed here whose prefill or KV transfer is still running."""
+    assigned_ctx: int = 0
+    assigned_kv: int = 0
+
+    def expect(self, prompt_tokens: int, output_tokens: int, sign: int = 1) -> None:
+        """Count (``sign=1``) or uncount (``-1``) a request placed here but not arrived yet, as
+        the routing worker's in-flight reservations do."""
+        self.assigned += sign
+        self.assigned_ctx += sign * (prompt_tokens + 1)
+        self.assigned_kv += sign * (prompt_tokens + output_tokens)
 
     @property
     def batch(self) -> int:
@@ -167,6 +178,12 @@ class DecodeInstance:
         return self.t0 + self._span(self.finishing[0][0] - self.steps, s0, d)
 
     def load(self) -> tuple[int, int, int]:
-        """(batch size incl. waiting, context tokens incl. waiting, free KV tokens)."""
+        """(batch size, context tokens, free KV tokens), counting the running batch, the jobs
+        waiting for room and the requests still in prefill or transfer."""
         wait_ctx = sum(j.prompt_tokens + 1 for j in self.waiting)
-        return len(self.members) + len(self.waiting), self.ctx + wait_ctx, max(0, self.kv_tokens - self.used_kv)
+        wait_kv = sum(j.reserve_tokens for j in self.waiting)
+        return (
+            len(self.members) + len(self.waiting) + self.assigned,
+            self.ctx + wait_ctx + self.assigned_ctx,
+            max(0, self.kv_tokens - self.used_kv - wait_kv - self.assigned_kv),
+        )

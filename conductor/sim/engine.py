@@ -180,6 +180,7 @@ class Simulation:
                 self._prefill_done(payload)
             elif kind == _DECODE_READY:
                 inst, job = payload
+                inst.expect(job.prompt_tokens, self.expected_output_tokens, -1)
                 self._finished(inst.submit(job, t))
                 self._schedule_tick(inst)
             else:
@@ -279,6 +280,7 @@ class Simulation:
         o.reuse_source = decision.reuse_source
         o.claimed_blocks = decision.reused_blocks
         o.predicted_ttft_s = decision.predicted_ttft_s
+        self._decode_by_id[decision.decode].expect(o.input_length, self.expected_output_tokens)
         p.queue.append(o)
         p.queued_tokens += self._tokens_to_compute(o, decision.reused_blocks)
         if p.current is None:
