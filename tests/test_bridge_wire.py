@@ -171,3 +171,12 @@ def test_lora_and_per_block_extra_keys_change_the_keys_like_requests_do() -> Non
     plain = chain_keys(TOKENS[:16], 16)
     mm = t.translate_event(EngineBlockStored((2,), None, TOKENS[:16], 16, "hbm", extra_keys=(("img", 7),)))
     assert mm[0].block_keys == chain_keys(TOKENS[:16], 16, extra_keys=["img", 7]) != plain  # type: ignore[attr-defined]
+
+
+def test_the_oldest_array_form_without_medium_decodes_as_gpu() -> None:
+    # vLLM's first KV-event structs: BlockStored without medium, BlockRemoved with hashes only.
+    payload = msgpack.packb([1.0, [["BlockStored", [H1], None, list(TOKENS[:16]), 16, None], ["BlockRemoved", [H1]]]])
+    assert decode_batch(payload).events == [
+        EngineBlockStored((H1,), None, TOKENS[:16], 16, "hbm"),
+        EngineBlockRemoved((H1,), "hbm"),
+    ]
