@@ -147,6 +147,8 @@ class RunStats:
     per_node: dict[str, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))
     prompt_of: dict[str, int] = field(default_factory=dict)
     bridge_counts: Counter[str] = field(default_factory=Counter)
+    view_load: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    """node → (queue depth, decode batch, blocks) as the view shows it."""
     started: float = field(default_factory=time.monotonic)
     phase: str = "starting"
 
@@ -221,13 +223,14 @@ def render(runs: list[RunStats], opts: DemoOptions) -> Group:
                      f"{s.reuse_ratio:.1%}", pair(sm["ttft_p50_s"], sm["ttft_p90_s"]),
                      pair(sm["tbt_p50_ms"], sm["tbt_p90_ms"]), f"{s.prefills}/{s.decodes}")
     nodes = Table(title="per instance (current run)", expand=False)
-    for col in ("instance", "routed", "done", "in flight", "reuse"):
+    for col in ("instance", "routed", "done", "in flight", "reuse", "view: queue", "batch", "blocks"):
         nodes.add_column(col, justify="right" if col != "instance" else "left")
     if runs:
         for node, c in sorted(runs[-1].per_node.items()):
             reuse = c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0
+            q, b, blocks = runs[-1].view_load.get(node, (0, 0, 0))
             nodes.add_row(node, str(c["routed"]), str(c["done"]), str(max(0, c["routed"] - c["done"])),
-                          f"{reuse:.1%}" if c["prompt_tokens"] else "-")
+                          f"{reuse:.1%}" if c["prompt_tokens"] else "-", str(q), str(b), str(blocks))
     return Group(head, nodes)
 
 
@@ -416,6 +419,17 @@ async def _run_once(
 
         tasks.append(asyncio.create_task(follow_dispatch()))
 
+        async def follow_view() -> None:
+            # The load the routers see: heartbeats and blocks as folded into the view.
+            while not stop.is_set():
+                with contextlib.suppress(Exception):
+                    for n in await view.nodes():
+                        stats.view_load[n.node_id] = (n.queue_depth, n.batch_size, sum(n.blocks.values()))
+                        stats.per_node[n.node_id]  # listed even before its first request
+                await asyncio.sleep(1.0)
+
+        tasks.append(asyncio.create_task(follow_view()))
+
         # Replay: until the budget leaves just enough time to drain.
         stats.phase = "replaying"
         drain_s = max(4.0, 0.15 * budget_s)
@@ -563,6 +577,7 @@ def _print_summary(console: Console, r: dict[str, Any]) -> None:
     def f(x: Any, fmt: str) -> str:
         return "-" if x is None else format(x, fmt)
 
+    console.print()
     t = Table(title=f"Summary: {r['policy']} vs {r['baseline_policy']} on the same trace slice")
     t.add_column("")
     t.add_column(r["policy"], justify="right")
