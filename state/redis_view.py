@@ -18,8 +18,9 @@ prefix walk runs client-side on integer masks (``state.view.longest_prefixes``).
 Writes go through one Lua script per batch: per record, skip it if its offset is at or
 below the fence of its ``topic:partition``, else apply its operations and raise the fence,
 all atomically. Clearing a node (restart, all-blocks-cleared) retires its slot instead of
-touching its blocks: O(1), and reads ignore retired slots. Their stale bits stay in the
-block strings until the key is deleted or the view rebuilt (documented trade-off).
+touching its blocks: O(1), and reads ignore retired slots (``ns|retired``). :meth:`RedisViewStore.compact`
+(run periodically by the stream worker) later clears their stale bits in one SCAN pass and
+frees the slots (``ns|free``) for new nodes, so masks stay as narrow as the cluster.
 
 Bulk load (synthetic views, benchmarks): ``await store.apply_ops([(None, [AddBlocks(node,
 tier, keys), ...]), ...])`` — no fence, chunked so that no single script runs long.
@@ -70,7 +71,12 @@ local function slot_of(node, create)
   if s then
     s = tonumber(s)
   elseif create then
-    s = redis.call('HINCRBY', ns .. '|meta', 'next_slot', 1) - 1
+    local free = redis.call('ZPOPMIN', ns .. '|free')
+    if free[1] then
+      s = tonumber(free[1])
+    else
+      s = redis.call('HINCRBY', ns .. '|meta', 'next_slot', 1) - 1
+    end
     redis.call('HSET', nodes, node .. SEP .. 'slot', s)
     redis.call('HSET', ns .. '|slots', s, node)
   else
@@ -118,8 +124,10 @@ for gi = 1, #groups do
           if delta ~= 0 then redis.call('HINCRBY', nodes, node .. SEP .. 'b' .. tier, delta) end
         end
       elseif code == 3 then
-        if slot_of(node, false) then
+        local s = slot_of(node, false)
+        if s then
           redis.call('HDEL', nodes, node .. SEP .. 'slot')
+          redis.call('SADD', ns .. '|retired', s)
           slots[node] = nil
         end
         redis.call('HDEL', nodes, node .. SEP .. 'b0', node .. SEP .. 'b1', node .. SEP .. 'b2')
@@ -131,6 +139,52 @@ for gi = 1, #groups do
 end
 for fk, off in pairs(fence) do redis.call('HSET', wmkey, fk, off) end
 return out
+"""
+
+
+# Clear the bits of retired slots in a batch of block keys. Only slots still retired are
+# touched: a slot freed (and maybe reused) since the caller listed it is left alone.
+_COMPACT_LUA = r"""
+local ns = ARGV[1]
+local slots = {}
+for s in string.gmatch(ARGV[2], '[^,]+') do
+  if redis.call('SISMEMBER', ns .. '|retired', s) == 1 then slots[#slots + 1] = tonumber(s) end
+end
+local cleared, deleted = 0, 0
+if #slots == 0 then return {0, 0} end
+for i = 3, #ARGV do
+  local k = ARGV[i]
+  local touched = false
+  for _, s in ipairs(slots) do
+    for tier = 0, 2 do
+      local p = 3 * s + tier
+      local o = math.floor(p / 8) * 8 + 7 - (p % 8)
+      if redis.call('GETBIT', k, o) == 1 then
+        redis.call('SETBIT', k, o, 0)
+        cleared = cleared + 1
+        touched = true
+      end
+    end
+  end
+  if touched and redis.call('BITCOUNT', k) == 0 then
+    redis.call('DEL', k)
+    deleted = deleted + 1
+  end
+end
+return {cleared, deleted}
+"""
+
+# After a full pass: the listed slots that are still retired become free for reuse.
+_FREE_LUA = r"""
+local ns = ARGV[1]
+local n = 0
+for s in string.gmatch(ARGV[2], '[^,]+') do
+  if redis.call('SREM', ns .. '|retired', s) == 1 then
+    redis.call('ZADD', ns .. '|free', tonumber(s), s)
+    n = n + 1
+  end
+end
+return n
 """
 
 
@@ -182,6 +236,8 @@ class RedisViewStore:
         self._nodes_key = f"{namespace}|nodes"
         self._wm_key = f"{namespace}|wm"
         self._script = client.register_script(_APPLY_LUA)
+        self._compact = client.register_script(_COMPACT_LUA)
+        self._free = client.register_script(_FREE_LUA)
         self._state_cache: dict[str, tuple[tuple[Any, ...], NodeState]] = {}
 
     @classmethod
@@ -305,6 +361,28 @@ class RedisViewStore:
         except RedisError as e:
             raise ViewStoreError(f"view clear failed: {e}") from e
         self._state_cache.clear()
+
+    async def compact(self, batch: int = 1000) -> dict[str, int]:
+        """Clear the bits of retired slots (nodes cleared or restarted) from every block key,
+        then free those slots for reuse. Safe to run beside live writes and other compactions
+        (the script skips any slot no longer retired); one SCAN pass over the block keys."""
+        try:
+            retired = sorted(int(x) for x in await self.client.smembers(f"{self.ns}|retired"))
+            if not retired:
+                return {"slots_freed": 0, "bits_cleared": 0, "keys_deleted": 0}
+            listed = ",".join(map(str, retired))
+            n_pre = len(self._bpre)
+            cleared = deleted = 0
+            async for keys in _scan_batches(self.client, self._bpre.decode() + "*", count=batch):
+                keys = [k for k in keys if len(k) == n_pre + 8]
+                if keys:
+                    c, d = await self._compact(args=[self.ns, listed, *keys])
+                    cleared += int(c)
+                    deleted += int(d)
+            freed = int(await self._free(args=[self.ns, listed]))
+        except RedisError as e:
+            raise ViewStoreError(f"view compaction failed: {e}") from e
+        return {"slots_freed": freed, "bits_cleared": cleared, "keys_deleted": deleted}
 
     # --- reading ------------------------------------------------------------
 

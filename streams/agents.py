@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 BATCH_MAX = 2000
 BATCH_WITHIN_S = 0.01
+COMPACT_EVERY_S = 60.0
 
 
 class TableRows(MutableMapping[str, StreamRow]):
@@ -103,6 +104,18 @@ def build_worker(settings: Any, store: Any, *, metrics: bool = True, **app_overr
 
     app.agent(kv_topic, name="kv-events")(kv_events)
     app.agent(hb_topic, name="heartbeats")(heartbeats)
+
+    if hasattr(store, "compact"):
+        # Cleared/restarted nodes leave retired slots behind; the leader sweeps them.
+        async def compact_view() -> None:
+            try:
+                out = await store.compact()
+                if out["slots_freed"]:
+                    log.info("view compaction: %s", out)
+            except ViewStoreError as e:
+                log.error("view compaction failed (will retry): %s", e)
+
+        app.timer(COMPACT_EVERY_S, on_leader=True, name="compact-view")(compact_view)
     return Worker(app, ingestor)
 
 

@@ -249,3 +249,24 @@ class TestRedisViewStore(ViewStoreContract):
         yield s
         await s.clear()
         await s.close()
+
+    async def test_compaction_clears_retired_slots_and_reuses_them(self, store):
+        ref = InMemoryViewStore()
+        envs = [
+            stored("a", 0, [1, 2, 3]), stored("b", 0, [1, 2]),
+            stored("a", 0, [9], epoch=1),  # a restarts: its old slot is retired
+            envelope(AllBlocksCleared(), producer_id="b", producer_seq=1, ts_ms=1),  # b clears
+        ]
+        await self.feed(store, envs)
+        await ref.apply([(e, None) for e in envs])
+        raw = await store.client.get(store.block_key(3))
+        assert raw and int.from_bytes(raw, "little") != 0  # stale bits of a's old slot
+        assert await store.compact(batch=1) == {"slots_freed": 2, "bits_cleared": 5, "keys_deleted": 3}
+        assert await store.client.get(store.block_key(3)) is None
+        assert await store.dump() == {**await ref.dump(), "watermark": await store.watermark()}
+        # the freed slots are given to the next nodes to arrive, lowest first
+        await self.feed(store, [stored("c", 0, [1, 9])], start=10)
+        slots = {int(k): v.decode() for k, v in (await store.client.hgetall(f"{store.ns}|slots")).items()}
+        assert slots == {0: "c", 1: "b", 2: "a"}
+        assert (await store.snapshot([9], now_ms=0)).prefix == {"a": (1, 1, 1), "c": (1, 1, 1)}
+        assert await store.compact() == {"slots_freed": 0, "bits_cleared": 0, "keys_deleted": 0}
