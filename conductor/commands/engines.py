@@ -85,9 +85,13 @@ def register(groups: dict[str, typer.Typer]) -> None:
     ) -> None:
         """Carry one vLLM/SGLang engine's KV events onto the kv-events topic.
 
-        Start the engine with --kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq",
-        "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}'. Block keys are derived from
-        the events' token ids with CONDUCTOR_BLOCK_SIZE (it must equal the engine's block size).
+        Start the engine with --kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}'.
+
+        Block keys are derived from the events' token ids with CONDUCTOR_BLOCK_SIZE (it must equal the engine's).
+
+        Gaps are filled from the replay socket; a gap it cannot fill, or an engine restart, starts a new epoch.
+
+        With data parallelism, vLLM's rank r publishes on both ports + r: run one bridge (one node id) per rank.
         """
         if role not in ROLES:
             err.print(f"[red]error:[/red] --role must be one of {', '.join(ROLES)}, not {role!r}")
@@ -135,9 +139,9 @@ def register(groups: dict[str, typer.Typer]) -> None:
     ) -> None:
         """Run an emulated prefill/decode instance that speaks vLLM's KV-event protocol.
 
-        It reads its decisions from the dispatch topic, executes them with CONDUCTOR_MODEL_PROFILE's
-        timing model, keeps an LRU prefix cache and heartbeats. Its first stdout line is JSON with the
-        ZMQ endpoints to give `conductor bridge`.
+        It reads its decisions from the dispatch topic, executes them with CONDUCTOR_MODEL_PROFILE's timing model, keeps an LRU prefix cache and heartbeats.
+
+        Its first stdout line is JSON with the ZMQ endpoints to give `conductor bridge`.
         """
         if role not in ROLES:
             err.print(f"[red]error:[/red] --role must be one of {', '.join(ROLES)}, not {role!r}")
@@ -200,12 +204,18 @@ def register(groups: dict[str, typer.Typer]) -> None:
     ) -> None:
         """The whole system on one machine: broker, Redis, stream worker, router, bridges and emulated engines.
 
-        Replays a slice of the Mooncake conversation trace through Conductor's policy, then through the
-        baseline on the same slice, with a live dashboard on stderr, and prints a comparison. Every process
-        it starts is stopped at the end (also on Ctrl-C).
+        Replays a slice of the Mooncake conversation trace through Conductor's policy, then through the baseline on the same slice, with a live dashboard on stderr, and prints a comparison.
+
+        Uses the servers named by CONDUCTOR_KAFKA_URL / CONDUCTOR_REDIS_URL, or starts the embedded ones. Every process it starts is stopped at the end (also on Ctrl-C).
         """
         s = settings_or_exit()
         from ..demo import DemoOptions, run_demo
+        from ..policy import POLICIES
+
+        for name in (policy or s.policy, baseline):
+            if name not in POLICIES:
+                err.print(f"[red]error:[/red] unknown policy {name!r}; known: {', '.join(POLICIES)}")
+                raise typer.Exit(2)
 
         opts = DemoOptions(
             duration_s=duration, speed=speed, policy=policy or s.policy, baseline=baseline, trace=trace,
