@@ -1,10 +1,12 @@
 """The stateless routing worker: ``requests`` → policy → ``dispatch``.
 
 Per request: compute (or take) the block-key chain, read the view for that chain
-and the in-flight reservations (concurrently: one round trip of wall time), build
-the policy's :class:`~conductor.snapshot.ClusterSnapshot`, decide, reserve the
-placement in Redis so other replicas see it, and produce the decision keyed by the
-prefill instance (a rejection keyed by the request id) onto ``dispatch``.
+(one round trip), add the in-flight reservations not yet in heartbeats (held in
+memory, shared between replicas through a Redis stream: see
+``state.reservations``), build the policy's
+:class:`~conductor.snapshot.ClusterSnapshot`, decide, reserve the placement, and
+produce the decision keyed by the prefill instance (a rejection keyed by the
+request id) onto ``dispatch``.
 
 Failure modes: a request that does not decode or validate becomes a
 ``invalid_request`` rejection (keyed and named by the Kafka key when the body is
@@ -44,7 +46,7 @@ from schemas import (
     envelope,
     headers,
 )
-from state.reservations import InMemoryReservations, Load, ReservationStore, placement_reservations
+from state.reservations import Load, ReservationStore, placement_reservations
 from state.view import NodeState, ViewReader, ViewSnapshot
 
 from .errors import ViewStoreError
@@ -114,8 +116,19 @@ class Router:
         self.metrics = RouterMetrics()
         self._last: _LastView | None = None
         self._since: dict[str, int] = {}  # node → last heartbeat seen: the reservation cut-off
-        self._local = InMemoryReservations(settings.reservation_ttl_s)  # degraded mode's memory
         self.ttl_s = settings.heartbeat_ttl_s
+
+    async def start(self) -> None:
+        """Start following the shared reservations (a no-op for in-memory ones)."""
+        start = getattr(self.reservations, "start", None)
+        if start is not None:
+            await start(int(time.time() * 1000))
+
+    async def close(self) -> None:
+        """Share the last reservations and stop following."""
+        close = getattr(self.reservations, "close", None)
+        if close is not None:
+            await close()
 
     # --- the request --------------------------------------------------------------
 
@@ -149,38 +162,10 @@ class Router:
     # --- the view -------------------------------------------------------------------
 
     async def _read(self, chain: Sequence[int]) -> tuple[ViewSnapshot, dict[str, Load]]:
-        since = dict(self._since)
-        view_task = asyncio.ensure_future(self.view.snapshot(chain))
-        # The cut-off comes from the heartbeats seen last time, so both reads leave now.
-        now_guess = self._last.snapshot.now_ms if self._last else 0
-        resv_task = asyncio.ensure_future(self.reservations.pending(since, now_guess))
-        try:
-            snap = await view_task
-        except BaseException:
-            resv_task.cancel()
-            raise
-        try:
-            pending = await resv_task
-        except ViewStoreError:
-            pending = {}
-        changed = {}
-        for n in snap.nodes:
-            if n.last_heartbeat_ms != since.get(n.node_id):
-                changed[n.node_id] = n.last_heartbeat_ms
+        snap = await self.view.snapshot(chain)
+        # A reservation counts until the node's heartbeat is newer than it.
         self._since = {n.node_id: n.last_heartbeat_ms for n in snap.nodes}
-        # Reservations were read with a stale cut-off (or a stale clock) for nodes that
-        # heartbeated since: read those again so a heartbeat's load is not counted twice.
-        floor_moved = now_guess < snap.now_ms - 1000
-        stale = {n: t for n, t in self._since.items() if floor_moved or n in changed}
-        if stale:
-            try:
-                fresh = await self.reservations.pending(stale, snap.now_ms)
-            except ViewStoreError:
-                fresh = {}
-            for n in stale:
-                pending.pop(n, None)
-            pending.update(fresh)
-        return snap, pending
+        return snap, await self.reservations.pending(self._since, snap.now_ms)
 
     def _cluster(self, snap: ViewSnapshot, pending: dict[str, Load], model: str, age_ms: float) -> ClusterSnapshot:
         insts = []
@@ -218,14 +203,14 @@ class Router:
                 )
             degraded = True
             snap = last.snapshot  # node states only: prefixes of this chain are unknown
-            pending = self._local.pending_sync(self._since, snap.now_ms + int(age_ms))
+            pending = await self.reservations.pending(self._since, snap.now_ms + int(age_ms))
         cluster = self._cluster(snap, pending, req.model, age_ms)
         decision = self.policy.decide(preq, cluster, random.Random(seed))
         self.metrics.latency.record((time.perf_counter() - t0) * 1000.0)
         if isinstance(decision, Rejection):
             return self.reject(req.request_id, decision.reason, decision.message, seed=seed,
                                watermark=cluster.watermark)
-        await self._reserve(req, preq, decision, snap.now_ms + int(age_ms), degraded)
+        await self._reserve(req, preq, decision, snap.now_ms + int(age_ms))
         reused = min(decision.reused_blocks * self.settings.block_size, req.prompt_tokens)
         self.metrics.reuse.record(reused / req.prompt_tokens if req.prompt_tokens else 0.0)
         self.metrics.decisions.add(1, {"prefill": decision.prefill, "decode": decision.decode})
@@ -246,7 +231,7 @@ class Router:
             snapshot_age_ms=age_ms,
         )
 
-    async def _reserve(self, req: RoutingRequest, preq: PolicyRequest, d: Placement, now_ms: int, degraded: bool) -> None:
+    async def _reserve(self, req: RoutingRequest, preq: PolicyRequest, d: Placement, now_ms: int) -> None:
         bs = self.settings.block_size
         reused = min(d.reused_blocks * bs, req.prompt_tokens)
         resv = placement_reservations(
@@ -255,9 +240,6 @@ class Router:
             context_tokens=req.prompt_tokens,
             kv_blocks=-(-(req.prompt_tokens + req.expected_output_tokens) // bs),
         )
-        self._local.reserve_sync(resv, now_ms)
-        if degraded:
-            return
         try:
             await self.reservations.reserve(resv, now_ms)
         except (ViewStoreError, OSError) as e:
@@ -296,6 +278,10 @@ class Router:
             return key_id, self.reject(key_id, "invalid_request", str(e))
         out = await self.route(body)
         return (out.prefill_instance if isinstance(out, RoutingDecision) else out.request_id), out
+
+
+def default_router_id() -> str:
+    return f"router-{socket.gethostname()}-{os.getpid()}"
 
 
 def _key_text(key: bytes | None) -> str:
@@ -339,7 +325,7 @@ class RouterWorker:
         self.settings = settings
         self.router = router
         self.topics = topics(settings)
-        self.router_id = router_id or f"router-{socket.gethostname()}-{os.getpid()}"
+        self.router_id = router_id or default_router_id()
         self._seq = 0
         self.routed = 0
 
@@ -356,6 +342,7 @@ class RouterWorker:
         cons = consumer(self.settings, t.requests.name, group_id=self.settings.topic_prefix + self.GROUP)
         await prod.start()
         await cons.start()
+        await self.router.start()
         try:
             if ready is not None:
                 ready.set()
@@ -384,12 +371,32 @@ class RouterWorker:
                 await asyncio.gather(*sends)
                 await cons.commit()
         finally:
+            await self.router.close()
             await cons.stop()
             await prod.stop()
 
 
-def redis_stores(settings: Settings) -> tuple[Any, Any]:
-    """The Redis view reader and reservation store of ``settings``, with short timeouts.
+def _fast_connection_class() -> Any:
+    """An asyncio Redis connection that packs commands with hiredis (C) instead of Python.
+
+    The routing read sends a 128-key MGET per request; redis-py's asyncio client packs
+    it argument by argument in Python, which was the largest single cost of a decision.
+    """
+    import hiredis
+    from redis.asyncio.connection import Connection
+
+    class HiredisPackedConnection(Connection):
+        def pack_command(self, *args: Any) -> list[bytes]:
+            first = args[0]
+            if isinstance(first, str) and " " in first:  # e.g. "SCRIPT LOAD": separate words
+                args = (*first.split(), *args[1:])
+            return [hiredis.pack_command(args)]
+
+    return HiredisPackedConnection
+
+
+def redis_stores(settings: Settings, producer_id: str | None = None) -> tuple[Any, Any]:
+    """The Redis view reader and reservation log of ``settings``, with short timeouts.
 
     Timeouts are short on purpose: a router that waits on a dead Redis answers nobody;
     one that fails fast answers from its last snapshot.
@@ -403,10 +410,11 @@ def redis_stores(settings: Settings) -> tuple[Any, Any]:
         raise ViewStoreError("redis_url is not set (start the embedded stack with `conductor dev up`)")
     client = aioredis.from_url(
         settings.redis_url, decode_responses=False, socket_timeout=0.5, socket_connect_timeout=0.5,
-        health_check_interval=0,
+        health_check_interval=0, connection_class=_fast_connection_class(),
     )
     return (RedisViewStore(client, settings.view_namespace),
-            RedisReservations(client, settings.view_namespace, settings.reservation_ttl_s))
+            RedisReservations(client, settings.view_namespace, settings.reservation_ttl_s,
+                              producer_id=producer_id or default_router_id()))
 
 
 __all__ = ["InvalidRequest", "Router", "RouterWorker", "redis_stores", "request_seed"]

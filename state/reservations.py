@@ -6,17 +6,22 @@ prompt as context and the KV blocks of the whole request. A reservation counts
 until the node's next heartbeat (one stamped later than the reservation) or until
 ``ttl``, whichever comes first; nothing has to release it explicitly.
 
-Both stores keep, per node, the *cumulative* reserved amounts with a time-stamped
-checkpoint per reservation, so "reserved since t" is ``cumulative now - cumulative
-at t``: one lookup per node however many reservations are pending. Redis keys (next
-to the view, ``ns`` = the view namespace): ``ns|resv`` hash node → cumulative
-amounts, ``ns|resv|<node>`` sorted set of checkpoints scored by time (pruned past
-``2 x ttl`` and expiring with it).
+The amounts are kept per node as *cumulative* sums with a time-stamped checkpoint
+per reservation, so "reserved since t" is ``cumulative now - cumulative at t``: one
+binary search per node however many reservations are pending.
+
+Across router replicas the reservations are an event log: each router appends its
+own, in small batches, to a Redis stream (``ns|resv-log``, trimmed to ``2 x ttl``)
+and follows everyone else's into its in-memory copy. A decision therefore reads
+reservations from memory (no round trip); a replica sees another's reservations a
+few milliseconds after they are made (``flush_after_s`` plus one round trip).
 """
 
 from __future__ import annotations
 
+import asyncio
 import bisect
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -24,11 +29,8 @@ from typing import Protocol
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from conductor.errors import ViewStoreError
-
 FIELDS = 5
-
-
+log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class Load:
     """Amounts reserved on one node and not yet reflected by its heartbeats."""
@@ -68,7 +70,10 @@ def placement_reservations(
 
 class ReservationStore(Protocol):
     async def reserve(self, reservations: Sequence[Reservation], now_ms: int) -> None:
-        """Record ``reservations`` as made at ``now_ms`` (the view's clock)."""
+        """Record ``reservations`` as made at ``now_ms`` (the view's clock).
+
+        A store may buffer them briefly; its own next :meth:`pending` always sees them.
+        """
         ...
 
     async def pending(self, since_ms: Mapping[str, int], now_ms: int) -> dict[str, Load]:
@@ -80,7 +85,7 @@ class ReservationStore(Protocol):
 
 
 class InMemoryReservations:
-    """Reservations of one process (tests, the simulator, a router's degraded mode)."""
+    """Reservations of one process (tests, the simulator, and each router's copy)."""
 
     def __init__(self, ttl_s: float) -> None:
         self.ttl_ms = int(ttl_s * 1000)
@@ -92,17 +97,24 @@ class InMemoryReservations:
 
     def reserve_sync(self, reservations: Sequence[Reservation], now_ms: int) -> None:
         for r in reservations:
-            ts = self._ts.setdefault(r.node, [])
-            cum = self._cum.setdefault(r.node, [])
-            last = cum[-1] if cum else (0,) * FIELDS
-            if ts and now_ms < ts[-1]:
-                now_ms = ts[-1]  # keep checkpoints sorted if the clock steps back
-            ts.append(now_ms)
-            cum.append(tuple(a + b for a, b in zip(last, r.load.as_tuple())))
-            cut = bisect.bisect_left(ts, now_ms - 2 * self.ttl_ms)
-            if cut > 1:  # keep one checkpoint before the cut as the baseline
-                del ts[: cut - 1]
-                del cum[: cut - 1]
+            self.add(r.node, now_ms, r.load.as_tuple())
+
+    def add(self, node: str, ts_ms: int, amounts: tuple[int, ...]) -> None:
+        """Record one reservation made at ``ts_ms`` (late arrivals are put in time order)."""
+        ts = self._ts.setdefault(node, [])
+        cum = self._cum.setdefault(node, [])
+        i = len(ts)
+        if i and ts_ms < ts[-1]:
+            i = bisect.bisect_right(ts, ts_ms)
+        prev = cum[i - 1] if i else (0,) * FIELDS
+        ts.insert(i, ts_ms)
+        cum.insert(i, tuple(a + b for a, b in zip(prev, amounts)))
+        for j in range(i + 1, len(cum)):  # a late arrival shifts the sums after it
+            cum[j] = tuple(a + b for a, b in zip(cum[j], amounts))
+        cut = bisect.bisect_left(ts, ts[-1] - 2 * self.ttl_ms)
+        if cut > 1:  # keep one checkpoint before the cut as the baseline
+            del ts[: cut - 1]
+            del cum[: cut - 1]
 
     async def pending(self, since_ms: Mapping[str, int], now_ms: int) -> dict[str, Load]:
         return self.pending_sync(since_ms, now_ms)
@@ -114,128 +126,134 @@ class InMemoryReservations:
             ts = self._ts.get(node)
             if not ts:
                 continue
-            cum = self._cum[node]
-            i = bisect.bisect_right(ts, max(since, floor))
+            i = bisect.bisect_right(ts, since if since > floor else floor)
             if i >= len(ts):
                 continue
-            base = cum[i - 1] if i > 0 else (0,) * FIELDS
-            out[node] = Load(*(a - b for a, b in zip(cum[-1], base)))
+            cum = self._cum[node]
+            last = cum[-1]
+            if i:
+                base = cum[i - 1]
+                out[node] = Load(last[0] - base[0], last[1] - base[1], last[2] - base[2], last[3] - base[3],
+                                 last[4] - base[4])
+            else:
+                out[node] = Load(*last)
         return out
-
-
-_RESERVE_LUA = r"""
-local ns, now, keep_ms = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local hkey, skey = ns .. '|resv', ns .. '|resvseq'
-local i = 4
-while i <= #ARGV do
-  local node = ARGV[i]
-  local cur = {0, 0, 0, 0, 0}
-  local raw = redis.call('HGET', hkey, node)
-  if raw then
-    local j = 1
-    for v in string.gmatch(raw, '[^,]+') do cur[j] = tonumber(v); j = j + 1 end
-  end
-  local d = {}
-  for j = 1, 5 do d[j] = tonumber(ARGV[i + j]); cur[j] = cur[j] + d[j] end
-  local c = table.concat(cur, ',')
-  redis.call('HSET', hkey, node, c)
-  local seq = redis.call('HINCRBY', skey, node, 1)
-  local zkey = ns .. '|resv|' .. node
-  redis.call('ZADD', zkey, now, seq .. ':' .. c .. ':' .. table.concat(d, ','))
-  redis.call('ZREMRANGEBYSCORE', zkey, '-inf', '(' .. (now - keep_ms))
-  redis.call('PEXPIRE', zkey, keep_ms)
-  i = i + 6
-end
-return 1
-"""
-
-# Per node: cumulative now - cumulative at the newest checkpoint <= since. With no such
-# checkpoint left, the oldest remaining one minus its own delta is the baseline.
-_PENDING_LUA = r"""
-local ns = ARGV[1]
-local hkey = ns .. '|resv'
-local out = {}
-local i = 2
-local function nums(s)
-  local t, j = {}, 1
-  for v in string.gmatch(s, '[^,]+') do t[j] = tonumber(v); j = j + 1 end
-  return t
-end
-while i <= #ARGV do
-  local node, since = ARGV[i], ARGV[i + 1]
-  local raw = redis.call('HGET', hkey, node)
-  if raw then
-    local zkey = ns .. '|resv|' .. node
-    local cur = nums(raw)
-    local base
-    local last = redis.call('ZREVRANGEBYSCORE', zkey, since, '-inf', 'LIMIT', 0, 1)
-    if last[1] then
-      local _, _, c = string.find(last[1], '^%d+:([^:]+):')
-      base = nums(c)
-    else
-      local first = redis.call('ZRANGE', zkey, 0, 0)
-      if first[1] then
-        local _, _, c, d = string.find(first[1], '^%d+:([^:]+):(.+)$')
-        base = nums(c)
-        local dd = nums(d)
-        for j = 1, 5 do base[j] = base[j] - dd[j] end
-      else
-        base = cur
-      end
-    end
-    local diff = {}
-    local any = false
-    for j = 1, 5 do diff[j] = cur[j] - base[j]; if diff[j] ~= 0 then any = true end end
-    if any then
-      out[#out + 1] = node
-      out[#out + 1] = table.concat(diff, ',')
-    end
-  end
-  i = i + 2
-end
-return out
-"""
 
 
 class RedisReservations:
-    """Reservations shared by every router replica through Redis."""
+    """Reservations shared by every router replica through a Redis stream.
 
-    def __init__(self, client: aioredis.Redis, namespace: str, ttl_s: float) -> None:
+    Call :meth:`start` once (it catches up on the last ``2 x ttl`` of the log and
+    starts following it) and :meth:`close` at the end (it flushes). ``reserve`` and
+    ``pending`` never wait on Redis; a Redis outage only delays what the other
+    replicas see (logged, retried with the next batch).
+    """
+
+    def __init__(self, client: aioredis.Redis, namespace: str, ttl_s: float, *, producer_id: str,
+                 flush_after_s: float = 0.01, block_ms: int = 100) -> None:
         self.client = client
-        self.ns = namespace
+        self.key = f"{namespace}|resv-log"
         self.ttl_ms = int(ttl_s * 1000)
-        self._reserve = client.register_script(_RESERVE_LUA)
-        self._pending = client.register_script(_PENDING_LUA)
+        self.producer_id = producer_id
+        self.flush_after_s = flush_after_s
+        self.block_ms = block_ms
+        self.local = InMemoryReservations(ttl_s)
+        self._buffer: list[str] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._follower: asyncio.Task[None] | None = None
+        self._last_id = b"0-0"
+        self.applied = 0  # entries of other replicas applied (for tests and metrics)
+
+    # --- writing ----------------------------------------------------------------------
 
     async def reserve(self, reservations: Sequence[Reservation], now_ms: int) -> None:
-        args: list[object] = [self.ns, now_ms, 2 * self.ttl_ms]
         for r in reservations:
-            args.append(r.node)
-            args.extend(r.load.as_tuple())
+            a = r.load.as_tuple()
+            self.local.add(r.node, now_ms, a)
+            self._buffer.append(f"{now_ms},{r.node},{a[0]},{a[1]},{a[2]},{a[3]},{a[4]}")
+        if self._timer is None and self._buffer:
+            self._timer = asyncio.get_running_loop().call_later(self.flush_after_s, self._flush_soon)
+
+    def _flush_soon(self) -> None:
+        self._timer = None
+        task = asyncio.ensure_future(self.flush())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def flush(self) -> None:
+        """Append the buffered reservations to the log now."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self._buffer:
+            return
+        batch, self._buffer = self._buffer, []
+        newest = max(int(line.split(",", 1)[0]) for line in batch)
         try:
-            await self._reserve(args=args)
-        except RedisError as e:
-            raise ViewStoreError(f"reservation write failed: {e}") from e
+            await self.client.xadd(
+                self.key, {"p": self.producer_id, "r": "\n".join(batch)},
+                minid=max(newest - 2 * self.ttl_ms, 0), approximate=True,
+            )
+        except (RedisError, OSError) as e:
+            self._buffer = batch + self._buffer  # retried with the next batch
+            log.warning("%d reservation(s) not shared yet: %s", len(batch), e)
+
+    # --- following --------------------------------------------------------------------
+
+    async def start(self, now_ms: int) -> None:
+        """Catch up on the log's last ``2 x ttl`` and follow it from there."""
+        if self._follower is not None:
+            return
+        self._last_id = f"{max(now_ms - 2 * self.ttl_ms, 0)}-0".encode()
+        try:
+            while True:
+                entries = await self.client.xrange(self.key, min=b"(" + self._last_id, count=1000)
+                if not entries:
+                    break
+                self._apply(entries)
+        except (RedisError, OSError) as e:
+            log.warning("reservation log not readable yet: %s", e)
+        self._follower = asyncio.ensure_future(self._follow())
+
+    async def _follow(self) -> None:
+        while True:
+            try:
+                res = await self.client.xread({self.key: self._last_id}, block=self.block_ms, count=1000)
+            except asyncio.CancelledError:
+                raise
+            except (RedisError, OSError) as e:
+                log.warning("reservation log unreachable: %s", e)
+                await asyncio.sleep(0.2)
+                continue
+            for _, entries in res or ():
+                self._apply(entries)
+
+    def _apply(self, entries: list) -> None:
+        me = self.producer_id.encode()
+        for eid, fields in entries:
+            self._last_id = eid
+            if fields.get(b"p") == me:
+                continue
+            for line in fields.get(b"r", b"").decode().split("\n"):
+                try:
+                    ts, node, *amounts = line.split(",")
+                    self.local.add(node, int(ts), tuple(int(x) for x in amounts))
+                    self.applied += 1
+                except ValueError:
+                    log.warning("skipping a malformed reservation %r", line[:200])
 
     async def pending(self, since_ms: Mapping[str, int], now_ms: int) -> dict[str, Load]:
-        if not since_ms:
-            return {}
-        floor = now_ms - self.ttl_ms
-        args: list[object] = [self.ns]
-        for node, since in since_ms.items():
-            args.extend((node, max(since, floor)))
-        try:
-            raw = await self._pending(args=args)
-        except RedisError as e:
-            raise ViewStoreError(f"reservation read failed: {e}") from e
-        out = {}
-        for k in range(0, len(raw), 2):
-            node = raw[k].decode() if isinstance(raw[k], bytes) else raw[k]
-            vals = raw[k + 1].decode() if isinstance(raw[k + 1], bytes) else raw[k + 1]
-            out[node] = Load(*(int(float(v)) for v in vals.split(",")))
-        return out
+        return self.local.pending_sync(since_ms, now_ms)
+
+    async def close(self) -> None:
+        if self._follower is not None:
+            self._follower.cancel()
+            await asyncio.gather(self._follower, return_exceptions=True)
+            self._follower = None
+        await self.flush()
 
     async def clear(self) -> None:
-        keys = [k async for k in self.client.scan_iter(match=f"{self.ns}|resv*", count=1000)]
-        if keys:
-            await self.client.unlink(*keys)
+        """Delete the log (benchmarks and tests)."""
+        self._buffer.clear()
+        await self.client.delete(self.key)

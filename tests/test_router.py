@@ -85,10 +85,11 @@ async def test_chain_request_and_lora_change_the_keys() -> None:
 
 async def test_reservations_spread_a_burst_the_view_has_not_seen() -> None:
     router, view, resv = make_router("least-loaded")
+    before = now_ms() - 1000  # heartbeats older than the decisions: they do not show them
     for n in ("p0", "p1", "p2"):
-        heartbeat(view, n)
-    heartbeat(view, "d0", "decode")
-    heartbeat(view, "d1", "decode")
+        heartbeat(view, n, ts=before)
+    heartbeat(view, "d0", "decode", ts=before)
+    heartbeat(view, "d1", "decode", ts=before)
     outs = [await router.route(token_request(f"b{i}")) for i in range(6)]
     assert Counter(o.prefill_instance for o in outs) == {"p0": 2, "p1": 2, "p2": 2}
     assert Counter(o.decode_instance for o in outs) == {"d0": 3, "d1": 3}

@@ -109,10 +109,21 @@ class Reuse:
 class Costs:
     """The estimates the policies share, bound to one profile."""
 
-    __slots__ = ("profile",)
+    __slots__ = ("profile", "_prefill")
 
     def __init__(self, profile: ModelProfile) -> None:
         self.profile = profile
+        self._prefill: dict[tuple[float, float], float] = {}
+
+    def prefill_s(self, total: float, cached: float) -> float:
+        """``profile.prefill_seconds``, memoised: a decision asks for the same few pairs many times."""
+        key = (total, cached)
+        v = self._prefill.get(key)
+        if v is None:
+            if len(self._prefill) > 65_536:
+                self._prefill.clear()
+            v = self._prefill[key] = self.profile.prefill_seconds(total, cached)  # type: ignore[arg-type]
+        return v
 
     def queue_wait_s(self, inst: Instance) -> float:
         """Prefill time of what is already queued on ``inst``.
@@ -125,14 +136,14 @@ class Costs:
             return 0.0
         k = inst.queued_requests
         if k <= 1:
-            return self.profile.prefill_seconds(q)
-        return k * self.profile.prefill_seconds(q / k)  # type: ignore[arg-type]
+            return self.prefill_s(q, 0)
+        return k * self.prefill_s(q / k, 0)
 
     def local_reuse(self, inst: Instance, request: PolicyRequest, block_size: int) -> Reuse:
         """Cheapest way to prefill on ``inst`` using only its own cache (possibly none of it)."""
         n = request.prompt_tokens
         prof = self.profile
-        best = Reuse(0, None, None, prof.prefill_seconds(n, 0))
+        best = Reuse(0, None, None, self.prefill_s(n, 0))
         h, dr, ss = _segments(inst.prefix_blocks, request.chain_len)
         cum = 0
         hbm_t = dram_t = ssd_t = 0
@@ -148,7 +159,7 @@ class Costs:
             else:
                 ssd_t = toks
             cached = min(cum * block_size, n - 1)  # engines always compute the last token
-            cost = prof.prefix_load_seconds(hbm_t, dram_t, ssd_t, remote=False) + prof.prefill_seconds(n, cached)
+            cost = prof.prefix_load_seconds(hbm_t, dram_t, ssd_t, remote=False) + self.prefill_s(n, cached)
             if cost < best.cost_s:
                 best = Reuse(cum, inst.node_id, tier, cost)
         return best
@@ -174,7 +185,7 @@ class Costs:
                 dram_t = toks
             else:
                 ssd_t = toks
-            compute = prof.prefill_seconds(n, min(cum * block_size, n - 1))
+            compute = self.prefill_s(n, min(cum * block_size, n - 1))
             cs = prof.prefix_load_seconds(hbm_t, dram_t, ssd_t, remote=True, same_rack=True) + compute
             cc = prof.prefix_load_seconds(hbm_t, dram_t, ssd_t, remote=True, same_rack=False) + compute
             if same is None or cs < same.cost_s:

@@ -20,6 +20,10 @@ from ..snapshot import ClusterSnapshot, PolicyRequest
 from .base import BasePolicy, Decision, Placement, PolicyParams, Rejection, Reuse, pick_lowest, split_roles
 
 
+def _first(item: tuple) -> float:
+    return item[0]
+
+
 class KvCacheCentricParams(PolicyParams):
     kvcache_balancing_threshold: float = Field(
         default=1.0,
@@ -50,13 +54,18 @@ class KvCacheCentric(BasePolicy):
         bs = snapshot.block_size
 
         # --- prefill: lowest predicted TTFT -------------------------------------------
-        remote: list[tuple[str, str | None, Reuse, Reuse]] = []
+        same_rack: list[tuple[float, str, str | None, Reuse]] = []
+        cross_rack: list[tuple[float, str, str | None, Reuse]] = []
         if p.remote_reuse:
             for h in snapshot.instances:
                 if h.prefix_blocks[2] > 0:
                     opts = costs.remote_options(h, request, bs)
                     if opts is not None:
-                        remote.append((h.node_id, h.rack, opts[0], opts[1]))
+                        same_rack.append((opts[0].cost_s, h.node_id, h.rack, opts[0]))
+                        cross_rack.append((opts[1].cost_s, h.node_id, h.rack, opts[1]))
+            # Cheapest first: each prefill instance stops at its first usable copy.
+            same_rack.sort(key=_first)
+            cross_rack.sort(key=_first)
         threshold = p.kvcache_balancing_threshold
         ttfts: list[float] = []
         reuses: list[Reuse] = []
@@ -64,12 +73,19 @@ class KvCacheCentric(BasePolicy):
         for inst in prefills:
             best = costs.local_reuse(inst, request, bs)
             floor = best.blocks * threshold
-            for node_id, rack, same, cross in remote:
-                if node_id == inst.node_id:
-                    continue
-                r = same if rack == inst.rack else cross
-                if r.blocks > floor and r.cost_s < best.cost_s:
+            node, rack = inst.node_id, inst.rack
+            for cost, holder, hrack, r in same_rack:
+                if cost >= best.cost_s:
+                    break
+                if hrack == rack and holder != node and r.blocks > floor:
                     best = r
+                    break
+            for cost, holder, hrack, r in cross_rack:
+                if cost >= best.cost_s:
+                    break
+                if hrack != rack and r.blocks > floor:
+                    best = r
+                    break
             wait = costs.queue_wait_s(inst)
             waits.append(wait)
             reuses.append(best)
