@@ -188,3 +188,21 @@ async def test_a_restarted_engine_already_past_the_old_sequence_is_not_mixed_wit
     await stop_all(stop, task, again)
     assert out.stored_keys(bridge.epoch) == chain_keys(list(range(80)), 16)
     assert bridge.counts["reconnects"] >= 1 and bridge.counts["epoch_restart"] == 1
+
+
+async def test_a_batch_seen_twice_replay_and_live_is_applied_once(pub: EventPublisher) -> None:
+    from conductor.bridge.wire import seq_frame
+
+    out = Collected()
+    bridge, stop, task = await start(pub, out, heartbeat_s=None)
+    for i in range(3):
+        await pub.publish(0.0, [stored(i)])
+    await until(lambda: len(out.stored_keys()) == 3)
+    seq, payload = pub.buffer[1]
+    await pub.pub.send_multipart([pub.topic, seq_frame(seq), payload])  # the same batch again
+    await pub.publish(0.0, [stored(3)])
+    await until(lambda: len(out.stored_keys()) == 4)
+    await stop_all(stop, task, pub)
+    assert out.stored_keys() == KEYS[:4]
+    assert bridge.counts["duplicates"] == 1 and bridge.counts["epoch_restart"] == 0
+    assert len({e.epoch for e in out.envs}) == 1

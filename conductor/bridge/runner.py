@@ -30,7 +30,7 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
@@ -44,6 +44,8 @@ from .translate import NodeTranslator
 from .wire import WireError, decode_batch, parse_seq, seq_frame
 
 log = logging.getLogger(__name__)
+
+RECENT_BATCHES = 4096
 
 Sink = Callable[[list[Envelope]], Awaitable[None]]
 """Publishes envelopes in order; raises if they could not be published."""
@@ -88,6 +90,8 @@ class Bridge:
         self._seq = 0
         """producer_seq of the last record published in this epoch."""
         self._last_applied: tuple[int, bytes] | None = None
+        self._recent: OrderedDict[int, bytes] = OrderedDict()
+        """Digests of the last batches applied in this epoch, by seq: tells a repeat from a restart."""
         self._disconnected = False
         self._verify = False
         self._last_engine_contact = 0.0
@@ -103,6 +107,7 @@ class Bridge:
         self.translator.reset()
         self.expected = None
         self._last_applied = None
+        self._recent.clear()
         self.counts[f"epoch_{reason}"] += 1
         log.info("node %s: new epoch %d (%s)", self.config.node_id, self.epoch, reason)
         self._seq = -1
@@ -123,7 +128,11 @@ class Bridge:
     async def _apply(self, seq: int, payload: bytes) -> None:
         """Apply engine batch ``seq``, which is the next one in order."""
         self.expected = seq + 1
-        self._last_applied = (seq, hashlib.blake2b(payload, digest_size=16).digest())
+        digest = hashlib.blake2b(payload, digest_size=16).digest()
+        self._last_applied = (seq, digest)
+        self._recent[seq] = digest
+        while len(self._recent) > RECENT_BATCHES:
+            self._recent.popitem(last=False)
         try:
             batch = decode_batch(payload)
         except WireError as e:
@@ -239,7 +248,11 @@ class Bridge:
         if self._verify and not await self._same_run():
             await self._new_epoch("restart")
         if self.expected is not None and seq < self.expected:
-            # PUB never repeats a sequence number: the engine restarted.
+            if self._recent.get(seq) == hashlib.blake2b(payload, digest_size=16).digest():
+                # Already applied: it came both from replay and from the live socket.
+                self.counts["duplicates"] += 1
+                return
+            # A different batch under an old number: the engine restarted.
             await self._new_epoch("restart")
         if self.expected is None:
             if seq > 0 and self.config.replay_endpoint:
