@@ -224,3 +224,19 @@ def test_request_seed_is_stable_and_per_request() -> None:
     assert request_seed(0, "a") == request_seed(0, "a")
     assert len({request_seed(0, "a"), request_seed(1, "a"), request_seed(0, "b")}) == 3
     assert 0 <= request_seed(5, "x") < 2**64
+
+
+async def test_metrics_are_exported() -> None:
+    from conductor.metrics import scrape, setup_metrics
+
+    setup_metrics("conductor-test")
+    router, view, _ = make_router()
+    heartbeat(view, "p0")
+    await router.route(token_request("m1"))  # no decode instance: a rejection
+    heartbeat(view, "d0", "decode")
+    await router.route(token_request("m2"))
+    text = scrape()
+    assert "conductor_router_decision_latency" in text
+    assert "conductor_router_reused_prefix_ratio" in text
+    assert 'reason="no_live_instance"' in text
+    assert 'prefill="p0"' in text

@@ -1,0 +1,102 @@
+"""The routing worker on the real broker and Redis: requests in → decisions on ``dispatch``."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from conductor.router import Router, RouterWorker, redis_stores, request_seed
+from schemas import (
+    BlocksStored,
+    DeadLetter,
+    Heartbeat,
+    RoutingDecision,
+    RoutingRejection,
+    RoutingRequest,
+    chain_keys,
+    decode,
+    encode,
+    envelope,
+)
+from streams import kafka
+from streams.topics import topics
+
+pytestmark = pytest.mark.integration
+
+TOKENS = list(range(5000, 5000 + 32 * 16))
+
+
+async def test_requests_become_decisions_on_dispatch(settings) -> None:
+    now = int(time.time() * 1000)
+    view, resv = redis_stores(settings, producer_id="router-test")
+    hb = [("p-cold", "prefill"), ("p-warm", "prefill"), ("d-0", "decode"), ("d-1", "decode")]
+    records = [(envelope(Heartbeat(role=role, rack="r0"), producer_id=n, producer_seq=0, ts_ms=now - 500), None)
+               for n, role in hb]
+    records.append((envelope(BlocksStored(block_keys=chain_keys(TOKENS, settings.block_size)),
+                             producer_id="p-warm", producer_seq=1, ts_ms=now - 500), None))
+    await view.apply(records)
+
+    t = topics(settings)
+    await kafka.ensure_topics(settings, t.all())
+    requests = [
+        RoutingRequest(request_id="warm", token_ids=TOKENS, prompt_tokens=len(TOKENS)),
+        RoutingRequest(request_id="cold", token_ids=list(range(9000, 9000 + 256)), prompt_tokens=256),
+        RoutingRequest(request_id="chain", block_keys=chain_keys(TOKENS, settings.block_size)[:8], prompt_tokens=128),
+        RoutingRequest(request_id="too-long", block_keys=[1, 2, 3, 4, 5], prompt_tokens=16),
+        RoutingRequest(request_id="slo", token_ids=TOKENS, prompt_tokens=len(TOKENS), ttft_slo_s=1e-6),
+    ]
+    prod = kafka.producer(settings)
+    await prod.start()
+    for i, req in enumerate(requests):
+        await prod.send(t.requests.name, encode(envelope(req, producer_id="gw", producer_seq=i, ts_ms=now)),
+                        key=req.request_id.encode())
+    await prod.send(t.requests.name, b"\x00garbage", key=b"garbled")
+    await prod.send(t.requests.name, b"\x00garbage, no key")
+    await prod.stop()
+
+    router = Router(settings, view, resv)
+    worker = RouterWorker(settings, router, router_id="router-test")
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    cons = kafka.consumer(settings, t.dispatch.name, t.dead_letter.name, group_id=None)
+    await cons.start()
+    got: dict[str, tuple[bytes, object]] = {}
+    dead: list[DeadLetter] = []
+    try:
+        deadline = time.monotonic() + 30
+        while len(got) < 6 or not dead:
+            assert time.monotonic() < deadline, f"only {sorted(got)} and {len(dead)} dead letters arrived"
+            for tp, recs in (await cons.getmany(timeout_ms=500)).items():
+                for rec in recs:
+                    body = decode(rec.value).body
+                    if isinstance(body, DeadLetter):
+                        dead.append(body)
+                    else:
+                        got[body.request_id] = (rec.key, body)
+    finally:
+        stop.set()
+        await cons.stop()
+        await asyncio.wait_for(task, 15)
+        await resv.clear()
+        await view.close()
+
+    key, warm = got["warm"]
+    # p-warm, or p-cold reading p-warm's copy when an earlier decision queued work on p-warm
+    assert isinstance(warm, RoutingDecision) and key == warm.prefill_instance.encode()
+    assert warm.decode_instance in ("d-0", "d-1")
+    assert warm.reused_tokens == len(TOKENS) and warm.reuse_source == "p-warm"
+    assert warm.seed == request_seed(settings.seed, "warm") and warm.policy == "kvcache-centric"
+    assert warm.watermark == {} and not warm.degraded  # the view was written without positions
+
+    _, cold = got["cold"]
+    assert isinstance(cold, RoutingDecision) and cold.reused_tokens == 0
+    _, chain = got["chain"]
+    assert isinstance(chain, RoutingDecision) and chain.reuse_source == "p-warm" and chain.reused_tokens == 128
+    for rid, reason, key in (("too-long", "invalid_request", b"too-long"), ("slo", "ttft_slo", b"slo"),
+                             ("garbled", "invalid_request", b"garbled")):
+        k, rej = got[rid]
+        assert isinstance(rej, RoutingRejection) and rej.reason == reason and k == key, (rid, rej)
+    assert dead[0].source_topic == t.requests.name and dead[0].reason == "malformed"
+    assert worker.routed == 6
