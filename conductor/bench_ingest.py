@@ -36,7 +36,7 @@ from schemas import BlocksRemoved, BlocksStored, Heartbeat, chain_from_precomput
 @dataclass(frozen=True)
 class IngestBenchConfig:
     nodes: int = 16
-    block_events: int = 400_000
+    block_events: int = 1_000_000
     mean_blocks: int = 96
     offered_rate: int = 10_000
     staleness_s: float = 6.0

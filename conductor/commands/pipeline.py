@@ -146,7 +146,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
     def bench_ingest(
         json_out: bool = typer.Option(False, "--json", help="print one JSON line with the results"),
         nodes: int = typer.Option(16, min=1, help="engine nodes publishing"),
-        block_events: int = typer.Option(400_000, min=1000, help="block events in the throughput phase"),
+        block_events: int = typer.Option(1_000_000, min=1000, help="block events in the throughput phase"),
         mean_blocks: int = typer.Option(96, min=1, help="mean block keys per stored record (16-token blocks)"),
         offered_rate: int = typer.Option(10_000, min=100, help="block events/s offered in the staleness phase"),
         staleness_s: float = typer.Option(6.0, min=1.0, help="length of the staleness phase"),
