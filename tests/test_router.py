@@ -240,3 +240,41 @@ async def test_metrics_are_exported() -> None:
     assert "conductor_router_reused_prefix_ratio" in text
     assert 'reason="no_live_instance"' in text
     assert 'prefill="p0"' in text
+
+
+def test_router_command_exits_with_the_bad_policy_param() -> None:
+    from typer.testing import CliRunner
+
+    from conductor.cli import app
+
+    env = {"CONDUCTOR_KAFKA_URL": "127.0.0.1:1", "CONDUCTOR_REDIS_URL": "redis://127.0.0.1:1/0",
+           "CONDUCTOR_POLICY": "dynamo-style", "CONDUCTOR_POLICY_PARAMS": '{"temprature": 0.5}'}
+    res = CliRunner().invoke(app, ["router"], env=env)
+    assert res.exit_code == 2
+    assert "unknown parameter 'temprature'" in res.output
+
+
+def test_policies_and_profile_fit_commands(tmp_path) -> None:
+    import json
+
+    from typer.testing import CliRunner
+
+    from conductor.cli import app
+    from conductor.profiles import DEFAULT_PROFILE, load_profile
+
+    runner = CliRunner()
+    res = runner.invoke(app, ["policies", "--json"])
+    assert res.exit_code == 0
+    assert {p["name"] for p in json.loads(res.output)} >= {"kvcache-centric", "llm-d-style"}
+    prof = load_profile(DEFAULT_PROFILE).model_copy(update={"a": 5.0, "b": 20.0})
+    csv = tmp_path / "t.csv"
+    csv.write_text("tokens,cached,seconds\n" + "".join(
+        f"{n},{c},{prof.prefill_seconds(n, c)}\n" for n, c in [(512, 0), (2048, 0), (8192, 1024), (16384, 0), (30000, 8000)]))
+    out = tmp_path / "fit.json"
+    res = runner.invoke(app, ["profile", "fit", "--csv", str(csv), "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    fit = json.loads(res.output)
+    assert fit["a"] == pytest.approx(5.0, rel=1e-3) and fit["b"] == pytest.approx(20.0, rel=1e-3)
+    assert load_profile(str(out)).a == pytest.approx(5.0, rel=1e-3)
+    bad = runner.invoke(app, ["profile", "fit", "--csv", str(csv), "--base", "nope"])
+    assert bad.exit_code == 2 and "unknown model profile 'nope'" in bad.output

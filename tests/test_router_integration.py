@@ -100,3 +100,14 @@ async def test_requests_become_decisions_on_dispatch(settings) -> None:
         assert isinstance(rej, RoutingRejection) and rej.reason == reason and k == key, (rid, rej)
     assert dead[0].source_topic == t.requests.name and dead[0].reason == "malformed"
     assert worker.routed == 6
+
+
+async def test_bench_route_runs_small(settings) -> None:
+    from conductor.commands.routing import run_route_bench
+
+    s = settings.model_copy(update={"heartbeat_ttl_s": 3600.0})
+    out = await run_route_bench(s, decisions=150, target_blocks=5000, seed=3, heartbeat_every_s=0.05)
+    assert out["instances"] == 32 and out["blocks"] >= 5000 and out["chain_blocks"] == 128
+    assert sum(out["outcomes"].values()) == 150
+    assert 0 < out["decision_ms_p50"] <= out["decision_ms_p99"] and out["decisions_per_s"] > 0
+    assert 0 < out["reused_prefix_ratio_mean"] < 1  # shared prefixes are found, questions are new
