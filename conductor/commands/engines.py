@@ -200,6 +200,10 @@ def register(groups: dict[str, typer.Typer]) -> None:
         trace: Path = typer.Option(None, help="Mooncake-format JSONL trace [default: the bundled conversation trace]"),
         prefill: int = typer.Option(2, min=1, max=16, help="emulated prefill instances"),
         decode: int = typer.Option(2, min=1, max=16, help="emulated decode instances"),
+        sample: int = typer.Option(6, min=1, help="keep one conversation in N of the trace (a short run then "
+                                   "covers more trace time, so conversations come back to their prefixes)"),
+        block_size: int = typer.Option(64, min=1, max=4096, help="tokens per KV block in this demo's cluster"),
+        kv_blocks: int = typer.Option(16_384, min=1, help="prefix-cache capacity of each emulated instance, in blocks"),
         json_out: bool = typer.Option(False, "--json", help="print one JSON line with the results at the end"),
     ) -> None:
         """The whole system on one machine: broker, Redis, stream worker, router, bridges and emulated engines.
@@ -219,7 +223,8 @@ def register(groups: dict[str, typer.Typer]) -> None:
 
         opts = DemoOptions(
             duration_s=duration, speed=speed, policy=policy or s.policy, baseline=baseline, trace=trace,
-            prefill=prefill, decode=decode, json_out=json_out,
+            prefill=prefill, decode=decode, json_out=json_out, sample=sample, block_size=block_size,
+            kv_blocks=kv_blocks,
         )
         result = run_demo(s, opts)
         if json_out:
