@@ -276,7 +276,11 @@ class Router:
             if not key_id:
                 return "", e
             return key_id, self.reject(key_id, "invalid_request", str(e))
-        out = await self.route(body)
+        try:
+            out = await self.route(body)
+        except Exception as e:  # a bug must not turn one request into a crash loop of every replica
+            log.exception("routing %s failed", body.request_id)
+            out = self.reject(body.request_id, "invalid_request", f"router error: {type(e).__name__}: {e}")
         return (out.prefill_instance if isinstance(out, RoutingDecision) else out.request_id), out
 
 

@@ -278,3 +278,24 @@ def test_policies_and_profile_fit_commands(tmp_path) -> None:
     assert load_profile(str(out)).a == pytest.approx(5.0, rel=1e-3)
     bad = runner.invoke(app, ["profile", "fit", "--csv", str(csv), "--base", "nope"])
     assert bad.exit_code == 2 and "unknown model profile 'nope'" in bad.output
+
+
+async def test_a_policy_bug_rejects_the_request_and_the_worker_goes_on() -> None:
+    router, view, _ = make_router()
+    heartbeat(view, "p0")
+    heartbeat(view, "d0", "decode")
+
+    class Broken:
+        name, params = "broken", {}
+
+        def decide(self, *a):
+            raise ZeroDivisionError("oops")
+
+    good = router.policy
+    router.policy = Broken()
+    req = envelope(token_request("boom"), producer_id="gw", producer_seq=0, ts_ms=1)
+    key, out = await router.handle(encode(req), b"boom")
+    assert key == "boom" and out.reason == "invalid_request" and "ZeroDivisionError" in out.message
+    router.policy = good
+    key, out = await router.handle(encode(req), b"boom")
+    assert isinstance(out, RoutingDecision) and key == "p0"
