@@ -154,8 +154,8 @@ async def run_ingest_bench(
         mem0 = await store.memory_bytes()
         worker = start_worker_process(s, Path(tmp.name) / "worker.log")
         prod = producer(s)
-        await prod.start()
         try:
+            await prod.start()
             engines = SyntheticEngines(cfg, t.kv_events.name, t.heartbeats.name)
             # Ready = a probe heartbeat is visible (the worker joined and folds).
             t_ready0 = time.monotonic()
@@ -224,8 +224,11 @@ async def run_ingest_bench(
             mem1 = await store.memory_bytes()
             n_blocks = await store.block_count()
         finally:
-            await prod.stop()
             stop_worker_process(worker)
+            try:
+                await prod.stop()
+            except Exception:  # it may never have started
+                pass
             await store.clear()
             await store.close()
         return {

@@ -167,7 +167,16 @@ def register(groups: dict[str, typer.Typer]) -> None:
             staleness_s=staleness_s, seed=seed,
         )
         logging.getLogger("aiokafka").setLevel(logging.WARNING)
-        out = asyncio.run(run_ingest_bench(s, cfg, log=None if json_out else err.print))
+        try:
+            out = asyncio.run(run_ingest_bench(s, cfg, log=None if json_out else err.print))
+        except (OSError, TimeoutError, RuntimeError) as e:
+            err.print(f"[red]error:[/red] bench failed: {type(e).__name__}: {e}")
+            raise typer.Exit(1) from None
+        except Exception as e:  # aiokafka's errors share no base we import here
+            if type(e).__module__.startswith("aiokafka"):
+                err.print(f"[red]error:[/red] Kafka: {type(e).__name__}: {e}")
+                raise typer.Exit(1) from None
+            raise
         if json_out:
             print_json(out)
         else:
