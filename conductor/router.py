@@ -47,7 +47,7 @@ from schemas import (
     headers,
 )
 from state.reservations import Load, ReservationStore, placement_reservations
-from state.view import NodeState, ViewReader, ViewSnapshot
+from state.view import NodeState, ViewReader, ViewSnapshot, longest_prefixes
 
 from .errors import ViewStoreError
 from .metrics import meter
@@ -380,6 +380,116 @@ class RouterWorker:
             await prod.stop()
 
 
+class RawSnapshotReader:
+    """The view's one-round-trip snapshot read over a dedicated RESP connection.
+
+    Same commands, same key layout and same parsing as ``RedisViewStore.snapshot``
+    (whose ``_parse_nodes`` it reuses, so node states stay identical), but packed and
+    parsed by hiredis on a raw asyncio stream: redis-py's asyncio pipeline costs more
+    client CPU than the read itself, and that CPU is what bounds one router's
+    throughput. Everything else is delegated to the wrapped store. A lost connection
+    is re-opened on the next read; failures raise :class:`ViewStoreError`.
+    """
+
+    def __init__(self, view: Any, url: str, timeout_s: float = 0.5) -> None:
+        from urllib.parse import urlparse
+
+        u = urlparse(url)
+        if u.scheme not in ("redis", ""):
+            raise ViewStoreError(f"the raw snapshot reader speaks plain redis:// only, not {u.scheme}://")
+        self.view = view
+        self.host, self.port = u.hostname or "127.0.0.1", u.port or 6379
+        self.db = int((u.path or "/0").lstrip("/") or 0)
+        self.password = u.password
+        self.timeout_s = timeout_s
+        self._io: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        self._lock = asyncio.Lock()
+        import hiredis
+
+        self._hiredis = hiredis
+        self._tail = hiredis.pack_command(("HGETALL", view._nodes_key)) + hiredis.pack_command(("HGETALL", view._wm_key))
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.view, name)
+
+    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(self.host, self.port), self.timeout_s)
+        setup = b""
+        n = 0
+        if self.password:
+            setup += self._hiredis.pack_command(("AUTH", self.password))
+            n += 1
+        if self.db:
+            setup += self._hiredis.pack_command(("SELECT", self.db))
+            n += 1
+        self._io = (reader, writer)
+        if n:
+            for r in await self._roundtrip(setup, n):
+                if isinstance(r, self._hiredis.ReplyError):
+                    raise ViewStoreError(f"view connection set-up failed: {r}")
+        return reader, writer
+
+    async def _roundtrip(self, packed: bytes, replies: int) -> list[Any]:
+        assert self._io is not None
+        reader, writer = self._io
+        parser = self._hiredis.Reader()
+        writer.write(packed)
+        out: list[Any] = []
+        while len(out) < replies:
+            data = await asyncio.wait_for(reader.read(1 << 16), self.timeout_s)
+            if not data:
+                raise ConnectionError("connection closed by the server")
+            parser.feed(data)
+            while len(out) < replies:
+                r = parser.gets()
+                if r is False:
+                    break
+                out.append(r)
+        return out
+
+    async def snapshot(self, chain: Sequence[int], *, now_ms: int | None = None) -> ViewSnapshot:
+        h = self._hiredis
+        pre = self.view._bpre
+        packed = h.pack_command(("TIME",))
+        if chain:
+            packed += h.pack_command(("MGET", *[pre + k.to_bytes(8, "big") for k in chain]))
+        packed += self._tail
+        async with self._lock:
+            try:
+                if self._io is None:
+                    await self._connect()
+                res = await self._roundtrip(packed, 4 if chain else 3)
+            except (OSError, asyncio.TimeoutError, ConnectionError, h.ProtocolError) as e:
+                await self._drop()
+                raise ViewStoreError(f"view read failed: {type(e).__name__}: {e}") from e
+        for r in res:
+            if isinstance(r, h.ReplyError):
+                raise ViewStoreError(f"view read failed: {r}")
+        if chain:
+            (sec, usec), values, flat_nodes, flat_wm = res
+        else:
+            (sec, usec), flat_nodes, flat_wm = res
+            values = []
+        if now_ms is None:
+            now_ms = int(sec) * 1000 + int(usec) // 1000
+        nodes, slot_nodes = self.view._parse_nodes(dict(zip(flat_nodes[::2], flat_nodes[1::2])))
+        frm = int.from_bytes
+        prefix = longest_prefixes((frm(v, "little") if v else 0 for v in values), slot_nodes) if values else {}
+        return ViewSnapshot(
+            now_ms=now_ms, nodes=nodes, prefix=prefix,
+            watermark={flat_wm[i].decode(): int(flat_wm[i + 1]) for i in range(0, len(flat_wm), 2)},
+        )
+
+    async def _drop(self) -> None:
+        io, self._io = self._io, None
+        if io is not None:
+            io[1].close()
+
+    async def close(self) -> None:
+        await self._drop()
+        await self.view.close()
+
+
 def _fast_connection_class() -> Any:
     """An asyncio Redis connection that packs commands with hiredis (C) instead of Python.
 
@@ -416,7 +526,9 @@ def redis_stores(settings: Settings, producer_id: str | None = None) -> tuple[An
         settings.redis_url, decode_responses=False, socket_timeout=0.5, socket_connect_timeout=0.5,
         health_check_interval=0, connection_class=_fast_connection_class(),
     )
-    return (RedisViewStore(client, settings.view_namespace),
+    view = RedisViewStore(client, settings.view_namespace)
+    reader = RawSnapshotReader(view, settings.redis_url) if settings.redis_url.startswith("redis://") else view
+    return (reader,
             RedisReservations(client, settings.view_namespace, settings.reservation_ttl_s,
                               producer_id=producer_id or default_router_id()))
 

@@ -111,3 +111,35 @@ async def test_bench_route_runs_small(settings) -> None:
     assert sum(out["outcomes"].values()) == 150
     assert 0 < out["decision_ms_p50"] <= out["decision_ms_p99"] and out["decisions_per_s"] > 0
     assert 0 < out["reused_prefix_ratio_mean"] < 1  # shared prefixes are found, questions are new
+
+
+async def test_raw_snapshot_reader_matches_the_view_store(settings) -> None:
+    from conductor.errors import ViewStoreError
+    from conductor.router import RawSnapshotReader
+
+    reader, resv = redis_stores(settings, producer_id="raw-test")
+    assert isinstance(reader, RawSnapshotReader)
+    view = reader.view
+    now = int(time.time() * 1000)
+    chain = chain_keys(TOKENS, settings.block_size)
+    await view.apply([
+        (envelope(Heartbeat(role="prefill", queued_prefill_tokens=7, rack="r1"), producer_id="p0", producer_seq=0,
+                  ts_ms=now), None),
+        (envelope(Heartbeat(role="store"), producer_id="s0", producer_seq=0, ts_ms=now), None),
+        (envelope(BlocksStored(block_keys=chain[:10]), producer_id="p0", producer_seq=1, ts_ms=now), None),
+        (envelope(BlocksStored(block_keys=chain, tier="ssd"), producer_id="s0", producer_seq=1, ts_ms=now), None),
+    ])
+    try:
+        for c in (chain, chain[:3], [], [123456789]):
+            a = await reader.snapshot(c, now_ms=now)
+            b = await view.snapshot(c, now_ms=now)
+            assert a == b
+        assert (await reader.snapshot(chain, now_ms=now)).prefix == {"p0": (10, 10, 10), "s0": (0, 0, 32)}
+        await reader._drop()  # a lost connection is re-opened by the next read
+        assert (await reader.snapshot(chain[:1])).prefix["p0"] == (1, 1, 1)
+    finally:
+        await view.clear()
+        await reader.close()
+    dead = RawSnapshotReader(view, "redis://127.0.0.1:1/0", timeout_s=0.2)
+    with pytest.raises(ViewStoreError, match="view read failed"):
+        await dead.snapshot(chain)
