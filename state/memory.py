@@ -230,6 +230,10 @@ class InMemoryViewStore:
     async def apply_ops(self, batch: Sequence[tuple[SourcePosition | None, Sequence[Op]]]) -> int:
         return sum(self.apply_ops_sync(ops, pos) for pos, ops in batch)
 
+    async def apply_groups(self, batch: Sequence[tuple[SourcePosition | None, Sequence[Op]]]) -> list[int]:
+        """Like :meth:`apply_ops`, with 1/0 (applied/fenced) per group."""
+        return [int(self.apply_ops_sync(ops, pos)) for pos, ops in batch]
+
     async def streams(self, node_ids: Sequence[str]) -> dict[str, NodeStream]:
         return {n: self._nodes[n].stream for n in node_ids if n in self._nodes}
 

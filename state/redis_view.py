@@ -256,10 +256,10 @@ class RedisViewStore:
     # --- writing ------------------------------------------------------------
 
     async def apply_ops(self, batch: Sequence[tuple[SourcePosition | None, Sequence[Op]]]) -> int:
-        results = await self._apply_groups(batch)
+        results = await self.apply_groups(batch)
         return sum(results)
 
-    async def _apply_groups(self, batch: Sequence[tuple[SourcePosition | None, Sequence[Op]]]) -> list[int]:
+    async def apply_groups(self, batch: Sequence[tuple[SourcePosition | None, Sequence[Op]]]) -> list[int]:
         """Run the script over ``batch`` in chunks; return 1/0 (applied/fenced) per group.
 
         A fenced group always goes whole into one script call (its effect and its fence are
@@ -324,7 +324,7 @@ class RedisViewStore:
             groups.append((pos, f.ops if f.outcome == APPLIED else ()))
             where.append(len(outcomes) - 1)
         # A group the script refuses was fenced by a concurrent writer that got there first.
-        flags = await self._apply_groups(groups) if groups else []
+        flags = await self.apply_groups(groups) if groups else []
         for i, ok in zip(where, flags):
             if not ok:
                 outcomes[i] = FENCED

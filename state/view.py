@@ -110,6 +110,10 @@ class ViewStore(ViewReader, Protocol):
         order and atomically with their positions; return how many groups applied."""
         ...
 
+    async def apply_groups(self, batch: Sequence[tuple[SourcePosition | None, Sequence[Any]]]) -> list[int]:
+        """:meth:`apply_ops` reporting each group: 1 applied, 0 skipped by the fence."""
+        ...
+
     async def streams(self, node_ids: Sequence[str]) -> dict[str, Any]:
         """The stored ``state.fold.NodeStream`` of each known node among ``node_ids``."""
         ...

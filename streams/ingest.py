@@ -10,7 +10,7 @@ batch it
 2. folds the good ones (``state.fold``) with the per-node stream state from
    ``kv_streams`` / ``hb_streams`` (Faust tables in the worker, dicts elsewhere; a node
    missing there is loaded from the view);
-3. writes all their operations in one fenced call (``ViewStore.apply_ops``), and only then
+3. writes all their operations in one fenced call (``ViewStore.apply_groups``), and only then
    updates the stream state — so a crash between the two re-folds the same records on
    re-delivery and the view's offset fence drops them.
 """
@@ -26,6 +26,7 @@ from typing import Any
 from schemas import DeadLetter, DecodeError, Envelope, Heartbeat, decode, envelope
 from schemas.records import MAX_ORIGINAL_BYTES, MAX_TEXT
 from state.fold import APPLIED, NodeStream, Op, UnfoldableRecord, fold
+from state.memory import FENCED
 from state.view import SourcePosition
 from streams.topics import Topics
 
@@ -210,12 +211,12 @@ class Ingestor:
             groups.append((rec.position, f.ops if f.outcome == APPLIED else ()))
             folded.append((env, f))
 
-        flags = await self.store.apply_ops(groups) if groups else 0
-        del flags  # fenced groups were applied before: the fold already said what to count
+        flags = await self.store.apply_groups(groups) if groups else []
         now = self.clock_ms()
-        for env, f in folded:
-            if f.outcome != APPLIED:
-                res.skipped[f.outcome] = res.skipped.get(f.outcome, 0) + 1
+        for (env, f), ok in zip(folded, flags):
+            outcome = f.outcome if ok else FENCED  # a re-delivery the view had already applied
+            if outcome != APPLIED:
+                res.skipped[outcome] = res.skipped.get(outcome, 0) + 1
                 continue
             res.applied += 1
             if isinstance(env.body, Heartbeat):

@@ -93,11 +93,11 @@ class FlakyStore(InMemoryViewStore):
         super().__init__()
         self.failures = n
 
-    async def apply_ops(self, batch):
+    async def apply_groups(self, batch):
         if self.failures:
             self.failures -= 1
             raise ViewStoreError("connection refused")
-        return await super().apply_ops(batch)
+        return await super().apply_groups(batch)
 
 
 async def test_state_moves_only_after_the_view_write_and_writes_are_retried():
@@ -111,3 +111,18 @@ async def test_state_moves_only_after_the_view_write_and_writes_are_retried():
     await process_until_done(ing, [rec(0, stored("a", 0, [1]))])  # one more failure, then success
     assert ing.kv_streams["a"][:2] == [0, 0]
     assert (await store.snapshot([1], now_ms=0)).prefix == {"a": (1, 1, 1)}
+
+
+async def test_a_lagging_table_is_caught_by_the_offset_fence():
+    """After a crash the table may be behind the view; re-delivered records fold as new but
+    the view's fence refuses them, and they are counted as fenced, not applied."""
+    store = InMemoryViewStore()
+    envs = [stored("a", i, [10 + i]) for i in range(3)]
+    for i, e in enumerate(envs):
+        store.apply_sync(e, SourcePosition(KV, 0, i))
+    store.apply_sync(stored("a", 3, [99]), SourcePosition(KV, 0, 3))  # applied, then a crash
+    ing = Ingestor(T, store, kv_streams={"a": [0, 2, 0, 0]})  # the table only saw seq 0-2
+    res = await ing.process([rec(3, stored("a", 3, [99])), rec(4, stored("a", 4, [5]))])
+    assert res.skipped == {"fenced": 1} and res.applied == 1
+    assert ing.kv_streams["a"][:2] == [0, 4]
+    assert (await store.snapshot([10, 11, 12], now_ms=0)).prefix == {"a": (3, 3, 3)}

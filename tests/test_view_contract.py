@@ -191,6 +191,12 @@ class ViewStoreContract:
         assert snap.prefix == {"a": (100, 100, 100), "b": (0, 2, 2)}
         assert [x.node_id for x in snap.live_nodes(1.0)] == ["a"]
 
+    async def test_apply_groups_reports_each_group(self, store):
+        pos = SourcePosition("bulk", 1, 5)
+        flags = await store.apply_groups([(pos, [AddBlocks("a", 0, (1,))]), (pos, [AddBlocks("a", 0, (2,))]), (None, [])])
+        assert flags == [1, 0, 1]
+        assert (await store.snapshot([1, 2], now_ms=0)).prefix == {"a": (1, 1, 1)}
+
     async def test_clear(self, store):
         await self.feed(store, [stored("a", 0, [1])])
         await store.clear()
