@@ -72,6 +72,25 @@ def encode(record: Envelope) -> bytes:
     return msgpack.packb(wire, use_bin_type=True)
 
 
+def pack_script_args(value: Any) -> bytes:
+    """msgpack of plain values for a Redis Lua script (``cmsgpack.unpack``): str, not bin,
+    because Lua's cmsgpack has no separate bytes type."""
+    return msgpack.packb(value, use_bin_type=False)
+
+
+def unpack_foreign(data: bytes, *, strict_map_key: bool = False) -> Any:
+    """Plain msgpack of another system's wire format (the engines' KV-event batches).
+
+    Raises whatever msgpack raises; the caller owns that format's errors.
+    """
+    return msgpack.unpackb(data, raw=False, strict_map_key=strict_map_key, use_list=True)
+
+
+def pack_foreign(value: Any) -> bytes:
+    """Plain msgpack in another system's wire format (for emulated engines)."""
+    return msgpack.packb(value, use_bin_type=True)
+
+
 def headers(record: Envelope) -> list[tuple[str, bytes]]:
     """Kafka headers that let a consumer route or reject a record without decoding it."""
     return [

@@ -33,12 +33,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-import msgpack
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from conductor.errors import ViewStoreError
 from schemas import Envelope
+from schemas.codec import pack_script_args
 
 from .fold import (
     APPLIED,
@@ -294,7 +294,7 @@ class RedisViewStore:
 
     async def _run(self, groups: list[list[Any]]) -> list[int]:
         try:
-            res = await self._script(args=[self.ns, msgpack.packb(groups, use_bin_type=False)])
+            res = await self._script(args=[self.ns, pack_script_args(groups)])
         except RedisError as e:
             raise ViewStoreError(f"view write failed: {e}") from e
         return [int(x) for x in res]

@@ -18,9 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import msgpack
 
 from schemas import Tier
+from schemas.codec import pack_foreign, unpack_foreign
 
 MASK64 = (1 << 64) - 1
 MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
@@ -210,7 +210,7 @@ def decode_batch(payload: bytes) -> EngineBatch:
     if len(payload) > MAX_PAYLOAD_BYTES:
         raise WireError("too_large", f"{len(payload)} bytes")
     try:
-        raw = msgpack.unpackb(payload, raw=False, strict_map_key=False, use_list=True)
+        raw = unpack_foreign(payload)
     except Exception as e:  # msgpack raises several unrelated types for bad input
         raise WireError("malformed", f"not msgpack: {type(e).__name__}") from None
     if isinstance(raw, dict):
@@ -267,7 +267,7 @@ def encode_batch(
     batch: dict[str, Any] = {"ts": ts, "events": [_event_map(e) for e in events]}
     if data_parallel_rank is not None:
         batch["data_parallel_rank"] = data_parallel_rank
-    return msgpack.packb(batch, use_bin_type=True)
+    return pack_foreign(batch)
 
 
 def seq_frame(seq: int) -> bytes:
