@@ -30,9 +30,10 @@ import asyncio
 import hashlib
 import logging
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 import zmq.asyncio
@@ -359,18 +360,43 @@ class Bridge:
                 probe.close(linger=0)
 
 
-def kafka_sink(producer: object, topic: str) -> Sink:
-    """A sink that sends envelopes to ``topic`` keyed by their producer id, in order."""
-    from schemas import encode, headers
+class KafkaSink:
+    """Sends envelopes to a topic keyed by their producer id, in order, without a round trip each.
 
-    async def send(envs: list[Envelope]) -> None:
-        futures = []
+    aiokafka keeps at most one batch in flight per partition, so one node's records stay in
+    order. A send that failed is raised by the next call (or by :meth:`flush`), which stops the
+    bridge; a restarted bridge opens a new epoch, so a lost record is never silently skipped.
+    """
+
+    def __init__(self, producer: Any, topic: str, max_pending: int = 2_000) -> None:
+        self.producer = producer
+        self.topic = topic
+        self.max_pending = max_pending
+        self.pending: deque[asyncio.Future[Any]] = deque()
+
+    def _settle(self) -> None:
+        while self.pending and self.pending[0].done():
+            fut = self.pending.popleft()
+            if fut.exception() is not None:
+                raise fut.exception()  # type: ignore[misc]
+
+    async def __call__(self, envs: list[Envelope]) -> None:
+        from schemas import encode, headers
+
+        self._settle()
         for env in envs:
-            futures.append(
-                await producer.send(  # type: ignore[attr-defined]
-                    topic, encode(env), key=env.producer_id.encode(), headers=headers(env)
-                )
+            self.pending.append(
+                await self.producer.send(self.topic, encode(env), key=env.producer_id.encode(), headers=headers(env))
             )
-        await asyncio.gather(*futures)
+        while len(self.pending) > self.max_pending:
+            await self.pending.popleft()
 
-    return send
+    async def flush(self) -> None:
+        """Wait for every send so far; raise the first failure."""
+        while self.pending:
+            await self.pending.popleft()
+
+
+def kafka_sink(producer: Any, topic: str) -> KafkaSink:
+    """A sink onto ``topic`` (see :class:`KafkaSink`)."""
+    return KafkaSink(producer, topic)

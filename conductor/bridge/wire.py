@@ -18,7 +18,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-
 from schemas import Tier
 from schemas.codec import pack_foreign, unpack_foreign
 

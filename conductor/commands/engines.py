@@ -112,12 +112,14 @@ def register(groups: dict[str, typer.Typer]) -> None:
                 node_id=node_id, role=role, zmq_endpoint=zmq_endpoint, replay_endpoint=replay,  # type: ignore[arg-type]
                 block_size=s.block_size, heartbeat_s=heartbeat_s or None, model=model,
             )
-            b = Bridge(cfg, kafka_sink(prod, tps.kv_events.name), kafka_sink(prod, tps.heartbeats.name))
+            events = kafka_sink(prod, tps.kv_events.name)
+            b = Bridge(cfg, events, kafka_sink(prod, tps.heartbeats.name))
             _bridge_metrics(s, b)
             stop = asyncio.Event()
             _stop_on_signals(stop)
             try:
                 await _until_stopped(stop, asyncio.create_task(b.run(stop)))
+                await events.flush()
             finally:
                 await prod.stop()
             return b.counts + b.translator.counts
@@ -190,6 +192,30 @@ def register(groups: dict[str, typer.Typer]) -> None:
                 await prod.stop()
 
         asyncio.run(main())
+
+    @groups["bench"].command("bridge")
+    def bench_bridge(
+        batches: int = typer.Option(5_000, min=1, help="engine batches to publish"),
+        blocks: int = typer.Option(4, min=1, max=1024, help="blocks stored per batch (each a child of the previous)"),
+        kafka: bool = typer.Option(False, "--kafka", help="publish to Kafka too (needs CONDUCTOR_KAFKA_URL)"),
+        json_out: bool = typer.Option(False, "--json", help="print one JSON line"),
+    ) -> None:
+        """Throughput of the bridge: vLLM-format batches over ZMQ → decode → Conductor keys (→ Kafka).
+
+        Publishes BlockStored batches of one long chain on a loopback PUB socket and times how long the bridge
+        takes to turn all of them into records.
+        """
+        s = settings_or_exit()
+        if kafka:
+            _need_kafka(s)
+        from ..bridge.bench import run_bridge_bench
+
+        out = asyncio.run(run_bridge_bench(s, batches=batches, blocks=blocks, kafka=kafka))
+        if json_out:
+            print_json(out)
+        else:
+            for k, v in out.items():
+                typer.echo(f"{k}: {v}")
 
     @app.command("demo")
     def demo(
