@@ -51,6 +51,9 @@ VOCAB = 32_000
 DEFAULT_TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 
 
+MIN_REPLAY_S = 4.0
+
+
 class DemoError(ConductorError):
     """The demo could not run (a process died, the cluster never became ready...)."""
 
@@ -433,8 +436,9 @@ async def _run_once(
         # Replay: until the budget leaves just enough time to drain.
         stats.phase = "replaying"
         drain_s = max(4.0, 0.15 * budget_s)
-        replay_until = t_start + budget_s - drain_s
         t0 = time.monotonic()
+        # A slow start (a busy machine) eats into the budget, but never leaves nothing to replay.
+        replay_until = max(t_start + budget_s - drain_s, t0 + MIN_REPLAY_S)
         seq = 0
         for r in requests:
             at = t0 + r.arrival_s
