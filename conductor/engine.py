@@ -122,7 +122,6 @@ class _Seq:
     request_id: str
     context: int
     remaining: int
-    started: float
     steps: int = 0
     step_time_s: float = 0.0
 
@@ -160,7 +159,8 @@ class EmulatedEngine:
         self.salt = rng.randbytes(16)
         self.cache = PrefixCache(config.kv_blocks)
         self.state = EngineState()
-        self._work = asyncio.Event()
+        self._prefill_work = asyncio.Event()
+        self._decode_work = asyncio.Event()
         self._epoch = clock_ms()
         self._hb_seq = 0
 
@@ -170,7 +170,7 @@ class EmulatedEngine:
         """Queue an assignment (prefill part, decode part, or both)."""
         if a.prefill:
             self.state.queue.append((a, self.clock_ms()))
-            self._work.set()
+            self._prefill_work.set()
         if a.decode:
             asyncio.get_running_loop().create_task(self._admit_decode(a))
 
@@ -179,8 +179,8 @@ class EmulatedEngine:
     async def run_prefill(self) -> None:
         while True:
             while not self.state.queue:
-                self._work.clear()
-                await self._work.wait()
+                self._prefill_work.clear()
+                await self._prefill_work.wait()
             a, received_ms = self.state.queue.popleft()
             try:
                 await self._prefill(a, received_ms)
@@ -269,15 +269,15 @@ class EmulatedEngine:
         if self.config.max_output_tokens is not None:
             out = min(out, self.config.max_output_tokens)
         self.state.decoding.append(
-            _Seq(d.request_id, context=req.prompt_tokens if req else 0, remaining=max(out, 1), started=time.monotonic())
+            _Seq(d.request_id, context=req.prompt_tokens if req else 0, remaining=max(out, 1))
         )
-        self._work.set()
+        self._decode_work.set()
 
     async def run_decode(self) -> None:
         while True:
             if not self.state.decoding:
-                self._work.clear()
-                await self._work.wait()
+                self._decode_work.clear()
+                await self._decode_work.wait()
                 continue
             batch = self.state.decoding
             step = self.profile.decode_step_seconds(len(batch), sum(s.context for s in batch))
