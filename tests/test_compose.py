@@ -126,3 +126,15 @@ def test_dependencies_name_real_services(single: dict[str, Any]) -> None:
         for dep in svc.get("depends_on", {}):
             assert dep in single["services"], f"{name} depends on unknown {dep}"
     assert single["services"]["kafka"]["environment"]["KAFKA_PROCESS_ROLES"] == "broker,controller"  # KRaft
+
+
+def test_kraft_settings(single: dict[str, Any], three: dict[str, Any]) -> None:
+    import base64
+
+    for doc in (single, three):
+        env = doc["services"]["kafka"]["environment"]
+        cid = env["CLUSTER_ID"]
+        assert len(base64.urlsafe_b64decode(cid + "==")) == 16  # KRaft wants a base64url UUID
+        assert env["KAFKA_LOG_DIRS"] == "/var/lib/kafka/data"
+        assert any(v.endswith(":/var/lib/kafka/data") for v in doc["services"]["kafka"]["volumes"])
+    assert {three["services"][k]["environment"]["CLUSTER_ID"] for k in ("kafka", "kafka-2", "kafka-3")} == {cid}
