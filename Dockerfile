@@ -10,4 +10,6 @@ RUN pip install --no-cache-dir .
 # Unprivileged; the embedded stack is never used in containers (Kafka and Redis are services).
 RUN useradd --create-home conductor
 USER conductor
+# Writable: the worker keeps its local table state under the working directory.
+WORKDIR /home/conductor
 ENTRYPOINT ["conductor"]
