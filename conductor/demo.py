@@ -150,6 +150,7 @@ class RunStats:
     per_node: dict[str, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))
     prompt_of: dict[str, int] = field(default_factory=dict)
     bridge_counts: Counter[str] = field(default_factory=Counter)
+    reject_examples: list[str] = field(default_factory=list)
     view_load: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     """node → (queue depth, decode batch, blocks) as the view shows it."""
     started: float = field(default_factory=time.monotonic)
@@ -168,6 +169,8 @@ class RunStats:
             self.per_node[body.decode_instance]["routed"] += 1
         elif isinstance(body, RoutingRejection):
             self.rejected[body.reason] += 1
+            if len(self.reject_examples) < 3:
+                self.reject_examples.append(f"{body.request_id}: {body.reason}: {body.message}"[:300])
 
     def on_report(self, row: dict[str, Any]) -> None:
         node = str(row.get("node"))
@@ -195,6 +198,7 @@ class RunStats:
             "decisions": self.decisions,
             "rejected": sum(self.rejected.values()),
             "rejected_by_reason": dict(self.rejected),
+            "rejection_examples": list(self.reject_examples),
             "prefills_done": self.prefills,
             "decodes_done": self.decodes,
             "reuse_ratio": r(self.reuse_ratio),
@@ -544,7 +548,7 @@ def run_demo(settings: Settings, opts: DemoOptions) -> dict[str, Any]:
             "ok": True,
             **{k: main[k] for k in ("requests", "decisions", "rejected", "reuse_ratio", "ttft_p50_s", "ttft_p90_s",
                                     "tbt_p50_ms", "tbt_p90_ms", "prefills_done", "decodes_done", "routed_reuse_ratio",
-                                    "rejected_by_reason")},
+                                    "rejected_by_reason", "rejection_examples")},
             "policy": opts.policy,
             "baseline_policy": opts.baseline,
             "baseline_requests": other["requests"],
