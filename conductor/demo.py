@@ -48,7 +48,17 @@ log = logging.getLogger(__name__)
 
 TRACE_BLOCK_TOKENS = 512
 VOCAB = 32_000
-DEFAULT_TRACE = Path(__file__).resolve().parent.parent.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+TRACE_NAME = Path("shared") / "traces" / "mooncake_conversation_trace.jsonl"
+DEFAULT_TRACE = Path(__file__).resolve().parent.parent.parent / TRACE_NAME
+"""``../shared/traces/`` next to the repository this package runs from."""
+
+
+def default_trace() -> Path:
+    """The bundled conversation trace: next to the repository, else next to the working directory."""
+    for candidate in (DEFAULT_TRACE, Path.cwd().parent / TRACE_NAME, Path.cwd() / TRACE_NAME):
+        if candidate.exists():
+            return candidate
+    return DEFAULT_TRACE
 
 
 MIN_REPLAY_S = 4.0
@@ -508,7 +518,7 @@ def run_demo(settings: Settings, opts: DemoOptions) -> dict[str, Any]:
     # The dashboard is the demo's output; per-record logs go to the processes' log files.
     for name in ("conductor.bridge", "aiokafka", "conductor.dispatch"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    trace = opts.trace or DEFAULT_TRACE
+    trace = opts.trace or default_trace()
     if not trace.exists():
         raise DemoError(f"trace not found: {trace} (pass --trace PATH)")
     data_dir = (Path(settings.data_dir) / "demo").resolve()
