@@ -116,6 +116,8 @@ class Router:
         self.metrics = RouterMetrics()
         self._last: _LastView | None = None
         self._since: dict[str, int] = {}  # node → last heartbeat seen: the reservation cut-off
+        # node → (state, prefix, reservations, Instance): most nodes look the same request after request
+        self._instances: dict[str, tuple[NodeState, tuple[int, int, int], Load | None, Instance]] = {}
         self.ttl_s = settings.heartbeat_ttl_s
 
     async def start(self) -> None:
@@ -169,10 +171,19 @@ class Router:
 
     def _cluster(self, snap: ViewSnapshot, pending: dict[str, Load], model: str, age_ms: float) -> ClusterSnapshot:
         insts = []
+        cache = self._instances
         for n in snap.live_nodes(self.ttl_s):
             if n.model != model and n.role != "store":
                 continue
-            insts.append(_instance(n, snap.prefix.get(n.node_id, (0, 0, 0)), pending.get(n.node_id)))
+            prefix = snap.prefix.get(n.node_id, (0, 0, 0))
+            extra = pending.get(n.node_id)
+            hit = cache.get(n.node_id)
+            if hit is not None and hit[0] is n and hit[1] == prefix and hit[2] == extra:
+                insts.append(hit[3])
+                continue
+            inst = _instance(n, prefix, extra)
+            cache[n.node_id] = (n, prefix, extra, inst)
+            insts.append(inst)
         return ClusterSnapshot(tuple(insts), self.settings.block_size, dict(snap.watermark), age_ms)
 
     # --- deciding -------------------------------------------------------------------
@@ -404,6 +415,8 @@ class RawSnapshotReader:
         self.timeout_s = timeout_s
         self._io: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self._lock = asyncio.Lock()
+        self._last_flat: list[bytes] | None = None
+        self._last_nodes: tuple[tuple[NodeState, ...], dict[int, str]] = ((), {})
         import hiredis
 
         self._hiredis = hiredis
@@ -472,7 +485,11 @@ class RawSnapshotReader:
             values = []
         if now_ms is None:
             now_ms = int(sec) * 1000 + int(usec) // 1000
-        nodes, slot_nodes = self.view._parse_nodes(dict(zip(flat_nodes[::2], flat_nodes[1::2])))
+        if flat_nodes == self._last_flat:  # nodes change once per heartbeat, reads far more often
+            nodes, slot_nodes = self._last_nodes
+        else:
+            nodes, slot_nodes = self.view._parse_nodes(dict(zip(flat_nodes[::2], flat_nodes[1::2])))
+            self._last_flat, self._last_nodes = flat_nodes, (nodes, slot_nodes)
         frm = int.from_bytes
         prefix = longest_prefixes((frm(v, "little") if v else 0 for v in values), slot_nodes) if values else {}
         return ViewSnapshot(
