@@ -52,3 +52,35 @@ def test_settings_travel_to_child_processes_exactly(monkeypatch: pytest.MonkeyPa
     for k, v in settings_env(s).items():
         monkeypatch.setenv(k, v)
     assert load_settings() == s
+
+
+def test_trace_blocks_become_the_same_tokens_for_every_request_that_shares_them() -> None:
+    from conductor.demo import TRACE_BLOCK_TOKENS, block_tokens, request_tokens
+    from schemas import chain_keys
+
+    a = request_tokens((0, 1, 2), 1300, index=0)
+    b = request_tokens((0, 1, 7), 1500, index=1)
+    assert len(a) == 1300 and len(b) == 1500
+    assert a[:1024] == b[:1024] == block_tokens(0) + block_tokens(1)
+    assert a[1024:1100] != b[1024:1100]
+    assert block_tokens(5) == block_tokens(5) and len(block_tokens(5)) == TRACE_BLOCK_TOKENS
+    ka, kb = chain_keys(a, 64), chain_keys(b, 64)
+    assert ka[:16] == kb[:16] and ka[16] != kb[16]  # Conductor sees exactly the shared 1,024 tokens
+    # Past the trace's blocks, the prompt is unique to its request.
+    assert request_tokens((3,), 600, index=1)[512:] != request_tokens((3,), 600, index=2)[512:]
+
+
+def test_the_slice_keeps_whole_conversations_and_arrives_within_the_horizon(tmp_path: Path) -> None:
+    from conductor.demo import load_slice
+
+    lines = [
+        {"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [0, 6, 7]},
+        {"timestamp": 1000, "input_length": 600, "output_length": 5, "hash_ids": [0, 5]},
+        {"timestamp": 2000, "input_length": 900, "output_length": 5, "hash_ids": [0, 6, 7, 8]},
+        {"timestamp": 90_000, "input_length": 600, "output_length": 5, "hash_ids": [0, 12]},
+    ]
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("\n".join(json.dumps(x) for x in lines))
+    got = load_slice(trace, speed=10.0, sample=3, horizon_s=5.0)
+    assert [r.hash_ids for r in got] == [(0, 6, 7), (0, 6, 7, 8)]  # conversation "6" kept whole, "5" not sampled
+    assert [round(r.arrival_s, 3) for r in got] == [0.0, 0.2]  # 10x faster; the 90 s request is past the horizon
