@@ -30,6 +30,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 FIELDS = 5
+MAX_BUFFERED = 100_000
 log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class Load:
@@ -196,8 +197,10 @@ class RedisReservations:
                 minid=max(newest - 2 * self.ttl_ms, 0), approximate=True,
             )
         except (RedisError, OSError) as e:
-            self._buffer = batch + self._buffer  # retried with the next batch
-            log.warning("%d reservation(s) not shared yet: %s", len(batch), e)
+            # Retried with the next batch; past MAX_BUFFERED the oldest are dropped (they
+            # would be past their ttl long before Redis is back anyway).
+            self._buffer = (batch + self._buffer)[-MAX_BUFFERED:]
+            log.warning("%d reservation(s) not shared yet: %s", len(self._buffer), e)
 
     # --- following --------------------------------------------------------------------
 
@@ -217,15 +220,18 @@ class RedisReservations:
         self._follower = asyncio.ensure_future(self._follow())
 
     async def _follow(self) -> None:
+        failing = False
         while True:
             try:
                 res = await self.client.xread({self.key: self._last_id}, block=self.block_ms, count=1000)
             except asyncio.CancelledError:
                 raise
             except (RedisError, OSError) as e:
-                log.warning("reservation log unreachable: %s", e)
+                (log.debug if failing else log.warning)("reservation log unreachable: %s", e)
+                failing = True
                 await asyncio.sleep(0.2)
                 continue
+            failing = False
             for _, entries in res or ():
                 self._apply(entries)
 
