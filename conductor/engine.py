@@ -109,6 +109,8 @@ class EngineConfig:
     role: Role
     block_size: int
     kv_blocks: int = 16_384
+    dram_blocks: int = 0
+    """Host-memory tier (0 = none): blocks evicted from HBM move here, as with vLLM's CPU offload."""
     time_scale: float = 1.0
     """Run this many times faster than the profile's real time (1 = real time)."""
     heartbeat_s: float = 0.5
@@ -158,6 +160,9 @@ class EmulatedEngine:
         rng = random.Random(f"{config.seed}/{config.node_id}")
         self.salt = rng.randbytes(16)
         self.cache = PrefixCache(config.kv_blocks)
+        self.dram = PrefixCache(config.dram_blocks) if config.dram_blocks > 0 else None
+        self._blocks: dict[int, tuple[int | None, tuple[int, ...]]] = {}
+        """Parent and tokens of every block held in some tier (what an offload event reports)."""
         self.state = EngineState()
         self._prefill_work = asyncio.Event()
         self._decode_work = asyncio.Event()
@@ -194,8 +199,16 @@ class EmulatedEngine:
         tokens = list(req.token_ids) if req and req.token_ids is not None else None
         chain = engine_hashes(tokens, self.config.block_size, self.salt) if tokens is not None else []
         local = self.cache.cached_prefix(chain)
-        cached_tokens = local * self.config.block_size
-        transfer_s = 0.0
+        in_dram = 0
+        if self.dram is not None:
+            # The prefix may go on in host memory: loading it beats recomputing it.
+            for h in chain[local:]:
+                if h not in self.dram:
+                    break
+                in_dram += 1
+            self.dram.cached_prefix(chain[local : local + in_dram])
+        cached_tokens = (local + in_dram) * self.config.block_size
+        transfer_s = self.profile.transfer_seconds(in_dram * self.config.block_size, "dram", remote=False)
         if d.reused_tokens > cached_tokens and d.reuse_source and d.reuse_source != self.config.node_id:
             # The router chose to read the rest of the prefix from another node.
             extra = min(d.reused_tokens, prompt) - cached_tokens
@@ -220,7 +233,8 @@ class EmulatedEngine:
                 "node": self.config.node_id,
                 "prompt_tokens": prompt,
                 "cached_tokens": min(cached_tokens, prompt),
-                "local_cached_tokens": local * self.config.block_size,
+                "local_cached_tokens": (local + in_dram) * self.config.block_size,
+                "dram_cached_tokens": in_dram * self.config.block_size,
                 "routed_reuse_tokens": d.reused_tokens,
                 "prefill_model_s": round(model_s, 6),
                 "routing_s": round(routing_s, 6) if routing_s is not None else None,
@@ -249,8 +263,24 @@ class EmulatedEngine:
                 tier="hbm",
             )
         ]
+        for i in range(first, len(chain)):
+            self._blocks[chain[i]] = (chain[i - 1] if i > 0 else None, tuple(tokens[i * bs : (i + 1) * bs]))
+        dropped: list[int] = []
+        if evicted and self.dram is not None:
+            # Offload: each evicted block is stored in host memory before it leaves HBM, so
+            # its key stays known; one event per block, each naming its own parent.
+            moved = [h for h in evicted if h not in self.dram]
+            for h in moved:
+                parent, toks = self._blocks[h]
+                events.append(EngineBlockStored((h,), parent, toks, bs, "dram"))
+            dropped = self.dram.insert(moved)
         if evicted:
             events.append(EngineBlockRemoved(tuple(evicted), "hbm"))
+        if dropped:
+            events.append(EngineBlockRemoved(tuple(dropped), "dram"))
+        for h in (*evicted, *dropped):
+            if h not in self.cache and (self.dram is None or h not in self.dram):
+                self._blocks.pop(h, None)
         await self.publisher.publish(time.time(), events)  # type: ignore[arg-type]
 
     # --- decode -----------------------------------------------------------------
@@ -320,6 +350,7 @@ class EmulatedEngine:
             decode_context_tokens=sum(s.context for s in st.decoding),
             free_kv_blocks=self.cache.capacity - len(self.cache),
             total_kv_blocks=self.cache.capacity,
+            tier_capacity={"hbm": self.cache.capacity, **({"dram": self.dram.capacity} if self.dram else {})},
             interval_s=self.config.heartbeat_s,
         )
 

@@ -182,3 +182,31 @@ async def test_a_decode_engine_decodes_in_one_batch_at_the_profiles_step_time() 
     alone, together = profile.decode_step_seconds(1, 100) * 1000, profile.decode_step_seconds(2, 280) * 1000
     for r in rows:
         assert alone * 0.99 <= r["tbt_ms"] <= together * 1.01
+
+
+async def test_evicted_blocks_move_to_host_memory_and_are_reused_from_there() -> None:
+    from conductor.bridge.translate import NodeTranslator
+    from conductor.bridge.wire import decode_batch
+    from schemas import BlocksRemoved
+
+    report = io.StringIO()
+    pub = EventPublisher("tcp://127.0.0.1:0", None)
+    eng = EmulatedEngine(EngineConfig(node_id="n0", role="prefill", block_size=16, kv_blocks=4, dram_blocks=8,
+                                      time_scale=1e6), load_profile("llama3-70b-a800x8"), pub, report=report)
+    a, b = list(range(64)), list(range(1000, 1064))
+    rows = await _run_engine(eng, [_assignment("a1", a, prefill=True, decode_=False),
+                                   _assignment("b", b, prefill=True, decode_=False),
+                                   _assignment("a2", a, prefill=True, decode_=False)], 3, report)
+    assert [r["cached_tokens"] for r in rows] == [0, 0, 64]
+    assert rows[2]["dram_cached_tokens"] == 64  # loaded from host memory, not recomputed
+    # Through the bridge's translation: a's blocks go hbm → dram (same keys), then back to hbm.
+    t = NodeTranslator()
+    records = [r for _, payload in pub.buffer for r in t.translate(decode_batch(payload))]
+    ka, kb = chain_keys(a, 16), chain_keys(b, 16)
+    stored = [(r.tier, tuple(r.block_keys or ())) for r in records if isinstance(r, BlocksStored)]
+    assert stored[0] == ("hbm", tuple(ka)) and stored[1] == ("hbm", tuple(kb))
+    assert [k for tier, keys in stored[2:6] for k in keys if tier == "dram"] == ka
+    removed = [(r.tier, tuple(r.block_keys)) for r in records if isinstance(r, BlocksRemoved)]
+    assert ("hbm", tuple(ka)) in removed
+    assert t.counts["orphan_blocks"] == 0 and t.counts["bad_event"] == 0
+    assert {tier for h in eng._blocks for tier in t.tiers[h]} >= {"hbm", "dram"}
