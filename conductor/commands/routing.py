@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import json
 import random
 import signal
@@ -154,6 +155,8 @@ async def run_route_bench(settings: Any, *, decisions: int, target_blocks: int, 
 
     router = Router(settings, view, resv)
     await router.start()
+    gc.collect()
+    gc.freeze()  # the synthetic workload's millions of keys are not garbage: keep GC off them
     policy_ms: list[float] = []
     inner = router.policy
 
@@ -206,6 +209,7 @@ async def run_route_bench(settings: Any, *, decisions: int, target_blocks: int, 
     await asyncio.gather(*(lane() for _ in range(concurrency)))
     busy = time.perf_counter() - t_run - hb["paused"]
     await router.close()
+    gc.unfreeze()
     await view.clear()
     await resv.clear()
     await view.close()
@@ -303,6 +307,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
         blocks: int = typer.Option(1_000_000, min=1000, help="distinct blocks to load into the view"),
         seed: int = typer.Option(1, help="seed of the synthetic cluster and prompts"),
         concurrency: int = typer.Option(1, min=1, max=64, help="requests in flight at once in the process"),
+        policy: str = typer.Option(None, help="policy to time [default: CONDUCTOR_POLICY]"),
     ) -> None:
         """Time the routing decision against a Redis view of 32 instances and ~1M blocks.
 
@@ -324,7 +329,8 @@ def register(groups: dict[str, typer.Typer]) -> None:
             st = stack.up()
             s = s.model_copy(update={"redis_url": st.redis_url})
         # A bench namespace of its own; nodes stay live for the whole run.
-        s = s.model_copy(update={"view_namespace": f"bench{seed}", "heartbeat_ttl_s": 3600.0})
+        s = s.model_copy(update={"view_namespace": f"bench{seed}", "heartbeat_ttl_s": 3600.0,
+                                 "policy": policy or s.policy})
         try:
             out = asyncio.run(run_route_bench(
                 s, decisions=decisions, target_blocks=blocks, seed=seed, concurrency=concurrency,
