@@ -83,6 +83,7 @@ class DemoOptions:
     covers more trace time and conversations come back to their prefixes."""
     block_size: int = 64
     kv_blocks: int = 16_384
+    dram_blocks: int = 0
     partitions: int = 2
 
 
@@ -364,6 +365,8 @@ async def _run_once(
                 node = f"{role}-{i}"
                 args = ["engine", "--role", role, "--node-id", node, "--kv-blocks", str(opts.kv_blocks),
                         "--time-scale", str(opts.speed), "--report"]
+                if role == "prefill" and opts.dram_blocks:
+                    args += ["--dram-blocks", str(opts.dram_blocks)]
                 engines[node] = (role, await procs.start(node, args, env, stdout_pipe=True))
 
         async def read_reports(node: str, proc: asyncio.subprocess.Process, ready: asyncio.Future[dict[str, Any]]) -> None:

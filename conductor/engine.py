@@ -267,12 +267,17 @@ class EmulatedEngine:
             self._blocks[chain[i]] = (chain[i - 1] if i > 0 else None, tuple(tokens[i * bs : (i + 1) * bs]))
         dropped: list[int] = []
         if evicted and self.dram is not None:
-            # Offload: each evicted block is stored in host memory before it leaves HBM, so
-            # its key stays known; one event per block, each naming its own parent.
+            # Offload: evicted blocks are stored in host memory before they leave HBM, so their
+            # keys stay known; one event per run of blocks that chain one to the next.
             moved = [h for h in evicted if h not in self.dram]
+            run: list[int] = []
             for h in moved:
-                parent, toks = self._blocks[h]
-                events.append(EngineBlockStored((h,), parent, toks, bs, "dram"))
+                if run and self._blocks[h][0] != run[-1]:
+                    events.append(self._offload_event(run))
+                    run = []
+                run.append(h)
+            if run:
+                events.append(self._offload_event(run))
             dropped = self.dram.insert(moved)
         if evicted:
             events.append(EngineBlockRemoved(tuple(evicted), "hbm"))
@@ -282,6 +287,11 @@ class EmulatedEngine:
             if h not in self.cache and (self.dram is None or h not in self.dram):
                 self._blocks.pop(h, None)
         await self.publisher.publish(time.time(), events)  # type: ignore[arg-type]
+
+    def _offload_event(self, run: list[int]) -> EngineBlockStored:
+        parent = self._blocks[run[0]][0]
+        toks = tuple(t for h in run for t in self._blocks[h][1])
+        return EngineBlockStored(tuple(run), parent, toks, self.config.block_size, "dram")
 
     # --- decode -----------------------------------------------------------------
 

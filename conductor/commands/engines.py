@@ -134,6 +134,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
         zmq_port: int = typer.Option(0, help="KV-event PUB port on CONDUCTOR_BIND_HOST (0 = a free one)"),
         replay_port: int = typer.Option(0, help="replay ROUTER port on CONDUCTOR_BIND_HOST (0 = a free one)"),
         kv_blocks: int = typer.Option(16_384, min=1, help="prefix-cache capacity in blocks of CONDUCTOR_BLOCK_SIZE"),
+        dram_blocks: int = typer.Option(0, min=0, help="host-memory tier in blocks: HBM evictions move there (0 = none)"),
         time_scale: float = typer.Option(1.0, min=0.001, help="run this many times faster than the profile's time"),
         max_output_tokens: int = typer.Option(None, min=1, help="cap on decoded tokens per request"),
         heartbeat_s: float = typer.Option(0.5, min=0.05, help="heartbeat interval"),
@@ -176,6 +177,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
             started_ms = time.time_ns() // 1_000_000
             cfg = EngineConfig(
                 node_id=node_id, role=role, block_size=s.block_size, kv_blocks=kv_blocks,  # type: ignore[arg-type]
+                dram_blocks=dram_blocks,
                 time_scale=time_scale, heartbeat_s=heartbeat_s, max_output_tokens=max_output_tokens, seed=s.seed,
             )
             eng = EmulatedEngine(cfg, profile, pub, heartbeat_sink=kafka_sink(prod, tps.heartbeats.name),
@@ -230,6 +232,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
                                    "covers more trace time, so conversations come back to their prefixes)"),
         block_size: int = typer.Option(64, min=1, max=4096, help="tokens per KV block in this demo's cluster"),
         kv_blocks: int = typer.Option(16_384, min=1, help="prefix-cache capacity of each emulated instance, in blocks"),
+        dram_blocks: int = typer.Option(0, min=0, help="host-memory tier of each prefill instance, in blocks (0 = none)"),
         json_out: bool = typer.Option(False, "--json", help="print one JSON line with the results at the end"),
     ) -> None:
         """The whole system on one machine: broker, Redis, stream worker, router, bridges and emulated engines.
@@ -250,7 +253,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
         opts = DemoOptions(
             duration_s=duration, speed=speed, policy=policy or s.policy, baseline=baseline, trace=trace,
             prefill=prefill, decode=decode, json_out=json_out, sample=sample, block_size=block_size,
-            kv_blocks=kv_blocks,
+            kv_blocks=kv_blocks, dram_blocks=dram_blocks,
         )
         result = run_demo(s, opts)
         if json_out:
