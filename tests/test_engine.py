@@ -205,8 +205,8 @@ async def test_evicted_blocks_move_to_host_memory_and_are_reused_from_there() ->
     ka, kb = chain_keys(a, 16), chain_keys(b, 16)
     stored = [(r.tier, tuple(r.block_keys or ())) for r in records if isinstance(r, BlocksStored)]
     assert stored[0] == ("hbm", tuple(ka)) and stored[1] == ("hbm", tuple(kb))
-    assert [k for tier, keys in stored if tier == "dram" for k in keys] == ka
-    assert [tier for tier, _ in stored].count("dram") == 1  # a chain moves in one event
+    # Each chain moves in one event: a when b evicts it, then b when a comes back.
+    assert [keys for tier, keys in stored if tier == "dram"] == [tuple(ka), tuple(kb)]
     removed = [(r.tier, tuple(r.block_keys)) for r in records if isinstance(r, BlocksRemoved)]
     assert ("hbm", tuple(ka)) in removed
     assert t.counts["orphan_blocks"] == 0 and t.counts["bad_event"] == 0
