@@ -28,7 +28,6 @@ import signal
 import statistics
 import sys
 import time
-import uuid
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -337,7 +336,7 @@ async def _run_once(
     from .bridge.runner import Bridge, BridgeConfig, kafka_sink
 
     t_start = time.monotonic()
-    tag = uuid.uuid4().hex[:6]
+    tag = f"{os.getpid():x}{time.time_ns() // 1_000_000 % 0xFFFFFF:06x}"  # unique per run, not random
     s = base.model_copy(update={
         "topic_prefix": f"demo-{tag}.", "view_namespace": f"demo-{tag}", "partitions": opts.partitions,
         "block_size": opts.block_size, "policy": policy,
@@ -549,11 +548,11 @@ def run_demo(settings: Settings, opts: DemoOptions) -> dict[str, Any]:
             def refresh() -> None:
                 live.update(render(runs, opts))
 
-            for policy in (opts.policy, opts.baseline):
+            for i, policy in enumerate((opts.policy, opts.baseline)):
                 stats = RunStats(policy)
                 runs.append(stats)
                 asyncio.run(_run_once(base, opts, policy, requests, budget, stats, log_dir, refresh,
-                                      exact=policy == opts.baseline, pids=pids))
+                                      exact=i == 1, pids=pids))
                 # The baseline replays exactly the requests the first run replayed.
                 requests = requests[: stats.sent]
         main, other = runs[0].summary(), runs[1].summary()
