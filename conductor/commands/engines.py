@@ -17,6 +17,7 @@ import typer
 log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode", "both")
+CLOCK_SLACK_MS = 2_000
 
 
 def _stop_on_signals(stop: asyncio.Event) -> None:
@@ -187,7 +188,8 @@ def register(groups: dict[str, typer.Typer]) -> None:
             stop = asyncio.Event()
             _stop_on_signals(stop)
             try:
-                stream = decisions_for(s, node_id, since_ms=started_ms, stop=stop)
+                # A little before our start: the router's clock may lag ours.
+                stream = decisions_for(s, node_id, since_ms=started_ms - CLOCK_SLACK_MS, stop=stop)
                 await _until_stopped(stop, asyncio.create_task(eng.run(stream)))
             finally:
                 await pub.close()
