@@ -109,11 +109,13 @@ class Reuse:
 class Costs:
     """The estimates the policies share, bound to one profile."""
 
-    __slots__ = ("profile", "_prefill")
+    __slots__ = ("profile", "_prefill", "_local", "_remote")
 
     def __init__(self, profile: ModelProfile) -> None:
         self.profile = profile
         self._prefill: dict[tuple[float, float], float] = {}
+        self._local: dict[tuple[Any, ...], tuple[int, str | None, float]] = {}
+        self._remote: dict[tuple[Any, ...], Any] = {}
 
     def prefill_s(self, total: float, cached: float) -> float:
         """``profile.prefill_seconds``, memoised: a decision asks for the same few pairs many times."""
@@ -141,59 +143,85 @@ class Costs:
 
     def local_reuse(self, inst: Instance, request: PolicyRequest, block_size: int) -> Reuse:
         """Cheapest way to prefill on ``inst`` using only its own cache (possibly none of it)."""
-        n = request.prompt_tokens
-        prof = self.profile
-        best = Reuse(0, None, None, self.prefill_s(n, 0))
-        h, dr, ss = _segments(inst.prefix_blocks, request.chain_len)
-        cum = 0
-        hbm_t = dram_t = ssd_t = 0
-        for tier, seg in (("hbm", h), ("dram", dr), ("ssd", ss)):
-            if seg <= 0:
-                continue
-            cum += seg
-            toks = seg * block_size
-            if tier == "hbm":
-                hbm_t = toks
-            elif tier == "dram":
-                dram_t = toks
-            else:
-                ssd_t = toks
-            cached = min(cum * block_size, n - 1)  # engines always compute the last token
-            cost = prof.prefix_load_seconds(hbm_t, dram_t, ssd_t, remote=False) + self.prefill_s(n, cached)
-            if cost < best.cost_s:
-                best = Reuse(cum, inst.node_id, tier, cost)
-        return best
+        blocks, tier, cost = self._local_cost(inst.prefix_blocks, request.chain_len, request.prompt_tokens, block_size)
+        return Reuse(blocks, inst.node_id if blocks else None, tier, cost)
 
     def remote_options(self, holder: Instance, request: PolicyRequest, block_size: int) -> tuple[Reuse, Reuse] | None:
         """Cheapest prefill elsewhere reading ``holder``'s prefix: (same rack, other rack)."""
-        h, dr, ss = _segments(holder.prefix_blocks, request.chain_len)
-        if h + dr + ss <= 0:
+        opts = self._remote_cost(holder.prefix_blocks, request.chain_len, request.prompt_tokens, block_size)
+        if opts is None:
             return None
-        n = request.prompt_tokens
+        (b1, t1, c1), (b2, t2, c2) = opts
+        return Reuse(b1, holder.node_id, t1, c1), Reuse(b2, holder.node_id, t2, c2)
+
+    # The costs depend on the prefix shape and the request only, and many instances share
+    # a shape (no prefix, the same system prompt...): memoised per shape.
+
+    def _local_cost(self, prefix: tuple[int, int, int], cap: int, n: int, bs: int) -> tuple[int, str | None, float]:
+        key = (prefix, cap, n, bs)
+        hit = self._local.get(key)
+        if hit is not None:
+            return hit
         prof = self.profile
-        same = cross = None
+        best: tuple[int, str | None, float] = (0, None, self.prefill_s(n, 0))
+        h, dr, ss = _segments(prefix, cap)
         cum = 0
         hbm_t = dram_t = ssd_t = 0
         for tier, seg in (("hbm", h), ("dram", dr), ("ssd", ss)):
             if seg <= 0:
                 continue
             cum += seg
-            toks = seg * block_size
+            toks = seg * bs
             if tier == "hbm":
                 hbm_t = toks
             elif tier == "dram":
                 dram_t = toks
             else:
                 ssd_t = toks
-            compute = self.prefill_s(n, min(cum * block_size, n - 1))
-            cs = prof.prefix_load_seconds(hbm_t, dram_t, ssd_t, remote=True, same_rack=True) + compute
-            cc = prof.prefix_load_seconds(hbm_t, dram_t, ssd_t, remote=True, same_rack=False) + compute
-            if same is None or cs < same.cost_s:
-                same = Reuse(cum, holder.node_id, tier, cs)
-            if cross is None or cc < cross.cost_s:
-                cross = Reuse(cum, holder.node_id, tier, cc)
-        assert same is not None and cross is not None
-        return same, cross
+            cached = min(cum * bs, n - 1)  # engines always compute the last token
+            cost = prof.prefix_load_seconds(hbm_t, dram_t, ssd_t, remote=False) + self.prefill_s(n, cached)
+            if cost < best[2]:
+                best = (cum, tier, cost)
+        if len(self._local) > 65_536:
+            self._local.clear()
+        self._local[key] = best
+        return best
+
+    def _remote_cost(self, prefix: tuple[int, int, int], cap: int, n: int, bs: int) -> Any:
+        key = (prefix, cap, n, bs)
+        if key in self._remote:
+            return self._remote[key]
+        h, dr, ss = _segments(prefix, cap)
+        out = None
+        if h + dr + ss > 0:
+            prof = self.profile
+            same: tuple[int, str, float] | None = None
+            cross: tuple[int, str, float] | None = None
+            cum = 0
+            hbm_t = dram_t = ssd_t = 0
+            for tier, seg in (("hbm", h), ("dram", dr), ("ssd", ss)):
+                if seg <= 0:
+                    continue
+                cum += seg
+                toks = seg * bs
+                if tier == "hbm":
+                    hbm_t = toks
+                elif tier == "dram":
+                    dram_t = toks
+                else:
+                    ssd_t = toks
+                compute = self.prefill_s(n, min(cum * bs, n - 1))
+                cs = prof.prefix_load_seconds(hbm_t, dram_t, ssd_t, remote=True, same_rack=True) + compute
+                cc = prof.prefix_load_seconds(hbm_t, dram_t, ssd_t, remote=True, same_rack=False) + compute
+                if same is None or cs < same[2]:
+                    same = (cum, tier, cs)
+                if cross is None or cc < cross[2]:
+                    cross = (cum, tier, cc)
+            out = (same, cross)
+        if len(self._remote) > 65_536:
+            self._remote.clear()
+        self._remote[key] = out
+        return out
 
     def decode_blocks_needed(self, request: PolicyRequest, block_size: int) -> int:
         return -(-(request.prompt_tokens + request.expected_output_tokens) // block_size)
