@@ -550,4 +550,6 @@ def redis_stores(settings: Settings, producer_id: str | None = None) -> tuple[An
                               producer_id=producer_id or default_router_id()))
 
 
-__all__ = ["InvalidRequest", "Router", "RouterWorker", "redis_stores", "request_seed"]
+__all__ = [
+    "InvalidRequest", "RawSnapshotReader", "Router", "RouterWorker", "default_router_id", "redis_stores", "request_seed",
+]
