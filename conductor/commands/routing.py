@@ -245,12 +245,15 @@ def register(groups: dict[str, typer.Typer]) -> None:
     ) -> None:
         """Run one routing worker: `requests` → policy → `dispatch`.
 
-        Joins the routers' consumer group on `requests` (start several for throughput and
-        availability). Each request's snapshot is read from the Redis view; the decision
-        (prefill + decode instance, reused prefix, predictions, seed, view watermark) is
-        produced onto `dispatch` keyed by the prefill instance, a rejection keyed by the
-        request id. Policy: CONDUCTOR_POLICY and CONDUCTOR_POLICY_PARAMS (JSON), checked
-        at start-up; model costs: CONDUCTOR_MODEL_PROFILE. Metrics on CONDUCTOR_METRICS_PORT.
+        Joins the routers' consumer group on `requests`; start several for throughput and availability.
+
+        Each request's snapshot is read from the Redis view in one round trip; the decision (prefill + decode instance, reused prefix, predictions, seed, view watermark) goes to `dispatch` keyed by the prefill instance, a rejection (with its reason) keyed by the request id.
+
+        Decisions not yet visible in heartbeats are shared between replicas as reservations (a Redis stream), released by the node's next heartbeat or after CONDUCTOR_RESERVATION_TTL_S.
+
+        If Redis is unreachable, decisions come from the last snapshot, marked degraded, until it is CONDUCTOR_MAX_SNAPSHOT_AGE_S old; then requests are rejected with view_unavailable.
+
+        Policy: CONDUCTOR_POLICY and CONDUCTOR_POLICY_PARAMS (JSON), checked at start-up (see `conductor policies`); costs: CONDUCTOR_MODEL_PROFILE; metrics: CONDUCTOR_METRICS_PORT.
         """
         from ..errors import ConductorError
         from ..metrics import setup_metrics
@@ -311,12 +314,11 @@ def register(groups: dict[str, typer.Typer]) -> None:
     ) -> None:
         """Time the routing decision against a Redis view of 32 instances and ~1M blocks.
 
-        Builds 16 prefill, 12 decode and 4 store instances in 4 racks, fills the view with
-        served-request history (tenant system prompts → shared documents → own questions,
-        Zipf-popular) and times DECISIONS decisions of 128-block prompts: view read +
-        reservation read + policy + reservation write, one process. Heartbeats refresh
-        every 0.5 s as engines would. Uses CONDUCTOR_REDIS_URL, else starts the embedded
-        servers for the run. Prints decision_ms_p50, decision_ms_p99, decisions_per_s.
+        Builds 16 prefill, 12 decode and 4 store instances in 4 racks and fills the view with served-request history (tenant system prompts → shared documents → own questions, Zipf-popular).
+
+        Then times DECISIONS decisions of 128-block prompts in one process: view read + reservations + policy + reservation record. Heartbeats refresh every 0.5 s as engines would.
+
+        Uses CONDUCTOR_REDIS_URL, else starts the embedded servers for the run. Prints decision_ms_p50, decision_ms_p99 and decisions_per_s (and the policy's own share).
         """
         from ..devstack import EmbeddedStack
 
@@ -389,8 +391,9 @@ def register(groups: dict[str, typer.Typer]) -> None:
     ) -> None:
         """Fit the prefill coefficients a, b and a fixed overhead to measured timings (least squares).
 
-        Prints the fitted profile and its error as one JSON line; load it with
-        CONDUCTOR_MODEL_PROFILE=<the --out file>.
+        The model is seconds = overhead + (flops(tokens) - flops(cached)) / effective FLOP/s with flops(n) = l*(a*n^2*d + b*n*d^2); l, d and the FLOP/s stay those of --base.
+
+        Prints the fit and its error as one JSON line; use the result with CONDUCTOR_MODEL_PROFILE=<the --out file>.
         """
         from ..errors import ConductorError
         from ..profiles import fit_profile, load_profile, read_timings_csv
