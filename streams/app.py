@@ -14,6 +14,7 @@ asks for :data:`TANSU_FETCH_MAX_WAIT_MS` instead.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import faust
@@ -56,8 +57,13 @@ def broker_urls(kafka_url: str | None) -> list[str]:
 def make_app(settings: Any, *, app_id: str | None = None, **overrides: Any) -> faust.App:
     """A Faust app for ``settings``; its id (and so its consumer group and changelog topic
     names) derives from the topic prefix unless ``app_id`` is given."""
+    app_id = app_id or f"{settings.topic_prefix}stream-worker"
+    datadir = Path(settings.data_dir).resolve() / "faust" / app_id
+    datadir.parent.mkdir(parents=True, exist_ok=True)  # Faust creates only the last level
     opts: dict[str, Any] = dict(
         broker=broker_urls(settings.kafka_url),
+        # Faust writes a data directory; keep it under ours, never in the working directory.
+        datadir=str(datadir),
         store="memory://",
         topic_partitions=settings.partitions,
         topic_replication_factor=settings.replication_factor,
@@ -77,4 +83,4 @@ def make_app(settings: Any, *, app_id: str | None = None, **overrides: Any) -> f
         )
     opts.update(overrides)
     cls = EmbeddedApp if settings.profile == "embedded" else faust.App
-    return cls(app_id or f"{settings.topic_prefix}stream-worker", **opts)
+    return cls(app_id, **opts)

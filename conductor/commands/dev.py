@@ -27,6 +27,9 @@ def register(groups: dict[str, typer.Typer]) -> None:
     ) -> None:
         """Start the embedded broker and Redis, wait until both answer, print their URLs.
 
+        The output is shell-ready: `eval "$(conductor dev up)"` points every later
+        conductor command at the embedded servers.
+
         Nothing is started when CONDUCTOR_KAFKA_URL and CONDUCTOR_REDIS_URL name real servers.
         """
         s = settings_or_exit()
@@ -49,6 +52,8 @@ def register(groups: dict[str, typer.Typer]) -> None:
         else:
             typer.echo(f"CONDUCTOR_KAFKA_URL={out['kafka_url']}")
             typer.echo(f"CONDUCTOR_REDIS_URL={out['redis_url']}")
+            # With a Kafka URL set, the profile defaults to production, which Tansu cannot serve.
+            typer.echo("CONDUCTOR_PROFILE=embedded")
             err.print(f"ready in {out['ready_s']}s (broker pid {st.broker_pid}, redis pid {st.redis_pid})")
 
     @dev.command("status")

@@ -1,0 +1,5 @@
+"""``python -m conductor``: the same as the ``conductor`` command."""
+
+from .cli import main
+
+main()
