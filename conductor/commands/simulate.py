@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import shlex
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -143,7 +142,21 @@ def register(groups: dict[str, typer.Typer]) -> None:
                         + f" [{summary['sim_wall_s']} s]"
                     )
         if report is not None:
-            cmd = "conductor simulate " + " ".join(shlex.quote(a) for a in sys.argv[2:] if a)
+            # Rebuilt from the options (not argv), so it is right however the command was invoked.
+            parts = ["--trace", str(trace), "--policy", policy]
+            for flag, value in (("--cluster", cluster), ("--speed", speed), ("--tbt-slo-ms", tbt_slo_ms),
+                                ("--ttft-slo-s", ttft_slo_s), ("--view-delay-ms", view_delay_ms),
+                                ("--limit", limit), ("--params", params), ("--seed", seed)):
+                if value is not None:
+                    parts += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
+            if profile != "paper-16p8d":
+                parts += ["--cluster-profile", profile]
+            if capacity:
+                parts += ["--capacity"] + (["--target", f"{target:g}"] if target != 0.9 else [])
+            if json_out:
+                parts.append("--json")
+            parts += ["--report", str(report)]
+            cmd = "conductor simulate " + " ".join(shlex.quote(a) for a in parts)
             context = {
                 "trace": f"`{trace.name}` ({len(bench.records)} requests)",
                 "cluster": f"{prof.prefill_instances} prefill + {prof.decode_instances} decode instances "
