@@ -231,3 +231,16 @@ def test_decode_load_counts_waiting_and_in_flight_requests() -> None:
     assert d.load() == (3, 1000 + 500 + 100, 3000 - 1002 - 502 - 355)
     d.expect(99, 256, -1)
     assert d.load() == (2, 1500, 3000 - 1002 - 502)
+
+
+def test_prefix_read_back_from_the_shared_pool() -> None:
+    # No local caches: request 0's blocks survive only in the pool (store-0), whose KV
+    # events reach the view; request 1 copies 1024 tokens from its DRAM over the link
+    # (1024 * 1e4 B / 1e9 B/s) and computes the other 476.
+    c = cluster(p=2, prefill_cache_blocks=0, store_dram_blocks=8)
+    reqs = [req(0, 0.0, 1024, 1, (1, 2)), req(1, 5.0, 1500, 1, (1, 2, 3))]
+    sim = Simulation(c, EASY, make_policy("kvcache-centric", {}, EASY), reqs, seed=0)
+    a, b = sim.run().outcomes
+    assert b.reuse_source == "store-0" and b.remote_reuse and b.reused_tokens == 1024
+    assert b.ttft_s == pytest.approx(1024 * 1e-5 + 0.476)
+    assert sim.view.snapshot(b.chain, 100.0).prefix == {"store-0": (0, 3, 3)}
