@@ -6,6 +6,8 @@ import json
 import math
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conductor.policy import make_policy
 from conductor.profiles import ModelProfile
@@ -244,3 +246,29 @@ def test_prefix_read_back_from_the_shared_pool() -> None:
     assert b.reuse_source == "store-0" and b.remote_reuse and b.reused_tokens == 1024
     assert b.ttft_s == pytest.approx(1024 * 1e-5 + 0.476)
     assert sim.view.snapshot(b.chain, 100.0).prefix == {"store-0": (0, 3, 3)}
+
+
+_req_st = st.tuples(st.floats(0, 20), st.integers(1, 6000), st.integers(1, 40), st.integers(0, 5), st.integers(1, 12))
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(_req_st, min_size=1, max_size=25), st.sampled_from(["kvcache-centric", "random", "llm-d-style"]),
+       st.integers(0, 8))
+def test_every_request_is_accounted_for_and_causal(raw, policy: str, cache_blocks: int) -> None:
+    reqs = []
+    for i, (t, n, out, conv, blocks) in enumerate(sorted(raw)):
+        ids = tuple([conv * 100 + j for j in range(min(blocks, -(-n // 512)))])
+        reqs.append(req(i, t, n, out, ids))
+    c = cluster(p=2, d=2, prefill_cache_blocks=cache_blocks, decode_kv_tokens=8000, decode_max_batch=3)
+    res = run(c, reqs, policy=policy)
+    for o in res.outcomes:
+        if o.rejected is not None:
+            continue
+        assert 0 <= o.reused_tokens <= o.input_length
+        assert o.arrival_s <= o.prefill_start_s <= o.first_token_s <= o.finish_s
+        # Never faster than computing what was not reused.
+        assert o.ttft_s >= EASY.prefill_seconds(o.input_length, o.reused_tokens) - 1e-9
+        assert o.tbt_ms >= 0
+    served = [o for o in res.outcomes if o.rejected is None]
+    assert sum(v["requests"] for v in res.prefill_load.values()) == len(served)
+    assert sum(v["requests"] for v in res.decode_load.values()) == len(served)
