@@ -538,7 +538,7 @@ def run_demo(settings: Settings, opts: DemoOptions) -> dict[str, Any]:
         else:
             console.print("starting the embedded broker and Redis ...")
             stack = EmbeddedStack(data_dir / "stack", host=settings.bind_host)
-            st = stack.up()
+            st = stack.up(die_with_parent=True)
             base = settings.model_copy(update={"kafka_url": settings.kafka_url or st.kafka_url,
                                                "redis_url": settings.redis_url or st.redis_url,
                                                "profile": "embedded" if not settings.kafka_url else settings.profile})

@@ -160,8 +160,16 @@ class EmbeddedStack:
             "data_dir": st.data_dir,
         }
 
-    def up(self, kafka_port: int = 0, redis_port: int = 0, timeout_s: float = 20.0) -> StackState:
-        """Start both servers (or return the running ones) and wait until both answer."""
+    def up(
+        self, kafka_port: int = 0, redis_port: int = 0, timeout_s: float = 20.0, *, die_with_parent: bool = False
+    ) -> StackState:
+        """Start both servers (or return the running ones) and wait until both answer.
+
+        ``die_with_parent`` (Linux) makes the kernel stop both servers when the calling
+        process dies, so a test session or demo that is killed leaves nothing behind;
+        `conductor dev up` leaves it off because its servers must outlive the command.
+        """
+        preexec = _die_with_parent if die_with_parent else None
         current = self.read_state()
         if current is not None:
             if _pid_runs(current.broker_pid, current.broker_bin) and _pid_runs(
@@ -191,6 +199,7 @@ class EmbeddedStack:
             stdin=subprocess.DEVNULL,
             env=env,
             start_new_session=True,
+            preexec_fn=preexec,
         )
         redis_dir = self.data_dir / "redis"
         redis_dir.mkdir(exist_ok=True)
@@ -209,6 +218,7 @@ class EmbeddedStack:
             stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL,
             start_new_session=True,
+            preexec_fn=preexec,
         )
         state = StackState(
             kafka_url=f"{self.host}:{kafka_port}",
@@ -268,6 +278,16 @@ class EmbeddedStack:
 
 # Tansu reads its options from these variables too; never let a caller's env leak in.
 _TANSU_ENV = {"CLUSTER_ID", "LISTENER_URL", "ADVERTISED_LISTENER_URL", "STORAGE_ENGINE", "SCHEMA_REGISTRY"}
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: ask for SIGTERM when the parent exits (Linux prctl)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass  # not Linux: the caller's own cleanup is all there is
 
 
 def _pid_alive_not_zombie(pid: int) -> bool:

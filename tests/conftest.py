@@ -22,7 +22,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[StackState]:
     """The embedded broker and Redis, started once per session and always stopped."""
     data_dir: Path = tmp_path_factory.mktemp("stack")
     embedded = EmbeddedStack(data_dir)
-    state = embedded.up()
+    state = embedded.up(die_with_parent=True)
     try:
         yield state
     finally:

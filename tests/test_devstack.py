@@ -69,3 +69,29 @@ def test_down_never_kills_a_recycled_pid(tmp_path):
     stack.state_path.write_text(json.dumps(data))
     assert stack.down() == []
     assert _alive(os.getpid())
+
+
+def test_servers_die_with_a_killed_owner(tmp_path):
+    """A test session or demo that is SIGKILLed must not leave its servers running."""
+    import json
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    code = (
+        "import sys, time; from conductor.devstack import EmbeddedStack; "
+        f"EmbeddedStack({str(tmp_path)!r}).up(die_with_parent=True); print('up', flush=True); time.sleep(60)"
+    )
+    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout.readline().strip() == "up"
+        st = json.loads((tmp_path / "stack.json").read_text())
+        assert _alive(st["broker_pid"]) and _alive(st["redis_pid"])
+    finally:
+        owner.send_signal(signal.SIGKILL)
+        owner.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and (_alive(st["broker_pid"]) or _alive(st["redis_pid"])):
+        time.sleep(0.05)
+    assert not _alive(st["broker_pid"]) and not _alive(st["redis_pid"])

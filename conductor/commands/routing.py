@@ -328,7 +328,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
         if not s.redis_url:
             tmp = tempfile.TemporaryDirectory(prefix="conductor-bench-")
             stack = EmbeddedStack(Path(tmp.name), host=s.bind_host)
-            st = stack.up()
+            st = stack.up(die_with_parent=True)
             s = s.model_copy(update={"redis_url": st.redis_url})
         # A bench namespace of its own; nodes stay live for the whole run.
         s = s.model_copy(update={"view_namespace": f"bench{seed}", "heartbeat_ttl_s": 3600.0,
