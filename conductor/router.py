@@ -391,6 +391,16 @@ class RouterWorker:
             await prod.stop()
 
 
+# KEYS: version, node hash; ARGV: the version the reader holds. Returns {version} when it
+# still holds the current one, else {version, HGETALL}. A namespace never written has no
+# version (false), which never matches, so its (empty) hash is always sent.
+_NODES_IF_CHANGED_LUA = """
+local v = redis.call('GET', KEYS[1])
+if v and v == ARGV[1] then return {v} end
+return {v, redis.call('HGETALL', KEYS[2])}
+"""
+
+
 class RawSnapshotReader:
     """The view's one-round-trip snapshot read over a dedicated RESP connection.
 
@@ -415,12 +425,15 @@ class RawSnapshotReader:
         self.timeout_s = timeout_s
         self._io: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self._lock = asyncio.Lock()
-        self._last_flat: list[bytes] | None = None
+        self._last_version: bytes | None = None
         self._last_nodes: tuple[tuple[NodeState, ...], dict[int, str]] = ((), {})
+        import hashlib
+
         import hiredis
 
         self._hiredis = hiredis
-        self._tail = hiredis.pack_command(("HGETALL", view._nodes_key)) + hiredis.pack_command(("HGETALL", view._wm_key))
+        self._nodes_sha = hashlib.sha1(_NODES_IF_CHANGED_LUA.encode()).hexdigest()
+        self._wm_cmd = hiredis.pack_command(("HGETALL", view._wm_key))
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.view, name)
@@ -436,10 +449,11 @@ class RawSnapshotReader:
             setup += self._hiredis.pack_command(("SELECT", self.db))
             n += 1
         self._io = (reader, writer)
-        if n:
-            for r in await self._roundtrip(setup, n):
-                if isinstance(r, self._hiredis.ReplyError):
-                    raise ViewStoreError(f"view connection set-up failed: {r}")
+        setup += self._hiredis.pack_command(("SCRIPT", "LOAD", _NODES_IF_CHANGED_LUA))
+        n += 1
+        for r in await self._roundtrip(setup, n):
+            if isinstance(r, self._hiredis.ReplyError):
+                raise ViewStoreError(f"view connection set-up failed: {r}")
         return reader, writer
 
     async def _roundtrip(self, packed: bytes, replies: int) -> list[Any]:
@@ -466,7 +480,11 @@ class RawSnapshotReader:
         packed = h.pack_command(("TIME",))
         if chain:
             packed += h.pack_command(("MGET", *[pre + k.to_bytes(8, "big") for k in chain]))
-        packed += self._tail
+        # The node hash (~tens of KB for a large cluster) travels only when its version moved.
+        packed += h.pack_command(
+            ("EVALSHA", self._nodes_sha, 2, self.view.version_key, self.view._nodes_key, self._last_version or b"")
+        )
+        packed += self._wm_cmd
         async with self._lock:
             try:
                 if self._io is None:
@@ -477,6 +495,9 @@ class RawSnapshotReader:
                 raise ViewStoreError(f"view read failed: {type(e).__name__}: {e}") from e
         for r in res:
             if isinstance(r, h.ReplyError):
+                if str(r).startswith("NOSCRIPT"):  # script cache flushed (restart, failover)
+                    async with self._lock:
+                        await self._drop()  # the next connection loads it again
                 raise ViewStoreError(f"view read failed: {r}")
         if chain:
             (sec, usec), values, flat_nodes, flat_wm = res
@@ -485,11 +506,13 @@ class RawSnapshotReader:
             values = []
         if now_ms is None:
             now_ms = int(sec) * 1000 + int(usec) // 1000
-        if flat_nodes == self._last_flat:  # nodes change once per heartbeat, reads far more often
+        version, flat_nodes = flat_nodes[0], flat_nodes[1] if len(flat_nodes) > 1 else None
+        if flat_nodes is None:  # unchanged since the last read
             nodes, slot_nodes = self._last_nodes
         else:
             nodes, slot_nodes = self.view._parse_nodes(dict(zip(flat_nodes[::2], flat_nodes[1::2])))
-            self._last_flat, self._last_nodes = flat_nodes, (nodes, slot_nodes)
+            self._last_nodes = (nodes, slot_nodes)
+            self._last_version = version  # None for a namespace never written: always re-read
         frm = int.from_bytes
         prefix = longest_prefixes((frm(v, "little") if v else 0 for v in values), slot_nodes) if values else {}
         return ViewSnapshot(

@@ -29,6 +29,7 @@ tier, keys), ...]), ...])`` — no fence, chunked so that no single script runs 
 from __future__ import annotations
 
 import json
+import secrets
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -138,6 +139,7 @@ for gi = 1, #groups do
   end
 end
 for fk, off in pairs(fence) do redis.call('HSET', wmkey, fk, off) end
+redis.call('INCR', ns .. '|ver')  -- readers re-read the node hash only when this moved
 return out
 """
 
@@ -184,6 +186,7 @@ for s in string.gmatch(ARGV[2], '[^,]+') do
     n = n + 1
   end
 end
+if n > 0 then redis.call('INCR', ns .. '|ver') end
 return n
 """
 
@@ -234,6 +237,8 @@ class RedisViewStore:
         self.ns = namespace
         self._bpre = f"{namespace}|b".encode()
         self._nodes_key = f"{namespace}|nodes"
+        self.version_key = f"{namespace}|ver"
+        """Moves on every write to the node hash (apply, slot freeing, clear)."""
         self._wm_key = f"{namespace}|wm"
         self._script = client.register_script(_APPLY_LUA)
         self._compact = client.register_script(_COMPACT_LUA)
@@ -358,6 +363,8 @@ class RedisViewStore:
         try:
             async for batch in _scan_batches(self.client, f"{self.ns}|*"):
                 await self.client.unlink(*batch)
+            # A fresh random version, so no reader mistakes the new node hash for one it cached.
+            await self.client.set(self.version_key, secrets.randbits(62))
         except RedisError as e:
             raise ViewStoreError(f"view clear failed: {e}") from e
         self._state_cache.clear()

@@ -143,3 +143,38 @@ async def test_raw_snapshot_reader_matches_the_view_store(settings) -> None:
     dead = RawSnapshotReader(view, "redis://127.0.0.1:1/0", timeout_s=0.2)
     with pytest.raises(ViewStoreError, match="view read failed"):
         await dead.snapshot(chain)
+
+
+async def test_raw_reader_sees_node_changes_after_caching_them(settings) -> None:
+    """The reader skips the node hash while its version holds: every kind of change must move it."""
+    reader, _ = redis_stores(settings, producer_id="raw-cache-test")
+    view = reader.view
+    now = int(time.time() * 1000)
+    chain = chain_keys(TOKENS, settings.block_size)
+
+    async def same() -> None:
+        a, b = await reader.snapshot(chain, now_ms=now), await view.snapshot(chain, now_ms=now)
+        assert a == b
+
+    hb = lambda q, seq: (envelope(Heartbeat(role="prefill", queued_prefill_tokens=q), producer_id="p0",  # noqa: E731
+                                  producer_seq=seq, ts_ms=now), None)
+    try:
+        await view.apply([hb(1, 0)])
+        await same()
+        await same()  # served from the cache
+        await view.apply([hb(99, 1)])
+        assert {n.node_id: n.queued_prefill_tokens for n in (await reader.snapshot(chain, now_ms=now)).nodes} == {"p0": 99}
+        await view.apply([(envelope(BlocksStored(block_keys=chain[:4]), producer_id="p0", producer_seq=2, ts_ms=now),
+                           None)])
+        await same()
+        await view.clear()  # a fresh namespace: nothing cached may survive it
+        await same()
+        await view.apply([hb(5, 0)])
+        await same()
+        await reader.client.script_flush()  # the reader reloads its script after NOSCRIPT
+        with pytest.raises(Exception):
+            await reader.snapshot(chain)
+        await same()
+    finally:
+        await view.clear()
+        await reader.close()
