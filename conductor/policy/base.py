@@ -164,22 +164,8 @@ class Costs:
             return hit
         prof = self.profile
         best: tuple[int, str | None, float] = (0, None, self.prefill_s(n, 0))
-        h, dr, ss = _segments(prefix, cap)
-        cum = 0
-        hbm_t = dram_t = ssd_t = 0
-        for tier, seg in (("hbm", h), ("dram", dr), ("ssd", ss)):
-            if seg <= 0:
-                continue
-            cum += seg
-            toks = seg * bs
-            if tier == "hbm":
-                hbm_t = toks
-            elif tier == "dram":
-                dram_t = toks
-            else:
-                ssd_t = toks
-            cached = min(cum * bs, n - 1)  # engines always compute the last token
-            cost = prof.prefix_load_seconds(hbm_t, dram_t, ssd_t, remote=False) + self.prefill_s(n, cached)
+        for cum, tier, toks, compute in self._prefix_steps(prefix, cap, n, bs):
+            cost = prof.prefix_load_seconds(*toks, remote=False) + compute
             if cost < best[2]:
                 best = (cum, tier, cost)
         if len(self._local) > 65_536:
@@ -187,32 +173,37 @@ class Costs:
         self._local[key] = best
         return best
 
+    def _prefix_steps(
+        self, prefix: tuple[int, int, int], cap: int, n: int, bs: int
+    ) -> list[tuple[int, str, tuple[int, int, int], float]]:
+        """Each way to reuse a prefix: read it through HBM, then also DRAM, then also SSD.
+
+        Yields (blocks reused, slowest tier read, tokens read per tier, compute of the rest).
+        """
+        steps = []
+        toks = [0, 0, 0]
+        cum = 0
+        for i, (tier, seg) in enumerate(zip(("hbm", "dram", "ssd"), _segments(prefix, cap))):
+            if seg <= 0:
+                continue
+            cum += seg
+            toks[i] = seg * bs
+            cached = min(cum * bs, n - 1)  # engines always compute the last token
+            steps.append((cum, tier, (toks[0], toks[1], toks[2]), self.prefill_s(n, cached)))
+        return steps
+
     def _remote_cost(self, prefix: tuple[int, int, int], cap: int, n: int, bs: int) -> Any:
         key = (prefix, cap, n, bs)
         if key in self._remote:
             return self._remote[key]
-        h, dr, ss = _segments(prefix, cap)
         out = None
-        if h + dr + ss > 0:
+        if sum(_segments(prefix, cap)) > 0:
             prof = self.profile
             same: tuple[int, str, float] | None = None
             cross: tuple[int, str, float] | None = None
-            cum = 0
-            hbm_t = dram_t = ssd_t = 0
-            for tier, seg in (("hbm", h), ("dram", dr), ("ssd", ss)):
-                if seg <= 0:
-                    continue
-                cum += seg
-                toks = seg * bs
-                if tier == "hbm":
-                    hbm_t = toks
-                elif tier == "dram":
-                    dram_t = toks
-                else:
-                    ssd_t = toks
-                compute = self.prefill_s(n, min(cum * bs, n - 1))
-                cs = prof.prefix_load_seconds(hbm_t, dram_t, ssd_t, remote=True, same_rack=True) + compute
-                cc = prof.prefix_load_seconds(hbm_t, dram_t, ssd_t, remote=True, same_rack=False) + compute
+            for cum, tier, toks, compute in self._prefix_steps(prefix, cap, n, bs):
+                cs = prof.prefix_load_seconds(*toks, remote=True, same_rack=True) + compute
+                cc = prof.prefix_load_seconds(*toks, remote=True, same_rack=False) + compute
                 if same is None or cs < same[2]:
                     same = (cum, tier, cs)
                 if cross is None or cc < cross[2]:
