@@ -1,17 +1,5 @@
-"""One root for Conductor's errors; adapters translate driver errors into these."""
+"""Conductor's errors (defined in :mod:`schemas.errors`, which every layer may import)."""
 
+from schemas.errors import ConductorError, ConfigError, StackError, ViewStoreError
 
-class ConductorError(Exception):
-    """Root of every error Conductor raises on purpose."""
-
-
-class ConfigError(ConductorError):
-    """A setting is missing or invalid; the message names the field."""
-
-
-class StackError(ConductorError):
-    """The embedded broker or Redis could not be started, reached or stopped."""
-
-
-class ViewStoreError(ConductorError):
-    """The view store (Redis) failed or is unreachable."""
+__all__ = ["ConductorError", "ConfigError", "StackError", "ViewStoreError"]

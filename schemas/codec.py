@@ -12,6 +12,7 @@ from typing import Any, Callable
 import msgpack
 from pydantic import ValidationError
 
+from .errors import ConductorError
 from .records import BODY_TYPES, SCHEMA_VERSIONS, Envelope
 
 CONTENT_TYPE = "application/x-conductor+msgpack"
@@ -30,7 +31,7 @@ _WIRE = {
 }
 
 
-class DecodeError(ValueError):
+class DecodeError(ConductorError, ValueError):
     """Bytes that are not a valid Conductor record. ``reason`` is a short code."""
 
     def __init__(self, reason: str, message: str) -> None:

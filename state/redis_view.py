@@ -37,7 +37,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from conductor.errors import ViewStoreError
+from schemas.errors import ViewStoreError
 from schemas import Envelope
 from schemas.codec import pack_script_args
 

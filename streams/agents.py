@@ -18,7 +18,7 @@ from typing import Any
 
 import faust
 
-from conductor.errors import ViewStoreError
+from schemas.errors import ViewStoreError
 from schemas import DeadLetter, encode, headers
 from streams.app import make_app
 from streams.ingest import IngestMetrics, Ingestor, RawRecord, StreamRow

@@ -20,7 +20,7 @@ from typing import Any
 import faust
 from faust.transport.drivers import aiokafka as faust_aiokafka
 
-from conductor.errors import ConfigError
+from schemas.errors import ConfigError
 
 TANSU_FETCH_MAX_WAIT_MS = 10
 
