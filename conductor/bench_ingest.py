@@ -17,7 +17,6 @@ polled every ~2 ms, which bounds the resolution).
 from __future__ import annotations
 
 import asyncio
-import os
 import random
 import subprocess
 import sys
@@ -30,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from conductor.settings import child_environment
 from schemas import BlocksRemoved, BlocksStored, Heartbeat, chain_from_precomputed, encode, envelope, headers
 
 
@@ -302,18 +302,7 @@ class WatermarkTimeline:
 
 def start_worker_process(s: Any, log_path: Path) -> subprocess.Popen[bytes]:
     """Start ``conductor worker`` in a subprocess, configured from ``s`` via CONDUCTOR_* variables."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CONDUCTOR_")}
-    env.update(
-        CONDUCTOR_KAFKA_URL=s.kafka_url,
-        CONDUCTOR_REDIS_URL=s.redis_url,
-        CONDUCTOR_PROFILE=s.profile,
-        CONDUCTOR_TOPIC_PREFIX=s.topic_prefix,
-        CONDUCTOR_VIEW_NAMESPACE=s.view_namespace,
-        CONDUCTOR_PARTITIONS=str(s.partitions),
-        CONDUCTOR_WEB_PORT=str(s.web_port),
-        CONDUCTOR_BIND_HOST=s.bind_host,
-        CONDUCTOR_HEARTBEAT_TTL_S=str(s.heartbeat_ttl_s),
-    )
+    env = child_environment(s)
     log = open(log_path, "wb")
     return subprocess.Popen(
         [sys.executable, "-c", "from conductor.cli import main; main()", "worker", "--loglevel", "warning"],

@@ -41,7 +41,7 @@ from schemas import RoutingDecision, RoutingRejection, RoutingRequest, decode, e
 
 from .devstack import EmbeddedStack, free_port
 from .errors import ConductorError
-from .settings import Settings
+from .settings import Settings, child_environment
 
 log = logging.getLogger(__name__)
 
@@ -306,25 +306,6 @@ class Processes:
 # --- one run ------------------------------------------------------------------------
 
 
-def settings_env(s: Settings) -> dict[str, str]:
-    """The CONDUCTOR_* variables that make a child process load exactly ``s``."""
-    env = {}
-    for name in type(s).model_fields:
-        v = getattr(s, name)
-        if v is None:
-            continue
-        env[f"CONDUCTOR_{name.upper()}"] = json.dumps(v) if isinstance(v, (dict, list, bool)) else str(v)
-    return env
-
-
-def _child_env(conductor_env: dict[str, str]) -> dict[str, str]:
-    # The children's configuration is exactly ``conductor_env``; the rest (PATH...) is inherited.
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CONDUCTOR_")}
-    env.update(conductor_env)
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
 async def _run_once(
     base: Settings, opts: DemoOptions, policy: str, requests: list[DemoRequest], budget_s: float,
     stats: RunStats, log_dir: Path, refresh: Any, *, exact: bool = False, pids: list[int] | None = None,
@@ -344,7 +325,7 @@ async def _run_once(
         "policy_params": base.policy_params if policy == opts.policy else {},
         "web_port": free_port(base.bind_host), "metrics_port": 0, "data_dir": log_dir / "data",
     })
-    env = _child_env(settings_env(s))
+    env = child_environment(s)
     tps = topics(s)
     await ensure_topics(s, tps.all())
     work = log_dir / policy / "work"

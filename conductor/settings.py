@@ -7,6 +7,7 @@ passed down. Nothing else in Conductor reads the environment.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -112,3 +113,23 @@ def load_settings(**overrides: Any) -> Settings:
             env = "CONDUCTOR_" + field.upper().replace(".", "__")
             lines.append(f"{field} ({env}): {err.get('msg')} (got {err.get('input')!r})")
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None
+
+
+def settings_env(settings: Settings) -> dict[str, str]:
+    """The CONDUCTOR_* variables that make a child process load exactly ``settings``."""
+    env = {}
+    for name in type(settings).model_fields:
+        v = getattr(settings, name)
+        if v is None:
+            continue
+        env[f"CONDUCTOR_{name.upper()}"] = json.dumps(v) if isinstance(v, (dict, list, bool)) else str(v)
+    return env
+
+
+def child_environment(settings: Settings) -> dict[str, str]:
+    """The environment of a Conductor child process: this one's (PATH, ...) without any
+    CONDUCTOR_* variable, plus exactly ``settings``."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONDUCTOR_")}
+    env.update(settings_env(settings))
+    env["PYTHONUNBUFFERED"] = "1"
+    return env

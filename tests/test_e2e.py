@@ -23,7 +23,7 @@ import pytest
 
 from conductor.bridge.publisher import EventPublisher
 from conductor.bridge.runner import Bridge, BridgeConfig, kafka_sink
-from conductor.demo import settings_env
+from conductor.settings import settings_env
 from conductor.devstack import free_port
 from conductor.dispatch import decisions_for
 from conductor.engine import EmulatedEngine, EngineConfig

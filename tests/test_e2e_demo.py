@@ -44,7 +44,7 @@ def test_demo_completes_and_compares_with_the_baseline(stack: StackState, settin
 
 
 def test_settings_travel_to_child_processes_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
-    from conductor.demo import settings_env
+    from conductor.settings import settings_env
     from conductor.settings import load_settings
 
     s = load_settings(policy_params={"slo_margin": 0.9, "remote_reuse": False}, kafka_url="k:9092",
