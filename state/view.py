@@ -151,15 +151,16 @@ def longest_prefixes(masks: Iterable[int], slot_nodes: dict[int, str]) -> dict[s
         h = x & m0
         hd = h | ((x >> 1) & m0)
         n3 = hd | ((x >> 2) & m0)
-        for alive, now, end in ((a1, h, ends[0]), (a2, hd, ends[1]), (a3, n3, ends[2])):
-            dropped = alive & ~now
-            while dropped:
-                low = dropped & -dropped
-                end[(low.bit_length() - 1) // 3] = i
-                dropped ^= low
-        a1 &= h
-        a2 &= hd
-        a3 &= n3
+        if (a1 & ~h) | (a2 & ~hd) | (a3 & ~n3):  # most blocks end no node's prefix: skip the bookkeeping
+            for alive, now, end in ((a1, h, ends[0]), (a2, hd, ends[1]), (a3, n3, ends[2])):
+                dropped = alive & ~now
+                while dropped:
+                    low = dropped & -dropped
+                    end[(low.bit_length() - 1) // 3] = i
+                    dropped ^= low
+            a1 &= h
+            a2 &= hd
+            a3 &= n3
         i += 1
         if not a3:
             break
