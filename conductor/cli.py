@@ -36,6 +36,7 @@ COMMAND_MODULES = (
     "conductor.commands.pipeline",
     "conductor.commands.routing",
     "conductor.commands.balance",
+    "conductor.commands.audit",
     "conductor.commands.simulate",
     "conductor.commands.engines",
 )

@@ -37,11 +37,14 @@ async def replay_into(
     progress: Callable[[int, int], None] | None = None,
     idle_timeout_s: float = 3.0,
     batch: int = 5000,
+    until: dict[str, int] | None = None,
 ) -> ReplayResult:
     """Fold every record of both topics, from the beginning, into ``store``.
 
     ``progress(done, total)`` is called after each batch. Stops when every partition has
     reached the end offset seen at start, or after ``idle_timeout_s`` without records.
+    ``until`` (a view watermark: ``topic:partition`` → highest offset to apply) rebuilds
+    the view as it stood at that watermark; partitions it does not name contribute nothing.
     """
     t = topics(settings)
     names = (t.kv_events.name, t.heartbeats.name)
@@ -63,6 +66,8 @@ async def replay_into(
         await c.seek_to_beginning(*tps)
         begin = await c.beginning_offsets(tps)
         end = await c.end_offsets(tps)
+        if until is not None:
+            end = {tp: min(off, until.get(f"{tp.topic}:{tp.partition}", -1) + 1) for tp, off in end.items()}
         res.end_offsets = {f"{tp.topic}:{tp.partition}": off for tp, off in end.items()}
         total = sum(max(end[tp] - begin[tp], 0) for tp in tps)
         remaining = {tp for tp in tps if end[tp] > begin[tp]}
