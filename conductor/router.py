@@ -23,6 +23,7 @@ possibly a newer view); dispatchers drop a second decision for a request id.
 from __future__ import annotations
 
 import asyncio
+import collections
 import hashlib
 import logging
 import os
@@ -366,9 +367,16 @@ class RouterWorker:
                 if not batches:
                     continue
                 sends = []
+                n = self.settings.router_concurrency
                 for tp, records in batches.items():
-                    for rec in records:
-                        key, out = await self.router.handle(rec.value, rec.key)
+                    # Up to n view reads in flight at once; decisions still run one after another
+                    # (nothing between a read's reply and its reservation yields), so each one
+                    # sees the reservations of those before it. Outputs keep the input order.
+                    handled = []
+                    for i in range(0, len(records), n):
+                        window = records[i : i + n]
+                        handled += await asyncio.gather(*(self.router.handle(r.value, r.key) for r in window))
+                    for rec, (key, out) in zip(records, handled):
                         if key == "":
                             dl = DeadLetter(
                                 source_topic=tp.topic, partition=tp.partition, offset=rec.offset,
@@ -425,6 +433,8 @@ class RawSnapshotReader:
         self.timeout_s = timeout_s
         self._io: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self._lock = asyncio.Lock()
+        self._waiting: collections.deque[tuple[asyncio.Future[list[Any]], int, list[Any]]] = collections.deque()
+        self._reader_task: asyncio.Future[None] | None = None
         self._last_version: bytes | None = None
         self._last_nodes: tuple[tuple[NodeState, ...], dict[int, str]] = ((), {})
         import hashlib
@@ -438,41 +448,68 @@ class RawSnapshotReader:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.view, name)
 
-    async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    async def _connect(self) -> None:
+        """Open the connection, start its reply reader, and set it up (called under the lock)."""
         reader, writer = await asyncio.wait_for(asyncio.open_connection(self.host, self.port), self.timeout_s)
-        setup = b""
-        n = 0
-        if self.password:
-            setup += self._hiredis.pack_command(("AUTH", self.password))
-            n += 1
-        if self.db:
-            setup += self._hiredis.pack_command(("SELECT", self.db))
-            n += 1
         self._io = (reader, writer)
-        setup += self._hiredis.pack_command(("SCRIPT", "LOAD", _NODES_IF_CHANGED_LUA))
-        n += 1
-        for r in await self._roundtrip(setup, n):
-            if isinstance(r, self._hiredis.ReplyError):
+        self._reader_task = asyncio.ensure_future(self._read_replies(reader, writer))
+        h = self._hiredis
+        setup = [("AUTH", self.password)] if self.password else []
+        if self.db:
+            setup.append(("SELECT", self.db))
+        setup.append(("SCRIPT", "LOAD", _NODES_IF_CHANGED_LUA))
+        fut = self._send(b"".join(h.pack_command(c) for c in setup), len(setup))
+        try:
+            replies = await asyncio.wait_for(fut, self.timeout_s)
+        except BaseException:
+            await self._drop()
+            raise
+        for r in replies:
+            if isinstance(r, h.ReplyError):
+                await self._drop()
                 raise ViewStoreError(f"view connection set-up failed: {r}")
-        return reader, writer
 
-    async def _roundtrip(self, packed: bytes, replies: int) -> list[Any]:
+    def _send(self, packed: bytes, replies: int) -> asyncio.Future[list[Any]]:
+        """Write one request; its replies resolve the returned future. Replies come back in
+        the order requests were written, so several reads can be in flight at once."""
         assert self._io is not None
-        reader, writer = self._io
+        fut: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+        self._waiting.append((fut, replies, []))
+        self._io[1].write(packed)
+        return fut
+
+    async def _read_replies(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         parser = self._hiredis.Reader()
-        writer.write(packed)
-        out: list[Any] = []
-        while len(out) < replies:
-            data = await asyncio.wait_for(reader.read(1 << 16), self.timeout_s)
-            if not data:
-                raise ConnectionError("connection closed by the server")
-            parser.feed(data)
-            while len(out) < replies:
-                r = parser.gets()
-                if r is False:
-                    break
-                out.append(r)
-        return out
+        waiting = self._waiting
+        try:
+            while True:
+                data = await reader.read(1 << 16)
+                if not data:
+                    raise ConnectionError("connection closed by the server")
+                parser.feed(data)
+                while waiting:
+                    r = parser.gets()
+                    if r is False:
+                        break
+                    fut, n, got = waiting[0]
+                    got.append(r)
+                    if len(got) == n:
+                        waiting.popleft()
+                        if not fut.done():
+                            fut.set_result(got)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - every waiter must learn the connection is gone
+            if self._io is not None and self._io[1] is writer:
+                self._fail_waiting(e)
+                self._io = None
+                writer.close()
+
+    def _fail_waiting(self, e: BaseException) -> None:
+        while self._waiting:
+            fut, _, _ = self._waiting.popleft()
+            if not fut.done():
+                fut.set_exception(ConnectionError(f"{type(e).__name__}: {e}"))
 
     async def snapshot(self, chain: Sequence[int], *, now_ms: int | None = None) -> ViewSnapshot:
         h = self._hiredis
@@ -485,19 +522,20 @@ class RawSnapshotReader:
             ("EVALSHA", self._nodes_sha, 2, self.view.version_key, self.view._nodes_key, self._last_version or b"")
         )
         packed += self._wm_cmd
-        async with self._lock:
-            try:
+        try:
+            async with self._lock:  # only connecting and writing are serialised, not the wait
                 if self._io is None:
                     await self._connect()
-                res = await self._roundtrip(packed, 4 if chain else 3)
-            except (OSError, asyncio.TimeoutError, ConnectionError, h.ProtocolError) as e:
-                await self._drop()
-                raise ViewStoreError(f"view read failed: {type(e).__name__}: {e}") from e
+                fut = self._send(packed, 4 if chain else 3)
+            res = await asyncio.wait_for(fut, self.timeout_s)
+        except (OSError, asyncio.TimeoutError, ConnectionError, h.ProtocolError) as e:
+            # A reply that never came leaves the stream out of step: start afresh.
+            await self._drop()
+            raise ViewStoreError(f"view read failed: {type(e).__name__}: {e}") from e
         for r in res:
             if isinstance(r, h.ReplyError):
                 if str(r).startswith("NOSCRIPT"):  # script cache flushed (restart, failover)
-                    async with self._lock:
-                        await self._drop()  # the next connection loads it again
+                    await self._drop()  # the next connection loads it again
                 raise ViewStoreError(f"view read failed: {r}")
         if chain:
             (sec, usec), values, flat_nodes, flat_wm = res
@@ -522,6 +560,10 @@ class RawSnapshotReader:
 
     async def _drop(self) -> None:
         io, self._io = self._io, None
+        task, self._reader_task = self._reader_task, None
+        if task is not None:
+            task.cancel()
+        self._fail_waiting(ConnectionError("connection dropped"))
         if io is not None:
             io[1].close()
 

@@ -62,6 +62,9 @@ class Settings(BaseSettings):
     seed: int = Field(default=0, ge=0, description="base seed of the routing tie-breaks")
     reservation_ttl_s: float = Field(default=10.0, gt=0)
     max_snapshot_age_s: float = Field(default=5.0, gt=0)
+    router_concurrency: int = Field(
+        default=2, ge=1, le=64, description="view reads a router keeps in flight (pipelined on one connection)"
+    )
     balance_params: dict[str, Any] = Field(
         default_factory=dict, description="KVCache balance scheduler parameters (conductor balance --help)"
     )

@@ -178,3 +178,28 @@ async def test_raw_reader_sees_node_changes_after_caching_them(settings) -> None
     finally:
         await view.clear()
         await reader.close()
+
+
+async def test_concurrent_reads_still_see_each_others_reservations(settings) -> None:
+    """With several view reads in flight, a burst must still spread: each decision sees the
+    reservations of the decisions before it."""
+    from collections import Counter
+
+    reader, resv = redis_stores(settings, producer_id="burst-test")
+    now = int(time.time() * 1000)
+    await reader.view.apply([
+        (envelope(Heartbeat(role=role, rack="r0"), producer_id=n, producer_seq=0, ts_ms=now), None)
+        for n, role in (("p0", "prefill"), ("p1", "prefill"), ("p2", "prefill"), ("p3", "prefill"), ("d0", "decode"))
+    ])
+    router = Router(settings.model_copy(update={"policy": "least-loaded"}), reader, resv)
+    await router.start()
+    try:
+        burst = [RoutingRequest(request_id=f"b{i}", token_ids=list(range(i * 1000, i * 1000 + 512)), prompt_tokens=512)
+                 for i in range(8)]
+        out = await asyncio.gather(*(router.route(r) for r in burst))
+    finally:
+        await router.close()
+        await reader.view.clear()
+        await reader.close()
+    assert all(isinstance(d, RoutingDecision) for d in out)
+    assert Counter(d.prefill_instance for d in out) == {"p0": 2, "p1": 2, "p2": 2, "p3": 2}

@@ -309,7 +309,10 @@ def register(groups: dict[str, typer.Typer]) -> None:
         decisions: int = typer.Option(5000, min=1, help="timed decisions"),
         blocks: int = typer.Option(1_000_000, min=1000, help="distinct blocks to load into the view"),
         seed: int = typer.Option(1, help="seed of the synthetic cluster and prompts"),
-        concurrency: int = typer.Option(1, min=1, max=64, help="requests in flight at once in the process"),
+        concurrency: int = typer.Option(
+            None, min=1, max=64,
+            help="requests in flight at once in the process [default: CONDUCTOR_ROUTER_CONCURRENCY, as the router]",
+        ),
         policy: str = typer.Option(None, help="policy to time [default: CONDUCTOR_POLICY]"),
     ) -> None:
         """Time the routing decision against a Redis view of 32 instances and ~1M blocks.
@@ -335,7 +338,8 @@ def register(groups: dict[str, typer.Typer]) -> None:
                                  "policy": policy or s.policy})
         try:
             out = asyncio.run(run_route_bench(
-                s, decisions=decisions, target_blocks=blocks, seed=seed, concurrency=concurrency,
+                s, decisions=decisions, target_blocks=blocks, seed=seed,
+                concurrency=concurrency or s.router_concurrency,
                 progress=None if json_out else (lambda m: err.print(m)),
             ))
         finally:
