@@ -106,7 +106,15 @@ class KvCacheCentric(BasePolicy):
         # Admitting work whose TTFT lands just under the SLO by an optimistic wait estimate
         # fills queues until most of it misses (measured in the simulator), so the wait
         # part of the prediction must clear the budget with a safety factor.
-        guarded = ttft + (p.queue_wait_safety - 1.0) * waits[chosen]
+        extra = p.queue_wait_safety - 1.0
+        if p.early_rejection and ttft + extra * waits[chosen] > ttft_budget:
+            # The fastest instance fails the guarded check; one with a shorter queue may pass it.
+            safe = [i for i in range(len(prefills)) if ttfts[i] + extra * waits[i] <= ttft_budget]
+            if safe:
+                chosen = pick_lowest(safe, [ttfts[i] for i in safe], rng, tol=p.prefill_tie_s,
+                                     node_id=lambda i: prefills[i].node_id)
+                ttft = ttfts[chosen]
+        guarded = ttft + extra * waits[chosen]
         if p.early_rejection and guarded > ttft_budget:
             if min(waits) > ttft_budget:
                 return Rejection(
@@ -116,8 +124,9 @@ class KvCacheCentric(BasePolicy):
                 )
             return Rejection(
                 "ttft_slo",
-                f"best predicted TTFT {ttft:.3f}s on {prefills[chosen].node_id} (queue wait "
-                f"{waits[chosen]:.3f}s counted x{p.queue_wait_safety:g}) exceeds the SLO {request.ttft_slo_s:g}s",
+                f"best predicted TTFT {ttft:.3f}s on {prefills[chosen].node_id}, {guarded:.3f}s with its queue wait "
+                f"{waits[chosen]:.3f}s counted x{p.queue_wait_safety:g}, exceeds the SLO {request.ttft_slo_s:g}s "
+                f"on every one of {len(prefills)} prefill instances",
             )
 
         # --- decode: least loaded under the TBT SLO -----------------------------------
