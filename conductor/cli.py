@@ -56,6 +56,15 @@ def print_json(obj: object) -> None:
     sys.stdout.flush()
 
 
+def print_result(out: dict[str, object], json_out: bool) -> None:
+    """A benchmark's or command's result: one JSON line, or ``key: value`` lines."""
+    if json_out:
+        print_json(out)
+    else:
+        for k, v in out.items():
+            typer.echo(f"{k}: {v}")
+
+
 def _register_all() -> None:
     for name in COMMAND_MODULES:
         try:

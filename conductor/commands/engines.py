@@ -61,7 +61,7 @@ def _bridge_metrics(settings: Any, bridge: Any) -> None:
 
 def register(groups: dict[str, typer.Typer]) -> None:
     app = groups["app"]
-    from ..cli import err, print_json, settings_or_exit
+    from ..cli import err, print_json, print_result, settings_or_exit
 
     def _need_kafka(s: Any) -> None:
         if not s.kafka_url:
@@ -215,11 +215,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
         from ..bridge.bench import run_bridge_bench
 
         out = asyncio.run(run_bridge_bench(s, batches=batches, blocks=blocks, kafka=kafka))
-        if json_out:
-            print_json(out)
-        else:
-            for k, v in out.items():
-                typer.echo(f"{k}: {v}")
+        print_result(out, json_out)
 
     @app.command("demo")
     def demo(

@@ -10,7 +10,7 @@ import typer
 
 
 def register(groups: dict[str, typer.Typer]) -> None:
-    from ..cli import err, print_json, settings_or_exit
+    from ..cli import err, print_json, print_result, settings_or_exit
 
     app, view, bench = groups["app"], groups["view"], groups["bench"]
 
@@ -177,11 +177,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
                 err.print(f"[red]error:[/red] Kafka: {type(e).__name__}: {e}")
                 raise typer.Exit(1) from None
             raise
-        if json_out:
-            print_json(out)
-        else:
-            for k, v in out.items():
-                typer.echo(f"{k}: {v}")
+        print_result(out, json_out)
 
     @bench.command("view-read")
     def bench_view_read(
@@ -202,11 +198,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
             run_view_read_bench(nodes, blocks_per_node, chain_len, reads, host=s.bind_host,
                                 log=None if json_out else err.print)
         )
-        if json_out:
-            print_json(out)
-        else:
-            for k, v in out.items():
-                typer.echo(f"{k}: {v}")
+        print_result(out, json_out)
 
 
 async def _view_summary(store: Any, ttl_s: float) -> dict[str, Any]:

@@ -237,7 +237,7 @@ async def run_route_bench(settings: Any, *, decisions: int, target_blocks: int, 
 
 def register(groups: dict[str, typer.Typer]) -> None:
     app, bench = groups["app"], groups["bench"]
-    from ..cli import err, print_json, settings_or_exit
+    from ..cli import err, print_json, print_result, settings_or_exit
 
     @app.command("router")
     def router_cmd(
@@ -346,11 +346,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
             if stack is not None:
                 stack.down()
                 tmp.cleanup()  # type: ignore[union-attr]
-        if json_out:
-            print_json(out)
-        else:
-            for k, v in out.items():
-                typer.echo(f"{k}: {v}")
+        print_result(out, json_out)
 
     profile_app = typer.Typer(help="Model + hardware cost profiles (prefill, decode, KV transfer).",
                               no_args_is_help=True)
