@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from .errors import StackError
+from .settings import inherited_environment
 
 STATE_FILE = "stack.json"
 
@@ -184,7 +185,7 @@ class EmbeddedStack:
         logs = self.data_dir / "logs"
         logs.mkdir(exist_ok=True)
         listener = f"tcp://{self.host}:{kafka_port}"
-        env = {k: v for k, v in os.environ.items() if k not in _TANSU_ENV}
+        env = inherited_environment(lambda k: k in _TANSU_ENV)
         env.setdefault("RUST_LOG", "warn")
         broker = subprocess.Popen(
             [

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -129,10 +130,16 @@ def settings_env(settings: Settings) -> dict[str, str]:
     return env
 
 
+def inherited_environment(drop: Callable[[str], bool]) -> dict[str, str]:
+    """This process's environment (PATH, ...) for a child, less the variables ``drop`` names.
+    The one place besides :func:`load_settings` that reads the environment."""
+    return {k: v for k, v in os.environ.items() if not drop(k)}
+
+
 def child_environment(settings: Settings) -> dict[str, str]:
     """The environment of a Conductor child process: this one's (PATH, ...) without any
     CONDUCTOR_* variable, plus exactly ``settings``."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CONDUCTOR_")}
+    env = inherited_environment(lambda k: k.startswith("CONDUCTOR_"))
     env.update(settings_env(settings))
     env["PYTHONUNBUFFERED"] = "1"
     return env
