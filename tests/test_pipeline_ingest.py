@@ -126,3 +126,20 @@ async def test_a_lagging_table_is_caught_by_the_offset_fence():
     assert res.skipped == {"fenced": 1} and res.applied == 1
     assert ing.kv_streams["a"][:2] == [0, 4]
     assert (await store.snapshot([10, 11, 12], now_ms=0)).prefix == {"a": (3, 3, 3)}
+
+
+async def test_a_table_behind_the_committed_offset_counts_no_phantom_gap():
+    """A worker killed after its view write and offset commit but before its changelog write
+    comes back with a table row older than the view, and Kafka resumes past the records
+    in between: they are in the view, so the next record is no gap."""
+    store = InMemoryViewStore()
+    for i in range(5):
+        store.apply_sync(stored("a", i, [20 + i]), SourcePosition(KV, 0, i))
+    ing = Ingestor(T, store, kv_streams={"a": [0, 1, 0, 0]})  # the table saw seq 0-1 only
+    res = await ing.process([rec(5, stored("a", 5, [25]))])
+    assert res.applied == 1 and res.gaps == 0
+    assert ing.kv_streams["a"] == [0, 5, 0, 0]
+    assert store.stream_sync("a").gaps == 0
+    # a real gap is still a gap
+    res = await ing.process([rec(6, stored("a", 8, [28]))])
+    assert res.gaps == 1 and ing.kv_streams["a"] == [0, 8, 1, 2]
