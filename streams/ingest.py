@@ -7,9 +7,9 @@ batch it
 1. decodes each record; a record that does not decode, or whose kind the topic does not
    carry, becomes a :class:`schemas.DeadLetter` (reason, error, source position, original
    bytes) handed to ``dead_letter`` — and the batch goes on;
-2. folds the good ones (``state.fold``) with the per-node stream state from
-   ``kv_streams`` / ``hb_streams`` (Faust tables in the worker, dicts elsewhere; a node
-   missing there is loaded from the view);
+2. folds the good ones (``state.fold``) with the per-node stream state: the newer of the
+   ``kv_streams`` / ``hb_streams`` rows (Faust tables in the worker, dicts elsewhere) and
+   what the view recorded with its effects (one read per batch), since a row can lag;
 3. writes all their operations in one fenced call (``ViewStore.apply_groups``), and only then
    updates the stream state — so a crash between the two re-folds the same records on
    re-delivery and the view's offset fence drops them.
@@ -181,37 +181,24 @@ class Ingestor:
                 continue
             good.append((rec, env))
 
-        # A node whose table row is missing (a fresh table, a moved partition) starts from
-        # what the view recorded, never from scratch.
-        missing = sorted(
-            {
-                env.producer_id
-                for _, env in good
-                if (self.hb_streams if isinstance(env.body, Heartbeat) else self.kv_streams).get(env.producer_id) is None
-            }
-        )
-        loaded = await self.store.streams(missing) if missing else {}
-        local: dict[str, NodeStream | None] = {n: self._stream(n, loaded.get(n)) for n in missing}
+        # The view's stream state is written atomically with the effects; a table row is only
+        # a cache of it and may lag (a fresh table, a moved partition, a worker killed after its
+        # view write but before its changelog write). Folding with a lagging row would take an
+        # engine's re-sent record (same seq, new offset) for new, or count a gap that is not
+        # there. So every batch starts from the newer of the two, per node and per stream.
+        nodes = sorted({env.producer_id for _, env in good})
+        seen = await self.store.streams(nodes) if nodes else {}
+        local: dict[str, NodeStream | None] = {n: _newer(self._stream(n, seen.get(n)), seen.get(n)) for n in nodes}
         touched_kv: set[str] = set()
         touched_hb: set[str] = set()
-        rechecked: set[str] = set()
 
         groups: list[tuple[SourcePosition | None, Sequence[Op]]] = []
         folded: list[tuple[Envelope, Any]] = []
         for rec, env in good:
             node = env.producer_id
-            st = local[node] if node in local else self._stream(node, None)
+            st = local[node]
             try:
                 f = fold(env, st)
-                if f.gap and st is not None and node not in rechecked:
-                    # A table row can lag the view (a worker killed after its view write but
-                    # before its changelog write): what looks like a gap may be records the view
-                    # already has. The view's own stream state, written with the effects, decides.
-                    rechecked.add(node)
-                    seen = (await self.store.streams([node])).get(node)
-                    if seen is not None and (seen.epoch, seen.seq) > (st.epoch, st.seq):
-                        st = NodeStream(seen.epoch, seen.seq, seen.gaps, seen.missed, st.hb_epoch, st.hb_seq)
-                        f = fold(env, st)
             except UnfoldableRecord as e:  # defensive: topic.kinds already filtered
                 await self._dead(res, rec, e.reason, str(e))
                 continue
@@ -261,6 +248,17 @@ class Ingestor:
     def live_nodes(self, ttl_s: float) -> int:
         now = self.clock_ms()
         return sum(1 for ts in self.last_heartbeat_ms.values() if now - ts <= ttl_s * 1000)
+
+
+def _newer(table: NodeStream | None, view: NodeStream | None) -> NodeStream | None:
+    """Per stream (KV events, heartbeats), whichever of the two states is further along."""
+    if table is None or view is None:
+        return table or view
+    kv = (table.epoch, table.seq, table.gaps, table.missed)
+    if (view.epoch, view.seq) > (table.epoch, table.seq):
+        kv = (view.epoch, view.seq, view.gaps, view.missed)
+    hb = max((table.hb_epoch, table.hb_seq), (view.hb_epoch, view.hb_seq))
+    return NodeStream(*kv, *hb)
 
 
 def _derived(ops: Sequence[Op]) -> int:

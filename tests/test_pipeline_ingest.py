@@ -143,3 +143,19 @@ async def test_a_table_behind_the_committed_offset_counts_no_phantom_gap():
     # a real gap is still a gap
     res = await ing.process([rec(6, stored("a", 8, [28]))])
     assert res.gaps == 1 and ing.kv_streams["a"] == [0, 8, 1, 2]
+
+
+async def test_a_lagging_table_does_not_take_a_resent_record_for_new():
+    """An engine (or a retrying producer) re-sends seq 1 at a new offset after seq 2 removed
+    its block; with the table behind the view it must still fold as a duplicate."""
+    from schemas import BlocksRemoved
+
+    store = InMemoryViewStore()
+    store.apply_sync(stored("a", 0, [1]), SourcePosition(KV, 0, 0))
+    store.apply_sync(stored("a", 1, [2]), SourcePosition(KV, 0, 1))
+    removed = envelope(BlocksRemoved(block_keys=[2]), producer_id="a", producer_seq=2, ts_ms=1_000)
+    store.apply_sync(removed, SourcePosition(KV, 0, 2))
+    ing = Ingestor(T, store, kv_streams={"a": [0, 0, 0, 0]})  # the table saw seq 0 only
+    res = await ing.process([rec(3, stored("a", 1, [2]))])
+    assert res.skipped == {"duplicate": 1} and res.applied == 0
+    assert store.holders(2) == {}
