@@ -67,6 +67,22 @@ async def start(pub: EventPublisher, out: Collected, **kw: object) -> tuple[Brid
     return bridge, stop, task
 
 
+async def run_then_restart(pub: EventPublisher, out: Collected) -> tuple[Bridge, asyncio.Event, asyncio.Task[None], int, EventPublisher]:
+    """A bridge follows three stored blocks; then the engine restarts on the same ports
+    (sequence from 0 again). Returns the bridge, its first epoch and the new publisher."""
+    bridge, stop, task = await start(pub, out, heartbeat_s=None)
+    for i in range(3):
+        await pub.publish(0.0, [stored(i)])
+    await until(lambda: len(out.stored_keys()) == 3)
+    first_epoch = out.envs[-1].epoch
+    endpoint, replay = pub.endpoint, pub.replay_endpoint
+    await pub.close()
+    await asyncio.sleep(0.2)
+    again = EventPublisher(endpoint, replay)
+    again.start()
+    return bridge, stop, task, first_epoch, again
+
+
 async def stop_all(stop: asyncio.Event, task: asyncio.Task[None], *pubs: EventPublisher) -> None:
     stop.set()
     await asyncio.wait_for(task, 5)
@@ -132,16 +148,7 @@ async def test_a_gap_replay_cannot_fill_marks_the_node_stale() -> None:
 
 async def test_an_engine_restart_opens_a_new_epoch(pub: EventPublisher) -> None:
     out = Collected()
-    bridge, stop, task = await start(pub, out, heartbeat_s=None)
-    for i in range(3):
-        await pub.publish(0.0, [stored(i)])
-    await until(lambda: len(out.stored_keys()) == 3)
-    first_epoch = out.envs[-1].epoch
-    endpoint, replay = pub.endpoint, pub.replay_endpoint
-    await pub.close()
-    await asyncio.sleep(0.2)
-    again = EventPublisher(endpoint, replay)  # same ports, seq from 0 again
-    again.start()
+    bridge, stop, task, first_epoch, again = await run_then_restart(pub, out)
     await asyncio.sleep(0.3)  # let the subscriber reconnect
     await again.publish(0.0, [stored(0)])
     await until(lambda: bridge.epoch > first_epoch and len(out.stored_keys(bridge.epoch)) == 1)
@@ -167,16 +174,7 @@ async def test_heartbeats_only_while_the_engine_answers(pub: EventPublisher) -> 
 
 async def test_a_restarted_engine_already_past_the_old_sequence_is_not_mixed_with_the_old_run(pub: EventPublisher) -> None:
     out = Collected()
-    bridge, stop, task = await start(pub, out, heartbeat_s=None)
-    for i in range(3):
-        await pub.publish(0.0, [stored(i)])
-    await until(lambda: len(out.stored_keys()) == 3)
-    first_epoch = out.envs[-1].epoch
-    endpoint, replay = pub.endpoint, pub.replay_endpoint
-    await pub.close()
-    await asyncio.sleep(0.2)
-    again = EventPublisher(endpoint, replay)
-    again.start()
+    bridge, stop, task, first_epoch, again = await run_then_restart(pub, out)
     # The new run stores other blocks (a chain of its own) and gets past seq 3 unseen.
     other = [EngineBlockStored((900 + i,), None if i == 0 else 899 + i, tuple(range(16 * i, 16 * i + 16)), 16, "hbm")
              for i in range(5)]

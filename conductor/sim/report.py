@@ -82,6 +82,12 @@ def _plots(runs: list[PolicyRun], out: Path) -> list[tuple[str, str]]:
 
     made: list[tuple[str, str]] = []
 
+    def save(fig: Any, name: str, caption: str) -> None:
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        made.append((caption, name))
+
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in runs:
         xs = sorted(v for v in r.ttft_by_request if not math.isnan(v))
@@ -96,10 +102,7 @@ def _plots(runs: list[PolicyRun], out: Path) -> list[tuple[str, str]]:
     ax.set_title("TTFT CDF per policy")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "ttft_cdf.png", dpi=110)
-    plt.close(fig)
-    made.append(("TTFT CDF per policy", "ttft_cdf.png"))
+    save(fig, "ttft_cdf.png", "TTFT CDF per policy")
 
     if any(len(r.probes) > 1 for r in runs):
         fig, ax = plt.subplots(figsize=(7, 4.5))
@@ -113,10 +116,7 @@ def _plots(runs: list[PolicyRun], out: Path) -> list[tuple[str, str]]:
         ax.set_title("SLO attainment vs speed")
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(out / "slo_vs_speed.png", dpi=110)
-        plt.close(fig)
-        made.append(("SLO attainment vs arrival speed (every probe of the capacity search)", "slo_vs_speed.png"))
+        save(fig, "slo_vs_speed.png", "SLO attainment vs arrival speed (every probe of the capacity search)")
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     names = [r.summary["policy"] for r in runs]
@@ -127,10 +127,7 @@ def _plots(runs: list[PolicyRun], out: Path) -> list[tuple[str, str]]:
     ax.set_title("Prefix reuse per policy")
     ax.tick_params(axis="x", rotation=35)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "reuse.png", dpi=110)
-    plt.close(fig)
-    made.append(("Prefix reuse ratio against the infinite-cache upper bound", "reuse.png"))
+    save(fig, "reuse.png", "Prefix reuse ratio against the infinite-cache upper bound")
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     width = 0.8 / max(len(runs), 1)
@@ -142,10 +139,7 @@ def _plots(runs: list[PolicyRun], out: Path) -> list[tuple[str, str]]:
     ax.set_ylabel("busy fraction of the run")
     ax.set_title("Load per prefill instance")
     ax.legend(fontsize=7, ncol=3)
-    fig.tight_layout()
-    fig.savefig(out / "load_per_instance.png", dpi=110)
-    plt.close(fig)
-    made.append(("Load per prefill instance (busy time / run length)", "load_per_instance.png"))
+    save(fig, "load_per_instance.png", "Load per prefill instance (busy time / run length)")
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in runs:
@@ -159,10 +153,7 @@ def _plots(runs: list[PolicyRun], out: Path) -> list[tuple[str, str]]:
     ax.set_title("How well each policy predicted the TTFT it caused")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out / "ttft_prediction_error.png", dpi=110)
-    plt.close(fig)
-    made.append(("TTFT prediction error per policy", "ttft_prediction_error.png"))
+    save(fig, "ttft_prediction_error.png", "TTFT prediction error per policy")
     return made
 
 
