@@ -48,7 +48,8 @@ from schemas import (
     headers,
 )
 from state.reservations import Load, ReservationStore, placement_reservations
-from state.view import NodeState, ViewReader, ViewSnapshot, longest_prefixes
+from state.redis_view import assemble_snapshot
+from state.view import NodeState, ViewReader, ViewSnapshot
 
 from .errors import ViewStoreError
 from .metrics import meter
@@ -538,12 +539,10 @@ class RawSnapshotReader:
                     await self._drop()  # the next connection loads it again
                 raise ViewStoreError(f"view read failed: {r}")
         if chain:
-            (sec, usec), values, flat_nodes, flat_wm = res
+            time_reply, values, flat_nodes, flat_wm = res
         else:
-            (sec, usec), flat_nodes, flat_wm = res
+            time_reply, flat_nodes, flat_wm = res
             values = []
-        if now_ms is None:
-            now_ms = int(sec) * 1000 + int(usec) // 1000
         version, flat_nodes = flat_nodes[0], flat_nodes[1] if len(flat_nodes) > 1 else None
         if flat_nodes is None:  # unchanged since the last read
             nodes, slot_nodes = self._last_nodes
@@ -551,12 +550,7 @@ class RawSnapshotReader:
             nodes, slot_nodes = self.view._parse_nodes(dict(zip(flat_nodes[::2], flat_nodes[1::2])))
             self._last_nodes = (nodes, slot_nodes)
             self._last_version = version  # None for a namespace never written: always re-read
-        frm = int.from_bytes
-        prefix = longest_prefixes((frm(v, "little") if v else 0 for v in values), slot_nodes) if values else {}
-        return ViewSnapshot(
-            now_ms=now_ms, nodes=nodes, prefix=prefix,
-            watermark={flat_wm[i].decode(): int(flat_wm[i + 1]) for i in range(0, len(flat_wm), 2)},
-        )
+        return assemble_snapshot(time_reply, values, nodes, slot_nodes, zip(flat_wm[::2], flat_wm[1::2]), now_ms)
 
     async def _drop(self) -> None:
         io, self._io = self._io, None

@@ -31,7 +31,7 @@ from __future__ import annotations
 import json
 import secrets
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -411,19 +411,8 @@ class RedisViewStore:
         else:
             (sec, usec), raw_nodes, raw_wm = res
             values = []
-        if now_ms is None:
-            now_ms = int(sec) * 1000 + int(usec) // 1000
         nodes, slot_nodes = self._parse_nodes(raw_nodes)
-        frm = int.from_bytes
-        prefix = (
-            longest_prefixes((frm(v, "little") if v else 0 for v in values), slot_nodes) if values else {}
-        )
-        return ViewSnapshot(
-            now_ms=now_ms,
-            nodes=nodes,
-            prefix=prefix,
-            watermark={k.decode(): int(v) for k, v in raw_wm.items()},
-        )
+        return assemble_snapshot((sec, usec), values, nodes, slot_nodes, raw_wm.items(), now_ms)
 
     def _parse_nodes(self, raw: dict[bytes, bytes]) -> tuple[tuple[NodeState, ...], dict[int, str]]:
         per: dict[str, dict[str, bytes]] = {}
@@ -549,6 +538,26 @@ async def _scan_batches(client: aioredis.Redis, pattern: str, count: int = 2000)
             yield keys
         if cursor == 0:
             break
+
+
+def assemble_snapshot(
+    time_reply: Sequence[Any],
+    values: Sequence[bytes | None],
+    nodes: tuple[NodeState, ...],
+    slot_nodes: dict[int, str],
+    watermark: Iterable[tuple[bytes, bytes]],
+    now_ms: int | None = None,
+) -> ViewSnapshot:
+    """A :class:`ViewSnapshot` from the replies of the one-round-trip read (``TIME``, the
+    ``MGET`` of the chain's block keys, parsed nodes, watermark pairs); shared by this store
+    and the router's raw reader so both read the layout the same way."""
+    if now_ms is None:
+        sec, usec = time_reply
+        now_ms = int(sec) * 1000 + int(usec) // 1000
+    frm = int.from_bytes
+    prefix = longest_prefixes((frm(v, "little") if v else 0 for v in values), slot_nodes) if values else {}
+    return ViewSnapshot(now_ms=now_ms, nodes=nodes, prefix=prefix,
+                        watermark={k.decode(): int(v) for k, v in watermark})
 
 
 def now_ms() -> int:
