@@ -107,6 +107,11 @@ class SetStream:
     node: str
     stream: NodeStream
     part: str = "kv"
+    prev: NodeStream | None = None
+    """The state the fold started from. When set, a store applies the record only if its own
+    copy of that ``part`` still equals it (compare-and-set); otherwise another writer moved
+    the stream after this fold read it, and the record must be folded again (see
+    :data:`state.view.CONFLICT`). ``None``: no precondition (bulk loads)."""
 
 
 Op = AddBlocks | RemoveBlocks | ClearNode | SetHeartbeat | SetStream
@@ -173,7 +178,7 @@ def fold(env: Envelope, stream: NodeStream | None = None) -> Folded:
         if (env.epoch, env.producer_seq) <= (st.hb_epoch, st.hb_seq):
             return Folded(DUPLICATE, st, node=node)
         new = replace(st, hb_epoch=env.epoch, hb_seq=env.producer_seq)
-        return Folded(APPLIED, new, (SetHeartbeat(node, heartbeat_state(env, body)), SetStream(node, new, "hb")), node=node)
+        return Folded(APPLIED, new, (SetHeartbeat(node, heartbeat_state(env, body)), SetStream(node, new, "hb", prev=st)), node=node)
 
     if not isinstance(body, (BlocksStored, BlocksRemoved, AllBlocksCleared, BlocksMigrated)):
         raise UnfoldableRecord("wrong_kind", f"{body.kind} is not a KV event or heartbeat")
@@ -217,7 +222,7 @@ def fold(env: Envelope, stream: NodeStream | None = None) -> Folded:
             if body.mode == "migrate" and not same:
                 ops.append(RemoveBlocks(body.from_node, TIER_INDEX[body.from_tier], keys))
             ops.append(AddBlocks(body.to_node, TIER_INDEX[body.to_tier], keys))
-    ops.append(SetStream(node, new))
+    ops.append(SetStream(node, new, prev=st))
     return Folded(APPLIED, new, tuple(ops), gap=max(gap, 0), node=node)
 
 

@@ -39,7 +39,7 @@ from .fold import (
     SetStream,
     fold,
 )
-from .view import NodeState, SourcePosition, ViewSnapshot, longest_prefixes
+from .view import APPLIED_GROUP, CONFLICT, FENCED_GROUP, NodeState, SourcePosition, ViewSnapshot, longest_prefixes
 
 FENCED = "fenced"
 
@@ -107,13 +107,23 @@ class InMemoryViewStore:
         return f.outcome
 
     def apply_ops_sync(self, ops: Iterable[Op], pos: SourcePosition | None = None) -> bool:
-        """Apply folded operations of one record; False if its position was already applied."""
+        """Apply folded operations of one record; False if its position was already applied
+        or its stream precondition no longer holds (see :meth:`apply_group_sync`)."""
+        return self.apply_group_sync(ops, pos) == APPLIED_GROUP
+
+    def apply_group_sync(self, ops: Iterable[Op], pos: SourcePosition | None = None) -> int:
+        """Apply one record's operations: ``APPLIED_GROUP``, ``FENCED_GROUP`` (position already
+        applied) or ``CONFLICT`` (a ``SetStream.prev`` differs from the stored stream)."""
         if self._fenced(pos):
-            return False
+            return FENCED_GROUP
+        ops = tuple(ops)
+        for op in ops:
+            if isinstance(op, SetStream) and op.prev is not None and not _same_part(self.stream_sync(op.node), op.prev, op.part):
+                return CONFLICT
         self._apply(ops)
         if pos is not None:
             self._watermark[pos.key] = pos.offset
-        return True
+        return APPLIED_GROUP
 
     def _apply(self, ops: Iterable[Op]) -> None:
         blocks = self._blocks
@@ -231,14 +241,24 @@ class InMemoryViewStore:
         return sum(self.apply_ops_sync(ops, pos) for pos, ops in batch)
 
     async def apply_groups(self, batch: Sequence[tuple[SourcePosition | None, Sequence[Op]]]) -> list[int]:
-        """Like :meth:`apply_ops`, with 1/0 (applied/fenced) per group."""
-        return [int(self.apply_ops_sync(ops, pos)) for pos, ops in batch]
+        """Like :meth:`apply_ops`, with a flag per group; after a conflict, nothing more is
+        applied (see ``state.view.ViewStore.apply_groups``)."""
+        flags: list[int] = []
+        for pos, ops in batch:
+            flags.append(self.apply_group_sync(ops, pos) if CONFLICT not in flags[-1:] else CONFLICT)
+        return flags
 
     async def streams(self, node_ids: Sequence[str]) -> dict[str, NodeStream]:
         return {n: self._nodes[n].stream for n in node_ids if n in self._nodes}
 
     async def clear(self) -> None:
         self.clear_sync()
+
+
+def _same_part(cur: NodeStream, want: NodeStream, part: str) -> bool:
+    if part == "hb":
+        return (cur.hb_epoch, cur.hb_seq) == (want.hb_epoch, want.hb_seq)
+    return (cur.epoch, cur.seq, cur.gaps, cur.missed) == (want.epoch, want.seq, want.gaps, want.missed)
 
 
 def canonical_dump(

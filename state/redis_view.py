@@ -16,7 +16,9 @@ The routing read (:meth:`RedisViewStore.snapshot`) is ONE pipelined round trip: 
 prefix walk runs client-side on integer masks (``state.view.longest_prefixes``).
 
 Writes go through one Lua script per batch: per record, skip it if its offset is at or
-below the fence of its ``topic:partition``, else apply its operations and raise the fence,
+below the fence of its ``topic:partition``; refuse it (and the rest of the call) if the
+node's stream field no longer holds the state the record was folded from (another writer
+got there first: the caller folds again); else apply its operations and raise the fence,
 all atomically. Clearing a node (restart, all-blocks-cleared) retires its slot instead of
 touching its blocks: O(1), and reads ignore retired slots (``ns|retired``). :meth:`RedisViewStore.compact`
 (run periodically by the stream worker) later clears their stale bits in one SCAN pass and
@@ -54,7 +56,7 @@ from .fold import (
     fold,
 )
 from .memory import FENCED, canonical_dump
-from .view import NodeState, SourcePosition, ViewSnapshot, longest_prefixes
+from .view import CONFLICT, MAX_REFOLDS, NodeState, SourcePosition, ViewSnapshot, longest_prefixes
 
 SEP = "\x1f"
 _CHUNK_KEYS = 20_000  # block keys per script call: keeps each call well under ~20 ms
@@ -87,15 +89,31 @@ local function slot_of(node, create)
   return s
 end
 local function bitoff(p) return math.floor(p / 8) * 8 + 7 - (p % 8) end
-local out, fence = {}, {}
+local out, fence, halted = {}, {}, false
 for gi = 1, #groups do
   local g = groups[gi]
-  local fk, off, ops = g[1], g[2], g[3]
+  local fk, off, ops, conds = g[1], g[2], g[3], g[4]
   local ok = 1
-  if fk ~= '' then
-    local cur = fence[fk]
-    if cur == nil then cur = tonumber(redis.call('HGET', wmkey, fk) or '-1') end
-    if off <= cur then ok = 0 else fence[fk] = off end
+  if halted then
+    ok = 2
+  else
+    if fk ~= '' then
+      local cur = fence[fk]
+      if cur == nil then cur = tonumber(redis.call('HGET', wmkey, fk) or '-1') end
+      if off <= cur then ok = 0 end
+    end
+    -- compare-and-set on the stream state the record was folded from
+    if ok == 1 and conds then
+      for ci = 1, #conds do
+        local c = conds[ci]
+        if (redis.call('HGET', nodes, c[1]) or c[3]) ~= c[2] then
+          ok = 2
+          halted = true
+          break
+        end
+      end
+    end
+    if ok == 1 and fk ~= '' then fence[fk] = off end
   end
   out[gi] = ok
   if ok == 1 then
@@ -205,6 +223,21 @@ def _parse_stream(kv: bytes | None, hbs: bytes | None) -> NodeStream:
     return NodeStream(epoch=e, seq=q, gaps=g, missed=m, hb_epoch=he, hb_seq=hq)
 
 
+_NO_KV, _NO_HBS = _kv_field(NodeStream()), _hbs_field(NodeStream())
+
+
+def _conditions(ops: Sequence[Op]) -> list[list[str]]:
+    """The script's compare-and-set checks for a group: ``[field, expected, value if absent]``."""
+    out = []
+    for op in ops:
+        if isinstance(op, SetStream) and op.prev is not None:
+            if op.part == "hb":
+                out.append([f"{op.node}{SEP}hbs", _hbs_field(op.prev), _NO_HBS])
+            else:
+                out.append([f"{op.node}{SEP}kv", _kv_field(op.prev), _NO_KV])
+    return out
+
+
 def encode_ops(ops: Sequence[Op]) -> list[list[Any]]:
     """Operations in the script's compact form (block keys packed as 8-byte big-endian)."""
     out: list[list[Any]] = []
@@ -265,7 +298,8 @@ class RedisViewStore:
         return sum(results)
 
     async def apply_groups(self, batch: Sequence[tuple[SourcePosition | None, Sequence[Op]]]) -> list[int]:
-        """Run the script over ``batch`` in chunks; return 1/0 (applied/fenced) per group.
+        """Run the script over ``batch`` in chunks; return a flag per group (``state.view``:
+        1 applied, 0 fenced, 2 conflict). After a conflict no further chunk is sent.
 
         A fenced group always goes whole into one script call (its effect and its fence are
         one atomic step); an unfenced bulk group may be split to keep each call short.
@@ -275,24 +309,26 @@ class RedisViewStore:
         owners: list[int] = []  # chunk entry -> group index, -1 for continuation pieces
         weight = 0
 
-        async def flush() -> None:
+        async def flush() -> bool:
             nonlocal chunk, owners, weight
             res = await self._run(chunk)
             for owner, ok in zip(owners, res):
                 if owner >= 0:
                     flags.append(ok)
             chunk, owners, weight = [], [], 0
+            return CONFLICT in res
 
         for gi, (pos, ops) in enumerate(batch):
             enc = encode_ops(ops)
+            conds = _conditions(ops)
             pieces = [enc] if pos is not None else (_split(enc) or [[]])
             for i, piece in enumerate(pieces):
                 fk, off = (pos.key, pos.offset) if pos is not None else ("", 0)
-                chunk.append([fk, off, piece])
+                chunk.append([fk, off, piece, conds if i == 0 else []])
                 owners.append(gi if i == 0 else -1)
                 weight += sum(len(o[3]) // 8 if o[0] in (1, 2) else 1 for o in piece) + 1
-                if weight >= _CHUNK_KEYS:
-                    await flush()
+                if weight >= _CHUNK_KEYS and await flush():
+                    return flags + [CONFLICT] * (len(batch) - len(flags))
         if chunk:
             await flush()
         return flags
@@ -306,34 +342,44 @@ class RedisViewStore:
 
     async def apply(self, records: Sequence[tuple[Envelope, SourcePosition | None]]) -> list[str]:
         """Fold each record with the stream state stored in Redis, then apply the batch atomically
-        per record. Records already below the fence are reported ``fenced`` without folding."""
-        if not records:
-            return []
-        node_ids = sorted({e.producer_id for e, _ in records})
-        fence_keys = sorted({p.key for _, p in records if p is not None})
+        per record. Records already below the fence are reported ``fenced`` without folding; if
+        another writer moves a node's stream meanwhile, the rest is read and folded again."""
+        outcomes: list[str] = [""] * len(records)
+        todo = list(range(len(records)))
+        for _ in range(MAX_REFOLDS):
+            todo = await self._apply_once(records, todo, outcomes)
+            if not todo:
+                return outcomes
+        raise ViewStoreError(f"view stream state kept changing under {MAX_REFOLDS} attempts (several writers?)")
+
+    async def _apply_once(self, records: Sequence[tuple[Envelope, SourcePosition | None]], todo: list[int], outcomes: list[str]) -> list[int]:
+        """One fold-and-write pass over ``records[i] for i in todo``; return the indices to redo."""
+        node_ids = sorted({records[i][0].producer_id for i in todo})
+        fence_keys = sorted({p.key for i in todo if (p := records[i][1]) is not None})
         streams = await self.streams(node_ids)
         fence = {k: v for k, v in zip(fence_keys, await self._hmget_int(self._wm_key, fence_keys))}
-        outcomes: list[str] = []
         groups: list[tuple[SourcePosition | None, Sequence[Op]]] = []
         where: list[int] = []
-        for env, pos in records:
+        for i in todo:
+            env, pos = records[i]
             if pos is not None:
                 if pos.offset <= fence.get(pos.key, -1):
-                    outcomes.append(FENCED)
+                    outcomes[i] = FENCED
                     continue
                 fence[pos.key] = pos.offset
             f = fold(env, streams.get(env.producer_id))
             if f.outcome == APPLIED:
                 streams[env.producer_id] = f.stream
-            outcomes.append(f.outcome)
+            outcomes[i] = f.outcome
             groups.append((pos, f.ops if f.outcome == APPLIED else ()))
-            where.append(len(outcomes) - 1)
-        # A group the script refuses was fenced by a concurrent writer that got there first.
+            where.append(i)
         flags = await self.apply_groups(groups) if groups else []
         for i, ok in zip(where, flags):
-            if not ok:
+            if ok == CONFLICT:
+                return [j for j in todo if j >= i]
+            if not ok:  # fenced by a concurrent writer that got there first
                 outcomes[i] = FENCED
-        return outcomes
+        return []
 
     async def _hmget_int(self, key: str, fields: Sequence[str]) -> list[int]:
         if not fields:

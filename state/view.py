@@ -90,6 +90,14 @@ class ViewReader(Protocol):
 
 # --- the write side -----------------------------------------------------------------
 
+FENCED_GROUP, APPLIED_GROUP, CONFLICT = 0, 1, 2
+"""What ``apply_groups`` reports per group: skipped by the offset fence, applied, or refused
+because a node's stream state moved since the group was folded (see ``SetStream.prev``)."""
+
+MAX_REFOLDS = 20
+"""Fold-and-write passes over one batch whose streams keep moving before a writer gives up
+(with ``ViewStoreError``, which the stream worker retries with backoff)."""
+
 
 class ViewStore(ViewReader, Protocol):
     """A view that can also be written: what the stream worker and ``view rebuild`` use.
@@ -111,7 +119,12 @@ class ViewStore(ViewReader, Protocol):
         ...
 
     async def apply_groups(self, batch: Sequence[tuple[SourcePosition | None, Sequence[Any]]]) -> list[int]:
-        """:meth:`apply_ops` reporting each group: 1 applied, 0 skipped by the fence."""
+        """:meth:`apply_ops` reporting each group: 1 applied, 0 skipped by the fence, 2 (a
+        conflict) when a ``SetStream`` precondition failed: the node's stream moved since the
+        fold read it (another writer). A conflicting group changes nothing, and every group
+        after it in the batch is reported 2 and left unapplied too (they were folded on the
+        same assumption, and applying a later offset would fence the conflicting record
+        out); the caller re-reads the stream state and folds them again."""
         ...
 
     async def streams(self, node_ids: Sequence[str]) -> dict[str, Any]:

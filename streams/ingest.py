@@ -7,12 +7,15 @@ batch it
 1. decodes each record; a record that does not decode, or whose kind the topic does not
    carry, becomes a :class:`schemas.DeadLetter` (reason, error, source position, original
    bytes) handed to ``dead_letter`` — and the batch goes on;
-2. folds the good ones (``state.fold``) with the per-node stream state: the newer of the
-   ``kv_streams`` / ``hb_streams`` rows (Faust tables in the worker, dicts elsewhere) and
-   what the view recorded with its effects (one read per batch), since a row can lag;
-3. writes all their operations in one fenced call (``ViewStore.apply_groups``), and only then
-   updates the stream state — so a crash between the two re-folds the same records on
-   re-delivery and the view's offset fence drops them.
+2. folds the good ones (``state.fold``) from the per-node stream state the view recorded
+   with its effects (one read per batch);
+3. writes all their operations in one fenced call (``ViewStore.apply_groups``), each record
+   a compare-and-set on the stream state it was folded from; if another writer moved a
+   node's stream in between, the rest of the batch is read and folded again;
+4. only then mirrors the new stream state into the ``kv_streams`` / ``hb_streams`` rows (Faust
+   tables in the worker, dicts elsewhere). A crash between 3 and 4 leaves a row behind the
+   view, which is harmless: the view's copy is the one folds start from, and the offset
+   fence drops what is re-delivered.
 """
 
 from __future__ import annotations
@@ -24,10 +27,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from schemas import DeadLetter, DecodeError, Envelope, Heartbeat, decode, envelope
+from schemas.errors import ViewStoreError
 from schemas.records import MAX_ORIGINAL_BYTES, MAX_TEXT
 from state.fold import APPLIED, NodeStream, Op, UnfoldableRecord, fold
 from state.memory import FENCED
-from state.view import SourcePosition
+from state.view import CONFLICT, MAX_REFOLDS, SourcePosition
 from streams.topics import Topics
 
 log = logging.getLogger(__name__)
@@ -64,6 +68,8 @@ class BatchResult:
     """Publish (producer ts) → applied, per applied KV event."""
     heartbeats: dict[str, int] = field(default_factory=dict)
     """Node → last heartbeat ts_ms applied in this batch."""
+    refolds: int = 0
+    """Times a write found a node's stream moved by another writer and folded the rest again."""
 
 
 class IngestMetrics:
@@ -78,6 +84,9 @@ class IngestMetrics:
         self.skipped = m.create_counter("conductor_events_skipped", description="records that changed nothing, by outcome")
         self.dead = m.create_counter("conductor_dead_letters", description="records sent to dead-letter, by reason")
         self.gaps = m.create_counter("conductor_sequence_gaps", description="producer sequence gaps seen")
+        self.conflicts = m.create_counter(
+            "conductor_view_write_conflicts", description="batches refolded because another writer moved a node's stream"
+        )
         self.staleness = m.create_histogram(
             "conductor_view_staleness_ms", unit="ms", description="producer timestamp to applied in the view"
         )
@@ -101,6 +110,8 @@ class IngestMetrics:
             self.dead.add(n, {"topic": topic, "reason": reason})
         if r.gaps:
             self.gaps.add(r.gaps, attrs)
+        if r.refolds:
+            self.conflicts.add(r.refolds, attrs)
         for s in r.staleness_ms:
             self.staleness.record(s)
 
@@ -148,17 +159,6 @@ class Ingestor:
         self._dl_seq += 1
         return envelope(dl, producer_id=self.producer_id, producer_seq=self._dl_seq, ts_ms=int(self.clock_ms()))
 
-    def _stream(self, node: str, base: NodeStream | None) -> NodeStream | None:
-        """The node's stream state: table rows over ``base`` (what the view recorded)."""
-        kv = self.kv_streams.get(node)
-        hb = self.hb_streams.get(node)
-        if kv is None and hb is None:
-            return base
-        b = base or NodeStream()
-        e, q, g, m = kv if kv is not None else (b.epoch, b.seq, b.gaps, b.missed)
-        he, hq = hb if hb is not None else (b.hb_epoch, b.hb_seq)
-        return NodeStream(e, q, g, m, he, hq)
-
     async def process(self, records: Sequence[RawRecord]) -> BatchResult:
         res = BatchResult(records=len(records))
         good: list[tuple[RawRecord, Envelope]] = []
@@ -181,63 +181,79 @@ class Ingestor:
                 continue
             good.append((rec, env))
 
-        # The view's stream state is written atomically with the effects; a table row is only
-        # a cache of it and may lag (a fresh table, a moved partition, a worker killed after its
-        # view write but before its changelog write). Folding with a lagging row would take an
-        # engine's re-sent record (same seq, new offset) for new, or count a gap that is not
-        # there. So every batch starts from the newer of the two, per node and per stream.
-        nodes = sorted({env.producer_id for _, env in good})
-        seen = await self.store.streams(nodes) if nodes else {}
-        local: dict[str, NodeStream | None] = {n: _newer(self._stream(n, seen.get(n)), seen.get(n)) for n in nodes}
+        # The view's stream state is written atomically with the effects, and each write is a
+        # compare-and-set on it (``SetStream.prev``): folding from anything else (a table row
+        # that lags after a crash or a moved partition) could take an engine's re-sent record
+        # for new or count a gap that is not there, and a second writer on the same node (a
+        # zombie consumer during a rebalance, a timed-out write that still ran) must not be
+        # able to interleave. So each pass reads the view's state of the batch's nodes, folds,
+        # and writes; a conflict sends the rest of the batch round again.
+        confirmed: dict[str, NodeStream] = {}  # node → state after its last write that applied
         touched_kv: set[str] = set()
         touched_hb: set[str] = set()
-
-        groups: list[tuple[SourcePosition | None, Sequence[Op]]] = []
-        folded: list[tuple[Envelope, Any]] = []
-        for rec, env in good:
-            node = env.producer_id
-            st = local[node]
-            try:
-                f = fold(env, st)
-            except UnfoldableRecord as e:  # defensive: topic.kinds already filtered
-                await self._dead(res, rec, e.reason, str(e))
-                continue
-            if f.outcome == APPLIED:
-                local[node] = f.stream
-                (touched_hb if isinstance(env.body, Heartbeat) else touched_kv).add(node)
-            groups.append((rec.position, f.ops if f.outcome == APPLIED else ()))
-            folded.append((env, f))
-
-        flags = await self.store.apply_groups(groups) if groups else []
-        now = self.clock_ms()
-        for (env, f), ok in zip(folded, flags):
-            outcome = f.outcome if ok else FENCED  # a re-delivery the view had already applied
-            if outcome != APPLIED:
-                res.skipped[outcome] = res.skipped.get(outcome, 0) + 1
-                continue
-            res.applied += 1
-            if isinstance(env.body, Heartbeat):
-                res.heartbeats[env.producer_id] = env.ts_ms
-                self.last_heartbeat_ms[env.producer_id] = max(self.last_heartbeat_ms.get(env.producer_id, 0), env.ts_ms)
-            else:
-                res.block_events += len(getattr(env.body, "block_keys", None) or ()) or _derived(f.ops)
-                res.staleness_ms.append(max(now - env.ts_ms, 0.0))
-                if f.gap:
-                    res.gaps += 1
-                    log.warning("node %s: sequence gap of %d before seq %d (epoch %d)", env.producer_id, f.gap, env.producer_seq, env.epoch)
+        pending = good
+        for attempt in range(MAX_REFOLDS + 1):
+            if not pending:
+                break
+            if attempt == MAX_REFOLDS:
+                raise ViewStoreError(f"view stream state kept changing under {MAX_REFOLDS} attempts (another writer?)")
+            nodes = sorted({env.producer_id for _, env in pending})
+            local: dict[str, NodeStream | None] = dict(await self.store.streams(nodes))
+            groups: list[tuple[SourcePosition | None, Sequence[Op]]] = []
+            folded: list[tuple[RawRecord, Envelope, Any]] = []
+            for rec, env in pending:
+                try:
+                    f = fold(env, local.get(env.producer_id))
+                except UnfoldableRecord as e:  # defensive: topic.kinds already filtered
+                    await self._dead(res, rec, e.reason, str(e))
+                    continue
+                if f.outcome == APPLIED:
+                    local[env.producer_id] = f.stream
+                groups.append((rec.position, f.ops if f.outcome == APPLIED else ()))
+                folded.append((rec, env, f))
+            flags = await self.store.apply_groups(groups) if groups else []
+            pending = []
+            now = self.clock_ms()
+            for k, ((rec, env, f), ok) in enumerate(zip(folded, flags)):
+                if ok == CONFLICT:
+                    pending = [(r, e) for r, e, _ in folded[k:]]
+                    res.refolds += 1
+                    log.warning(
+                        "node %s: its stream state in the view moved under this batch (another writer?); folding %d records again",
+                        env.producer_id, len(pending),
+                    )
+                    break
+                self._count(res, env, f, FENCED if not ok else f.outcome, now)
+                if ok and f.outcome == APPLIED:
+                    confirmed[env.producer_id] = f.stream
+                    (touched_hb if isinstance(env.body, Heartbeat) else touched_kv).add(env.producer_id)
         # Only now, after the view has the effects, does the stream state move on.
         # Each stream's table is written only by the agent of that stream.
         for node in touched_kv:
-            st = local[node]
-            assert st is not None
+            st = confirmed[node]
             self.kv_streams[node] = [st.epoch, st.seq, st.gaps, st.missed]
         for node in touched_hb:
-            st = local[node]
-            assert st is not None
+            st = confirmed[node]
             self.hb_streams[node] = [st.hb_epoch, st.hb_seq]
         if self.metrics is not None and records:
             self.metrics.record(records[0].topic, res)
         return res
+
+    def _count(self, res: BatchResult, env: Envelope, f: Any, outcome: str, now: float) -> None:
+        """Account for one record whose write has been decided (applied or skipped)."""
+        if outcome != APPLIED:
+            res.skipped[outcome] = res.skipped.get(outcome, 0) + 1
+            return
+        res.applied += 1
+        if isinstance(env.body, Heartbeat):
+            res.heartbeats[env.producer_id] = env.ts_ms
+            self.last_heartbeat_ms[env.producer_id] = max(self.last_heartbeat_ms.get(env.producer_id, 0), env.ts_ms)
+        else:
+            res.block_events += len(getattr(env.body, "block_keys", None) or ()) or _derived(f.ops)
+            res.staleness_ms.append(max(now - env.ts_ms, 0.0))
+            if f.gap:
+                res.gaps += 1
+                log.warning("node %s: sequence gap of %d before seq %d (epoch %d)", env.producer_id, f.gap, env.producer_seq, env.epoch)
 
     async def _dead(self, res: BatchResult, rec: RawRecord, reason: str, error: str) -> None:
         res.dead[reason] = res.dead.get(reason, 0) + 1
@@ -248,17 +264,6 @@ class Ingestor:
     def live_nodes(self, ttl_s: float) -> int:
         now = self.clock_ms()
         return sum(1 for ts in self.last_heartbeat_ms.values() if now - ts <= ttl_s * 1000)
-
-
-def _newer(table: NodeStream | None, view: NodeStream | None) -> NodeStream | None:
-    """Per stream (KV events, heartbeats), whichever of the two states is further along."""
-    if table is None or view is None:
-        return table or view
-    kv = (table.epoch, table.seq, table.gaps, table.missed)
-    if (view.epoch, view.seq) > (table.epoch, table.seq):
-        kv = (view.epoch, view.seq, view.gaps, view.missed)
-    hb = max((table.hb_epoch, table.hb_seq), (view.hb_epoch, view.hb_seq))
-    return NodeStream(*kv, *hb)
 
 
 def _derived(ops: Sequence[Op]) -> int:

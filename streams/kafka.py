@@ -2,12 +2,14 @@
 
 The ``embedded`` profile carries the work-arounds the Tansu broker needs (no
 idempotent producer, no trustworthy "latest" offset, slow group joins with the
-default timeouts); ``production`` keeps Kafka's safe defaults. No correctness
+default timeouts); ``production`` keeps Kafka's safe defaults. :func:`end_offsets`
+finds where a partition really ends on either broker. No correctness
 rests on either: the view is protected by our own offset-fenced writes.
 """
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -69,3 +71,28 @@ async def ensure_topics(settings: Any, wanted: tuple[Topic, ...]) -> list[str]:
         return [t.name for t in new]
     finally:
         await admin.close()
+
+
+async def end_offsets(c: AIOKafkaConsumer, tps: list[Any], *, probe_timeout_s: float = 5.0) -> dict[Any, int]:
+    """The offset after each partition's last record, for a consumer with ``tps`` assigned.
+
+    Kafka's high watermark is exactly that. Tansu (the embedded broker) answers with the
+    base offset of the partition's last record *batch* plus one, which falls short by the
+    size of that batch (a replay that trusted it would stop early and say nothing). So the
+    last batch is fetched and the end taken from its last record: the same answer on
+    Kafka, the right one on Tansu. Leaves the consumer's positions anywhere: seek after.
+    """
+    reported = await c.end_offsets(tps)
+    out = {tp: int(reported[tp]) for tp in tps}
+    pending = {tp for tp in tps if out[tp] > 0}
+    for tp in pending:
+        c.seek(tp, out[tp] - 1)
+    deadline = asyncio.get_running_loop().time() + probe_timeout_s
+    while pending and asyncio.get_running_loop().time() < deadline:
+        got = await c.getmany(*pending, timeout_ms=200)
+        for tp, msgs in got.items():
+            if msgs:
+                out[tp] = max(out[tp], msgs[-1].offset + 1)
+                pending.discard(tp)
+    # a partition whose last record is a control marker yields nothing: its report stands
+    return out

@@ -17,7 +17,7 @@ from typing import Any
 from aiokafka import TopicPartition
 
 from streams.ingest import Ingestor, RawRecord
-from streams.kafka import consumer
+from streams.kafka import consumer, end_offsets
 from streams.topics import topics
 
 
@@ -63,9 +63,9 @@ async def replay_into(
         if not tps:
             return res
         c.assign(tps)
+        end = await end_offsets(c, tps)
         await c.seek_to_beginning(*tps)
         begin = await c.beginning_offsets(tps)
-        end = await c.end_offsets(tps)
         if until is not None:
             end = {tp: min(off, until.get(f"{tp.topic}:{tp.partition}", -1) + 1) for tp, off in end.items()}
         res.end_offsets = {f"{tp.topic}:{tp.partition}": off for tp, off in end.items()}

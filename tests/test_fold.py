@@ -61,7 +61,7 @@ def test_kv_ordering(stream, seq, epoch, outcome, gap, clears):
     if outcome == APPLIED:
         assert f.stream.epoch == epoch and f.stream.seq == seq
         assert f.stream.gaps == stream.gaps + (gap > 0) and f.stream.missed == stream.missed + gap
-        assert f.ops[-1] == SetStream("n1", f.stream)
+        assert f.ops[-1] == SetStream("n1", f.stream, prev=stream)
         assert AddBlocks("n1", 0, (1, 2)) in f.ops
     else:
         assert f.ops == () and f.stream == stream
@@ -84,7 +84,7 @@ def test_keys_derived_from_tokens():
     f = fold(env(BlocksStored(token_ids=tokens, block_size=16, parent_key=99, lora_name="x", tier="dram")))
     assert f.ops[0] == AddBlocks("n1", 1, tuple(chain_keys(tokens, 16, parent=99, lora_name="x")))
     assert len(f.ops[0].keys) == 3  # the trailing partial block has no key
-    assert fold(env(BlocksStored(token_ids=[1, 2], block_size=16))).ops == (SetStream("n1", NodeStream(0, 0)),)
+    assert fold(env(BlocksStored(token_ids=[1, 2], block_size=16))).ops == (SetStream("n1", NodeStream(0, 0), prev=NodeStream()),)
 
 
 def test_heartbeat_order_is_its_own():

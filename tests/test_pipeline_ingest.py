@@ -159,3 +159,32 @@ async def test_a_lagging_table_does_not_take_a_resent_record_for_new():
     res = await ing.process([rec(3, stored("a", 1, [2]))])
     assert res.skipped == {"duplicate": 1} and res.applied == 0
     assert store.holders(2) == {}
+
+
+class RacedStore(InMemoryViewStore):
+    """Lets another writer in once, between the ingestor's read and its write (a fake of a
+    zombie consumer, or of a timed-out write that still ran)."""
+
+    def __init__(self, other_batch):
+        super().__init__()
+        self.other = other_batch
+
+    async def apply_groups(self, batch):
+        if self.other:
+            other, self.other = self.other, None
+            await Ingestor(T, self).process(other)
+        return await super().apply_groups(batch)
+
+
+async def test_a_writer_that_got_in_between_read_and_write_leaves_no_phantom_gap():
+    envs = [stored("a", i, [40 + i]) for i in range(4)]
+    store = RacedStore([rec(1, envs[1])])  # the other writer applies seq 1 meanwhile
+    store.apply_sync(envs[0], SourcePosition(KV, 0, 0))
+    ing = Ingestor(T, store)
+    res = await ing.process([rec(2, envs[2]), rec(3, envs[3])])  # read at seq 0, written after seq 1
+    assert res.refolds == 1 and res.applied == 2 and res.gaps == 0
+    ref = InMemoryViewStore()
+    for i, e in enumerate(envs):
+        ref.apply_sync(e, SourcePosition(KV, 0, i))
+    assert store.dump_sync() == ref.dump_sync()
+    assert ing.kv_streams["a"] == [0, 3, 0, 0]

@@ -19,7 +19,7 @@ from schemas import (
     chain_keys,
     envelope,
 )
-from state.fold import AddBlocks, SetHeartbeat
+from state.fold import AddBlocks, SetHeartbeat, fold
 from state.memory import InMemoryViewStore
 from state.view import SourcePosition
 
@@ -196,6 +196,25 @@ class ViewStoreContract:
         flags = await store.apply_groups([(pos, [AddBlocks("a", 0, (1,))]), (pos, [AddBlocks("a", 0, (2,))]), (None, [])])
         assert flags == [1, 0, 1]
         assert (await store.snapshot([1, 2], now_ms=0)).prefix == {"a": (1, 1, 1)}
+
+    async def test_a_write_folded_from_a_moved_stream_is_refused(self, store):
+        """Compare-and-set: a record folded from a stream state that another writer has since
+        moved changes nothing, nor does anything after it in the call, fence included."""
+        def pos(o):
+            return SourcePosition(KV, 0, o)
+
+        assert await store.apply_groups([(pos(0), fold(stored("a", 0, [1])).ops)]) == [1]
+        stale = fold(stored("a", 1, [2])).ops  # folded as if "a" had no stream yet
+        other = fold(stored("b", 0, [3])).ops
+        assert await store.apply_groups([(pos(1), stale), (pos(2), other)]) == [2, 2]
+        assert (await store.snapshot([1, 2], now_ms=0)).prefix == {"a": (1, 1, 1)}
+        assert (await store.snapshot([3], now_ms=0)).prefix == {}
+        assert await store.watermark() == {f"{KV}:0": 0}
+        # folded again from the stored state, the same records go in
+        st = (await store.streams(["a"]))["a"]
+        assert await store.apply_groups([(pos(1), fold(stored("a", 1, [2]), st).ops), (pos(2), other)]) == [1, 1]
+        assert (await store.snapshot([1, 2], now_ms=0)).prefix == {"a": (2, 2, 2)}
+        assert (await store.streams(["a"]))["a"].gaps == 0
 
     async def test_clear(self, store):
         await self.feed(store, [stored("a", 0, [1])])
