@@ -88,9 +88,20 @@ async def test_sigkill_mid_stream_then_restart(stack, tmp_path):
         got, want = await store.dump(), ref.dump_sync()
         assert got["watermark"] == want["watermark"]
         assert got["blocks"] == want["blocks"]
-        assert got["nodes"] == want["nodes"], diff_dumps(got, want)
+        assert got["nodes"] == want["nodes"], (diff_dumps(got, want), worker_log_lines(tmp_path, "gap", "moved under"))
     finally:
         stop_worker_process(worker)
         await prod.stop()
         await store.clear()
         await store.close()
+
+
+def worker_log_lines(tmp_path, *words):
+    """The workers' log lines mentioning any of ``words`` (for a failure message)."""
+    return [
+        f"{name}: {line}"
+        for name in ("w1.log", "w2.log")
+        if (tmp_path / name).exists()
+        for line in (tmp_path / name).read_text(errors="replace").splitlines()
+        if any(w in line for w in words)
+    ][:20]
