@@ -1,11 +1,14 @@
 """The stream worker's agents: ``kv-events`` and ``heartbeats`` → :class:`streams.ingest.Ingestor`.
 
-Each agent takes batches (``stream.take_events``), hands them to the ingestor, and keeps
-going whatever the records hold: a bad record is dead-lettered by the ingestor; a view
-that cannot be written (Redis down) is retried with backoff, holding the batch (and so the
-offsets) until it can. Per-node stream state lives in two Faust tables keyed like the
-topics (node id, raw bytes), so a node's row moves with its partition; block data lives
-only in the Redis view.
+Each agent takes batches (``stream.take_events``), passes them through a
+:class:`streams.resume.ResumeGuard` (each partition continues from the view's own fence,
+in order and without a hole, whatever offsets Faust resumed from or re-delivered), hands
+them to the ingestor, and keeps going whatever the records hold: a bad record is
+dead-lettered by the ingestor; a view that cannot be written (Redis down) is retried with
+backoff, holding the batch until it can. Faust's committed offsets only say where fetching
+starts; what has been applied is the view's fence. Per-node stream state is mirrored in
+two Faust tables keyed like the topics (node id, raw bytes), so a node's row moves with
+its partition; block data lives only in the Redis view.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from schemas.errors import ViewStoreError
 from schemas import DeadLetter, encode, headers
 from streams.app import make_app
 from streams.ingest import IngestMetrics, Ingestor, RawRecord, StreamRow
+from streams.resume import LogReader, ResumeGuard
 from streams.topics import topics
 
 log = logging.getLogger(__name__)
@@ -87,13 +91,22 @@ def build_worker(settings: Any, store: Any, *, metrics: bool = True, **app_overr
     )
 
     async def consume(stream: Any) -> None:
-        async for events in stream.take_events(BATCH_MAX, within=BATCH_WITHIN_S):
-            batch = [
-                RawRecord(e.message.topic, e.message.partition, e.message.offset, e.message.key, e.message.value,
-                          int(e.message.timestamp * 1000) if e.message.timestamp else 0)
-                for e in events
-            ]
-            await process_until_done(ingestor, batch)
+        # Each agent resumes its own topic's partitions from the view's fences, reading
+        # back from the log what the consumer skipped (see streams.resume).
+        reader = LogReader(settings)
+        guard = ResumeGuard(store.watermark, reader.fetch_range, metrics=metrics)
+        try:
+            async for events in stream.take_events(BATCH_MAX, within=BATCH_WITHIN_S):
+                batch = [
+                    RawRecord(e.message.topic, e.message.partition, e.message.offset, e.message.key, e.message.value,
+                              int(e.message.timestamp * 1000) if e.message.timestamp else 0)
+                    for e in events
+                ]
+                batch = await admit_until_done(guard, batch)
+                if batch:
+                    await process_until_done(ingestor, batch)
+        finally:
+            await reader.close()
 
     # Two functions, not one: Faust names an agent after its function.
     async def kv_events(stream: Any) -> None:
@@ -119,6 +132,18 @@ def build_worker(settings: Any, store: Any, *, metrics: bool = True, **app_overr
     return Worker(app, ingestor)
 
 
+async def admit_until_done(guard: ResumeGuard, batch: list[RawRecord]) -> list[RawRecord]:
+    """``guard.admit(batch)``, retried while the view cannot be read."""
+    delay = 0.1
+    while True:
+        try:
+            return await guard.admit(batch)
+        except ViewStoreError as e:
+            log.error("view read failed, retrying in %.1fs: %s", delay, e)
+        await asyncio.sleep(delay)
+        delay = min(delay * 2, 5.0)
+
+
 async def process_until_done(ingestor: Ingestor, batch: list[RawRecord]) -> None:
     """Apply ``batch``; retry while the view is unreachable; never raise."""
     delay = 0.1
@@ -135,6 +160,12 @@ async def process_until_done(ingestor: Ingestor, batch: list[RawRecord]) -> None
                     await ingestor._dead(_empty_result(), rec, "internal_error", f"{type(e).__name__}: {e}")
                 except Exception:
                     log.exception("could not dead-letter %s:%d@%d", rec.topic, rec.partition, rec.offset)
+            # The batch has been dealt with: move the fences past it, so that a consumer
+            # resuming from them does not send it round again.
+            try:
+                await ingestor.store.apply_groups([(rec.position, ()) for rec in batch])
+            except Exception:
+                log.exception("could not move the fences past a dead-lettered batch")
             return
         await asyncio.sleep(delay)
         delay = min(delay * 2, 5.0)

@@ -161,7 +161,10 @@ class Ingestor:
 
     async def process(self, records: Sequence[RawRecord]) -> BatchResult:
         res = BatchResult(records=len(records))
-        good: list[tuple[RawRecord, Envelope]] = []
+        # (record, envelope); envelope None for a dead-lettered record, which still moves its
+        # partition's fence (an empty write): it has been dealt with, and a consumer that
+        # resumes from the fence (streams.resume) must not send it round again.
+        good: list[tuple[RawRecord, Envelope | None]] = []
         for rec in records:
             try:
                 topic = self.topics.by_name(rec.topic)
@@ -170,14 +173,17 @@ class Ingestor:
                 continue
             if rec.value is None:
                 await self._dead(res, rec, "malformed", "empty record value")
+                good.append((rec, None))
                 continue
             try:
                 env = decode(rec.value)
             except DecodeError as e:
                 await self._dead(res, rec, e.reason, str(e))
+                good.append((rec, None))
                 continue
             if env.schema_name not in topic.kinds:
                 await self._dead(res, rec, "wrong_kind", f"{env.schema_name} does not belong on {rec.topic}")
+                good.append((rec, None))
                 continue
             good.append((rec, env))
 
@@ -197,15 +203,22 @@ class Ingestor:
                 break
             if attempt == MAX_REFOLDS:
                 raise ViewStoreError(f"view stream state kept changing under {MAX_REFOLDS} attempts (another writer?)")
-            nodes = sorted({env.producer_id for _, env in pending})
-            local: dict[str, NodeStream | None] = dict(await self.store.streams(nodes))
+            nodes = sorted({env.producer_id for _, env in pending if env is not None})
+            local: dict[str, NodeStream | None] = dict(await self.store.streams(nodes)) if nodes else {}
             groups: list[tuple[SourcePosition | None, Sequence[Op]]] = []
-            folded: list[tuple[RawRecord, Envelope, Any]] = []
-            for rec, env in pending:
+            folded: list[tuple[RawRecord, Envelope | None, Any]] = []
+            for i, (rec, env) in enumerate(pending):
+                if env is None:
+                    groups.append((rec.position, ()))
+                    folded.append((rec, None, None))
+                    continue
                 try:
                     f = fold(env, local.get(env.producer_id))
                 except UnfoldableRecord as e:  # defensive: topic.kinds already filtered
                     await self._dead(res, rec, e.reason, str(e))
+                    pending[i] = (rec, None)
+                    groups.append((rec.position, ()))
+                    folded.append((rec, None, None))
                     continue
                 if f.outcome == APPLIED:
                     local[env.producer_id] = f.stream
@@ -219,10 +232,12 @@ class Ingestor:
                     pending = [(r, e) for r, e, _ in folded[k:]]
                     res.refolds += 1
                     log.warning(
-                        "node %s: its stream state in the view moved under this batch (another writer?); folding %d records again",
-                        env.producer_id, len(pending),
+                        "%s:%d: a node's stream state in the view moved under this batch (another writer?); folding %d records again",
+                        rec.topic, rec.partition, len(pending),
                     )
                     break
+                if env is None:  # dead-lettered (counted then); its fence has moved
+                    continue
                 self._count(res, env, f, FENCED if not ok else f.outcome, now)
                 if ok and f.outcome == APPLIED:
                     confirmed[env.producer_id] = f.stream

@@ -188,3 +188,12 @@ async def test_a_writer_that_got_in_between_read_and_write_leaves_no_phantom_gap
         ref.apply_sync(e, SourcePosition(KV, 0, i))
     assert store.dump_sync() == ref.dump_sync()
     assert ing.kv_streams["a"] == [0, 3, 0, 0]
+
+
+async def test_a_dead_lettered_record_moves_its_partitions_fence():
+    """Dealt with is dealt with: a consumer resuming from the fence must not bring it back."""
+    store = InMemoryViewStore()
+    ing = Ingestor(T, store)
+    res = await ing.process([rec(0, stored("a", 0, [1])), rec(1, b"\xc1garbage"), rec(2, None)])
+    assert res.applied == 1 and res.dead == {"malformed": 2}
+    assert await store.watermark() == {f"{KV}:0": 2}

@@ -1,0 +1,141 @@
+"""Apply every partition from where the view stopped, not from where the consumer group says.
+
+The view records, atomically with each write, the highest offset it has applied per
+topic-partition (its fence). That is the fact about what has been applied; the consumer
+group's committed offset is only a claim. Faust commits acknowledged offsets on a timer and
+takes offset jumps for acknowledged gaps, and the successor of a SIGKILLed worker was seen
+starting past records the view never got: their blocks stayed wrong and their nodes
+showed a sequence gap. So before a batch goes to the ingestor, :meth:`ResumeGuard.admit`
+
+- puts each partition's records in offset order, each offset once, and drops those the
+  view has applied (a batch can hold records fetched before a rebalance and again after);
+- checks that they continue from the view's fence; at a hole it reads the missing offsets
+  straight from the log (``fetch_range``) and puts them first.
+
+Offsets the log no longer has (retention, or a transactional producer's markers) are let
+through as a hole, logged and counted: nothing can fill them, and the fold counts the
+sequence gap on the node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+from streams.ingest import RawRecord
+
+log = logging.getLogger(__name__)
+
+FetchRange = Callable[[str, int, int, int], Awaitable[list[RawRecord]]]
+"""``fetch_range(topic, partition, start, end)``: the records of offsets ``start`` to
+``end - 1`` that the log still holds, in offset order."""
+
+
+class ResumeGuard:
+    """Keep each partition's records contiguous with what the view applied; see the module docstring."""
+
+    def __init__(self, watermark: Callable[[], Awaitable[dict[str, int]]], fetch_range: FetchRange, *, metrics: bool = False) -> None:
+        self.watermark = watermark
+        self.fetch_range = fetch_range
+        self._refetched_counter = self._lost_counter = None
+        if metrics:
+            from conductor.metrics import meter
+
+            m = meter("conductor.pipeline")
+            self._refetched_counter = m.create_counter(
+                "conductor_records_refetched", description="records read back from the log to fill a hole after the view's fence"
+            )
+            self._lost_counter = m.create_counter(
+                "conductor_records_lost", description="offsets after the view's fence that the log no longer holds"
+            )
+        self.refetched = 0
+        """Records read back from the log to fill a hole."""
+        self.lost = 0
+        """Offsets of holes the log could not fill."""
+        self.already_applied = 0
+        """Records dropped as applied already or as a second copy in the batch."""
+
+    async def admit(self, batch: Sequence[RawRecord]) -> list[RawRecord]:
+        """The records to apply for ``batch``: per partition in offset order, without a hole
+        after the view's fence (missing ones read from the log), none applied already."""
+        if not batch:
+            return []
+        by_tp: dict[tuple[str, int], dict[int, RawRecord]] = {}
+        for r in batch:
+            by_tp.setdefault((r.topic, r.partition), {}).setdefault(r.offset, r)
+        wm = await self.watermark()
+        out: list[RawRecord] = []
+        for (topic, partition), recs in by_tp.items():
+            applied = wm.get(f"{topic}:{partition}", -1)
+            fresh = [recs[o] for o in sorted(recs) if o > applied]
+            self.already_applied += sum(1 for r in batch if r.topic == topic and r.partition == partition) - len(fresh)
+            expected = applied + 1
+            for r in fresh:
+                if r.offset > expected:
+                    out += await self._fill(topic, partition, expected, r.offset)
+                out.append(r)
+                expected = r.offset + 1
+        return out
+
+    async def _fill(self, topic: str, partition: int, start: int, end: int) -> list[RawRecord]:
+        got = [r for r in await self.fetch_range(topic, partition, start, end) if start <= r.offset < end]
+        self.refetched += len(got)
+        missing = (end - start) - len(got)
+        self.lost += missing
+        attrs = {"topic": topic}
+        if self._refetched_counter is not None and got:
+            self._refetched_counter.add(len(got), attrs)
+        if self._lost_counter is not None and missing:
+            self._lost_counter.add(missing, attrs)
+        if missing:
+            log.error(
+                "%s:%d: %d of offsets %d..%d are not in the log (retention?); the view misses them",
+                topic, partition, missing, start, end - 1,
+            )
+        log.warning(
+            "%s:%d: offsets %d..%d had not reached the view (the consumer resumed past them); read %d back from the log",
+            topic, partition, start, end - 1, len(got),
+        )
+        return got
+
+
+class LogReader:
+    """Reads offset ranges straight from the log, with a consumer of its own (no group)."""
+
+    def __init__(self, settings: Any, *, timeout_s: float = 30.0) -> None:
+        self.settings = settings
+        self.timeout_s = timeout_s
+        self._consumer: Any = None
+
+    async def fetch_range(self, topic: str, partition: int, start: int, end: int) -> list[RawRecord]:
+        from aiokafka import TopicPartition
+
+        from streams.kafka import consumer
+
+        if self._consumer is None:
+            self._consumer = consumer(self.settings, group_id=None)
+            await self._consumer.start()
+        c = self._consumer
+        tp = TopicPartition(topic, partition)
+        c.assign([tp])
+        c.seek(tp, start)  # below the log's start, the consumer resets to it (earliest)
+        out: list[RawRecord] = []
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        while loop.time() < deadline:
+            got = await c.getmany(tp, timeout_ms=200)
+            for m in got.get(tp, []):
+                if start <= m.offset < end:
+                    out.append(RawRecord(m.topic, m.partition, m.offset, m.key, m.value, m.timestamp or 0))
+            if await c.position(tp) >= end:
+                break
+        else:
+            log.error("%s:%d: reading offsets %d..%d timed out after %.0fs", topic, partition, start, end - 1, self.timeout_s)
+        return out
+
+    async def close(self) -> None:
+        if self._consumer is not None:
+            await self._consumer.stop()
+            self._consumer = None
