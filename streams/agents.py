@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator, MutableMapping
+from collections.abc import AsyncIterator, Iterator, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,9 +102,8 @@ def build_worker(settings: Any, store: Any, *, metrics: bool = True, **app_overr
                               int(e.message.timestamp * 1000) if e.message.timestamp else 0)
                     for e in events
                 ]
-                batch = await admit_until_done(guard, batch)
-                if batch:
-                    await process_until_done(ingestor, batch)
+                async for part in admit_until_done(guard, batch):
+                    await process_until_done(ingestor, part)
         finally:
             await reader.close()
 
@@ -132,14 +131,17 @@ def build_worker(settings: Any, store: Any, *, metrics: bool = True, **app_overr
     return Worker(app, ingestor)
 
 
-async def admit_until_done(guard: ResumeGuard, batch: list[RawRecord]) -> list[RawRecord]:
-    """``guard.admit(batch)``, retried while the view cannot be read."""
+async def admit_until_done(guard: ResumeGuard, batch: list[RawRecord]) -> AsyncIterator[list[RawRecord]]:
+    """``guard.admit(batch)``, started again while the view or the log cannot be read (a part
+    already applied is then dropped by the fence the second time round)."""
     delay = 0.1
     while True:
         try:
-            return await guard.admit(batch)
-        except ViewStoreError as e:
-            log.error("view read failed, retrying in %.1fs: %s", delay, e)
+            async for part in guard.admit(batch):
+                yield part
+            return
+        except Exception as e:  # the view or the log unreachable: hold the batch, try again
+            log.error("could not check the batch against the view's fences, retrying in %.1fs: %s", delay, e)
         await asyncio.sleep(delay)
         delay = min(delay * 2, 5.0)
 

@@ -10,7 +10,10 @@ showed a sequence gap. So before a batch goes to the ingestor, :meth:`ResumeGuar
 - puts each partition's records in offset order, each offset once, and drops those the
   view has applied (a batch can hold records fetched before a rebalance and again after);
 - checks that they continue from the view's fence; at a hole it reads the missing offsets
-  straight from the log (``fetch_range``) and puts them first.
+  straight from the log (``fetch_range``, in parts of ``fill_max``) and puts them first.
+
+So a worker that finds the view empty (Redis lost and restarted, or a view rebuilt under
+it) rebuilds each partition from the log by itself, as its next record arrives.
 
 Offsets the log no longer has (retention, or a transactional producer's markers) are let
 through as a hole, logged and counted: nothing can fill them, and the fold counts the
@@ -21,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 from streams.ingest import RawRecord
@@ -36,9 +39,17 @@ FetchRange = Callable[[str, int, int, int], Awaitable[list[RawRecord]]]
 class ResumeGuard:
     """Keep each partition's records contiguous with what the view applied; see the module docstring."""
 
-    def __init__(self, watermark: Callable[[], Awaitable[dict[str, int]]], fetch_range: FetchRange, *, metrics: bool = False) -> None:
+    def __init__(
+        self,
+        watermark: Callable[[], Awaitable[dict[str, int]]],
+        fetch_range: FetchRange,
+        *,
+        fill_max: int = 20_000,
+        metrics: bool = False,
+    ) -> None:
         self.watermark = watermark
         self.fetch_range = fetch_range
+        self.fill_max = fill_max
         self._refetched_counter = self._lost_counter = None
         if metrics:
             from conductor.metrics import meter
@@ -57,11 +68,12 @@ class ResumeGuard:
         self.already_applied = 0
         """Records dropped as applied already or as a second copy in the batch."""
 
-    async def admit(self, batch: Sequence[RawRecord]) -> list[RawRecord]:
-        """The records to apply for ``batch``: per partition in offset order, without a hole
-        after the view's fence (missing ones read from the log), none applied already."""
+    async def admit(self, batch: Sequence[RawRecord]) -> AsyncIterator[list[RawRecord]]:
+        """Yield the records to apply for ``batch``, in parts to apply one after the other:
+        per partition in offset order, without a hole after the view's fence (missing
+        offsets read back from the log, at most ``fill_max`` at a time), none applied already."""
         if not batch:
-            return []
+            return
         by_tp: dict[tuple[str, int], dict[int, RawRecord]] = {}
         for r in batch:
             by_tp.setdefault((r.topic, r.partition), {}).setdefault(r.offset, r)
@@ -74,10 +86,21 @@ class ResumeGuard:
             expected = applied + 1
             for r in fresh:
                 if r.offset > expected:
-                    out += await self._fill(topic, partition, expected, r.offset)
+                    if out:  # what comes before the hole goes first
+                        yield out
+                        out = []
+                    log.warning(
+                        "%s:%d: offsets %d..%d had not reached the view (the consumer resumed past them); reading them back from the log",
+                        topic, partition, expected, r.offset - 1,
+                    )
+                    for start in range(expected, r.offset, self.fill_max):
+                        part = await self._fill(topic, partition, start, min(start + self.fill_max, r.offset))
+                        if part:
+                            yield part
                 out.append(r)
                 expected = r.offset + 1
-        return out
+        if out:
+            yield out
 
     async def _fill(self, topic: str, partition: int, start: int, end: int) -> list[RawRecord]:
         got = [r for r in await self.fetch_range(topic, partition, start, end) if start <= r.offset < end]
@@ -94,10 +117,6 @@ class ResumeGuard:
                 "%s:%d: %d of offsets %d..%d are not in the log (retention?); the view misses them",
                 topic, partition, missing, start, end - 1,
             )
-        log.warning(
-            "%s:%d: offsets %d..%d had not reached the view (the consumer resumed past them); read %d back from the log",
-            topic, partition, start, end - 1, len(got),
-        )
         return got
 
 

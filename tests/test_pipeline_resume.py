@@ -29,36 +29,72 @@ from streams.topics import topics
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 
-async def test_a_committed_offset_past_the_view_is_not_trusted(stack, tmp_path):
+def fresh_settings(stack, tmp_path):
     tag = uuid.uuid4().hex[:8]
-    s = load_settings(
+    return load_settings(
         kafka_url=stack.kafka_url, redis_url=stack.redis_url, profile="embedded", topic_prefix=f"r{tag}.",
         view_namespace=f"r{tag}", partitions=2, web_port=free_port(), data_dir=tmp_path / "d",
     )
+
+
+class Engines:
+    """Four nodes storing and removing random blocks, in order, on kv-events."""
+
+    def __init__(self, s, seed):
+        self.s, self.rng = s, random.Random(seed)
+        self.held = {f"n{i}": [] for i in range(4)}
+        self.seq = dict.fromkeys(self.held, 0)
+        self.sent = 0
+
+    async def publish(self, n):
+        t = topics(self.s)
+        prod = producer(self.s)
+        await prod.start()
+        try:
+            for _ in range(n):
+                node = self.rng.choice(sorted(self.held))
+                held = self.held[node]
+                if held and self.rng.random() < 0.3:
+                    body = BlocksRemoved(block_keys=[held.pop(0) for _ in range(min(len(held), 3))])
+                else:
+                    keys = [self.rng.getrandbits(63) for _ in range(self.rng.randint(1, 6))]
+                    held += keys
+                    body = BlocksStored(block_keys=keys)
+                e = envelope(body, producer_id=node, producer_seq=self.seq[node], ts_ms=1)
+                self.seq[node] += 1
+                await prod.send(t.kv_events.name, encode(e), key=node.encode())
+                self.sent += 1
+            await prod.flush()
+        finally:
+            await prod.stop()
+
+
+async def caught_up(store, worker, sent, timeout_s=90):
+    """Wait until the view's fences cover ``sent`` records (offsets from 0 on both partitions)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        wm = await store.watermark()
+        if sum(wm.values()) + len(wm) >= sent:
+            return
+        assert worker.poll() is None, "the worker died"
+        assert time.monotonic() < deadline, f"not caught up: {wm}"
+        await asyncio.sleep(0.05)
+
+
+async def assert_view_is_the_log(s, store):
+    ref = InMemoryViewStore()
+    await replay_into(s, ref)
+    got, want = await store.dump(), ref.dump_sync()
+    assert got == want, diff_dumps(got, want)
+    assert all(n["seq_gaps"] == 0 for n in got["nodes"].values())
+
+
+async def test_a_committed_offset_past_the_view_is_not_trusted(stack, tmp_path):
+    s = fresh_settings(stack, tmp_path)
     t = topics(s)
     await ensure_topics(s, t.all())
-    rng = random.Random(5)
-    held = {f"n{i}": [] for i in range(4)}
-    seq = dict.fromkeys(held, 0)
-    prod = producer(s)
-    await prod.start()
-    sent = 0
-    try:
-        for _ in range(400):
-            node = rng.choice(sorted(held))
-            if held[node] and rng.random() < 0.3:
-                body = BlocksRemoved(block_keys=[held[node].pop(0) for _ in range(min(len(held[node]), 3))])
-            else:
-                keys = [rng.getrandbits(63) for _ in range(rng.randint(1, 6))]
-                held[node] += keys
-                body = BlocksStored(block_keys=keys)
-            e = envelope(body, producer_id=node, producer_seq=seq[node], ts_ms=1)
-            seq[node] += 1
-            await prod.send(t.kv_events.name, encode(e), key=node.encode())
-            sent += 1
-        await prod.flush()
-    finally:
-        await prod.stop()
+    engines = Engines(s, seed=5)
+    await engines.publish(400)
 
     # The worker's group claims 40 records per partition done; the view has none of them.
     group = f"{s.topic_prefix}stream-worker"
@@ -74,19 +110,29 @@ async def test_a_committed_offset_past_the_view_is_not_trusted(stack, tmp_path):
     store = RedisViewStore.from_settings(s)
     worker = start_worker_process(s, tmp_path / "w.log")
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            wm = await store.watermark()
-            if sum(wm.values()) + len(wm) >= sent:
-                break
-            assert worker.poll() is None, "the worker died"
-            assert time.monotonic() < deadline, f"not caught up: {wm}"
-            await asyncio.sleep(0.05)
-        ref = InMemoryViewStore()
-        await replay_into(s, ref)
-        got, want = await store.dump(), ref.dump_sync()
-        assert got == want, diff_dumps(got, want)
-        assert all(n["seq_gaps"] == 0 for n in got["nodes"].values())
+        await caught_up(store, worker, engines.sent)
+        await assert_view_is_the_log(s, store)
+    finally:
+        stop_worker_process(worker)
+        await store.clear()
+        await store.close()
+
+
+async def test_a_view_lost_under_a_running_worker_is_rebuilt_from_the_log(stack, tmp_path):
+    """Redis restarted empty: the worker's next records find no fence, and it reads each
+    partition back from offset 0 before applying them."""
+    s = fresh_settings(stack, tmp_path)
+    await ensure_topics(s, topics(s).all())
+    engines = Engines(s, seed=6)
+    await engines.publish(300)
+    store = RedisViewStore.from_settings(s)
+    worker = start_worker_process(s, tmp_path / "w.log")
+    try:
+        await caught_up(store, worker, engines.sent)
+        await store.clear()  # the view is gone; the worker goes on
+        await engines.publish(100)
+        await caught_up(store, worker, engines.sent)
+        await assert_view_is_the_log(s, store)
     finally:
         stop_worker_process(worker)
         await store.clear()

@@ -32,6 +32,10 @@ def guard(wm, log=None):
     return ResumeGuard(watermark, log.fetch_range), log
 
 
+async def admitted(g, batch):
+    return [x async for part in g.admit(batch) for x in part]
+
+
 def offsets(recs):
     return [(x.partition, x.offset) for x in recs]
 
@@ -39,38 +43,48 @@ def offsets(recs):
 async def test_records_that_continue_the_fence_pass_unchanged():
     g, log = guard({f"{T}:0": 9})
     batch = [r(10), r(11), r(12)]
-    assert await g.admit(batch) == batch
+    assert await admitted(g, batch) == batch
     assert log.calls == [] and g.refetched == g.lost == g.already_applied == 0
 
 
 async def test_redelivered_and_out_of_order_records_come_out_once_in_order():
     g, _ = guard({f"{T}:0": 49})
     batch = [r(55), r(56), r(45), r(50), r(51), r(52), r(53), r(54), r(55), r(56), r(57)]
-    assert offsets(await g.admit(batch)) == [(0, o) for o in range(50, 58)]
+    assert offsets(await admitted(g, batch)) == [(0, o) for o in range(50, 58)]
     assert g.already_applied == 3  # 45 (applied) and the second 55 and 56
 
 
 async def test_a_hole_after_the_fence_is_read_back_from_the_log():
     g, log = guard({f"{T}:0": 9}, FakeLog({0: range(0, 30)}))
-    assert offsets(await g.admit([r(15), r(16)])) == [(0, o) for o in range(10, 17)]
+    assert offsets(await admitted(g, [r(15), r(16)])) == [(0, o) for o in range(10, 17)]
     assert log.calls == [(T, 0, 10, 15)]
     assert g.refetched == 5 and g.lost == 0
 
 
 async def test_a_partition_never_applied_starts_at_offset_zero():
     g, log = guard({}, FakeLog({0: range(0, 10)}))
-    assert offsets(await g.admit([r(4)])) == [(0, o) for o in range(0, 5)]
+    assert offsets(await admitted(g, [r(4)])) == [(0, o) for o in range(0, 5)]
     assert log.calls == [(T, 0, 0, 4)]
 
 
 async def test_offsets_the_log_no_longer_holds_are_let_through_and_counted():
     g, _ = guard({f"{T}:0": 9}, FakeLog({0: range(12, 30)}))  # retention removed 0..11
-    assert offsets(await g.admit([r(15)])) == [(0, o) for o in range(12, 16)]
+    assert offsets(await admitted(g, [r(15)])) == [(0, o) for o in range(12, 16)]
     assert g.lost == 2 and g.refetched == 3
 
 
 async def test_partitions_are_independent():
     g, log = guard({f"{T}:0": 4, f"{T}:1": 2}, FakeLog({1: range(0, 10)}))
-    got = await g.admit([r(5, 0), r(6, 1), r(6, 0)])
+    got = await admitted(g, [r(5, 0), r(6, 1), r(6, 0)])
     assert sorted(offsets(got)) == [(0, 5), (0, 6), (1, 3), (1, 4), (1, 5), (1, 6)]
     assert log.calls == [(T, 1, 3, 6)]
+
+
+async def test_a_large_hole_comes_back_in_parts_in_order():
+    async def watermark():
+        return {}
+
+    log = FakeLog({0: range(0, 100)})
+    g = ResumeGuard(watermark, log.fetch_range, fill_max=30)
+    parts = [[x.offset for x in p] async for p in g.admit([r(95), r(96)])]
+    assert parts == [list(range(0, 30)), list(range(30, 60)), list(range(60, 90)), list(range(90, 95)), [95, 96]]

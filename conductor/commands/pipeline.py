@@ -82,10 +82,10 @@ def register(groups: dict[str, typer.Typer]) -> None:
     ) -> None:
         """Replay kv-events and heartbeats from offset 0 into an empty view namespace.
 
-        Use after losing Redis (rebuild into the live namespace, with the stream workers
-        stopped: a worker writing meanwhile raises the offset fences past records the replay
-        has not reached, and they would be skipped), or into another namespace with
-        --compare to audit the live view: both must be equal key by key.
+        Use after losing Redis (rebuild into the live namespace at once; running stream
+        workers also read a partition back from the log when they find its fence gone, but
+        only as its next record arrives), or into another namespace with --compare to audit
+        the live view: both must be equal key by key.
         """
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
