@@ -12,6 +12,7 @@ import asyncio
 import random
 import time
 import uuid
+from contextlib import asynccontextmanager
 
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -69,6 +70,19 @@ class Engines:
             await prod.stop()
 
 
+@asynccontextmanager
+async def running_worker(s, tmp_path):
+    """A `conductor worker` subprocess over a view of its own, stopped and cleared after."""
+    store = RedisViewStore.from_settings(s)
+    worker = start_worker_process(s, tmp_path / "w.log")
+    try:
+        yield store, worker
+    finally:
+        stop_worker_process(worker)
+        await store.clear()
+        await store.close()
+
+
 async def caught_up(store, worker, sent, timeout_s=90):
     """Wait until the view's fences cover ``sent`` records (offsets from 0 on both partitions)."""
     deadline = time.monotonic() + timeout_s
@@ -107,15 +121,9 @@ async def test_a_committed_offset_past_the_view_is_not_trusted(stack, tmp_path):
     finally:
         await c.stop()
 
-    store = RedisViewStore.from_settings(s)
-    worker = start_worker_process(s, tmp_path / "w.log")
-    try:
+    async with running_worker(s, tmp_path) as (store, worker):
         await caught_up(store, worker, engines.sent)
         await assert_view_is_the_log(s, store)
-    finally:
-        stop_worker_process(worker)
-        await store.clear()
-        await store.close()
 
 
 async def test_a_view_lost_under_a_running_worker_is_rebuilt_from_the_log(stack, tmp_path):
@@ -125,15 +133,9 @@ async def test_a_view_lost_under_a_running_worker_is_rebuilt_from_the_log(stack,
     await ensure_topics(s, topics(s).all())
     engines = Engines(s, seed=6)
     await engines.publish(300)
-    store = RedisViewStore.from_settings(s)
-    worker = start_worker_process(s, tmp_path / "w.log")
-    try:
+    async with running_worker(s, tmp_path) as (store, worker):
         await caught_up(store, worker, engines.sent)
         await store.clear()  # the view is gone; the worker goes on
         await engines.publish(100)
         await caught_up(store, worker, engines.sent)
         await assert_view_is_the_log(s, store)
-    finally:
-        stop_worker_process(worker)
-        await store.clear()
-        await store.close()
