@@ -23,6 +23,7 @@ sequence gap on the node.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
@@ -34,6 +35,18 @@ log = logging.getLogger(__name__)
 FetchRange = Callable[[str, int, int, int], Awaitable[list[RawRecord]]]
 """``fetch_range(topic, partition, start, end)``: the records of offsets ``start`` to
 ``end - 1`` that the log still holds, in offset order."""
+
+
+@functools.cache
+def _counters() -> tuple[Any, Any]:
+    """The guard's two counters, created once per process (both agents share them)."""
+    from conductor.metrics import meter
+
+    m = meter("conductor.pipeline")
+    return (
+        m.create_counter("conductor_records_refetched", description="records read back from the log to fill a hole after the view's fence"),
+        m.create_counter("conductor_records_lost", description="offsets after the view's fence that the log no longer holds"),
+    )
 
 
 class ResumeGuard:
@@ -50,17 +63,7 @@ class ResumeGuard:
         self.watermark = watermark
         self.fetch_range = fetch_range
         self.fill_max = fill_max
-        self._refetched_counter = self._lost_counter = None
-        if metrics:
-            from conductor.metrics import meter
-
-            m = meter("conductor.pipeline")
-            self._refetched_counter = m.create_counter(
-                "conductor_records_refetched", description="records read back from the log to fill a hole after the view's fence"
-            )
-            self._lost_counter = m.create_counter(
-                "conductor_records_lost", description="offsets after the view's fence that the log no longer holds"
-            )
+        self._refetched_counter, self._lost_counter = _counters() if metrics else (None, None)
         self.refetched = 0
         """Records read back from the log to fill a hole."""
         self.lost = 0
@@ -90,7 +93,7 @@ class ResumeGuard:
                         yield out
                         out = []
                     log.warning(
-                        "%s:%d: offsets %d..%d had not reached the view (the consumer resumed past them); reading them back from the log",
+                        "%s:%d: offsets %d..%d are not in the view (the consumer resumed past them, or the view was lost); reading them back from the log",
                         topic, partition, expected, r.offset - 1,
                     )
                     for start in range(expected, r.offset, self.fill_max):
