@@ -66,6 +66,12 @@ class NodeStream:
     hb_epoch: int = -1
     hb_seq: int = -1
 
+    def part(self, name: str) -> tuple[int, ...]:
+        """One stream's half: ``"kv"`` → (epoch, seq, gaps, missed), ``"hb"`` → (epoch, seq)."""
+        if name == "hb":
+            return (self.hb_epoch, self.hb_seq)
+        return (self.epoch, self.seq, self.gaps, self.missed)
+
 
 # --- view operations --------------------------------------------------------
 

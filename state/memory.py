@@ -118,7 +118,7 @@ class InMemoryViewStore:
             return FENCED_GROUP
         ops = tuple(ops)
         for op in ops:
-            if isinstance(op, SetStream) and op.prev is not None and not _same_part(self.stream_sync(op.node), op.prev, op.part):
+            if isinstance(op, SetStream) and op.prev is not None and self.stream_sync(op.node).part(op.part) != op.prev.part(op.part):
                 return CONFLICT
         self._apply(ops)
         if pos is not None:
@@ -253,12 +253,6 @@ class InMemoryViewStore:
 
     async def clear(self) -> None:
         self.clear_sync()
-
-
-def _same_part(cur: NodeStream, want: NodeStream, part: str) -> bool:
-    if part == "hb":
-        return (cur.hb_epoch, cur.hb_seq) == (want.hb_epoch, want.hb_seq)
-    return (cur.epoch, cur.seq, cur.gaps, cur.missed) == (want.epoch, want.seq, want.gaps, want.missed)
 
 
 def canonical_dump(

@@ -44,7 +44,6 @@ from schemas import Envelope
 from schemas.codec import pack_script_args
 
 from .fold import (
-    APPLIED,
     TIER_NAMES,
     AddBlocks,
     ClearNode,
@@ -53,10 +52,11 @@ from .fold import (
     RemoveBlocks,
     SetHeartbeat,
     SetStream,
-    fold,
+    UnfoldableRecord,
 )
 from .memory import FENCED, canonical_dump
-from .view import CONFLICT, MAX_REFOLDS, NodeState, SourcePosition, ViewSnapshot, longest_prefixes
+from .write import fold_and_write
+from .view import CONFLICT, NodeState, SourcePosition, ViewSnapshot, longest_prefixes
 
 SEP = "\x1f"
 _CHUNK_KEYS = 20_000  # block keys per script call: keeps each call well under ~20 ms
@@ -209,12 +209,12 @@ return n
 """
 
 
-def _kv_field(s: NodeStream) -> str:
-    return f"{s.epoch},{s.seq},{s.gaps},{s.missed}"
+_FIELD = {"kv": "kv", "hb": "hbs"}
+"""Stream part → its field in the node hash."""
 
 
-def _hbs_field(s: NodeStream) -> str:
-    return f"{s.hb_epoch},{s.hb_seq}"
+def _stream_field(s: NodeStream, part: str) -> str:
+    return ",".join(map(str, s.part(part)))
 
 
 def _parse_stream(kv: bytes | None, hbs: bytes | None) -> NodeStream:
@@ -223,19 +223,13 @@ def _parse_stream(kv: bytes | None, hbs: bytes | None) -> NodeStream:
     return NodeStream(epoch=e, seq=q, gaps=g, missed=m, hb_epoch=he, hb_seq=hq)
 
 
-_NO_KV, _NO_HBS = _kv_field(NodeStream()), _hbs_field(NodeStream())
-
-
 def _conditions(ops: Sequence[Op]) -> list[list[str]]:
     """The script's compare-and-set checks for a group: ``[field, expected, value if absent]``."""
-    out = []
-    for op in ops:
-        if isinstance(op, SetStream) and op.prev is not None:
-            if op.part == "hb":
-                out.append([f"{op.node}{SEP}hbs", _hbs_field(op.prev), _NO_HBS])
-            else:
-                out.append([f"{op.node}{SEP}kv", _kv_field(op.prev), _NO_KV])
-    return out
+    return [
+        [f"{op.node}{SEP}{_FIELD[op.part]}", _stream_field(op.prev, op.part), _stream_field(NodeStream(), op.part)]
+        for op in ops
+        if isinstance(op, SetStream) and op.prev is not None
+    ]
 
 
 def encode_ops(ops: Sequence[Op]) -> list[list[Any]]:
@@ -251,10 +245,7 @@ def encode_ops(ops: Sequence[Op]) -> list[list[Any]]:
         elif isinstance(op, SetHeartbeat):
             out.append([4, op.node, "hb", json.dumps(op.state, separators=(",", ":"), sort_keys=True)])
         elif isinstance(op, SetStream):
-            if op.part == "hb":
-                out.append([4, op.node, "hbs", _hbs_field(op.stream)])
-            else:
-                out.append([4, op.node, "kv", _kv_field(op.stream)])
+            out.append([4, op.node, _FIELD[op.part], _stream_field(op.stream, op.part)])
         else:
             raise TypeError(f"unknown view operation {op!r}")
     return out
@@ -342,53 +333,15 @@ class RedisViewStore:
 
     async def apply(self, records: Sequence[tuple[Envelope, SourcePosition | None]]) -> list[str]:
         """Fold each record with the stream state stored in Redis, then apply the batch atomically
-        per record. Records already below the fence are reported ``fenced`` without folding; if
-        another writer moves a node's stream meanwhile, the rest is read and folded again."""
-        outcomes: list[str] = [""] * len(records)
-        todo = list(range(len(records)))
-        for _ in range(MAX_REFOLDS):
-            todo = await self._apply_once(records, todo, outcomes)
-            if not todo:
-                return outcomes
-        raise ViewStoreError(f"view stream state kept changing under {MAX_REFOLDS} attempts (several writers?)")
-
-    async def _apply_once(self, records: Sequence[tuple[Envelope, SourcePosition | None]], todo: list[int], outcomes: list[str]) -> list[int]:
-        """One fold-and-write pass over ``records[i] for i in todo``; return the indices to redo."""
-        node_ids = sorted({records[i][0].producer_id for i in todo})
-        fence_keys = sorted({p.key for i in todo if (p := records[i][1]) is not None})
-        streams = await self.streams(node_ids)
-        fence = {k: v for k, v in zip(fence_keys, await self._hmget_int(self._wm_key, fence_keys))}
-        groups: list[tuple[SourcePosition | None, Sequence[Op]]] = []
-        where: list[int] = []
-        for i in todo:
-            env, pos = records[i]
-            if pos is not None:
-                if pos.offset <= fence.get(pos.key, -1):
-                    outcomes[i] = FENCED
-                    continue
-                fence[pos.key] = pos.offset
-            f = fold(env, streams.get(env.producer_id))
-            if f.outcome == APPLIED:
-                streams[env.producer_id] = f.stream
-            outcomes[i] = f.outcome
-            groups.append((pos, f.ops if f.outcome == APPLIED else ()))
-            where.append(i)
-        flags = await self.apply_groups(groups) if groups else []
-        for i, ok in zip(where, flags):
-            if ok == CONFLICT:
-                return [j for j in todo if j >= i]
-            if not ok:  # fenced by a concurrent writer that got there first
-                outcomes[i] = FENCED
-        return []
-
-    async def _hmget_int(self, key: str, fields: Sequence[str]) -> list[int]:
-        if not fields:
-            return []
-        try:
-            vals = await self.client.hmget(key, list(fields))
-        except RedisError as e:
-            raise ViewStoreError(f"view read failed: {e}") from e
-        return [int(v) if v is not None else -1 for v in vals]
+        per record (``state.write.fold_and_write``). A record whose position the view has
+        applied already is reported ``fenced``."""
+        w = await fold_and_write(self, records)
+        outcomes = []
+        for ok, f in zip(w.flags, w.folds):
+            if isinstance(f, UnfoldableRecord):
+                raise f
+            outcomes.append(f.outcome if ok and f is not None else FENCED)
+        return outcomes
 
     async def streams(self, node_ids: Sequence[str]) -> dict[str, NodeStream]:
         if not node_ids:

@@ -7,11 +7,9 @@ batch it
 1. decodes each record; a record that does not decode, or whose kind the topic does not
    carry, becomes a :class:`schemas.DeadLetter` (reason, error, source position, original
    bytes) handed to ``dead_letter`` — and the batch goes on;
-2. folds the good ones (``state.fold``) from the per-node stream state the view recorded
-   with its effects (one read per batch);
-3. writes all their operations in one fenced call (``ViewStore.apply_groups``), each record
-   a compare-and-set on the stream state it was folded from; if another writer moved a
-   node's stream in between, the rest of the batch is read and folded again;
+2-3. folds the good ones from the per-node stream state the view recorded with its effects
+   and writes all their operations in one fenced call (``state.write.fold_and_write``: one
+   read and one write per batch, folded again if another writer moved a node's stream);
 4. only then mirrors the new stream state into the ``kv_streams`` / ``hb_streams`` rows (Faust
    tables in the worker, dicts elsewhere). A crash between 3 and 4 leaves a row behind the
    view, which is harmless: the view's copy is the one folds start from, and the offset
@@ -27,11 +25,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from schemas import DeadLetter, DecodeError, Envelope, Heartbeat, decode, envelope
-from schemas.errors import ViewStoreError
 from schemas.records import MAX_ORIGINAL_BYTES, MAX_TEXT
-from state.fold import APPLIED, NodeStream, Op, UnfoldableRecord, fold
+from state.fold import APPLIED, NodeStream, Op, UnfoldableRecord
 from state.memory import FENCED
-from state.view import CONFLICT, MAX_REFOLDS, SourcePosition
+from state.view import SourcePosition
+from state.write import fold_and_write
 from streams.topics import Topics
 
 log = logging.getLogger(__name__)
@@ -187,69 +185,34 @@ class Ingestor:
                 continue
             good.append((rec, env))
 
-        # The view's stream state is written atomically with the effects, and each write is a
-        # compare-and-set on it (``SetStream.prev``): folding from anything else (a table row
-        # that lags after a crash or a moved partition) could take an engine's re-sent record
-        # for new or count a gap that is not there, and a second writer on the same node (a
-        # zombie consumer during a rebalance, a timed-out write that still ran) must not be
-        # able to interleave. So each pass reads the view's state of the batch's nodes, folds,
-        # and writes; a conflict sends the rest of the batch round again.
+        # Folds start from the view's own stream state (written atomically with the effects),
+        # never from the table rows, which can lag (a crash between view write and changelog
+        # write, a moved partition); each write is a compare-and-set on that state, so a
+        # second writer cannot interleave (state.write).
+        w = await fold_and_write(self.store, [(env, rec.position) for rec, env in good])
+        res.refolds = w.refolds
+        now = self.clock_ms()
         confirmed: dict[str, NodeStream] = {}  # node → state after its last write that applied
         touched_kv: set[str] = set()
         touched_hb: set[str] = set()
-        pending = good
-        for attempt in range(MAX_REFOLDS + 1):
-            if not pending:
-                break
-            if attempt == MAX_REFOLDS:
-                raise ViewStoreError(f"view stream state kept changing under {MAX_REFOLDS} attempts (another writer?)")
-            nodes = sorted({env.producer_id for _, env in pending if env is not None})
-            local: dict[str, NodeStream | None] = dict(await self.store.streams(nodes)) if nodes else {}
-            groups: list[tuple[SourcePosition | None, Sequence[Op]]] = []
-            folded: list[tuple[RawRecord, Envelope | None, Any]] = []
-            for i, (rec, env) in enumerate(pending):
-                if env is None:
-                    groups.append((rec.position, ()))
-                    folded.append((rec, None, None))
-                    continue
-                try:
-                    f = fold(env, local.get(env.producer_id))
-                except UnfoldableRecord as e:  # defensive: topic.kinds already filtered
-                    await self._dead(res, rec, e.reason, str(e))
-                    pending[i] = (rec, None)
-                    groups.append((rec.position, ()))
-                    folded.append((rec, None, None))
-                    continue
-                if f.outcome == APPLIED:
-                    local[env.producer_id] = f.stream
-                groups.append((rec.position, f.ops if f.outcome == APPLIED else ()))
-                folded.append((rec, env, f))
-            flags = await self.store.apply_groups(groups) if groups else []
-            pending = []
-            now = self.clock_ms()
-            for k, ((rec, env, f), ok) in enumerate(zip(folded, flags)):
-                if ok == CONFLICT:
-                    pending = [(r, e) for r, e, _ in folded[k:]]
-                    res.refolds += 1
-                    log.warning(
-                        "%s:%d: a node's stream state in the view moved under this batch (another writer?); folding %d records again",
-                        rec.topic, rec.partition, len(pending),
-                    )
-                    break
-                if env is None:  # dead-lettered (counted then); its fence has moved
-                    continue
-                self._count(res, env, f, FENCED if not ok else f.outcome, now)
-                if ok and f.outcome == APPLIED:
-                    confirmed[env.producer_id] = f.stream
-                    (touched_hb if isinstance(env.body, Heartbeat) else touched_kv).add(env.producer_id)
+        for (rec, env), ok, f in zip(good, w.flags, w.folds):
+            if isinstance(f, UnfoldableRecord):  # defensive: topic.kinds already filtered
+                await self._dead(res, rec, f.reason, str(f))
+                continue
+            if env is None or f is None:  # dead-lettered (counted then); its fence has moved
+                continue
+            self._count(res, env, f, FENCED if not ok else f.outcome, now)
+            if ok and f.outcome == APPLIED:
+                confirmed[env.producer_id] = f.stream
+                (touched_hb if isinstance(env.body, Heartbeat) else touched_kv).add(env.producer_id)
         # Only now, after the view has the effects, does the stream state move on.
         # Each stream's table is written only by the agent of that stream.
         for node in touched_kv:
             st = confirmed[node]
-            self.kv_streams[node] = [st.epoch, st.seq, st.gaps, st.missed]
+            self.kv_streams[node] = list(st.part("kv"))
         for node in touched_hb:
             st = confirmed[node]
-            self.hb_streams[node] = [st.hb_epoch, st.hb_seq]
+            self.hb_streams[node] = list(st.part("hb"))
         if self.metrics is not None and records:
             self.metrics.record(records[0].topic, res)
         return res

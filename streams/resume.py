@@ -80,12 +80,13 @@ class ResumeGuard:
         by_tp: dict[tuple[str, int], dict[int, RawRecord]] = {}
         for r in batch:
             by_tp.setdefault((r.topic, r.partition), {}).setdefault(r.offset, r)
+        self.already_applied += len(batch) - sum(map(len, by_tp.values()))  # second copies
         wm = await self.watermark()
         out: list[RawRecord] = []
         for (topic, partition), recs in by_tp.items():
             applied = wm.get(f"{topic}:{partition}", -1)
             fresh = [recs[o] for o in sorted(recs) if o > applied]
-            self.already_applied += sum(1 for r in batch if r.topic == topic and r.partition == partition) - len(fresh)
+            self.already_applied += len(recs) - len(fresh)
             expected = applied + 1
             for r in fresh:
                 if r.offset > expected:
