@@ -7,7 +7,6 @@ in the view's atomic writes must make that harmless.
 from __future__ import annotations
 
 import asyncio
-import random
 import signal
 import time
 import uuid
@@ -17,7 +16,8 @@ import pytest
 from conductor.bench_ingest import start_worker_process, stop_worker_process
 from conductor.devstack import free_port
 from conductor.settings import load_settings
-from schemas import BlocksRemoved, BlocksStored, encode, envelope
+from kvstream import KvStream, caught_up
+from schemas import encode
 from state.memory import InMemoryViewStore
 from state.redis_view import RedisViewStore
 from streams.kafka import ensure_topics, producer
@@ -35,21 +35,7 @@ async def test_sigkill_mid_stream_then_restart(stack, tmp_path):
     )
     t = topics(s)
     await ensure_topics(s, t.all())
-    rng = random.Random(3)
-    envs = []
-    held = {f"n{i}": [] for i in range(4)}
-    seq = dict.fromkeys(held, 0)
-    for _ in range(3000):
-        node = rng.choice(sorted(held))
-        if held[node] and rng.random() < 0.3:
-            keys = [held[node].pop(0) for _ in range(min(len(held[node]), rng.randint(1, 20)))]
-            body = BlocksRemoved(block_keys=keys)
-        else:
-            keys = [rng.getrandbits(63) for _ in range(rng.randint(1, 40))]
-            held[node] += keys
-            body = BlocksStored(block_keys=keys)
-        envs.append(envelope(body, producer_id=node, producer_seq=seq[node], ts_ms=1))
-        seq[node] += 1
+    envs = KvStream(seed=3).take(3000)
 
     store = RedisViewStore.from_settings(s)
     prod = producer(s)
@@ -68,15 +54,7 @@ async def test_sigkill_mid_stream_then_restart(stack, tmp_path):
         worker.wait()
         partial = sum((await store.watermark()).values())
         worker = start_worker_process(s, tmp_path / "w2.log")
-        # offsets start at 0 per partition: all applied when sum(last offsets) + partitions == sent
-        deadline = time.monotonic() + 90
-        while True:
-            wm = await store.watermark()
-            if sum(wm.values()) + len(wm) >= len(envs):
-                break
-            assert worker.poll() is None, "the restarted worker died"
-            assert time.monotonic() < deadline, f"not caught up: {wm}"
-            await asyncio.sleep(0.05)
+        await caught_up(store, worker, len(envs))
         assert partial < len(envs)  # the kill really happened mid-stream
         # The reference is the log as the broker holds it, folded by one uninterrupted reader:
         # the killed-and-restarted worker must have built exactly that view. (Without an

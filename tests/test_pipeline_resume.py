@@ -8,9 +8,6 @@ offsets of records it had not finished) must not make the worker skip them.
 
 from __future__ import annotations
 
-import asyncio
-import random
-import time
 import uuid
 from contextlib import asynccontextmanager
 
@@ -20,7 +17,8 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from conductor.bench_ingest import start_worker_process, stop_worker_process
 from conductor.devstack import free_port
 from conductor.settings import load_settings
-from schemas import BlocksRemoved, BlocksStored, encode, envelope
+from kvstream import KvStream, caught_up
+from schemas import encode
 from state.memory import InMemoryViewStore
 from state.redis_view import RedisViewStore
 from streams.kafka import ensure_topics, producer
@@ -39,31 +37,18 @@ def fresh_settings(stack, tmp_path):
 
 
 class Engines:
-    """Four nodes storing and removing random blocks, in order, on kv-events."""
+    """A :class:`KvStream` published onto kv-events, in parts."""
 
     def __init__(self, s, seed):
-        self.s, self.rng = s, random.Random(seed)
-        self.held = {f"n{i}": [] for i in range(4)}
-        self.seq = dict.fromkeys(self.held, 0)
-        self.sent = 0
+        self.s, self.stream, self.sent = s, KvStream(seed, max_store=6, max_remove=3), 0
 
     async def publish(self, n):
         t = topics(self.s)
         prod = producer(self.s)
         await prod.start()
         try:
-            for _ in range(n):
-                node = self.rng.choice(sorted(self.held))
-                held = self.held[node]
-                if held and self.rng.random() < 0.3:
-                    body = BlocksRemoved(block_keys=[held.pop(0) for _ in range(min(len(held), 3))])
-                else:
-                    keys = [self.rng.getrandbits(63) for _ in range(self.rng.randint(1, 6))]
-                    held += keys
-                    body = BlocksStored(block_keys=keys)
-                e = envelope(body, producer_id=node, producer_seq=self.seq[node], ts_ms=1)
-                self.seq[node] += 1
-                await prod.send(t.kv_events.name, encode(e), key=node.encode())
+            for e in self.stream.take(n):
+                await prod.send(t.kv_events.name, encode(e), key=e.producer_id.encode())
                 self.sent += 1
             await prod.flush()
         finally:
@@ -81,18 +66,6 @@ async def running_worker(s, tmp_path):
         stop_worker_process(worker)
         await store.clear()
         await store.close()
-
-
-async def caught_up(store, worker, sent, timeout_s=90):
-    """Wait until the view's fences cover ``sent`` records (offsets from 0 on both partitions)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        wm = await store.watermark()
-        if sum(wm.values()) + len(wm) >= sent:
-            return
-        assert worker.poll() is None, "the worker died"
-        assert time.monotonic() < deadline, f"not caught up: {wm}"
-        await asyncio.sleep(0.05)
 
 
 async def assert_view_is_the_log(s, store):

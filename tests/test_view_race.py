@@ -13,7 +13,8 @@ import random
 
 import pytest
 
-from schemas import BlocksRemoved, BlocksStored, decode, encode, envelope
+from kvstream import KvStream
+from schemas import decode, encode
 from state.memory import InMemoryViewStore
 from state.redis_view import RedisViewStore
 from state.view import SourcePosition
@@ -25,23 +26,11 @@ pytestmark = pytest.mark.integration
 
 def stream_of_records(kv_topic: str, n: int, partitions: int = 2) -> list[RawRecord]:
     """``n`` KV events from four nodes, each node on one partition, offsets per partition."""
-    rng = random.Random(11)
-    held = {f"n{i}": [] for i in range(4)}
-    seq = dict.fromkeys(held, 0)
     offsets = [0] * partitions
     out = []
-    for _ in range(n):
-        node = rng.choice(sorted(held))
-        if held[node] and rng.random() < 0.3:
-            body = BlocksRemoved(block_keys=[held[node].pop(0) for _ in range(min(len(held[node]), rng.randint(1, 5)))])
-        else:
-            keys = [rng.getrandbits(63) for _ in range(rng.randint(1, 8))]
-            held[node] += keys
-            body = BlocksStored(block_keys=keys)
-        env = envelope(body, producer_id=node, producer_seq=seq[node], ts_ms=1)
-        seq[node] += 1
-        part = int(node[1:]) % partitions
-        out.append(RawRecord(kv_topic, part, offsets[part], node.encode(), encode(env)))
+    for env in KvStream(seed=11, max_store=8, max_remove=5).take(n):
+        part = int(env.producer_id[1:]) % partitions
+        out.append(RawRecord(kv_topic, part, offsets[part], env.producer_id.encode(), encode(env)))
         offsets[part] += 1
     return out
 
