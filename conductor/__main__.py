@@ -1,5 +1,5 @@
 """``python -m conductor``: the same as the ``conductor`` command."""
 
-from .cli import main
+from conductor.cli import main
 
 main()

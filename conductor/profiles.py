@@ -23,9 +23,10 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .errors import ConfigError
+from conductor.errors import ConfigError
 
 DEFAULT_PROFILE = "llama3-70b-a800x8"
 
@@ -184,7 +185,6 @@ def fit_profile(rows: Iterable[Sequence[float]], base: ModelProfile | None = Non
     ``l``, ``d`` and ``effective_flops`` stay those of ``base`` (the default profile);
     only the coefficients move, so the fitted profile stays comparable to it.
     """
-    import numpy as np
 
     base = base or load_profile(DEFAULT_PROFILE)
     data = [(float(t), float(c), float(s)) for t, c, s in rows]

@@ -21,6 +21,7 @@ no node holds.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, replace
 from typing import Any
@@ -39,7 +40,15 @@ from .fold import (
     SetStream,
     fold,
 )
-from .view import APPLIED_GROUP, CONFLICT, FENCED_GROUP, NodeState, SourcePosition, ViewSnapshot, longest_prefixes
+from .view import (
+    APPLIED_GROUP,
+    CONFLICT,
+    FENCED_GROUP,
+    NodeState,
+    SourcePosition,
+    ViewSnapshot,
+    longest_prefixes,
+)
 
 FENCED = "fenced"
 
@@ -221,7 +230,6 @@ class InMemoryViewStore:
     # --- the async ViewStore protocol ----------------------------------------
 
     async def snapshot(self, chain: Sequence[int], *, now_ms: int | None = None) -> ViewSnapshot:
-        import time
 
         return self.snapshot_sync(chain, int(time.time() * 1000) if now_ms is None else now_ms)
 

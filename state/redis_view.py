@@ -39,9 +39,9 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from schemas.errors import ViewStoreError
 from schemas import Envelope
 from schemas.codec import pack_script_args
+from schemas.errors import ViewStoreError
 
 from .fold import (
     TIER_NAMES,
@@ -55,8 +55,8 @@ from .fold import (
     UnfoldableRecord,
 )
 from .memory import FENCED, canonical_dump
-from .write import fold_and_write
 from .view import CONFLICT, NodeState, SourcePosition, ViewSnapshot, longest_prefixes
+from .write import fold_and_write
 
 SEP = "\x1f"
 _CHUNK_KEYS = 20_000  # block keys per script call: keeps each call well under ~20 ms

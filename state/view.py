@@ -1,7 +1,7 @@
 """The read side of the cache-location view: what a store returns to the router.
 
 Both stores (in memory and Redis) return these types; the routing worker turns
-a :class:`ViewSnapshot` into the policy's ``conductor.snapshot.ClusterSnapshot``.
+a :class:`ViewSnapshot` into the policy's ``conductor.routing.snapshot.ClusterSnapshot``.
 """
 
 from __future__ import annotations

@@ -21,10 +21,10 @@ from typing import Any
 
 import faust
 
-from schemas.errors import ViewStoreError
 from schemas import DeadLetter, encode, headers
+from schemas.errors import ViewStoreError
 from streams.app import make_app
-from streams.ingest import IngestMetrics, Ingestor, RawRecord, StreamRow
+from streams.ingest import BatchResult, IngestMetrics, Ingestor, RawRecord, StreamRow
 from streams.resume import LogReader, ResumeGuard
 from streams.topics import topics
 
@@ -174,6 +174,5 @@ async def process_until_done(ingestor: Ingestor, batch: list[RawRecord]) -> None
 
 
 def _empty_result() -> Any:
-    from streams.ingest import BatchResult
 
     return BatchResult()

@@ -24,6 +24,9 @@ from collections.abc import Awaitable, Callable, MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from opentelemetry import metrics
+from opentelemetry.metrics import CallbackOptions, Observation
+
 from schemas import DeadLetter, DecodeError, Envelope, Heartbeat, decode, envelope
 from schemas.records import MAX_ORIGINAL_BYTES, MAX_TEXT
 from state.fold import APPLIED, NodeStream, Op, UnfoldableRecord
@@ -74,9 +77,7 @@ class IngestMetrics:
     """The pipeline's OpenTelemetry instruments (no-ops until ``setup_metrics`` runs)."""
 
     def __init__(self, live_nodes: Callable[[], int] | None = None) -> None:
-        from conductor.metrics import meter
-
-        m = meter("conductor.pipeline")
+        m = metrics.get_meter(__name__)
         self.applied = m.create_counter("conductor_events_applied", description="records applied to the view")
         self.block_events = m.create_counter("conductor_block_events_applied", description="block keys in applied KV events")
         self.skipped = m.create_counter("conductor_events_skipped", description="records that changed nothing, by outcome")
@@ -89,8 +90,6 @@ class IngestMetrics:
             "conductor_view_staleness_ms", unit="ms", description="producer timestamp to applied in the view"
         )
         if live_nodes is not None:
-            from opentelemetry.metrics import CallbackOptions, Observation
-
             def observe(_: CallbackOptions) -> list[Observation]:
                 return [Observation(live_nodes())]
 

@@ -28,7 +28,11 @@ import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
+from aiokafka import TopicPartition
+from opentelemetry import metrics
+
 from streams.ingest import RawRecord
+from streams.kafka import consumer
 
 log = logging.getLogger(__name__)
 
@@ -40,9 +44,7 @@ FetchRange = Callable[[str, int, int, int], Awaitable[list[RawRecord]]]
 @functools.cache
 def _counters() -> tuple[Any, Any]:
     """The guard's two counters, created once per process (both agents share them)."""
-    from conductor.metrics import meter
-
-    m = meter("conductor.pipeline")
+    m = metrics.get_meter(__name__)
     return (
         m.create_counter("conductor_records_refetched", description="records read back from the log to fill a hole after the view's fence"),
         m.create_counter("conductor_records_lost", description="offsets after the view's fence that the log no longer holds"),
@@ -133,10 +135,6 @@ class LogReader:
         self._consumer: Any = None
 
     async def fetch_range(self, topic: str, partition: int, start: int, end: int) -> list[RawRecord]:
-        from aiokafka import TopicPartition
-
-        from streams.kafka import consumer
-
         if self._consumer is None:
             self._consumer = consumer(self.settings, group_id=None)
             await self._consumer.start()

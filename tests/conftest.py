@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from conductor.devstack import EmbeddedStack, StackState
 from conductor.settings import Settings, load_settings
+from conductor.tools.devstack import EmbeddedStack, StackState
 
 
 @pytest.fixture(scope="session")
@@ -42,3 +42,14 @@ def settings(stack: StackState, tmp_path: Path) -> Settings:
         partitions=2,
         data_dir=tmp_path / "data",
     )
+
+
+KINDS = ("unit", "property", "contract", "golden", "integration")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every test with the kind its folder names (``scripts/test -m unit`` runs in seconds)."""
+    for item in items:
+        kind = Path(str(item.fspath)).parent.name
+        if kind in KINDS:
+            item.add_marker(getattr(pytest.mark, kind))

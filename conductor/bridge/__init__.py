@@ -6,8 +6,8 @@
 a vLLM-compatible PUB + replay ROUTER for emulated engines and tests.
 """
 
-from .runner import Bridge, BridgeConfig, kafka_sink
-from .translate import NodeTranslator
-from .wire import WireError, decode_batch, encode_batch
+from conductor.bridge.runner import Bridge, BridgeConfig, kafka_sink
+from conductor.bridge.translate import NodeTranslator
+from conductor.bridge.wire import WireError, decode_batch, encode_batch
 
 __all__ = ["Bridge", "BridgeConfig", "NodeTranslator", "WireError", "decode_batch", "encode_batch", "kafka_sink"]

@@ -16,7 +16,14 @@ from collections import deque
 import zmq
 import zmq.asyncio
 
-from .wire import END_SEQ, EngineAllCleared, EngineBlockRemoved, EngineBlockStored, encode_batch, seq_frame
+from conductor.bridge.wire import (
+    END_SEQ,
+    EngineAllCleared,
+    EngineBlockRemoved,
+    EngineBlockStored,
+    encode_batch,
+    seq_frame,
+)
 
 log = logging.getLogger(__name__)
 

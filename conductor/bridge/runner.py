@@ -37,12 +37,20 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
-from schemas import AllBlocksCleared, Envelope, Heartbeat, Role, envelope
+from conductor.bridge.translate import NodeTranslator
+from conductor.bridge.wire import WireError, decode_batch, parse_seq, seq_frame
+from schemas import (
+    AllBlocksCleared,
+    Envelope,
+    Heartbeat,
+    Role,
+    encode,
+    envelope,
+    headers,
+)
 from schemas.records import Record
-
-from .translate import NodeTranslator
-from .wire import WireError, decode_batch, parse_seq, seq_frame
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +226,6 @@ class Bridge:
     # --- the loop -----------------------------------------------------------
 
     async def _drain_monitor(self, monitor: zmq.asyncio.Socket) -> None:
-        from zmq.utils.monitor import parse_monitor_message
 
         while await monitor.poll(0):
             event = parse_monitor_message(await monitor.recv_multipart())["event"]
@@ -381,7 +388,6 @@ class KafkaSink:
                 raise fut.exception()  # type: ignore[misc]
 
     async def __call__(self, envs: list[Envelope]) -> None:
-        from schemas import encode, headers
 
         self._settle()
         for env in envs:

@@ -17,10 +17,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from schemas import AllBlocksCleared, BlocksRemoved, BlocksStored, Tier, chain_keys
-from schemas.records import MAX_BLOCKS, Record
-
-from .wire import (
+from conductor.bridge.wire import (
     BadEvent,
     EngineAllCleared,
     EngineBatch,
@@ -30,6 +27,8 @@ from .wire import (
     EngineHash,
     UnknownEvent,
 )
+from schemas import AllBlocksCleared, BlocksRemoved, BlocksStored, Tier, chain_keys
+from schemas.records import MAX_BLOCKS, Record
 
 MAX_TRACKED_BLOCKS = 4_000_000
 """Engine hashes remembered per node before the node is declared stale (a leak guard)."""

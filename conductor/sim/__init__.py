@@ -5,6 +5,6 @@ the policy only through the production path (KV events → fold → in-memory vi
 so what it measures is what the live system would decide.
 """
 
-from .errors import SimulationError, TraceError
+from conductor.sim.errors import SimulationError, TraceError
 
 __all__ = ["SimulationError", "TraceError"]

@@ -13,7 +13,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .errors import SimulationError
+from conductor.sim.errors import SimulationError
 
 PROFILE_DIR = Path(__file__).resolve().parent.parent / "profiles"
 DEFAULT_CLUSTER = "paper-16p8d"

@@ -10,15 +10,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
+from conductor.sim.cache import LruBlockCache, TieredPool
+from conductor.sim.cluster import ClusterProfile
+from conductor.sim.decode import DecodeInstance, DecodeJob
+from conductor.sim.errors import SimulationError
+from conductor.sim.trace import TraceRequest
+from conductor.sim.view import DelayedView
 from schemas.blocks import chain_from_precomputed
-
-from ..snapshot import ClusterSnapshot, Instance, PolicyRequest
-from .cache import LruBlockCache, TieredPool
-from .cluster import ClusterProfile
-from .decode import DecodeInstance, DecodeJob
-from .errors import SimulationError
-from .trace import TraceRequest
-from .view import DelayedView
 
 
 class CostModel(Protocol):

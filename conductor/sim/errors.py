@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..errors import ConductorError
+from conductor.errors import ConductorError
 
 
 class SimulationError(ConductorError):

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .engine import SimResult
+from conductor.sim.engine import SimResult
 
 PEER_STYLE = ("sglang-style", "dynamo-style", "llm-d-style")
 PAPER_TTFT_S = (  # FAST'25, conversation trace, 16 prefill instances: average TTFT (s)

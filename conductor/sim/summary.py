@@ -7,7 +7,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from .engine import Outcome, SimResult
+from conductor.sim.engine import Outcome, SimResult
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:

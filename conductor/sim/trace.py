@@ -8,7 +8,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .errors import TraceError
+from conductor.sim.errors import TraceError
 
 
 @dataclass(frozen=True, slots=True)

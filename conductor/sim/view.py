@@ -11,11 +11,10 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
+from conductor.sim.errors import SimulationError
 from schemas import BlocksRemoved, BlocksStored, Heartbeat, envelope
 from state.memory import InMemoryViewStore
 from state.view import ViewSnapshot
-
-from .errors import SimulationError
 
 _TIERS = ("hbm", "dram", "ssd")
 

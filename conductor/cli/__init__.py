@@ -1,0 +1,29 @@
+"""``conductor``: the command line, one module per area, each registered here by name.
+
+A command module that goes missing fails this import (and the import-layer test), never
+silently drops its commands.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from conductor.cli import audit, balance, dev, engines, pipeline, routing, simulate
+from conductor.cli.common import GROUPS, app, err
+from conductor.errors import ConductorError
+
+# Order is the order of --help.
+COMMAND_MODULES = (dev, pipeline, routing, balance, audit, simulate, engines)
+for _module in COMMAND_MODULES:
+    _module.register(GROUPS)
+
+
+def main() -> None:
+    try:
+        app()
+    except ConductorError as e:
+        err.print(f"[red]error:[/red] {e}")
+        sys.exit(2)
+
+
+__all__ = ["app", "main"]

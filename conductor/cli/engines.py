@@ -1,0 +1,259 @@
+"""``conductor bridge``, ``conductor engine`` and ``conductor demo``: engines plug in."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import typer
+from opentelemetry import metrics
+from opentelemetry.metrics import CallbackOptions, Observation
+
+from conductor.bridge.publisher import EventPublisher
+from conductor.bridge.runner import Bridge, BridgeConfig, kafka_sink
+from conductor.cli.common import err, print_json, print_result, settings_or_exit
+from conductor.engine.emulated import EmulatedEngine, EngineConfig
+from conductor.errors import ConfigError
+from conductor.profiles import load_profile
+from conductor.routing.dispatch import decisions_for
+from conductor.routing.policies import POLICIES
+from conductor.telemetry import setup_metrics
+from conductor.tools.bench.bridge import run_bridge_bench
+from conductor.tools.demo import DemoOptions, run_demo
+from streams.kafka import ensure_topics, producer
+from streams.topics import topics
+
+log = logging.getLogger(__name__)
+
+ROLES = ("prefill", "decode", "both")
+CLOCK_SLACK_MS = 2_000
+
+
+def _stop_on_signals(stop: asyncio.Event) -> None:
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+
+
+async def _until_stopped(stop: asyncio.Event, *tasks: asyncio.Task[Any]) -> None:
+    """Wait for ``stop`` or for any task to end (an error in one stops all); re-raise errors."""
+    stopper = asyncio.create_task(stop.wait())
+    done, _ = await asyncio.wait([stopper, *tasks], return_when=asyncio.FIRST_COMPLETED)
+    stop.set()
+    for t in tasks:
+        if not t.done():
+            t.cancel()
+    results = await asyncio.gather(*tasks, return_exceptions=True)
+    stopper.cancel()
+    for r in results:
+        if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError):
+            raise r
+
+
+def _bridge_metrics(settings: Any, bridge: Any) -> None:
+    """Export the bridge's counters (records, gaps, epochs, orphans...) on CONDUCTOR_METRICS_PORT."""
+
+
+    setup_metrics("conductor-bridge", settings.bind_host, settings.metrics_port)
+
+    def observe(_: CallbackOptions) -> list[Observation]:
+        counts = bridge.counts + bridge.translator.counts
+        return [Observation(v, {"node": bridge.config.node_id, "what": k}) for k, v in counts.items()]
+
+    metrics.get_meter(__name__).create_observable_counter(
+        "conductor_bridge_events", callbacks=[observe], description="bridge counters by node and kind"
+    )
+
+
+def register(groups: dict[str, typer.Typer]) -> None:
+    app = groups["app"]
+
+    def _need_kafka(s: Any) -> None:
+        if not s.kafka_url:
+            err.print(
+                "[red]error:[/red] CONDUCTOR_KAFKA_URL is not set: start the embedded stack with "
+                "`conductor dev up` (it prints the URLs) or name a Kafka cluster"
+            )
+            raise typer.Exit(2)
+
+    @app.command("bridge")
+    def bridge(
+        zmq_endpoint: str = typer.Option(..., "--zmq", help="the engine's KV-event PUB socket, e.g. tcp://10.0.0.5:5557"),
+        replay: str = typer.Option(None, "--replay", help="the engine's replay ROUTER socket, e.g. tcp://10.0.0.5:5558 "
+                                   "(without it, gaps cannot be filled and mark the node stale)"),
+        node_id: str = typer.Option(..., "--node-id", help="the node id Conductor routes to (the Kafka key)"),
+        role: str = typer.Option(..., "--role", help="prefill, decode or both"),
+        heartbeat_s: float = typer.Option(
+            1.0, "--heartbeat-s",
+            help="heartbeat the node this often while the engine answers; 0 = the engine heartbeats itself",
+        ),
+        model: str = typer.Option("default", help="model name announced in heartbeats"),
+    ) -> None:
+        """Carry one vLLM/SGLang engine's KV events onto the kv-events topic.
+
+        Start the engine with --kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}'.
+
+        Block keys are derived from the events' token ids with CONDUCTOR_BLOCK_SIZE (it must equal the engine's).
+
+        Gaps are filled from the replay socket; a gap it cannot fill, or an engine restart, starts a new epoch.
+
+        With data parallelism, vLLM's rank r publishes on both ports + r: run one bridge (one node id) per rank.
+        """
+        if role not in ROLES:
+            err.print(f"[red]error:[/red] --role must be one of {', '.join(ROLES)}, not {role!r}")
+            raise typer.Exit(2)
+        s = settings_or_exit()
+        _need_kafka(s)
+
+        async def main() -> Counter[str]:
+
+            tps = topics(s)
+            await ensure_topics(s, (tps.kv_events, tps.heartbeats))
+            prod = producer(s)
+            await prod.start()
+            cfg = BridgeConfig(
+                node_id=node_id, role=role, zmq_endpoint=zmq_endpoint, replay_endpoint=replay,  # type: ignore[arg-type]
+                block_size=s.block_size, heartbeat_s=heartbeat_s or None, model=model,
+            )
+            events = kafka_sink(prod, tps.kv_events.name)
+            b = Bridge(cfg, events, kafka_sink(prod, tps.heartbeats.name))
+            _bridge_metrics(s, b)
+            stop = asyncio.Event()
+            _stop_on_signals(stop)
+            try:
+                await _until_stopped(stop, asyncio.create_task(b.run(stop)))
+                await events.flush()
+            finally:
+                await prod.stop()
+            return b.counts + b.translator.counts
+
+        counts = asyncio.run(main())
+        err.print(f"bridge {node_id} stopped: {dict(counts)}")
+
+    @app.command("engine")
+    def engine(
+        role: str = typer.Option(..., "--role", help="prefill, decode or both"),
+        node_id: str = typer.Option(..., "--node-id", help="this instance's node id"),
+        zmq_port: int = typer.Option(0, help="KV-event PUB port on CONDUCTOR_BIND_HOST (0 = a free one)"),
+        replay_port: int = typer.Option(0, help="replay ROUTER port on CONDUCTOR_BIND_HOST (0 = a free one)"),
+        kv_blocks: int = typer.Option(16_384, min=1, help="prefix-cache capacity in blocks of CONDUCTOR_BLOCK_SIZE"),
+        dram_blocks: int = typer.Option(0, min=0, help="host-memory tier in blocks: HBM evictions move there (0 = none)"),
+        time_scale: float = typer.Option(1.0, min=0.001, help="run this many times faster than the profile's time"),
+        max_output_tokens: int = typer.Option(None, min=1, help="cap on decoded tokens per request"),
+        heartbeat_s: float = typer.Option(0.5, min=0.05, help="heartbeat interval"),
+        report: bool = typer.Option(False, "--report", help="print one JSON line per finished request on stdout"),
+    ) -> None:
+        """Run an emulated prefill/decode instance that speaks vLLM's KV-event protocol.
+
+        It reads its decisions from the dispatch topic, executes them with CONDUCTOR_MODEL_PROFILE's timing model, keeps an LRU prefix cache and heartbeats.
+
+        Its first stdout line is JSON with the ZMQ endpoints to give `conductor bridge`.
+        """
+        if role not in ROLES:
+            err.print(f"[red]error:[/red] --role must be one of {', '.join(ROLES)}, not {role!r}")
+            raise typer.Exit(2)
+        s = settings_or_exit()
+        _need_kafka(s)
+
+        try:
+            profile = load_profile(s.model_profile)
+        except (ConfigError, ValueError) as e:
+            err.print(f"[red]error:[/red] {e}")
+            raise typer.Exit(2) from None
+
+        async def main() -> None:
+
+
+            tps = topics(s)
+            await ensure_topics(s, tps.all())
+            pub = EventPublisher(f"tcp://{s.bind_host}:{zmq_port}", f"tcp://{s.bind_host}:{replay_port}")
+            prod = producer(s)
+            await prod.start()
+            started_ms = time.time_ns() // 1_000_000
+            cfg = EngineConfig(
+                node_id=node_id, role=role, block_size=s.block_size, kv_blocks=kv_blocks,  # type: ignore[arg-type]
+                dram_blocks=dram_blocks,
+                time_scale=time_scale, heartbeat_s=heartbeat_s, max_output_tokens=max_output_tokens, seed=s.seed,
+            )
+            eng = EmulatedEngine(cfg, profile, pub, heartbeat_sink=kafka_sink(prod, tps.heartbeats.name),
+                                 report=sys.stdout if report else None)
+            print_json({"event": "ready", "node_id": node_id, "role": role, "zmq": pub.endpoint,
+                        "replay": pub.replay_endpoint})
+            stop = asyncio.Event()
+            _stop_on_signals(stop)
+            try:
+                # A little before our start: the router's clock may lag ours.
+                stream = decisions_for(s, node_id, since_ms=started_ms - CLOCK_SLACK_MS, stop=stop)
+                await _until_stopped(stop, asyncio.create_task(eng.run(stream)))
+            finally:
+                await pub.close()
+                await prod.stop()
+
+        asyncio.run(main())
+
+    @groups["bench"].command("bridge")
+    def bench_bridge(
+        batches: int = typer.Option(5_000, min=1, help="engine batches to publish"),
+        blocks: int = typer.Option(4, min=1, max=1024, help="blocks stored per batch (each a child of the previous)"),
+        kafka: bool = typer.Option(False, "--kafka", help="publish to Kafka too (needs CONDUCTOR_KAFKA_URL)"),
+        json_out: bool = typer.Option(False, "--json", help="print one JSON line"),
+    ) -> None:
+        """Throughput of the bridge: vLLM-format batches over ZMQ → decode → Conductor keys (→ Kafka).
+
+        Publishes BlockStored batches of one long chain on a loopback PUB socket and times how long the bridge
+        takes to turn all of them into records.
+        """
+        s = settings_or_exit()
+        if kafka:
+            _need_kafka(s)
+
+        out = asyncio.run(run_bridge_bench(s, batches=batches, blocks=blocks, kafka=kafka))
+        print_result(out, json_out)
+
+    @app.command("demo")
+    def demo(
+        duration: float = typer.Option(60.0, min=10, help="wall-clock budget in seconds for both runs together"),
+        speed: float = typer.Option(10.0, min=0.1, help="trace and engines run this many times faster than real time"),
+        policy: str = typer.Option(None, help="Conductor's policy [default: CONDUCTOR_POLICY]"),
+        baseline: str = typer.Option("round-robin", help="the policy to compare with, on the same trace slice"),
+        trace: Path = typer.Option(None, help="Mooncake-format JSONL trace [default: the bundled conversation trace]"),
+        prefill: int = typer.Option(2, min=1, max=16, help="emulated prefill instances"),
+        decode: int = typer.Option(2, min=1, max=16, help="emulated decode instances"),
+        sample: int = typer.Option(6, min=1, help="keep one conversation in N of the trace (a short run then "
+                                   "covers more trace time, so conversations come back to their prefixes)"),
+        block_size: int = typer.Option(64, min=1, max=4096, help="tokens per KV block in this demo's cluster"),
+        kv_blocks: int = typer.Option(16_384, min=1, help="prefix-cache capacity of each emulated instance, in blocks"),
+        dram_blocks: int = typer.Option(0, min=0, help="host-memory tier of each prefill instance, in blocks (0 = none)"),
+        json_out: bool = typer.Option(False, "--json", help="print one JSON line with the results at the end"),
+    ) -> None:
+        """The whole system on one machine: broker, Redis, stream worker, router, bridges and emulated engines.
+
+        Replays a slice of the Mooncake conversation trace through Conductor's policy, then through the baseline on the same slice, with a live dashboard on stderr, and prints a comparison.
+
+        Uses the servers named by CONDUCTOR_KAFKA_URL / CONDUCTOR_REDIS_URL, or starts the embedded ones. Every process it starts is stopped at the end (also on Ctrl-C).
+        """
+        s = settings_or_exit()
+
+        for name in (policy or s.policy, baseline):
+            if name not in POLICIES:
+                err.print(f"[red]error:[/red] unknown policy {name!r}; known: {', '.join(POLICIES)}")
+                raise typer.Exit(2)
+
+        opts = DemoOptions(
+            duration_s=duration, speed=speed, policy=policy or s.policy, baseline=baseline, trace=trace,
+            prefill=prefill, decode=decode, json_out=json_out, sample=sample, block_size=block_size,
+            kv_blocks=kv_blocks, dram_blocks=dram_blocks,
+        )
+        result = run_demo(s, opts)
+        if json_out:
+            print_json(result)
+        if not result.get("ok", False):
+            raise typer.Exit(1)

@@ -1,0 +1,239 @@
+"""``conductor worker``, ``conductor view rebuild|show``, ``conductor bench ingest``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import faust
+import typer
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+from conductor.cli.common import err, print_json, print_result, settings_or_exit
+from conductor.telemetry import setup_metrics
+from conductor.tools.bench.ingest import IngestBenchConfig, run_ingest_bench
+from conductor.tools.bench.view_read import run_view_read_bench
+from state.redis_view import RedisViewStore
+from streams.agents import build_worker
+from streams.kafka import ensure_topics
+from streams.replay import diff_dumps, replay_into
+from streams.topics import topics
+
+
+def register(groups: dict[str, typer.Typer]) -> None:
+
+    app, view, bench = groups["app"], groups["view"], groups["bench"]
+
+    @app.command("worker")
+    def worker(
+        web_port: int = typer.Option(None, help="Faust web port on bind_host [default: CONDUCTOR_WEB_PORT]"),
+        loglevel: str = typer.Option("info", help="Faust worker log level"),
+    ) -> None:
+        """Run the stream worker: fold kv-events and heartbeats into the Redis view.
+
+        Joins the worker consumer group (scale out with more workers, up to the partition
+        count). Bad records go to the dead-letter topic; the worker never stops on one.
+        Metrics on bind_host:metrics_port when CONDUCTOR_METRICS_PORT is set.
+        """
+
+
+        s = settings_or_exit(**({"web_port": web_port} if web_port else {}))
+        asyncio.run(ensure_topics(s, topics(s).all()))
+        setup_metrics("conductor-worker", s.bind_host, s.metrics_port)
+        store = RedisViewStore.from_settings(s)
+        w = build_worker(s, store)
+        faust.Worker(w.app, loglevel=loglevel).execute_from_commandline()
+
+    @view.command("show")
+    def show(json_out: bool = typer.Option(False, "--json", help="print one JSON line")) -> None:
+        """Print every node of the view (role, liveness, load, blocks per tier) and totals.
+
+        A node is live when its last heartbeat is at most CONDUCTOR_HEARTBEAT_TTL_S old
+        (measured on the Redis server's clock).
+        """
+
+        s = settings_or_exit()
+        out = asyncio.run(_view_summary(RedisViewStore.from_settings(s), s.heartbeat_ttl_s))
+        if json_out:
+            print_json(out)
+            return
+
+        t = Table(title=f"view {s.view_namespace!r} ({out['totals']['live_nodes']}/{out['totals']['nodes']} live)")
+        for col in ("node", "role", "live", "hb age s", "queue", "queued tok", "running", "batch", "hbm", "dram", "ssd", "gaps"):
+            t.add_column(col, justify="right" if col not in ("node", "role") else "left")
+        for n in out["nodes"]:
+            b = n["blocks"]
+            t.add_row(
+                n["node_id"], n["role"], "yes" if n["live"] else "[red]no[/red]",
+                "-" if n["heartbeat_age_s"] is None else f"{n['heartbeat_age_s']:.1f}",
+                str(n["queue_depth"]), str(n["queued_prefill_tokens"]), str(n["running_requests"]),
+                str(n["batch_size"]), str(b.get("hbm", 0)), str(b.get("dram", 0)), str(b.get("ssd", 0)), str(n["seq_gaps"]),
+            )
+        Console().print(t)
+        tot = out["totals"]["blocks"]
+        typer.echo(f"blocks: hbm {tot.get('hbm', 0)}  dram {tot.get('dram', 0)}  ssd {tot.get('ssd', 0)}")
+        typer.echo("watermark: " + (", ".join(f"{k}={v}" for k, v in out["watermark"].items()) or "-"))
+
+    @view.command("rebuild")
+    def rebuild(
+        namespace: str = typer.Option(None, help="namespace to rebuild into [default: CONDUCTOR_VIEW_NAMESPACE]"),
+        force: bool = typer.Option(False, help="clear the target namespace first if it is not empty"),
+        compare: bool = typer.Option(False, help="compare the result with the live view key by key; exit 1 if they differ"),
+        json_out: bool = typer.Option(False, "--json", help="print one JSON line"),
+    ) -> None:
+        """Replay kv-events and heartbeats from offset 0 into an empty view namespace.
+
+        Use after losing Redis (rebuild into the live namespace at once; running stream
+        workers also read a partition back from the log when they find its fence gone, but
+        only as its next record arrives), or into another namespace with --compare to audit
+        the live view: both must be equal key by key.
+        """
+
+
+        s = settings_or_exit()
+        target_ns = namespace or s.view_namespace
+        if compare and target_ns == s.view_namespace:
+            err.print("[red]error:[/red] --compare needs --namespace other than the live one")
+            raise typer.Exit(2)
+        target_settings = s.model_copy(update={"view_namespace": target_ns})
+
+        async def go() -> dict[str, Any]:
+            store = RedisViewStore.from_settings(target_settings)
+            try:
+                if (await store.dump())["watermark"] or await store.block_count():
+                    if not force:
+                        err.print(f"[red]error:[/red] namespace {target_ns!r} is not empty (use --force to clear it)")
+                        raise typer.Exit(2)
+                    await store.clear()
+                with Progress(
+                    TextColumn("rebuilding view"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                    console=err, transient=json_out,
+                ) as bar:
+                    task = bar.add_task("replay", total=None)
+                    res = await replay_into(s, store, progress=lambda done, total: bar.update(task, completed=done, total=total))
+                out: dict[str, Any] = {
+                    "namespace": target_ns, "records": res.records, "applied": res.applied,
+                    "dead_letters": res.dead, "seconds": round(res.seconds, 3),
+                    "records_per_s": round(res.records / res.seconds, 1) if res.seconds else None,
+                }
+                if compare:
+                    live = RedisViewStore.from_settings(s)
+                    try:
+                        diffs = diff_dumps(await live.dump(), await store.dump())
+                    finally:
+                        await live.close()
+                    out["equal"] = not diffs
+                    out["differences"] = diffs
+                return out
+            finally:
+                await store.close()
+
+        out = asyncio.run(go())
+        if json_out:
+            print_json(out)
+        else:
+            err.print(
+                f"replayed {out['records']} records ({out['applied']} applied) into {target_ns!r} in {out['seconds']}s"
+            )
+            if compare:
+                err.print("[green]equal to the live view[/green]" if out["equal"] else "[red]differs from the live view:[/red]")
+                for d in out["differences"]:
+                    err.print(f"  {d}")
+        if compare and not out["equal"]:
+            raise typer.Exit(1)
+
+    @bench.command("ingest")
+    def bench_ingest(
+        json_out: bool = typer.Option(False, "--json", help="print one JSON line with the results"),
+        nodes: int = typer.Option(16, min=1, help="engine nodes publishing"),
+        block_events: int = typer.Option(1_000_000, min=1000, help="block events in the throughput phase"),
+        mean_blocks: int = typer.Option(96, min=1, help="mean block keys per stored record (16-token blocks)"),
+        offered_rate: int = typer.Option(10_000, min=100, help="block events/s offered in the staleness phase"),
+        staleness_s: float = typer.Option(6.0, min=1.0, help="length of the staleness phase"),
+        seed: int = typer.Option(0, help="seed of the synthetic stream"),
+    ) -> None:
+        """Measure the pipeline end to end: publish a realistic KV-event stream, run the stream
+        worker (a `conductor worker` subprocess), and time until the effects are visible in Redis.
+
+        Uses CONDUCTOR_KAFKA_URL / CONDUCTOR_REDIS_URL when set, else starts (and stops) an
+        embedded broker and Redis. Prints block_events_per_s, records_per_s, blocks_per_record,
+        staleness_ms_p50/p99 (publish → visible at the offered rate) and view_bytes_per_block.
+        """
+
+        s = settings_or_exit()
+        cfg = IngestBenchConfig(
+            nodes=nodes, block_events=block_events, mean_blocks=mean_blocks, offered_rate=offered_rate,
+            staleness_s=staleness_s, seed=seed,
+        )
+        logging.getLogger("aiokafka").setLevel(logging.WARNING)
+        try:
+            out = asyncio.run(run_ingest_bench(s, cfg, log=None if json_out else err.print))
+        except (OSError, TimeoutError, RuntimeError) as e:
+            err.print(f"[red]error:[/red] bench failed: {type(e).__name__}: {e}")
+            raise typer.Exit(1) from None
+        except Exception as e:  # aiokafka's errors share no base we import here
+            if type(e).__module__.startswith("aiokafka"):
+                err.print(f"[red]error:[/red] Kafka: {type(e).__name__}: {e}")
+                raise typer.Exit(1) from None
+            raise
+        print_result(out, json_out)
+
+    @bench.command("view-read")
+    def bench_view_read(
+        json_out: bool = typer.Option(False, "--json", help="print one JSON line with the results"),
+        nodes: int = typer.Option(16, min=1, help="nodes in the synthetic view"),
+        blocks_per_node: int = typer.Option(200_000, min=1000, help="blocks each node holds"),
+        chain_len: int = typer.Option(512, min=1, help="blocks in the chain read (all held by one node)"),
+        reads: int = typer.Option(300, min=10, help="reads per option"),
+    ) -> None:
+        """Compare the two routing-read layouts on a dedicated Valkey: the store's pipelined MGET
+        (+ client-side prefix walk) against a server-side Lua walk; latency, Redis server time
+        per read, and view memory per block.
+        """
+
+        s = settings_or_exit()
+        out = asyncio.run(
+            run_view_read_bench(nodes, blocks_per_node, chain_len, reads, host=s.bind_host,
+                                log=None if json_out else err.print)
+        )
+        print_result(out, json_out)
+
+
+async def _view_summary(store: Any, ttl_s: float) -> dict[str, Any]:
+    try:
+        snap = await store.snapshot([])
+    finally:
+        await store.close()
+    nodes = []
+    totals: dict[str, int] = {}
+    for n in snap.nodes:
+        live = n.is_live(snap.now_ms, ttl_s)
+        nodes.append(
+            {
+                "node_id": n.node_id, "role": n.role, "live": live,
+                "heartbeat_age_s": round((snap.now_ms - n.last_heartbeat_ms) / 1000, 3) if n.last_heartbeat_ms else None,
+                "queue_depth": n.queue_depth, "queued_prefill_tokens": n.queued_prefill_tokens,
+                "running_requests": n.running_requests, "batch_size": n.batch_size,
+                "decode_context_tokens": n.decode_context_tokens,
+                "free_kv_blocks": n.free_kv_blocks, "total_kv_blocks": n.total_kv_blocks,
+                "rack": n.rack, "epoch": n.epoch, "last_seq": n.last_seq, "seq_gaps": n.seq_gaps,
+                "blocks": dict(n.blocks),
+            }
+        )
+        for tier, c in n.blocks.items():
+            totals[tier] = totals.get(tier, 0) + c
+    return {
+        "now_ms": snap.now_ms,
+        "nodes": nodes,
+        "totals": {"nodes": len(nodes), "live_nodes": sum(1 for n in nodes if n["live"]), "blocks": totals},
+        "watermark": dict(sorted(snap.watermark.items())),
+    }

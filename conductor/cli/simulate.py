@@ -1,0 +1,171 @@
+"""``conductor simulate``: replay a trace through the simulated cluster under one or more policies."""
+
+from __future__ import annotations
+
+import json
+import shlex
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
+
+from conductor.cli.common import err, print_json, settings_or_exit
+from conductor.errors import ConfigError
+from conductor.routing.policies import POLICIES
+from conductor.sim.capacity import find_capacity
+from conductor.sim.cluster import load_cluster
+from conductor.sim.report import PolicyRun, write_report
+from conductor.sim.session import Bench
+
+
+def _policies(spec: str) -> list[str]:
+
+    if spec.strip() == "all":
+        return list(POLICIES)
+    names = [n.strip() for n in spec.split(",") if n.strip()]
+    unknown = [n for n in names if n.split(":", 1)[0] not in POLICIES]
+    if unknown or not names:
+        raise ConfigError(f"--policy: unknown {', '.join(unknown) or '(empty)'}; known: all, {', '.join(POLICIES)}")
+    return names
+
+
+def _params(text: str | None) -> dict[str, dict[str, Any]]:
+
+    if not text:
+        return {}
+    try:
+        data = json.loads(Path(text[1:]).read_text() if text.startswith("@") else text)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"--params: not a JSON object of policy → parameters ({e})") from None
+    if not isinstance(data, dict) or not all(isinstance(v, dict) for v in data.values()):
+        raise ConfigError('--params: expected {"policy-name": {"param": value}, ...}')
+    return data
+
+
+def register(groups: dict[str, typer.Typer]) -> None:
+    app = groups["app"]
+
+    @app.command("simulate")
+    def simulate(
+        trace: Path = typer.Option(..., "--trace", help="Mooncake-format JSONL trace (timestamp ms, input_length, "
+                                   "output_length, hash_ids of 512-token blocks)"),
+        policy: str = typer.Option("all", "--policy", help="comma-separated policy names, or 'all'; "
+                                   "NAME:VARIANT runs NAME with the --params given under 'NAME:VARIANT' (ablations)"),
+        cluster: str = typer.Option(None, "--cluster", help="instance counts as <P>P<D>D, e.g. 16P8D "
+                                    "[default: the cluster profile's]"),
+        profile: str = typer.Option("paper-16p8d", "--cluster-profile",
+                                    help="cluster profile: a name (conductor/profiles/cluster-<name>.json) or a JSON path"),
+        speed: float = typer.Option(None, "--speed", min=1e-6, help="arrival speed-up: 2 = twice the trace's rate "
+                                    "[default: the cluster profile's]"),
+        capacity: bool = typer.Option(False, "--capacity", help="also find the effective request capacity: the "
+                                      "highest speed at which --target of requests meet both SLOs (bisection)"),
+        target: float = typer.Option(0.9, "--target", min=0.0, max=1.0, help="SLO attainment that defines capacity"),
+        tbt_slo_ms: float = typer.Option(None, "--tbt-slo-ms", min=1e-3, help="TBT SLO (paper: 100, 200 or 300)"),
+        ttft_slo_s: float = typer.Option(None, "--ttft-slo-s", min=1e-3, help="TTFT SLO (paper: 30)"),
+        view_delay_ms: float = typer.Option(None, "--view-delay-ms", min=0.0,
+                                            help="KV event → view propagation delay (stale views)"),
+        limit: int = typer.Option(None, "--limit", min=1, help="replay only the first N requests of the trace"),
+        params: str = typer.Option(None, "--params", help='per-policy parameters as JSON '
+                                   '{"kvcache-centric": {"slo_margin": 0.9}} or @file.json'),
+        seed: int = typer.Option(None, "--seed", min=0, help="seed of the policies' tie-breaks [default: CONDUCTOR_SEED]"),
+        json_out: bool = typer.Option(False, "--json", help="one JSON line per policy on stdout"),
+        report: Path = typer.Option(None, "--report", help="write DIR/README.md and PNG plots"),
+    ) -> None:
+        """Replay a trace through a simulated prefill/decode cluster and score the policies.
+
+        Every request is placed by the real policy function on a snapshot built from the real fold/view path (KV events reach the view --view-delay-ms late, so views can be stale).
+
+        Prints per policy: TTFT/TBT percentiles, SLO attainment, goodput, prefix reuse against the infinite-cache bound, rejections, load balance and, with --capacity, the effective request capacity. Progress goes to stderr; --json prints one JSON line per policy on stdout.
+
+        Example: conductor simulate --trace ../shared/traces/mooncake_conversation_trace.jsonl --policy all --cluster 16P8D --capacity --json --report docs/simulation
+        """
+
+
+        s = settings_or_exit()
+        names = _policies(policy)
+        prof = load_cluster(profile).with_counts(cluster)
+        overrides = {k: v for k, v in (("tbt_slo_ms", tbt_slo_ms), ("ttft_slo_s", ttft_slo_s),
+                                       ("view_delay_ms", view_delay_ms)) if v is not None}
+        if overrides:
+            prof = prof.model_copy(update=overrides)
+        run_speed = speed if speed is not None else prof.default_speed
+        if speed is not None:
+            prof = prof.model_copy(update={"default_speed": speed})
+        bench = Bench(trace, prof, seed=s.seed if seed is None else seed, limit=limit, params=_params(params))
+
+        runs: list[PolicyRun] = []
+        with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
+                      TimeElapsedColumn(), console=err, transient=True) as bar:
+            task = bar.add_task("loading", total=len(bench.records))
+
+            def progress(label: str, done: int, total: int) -> None:
+                bar.update(task, description=label, completed=done, total=total)
+
+            for name in names:
+                cache: dict[float, tuple[dict[str, Any], Any]] = {}
+
+                def run_at(sp: float, name: str = name, cache: dict = cache) -> dict[str, Any]:
+                    if sp not in cache:
+                        cache[sp] = bench.run(name, sp, progress)
+                    return cache[sp][0]
+
+                summary = run_at(run_speed)
+                probes: list[tuple[float, float]] = [(run_speed, summary["slo_attainment"] or 0.0)]
+                if capacity:
+
+                    search = find_capacity(run_at, target=target, start=run_speed)
+                    probes = search.probes
+                    summary = dict(summary)
+                    summary["capacity_speed"] = round(search.capacity_speed, 4)
+                    summary["capacity_rps"] = (
+                        round(bench.arrival_rate(search.capacity_speed), 4) if search.capacity_speed > 0 else 0.0
+                    )
+                    summary["capacity_target"] = target
+                    summary["capacity_probes"] = len(search.probes)
+                    summary["sim_wall_s"] = round(sum(v[0]["sim_wall_s"] for v in cache.values()), 3)
+                    summary["run_wall_s"] = cache[run_speed][0]["sim_wall_s"]
+                result = cache[run_speed][1]
+                run = PolicyRun.from_result(summary, result)
+                run.probes = probes
+                runs.append(run)
+                cache.clear()  # the runs' outcomes are large; keep only what the report needs
+                if json_out:
+                    print_json(summary)
+                else:
+                    err.print(
+                        f"[bold]{name}[/bold]: TTFT mean {summary['ttft_mean_s']} s p90 {summary['ttft_p90_s']} s, "
+                        f"TBT p90 {summary['tbt_p90_ms']} ms, SLO {summary['slo_attainment']}, "
+                        f"goodput {summary['goodput_rps']} req/s, reuse {summary['reuse_ratio']} "
+                        f"(bound {summary['reuse_upper_bound']}), rejected {summary['rejected']}"
+                        + (f", capacity {summary['capacity_speed']}x" if capacity else "")
+                        + f" [{summary['sim_wall_s']} s]"
+                    )
+        if report is not None:
+            # Rebuilt from the options (not argv), so it is right however the command was invoked.
+            parts = ["--trace", str(trace), "--policy", policy]
+            for flag, value in (("--cluster", cluster), ("--speed", speed), ("--tbt-slo-ms", tbt_slo_ms),
+                                ("--ttft-slo-s", ttft_slo_s), ("--view-delay-ms", view_delay_ms),
+                                ("--limit", limit), ("--params", params), ("--seed", seed)):
+                if value is not None:
+                    parts += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
+            if profile != "paper-16p8d":
+                parts += ["--cluster-profile", profile]
+            if capacity:
+                parts += ["--capacity"] + (["--target", f"{target:g}"] if target != 0.9 else [])
+            if json_out:
+                parts.append("--json")
+            parts += ["--report", str(report)]
+            cmd = "conductor simulate " + " ".join(shlex.quote(a) for a in parts)
+            context = {
+                "trace": f"`{trace.name}` ({len(bench.records)} requests)",
+                "cluster": f"{prof.prefill_instances} prefill + {prof.decode_instances} decode instances "
+                           f"(profile `{prof.name}`: {prof.description})",
+                "model profile": f"`{prof.model_profile}`",
+                "SLOs": f"TTFT ≤ {prof.ttft_slo_s:g} s, TBT ≤ {prof.tbt_slo_ms:g} ms",
+                "arrival speed": f"{run_speed:g}x ({bench.arrival_rate(run_speed):.3f} req/s)",
+                "view propagation delay": f"{prof.view_delay_ms:g} ms",
+                "seed": bench.seed,
+            }
+            md = write_report(runs, report, title="Conductor policy benchmark", context=context, command=cmd)
+            err.print(f"report: {md}")

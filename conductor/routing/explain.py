@@ -1,0 +1,243 @@
+"""Re-derive and explain a past routing decision from the log (``conductor explain``).
+
+A decision on ``dispatch`` names the view watermark it was made on, the policy, its
+parameters and the seed. From the topics alone this module rebuilds what the router
+saw: the view as of that watermark (``kv-events`` and ``heartbeats`` replayed up to
+the recorded offsets into an in-memory store), the in-flight reservations (every
+earlier decision on ``dispatch`` still unconfirmed by its nodes' heartbeats), the
+request (from ``requests``); then it runs the same :class:`conductor.routing.router.Router`
+with the same policy and seed, compares, and lays out the policy's per-instance
+estimates so an operator can see *why*.
+
+What the log cannot give back: the exact instant of the original read (the decision
+envelope's timestamp stands in for it) and reservations of decisions whose records
+were lost. A mismatch is reported, never hidden.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from aiokafka import TopicPartition
+
+from conductor.routing.router import Router
+from conductor.routing.snapshot import ClusterSnapshot
+from conductor.settings import Settings
+from schemas import (
+    DecodeError,
+    Envelope,
+    RoutingDecision,
+    RoutingRejection,
+    RoutingRequest,
+    decode,
+)
+from schemas.errors import ConductorError
+from state.memory import InMemoryViewStore
+from state.reservations import InMemoryReservations, placement_reservations
+from state.view import ViewSnapshot
+from streams.kafka import consumer
+from streams.replay import replay_into
+from streams.topics import topics
+
+
+class AuditError(ConductorError):
+    """The decision or its request cannot be found, or cannot be re-derived."""
+
+
+@dataclass
+class Explanation:
+    request_id: str
+    recorded: dict[str, Any]
+    rederived: dict[str, Any]
+    matches: bool
+    differences: list[str]
+    policy: str
+    seed: int
+    watermark: dict[str, int]
+    decided_at_ms: int
+    prefill: list[dict[str, Any]] = field(default_factory=list)
+    """Per prefill-capable instance: queue wait, reuse plan and predicted TTFT."""
+    decode: list[dict[str, Any]] = field(default_factory=list)
+    """Per decode-capable instance: batch, free blocks and predicted TBT."""
+    reservations: int = 0
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+async def read_topic(settings: Settings, name: str, idle_timeout_s: float = 1.0) -> list[Envelope]:
+    """Every decodable record of a topic, in offset order per partition (bad ones skipped:
+    the live workers dead-lettered them already)."""
+    c = consumer(settings, group_id=None)
+    await c.start()
+    out: list[Envelope] = []
+    try:
+        parts = c.partitions_for_topic(name) or set()
+        if not parts:
+            await c.topics()  # refresh metadata once
+            parts = c.partitions_for_topic(name) or set()
+        tps = [TopicPartition(name, p) for p in sorted(parts)]
+        if not tps:
+            return out
+        c.assign(tps)
+        await c.seek_to_beginning(*tps)
+        # No end offsets: the embedded broker's "latest" is wrong. Read until the topic is quiet.
+        last = time.monotonic()
+        while time.monotonic() - last < idle_timeout_s:
+            got = await c.getmany(timeout_ms=200, max_records=5000)
+            if not got:
+                continue
+            last = time.monotonic()
+            for msgs in got.values():
+                for m in msgs:
+                    try:
+                        out.append(decode(m.value))
+                    except DecodeError:
+                        continue
+    finally:
+        await c.stop()
+    return out
+
+
+class _ViewAt:
+    """The replayed view, read at the decision's time instead of the wall clock."""
+
+    def __init__(self, store: InMemoryViewStore, now_ms: int) -> None:
+        self.store = store
+        self.now_ms = now_ms
+
+    async def snapshot(self, chain: Any, *, now_ms: int | None = None) -> ViewSnapshot:
+        return self.store.snapshot_sync(chain, self.now_ms if now_ms is None else now_ms)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.store, name)
+
+
+def _outcome(rec: RoutingDecision | RoutingRejection) -> dict[str, Any]:
+    if isinstance(rec, RoutingRejection):
+        return {"rejected": True, "reason": rec.reason, "message": rec.message}
+    return {
+        "rejected": False,
+        "prefill_instance": rec.prefill_instance,
+        "decode_instance": rec.decode_instance,
+        "reused_tokens": rec.reused_tokens,
+        "reuse_source": rec.reuse_source,
+        "reuse_tier": rec.reuse_tier,
+        "predicted_ttft_s": rec.predicted_ttft_s,
+        "predicted_tbt_ms": rec.predicted_tbt_ms,
+    }
+
+
+def _differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    keys = ["rejected", "reason", "prefill_instance", "decode_instance", "reused_tokens", "reuse_source", "reuse_tier"]
+    diffs = [f"{k}: recorded {a.get(k)!r}, re-derived {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
+    for k, tol in (("predicted_ttft_s", 1e-6), ("predicted_tbt_ms", 1e-3)):
+        if k in a and k in b and abs(a[k] - b[k]) > tol * max(1.0, abs(a[k])):
+            diffs.append(f"{k}: recorded {a[k]}, re-derived {b[k]}")
+    return diffs
+
+
+def _estimates(router: Router, cluster: ClusterSnapshot, req: RoutingRequest, chain_len: int) -> tuple[list, list]:
+    """The policy's cost model, instance by instance (what the choice was made from)."""
+    costs = getattr(router.policy, "costs", None)
+    preq = router.policy_request(req, chain_len)
+    bs = cluster.block_size
+    prefill, decode_rows = [], []
+    for inst in cluster.instances:
+        if inst.role in ("prefill", "both"):
+            row: dict[str, Any] = {
+                "instance": inst.node_id,
+                "queued_prefill_tokens": inst.queued_prefill_tokens,
+                "cached_blocks": list(inst.prefix_blocks),
+            }
+            if costs is not None:
+                wait = costs.queue_wait_s(inst)
+                best = costs.local_reuse(inst, preq, bs)
+                for holder in cluster.instances:  # a prefix copied from elsewhere, if cheaper
+                    if holder.node_id == inst.node_id or holder.prefix_blocks[2] <= 0:
+                        continue
+                    opts = costs.remote_options(holder, preq, bs)
+                    if opts is not None:
+                        r = opts[0] if holder.rack == inst.rack else opts[1]
+                        if r.cost_s < best.cost_s:
+                            best = r
+                row.update(queue_wait_s=wait, reuse_blocks=best.blocks, reuse_tier=best.tier,
+                           reuse_source=best.source, load_and_compute_s=best.cost_s, ttft_s=wait + best.cost_s)
+            prefill.append(row)
+        if inst.role in ("decode", "both"):
+            row = {"instance": inst.node_id, "batch_size": inst.batch_size,
+                   "context_tokens": inst.decode_context_tokens, "free_kv_blocks": inst.free_kv_blocks}
+            if costs is not None:
+                row.update(fits=costs.decode_fits(inst, preq, bs), tbt_ms=costs.tbt_ms(inst, preq))
+            decode_rows.append(row)
+    prefill.sort(key=lambda r: r.get("ttft_s", 0.0))
+    decode_rows.sort(key=lambda r: r.get("tbt_ms", 0.0))
+    return prefill, decode_rows
+
+
+async def explain(settings: Settings, request_id: str) -> Explanation:
+    """Re-derive the decision for ``request_id`` from the topics and explain it."""
+    t = topics(settings)
+    dispatched = await read_topic(settings, t.dispatch.name)
+    target: Envelope | None = None
+    for env in dispatched:
+        if isinstance(env.body, (RoutingDecision, RoutingRejection)) and env.body.request_id == request_id:
+            target = env  # the last one wins if a request was routed twice
+    if target is None:
+        raise AuditError(f"no decision for request {request_id!r} on {t.dispatch.name}")
+    rec = target.body
+    assert isinstance(rec, (RoutingDecision, RoutingRejection))
+    if isinstance(rec, RoutingRejection) and rec.policy is None:
+        raise AuditError(f"request {request_id!r} was rejected before any policy ran ({rec.reason}: {rec.message})")
+    requests = {e.body.request_id: e.body for e in await read_topic(settings, t.requests.name)
+                if isinstance(e.body, RoutingRequest)}
+    req = requests.get(request_id)
+    if req is None:
+        raise AuditError(f"request {request_id!r} is not on {t.requests.name}")
+
+    store = InMemoryViewStore()
+    await replay_into(settings, store, until=dict(rec.watermark), idle_timeout_s=1.0)
+    at_ms = target.ts_ms
+    s = settings.model_copy(update={"policy": rec.policy, "policy_params": dict(rec.params)})
+    reservations = InMemoryReservations(settings.reservation_ttl_s)
+    n_resv = 0
+    for env in dispatched:
+        d = env.body
+        # Decisions made before this one: by time across routers, by sequence within one
+        # router (several can share a millisecond). Partitions interleave, so not by position.
+        earlier = env.ts_ms < at_ms or (
+            env.producer_id == target.producer_id and env.epoch == target.epoch
+            and env.producer_seq < target.producer_seq
+        )
+        if not earlier or not isinstance(d, RoutingDecision) or env.ts_ms < at_ms - settings.reservation_ttl_s * 1000:
+            continue
+        r = requests.get(d.request_id)
+        if r is None:
+            continue
+        bs = settings.block_size
+        reservations.reserve_sync(placement_reservations(
+            d.prefill_instance, d.decode_instance,
+            prefill_tokens=r.prompt_tokens - d.reused_tokens, context_tokens=r.prompt_tokens,
+            kv_blocks=-(-(r.prompt_tokens + r.expected_output_tokens) // bs),
+        ), env.ts_ms)
+        n_resv += 1
+    router = Router(s, _ViewAt(store, at_ms), reservations)
+    chain = router.chain_of(req)
+    snap, pending = await router._read(chain)
+    cluster = router._cluster(snap, pending, req.model, 0.0)
+    prefill_rows, decode_rows = _estimates(router, cluster, req, len(chain))
+    again = await router.route(req)
+    if again.seed != rec.seed:
+        raise AuditError(f"seed {again.seed} differs from the recorded {rec.seed}: is CONDUCTOR_SEED the same?")
+    recorded, rederived = _outcome(rec), _outcome(again)
+    diffs = _differences(recorded, rederived)
+    return Explanation(
+        request_id=request_id, recorded=recorded, rederived=rederived, matches=not diffs, differences=diffs,
+        policy=rec.policy or "", seed=rec.seed, watermark=dict(rec.watermark), decided_at_ms=at_ms,
+        prefill=prefill_rows, decode=decode_rows, reservations=n_resv,
+    )
+
+
+__all__ = ["AuditError", "Explanation", "explain", "read_topic"]

@@ -1,0 +1,296 @@
+"""What every policy returns, and the cost estimates they share.
+
+Pure: no I/O, no clock, randomness only from the ``random.Random`` passed to
+``decide``. The estimates come from a :class:`~conductor.profiles.ModelProfile`.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import (
+    Any,
+    ClassVar,
+    Literal,
+    Protocol,
+    Sequence,
+    TypeVar,
+    runtime_checkable,
+)
+
+from pydantic import BaseModel, ConfigDict
+
+from conductor.profiles import ModelProfile
+from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
+
+RejectCode = Literal["ttft_slo", "tbt_slo", "no_live_instance", "overloaded"]
+REJECT_CODES: frozenset[str] = frozenset(("ttft_slo", "tbt_slo", "no_live_instance", "overloaded"))
+TIER_NAMES = ("hbm", "dram", "ssd")
+
+
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Run the prefill on ``prefill`` and the decode on ``decode``.
+
+    ``reused_blocks`` blocks of the prompt's prefix are read from ``reuse_source``
+    (the prefill instance itself when local) out of ``reuse_tier`` instead of being
+    recomputed; ``reuse_tier`` is the slowest tier the prefix is read from.
+    """
+
+    prefill: str
+    decode: str
+    reused_blocks: int
+    reuse_source: str | None
+    reuse_tier: str | None
+    predicted_ttft_s: float
+    predicted_tbt_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class Rejection:
+    """Do not run the request; ``reason`` is a machine-readable code."""
+
+    reason: RejectCode
+    message: str
+
+    def __post_init__(self) -> None:
+        if self.reason not in REJECT_CODES:
+            raise ValueError(f"unknown rejection reason {self.reason!r}; one of {sorted(REJECT_CODES)}")
+
+
+Decision = Placement | Rejection
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """A routing policy: one placement (or rejection) per request, from a snapshot."""
+
+    name: str
+    params: dict[str, Any]
+
+    def decide(self, request: PolicyRequest, snapshot: ClusterSnapshot, rng: random.Random) -> Decision: ...
+
+
+class PolicyParams(BaseModel):
+    """Base of each policy's parameter model: unknown names are errors."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+P = TypeVar("P", bound=PolicyParams)
+
+
+class BasePolicy:
+    """Holds the profile and the validated parameters; subclasses implement ``decide``."""
+
+    name: ClassVar[str]
+    summary: ClassVar[str]
+    Params: ClassVar[type[PolicyParams]] = PolicyParams
+
+    def __init__(self, params: PolicyParams, profile: ModelProfile) -> None:
+        self.p = params
+        self.params: dict[str, Any] = params.model_dump()
+        self.profile = profile
+        self.costs = Costs(profile)
+
+    def decide(self, request: PolicyRequest, snapshot: ClusterSnapshot, rng: random.Random) -> Decision:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"<policy {self.name} {self.params}>"
+
+
+# --- shared estimates --------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Reuse:
+    """One way to get a prefix into a prefill instance, and what the prefill then costs."""
+
+    blocks: int
+    source: str | None
+    tier: str | None
+    cost_s: float
+    """Load time of the prefix plus prefill compute of the rest (queue wait excluded)."""
+
+
+class Costs:
+    """The estimates the policies share, bound to one profile."""
+
+    __slots__ = ("profile", "_prefill", "_local", "_remote")
+
+    def __init__(self, profile: ModelProfile) -> None:
+        self.profile = profile
+        self._prefill: dict[tuple[float, float], float] = {}
+        self._local: dict[tuple[Any, ...], tuple[int, str | None, float]] = {}
+        self._remote: dict[tuple[Any, ...], Any] = {}
+
+    def prefill_s(self, total: float, cached: float) -> float:
+        """``profile.prefill_seconds``, memoised: a decision asks for the same few pairs many times."""
+        key = (total, cached)
+        v = self._prefill.get(key)
+        if v is None:
+            if len(self._prefill) > 65_536:
+                self._prefill.clear()
+            v = self._prefill[key] = self.profile.prefill_seconds(total, cached)  # type: ignore[arg-type]
+        return v
+
+    def queue_wait_s(self, inst: Instance) -> float:
+        """Prefill time of what is already queued on ``inst``.
+
+        With a request count, the backlog is costed as that many equal prompts (the
+        quadratic term of one prompt of the summed length would overstate it).
+        """
+        q = inst.queued_prefill_tokens
+        if q <= 0:
+            return 0.0
+        k = inst.queued_requests
+        if k <= 1:
+            return self.prefill_s(q, 0)
+        return k * self.prefill_s(q / k, 0)
+
+    def local_reuse(self, inst: Instance, request: PolicyRequest, block_size: int) -> Reuse:
+        """Cheapest way to prefill on ``inst`` using only its own cache (possibly none of it)."""
+        blocks, tier, cost = self._local_cost(inst.prefix_blocks, request.chain_len, request.prompt_tokens, block_size)
+        return Reuse(blocks, inst.node_id if blocks else None, tier, cost)
+
+    def remote_options(self, holder: Instance, request: PolicyRequest, block_size: int) -> tuple[Reuse, Reuse] | None:
+        """Cheapest prefill elsewhere reading ``holder``'s prefix: (same rack, other rack)."""
+        opts = self._remote_cost(holder.prefix_blocks, request.chain_len, request.prompt_tokens, block_size)
+        if opts is None:
+            return None
+        (b1, t1, c1), (b2, t2, c2) = opts
+        return Reuse(b1, holder.node_id, t1, c1), Reuse(b2, holder.node_id, t2, c2)
+
+    # The costs depend on the prefix shape and the request only, and many instances share
+    # a shape (no prefix, the same system prompt...): memoised per shape.
+
+    def _local_cost(self, prefix: tuple[int, int, int], cap: int, n: int, bs: int) -> tuple[int, str | None, float]:
+        key = (prefix, cap, n, bs)
+        hit = self._local.get(key)
+        if hit is not None:
+            return hit
+        prof = self.profile
+        best: tuple[int, str | None, float] = (0, None, self.prefill_s(n, 0))
+        for cum, tier, toks, compute in self._prefix_steps(prefix, cap, n, bs):
+            cost = prof.prefix_load_seconds(*toks, remote=False) + compute
+            if cost < best[2]:
+                best = (cum, tier, cost)
+        if len(self._local) > 65_536:
+            self._local.clear()
+        self._local[key] = best
+        return best
+
+    def _prefix_steps(
+        self, prefix: tuple[int, int, int], cap: int, n: int, bs: int
+    ) -> list[tuple[int, str, tuple[int, int, int], float]]:
+        """Each way to reuse a prefix: read it through HBM, then also DRAM, then also SSD.
+
+        Yields (blocks reused, slowest tier read, tokens read per tier, compute of the rest).
+        """
+        steps = []
+        toks = [0, 0, 0]
+        cum = 0
+        for i, (tier, seg) in enumerate(zip(("hbm", "dram", "ssd"), _segments(prefix, cap))):
+            if seg <= 0:
+                continue
+            cum += seg
+            toks[i] = seg * bs
+            cached = min(cum * bs, n - 1)  # engines always compute the last token
+            steps.append((cum, tier, (toks[0], toks[1], toks[2]), self.prefill_s(n, cached)))
+        return steps
+
+    def _remote_cost(self, prefix: tuple[int, int, int], cap: int, n: int, bs: int) -> Any:
+        key = (prefix, cap, n, bs)
+        if key in self._remote:
+            return self._remote[key]
+        out = None
+        if sum(_segments(prefix, cap)) > 0:
+            prof = self.profile
+            same: tuple[int, str, float] | None = None
+            cross: tuple[int, str, float] | None = None
+            for cum, tier, toks, compute in self._prefix_steps(prefix, cap, n, bs):
+                cs = prof.prefix_load_seconds(*toks, remote=True, same_rack=True) + compute
+                cc = prof.prefix_load_seconds(*toks, remote=True, same_rack=False) + compute
+                if same is None or cs < same[2]:
+                    same = (cum, tier, cs)
+                if cross is None or cc < cross[2]:
+                    cross = (cum, tier, cc)
+            out = (same, cross)
+        if len(self._remote) > 65_536:
+            self._remote.clear()
+        self._remote[key] = out
+        return out
+
+    def decode_blocks_needed(self, request: PolicyRequest, block_size: int) -> int:
+        return -(-(request.prompt_tokens + request.expected_output_tokens) // block_size)
+
+    def decode_fits(self, inst: Instance, request: PolicyRequest, block_size: int) -> bool:
+        """Whether ``inst`` has free KV blocks for the whole request (unknown capacity fits)."""
+        if inst.total_kv_blocks <= 0:
+            return True
+        return inst.free_kv_blocks >= self.decode_blocks_needed(request, block_size)
+
+    def tbt_ms(self, inst: Instance, request: PolicyRequest) -> float:
+        """Predicted decode step time on ``inst`` with this request added to its batch.
+
+        The request joins with its prompt as context; its growth over the output is
+        ignored, as is the growth of the others (they also finish and leave).
+        """
+        return 1000.0 * self.profile.decode_step_seconds(
+            inst.batch_size + 1, inst.decode_context_tokens + request.prompt_tokens
+        )
+
+
+def _segments(prefix_blocks: tuple[int, int, int], cap: int) -> tuple[int, int, int]:
+    """Blocks read from HBM, DRAM and SSD for the longest prefix, capped at the chain length."""
+    h, hd, hds = prefix_blocks
+    h = min(h, cap)
+    hd = min(max(hd, h), cap)
+    hds = min(max(hds, hd), cap)
+    return h, hd - h, hds - hd
+
+
+def split_roles(snapshot: ClusterSnapshot) -> tuple[tuple[Instance, ...], tuple[Instance, ...]] | Rejection:
+    """(prefill-capable, decode-capable) instances, or ``no_live_instance``."""
+    prefills = tuple(i for i in snapshot.instances if i.role == "prefill" or i.role == "both")
+    decodes = tuple(i for i in snapshot.instances if i.role == "decode" or i.role == "both")
+    if not prefills or not decodes:
+        missing = "prefill" if not prefills else "decode"
+        return Rejection("no_live_instance", f"no live {missing} instance among {len(snapshot.instances)}")
+    return prefills, decodes
+
+
+T = TypeVar("T")
+
+
+def pick_lowest(items: Sequence[T], scores: Sequence[float], rng: random.Random, *, tol: float = 1e-9,
+                node_id: Any = None) -> T:
+    """The item of lowest score; ties (within ``tol``) broken by ``rng`` in node-id order.
+
+    Sorting the tied group first makes the pick independent of snapshot order, so a
+    decision re-derived from the log with the same seed lands on the same instance.
+    """
+    lo = min(scores)
+    group = [it for it, s in zip(items, scores) if s <= lo + tol]
+    if len(group) == 1:
+        return group[0]
+    key = node_id or (lambda it: it.node_id)
+    group.sort(key=key)
+    return group[rng.randrange(len(group))]
+
+
+def local_placement(
+    costs: Costs, request: PolicyRequest, snapshot: ClusterSnapshot, prefill: Instance, decode: Instance
+) -> Placement:
+    """A placement that reuses only the prefill instance's own cache (what the peers do)."""
+    reuse = costs.local_reuse(prefill, request, snapshot.block_size)
+    return Placement(
+        prefill=prefill.node_id,
+        decode=decode.node_id,
+        reused_blocks=reuse.blocks,
+        reuse_source=reuse.source,
+        reuse_tier=reuse.tier,
+        predicted_ttft_s=costs.queue_wait_s(prefill) + reuse.cost_s,
+        predicted_tbt_ms=costs.tbt_ms(decode, request),
+    )

@@ -1,0 +1,110 @@
+"""``conductor bench view-read``: the routing read's two possible layouts on a dedicated Valkey.
+
+The store's pipelined ``MGET`` with the prefix walk client-side, against a server-side Lua
+walk that stops at the first block nobody holds; latency, Redis server time per read
+(``commandstats``) and view memory per block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import subprocess
+import time
+from collections.abc import Callable
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from conductor.tools.bench import percentile
+from conductor.tools.devstack import free_port, redis_binary
+from state.fold import AddBlocks
+from state.redis_view import RedisViewStore
+
+_LUA_WALK = r"""
+local pre = ARGV[1]
+local out = {}
+for i = 2, #ARGV do
+  local v = redis.call('GET', pre .. ARGV[i])
+  if not v then break end
+  out[#out + 1] = v
+end
+return out
+"""
+
+
+async def run_view_read_bench(
+    nodes: int = 16, blocks_per_node: int = 200_000, chain_len: int = 512, reads: int = 300, seed: int = 0,
+    host: str = "127.0.0.1", log: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """Load a synthetic view into a dedicated Valkey and time the two ways to read a chain.
+
+    ``mget``: the store's snapshot (one pipeline: TIME, MGET of the chain, HGETALL nodes and
+    watermark; the prefix walk runs client-side). ``lua_walk``: a script GETs the chain
+    server-side and stops at the first block nobody holds. Server time per read comes from
+    Redis ``commandstats``. Memory is ``used_memory`` growth per block key.
+    """
+    say = log or (lambda _m: None)
+    port = free_port(host)
+    proc = subprocess.Popen(
+        [redis_binary(), "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    client = aioredis.from_url(f"redis://{host}:{port}")
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                await client.ping()
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.05)
+        store = RedisViewStore(client, "cv")
+        mem0 = int((await client.info("memory"))["used_memory"])
+        rng = random.Random(seed)
+        universe = [rng.getrandbits(64) for _ in range(max(blocks_per_node * 4, chain_len))]
+        t0 = time.monotonic()
+        batch = []
+        for n in range(nodes):
+            keys = rng.sample(universe, blocks_per_node)
+            for i in range(0, blocks_per_node, 5000):
+                batch.append((None, [AddBlocks(f"prefill-{n}", rng.choice((0, 0, 1, 2)), tuple(keys[i : i + 5000]))]))
+        chain = universe[:chain_len]
+        batch.append((None, [AddBlocks("prefill-0", 0, tuple(chain))]))
+        await store.apply_ops(batch)
+        load_s = time.monotonic() - t0
+        used = int((await client.info("memory"))["used_memory"]) - mem0
+        keys_n = await client.dbsize()
+        say(f"loaded {nodes * blocks_per_node} (node, block) entries into {keys_n} keys in {load_s:.1f}s")
+        walk = client.register_script(_LUA_WALK)
+        packed = [k.to_bytes(8, "big") for k in chain]
+        options = {
+            "mget": lambda: store.snapshot(chain),
+            "lua_walk": lambda: walk(args=[b"cv|b", *packed]),
+        }
+        out: dict[str, Any] = {
+            "nodes": nodes, "blocks_per_node": blocks_per_node, "chain_len": chain_len,
+            "load_entries_per_s": round(nodes * blocks_per_node / load_s, 1),
+            "view_bytes_per_block": round(used / keys_n, 1),
+            "view_bytes_per_node_block": round(used / (nodes * blocks_per_node), 1),
+        }
+        for name, fn in options.items():
+            await fn()  # load the script / warm the connection
+            await client.config_resetstat()
+            lat = []
+            for _ in range(reads):
+                t1 = time.perf_counter()
+                await fn()
+                lat.append((time.perf_counter() - t1) * 1000)
+            stats = await client.info("commandstats")
+            server_us = sum(v["usec"] for k, v in stats.items() if k != "cmdstat_config") / reads
+            out[f"{name}_ms_p50"] = round(percentile(lat, 0.5), 3)
+            out[f"{name}_ms_p99"] = round(percentile(lat, 0.99), 3)
+            out[f"{name}_server_us"] = round(server_us, 1)
+        return out
+    finally:
+        await client.aclose()
+        proc.terminate()
+        proc.wait()

@@ -1,0 +1,600 @@
+"""``conductor demo``: the whole system on one machine, Conductor's policy against a baseline.
+
+One run per policy on the same slice of a Mooncake trace: the embedded broker and
+Redis (unless CONDUCTOR_KAFKA_URL/REDIS_URL name servers), a stream worker, a
+router, emulated prefill and decode engines (separate processes, each with its
+own vLLM-format ZMQ publisher), one bridge per engine (ZMQ → kv-events, run in
+this process), and the trace replayed onto ``requests``. Each run has its own
+topic prefix and view namespace, so the baseline starts as cold as Conductor did.
+
+Time: the trace's arrivals and the engines' timing model both run ``speed``
+times faster than real time. TTFT is reported in model time: the real routing
+latency (publish → the engine has the decision) plus queueing and prefill.
+
+The trace only has block ids (``hash_ids``, 512-token blocks), so each id is
+given deterministic token ids; requests carry them and Conductor hashes them
+exactly as the engines' events report them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import signal
+import statistics
+import sys
+import time
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console, Group
+from rich.live import Live
+from rich.table import Table
+
+from conductor.bridge.runner import Bridge, BridgeConfig, kafka_sink
+from conductor.errors import ConductorError
+from conductor.settings import Settings, child_environment
+from conductor.sim.trace import read_trace, schedule
+from conductor.tools.devstack import EmbeddedStack, free_port
+from schemas import (
+    RoutingDecision,
+    RoutingRejection,
+    RoutingRequest,
+    decode,
+    encode,
+    envelope,
+    headers,
+)
+from state.redis_view import RedisViewStore
+from streams.kafka import consumer, ensure_topics, producer
+from streams.topics import topics
+
+log = logging.getLogger(__name__)
+
+TRACE_BLOCK_TOKENS = 512
+VOCAB = 32_000
+TRACE_NAME = Path("shared") / "traces" / "mooncake_conversation_trace.jsonl"
+DEFAULT_TRACE = Path(__file__).resolve().parent.parent.parent / TRACE_NAME
+"""``../shared/traces/`` next to the repository this package runs from."""
+
+
+def default_trace() -> Path:
+    """The bundled conversation trace: next to the repository, else next to the working directory."""
+    for candidate in (DEFAULT_TRACE, Path.cwd().parent / TRACE_NAME, Path.cwd() / TRACE_NAME):
+        if candidate.exists():
+            return candidate
+    return DEFAULT_TRACE
+
+
+MIN_REPLAY_S = 4.0
+
+
+class DemoError(ConductorError):
+    """The demo could not run (a process died, the cluster never became ready...)."""
+
+
+@dataclass
+class DemoOptions:
+    duration_s: float = 60.0
+    speed: float = 20.0
+    policy: str = "kvcache-centric"
+    baseline: str = "round-robin"
+    trace: Path | None = None
+    prefill: int = 2
+    decode: int = 2
+    json_out: bool = False
+    sample: int = 6
+    """Keep one conversation in ``sample`` (by its first private block), so a short run
+    covers more trace time and conversations come back to their prefixes."""
+    block_size: int = 64
+    kv_blocks: int = 16_384
+    dram_blocks: int = 0
+    partitions: int = 2
+
+
+# --- the trace -------------------------------------------------------------------
+
+
+def block_tokens(hash_id: int, seed: int = 0) -> list[int]:
+    """The 512 token ids that stand for trace block ``hash_id`` (deterministic)."""
+    raw = hashlib.shake_128(f"conductor-demo/{seed}/{hash_id}".encode()).digest(2 * TRACE_BLOCK_TOKENS)
+    return [int.from_bytes(raw[i : i + 2], "little") % VOCAB for i in range(0, len(raw), 2)]
+
+
+def request_tokens(hash_ids: tuple[int, ...], input_length: int, index: int, seed: int = 0) -> list[int]:
+    """A prompt whose 512-token blocks are the trace's blocks; the tail past them is unique to the request."""
+    toks: list[int] = []
+    for h in hash_ids:
+        if len(toks) >= input_length:
+            break
+        toks.extend(block_tokens(h, seed))
+    if len(toks) < input_length:
+        tail = hashlib.shake_128(f"conductor-demo/{seed}/request/{index}".encode()).digest(2 * (input_length - len(toks)))
+        toks.extend(int.from_bytes(tail[i : i + 2], "little") % VOCAB for i in range(0, len(tail), 2))
+    return toks[:input_length]
+
+
+@dataclass(frozen=True)
+class DemoRequest:
+    index: int
+    arrival_s: float
+    input_length: int
+    output_length: int
+    hash_ids: tuple[int, ...]
+
+
+def load_slice(path: Path, speed: float, sample: int, horizon_s: float) -> list[DemoRequest]:
+    """The trace's requests arriving within ``horizon_s`` wall seconds at ``speed``, one conversation in ``sample``."""
+
+    out = []
+    for r in schedule(read_trace(path), speed=speed):
+        if r.arrival_s > horizon_s:
+            break
+        pick = r.hash_ids[1] if len(r.hash_ids) > 1 else r.index
+        if pick % sample == 0:
+            out.append(DemoRequest(len(out), r.arrival_s, r.input_length, r.output_length, tuple(r.hash_ids)))
+    return out
+
+
+# --- statistics ------------------------------------------------------------------
+
+
+def percentile(xs: list[float], p: float) -> float | None:
+    if not xs:
+        return None
+    s = sorted(xs)
+    k = (len(s) - 1) * p
+    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+@dataclass
+class RunStats:
+    policy: str
+    sent: int = 0
+    decisions: int = 0
+    rejected: Counter[str] = field(default_factory=Counter)
+    routed_reuse_tokens: int = 0
+    routed_prompt_tokens: int = 0
+    prefills: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    ttft: list[float] = field(default_factory=list)
+    tbt: list[float] = field(default_factory=list)
+    decodes: int = 0
+    per_node: dict[str, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))
+    prompt_of: dict[str, int] = field(default_factory=dict)
+    bridge_counts: Counter[str] = field(default_factory=Counter)
+    reject_examples: list[str] = field(default_factory=list)
+    view_load: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    """node → (queue depth, decode batch, blocks) as the view shows it."""
+    started: float = field(default_factory=time.monotonic)
+    phase: str = "starting"
+
+    @property
+    def reuse_ratio(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
+
+    def on_dispatch(self, body: Any) -> None:
+        if isinstance(body, RoutingDecision):
+            self.decisions += 1
+            self.routed_reuse_tokens += body.reused_tokens
+            self.routed_prompt_tokens += self.prompt_of.get(body.request_id, 0)
+            self.per_node[body.prefill_instance]["routed"] += 1
+            self.per_node[body.decode_instance]["routed"] += 1
+        elif isinstance(body, RoutingRejection):
+            self.rejected[body.reason] += 1
+            if len(self.reject_examples) < 3:
+                self.reject_examples.append(f"{body.request_id}: {body.reason}: {body.message}"[:300])
+
+    def on_report(self, row: dict[str, Any]) -> None:
+        node = str(row.get("node"))
+        if row.get("event") == "prefill_done":
+            self.prefills += 1
+            self.prompt_tokens += int(row["prompt_tokens"])
+            self.cached_tokens += int(row["cached_tokens"])
+            if row.get("ttft_s") is not None:
+                self.ttft.append(float(row["ttft_s"]))
+            self.per_node[node]["done"] += 1
+            self.per_node[node]["cached_tokens"] += int(row["cached_tokens"])
+            self.per_node[node]["prompt_tokens"] += int(row["prompt_tokens"])
+        elif row.get("event") == "decode_done":
+            self.decodes += 1
+            self.tbt.append(float(row["tbt_ms"]))
+            self.per_node[node]["done"] += 1
+
+    def summary(self) -> dict[str, Any]:
+        def r(x: float | None, n: int = 3) -> float | None:
+            return None if x is None else round(x, n)
+
+        return {
+            "policy": self.policy,
+            "requests": self.sent,
+            "decisions": self.decisions,
+            "rejected": sum(self.rejected.values()),
+            "rejected_by_reason": dict(self.rejected),
+            "rejection_examples": list(self.reject_examples),
+            "prefills_done": self.prefills,
+            "decodes_done": self.decodes,
+            "reuse_ratio": r(self.reuse_ratio),
+            "routed_reuse_ratio": r(self.routed_reuse_tokens / self.routed_prompt_tokens if self.routed_prompt_tokens else 0.0),
+            "ttft_p50_s": r(percentile(self.ttft, 0.5)),
+            "ttft_p90_s": r(percentile(self.ttft, 0.9)),
+            "ttft_mean_s": r(statistics.fmean(self.ttft) if self.ttft else None),
+            "tbt_p50_ms": r(percentile(self.tbt, 0.5), 2),
+            "tbt_p90_ms": r(percentile(self.tbt, 0.9), 2),
+        }
+
+
+# --- the dashboard -----------------------------------------------------------------
+
+
+def render(runs: list[RunStats], opts: DemoOptions) -> Group:
+    head = Table(title=f"Conductor demo — {opts.prefill} prefill + {opts.decode} decode emulated instances, "
+                 f"Mooncake trace x{opts.speed:g}", expand=False)
+    for col in ("policy", "phase", "requests", "decisions", "rejected", "reuse", "TTFT p50/p90 s",
+                "TBT p50/p90 ms", "done P/D"):
+        head.add_column(col, justify="right" if col not in ("policy", "phase") else "left")
+    for s in runs:
+        sm = s.summary()
+
+        def pair(a: Any, b: Any) -> str:
+            return "-" if a is None else f"{a:.2f} / {b:.2f}"
+
+        head.add_row(s.policy, s.phase, str(s.sent), str(s.decisions), str(sm["rejected"]),
+                     f"{s.reuse_ratio:.1%}", pair(sm["ttft_p50_s"], sm["ttft_p90_s"]),
+                     pair(sm["tbt_p50_ms"], sm["tbt_p90_ms"]), f"{s.prefills}/{s.decodes}")
+    nodes = Table(title="per instance (current run)", expand=False)
+    for col in ("instance", "routed", "done", "in flight", "reuse", "view: queue", "batch", "blocks"):
+        nodes.add_column(col, justify="right" if col != "instance" else "left")
+    if runs:
+        for node, c in sorted(runs[-1].per_node.items()):
+            reuse = c["cached_tokens"] / c["prompt_tokens"] if c["prompt_tokens"] else 0.0
+            q, b, blocks = runs[-1].view_load.get(node, (0, 0, 0))
+            nodes.add_row(node, str(c["routed"]), str(c["done"]), str(max(0, c["routed"] - c["done"])),
+                          f"{reuse:.1%}" if c["prompt_tokens"] else "-", str(q), str(b), str(blocks))
+    return Group(head, nodes)
+
+
+# --- processes ----------------------------------------------------------------------
+
+
+class Processes:
+    """Every process one run started; ``stop()`` ends exactly those (by pid), always."""
+
+    def __init__(self, log_dir: Path, started: list[int] | None = None, cwd: Path | None = None) -> None:
+        self.log_dir = log_dir
+        self.cwd = cwd
+        self.procs: list[tuple[str, asyncio.subprocess.Process]] = []
+        self.started = started if started is not None else []
+        """Pids of every process started (kept after ``stop()``, for the record)."""
+
+    async def start(self, name: str, args: list[str], env: dict[str, str], *, stdout_pipe: bool = False) -> asyncio.subprocess.Process:
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        logf = open(self.log_dir / f"{name}.log", "ab")
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", "from conductor.cli import main; main()", *args,
+            stdout=asyncio.subprocess.PIPE if stdout_pipe else logf, stderr=logf, stdin=asyncio.subprocess.DEVNULL,
+            env=env, start_new_session=True,  # Ctrl-C reaches the demo only; it stops them in order
+            cwd=self.cwd,  # whatever a process writes next to itself stays in the run's directory
+        )
+        logf.close()
+        self.procs.append((name, proc))
+        self.started.append(proc.pid)
+        return proc
+
+    def dead(self) -> list[str]:
+        return [n for n, p in self.procs if p.returncode is not None]
+
+    def log_tail(self, name: str, lines: int = 15) -> str:
+        try:
+            return "\n".join((self.log_dir / f"{name}.log").read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    async def stop(self, timeout_s: float = 5.0) -> None:
+        for _, p in reversed(self.procs):
+            if p.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for _, p in self.procs:
+            try:
+                await asyncio.wait_for(p.wait(), max(0.1, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    p.kill()
+                await p.wait()
+        self.procs.clear()
+
+
+# --- one run ------------------------------------------------------------------------
+
+
+async def _run_once(
+    base: Settings, opts: DemoOptions, policy: str, requests: list[DemoRequest], budget_s: float,
+    stats: RunStats, log_dir: Path, refresh: Any, *, exact: bool = False, pids: list[int] | None = None,
+) -> None:
+
+
+    t_start = time.monotonic()
+    tag = f"{os.getpid():x}{time.time_ns() // 1_000_000 % 0xFFFFFF:06x}"  # unique per run, not random
+    s = base.model_copy(update={
+        "topic_prefix": f"demo-{tag}.", "view_namespace": f"demo-{tag}", "partitions": opts.partitions,
+        "block_size": opts.block_size, "policy": policy,
+        # Parameters belong to the policy they were written for; the baseline runs on its defaults.
+        "policy_params": base.policy_params if policy == opts.policy else {},
+        "web_port": free_port(base.bind_host), "metrics_port": 0, "data_dir": log_dir / "data",
+    })
+    env = child_environment(s)
+    tps = topics(s)
+    await ensure_topics(s, tps.all())
+    work = log_dir / policy / "work"
+    work.mkdir(parents=True, exist_ok=True)
+    procs = Processes(log_dir / policy, pids, cwd=work)
+    tasks: list[asyncio.Task[Any]] = []
+    prod = producer(s)
+    stop = asyncio.Event()
+    view = RedisViewStore.from_settings(s)
+    try:
+        await prod.start()
+        await procs.start("worker", ["worker"], env)
+        await procs.start("router", ["router"], env)
+        engines: dict[str, tuple[str, asyncio.subprocess.Process]] = {}
+        for role, n in (("prefill", opts.prefill), ("decode", opts.decode)):
+            for i in range(n):
+                node = f"{role}-{i}"
+                args = ["engine", "--role", role, "--node-id", node, "--kv-blocks", str(opts.kv_blocks),
+                        "--time-scale", str(opts.speed), "--report"]
+                if role == "prefill" and opts.dram_blocks:
+                    args += ["--dram-blocks", str(opts.dram_blocks)]
+                engines[node] = (role, await procs.start(node, args, env, stdout_pipe=True))
+
+        async def read_reports(node: str, proc: asyncio.subprocess.Process, ready: asyncio.Future[dict[str, Any]]) -> None:
+            assert proc.stdout is not None
+            async for line in proc.stdout:
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    continue
+                if row.get("event") == "ready" and not ready.done():
+                    ready.set_result(row)
+                else:
+                    stats.on_report(row)
+
+        readies: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        bridge_tasks: dict[str, asyncio.Task[None]] = {}
+
+        def check_alive() -> None:
+            dead = procs.dead()
+            if dead:
+                raise DemoError(f"{dead[0]} exited early:\n{procs.log_tail(dead[0])}")
+            for node, t in bridge_tasks.items():
+                if t.done():
+                    raise DemoError(f"the bridge of {node} stopped: {t.exception() if not t.cancelled() else 'cancelled'}")
+        for node, (role, proc) in engines.items():
+            readies[node] = asyncio.get_running_loop().create_future()
+            tasks.append(asyncio.create_task(read_reports(node, proc, readies[node])))
+        for node, fut in readies.items():
+            try:
+                info = await asyncio.wait_for(fut, 60)
+            except asyncio.TimeoutError:
+                raise DemoError(f"engine {node} did not start:\n{procs.log_tail(node)}") from None
+            role = engines[node][0]
+            bridge = Bridge(
+                BridgeConfig(node_id=node, role=role, zmq_endpoint=info["zmq"], replay_endpoint=info["replay"],  # type: ignore[arg-type]
+                             block_size=opts.block_size, heartbeat_s=None),
+                kafka_sink(prod, tps.kv_events.name),
+            )
+            bridge_tasks[node] = asyncio.create_task(bridge.run(stop))
+            tasks.append(bridge_tasks[node])
+            bridges = stats.bridge_counts
+            tasks.append(asyncio.create_task(_collect_counts(bridge, bridges, stop)))
+
+        # Ready when the view (written by the stream worker) shows every engine live.
+        stats.phase = "waiting for the view"
+        want = set(engines)
+        deadline = time.monotonic() + 90
+        while True:
+            check_alive()
+            live = {n.node_id for n in await view.nodes() if n.is_live(time.time_ns() // 1_000_000, base.heartbeat_ttl_s)}
+            if want <= live:
+                break
+            if time.monotonic() > deadline:
+                raise DemoError(f"the view never showed every engine live (live: {sorted(live)}); "
+                                f"worker log:\n{procs.log_tail('worker')}")
+            refresh()
+            await asyncio.sleep(0.3)
+
+        async def follow_dispatch() -> None:
+            cons = consumer(s, tps.dispatch.name, group_id=None, fetch_max_wait_ms=100)
+            await cons.start()
+            try:
+                while not stop.is_set():
+                    for recs in (await cons.getmany(timeout_ms=200)).values():
+                        for rec in recs:
+                            with contextlib.suppress(Exception):
+                                stats.on_dispatch(decode(rec.value).body)
+            finally:
+                await cons.stop()
+
+        tasks.append(asyncio.create_task(follow_dispatch()))
+
+        async def follow_view() -> None:
+            # The load the routers see: heartbeats and blocks as folded into the view.
+            while not stop.is_set():
+                with contextlib.suppress(Exception):
+                    for n in await view.nodes():
+                        stats.view_load[n.node_id] = (n.queue_depth, n.batch_size, sum(n.blocks.values()))
+                        stats.per_node[n.node_id]  # listed even before its first request
+                await asyncio.sleep(1.0)
+
+        tasks.append(asyncio.create_task(follow_view()))
+
+        # Replay: until the budget leaves just enough time to drain.
+        stats.phase = "replaying"
+        drain_s = max(4.0, 0.15 * budget_s)
+        t0 = time.monotonic()
+        # A slow start (a busy machine) eats into the budget, but never leaves nothing to replay.
+        replay_until = max(t_start + budget_s - drain_s, t0 + MIN_REPLAY_S)
+        seq = 0
+        for r in requests:
+            at = t0 + r.arrival_s
+            if at > replay_until and not exact:
+                break
+            while time.monotonic() < at:
+                await asyncio.sleep(min(0.25, at - time.monotonic()))
+                refresh()
+            check_alive()
+            toks = request_tokens(r.hash_ids, r.input_length, r.index, base.seed)
+            req = RoutingRequest(request_id=f"{policy}-{r.index}", token_ids=toks, prompt_tokens=len(toks),
+                                 expected_output_tokens=r.output_length)
+            stats.prompt_of[req.request_id] = len(toks)
+            seq += 1
+            env_ = envelope(req, producer_id="demo-gateway", producer_seq=seq, ts_ms=time.time_ns() // 1_000_000)
+            await prod.send(tps.requests.name, encode(env_), key=req.request_id.encode(), headers=headers(env_))
+            stats.sent += 1
+
+        # Drain: wait for what was decided to finish its prefill (and decode), within the budget.
+        stats.phase = "draining"
+        end = max(time.monotonic() + (drain_s if exact else 2.0), t_start + budget_s)
+        while time.monotonic() < end:
+            if stats.decisions + sum(stats.rejected.values()) >= stats.sent and stats.prefills >= stats.decisions \
+                    and stats.decodes >= stats.decisions:
+                break
+            refresh()
+            await asyncio.sleep(0.25)
+        stats.phase = "done"
+    finally:
+        stop.set()
+        await procs.stop()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await prod.stop()
+        with contextlib.suppress(Exception):
+            await view.close()
+        refresh()
+
+
+async def _collect_counts(bridge: Any, into: Counter[str], stop: asyncio.Event) -> None:
+    last: Counter[str] = Counter()
+    try:
+        while not stop.is_set():
+            await asyncio.sleep(1.0)
+            now = bridge.counts + bridge.translator.counts
+            into.update(now - last)
+            last = now
+    finally:
+        now = bridge.counts + bridge.translator.counts
+        into.update(now - last)
+
+
+# --- the command --------------------------------------------------------------------
+
+
+def run_demo(settings: Settings, opts: DemoOptions) -> dict[str, Any]:
+    """Run both policies on the same slice; return the comparison (``ok`` False on failure)."""
+    console = Console(stderr=True)
+    if not console.is_terminal:
+        console = Console(stderr=True, width=max(console.width, 120))  # a log file, not a window
+    # The dashboard is the demo's output; per-record logs go to the processes' log files.
+    for name in ("conductor.bridge", "aiokafka", "conductor.dispatch"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    trace = opts.trace or default_trace()
+    if not trace.exists():
+        raise DemoError(f"trace not found: {trace} (pass --trace PATH)")
+    data_dir = (Path(settings.data_dir) / "demo").resolve()
+    log_dir = data_dir / "logs" / time.strftime("%Y%m%d-%H%M%S")
+    stack: EmbeddedStack | None = None
+    runs: list[RunStats] = []
+    result: dict[str, Any] = {"ok": False}
+    t_all = time.monotonic()
+    pids: list[int] = []
+    # SIGTERM takes the Ctrl-C path, so the same finally blocks stop every process.
+    previous = signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        if settings.kafka_url and settings.redis_url:
+            base = settings
+        else:
+            console.print("starting the embedded broker and Redis ...")
+            stack = EmbeddedStack(data_dir / "stack", host=settings.bind_host)
+            st = stack.up(die_with_parent=True)
+            base = settings.model_copy(update={"kafka_url": settings.kafka_url or st.kafka_url,
+                                               "redis_url": settings.redis_url or st.redis_url,
+                                               "profile": "embedded" if not settings.kafka_url else settings.profile})
+        budget = opts.duration_s / 2
+        requests = load_slice(trace, opts.speed, opts.sample, budget)
+        with Live(render(runs, opts), console=console, refresh_per_second=2, transient=False) as live:
+            def refresh() -> None:
+                live.update(render(runs, opts))
+
+            for i, policy in enumerate((opts.policy, opts.baseline)):
+                stats = RunStats(policy)
+                runs.append(stats)
+                asyncio.run(_run_once(base, opts, policy, requests, budget, stats, log_dir, refresh,
+                                      exact=i == 1, pids=pids))
+                # The baseline replays exactly the requests the first run replayed.
+                requests = requests[: stats.sent]
+        main, other = runs[0].summary(), runs[1].summary()
+        result = {
+            "ok": True,
+            **{k: main[k] for k in ("requests", "decisions", "rejected", "reuse_ratio", "ttft_p50_s", "ttft_p90_s",
+                                    "tbt_p50_ms", "tbt_p90_ms", "prefills_done", "decodes_done", "routed_reuse_ratio",
+                                    "rejected_by_reason", "rejection_examples")},
+            "policy": opts.policy,
+            "baseline_policy": opts.baseline,
+            "baseline_requests": other["requests"],
+            "baseline_rejected": other["rejected"],
+            "baseline_reuse_ratio": other["reuse_ratio"],
+            "baseline_ttft_p50_s": other["ttft_p50_s"],
+            "baseline_ttft_p90_s": other["ttft_p90_s"],
+            "baseline_tbt_p90_ms": other["tbt_p90_ms"],
+            "speed": opts.speed,
+            "instances": {"prefill": opts.prefill, "decode": opts.decode},
+            "bridge": {k: v for k, v in runs[-1].bridge_counts.items() if v},
+            "wall_s": round(time.monotonic() - t_all, 1),
+            "pids": pids,
+            "logs": str(log_dir),
+        }
+        _print_summary(console, result)
+        return result
+    except KeyboardInterrupt:
+        console.print("[yellow]interrupted: stopping everything the demo started[/yellow]")
+        result = {"ok": False, "error": "interrupted"}
+        return result
+    except ConductorError as e:
+        console.print(f"[red]demo failed:[/red] {e}")
+        console.print(f"logs: {log_dir}")
+        result = {"ok": False, "error": str(e)[:2000]}
+        return result
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        if stack is not None:
+            stack.down()
+
+
+def _print_summary(console: Console, r: dict[str, Any]) -> None:
+    def f(x: Any, fmt: str) -> str:
+        return "-" if x is None else format(x, fmt)
+
+    console.print()
+    t = Table(title=f"Summary: {r['policy']} vs {r['baseline_policy']} on the same trace slice")
+    t.add_column("")
+    t.add_column(r["policy"], justify="right")
+    t.add_column(r["baseline_policy"], justify="right")
+    t.add_row("requests", str(r["requests"]), str(r["baseline_requests"]))
+    t.add_row("rejected", str(r["rejected"]), str(r["baseline_rejected"]))
+    t.add_row("KV reuse (tokens read, not recomputed)", f(r["reuse_ratio"], ".1%"), f(r["baseline_reuse_ratio"], ".1%"))
+    t.add_row("TTFT p50 (s)", f(r["ttft_p50_s"], ".2f"), f(r["baseline_ttft_p50_s"], ".2f"))
+    t.add_row("TTFT p90 (s)", f(r["ttft_p90_s"], ".2f"), f(r["baseline_ttft_p90_s"], ".2f"))
+    t.add_row("TBT p90 (ms)", f(r["tbt_p90_ms"], ".1f"), f(r["baseline_tbt_p90_ms"], ".1f"))
+    console.print(t)
+    console.print(f"wall time {r['wall_s']}s; logs in {r['logs']}")

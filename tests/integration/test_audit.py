@@ -1,0 +1,116 @@
+"""`conductor explain`: a past decision re-derived from the topics alone, on the real broker and Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from conductor.routing.explain import AuditError, explain
+from conductor.routing.router import Router, RouterWorker, redis_stores
+from schemas import (
+    BlocksStored,
+    Heartbeat,
+    RoutingDecision,
+    RoutingRequest,
+    chain_keys,
+    decode,
+    encode,
+    envelope,
+)
+from state.redis_view import RedisViewStore
+from streams import kafka
+from streams.replay import replay_into
+from streams.topics import topics
+
+pytestmark = pytest.mark.integration
+
+SHARED = list(range(7000, 7000 + 24 * 16))  # a 24-block prefix every request shares
+
+
+async def _publish(prod, topic, envs):
+    for e in envs:
+        await prod.send_and_wait(topic, encode(e), key=e.producer_id.encode())
+
+
+async def _route(settings, reqs, now):
+    t = topics(settings)
+    prod = kafka.producer(settings)
+    await prod.start()
+    for i, r in enumerate(reqs):
+        await prod.send_and_wait(t.requests.name, encode(envelope(r, producer_id="gw", producer_seq=i, ts_ms=now)),
+                                 key=r.request_id.encode())
+    await prod.stop()
+
+
+async def test_a_past_decision_is_rederived_and_explained(settings):
+    now = int(time.time() * 1000)
+    t = topics(settings)
+    await kafka.ensure_topics(settings, t.all())
+    keys = chain_keys(SHARED, settings.block_size)
+    prod = kafka.producer(settings)
+    await prod.start()
+    await _publish(prod, t.heartbeats.name, [
+        envelope(Heartbeat(role="prefill", rack="r0", queued_prefill_tokens=q), producer_id=n, producer_seq=0, ts_ms=now)
+        for n, q in (("p-holder", 3000), ("p-idle", 0), ("p-other", 500))
+    ] + [envelope(Heartbeat(role="decode", rack="r0", total_kv_blocks=10_000, free_kv_blocks=10_000),
+                  producer_id=n, producer_seq=0, ts_ms=now) for n in ("d-0", "d-1")])
+    await _publish(prod, t.kv_events.name, [
+        envelope(BlocksStored(block_keys=keys), producer_id="p-holder", producer_seq=0, ts_ms=now)])
+    view = RedisViewStore.from_settings(settings)
+    await replay_into(settings, view, idle_timeout_s=1.0)  # what the stream worker does, with positions
+
+    reader, resv = redis_stores(settings, producer_id="audit-test")
+    worker = RouterWorker(settings, Router(settings, reader, resv), router_id="audit-test")
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    reqs = [RoutingRequest(request_id=f"r{i}", token_ids=SHARED + list(range(100 * i, 100 * i + 64)),
+                           prompt_tokens=len(SHARED) + 64) for i in range(6)]
+    await _route(settings, reqs, now)
+    cons = kafka.consumer(settings, t.dispatch.name, group_id=None)
+    await cons.start()
+    got: dict[str, RoutingDecision] = {}
+    seq: dict[str, int] = {}
+    try:
+        deadline = time.monotonic() + 30
+        while len(got) < len(reqs):
+            assert time.monotonic() < deadline, f"only {sorted(got)} were routed"
+            for recs in (await cons.getmany(timeout_ms=300)).values():
+                for rec in recs:
+                    env = decode(rec.value)
+                    got[env.body.request_id] = env.body
+                    seq[env.body.request_id] = env.producer_seq
+    finally:
+        stop.set()
+        await cons.stop()
+        await asyncio.wait_for(task, 10)
+        await reader.close()
+
+    # The view moves on after the decisions: the audit must read it as it was.
+    await _publish(prod, t.kv_events.name, [
+        envelope(BlocksStored(block_keys=keys), producer_id="p-idle", producer_seq=0, ts_ms=now + 1)])
+    await prod.stop()
+
+    for rid in ("r0", "r4"):
+        ex = await explain(settings, rid)
+        assert ex.matches, ex.differences
+        d = got[rid]
+        assert ex.recorded["prefill_instance"] == d.prefill_instance
+        assert ex.rederived["prefill_instance"] == d.prefill_instance
+        assert ex.rederived["reused_tokens"] == d.reused_tokens
+        assert {r["instance"] for r in ex.prefill} == {"p-holder", "p-idle", "p-other"}
+        assert {r["instance"] for r in ex.decode} == {"d-0", "d-1"}
+        chosen = next(r for r in ex.prefill if r["instance"] == d.prefill_instance)
+        assert chosen["ttft_s"] == pytest.approx(d.predicted_ttft_s, rel=1e-3)
+        assert ex.prefill[0]["ttft_s"] <= chosen["ttft_s"] + 1e-6  # rows are sorted by predicted TTFT
+    # Every decision the router made before the last one was still in flight (no heartbeat since).
+    last = max(seq, key=seq.get)
+    assert (await explain(settings, last)).reservations == len(reqs) - 1
+    # p-idle's copy arrived after every watermark: no explanation may see it.
+    ex = await explain(settings, "r0")
+    assert next(r for r in ex.prefill if r["instance"] == "p-idle")["cached_blocks"] == [0, 0, 0]
+    with pytest.raises(AuditError, match="no decision"):
+        await explain(settings, "never-sent")
+    await view.clear()
+    await view.close()

@@ -1,0 +1,236 @@
+"""End to end: emulated engine → ZMQ → bridge → Kafka → stream worker → Redis → router → dispatch → engine.
+
+Two prefill instances and one decode instance. The first request is computed from
+scratch; the engine's KV events travel through the whole pipeline into the view,
+so the second request, which shares the first one's prefix, is routed to the
+instance that holds it and reuses it there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conductor.bridge.publisher import EventPublisher
+from conductor.bridge.runner import Bridge, BridgeConfig, kafka_sink
+from conductor.engine.emulated import EmulatedEngine, EngineConfig
+from conductor.profiles import load_profile
+from conductor.routing.dispatch import decisions_for
+from conductor.settings import Settings, settings_env
+from conductor.tools.devstack import free_port
+from schemas import (
+    RoutingDecision,
+    RoutingRequest,
+    chain_keys,
+    decode,
+    encode,
+    envelope,
+    headers,
+)
+from state.redis_view import RedisViewStore
+from streams.kafka import consumer, ensure_topics, producer
+from streams.topics import topics
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def conductor_env(s: Settings) -> dict[str, str]:
+    """The test's settings, as the CONDUCTOR_* variables of a child process."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONDUCTOR_")}
+    env.update(settings_env(s.model_copy(update={"web_port": free_port(), "policy": "kvcache-centric"})))
+    return env
+
+
+def _start(settings: Settings, tmp_path: Path, *commands: list[str]) -> list[subprocess.Popen[bytes]]:
+    env = conductor_env(settings)
+    procs = []
+    for cmd in commands:
+        log = open(tmp_path / f"{cmd[0]}.log", "wb")
+        procs.append(subprocess.Popen(
+            [sys.executable, "-c", "from conductor.cli import main; main()", *cmd],
+            env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            cwd=tmp_path,
+        ))
+    return procs
+
+
+def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+@pytest.fixture
+def services(settings: Settings, tmp_path: Path) -> Iterator[list[subprocess.Popen[bytes]]]:
+    """The stream worker and the router, as the real commands."""
+    procs = _start(settings, tmp_path, ["worker"], ["router"])
+    try:
+        yield procs
+    finally:
+        _stop(procs)
+
+
+async def test_an_engines_events_make_the_next_request_reuse_its_prefix(
+    settings: Settings, services: list[subprocess.Popen[bytes]], tmp_path: Path
+) -> None:
+    tps = topics(settings)
+    await ensure_topics(settings, tps.all())
+    prod = producer(settings)
+    await prod.start()
+    profile = load_profile(settings.model_profile)
+    stop = asyncio.Event()
+    tasks: list[asyncio.Task[None]] = []
+    reports: dict[str, io.StringIO] = {}
+    pubs = []
+    view = RedisViewStore.from_settings(settings)
+    cons = consumer(settings, tps.dispatch.name, group_id=None, fetch_max_wait_ms=50)
+    try:
+        for node, role in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode")):
+            pub = EventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+            pubs.append(pub)
+            reports[node] = io.StringIO()
+            eng = EmulatedEngine(
+                EngineConfig(node_id=node, role=role, block_size=settings.block_size, kv_blocks=4096,  # type: ignore[arg-type]
+                             time_scale=100.0, heartbeat_s=0.3, max_output_tokens=8),
+                profile, pub, heartbeat_sink=kafka_sink(prod, tps.heartbeats.name), report=reports[node],
+            )
+            bridge = Bridge(
+                BridgeConfig(node_id=node, role=role, zmq_endpoint=pub.endpoint,  # type: ignore[arg-type]
+                             replay_endpoint=pub.replay_endpoint, block_size=settings.block_size, heartbeat_s=None),
+                kafka_sink(prod, tps.kv_events.name),
+            )
+            tasks.append(asyncio.create_task(eng.run(decisions_for(settings, node, stop=stop))))
+            tasks.append(asyncio.create_task(bridge.run(stop)))
+
+        async def wait_for(what: str, pred, timeout: float = 40.0):  # type: ignore[no-untyped-def]
+            deadline = time.monotonic() + timeout
+            while True:
+                for p in services:
+                    assert p.poll() is None, f"a service died: {(tmp_path / 'worker.log').read_text()[-2000:]}"
+                got = await pred()
+                if got:
+                    return got
+                assert time.monotonic() < deadline, f"timed out waiting for {what}"
+                await asyncio.sleep(0.2)
+
+        async def all_live() -> bool:
+            now = time.time_ns() // 1_000_000
+            return {n.node_id for n in await view.nodes() if n.is_live(now, settings.heartbeat_ttl_s)} >= {"p0", "p1", "d0"}
+
+        await wait_for("every engine live in the view", all_live)
+
+        await cons.start()
+        decisions: dict[str, RoutingDecision] = {}
+
+        async def decision(rid: str):  # type: ignore[no-untyped-def]
+            for recs in (await cons.getmany(timeout_ms=100)).values():
+                for rec in recs:
+                    body = decode(rec.value).body
+                    assert isinstance(body, RoutingDecision), body
+                    decisions[body.request_id] = body
+            return decisions.get(rid)
+
+        def done(node: str, rid: str) -> dict | None:  # type: ignore[type-arg]
+            for line in reports[node].getvalue().splitlines():
+                row = json.loads(line)
+                if row["request_id"] == rid and row["event"] == "prefill_done":
+                    return row
+            return None
+
+        bs = settings.block_size
+        prefix = [(7 * i) % 30_000 for i in range(8 * bs)]
+
+        async def send(rid: str, tokens: list[int], seq: int) -> None:
+            req = RoutingRequest(request_id=rid, token_ids=tokens, prompt_tokens=len(tokens), expected_output_tokens=8)
+            env = envelope(req, producer_id="e2e", producer_seq=seq, ts_ms=time.time_ns() // 1_000_000)
+            await prod.send_and_wait(tps.requests.name, encode(env), key=rid.encode(), headers=headers(env))
+
+        await send("r1", prefix + [1, 2, 3], 1)
+        first = await wait_for("the first decision", lambda: decision("r1"))
+        assert first.reused_tokens == 0 and first.decode_instance == "d0"
+        holder = first.prefill_instance
+        row1 = await wait_for("the first prefill", lambda: asyncio.sleep(0, done(holder, "r1")))
+        assert row1["cached_tokens"] == 0
+
+        # The engine's events reach the view through the bridge, Kafka and the worker.
+        chain = chain_keys(prefix, bs)
+
+        async def view_has_prefix() -> bool:
+            snap = await view.snapshot(chain)
+            return snap.prefix.get(holder, (0, 0, 0))[0] == len(chain)
+
+        await wait_for("the first request's blocks in the view", view_has_prefix)
+
+        await send("r2", prefix + [9, 9, 9, 9], 2)
+        second = await wait_for("the second decision", lambda: decision("r2"))
+        # Reused from the instance that holds it: locally, or (if the policy judged that
+        # instance busier) read remotely by the other one.
+        assert second.reused_tokens == len(prefix)
+        assert second.reuse_source == holder
+        row2 = await wait_for("the second prefill", lambda: asyncio.sleep(0, done(second.prefill_instance, "r2")))
+        assert row2["cached_tokens"] == len(prefix)  # really reused by the engine, not just predicted
+        if second.prefill_instance == holder:
+            assert row2["local_cached_tokens"] == len(prefix)
+    finally:
+        await cons.stop()
+        stop.set()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for p in pubs:
+            await p.close()
+        await prod.stop()
+        await view.close()
+
+
+async def test_the_bridge_command_brings_an_engine_that_does_not_heartbeat_into_the_view(
+    settings: Settings, tmp_path: Path
+) -> None:
+    """What an operator does with a real vLLM: `conductor bridge` against its ZMQ sockets, then `view show`."""
+    from conductor.bridge.wire import EngineBlockStored
+
+    pub = EventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")  # stands for vLLM: events only, no heartbeats
+    pub.start()
+    bs = settings.block_size
+    tokens = list(range(100, 100 + 5 * bs))
+    hashes = tuple(range(-5, 0))  # signed, as SGLang may send them
+    await pub.publish(time.time(), [EngineBlockStored(hashes, None, tuple(tokens), bs, "hbm")])  # before the bridge
+    procs = _start(settings, tmp_path, ["worker"], ["bridge", "--zmq", pub.endpoint, "--replay", str(pub.replay_endpoint),
+                                                     "--node-id", "vllm-0", "--role", "prefill", "--heartbeat-s", "0.3"])
+    view = RedisViewStore.from_settings(settings)
+    try:
+        deadline = time.monotonic() + 40
+        while True:
+            assert all(p.poll() is None for p in procs), (tmp_path / "bridge.log").read_text()[-2000:]
+            out = subprocess.run([sys.executable, "-c", "from conductor.cli import main; main()", "view", "show", "--json"],
+                                 env=conductor_env(settings), capture_output=True, timeout=30)
+            assert out.returncode == 0, out.stderr.decode()[-2000:]
+            nodes = {n["node_id"]: n for n in json.loads(out.stdout)["nodes"]}
+            node = nodes.get("vllm-0")
+            if node and node["live"] and node["blocks"].get("hbm") == 5:
+                break
+            assert time.monotonic() < deadline, f"view: {nodes}"
+            await asyncio.sleep(0.3)
+        assert node["role"] == "prefill" and node["seq_gaps"] == 0
+        snap = await view.snapshot(chain_keys(tokens, bs))
+        assert snap.prefix["vllm-0"][0] == 5  # Conductor's own keys: a request with these tokens matches
+    finally:
+        _stop(procs)
+        await pub.close()
+        await view.close()

@@ -1,0 +1,98 @@
+"""The balance scheduler's pure parts: heat, hot/cold prefixes, and the commands it plans."""
+
+from __future__ import annotations
+
+import pytest
+
+from conductor.balance.planner import BalanceParams, Cooldown, HeatTracker, plan
+from state.view import NodeState, ViewSnapshot
+
+NOW_MS = 1_000_000
+
+
+def node(nid, queued=0, role="prefill", free=100, total=100):
+    return NodeState(node_id=nid, role=role, last_heartbeat_ms=NOW_MS, queued_prefill_tokens=queued,
+                     free_kv_blocks=free, total_kv_blocks=total)
+
+
+def snap(nodes, prefix):
+    return ViewSnapshot(now_ms=NOW_MS, nodes=tuple(nodes), prefix=prefix, watermark={})
+
+
+def test_heat_decays_by_half_life():
+    t = HeatTracker(BalanceParams(half_life_s=10))
+    t.record([1, 2, 3], 0.0)
+    t.record([1, 2, 3], 0.0)
+    assert t.heat(1, 0.0) == pytest.approx(2.0)
+    assert t.heat(1, 10.0) == pytest.approx(1.0)
+    t.record([1, 2, 3], 20.0)  # 2 * 0.25 + 1
+    assert t.heat(1, 20.0) == pytest.approx(1.5)
+
+
+def test_tracked_prefix_is_the_shared_part():
+    t = HeatTracker(BalanceParams(hot_threshold=2))
+    t.record([1, 2, 3, 4], 0.0)
+    t.record([1, 2, 9], 0.0)
+    assert t.hot(0.0) == [((1, 2), pytest.approx(2.0))]
+
+
+def test_cold_means_once_hot_and_cooled():
+    t = HeatTracker(BalanceParams(hot_threshold=2, cold_threshold=0.5, half_life_s=1))
+    t.record([5], 0.0)
+    assert t.cold(100.0) == []  # never hot
+    t.record([7], 0.0)
+    t.record([7], 0.0)
+    assert t.cold(0.5) == []
+    assert t.cold(3.0) == [(7,)]
+
+
+def test_tracker_is_bounded():
+    t = HeatTracker(BalanceParams(max_tracked=3))
+    for head in range(10):
+        t.record([head], float(head))
+    assert [t.heat(h, 10.0) > 0 for h in range(10)] == [False] * 7 + [True] * 3
+
+
+P = BalanceParams(overload_tokens=1000, overload_factor=1.5, cooldown_s=30)
+
+
+def test_replicates_hot_prefix_when_every_holder_is_overloaded():
+    chain = (11, 12, 13)
+    s = snap([node("a", 9000), node("b", 100), node("c", 50)], {"a": (3, 3, 3)})
+    cmds = plan([(chain, 20.0)], [], {chain: s}, ttl_s=5, now_s=0, params=P, cooldown=Cooldown())
+    assert len(cmds) == 1
+    c = cmds[0]
+    assert (c.action, c.from_node, c.from_tier, c.to_node, c.to_tier) == ("replicate", "a", "hbm", "c", "hbm")
+    assert c.block_keys == [11, 12, 13]
+
+
+def test_no_replica_while_a_holder_has_room_or_none_is_live():
+    chain = (11, 12)
+    s = snap([node("a", 9000), node("b", 10), node("c", 50)], {"a": (2, 2, 2), "b": (2, 2, 2)})
+    assert plan([(chain, 20.0)], [], {chain: s}, ttl_s=5, now_s=0, params=P, cooldown=Cooldown()) == []
+    stale = ViewSnapshot(now_ms=NOW_MS + 60_000, nodes=s.nodes, prefix=s.prefix, watermark={})
+    assert plan([(chain, 20.0)], [], {chain: stale}, ttl_s=5, now_s=0, params=P, cooldown=Cooldown()) == []
+
+
+def test_partial_holders_do_not_count_and_decode_nodes_are_not_targets():
+    chain = (1, 2, 3, 4)
+    s = snap([node("a", 5000), node("b", 0), node("d", 0, role="decode")], {"a": (4, 4, 4), "b": (2, 2, 2)})
+    cmds = plan([(chain, 9.0)], [], {chain: s}, ttl_s=5, now_s=0, params=P, cooldown=Cooldown())
+    assert [(c.from_node, c.to_node) for c in cmds] == [("a", "b")]
+
+
+def test_cooldown_suppresses_repeats():
+    chain = (11,)
+    s = snap([node("a", 9000), node("b", 0)], {"a": (1, 1, 1)})
+    cd = Cooldown()
+    assert len(plan([(chain, 20.0)], [], {chain: s}, ttl_s=5, now_s=0, params=P, cooldown=cd)) == 1
+    assert plan([(chain, 20.0)], [], {chain: s}, ttl_s=5, now_s=10, params=P, cooldown=cd) == []
+    assert len(plan([(chain, 20.0)], [], {chain: s}, ttl_s=5, now_s=31, params=P, cooldown=cd)) == 1
+
+
+def test_demotes_cold_prefix_only_under_hbm_pressure():
+    chain = (7, 8, 9)
+    s = snap([node("full", free=5, total=100), node("roomy", free=60, total=100)],
+             {"full": (2, 3, 3), "roomy": (3, 3, 3)})
+    cmds = plan([], [chain], {chain: s}, ttl_s=5, now_s=0, params=P, cooldown=Cooldown())
+    assert [(c.action, c.from_node, c.block_keys, c.to_tier) for c in cmds] == [("demote", "full", [7, 8], "dram")]

@@ -1,0 +1,199 @@
+"""The ingest core without Kafka: decode → dead-letter / fold → apply → stream tables, and metrics."""
+
+from __future__ import annotations
+
+from conductor.errors import ViewStoreError
+from conductor.settings import load_settings
+from conductor.telemetry import scrape, setup_metrics
+from schemas import BlocksStored, Heartbeat, RoutingRequest, encode, envelope
+from state.memory import InMemoryViewStore
+from state.view import SourcePosition
+from streams.agents import process_until_done
+from streams.ingest import IngestMetrics, Ingestor, RawRecord
+from streams.topics import topics
+
+T = topics(load_settings(topic_prefix="u.", kafka_url=None, redis_url=None))
+KV, HB = T.kv_events.name, T.heartbeats.name
+
+
+def rec(offset, value, topic=KV, partition=0):
+    return RawRecord(topic, partition, offset, b"k", value if isinstance(value, (bytes, type(None))) else encode(value))
+
+
+def stored(node, seq, keys, ts=1_000):
+    return envelope(BlocksStored(block_keys=keys), producer_id=node, producer_seq=seq, ts_ms=ts)
+
+
+async def test_bad_records_are_dead_lettered_and_the_batch_goes_on():
+    setup_metrics("test-ingest")
+    letters = []
+
+    async def dl(d):
+        letters.append(d)
+
+    store = InMemoryViewStore()
+    ing = Ingestor(T, store, dead_letter=dl, metrics=IngestMetrics(), clock_ms=lambda: 1_050)
+    req = envelope(RoutingRequest(request_id="r", block_keys=[1], prompt_tokens=16), producer_id="x", producer_seq=0, ts_ms=1)
+    batch = [
+        rec(0, stored("a", 0, [1, 2])),
+        rec(1, b"\xc1garbage"),
+        rec(2, req),  # valid record, wrong topic
+        rec(3, None),
+        rec(4, stored("a", 1, [3])),
+        rec(5, stored("a", 1, [3])),  # duplicate sequence
+        RawRecord("elsewhere", 0, 9, None, b"x"),
+    ]
+    res = await ing.process(batch)
+    assert res.applied == 2 and res.skipped == {"duplicate": 1} and res.block_events == 3
+    assert res.dead == {"malformed": 2, "wrong_kind": 1, "unknown_topic": 1}
+    assert res.staleness_ms == [50.0, 50.0]
+    assert [(d.reason, d.offset) for d in letters] == [("malformed", 1), ("wrong_kind", 2), ("malformed", 3), ("unknown_topic", 9)]
+    assert letters[0].original == b"\xc1garbage" and letters[0].source_topic == KV
+    assert (await store.snapshot([1, 2, 3], now_ms=0)).prefix == {"a": (3, 3, 3)}
+    assert ing.kv_streams["a"] == [0, 1, 0, 0]
+    text = scrape()
+    assert metric(text, "conductor_dead_letters_total", f'reason="wrong_kind",topic="{KV}"') >= 1
+    assert metric(text, "conductor_dead_letters_total", f'reason="malformed",topic="{KV}"') >= 2
+    assert metric(text, "conductor_events_applied_total", f'topic="{KV}"') >= 2
+    assert "conductor_view_staleness_ms" in text
+
+
+def metric(text, name, labels):
+    """The value of the sample of ``name`` whose labels end with ``labels`` (0 if absent)."""
+    for line in text.splitlines():
+        if line.startswith(name + "{") and line.split("}")[0].endswith(labels):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def test_a_fresh_table_starts_from_the_views_stream_state():
+    store = InMemoryViewStore()
+    store.apply_sync(stored("a", 0, [1]), SourcePosition(KV, 0, 0))
+    store.apply_sync(stored("a", 1, [2]), SourcePosition(KV, 0, 1))
+    ing = Ingestor(T, store)  # empty tables: e.g. the partition just moved to this worker
+    # the engine re-published seq 1 (new offset, so the offset fence does not catch it)
+    res = await ing.process([rec(7, stored("a", 1, [9])), rec(8, stored("a", 2, [3]))])
+    assert res.skipped == {"duplicate": 1} and res.applied == 1
+    assert (await store.snapshot([9], now_ms=0)).prefix == {}
+    assert ing.kv_streams["a"][:2] == [0, 2]
+
+
+async def test_heartbeats_touch_only_their_table():
+    ing = Ingestor(T, InMemoryViewStore(), clock_ms=lambda: 5_000)
+    hb = envelope(Heartbeat(role="decode"), producer_id="d", producer_seq=3, ts_ms=4_000)
+    await ing.process([rec(0, hb, topic=HB)])
+    assert ing.hb_streams["d"] == [0, 3] and "d" not in ing.kv_streams
+    assert ing.live_nodes(2.0) == 1 and ing.live_nodes(0.5) == 0
+
+
+class FlakyStore(InMemoryViewStore):
+    """Fails the first ``n`` writes like an unreachable Redis (a fake for a unit test)."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.failures = n
+
+    async def apply_groups(self, batch):
+        if self.failures:
+            self.failures -= 1
+            raise ViewStoreError("connection refused")
+        return await super().apply_groups(batch)
+
+
+async def test_state_moves_only_after_the_view_write_and_writes_are_retried():
+    store = FlakyStore(2)
+    ing = Ingestor(T, store)
+    try:
+        await ing.process([rec(0, stored("a", 0, [1]))])
+    except ViewStoreError:
+        pass
+    assert "a" not in ing.kv_streams  # the view did not take it: the stream state did not move
+    await process_until_done(ing, [rec(0, stored("a", 0, [1]))])  # one more failure, then success
+    assert ing.kv_streams["a"][:2] == [0, 0]
+    assert (await store.snapshot([1], now_ms=0)).prefix == {"a": (1, 1, 1)}
+
+
+async def test_a_lagging_table_is_caught_by_the_offset_fence():
+    """After a crash the table may be behind the view; re-delivered records fold as new but
+    the view's fence refuses them, and they are counted as fenced, not applied."""
+    store = InMemoryViewStore()
+    envs = [stored("a", i, [10 + i]) for i in range(3)]
+    for i, e in enumerate(envs):
+        store.apply_sync(e, SourcePosition(KV, 0, i))
+    store.apply_sync(stored("a", 3, [99]), SourcePosition(KV, 0, 3))  # applied, then a crash
+    ing = Ingestor(T, store, kv_streams={"a": [0, 2, 0, 0]})  # the table only saw seq 0-2
+    res = await ing.process([rec(3, stored("a", 3, [99])), rec(4, stored("a", 4, [5]))])
+    assert res.skipped == {"fenced": 1} and res.applied == 1
+    assert ing.kv_streams["a"][:2] == [0, 4]
+    assert (await store.snapshot([10, 11, 12], now_ms=0)).prefix == {"a": (3, 3, 3)}
+
+
+async def test_a_table_behind_the_committed_offset_counts_no_phantom_gap():
+    """A worker killed after its view write and offset commit but before its changelog write
+    comes back with a table row older than the view, and Kafka resumes past the records
+    in between: they are in the view, so the next record is no gap."""
+    store = InMemoryViewStore()
+    for i in range(5):
+        store.apply_sync(stored("a", i, [20 + i]), SourcePosition(KV, 0, i))
+    ing = Ingestor(T, store, kv_streams={"a": [0, 1, 0, 0]})  # the table saw seq 0-1 only
+    res = await ing.process([rec(5, stored("a", 5, [25]))])
+    assert res.applied == 1 and res.gaps == 0
+    assert ing.kv_streams["a"] == [0, 5, 0, 0]
+    assert store.stream_sync("a").gaps == 0
+    # a real gap is still a gap
+    res = await ing.process([rec(6, stored("a", 8, [28]))])
+    assert res.gaps == 1 and ing.kv_streams["a"] == [0, 8, 1, 2]
+
+
+async def test_a_lagging_table_does_not_take_a_resent_record_for_new():
+    """An engine (or a retrying producer) re-sends seq 1 at a new offset after seq 2 removed
+    its block; with the table behind the view it must still fold as a duplicate."""
+    from schemas import BlocksRemoved
+
+    store = InMemoryViewStore()
+    store.apply_sync(stored("a", 0, [1]), SourcePosition(KV, 0, 0))
+    store.apply_sync(stored("a", 1, [2]), SourcePosition(KV, 0, 1))
+    removed = envelope(BlocksRemoved(block_keys=[2]), producer_id="a", producer_seq=2, ts_ms=1_000)
+    store.apply_sync(removed, SourcePosition(KV, 0, 2))
+    ing = Ingestor(T, store, kv_streams={"a": [0, 0, 0, 0]})  # the table saw seq 0 only
+    res = await ing.process([rec(3, stored("a", 1, [2]))])
+    assert res.skipped == {"duplicate": 1} and res.applied == 0
+    assert store.holders(2) == {}
+
+
+class RacedStore(InMemoryViewStore):
+    """Lets another writer in once, between the ingestor's read and its write (a fake of a
+    zombie consumer, or of a timed-out write that still ran)."""
+
+    def __init__(self, other_batch):
+        super().__init__()
+        self.other = other_batch
+
+    async def apply_groups(self, batch):
+        if self.other:
+            other, self.other = self.other, None
+            await Ingestor(T, self).process(other)
+        return await super().apply_groups(batch)
+
+
+async def test_a_writer_that_got_in_between_read_and_write_leaves_no_phantom_gap():
+    envs = [stored("a", i, [40 + i]) for i in range(4)]
+    store = RacedStore([rec(1, envs[1])])  # the other writer applies seq 1 meanwhile
+    store.apply_sync(envs[0], SourcePosition(KV, 0, 0))
+    ing = Ingestor(T, store)
+    res = await ing.process([rec(2, envs[2]), rec(3, envs[3])])  # read at seq 0, written after seq 1
+    assert res.refolds == 1 and res.applied == 2 and res.gaps == 0
+    ref = InMemoryViewStore()
+    for i, e in enumerate(envs):
+        ref.apply_sync(e, SourcePosition(KV, 0, i))
+    assert store.dump_sync() == ref.dump_sync()
+    assert ing.kv_streams["a"] == [0, 3, 0, 0]
+
+
+async def test_a_dead_lettered_record_moves_its_partitions_fence():
+    """Dealt with is dealt with: a consumer resuming from the fence must not bring it back."""
+    store = InMemoryViewStore()
+    ing = Ingestor(T, store)
+    res = await ing.process([rec(0, stored("a", 0, [1])), rec(1, b"\xc1garbage"), rec(2, None)])
+    assert res.applied == 1 and res.dead == {"malformed": 2}
+    assert await store.watermark() == {f"{KV}:0": 2}
