@@ -163,6 +163,7 @@ class RedisReservations:
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._follower: asyncio.Task[None] | None = None
+        self._stopping = False
         self._last_id = b"0-0"
         self.applied = 0  # entries of other replicas applied (for tests and metrics)
 
@@ -221,7 +222,9 @@ class RedisReservations:
 
     async def _follow(self) -> None:
         failing = False
-        while True:
+        # Stopped by a flag, not by cancelling: a task cancelled inside XREAD BLOCK was seen
+        # hanging for minutes in the driver's clean-up. Each read blocks at most ``block_ms``.
+        while not self._stopping:
             try:
                 res = await self.client.xread({self.key: self._last_id}, block=self.block_ms, count=1000)
             except asyncio.CancelledError:
@@ -252,12 +255,22 @@ class RedisReservations:
     async def pending(self, since_ms: Mapping[str, int], now_ms: int) -> dict[str, Load]:
         return self.local.pending_sync(since_ms, now_ms)
 
-    async def close(self) -> None:
-        if self._follower is not None:
-            self._follower.cancel()
-            await asyncio.gather(self._follower, return_exceptions=True)
-            self._follower = None
-        await self.flush()
+    async def close(self, timeout_s: float = 2.0) -> None:
+        """Stop following and share what is buffered; returns within about ``timeout_s`` plus one
+        read's block time, whatever Redis does (a reservation not shared by then is dropped:
+        the others' copies would expire it within ``ttl`` anyway)."""
+        self._stopping = True
+        follower, self._follower = self._follower, None
+        if follower is not None:
+            done, _ = await asyncio.wait({follower}, timeout=self.block_ms / 1000 + timeout_s / 2)
+            if not done:
+                follower.cancel()
+                await asyncio.wait({follower}, timeout=0.2)  # never wait on a read stuck in the driver
+                log.warning("the reservation follower did not stop in time; abandoned it")
+        try:
+            await asyncio.wait_for(self.flush(), timeout_s / 2)
+        except asyncio.TimeoutError:
+            log.warning("%d reservation(s) not shared at shutdown (Redis too slow)", len(self._buffer))
 
     async def clear(self) -> None:
         """Delete the log (benchmarks and tests)."""

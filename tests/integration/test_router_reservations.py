@@ -112,3 +112,32 @@ def test_late_arrivals_keep_the_sums_in_time_order() -> None:
     assert r.pending_sync({"p0": 1_500}, 3_001) == {"p0": Load(6, 2)}
     assert r.pending_sync({"p0": 2_500}, 3_001) == {"p0": Load(4, 1)}
     assert r.pending_sync({"p0": 0}, 3_001) == {"p0": Load(7, 3)}
+
+
+async def test_close_is_bounded_while_following_and_when_redis_is_gone(settings: Settings) -> None:
+    """Shutdown never hangs: a follower blocked in XREAD, buffered reservations, or a Redis that
+    stopped answering all give way within the close timeout (issue: ``bench route`` hung in close)."""
+    loop = asyncio.get_running_loop()
+    for i in range(20):
+        client = aioredis.from_url(settings.redis_url)
+        s = RedisReservations(client, settings.view_namespace, TTL_S, producer_id=f"r{i}", block_ms=100)
+        await s.start(10_000)
+        await s.reserve(R("p0", 10, 1), 10_000 + i)
+        await asyncio.sleep(0.01 * (i % 7))  # close at varying points of the follower's XREAD
+        t0 = loop.time()
+        await s.close(timeout_s=1.0)
+        assert loop.time() - t0 < 1.5
+        await client.aclose()
+    # A Redis that accepts the connection but never answers: a listening socket nobody serves.
+    server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    client = aioredis.from_url(f"redis://127.0.0.1:{port}", socket_timeout=30)
+    s = RedisReservations(client, "deaf", TTL_S, producer_id="deaf", block_ms=100)
+    s._follower = asyncio.ensure_future(s._follow())  # following a server that never replies
+    await s.reserve(R("p0", 1, 1), 10_000)
+    await asyncio.sleep(0.05)
+    t0 = loop.time()
+    await s.close(timeout_s=1.0)
+    assert loop.time() - t0 < 2.0
+    assert s._follower is None
+    server.close()
