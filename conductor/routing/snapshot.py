@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from schemas import Role, Tier
+from schemas import TIERS, Role, Tier
 from state.view import NodeState, ViewSnapshot
 
 
@@ -47,7 +47,7 @@ class Instance:
         """Slowest tier needed to read the first ``blocks`` blocks from this node."""
         if blocks <= 0:
             return None
-        for tier, n in zip(("hbm", "dram", "ssd"), self.prefix_blocks):
+        for tier, n in zip(TIERS, self.prefix_blocks):
             if blocks <= n:
                 return tier  # type: ignore[return-value]
         return None

@@ -24,8 +24,6 @@ from schemas import BlocksRemoved, BlocksStored, Heartbeat, envelope
 from state.memory import InMemoryViewStore
 from state.view import ViewSnapshot
 
-_TIERS = ("hbm", "dram", "ssd")
-
 CLOCK_ORIGIN_MS = 1_000
 """The view timestamp of simulated time 0 (a heartbeat stamped 0 would read as "never")."""
 
