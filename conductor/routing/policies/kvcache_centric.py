@@ -20,7 +20,13 @@ import random
 
 from pydantic import Field
 
-from conductor.routing.policies.base import Decision, Placement, PolicyParams, Rejection, Reuse
+from conductor.routing.policies.base import (
+    Decision,
+    Placement,
+    PolicyParams,
+    Rejection,
+    Reuse,
+)
 from conductor.routing.policies.parts import RoleSplitPolicy, pick_lowest
 from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
 

@@ -20,7 +20,13 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from conductor.routing.policies.base import BasePolicy, Costs, Decision, Placement, Rejection
+from conductor.routing.policies.base import (
+    BasePolicy,
+    Costs,
+    Decision,
+    Placement,
+    Rejection,
+)
 from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
 
 T = TypeVar("T")
