@@ -93,16 +93,6 @@ class PendingLoad(Protocol):
     kv_blocks: int
 
 
-@dataclass(frozen=True, slots=True)
-class _NoLoad:
-    prefill_tokens: int = 0
-    prefill_requests: int = 0
-    decode_requests: int = 0
-    decode_context_tokens: int = 0
-    kv_blocks: int = 0
-
-
-_NOTHING = _NoLoad()
 NO_PREFIX = (0, 0, 0)
 
 InstanceMemo = dict[str, tuple[NodeState, tuple[int, int, int], "PendingLoad | None", Instance]]
@@ -113,17 +103,20 @@ request after request, so a caller that builds often keeps one and passes it in.
 def instance(node: NodeState, prefix: tuple[int, int, int], pending: PendingLoad | None) -> Instance:
     """One node as the policy sees it: its heartbeat state plus what is reserved on it."""
     if pending is None:
-        pending = _NOTHING
+        pt = pr = dr = dc = kv = 0
+    else:
+        pt, pr, dr = pending.prefill_tokens, pending.prefill_requests, pending.decode_requests
+        dc, kv = pending.decode_context_tokens, pending.kv_blocks
     return Instance(
         node_id=node.node_id,
         role=node.role,
         prefix_blocks=prefix,
-        queued_prefill_tokens=node.queued_prefill_tokens + pending.prefill_tokens,
-        queued_requests=node.queue_depth + pending.prefill_requests,
+        queued_prefill_tokens=node.queued_prefill_tokens + pt,
+        queued_requests=node.queue_depth + pr,
         running_requests=node.running_requests,
-        batch_size=node.batch_size + pending.decode_requests,
-        decode_context_tokens=node.decode_context_tokens + pending.decode_context_tokens,
-        free_kv_blocks=max(node.free_kv_blocks - pending.kv_blocks, 0),
+        batch_size=node.batch_size + dr,
+        decode_context_tokens=node.decode_context_tokens + dc,
+        free_kv_blocks=max(node.free_kv_blocks - kv, 0),
         total_kv_blocks=node.total_kv_blocks,
         rack=node.rack,
         zone=node.zone,

@@ -22,12 +22,11 @@ from pydantic import Field
 
 from conductor.routing.policies.base import (
     Decision,
-    Placement,
     PolicyParams,
     Rejection,
     Reuse,
 )
-from conductor.routing.policies.parts import RoleSplitPolicy, pick_lowest
+from conductor.routing.policies.parts import RoleSplitPolicy, pick_lowest, placement
 from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
 
 
@@ -71,15 +70,7 @@ class KvCacheCentric(RoleSplitPolicy):
         if isinstance(dec, Rejection):
             return dec
         decode, tbt = dec
-        return Placement(
-            prefill=inst.node_id,
-            decode=decode.node_id,
-            reused_blocks=reuse.blocks,
-            reuse_source=reuse.source,
-            reuse_tier=reuse.tier,
-            predicted_ttft_s=ttft,
-            predicted_tbt_ms=tbt,
-        )
+        return placement(inst, decode, reuse, ttft, tbt)
 
     def _prefill(self, request: PolicyRequest, snapshot: ClusterSnapshot, prefills: tuple[Instance, ...],
                  rng: random.Random) -> tuple[Instance, Reuse, float] | Rejection:

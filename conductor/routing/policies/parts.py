@@ -26,6 +26,7 @@ from conductor.routing.policies.base import (
     Decision,
     Placement,
     Rejection,
+    Reuse,
 )
 from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
 
@@ -133,15 +134,14 @@ def local_placement(
 ) -> Placement:
     """A placement that reuses only the prefill instance's own cache (what the peers do)."""
     reuse = costs.local_reuse(prefill, request, snapshot.block_size)
-    return Placement(
-        prefill=prefill.node_id,
-        decode=decode.node_id,
-        reused_blocks=reuse.blocks,
-        reuse_source=reuse.source,
-        reuse_tier=reuse.tier,
-        predicted_ttft_s=costs.queue_wait_s(prefill) + reuse.cost_s,
-        predicted_tbt_ms=costs.tbt_ms(decode, request),
-    )
+    return placement(prefill, decode, reuse, costs.queue_wait_s(prefill) + reuse.cost_s, costs.tbt_ms(decode, request))
+
+
+def placement(prefill: Instance, decode: Instance, reuse: Reuse, ttft_s: float, tbt_ms: float) -> Placement:
+    """Prefill on ``prefill`` with ``reuse``'s prefix, decode on ``decode``, with the predictions."""
+    return Placement(prefill=prefill.node_id, decode=decode.node_id, reused_blocks=reuse.blocks,
+                     reuse_source=reuse.source, reuse_tier=reuse.tier, predicted_ttft_s=ttft_s,
+                     predicted_tbt_ms=tbt_ms)
 
 
 # --- composed policies -----------------------------------------------------------------------
