@@ -36,9 +36,11 @@ TIERS: tuple[Tier, ...] = ("hbm", "dram", "ssd")
 Role = Literal["prefill", "decode", "both", "store"]
 """``store`` is a shared KV pool node (the Mooncake Store): it holds blocks but runs no model."""
 
-RejectReason = Literal[
-    "ttft_slo", "tbt_slo", "no_live_instance", "overloaded", "invalid_request", "view_unavailable"
-]
+PolicyRejectReason = Literal["ttft_slo", "tbt_slo", "no_live_instance", "overloaded"]
+"""Why a policy turns a request away (its prediction, or nothing to run it on)."""
+RejectReason = Literal[PolicyRejectReason, "invalid_request", "view_unavailable"]
+"""Every reason a ``routing_rejection`` can carry: a policy's, or the router's own (a request
+it cannot read or place as given, a view it cannot reach)."""
 
 
 class Record(BaseModel):

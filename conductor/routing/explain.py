@@ -22,6 +22,7 @@ from typing import Any
 
 from aiokafka import TopicPartition
 
+from conductor.routing.decision import decision_reservations
 from conductor.routing.router import Router
 from conductor.routing.snapshot import ClusterSnapshot
 from conductor.settings import Settings
@@ -35,7 +36,7 @@ from schemas import (
 )
 from schemas.errors import ConductorError
 from state.memory import InMemoryViewStore
-from state.reservations import InMemoryReservations, placement_reservations
+from state.reservations import InMemoryReservations
 from state.view import ViewSnapshot
 from streams.kafka import consumer
 from streams.replay import replay_into
@@ -70,9 +71,14 @@ class Explanation:
 async def read_topic(settings: Settings, name: str, idle_timeout_s: float = 1.0) -> list[Envelope]:
     """Every decodable record of a topic, in offset order per partition (bad ones skipped:
     the live workers dead-lettered them already)."""
+    return [env for _, env in await read_records(settings, name, idle_timeout_s)]
+
+
+async def read_records(settings: Settings, name: str, idle_timeout_s: float = 1.0) -> list[tuple[int, Envelope]]:
+    """:func:`read_topic` with each record's offset."""
     c = consumer(settings, group_id=None)
     await c.start()
-    out: list[Envelope] = []
+    out: list[tuple[int, Envelope]] = []
     try:
         parts = c.partitions_for_topic(name) or set()
         if not parts:
@@ -93,7 +99,7 @@ async def read_topic(settings: Settings, name: str, idle_timeout_s: float = 1.0)
             for msgs in got.values():
                 for m in msgs:
                     try:
-                        out.append(decode(m.value))
+                        out.append((m.offset, decode(m.value)))
                     except DecodeError:
                         continue
     finally:
@@ -191,11 +197,14 @@ async def explain(settings: Settings, request_id: str) -> Explanation:
     assert isinstance(rec, (RoutingDecision, RoutingRejection))
     if isinstance(rec, RoutingRejection) and rec.policy is None:
         raise AuditError(f"request {request_id!r} was rejected before any policy ran ({rec.reason}: {rec.message})")
-    requests = {e.body.request_id: e.body for e in await read_topic(settings, t.requests.name)
-                if isinstance(e.body, RoutingRequest)}
-    req = requests.get(request_id)
-    if req is None:
+    # The last copy of a request id wins, as on dispatch; its offset is the ordinal the router had.
+    requests: dict[str, tuple[int, RoutingRequest]] = {
+        e.body.request_id: (off, e.body) for off, e in await read_records(settings, t.requests.name)
+        if isinstance(e.body, RoutingRequest)
+    }
+    if request_id not in requests:
         raise AuditError(f"request {request_id!r} is not on {t.requests.name}")
+    ordinal, req = requests[request_id]
 
     store = InMemoryViewStore()
     await replay_into(settings, store, until=dict(rec.watermark), idle_timeout_s=1.0)
@@ -216,19 +225,14 @@ async def explain(settings: Settings, request_id: str) -> Explanation:
         r = requests.get(d.request_id)
         if r is None:
             continue
-        bs = settings.block_size
-        reservations.reserve_sync(placement_reservations(
-            d.prefill_instance, d.decode_instance,
-            prefill_tokens=r.prompt_tokens - d.reused_tokens, context_tokens=r.prompt_tokens,
-            kv_blocks=-(-(r.prompt_tokens + r.expected_output_tokens) // bs),
-        ), env.ts_ms)
+        reservations.reserve_sync(decision_reservations(r[1], d, settings.block_size), env.ts_ms)
         n_resv += 1
     router = Router(s, _ViewAt(store, at_ms), reservations)
     chain = router.chain_of(req)
-    snap, pending = await router._read(chain)
-    cluster = router._cluster(snap, pending, req.model, 0.0)
+    snap, pending = await router.read(chain)
+    cluster = router.cluster(snap, pending, req.model, 0.0)
     prefill_rows, decode_rows = _estimates(router, cluster, req, len(chain))
-    again = await router.route(req)
+    again = await router.route(req, ordinal)
     if again.seed != rec.seed:
         raise AuditError(f"seed {again.seed} differs from the recorded {rec.seed}: is CONDUCTOR_SEED the same?")
     recorded, rederived = _outcome(rec), _outcome(again)
@@ -240,4 +244,4 @@ async def explain(settings: Settings, request_id: str) -> Explanation:
     )
 
 
-__all__ = ["AuditError", "Explanation", "explain", "read_topic"]
+__all__ = ["AuditError", "Explanation", "explain", "read_records", "read_topic"]

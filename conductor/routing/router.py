@@ -42,8 +42,9 @@ from redis.asyncio.connection import Connection
 
 from conductor.errors import ViewStoreError
 from conductor.profiles import ModelProfile, load_profile
-from conductor.routing.policies import Placement, Policy, Rejection, make_policy
-from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
+from conductor.routing.decision import decision_record, decision_reservations, rejection_record
+from conductor.routing.policies import Policy, make_policy
+from conductor.routing.snapshot import ClusterSnapshot, InstanceMemo, PolicyRequest, build_cluster
 from conductor.settings import Settings
 from schemas import (
     DeadLetter,
@@ -59,12 +60,7 @@ from schemas import (
     headers,
 )
 from state.redis_view import RedisViewStore, assemble_snapshot
-from state.reservations import (
-    Load,
-    RedisReservations,
-    ReservationStore,
-    placement_reservations,
-)
+from state.reservations import Load, RedisReservations, ReservationStore
 from state.view import NodeState, ViewReader, ViewSnapshot
 from streams.kafka import consumer, ensure_topics, producer
 from streams.topics import topics
@@ -129,8 +125,7 @@ class Router:
         self.metrics = RouterMetrics()
         self._last: _LastView | None = None
         self._since: dict[str, int] = {}  # node → last heartbeat seen: the reservation cut-off
-        # node → (state, prefix, reservations, Instance): most nodes look the same request after request
-        self._instances: dict[str, tuple[NodeState, tuple[int, int, int], Load | None, Instance]] = {}
+        self._memo: InstanceMemo = {}
         self.ttl_s = settings.heartbeat_ttl_s
 
     async def start(self) -> None:
@@ -162,7 +157,7 @@ class Router:
         assert req.token_ids is not None
         return chain_keys(req.token_ids, bs, lora_name=req.lora_name)
 
-    def policy_request(self, req: RoutingRequest, chain_len: int) -> PolicyRequest:
+    def policy_request(self, req: RoutingRequest, chain_len: int, ordinal: int = 0) -> PolicyRequest:
         s = self.settings
         return PolicyRequest(
             request_id=req.request_id,
@@ -172,48 +167,40 @@ class Router:
             ttft_slo_s=req.ttft_slo_s if req.ttft_slo_s is not None else s.ttft_slo_s,
             tbt_slo_ms=req.tbt_slo_ms if req.tbt_slo_ms is not None else s.tbt_slo_ms,
             priority=req.priority,
+            ordinal=ordinal,
         )
 
     # --- the view -------------------------------------------------------------------
 
-    async def _read(self, chain: Sequence[int]) -> tuple[ViewSnapshot, dict[str, Load]]:
+    async def read(self, chain: Sequence[int]) -> tuple[ViewSnapshot, dict[str, Load]]:
         snap = await self.view.snapshot(chain)
         # A reservation counts until the node's heartbeat is newer than it.
         self._since = {n.node_id: n.last_heartbeat_ms for n in snap.nodes}
         return snap, await self.reservations.pending(self._since, snap.now_ms)
 
-    def _cluster(self, snap: ViewSnapshot, pending: dict[str, Load], model: str, age_ms: float) -> ClusterSnapshot:
-        insts = []
-        cache = self._instances
-        for n in snap.live_nodes(self.ttl_s):
-            if n.model != model and n.role != "store":
-                continue
-            prefix = snap.prefix.get(n.node_id, (0, 0, 0))
-            extra = pending.get(n.node_id)
-            hit = cache.get(n.node_id)
-            if hit is not None and hit[0] is n and hit[1] == prefix and hit[2] == extra:
-                insts.append(hit[3])
-                continue
-            inst = _instance(n, prefix, extra)
-            cache[n.node_id] = (n, prefix, extra, inst)
-            insts.append(inst)
-        return ClusterSnapshot(tuple(insts), self.settings.block_size, dict(snap.watermark), age_ms)
-
     # --- deciding -------------------------------------------------------------------
 
-    async def route(self, req: RoutingRequest) -> RoutingDecision | RoutingRejection:
-        """Place one request (or reject it with a reason); records the reservation."""
+    def cluster(self, snap: ViewSnapshot, pending: dict[str, Load], model: str, age_ms: float) -> ClusterSnapshot:
+        """The policy's picture of one read (:func:`~conductor.routing.snapshot.build_cluster`)."""
+        return build_cluster(snap, pending, block_size=self.settings.block_size, ttl_s=self.ttl_s, model=model,
+                             age_ms=age_ms, memo=self._memo)
+
+    async def route(self, req: RoutingRequest, ordinal: int = 0) -> RoutingDecision | RoutingRejection:
+        """Place one request (or reject it with a reason); records the reservation.
+
+        ``ordinal`` is the request's position in the log (its ``requests`` offset), which
+        order-based policies rotate by."""
         t0 = time.perf_counter()
         seed = request_seed(self.settings.seed, req.request_id)
         try:
             chain = self.chain_of(req)
         except InvalidRequest as e:
             return self.reject(req.request_id, "invalid_request", str(e), seed=seed)
-        preq = self.policy_request(req, len(chain))
+        preq = self.policy_request(req, len(chain), ordinal)
         degraded = False
         age_ms = 0.0
         try:
-            snap, pending = await self._read(chain)
+            snap, pending = await self.read(chain)
             self._last = _LastView(ViewSnapshot(snap.now_ms, snap.nodes, {}, snap.watermark), self.clock())
         except (ViewStoreError, OSError, asyncio.TimeoutError) as e:
             last = self._last
@@ -228,64 +215,36 @@ class Router:
             degraded = True
             snap = last.snapshot  # node states only: prefixes of this chain are unknown
             pending = await self.reservations.pending(self._since, snap.now_ms + int(age_ms))
-        cluster = self._cluster(snap, pending, req.model, age_ms)
-        decision = self.policy.decide(preq, cluster, random.Random(seed))
+        cluster = self.cluster(snap, pending, req.model, age_ms)
+        answer = self.policy.decide(preq, cluster, random.Random(seed))
         self.metrics.latency.record((time.perf_counter() - t0) * 1000.0)
-        if isinstance(decision, Rejection):
-            return self.reject(req.request_id, decision.reason, decision.message, seed=seed,
-                               watermark=cluster.watermark)
-        await self._reserve(req, preq, decision, snap.now_ms + int(age_ms))
-        reused = min(decision.reused_blocks * self.settings.block_size, req.prompt_tokens)
-        self.metrics.reuse.record(reused / req.prompt_tokens if req.prompt_tokens else 0.0)
-        self.metrics.decisions.add(1, {"prefill": decision.prefill, "decode": decision.decode})
-        return RoutingDecision(
-            request_id=req.request_id,
-            prefill_instance=decision.prefill,
-            decode_instance=decision.decode,
-            reused_tokens=reused,
-            reuse_source=decision.reuse_source,
-            reuse_tier=decision.reuse_tier,  # type: ignore[arg-type]
-            predicted_ttft_s=decision.predicted_ttft_s,
-            predicted_tbt_ms=decision.predicted_tbt_ms,
-            policy=self.policy.name,
-            params=self.params,
-            seed=seed,
-            watermark=cluster.watermark,
-            degraded=degraded,
-            snapshot_age_ms=age_ms,
-        )
+        out = decision_record(req, answer, block_size=self.settings.block_size, policy=self.policy.name,
+                              params=self.params, seed=seed, watermark=cluster.watermark, degraded=degraded,
+                              age_ms=age_ms)
+        if isinstance(out, RoutingRejection):
+            self.metrics.rejections.add(1, {"reason": out.reason})
+            return out
+        await self._reserve(req, out, snap.now_ms + int(age_ms))
+        self.metrics.reuse.record(out.reused_tokens / req.prompt_tokens if req.prompt_tokens else 0.0)
+        self.metrics.decisions.add(1, {"prefill": out.prefill_instance, "decode": out.decode_instance})
+        return out
 
-    async def _reserve(self, req: RoutingRequest, preq: PolicyRequest, d: Placement, now_ms: int) -> None:
-        bs = self.settings.block_size
-        reused = min(d.reused_blocks * bs, req.prompt_tokens)
-        resv = placement_reservations(
-            d.prefill, d.decode,
-            prefill_tokens=req.prompt_tokens - reused,
-            context_tokens=req.prompt_tokens,
-            kv_blocks=-(-(req.prompt_tokens + req.expected_output_tokens) // bs),
-        )
+    async def _reserve(self, req: RoutingRequest, d: RoutingDecision, now_ms: int) -> None:
         try:
-            await self.reservations.reserve(resv, now_ms)
+            await self.reservations.reserve(decision_reservations(req, d, self.settings.block_size), now_ms)
         except (ViewStoreError, OSError) as e:
             log.warning("reservation not recorded for %s: %s", req.request_id, e)
 
     def reject(self, request_id: str, reason: str, message: str, *, seed: int = 0,
                watermark: dict[str, int] | None = None) -> RoutingRejection:
         self.metrics.rejections.add(1, {"reason": reason})
-        return RoutingRejection(
-            request_id=request_id[:256] or "unknown",
-            reason=reason,  # type: ignore[arg-type]
-            message=message[:4096],
-            policy=self.policy.name,
-            params=self.params,
-            seed=seed,
-            watermark=watermark or {},
-        )
+        return rejection_record(request_id, reason, message, policy=self.policy.name, params=self.params, seed=seed,
+                                watermark=watermark)
 
     # --- one Kafka record --------------------------------------------------------------
 
-    async def handle(self, value: bytes | None, key: bytes | None) -> tuple[str, Any]:
-        """Turn one ``requests`` record into (dispatch key, body) or ("", DeadLetter reason).
+    async def handle(self, value: bytes | None, key: bytes | None, offset: int = 0) -> tuple[str, Any]:
+        """Turn one ``requests`` record (at ``offset``) into (dispatch key, body) or ("", DeadLetter reason).
 
         Returns the body to produce: a decision, a rejection, or ``None`` with the reason
         as the key when the record must be dead-lettered (no request id anywhere).
@@ -301,7 +260,7 @@ class Router:
                 return "", e
             return key_id, self.reject(key_id, "invalid_request", str(e))
         try:
-            out = await self.route(body)
+            out = await self.route(body, offset)
         except Exception as e:  # a bug must not turn one request into a crash loop of every replica
             log.exception("routing %s failed", body.request_id)
             out = self.reject(body.request_id, "invalid_request", f"router error: {type(e).__name__}: {e}")
@@ -319,24 +278,6 @@ def _key_text(key: bytes | None) -> str:
         return key.decode("utf-8")[:256]
     except UnicodeDecodeError:
         return ""
-
-
-def _instance(n: NodeState, prefix: tuple[int, int, int], extra: Load | None) -> Instance:
-    e = extra or Load()
-    return Instance(
-        node_id=n.node_id,
-        role=n.role,
-        prefix_blocks=prefix,
-        queued_prefill_tokens=n.queued_prefill_tokens + e.prefill_tokens,
-        queued_requests=n.queue_depth + e.prefill_requests,
-        running_requests=n.running_requests,
-        batch_size=n.batch_size + e.decode_requests,
-        decode_context_tokens=n.decode_context_tokens + e.decode_context_tokens,
-        free_kv_blocks=max(n.free_kv_blocks - e.kv_blocks, 0),
-        total_kv_blocks=n.total_kv_blocks,
-        rack=n.rack,
-        zone=n.zone,
-    )
 
 
 # --- the Kafka loop -------------------------------------------------------------------
@@ -385,7 +326,7 @@ class RouterWorker:
                     handled = []
                     for i in range(0, len(records), n):
                         window = records[i : i + n]
-                        handled += await asyncio.gather(*(self.router.handle(r.value, r.key) for r in window))
+                        handled += await asyncio.gather(*(self.router.handle(r.value, r.key, r.offset) for r in window))
                     for rec, (key, out) in zip(records, handled):
                         if key == "":
                             dl = DeadLetter(

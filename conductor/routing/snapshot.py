@@ -1,15 +1,18 @@
 """What a routing policy sees: a frozen picture of the cluster for one request.
 
-Built by the routing worker from a view read (``state``) plus in-flight
-reservations, by the simulator from its in-memory view, and by the audit replay
-from the log. Policies are pure functions of (request, snapshot, params, rng).
+:func:`build_cluster` is the one conversion from a view read (``state.view``) plus
+in-flight reservations to that picture; the routing worker, ``explain`` and the
+simulator all call it. Policies are pure functions of (request, snapshot, params, rng).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Protocol
 
-from schemas import Role, Tier
+from schemas import TIERS, Role, Tier
+from state.view import NodeState, ViewSnapshot
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,7 +47,7 @@ class Instance:
         """Slowest tier needed to read the first ``blocks`` blocks from this node."""
         if blocks <= 0:
             return None
-        for tier, n in zip(("hbm", "dram", "ssd"), self.prefix_blocks):
+        for tier, n in zip(TIERS, self.prefix_blocks):
             if blocks <= n:
                 return tier  # type: ignore[return-value]
         return None
@@ -75,3 +78,78 @@ class PolicyRequest:
     ttft_slo_s: float = 30.0
     tbt_slo_ms: float = 100.0
     priority: int = 0
+    ordinal: int = 0
+    """The request's position in the log (its ``requests`` offset; the trace index in the
+    simulator): what order-based policies rotate by, so a decision can be re-derived."""
+
+
+class PendingLoad(Protocol):
+    """Amounts reserved on a node that its heartbeats do not show yet (``state.reservations.Load``)."""
+
+    prefill_tokens: int
+    prefill_requests: int
+    decode_requests: int
+    decode_context_tokens: int
+    kv_blocks: int
+
+
+NO_PREFIX = (0, 0, 0)
+
+InstanceMemo = dict[str, tuple[NodeState, tuple[int, int, int], "PendingLoad | None", Instance]]
+"""node → (state, prefix, pending, Instance) of the last build: most nodes look the same
+request after request, so a caller that builds often keeps one and passes it in."""
+
+
+def instance(node: NodeState, prefix: tuple[int, int, int], pending: PendingLoad | None) -> Instance:
+    """One node as the policy sees it: its heartbeat state plus what is reserved on it."""
+    if pending is None:
+        pt = pr = dr = dc = kv = 0
+    else:
+        pt, pr, dr = pending.prefill_tokens, pending.prefill_requests, pending.decode_requests
+        dc, kv = pending.decode_context_tokens, pending.kv_blocks
+    return Instance(
+        node_id=node.node_id,
+        role=node.role,
+        prefix_blocks=prefix,
+        queued_prefill_tokens=node.queued_prefill_tokens + pt,
+        queued_requests=node.queue_depth + pr,
+        running_requests=node.running_requests,
+        batch_size=node.batch_size + dr,
+        decode_context_tokens=node.decode_context_tokens + dc,
+        free_kv_blocks=max(node.free_kv_blocks - kv, 0),
+        total_kv_blocks=node.total_kv_blocks,
+        rack=node.rack,
+        zone=node.zone,
+    )
+
+
+def build_cluster(
+    view: ViewSnapshot,
+    pending: Mapping[str, PendingLoad],
+    *,
+    block_size: int,
+    ttl_s: float,
+    model: str | None = None,
+    age_ms: float = 0.0,
+    memo: InstanceMemo | None = None,
+) -> ClusterSnapshot:
+    """The policy's picture of ``view``: live nodes serving ``model`` (stores serve every
+    model; ``None`` = no filter), each with its prefix of the chain and its ``pending``
+    reservations added. Pure; ``memo`` only saves rebuilding unchanged instances."""
+    insts = []
+    for n in view.live_nodes(ttl_s):
+        if model is not None and n.model != model and n.role != "store":
+            continue
+        prefix = view.prefix.get(n.node_id, NO_PREFIX)
+        extra = pending.get(n.node_id)
+        if memo is None:
+            insts.append(instance(n, prefix, extra))
+            continue
+        hit = memo.get(n.node_id)
+        if hit is not None and hit[0] is n and hit[1] == prefix and hit[2] == extra:
+            insts.append(hit[3])
+            continue
+        inst = instance(n, prefix, extra)
+        memo[n.node_id] = (n, prefix, extra, inst)
+        insts.append(inst)
+    return ClusterSnapshot(tuple(insts), block_size, dict(view.watermark), age_ms)

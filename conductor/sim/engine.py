@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
+from conductor.routing.snapshot import ClusterSnapshot, InstanceMemo, PolicyRequest, build_cluster
 from conductor.sim.cache import LruBlockCache, TieredPool
 from conductor.sim.cluster import ClusterProfile
 from conductor.sim.decode import DecodeInstance, DecodeJob
@@ -140,6 +140,7 @@ class Simulation:
         self.pool = TieredPool(cluster.store_dram_blocks, cluster.store_ssd_blocks) if cluster.has_store else None
         self._prefill_by_id = {p.node_id: p for p in self.prefills}
         self._decode_by_id = {d.node_id: d for d in self.decodes}
+        self._memo: InstanceMemo = {}
         self._heap: list[tuple[float, int, int, Any]] = []
         self._n = 0
         self.now = 0.0
@@ -209,48 +210,29 @@ class Simulation:
     # --- the policy's picture -------------------------------------------------
 
     def _snapshot(self, o: Outcome) -> ClusterSnapshot:
-        vs = self.view.snapshot(o.chain, self.now)
-        prefix = vs.prefix
-        none = (0, 0, 0)
+        """What the router would build: every node's load reported as a heartbeat (when it
+        changed), the view read for the chain, and the one conversion to the policy's snapshot."""
         now = self.now
-        insts: list[Instance] = []
+        view = self.view
         for p in self.prefills:
             # What a heartbeat would say: tokens still to compute, the running prefill pro rata.
             running = 0
             if p.current is not None and p.current_end > p.current_start:
                 running = int(p.current_tokens * max(0.0, p.current_end - now) / (p.current_end - p.current_start))
             n = len(p.queue) + (p.current is not None)
-            insts.append(
-                Instance(
-                    node_id=p.node_id,
-                    role="prefill",
-                    prefix_blocks=prefix.get(p.node_id, none),
-                    queued_prefill_tokens=p.queued_tokens + running,
-                    queued_requests=n,
-                    running_requests=n,
-                    total_kv_blocks=p.cache.capacity,
-                    free_kv_blocks=max(0, p.cache.capacity - len(p.cache)),
-                    rack=p.rack,
-                )
-            )
+            view.heartbeat(p.node_id, "prefill", now, rack=p.rack, total_kv_blocks=p.cache.capacity,
+                           free_kv_blocks=max(0, p.cache.capacity - len(p.cache)), queue_depth=n,
+                           queued_prefill_tokens=p.queued_tokens + running, running_requests=n)
         bs = self.bs
         for d in self.decodes:
             batch, ctx, free = d.load()
-            insts.append(
-                Instance(
-                    node_id=d.node_id,
-                    role="decode",
-                    batch_size=batch,
-                    running_requests=batch,
-                    decode_context_tokens=ctx,
-                    free_kv_blocks=free // bs,
-                    total_kv_blocks=d.kv_tokens // bs,
-                    rack=self.decode_rack[d.node_id],
-                )
-            )
-        if self.pool is not None:
-            insts.append(Instance(node_id=STORE_NODE, role="store", prefix_blocks=prefix.get(STORE_NODE, none)))
-        return ClusterSnapshot(tuple(insts), bs, vs.watermark, age_ms=self.cluster.view_delay_ms)
+            view.heartbeat(d.node_id, "decode", now, rack=self.decode_rack[d.node_id], total_kv_blocks=d.kv_tokens // bs,
+                           free_kv_blocks=free // bs, running_requests=batch, batch_size=batch,
+                           decode_context_tokens=ctx)
+        # The simulated nodes never fail, and their heartbeats already show every placement:
+        # no liveness cut-off, no reservations.
+        return build_cluster(view.snapshot(o.chain, now), {}, block_size=bs, ttl_s=math.inf,
+                             age_ms=self.cluster.view_delay_ms, memo=self._memo)
 
     # --- arrivals and prefill ---------------------------------------------------
 
@@ -263,6 +245,7 @@ class Simulation:
             expected_output_tokens=self.expected_output_tokens,
             ttft_slo_s=c.ttft_slo_s,
             tbt_slo_ms=c.tbt_slo_ms,
+            ordinal=o.index,
         )
         decision = self.policy.decide(req, self._snapshot(o), self.rng)
         if not hasattr(decision, "prefill"):

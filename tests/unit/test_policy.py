@@ -226,12 +226,15 @@ def test_dynamo_temperature_samples_by_seed() -> None:
     assert picks.count("p0") > picks.count("p2") and "p1" in picks
 
 
-def test_round_robin_cycles_in_node_order() -> None:
-    pol = make_policy("round-robin", None, PROFILE)
+def test_round_robin_turns_by_the_requests_log_position() -> None:
     s = snap(P("p1"), P("p0"), P("p2"), D("d1"), D("d0"))
-    got = [pol.decide(req(), s, random.Random(0)) for _ in range(6)]
+    got = [decide("round-robin", req(ordinal=k), s) for k in range(6)]
     assert [g.prefill for g in got] == ["p0", "p1", "p2", "p0", "p1", "p2"]
     assert [g.decode for g in got] == ["d0", "d1", "d0", "d1", "d0", "d1"]
+    # Pure: the same request gets the same turn from any policy object, in any order.
+    pol = make_policy("round-robin", None, PROFILE)
+    again = [pol.decide(req(ordinal=k), s, random.Random(0)) for k in (5, 3, 5, 0)]
+    assert [g.prefill for g in again] == ["p2", "p0", "p2", "p0"]
 
 
 # --- registry -------------------------------------------------------------------------

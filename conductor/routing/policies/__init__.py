@@ -23,9 +23,8 @@ from conductor.routing.policies.base import (
     RejectCode,
     Rejection,
     Reuse,
-    pick_lowest,
-    split_roles,
 )
+from conductor.routing.policies.parts import PickEachPolicy, RoleSplitPolicy, pick_lowest, split_roles
 from conductor.routing.policies.dynamo_style import DynamoStyle
 from conductor.routing.policies.global_cache_aware import GlobalCacheAware
 from conductor.routing.policies.kvcache_centric import KvCacheCentric
@@ -91,5 +90,5 @@ def list_policies() -> list[dict[str, Any]]:
 
 __all__ = [
     "POLICIES", "REJECT_CODES", "BasePolicy", "Costs", "Decision", "Placement", "Policy", "PolicyParams",
-    "RejectCode", "Rejection", "Reuse", "list_policies", "make_policy", "pick_lowest", "split_roles",
+    "PickEachPolicy", "RejectCode", "RoleSplitPolicy", "Rejection", "Reuse", "list_policies", "make_policy", "pick_lowest", "split_roles",
 ]

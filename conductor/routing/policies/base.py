@@ -8,24 +8,18 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import (
-    Any,
-    ClassVar,
-    Literal,
-    Protocol,
-    Sequence,
-    TypeVar,
-    runtime_checkable,
-)
+from typing import Any, ClassVar, Protocol, get_args, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict
 
 from conductor.profiles import ModelProfile
 from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
+from schemas import TIERS
+from schemas.records import PolicyRejectReason
 
-RejectCode = Literal["ttft_slo", "tbt_slo", "no_live_instance", "overloaded"]
-REJECT_CODES: frozenset[str] = frozenset(("ttft_slo", "tbt_slo", "no_live_instance", "overloaded"))
-TIER_NAMES = ("hbm", "dram", "ssd")
+RejectCode = PolicyRejectReason
+REJECT_CODES: frozenset[str] = frozenset(get_args(PolicyRejectReason))
+"""The reasons a policy may give: the policy part of ``schemas.RejectReason``."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,9 +69,6 @@ class PolicyParams(BaseModel):
     """Base of each policy's parameter model: unknown names are errors."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-
-
-P = TypeVar("P", bound=PolicyParams)
 
 
 class BasePolicy:
@@ -191,7 +182,7 @@ class Costs:
         steps = []
         toks = [0, 0, 0]
         cum = 0
-        for i, (tier, seg) in enumerate(zip(("hbm", "dram", "ssd"), _segments(prefix, cap))):
+        for i, (tier, seg) in enumerate(zip(TIERS, _segments(prefix, cap))):
             if seg <= 0:
                 continue
             cum += seg
@@ -249,48 +240,3 @@ def _segments(prefix_blocks: tuple[int, int, int], cap: int) -> tuple[int, int, 
     hd = min(max(hd, h), cap)
     hds = min(max(hds, hd), cap)
     return h, hd - h, hds - hd
-
-
-def split_roles(snapshot: ClusterSnapshot) -> tuple[tuple[Instance, ...], tuple[Instance, ...]] | Rejection:
-    """(prefill-capable, decode-capable) instances, or ``no_live_instance``."""
-    prefills = tuple(i for i in snapshot.instances if i.role == "prefill" or i.role == "both")
-    decodes = tuple(i for i in snapshot.instances if i.role == "decode" or i.role == "both")
-    if not prefills or not decodes:
-        missing = "prefill" if not prefills else "decode"
-        return Rejection("no_live_instance", f"no live {missing} instance among {len(snapshot.instances)}")
-    return prefills, decodes
-
-
-T = TypeVar("T")
-
-
-def pick_lowest(items: Sequence[T], scores: Sequence[float], rng: random.Random, *, tol: float = 1e-9,
-                node_id: Any = None) -> T:
-    """The item of lowest score; ties (within ``tol``) broken by ``rng`` in node-id order.
-
-    Sorting the tied group first makes the pick independent of snapshot order, so a
-    decision re-derived from the log with the same seed lands on the same instance.
-    """
-    lo = min(scores)
-    group = [it for it, s in zip(items, scores) if s <= lo + tol]
-    if len(group) == 1:
-        return group[0]
-    key = node_id or (lambda it: it.node_id)
-    group.sort(key=key)
-    return group[rng.randrange(len(group))]
-
-
-def local_placement(
-    costs: Costs, request: PolicyRequest, snapshot: ClusterSnapshot, prefill: Instance, decode: Instance
-) -> Placement:
-    """A placement that reuses only the prefill instance's own cache (what the peers do)."""
-    reuse = costs.local_reuse(prefill, request, snapshot.block_size)
-    return Placement(
-        prefill=prefill.node_id,
-        decode=decode.node_id,
-        reused_blocks=reuse.blocks,
-        reuse_source=reuse.source,
-        reuse_tier=reuse.tier,
-        predicted_ttft_s=costs.queue_wait_s(prefill) + reuse.cost_s,
-        predicted_tbt_ms=costs.tbt_ms(decode, request),
-    )

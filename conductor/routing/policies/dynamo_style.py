@@ -15,14 +15,12 @@ from collections.abc import Sequence
 
 from pydantic import Field
 
-from conductor.routing.policies.base import (
-    BasePolicy,
-    Decision,
-    PolicyParams,
-    Rejection,
-    local_placement,
+from conductor.routing.policies.base import PolicyParams
+from conductor.routing.policies.parts import (
+    PickEachPolicy,
+    by_node,
+    kv_used_blocks,
     pick_lowest,
-    split_roles,
 )
 from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
 
@@ -32,46 +30,42 @@ class DynamoStyleParams(PolicyParams):
     temperature: float = Field(default=0.0, ge=0, description="0 = lowest cost; > 0 = softmax sampling")
 
 
-def _used_blocks(i: Instance, block_size: int) -> float:
-    if i.total_kv_blocks > 0:
-        return float(i.total_kv_blocks - i.free_kv_blocks)
-    return i.decode_context_tokens / block_size
-
-
-class DynamoStyle(BasePolicy):
+class DynamoStyle(PickEachPolicy):
     name = "dynamo-style"
     summary = "cost = weight x prefill blocks after overlap + decode blocks; optional softmax temperature"
     Params = DynamoStyleParams
 
-    def decide(self, request: PolicyRequest, snapshot: ClusterSnapshot, rng: random.Random) -> Decision:
-        roles = split_roles(snapshot)
-        if isinstance(roles, Rejection):
-            return roles
-        prefills, decodes = roles
-        p: DynamoStyleParams = self.p  # type: ignore[assignment]
+    def prefill(self, request: PolicyRequest, snapshot: ClusterSnapshot, prefills: Sequence[Instance],
+                rng: random.Random) -> Instance:
+        w = self.p.overlap_score_weight  # type: ignore[attr-defined]
         bs = snapshot.block_size
         req_blocks = -(-request.prompt_tokens // bs)
-        pcost = []
+        costs = []
         for i in prefills:
             overlap = min(i.prefix_blocks[0], request.chain_len)  # Dynamo indexes device (HBM) blocks
             prefill_blocks = max(req_blocks - overlap, 0) + i.queued_prefill_tokens / bs
-            pcost.append(p.overlap_score_weight * prefill_blocks + _used_blocks(i, bs) + req_blocks)
-        dcost = [_used_blocks(d, bs) + req_blocks for d in decodes]
-        prefill = self._pick(prefills, pcost, rng)
-        decode = self._pick(decodes, dcost, rng)
-        return local_placement(self.costs, request, snapshot, prefill, decode)
+            costs.append(w * prefill_blocks + kv_used_blocks(i, bs) + req_blocks)
+        return self._pick(prefills, costs, rng)
+
+    def decode(self, request: PolicyRequest, snapshot: ClusterSnapshot, decodes: Sequence[Instance],
+               rng: random.Random) -> Instance:
+        bs = snapshot.block_size
+        req_blocks = -(-request.prompt_tokens // bs)
+        return self._pick(decodes, [kv_used_blocks(d, bs) + req_blocks for d in decodes], rng)
 
     def _pick(self, items: Sequence[Instance], costs: Sequence[float], rng: random.Random) -> Instance:
         t = self.p.temperature  # type: ignore[attr-defined]
         if t <= 0 or len(items) == 1:
             return pick_lowest(items, costs, rng)
-        order = sorted(range(len(items)), key=lambda k: items[k].node_id)
+        # A softmax over the min-max normalised costs, drawn in node-id order.
+        cost_of = {i.node_id: c for i, c in zip(items, costs)}
+        ordered = by_node(items)
         lo, hi = min(costs), max(costs)
         span = hi - lo or 1.0
-        weights = [math.exp(-((costs[k] - lo) / span) / t) for k in order]
+        weights = [math.exp(-((cost_of[i.node_id] - lo) / span) / t) for i in ordered]
         x = rng.random() * sum(weights)
-        for k, w in zip(order, weights):
+        for i, w in zip(ordered, weights):
             x -= w
             if x < 0:
-                return items[k]
-        return items[order[-1]]
+                return i
+        return ordered[-1]

@@ -8,29 +8,22 @@ copied and nothing is rejected: that is what ``kvcache-centric`` adds.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
-from conductor.routing.policies.base import (
-    BasePolicy,
-    Decision,
-    Rejection,
-    local_placement,
-    pick_lowest,
-    split_roles,
-)
-from conductor.routing.snapshot import ClusterSnapshot, PolicyRequest
+from conductor.routing.policies.parts import PickEachPolicy, lowest
+from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
 
 
-class GlobalCacheAware(BasePolicy):
+class GlobalCacheAware(PickEachPolicy):
     name = "global-cache-aware"
     summary = "lowest predicted TTFT using each instance's own cache only; decode by lowest predicted TBT; no rejection"
 
-    def decide(self, request: PolicyRequest, snapshot: ClusterSnapshot, rng: random.Random) -> Decision:
-        roles = split_roles(snapshot)
-        if isinstance(roles, Rejection):
-            return roles
-        prefills, decodes = roles
+    def prefill(self, request: PolicyRequest, snapshot: ClusterSnapshot, prefills: Sequence[Instance],
+                rng: random.Random) -> Instance:
         costs, bs = self.costs, snapshot.block_size
-        ttfts = [costs.queue_wait_s(i) + costs.local_reuse(i, request, bs).cost_s for i in prefills]
-        prefill = pick_lowest(prefills, ttfts, rng, tol=1e-6)
-        decode = pick_lowest(decodes, [costs.tbt_ms(d, request) for d in decodes], rng, tol=1e-6)
-        return local_placement(costs, request, snapshot, prefill, decode)
+        return lowest(prefills, lambda i: costs.queue_wait_s(i) + costs.local_reuse(i, request, bs).cost_s, rng,
+                      tol=1e-6)
+
+    def decode(self, request: PolicyRequest, snapshot: ClusterSnapshot, decodes: Sequence[Instance],
+               rng: random.Random) -> Instance:
+        return lowest(decodes, lambda d: self.costs.tbt_ms(d, request), rng, tol=1e-6)

@@ -21,16 +21,13 @@ import random
 from pydantic import Field
 
 from conductor.routing.policies.base import (
-    BasePolicy,
     Decision,
-    Placement,
     PolicyParams,
     Rejection,
     Reuse,
-    pick_lowest,
-    split_roles,
 )
-from conductor.routing.snapshot import ClusterSnapshot, PolicyRequest
+from conductor.routing.policies.parts import RoleSplitPolicy, pick_lowest, placement
+from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
 
 
 def _first(item: tuple) -> float:
@@ -58,21 +55,29 @@ class KvCacheCentricParams(PolicyParams):
     prefill_tie_s: float = Field(default=1e-6, ge=0, description="TTFTs closer than this are a tie")
 
 
-class KvCacheCentric(BasePolicy):
+class KvCacheCentric(RoleSplitPolicy):
     name = "kvcache-centric"
     summary = "Mooncake's policy: lowest predicted TTFT over local and remote prefixes, SLO-aware decode, early rejection"
     Params = KvCacheCentricParams
 
-    def decide(self, request: PolicyRequest, snapshot: ClusterSnapshot, rng: random.Random) -> Decision:
-        roles = split_roles(snapshot)
-        if isinstance(roles, Rejection):
-            return roles
-        prefills, decodes = roles
+    def place(self, request: PolicyRequest, snapshot: ClusterSnapshot, prefills: tuple[Instance, ...],
+              decodes: tuple[Instance, ...], rng: random.Random) -> Decision:
+        pre = self._prefill(request, snapshot, prefills, rng)
+        if isinstance(pre, Rejection):
+            return pre
+        inst, reuse, ttft = pre
+        dec = self._decode(request, snapshot, decodes, rng)
+        if isinstance(dec, Rejection):
+            return dec
+        decode, tbt = dec
+        return placement(inst, decode, reuse, ttft, tbt)
+
+    def _prefill(self, request: PolicyRequest, snapshot: ClusterSnapshot, prefills: tuple[Instance, ...],
+                 rng: random.Random) -> tuple[Instance, Reuse, float] | Rejection:
+        """Lowest predicted TTFT, with its reuse plan; or why none meets the SLO."""
         p: KvCacheCentricParams = self.p  # type: ignore[assignment]
         costs = self.costs
         bs = snapshot.block_size
-
-        # --- prefill: lowest predicted TTFT -------------------------------------------
         same_rack: list[tuple[float, str, str | None, Reuse]] = []
         cross_rack: list[tuple[float, str, str | None, Reuse]] = []
         if p.remote_reuse:
@@ -137,8 +142,14 @@ class KvCacheCentric(BasePolicy):
                 f"{waits[chosen]:.3f}s counted x{p.queue_wait_safety:g}, exceeds the SLO {request.ttft_slo_s:g}s "
                 f"on every one of {len(prefills)} prefill instances",
             )
+        return prefills[chosen], reuses[chosen], ttft
 
-        # --- decode: least loaded under the TBT SLO -----------------------------------
+    def _decode(self, request: PolicyRequest, snapshot: ClusterSnapshot, decodes: tuple[Instance, ...],
+                rng: random.Random) -> tuple[Instance, float] | Rejection:
+        """Least loaded under the TBT SLO (at random in a low-load band), with its predicted TBT."""
+        p: KvCacheCentricParams = self.p  # type: ignore[assignment]
+        costs = self.costs
+        bs = snapshot.block_size
         fitting = [d for d in decodes if costs.decode_fits(d, request, bs)]
         if not fitting:
             if p.early_rejection:
@@ -159,13 +170,4 @@ class KvCacheCentric(BasePolicy):
         lo = min(tbts[i] for i in ok)
         band = [i for i in ok if tbts[i] <= lo * (1.0 + p.decode_low_load_band) + 1e-9]
         d_idx = pick_lowest(band, [0.0] * len(band), rng, node_id=lambda i: fitting[i].node_id)
-        reuse = reuses[chosen]
-        return Placement(
-            prefill=prefills[chosen].node_id,
-            decode=fitting[d_idx].node_id,
-            reused_blocks=reuse.blocks,
-            reuse_source=reuse.source,
-            reuse_tier=reuse.tier,
-            predicted_ttft_s=ttft,
-            predicted_tbt_ms=tbts[d_idx],
-        )
+        return fitting[d_idx], tbts[d_idx]

@@ -3,28 +3,20 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
-from conductor.routing.policies.base import (
-    BasePolicy,
-    Decision,
-    Rejection,
-    local_placement,
-    split_roles,
-)
-from conductor.routing.snapshot import ClusterSnapshot, PolicyRequest
+from conductor.routing.policies.parts import PickEachPolicy, pick_uniform
+from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
 
 
-class RandomPick(BasePolicy):
+class RandomPick(PickEachPolicy):
     name = "random"
     summary = "uniformly random prefill and decode instance; never rejects by prediction"
 
-    def decide(self, request: PolicyRequest, snapshot: ClusterSnapshot, rng: random.Random) -> Decision:
-        roles = split_roles(snapshot)
-        if isinstance(roles, Rejection):
-            return roles
-        # Sorted so the pick depends on the seed and the set of instances, not their order.
-        prefills = sorted(roles[0], key=lambda i: i.node_id)
-        decodes = sorted(roles[1], key=lambda i: i.node_id)
-        prefill = prefills[rng.randrange(len(prefills))]
-        decode = decodes[rng.randrange(len(decodes))]
-        return local_placement(self.costs, request, snapshot, prefill, decode)
+    def prefill(self, request: PolicyRequest, snapshot: ClusterSnapshot, prefills: Sequence[Instance],
+                rng: random.Random) -> Instance:
+        return pick_uniform(prefills, rng)
+
+    def decode(self, request: PolicyRequest, snapshot: ClusterSnapshot, decodes: Sequence[Instance],
+               rng: random.Random) -> Instance:
+        return pick_uniform(decodes, rng)

@@ -1,42 +1,27 @@
 """``round-robin``: prefill and decode instances in turn, in node-id order.
 
-The policy object keeps the two counters, so one object must serve one stream of
-decisions (one router process, one simulator run); it is deterministic.
+The turn is the request's position in the log (``PolicyRequest.ordinal``: its offset on
+``requests``, the trace index in the simulator), not a counter in the policy object, so
+any decision can be re-derived from the log alone.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
-from conductor.profiles import ModelProfile
-from conductor.routing.policies.base import (
-    BasePolicy,
-    Decision,
-    PolicyParams,
-    Rejection,
-    local_placement,
-    split_roles,
-)
-from conductor.routing.snapshot import ClusterSnapshot, PolicyRequest
+from conductor.routing.policies.parts import PickEachPolicy, pick_in_turn
+from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
 
 
-class RoundRobin(BasePolicy):
+class RoundRobin(PickEachPolicy):
     name = "round-robin"
-    summary = "prefill and decode instances in turn (node-id order); stateful, deterministic"
+    summary = "prefill and decode instances in turn (node-id order, by the request's log position); deterministic"
 
-    def __init__(self, params: PolicyParams, profile: ModelProfile) -> None:
-        super().__init__(params, profile)
-        self._next_prefill = 0
-        self._next_decode = 0
+    def prefill(self, request: PolicyRequest, snapshot: ClusterSnapshot, prefills: Sequence[Instance],
+                rng: random.Random) -> Instance:
+        return pick_in_turn(prefills, request.ordinal)
 
-    def decide(self, request: PolicyRequest, snapshot: ClusterSnapshot, rng: random.Random) -> Decision:
-        roles = split_roles(snapshot)
-        if isinstance(roles, Rejection):
-            return roles
-        prefills = sorted(roles[0], key=lambda i: i.node_id)
-        decodes = sorted(roles[1], key=lambda i: i.node_id)
-        prefill = prefills[self._next_prefill % len(prefills)]
-        decode = decodes[self._next_decode % len(decodes)]
-        self._next_prefill += 1
-        self._next_decode += 1
-        return local_placement(self.costs, request, snapshot, prefill, decode)
+    def decode(self, request: PolicyRequest, snapshot: ClusterSnapshot, decodes: Sequence[Instance],
+               rng: random.Random) -> Instance:
+        return pick_in_turn(decodes, request.ordinal)

@@ -10,17 +10,16 @@ Load is queued + running requests. Decode: the smallest batch. Never rejects.
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 from pydantic import Field
 
-from conductor.routing.policies.base import (
-    BasePolicy,
-    Decision,
-    PolicyParams,
-    Rejection,
-    local_placement,
+from conductor.routing.policies.base import PolicyParams
+from conductor.routing.policies.parts import (
+    PickEachPolicy,
+    lowest,
     pick_lowest,
-    split_roles,
+    prefix_share,
 )
 from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
 
@@ -35,29 +34,19 @@ def _load(i: Instance) -> int:
     return i.queued_requests + i.running_requests
 
 
-class SglangStyle(BasePolicy):
+class SglangStyle(PickEachPolicy):
     name = "sglang-style"
     summary = "cache-aware when balanced, shortest queue when imbalanced (abs and rel thresholds); decode smallest batch"
     Params = SglangStyleParams
 
-    def decide(self, request: PolicyRequest, snapshot: ClusterSnapshot, rng: random.Random) -> Decision:
-        roles = split_roles(snapshot)
-        if isinstance(roles, Rejection):
-            return roles
-        prefills, decodes = roles
+    def prefill(self, request: PolicyRequest, snapshot: ClusterSnapshot, prefills: Sequence[Instance],
+                rng: random.Random) -> Instance:
         p: SglangStyleParams = self.p  # type: ignore[assignment]
         loads = [_load(i) for i in prefills]
         hi, lo = max(loads), min(loads)
         if hi - lo > p.balance_abs_threshold and hi > lo * p.balance_rel_threshold:
-            prefill = pick_lowest(prefills, [float(x) for x in loads], rng)
-        else:
-            cap = max(request.chain_len, 1)
-            rates = [min(i.prefix_blocks[2], cap) / cap for i in prefills]
-            best = max(rates)
-            if request.chain_len > 0 and best > p.cache_threshold:
-                prefill = pick_lowest(prefills, [-r for r in rates], rng)
-            else:
-                used = [float(i.total_kv_blocks - i.free_kv_blocks) for i in prefills]
-                prefill = pick_lowest(prefills, used, rng)
-        decode = pick_lowest(decodes, [float(d.batch_size) for d in decodes], rng)
-        return local_placement(self.costs, request, snapshot, prefill, decode)
+            return pick_lowest(prefills, [float(x) for x in loads], rng)
+        rates = [prefix_share(i, request) for i in prefills]
+        if max(rates) > p.cache_threshold:
+            return pick_lowest(prefills, [-r for r in rates], rng)
+        return lowest(prefills, lambda i: float(i.total_kv_blocks - i.free_kv_blocks), rng)  # most room

@@ -1,0 +1,72 @@
+"""The one place a policy's answer becomes a record on ``dispatch``, and a decision becomes
+the reservations it holds until heartbeats show it.
+
+A policy answers in blocks (:class:`~conductor.routing.policies.Placement`) or with a
+:class:`~conductor.routing.policies.Rejection`; the wire carries tokens and everything
+needed to re-derive the answer later (policy, params, seed, view watermark).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from conductor.routing.policies import Placement, Rejection
+from schemas import RoutingDecision, RoutingRejection, RoutingRequest
+from state.reservations import Reservation, placement_reservations
+
+
+def rejection_record(request_id: str, reason: str, message: str, *, policy: str | None,
+                     params: Mapping[str, Any], seed: int = 0,
+                     watermark: Mapping[str, int] | None = None) -> RoutingRejection:
+    """A rejection on the wire (ids and messages clipped to the schema's caps)."""
+    return RoutingRejection(
+        request_id=request_id[:256] or "unknown",
+        reason=reason,  # type: ignore[arg-type]
+        message=message[:4096],
+        policy=policy,
+        params=dict(params),
+        seed=seed,
+        watermark=dict(watermark or {}),
+    )
+
+
+def decision_record(req: RoutingRequest, answer: Placement | Rejection, *, block_size: int, policy: str,
+                    params: Mapping[str, Any], seed: int, watermark: Mapping[str, int],
+                    degraded: bool = False, age_ms: float = 0.0) -> RoutingDecision | RoutingRejection:
+    """The record of ``answer`` for ``req``: a placement's reused blocks become tokens
+    (never more than the prompt)."""
+    if isinstance(answer, Rejection):
+        return rejection_record(req.request_id, answer.reason, answer.message, policy=policy, params=params,
+                                seed=seed, watermark=watermark)
+    return RoutingDecision(
+        request_id=req.request_id,
+        prefill_instance=answer.prefill,
+        decode_instance=answer.decode,
+        reused_tokens=min(answer.reused_blocks * block_size, req.prompt_tokens),
+        reuse_source=answer.reuse_source,
+        reuse_tier=answer.reuse_tier,  # type: ignore[arg-type]
+        predicted_ttft_s=answer.predicted_ttft_s,
+        predicted_tbt_ms=answer.predicted_tbt_ms,
+        policy=policy,
+        params=dict(params),
+        seed=seed,
+        watermark=dict(watermark),
+        degraded=degraded,
+        snapshot_age_ms=age_ms,
+    )
+
+
+def decision_reservations(req: RoutingRequest, d: RoutingDecision, block_size: int) -> list[Reservation]:
+    """What ``d`` holds on its nodes: the prompt tokens it computes and one queued request on
+    the prefill instance; a batch slot, the prompt as context and the whole request's KV
+    blocks on the decode instance."""
+    return placement_reservations(
+        d.prefill_instance, d.decode_instance,
+        prefill_tokens=req.prompt_tokens - d.reused_tokens,
+        context_tokens=req.prompt_tokens,
+        kv_blocks=-(-(req.prompt_tokens + req.expected_output_tokens) // block_size),
+    )
+
+
+__all__ = ["decision_record", "decision_reservations", "rejection_record"]
