@@ -226,7 +226,7 @@ async def explain(settings: Settings, request_id: str) -> Explanation:
     router = Router(s, _ViewAt(store, at_ms), reservations)
     chain = router.chain_of(req)
     snap, pending = await router._read(chain)
-    cluster = router._cluster(snap, pending, req.model, 0.0)
+    cluster = router._cluster(snap, pending, req.model, 0.0, req.exclude)
     prefill_rows, decode_rows = _estimates(router, cluster, req, len(chain))
     again = await router.route(req)
     if again.seed != rec.seed:

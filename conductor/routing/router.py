@@ -160,7 +160,8 @@ class Router:
                 )
             return list(req.block_keys)
         assert req.token_ids is not None
-        return chain_keys(req.token_ids, bs, lora_name=req.lora_name)
+        extra = (f"salt={req.cache_salt}",) if req.cache_salt else ()
+        return chain_keys(req.token_ids, bs, lora_name=req.lora_name, extra_keys=extra)
 
     def policy_request(self, req: RoutingRequest, chain_len: int) -> PolicyRequest:
         s = self.settings
@@ -182,11 +183,12 @@ class Router:
         self._since = {n.node_id: n.last_heartbeat_ms for n in snap.nodes}
         return snap, await self.reservations.pending(self._since, snap.now_ms)
 
-    def _cluster(self, snap: ViewSnapshot, pending: dict[str, Load], model: str, age_ms: float) -> ClusterSnapshot:
+    def _cluster(self, snap: ViewSnapshot, pending: dict[str, Load], model: str, age_ms: float,
+                 exclude: Sequence[str] = ()) -> ClusterSnapshot:
         insts = []
         cache = self._instances
         for n in snap.live_nodes(self.ttl_s):
-            if n.model != model and n.role != "store":
+            if (n.model != model and n.role != "store") or n.node_id in exclude:
                 continue
             prefix = snap.prefix.get(n.node_id, (0, 0, 0))
             extra = pending.get(n.node_id)
@@ -228,7 +230,7 @@ class Router:
             degraded = True
             snap = last.snapshot  # node states only: prefixes of this chain are unknown
             pending = await self.reservations.pending(self._since, snap.now_ms + int(age_ms))
-        cluster = self._cluster(snap, pending, req.model, age_ms)
+        cluster = self._cluster(snap, pending, req.model, age_ms, req.exclude)
         decision = self.policy.decide(preq, cluster, random.Random(seed))
         self.metrics.latency.record((time.perf_counter() - t0) * 1000.0)
         if isinstance(decision, Rejection):
@@ -290,6 +292,11 @@ class Router:
         Returns the body to produce: a decision, a rejection, or ``None`` with the reason
         as the key when the record must be dead-lettered (no request id anywhere).
         """
+        key_out, out, _ = await self.handle_with_reply(value, key)
+        return key_out, out
+
+    async def handle_with_reply(self, value: bytes | None, key: bytes | None) -> tuple[str, Any, str | None]:
+        """:meth:`handle`, plus the gateway id the answer also goes to (the request's ``reply_to``)."""
         key_id = _key_text(key)
         try:
             env = decode(value or b"")
@@ -298,14 +305,14 @@ class Router:
                 raise DecodeError("wrong_kind", f"a {body.kind} record on the requests topic")
         except DecodeError as e:
             if not key_id:
-                return "", e
-            return key_id, self.reject(key_id, "invalid_request", str(e))
+                return "", e, None
+            return key_id, self.reject(key_id, "invalid_request", str(e)), None
         try:
             out = await self.route(body)
         except Exception as e:  # a bug must not turn one request into a crash loop of every replica
             log.exception("routing %s failed", body.request_id)
             out = self.reject(body.request_id, "invalid_request", f"router error: {type(e).__name__}: {e}")
-        return (out.prefill_instance if isinstance(out, RoutingDecision) else out.request_id), out
+        return (out.prefill_instance if isinstance(out, RoutingDecision) else out.request_id), out, body.reply_to
 
 
 def default_router_id() -> str:
@@ -385,8 +392,9 @@ class RouterWorker:
                     handled = []
                     for i in range(0, len(records), n):
                         window = records[i : i + n]
-                        handled += await asyncio.gather(*(self.router.handle(r.value, r.key) for r in window))
-                    for rec, (key, out) in zip(records, handled):
+                        handled += await asyncio.gather(
+                            *(self.router.handle_with_reply(r.value, r.key) for r in window))
+                    for rec, (key, out, reply_to) in zip(records, handled):
                         if key == "":
                             dl = DeadLetter(
                                 source_topic=tp.topic, partition=tp.partition, offset=rec.offset,
@@ -398,8 +406,17 @@ class RouterWorker:
                                                          headers=headers(env)))
                             continue
                         env = self._wrap(out)
-                        sends.append(await prod.send(t.dispatch.name, encode(env), key=key.encode(),
-                                                     headers=headers(env)))
+                        raw, hdrs = encode(env), headers(env)
+                        sends.append(await prod.send(t.dispatch.name, raw, key=key.encode(), headers=hdrs))
+                        if reply_to:
+                            # The waiting gateway reads only its own topic; dispatch stays the audit log.
+                            try:
+                                reply = t.replies(reply_to)
+                            except ValueError as e:
+                                log.warning("request %s: no reply sent: %s", out.request_id, e)
+                            else:
+                                sends.append(await prod.send(reply.name, raw, key=out.request_id.encode(),
+                                                             headers=hdrs))
                         self.routed += 1
                 await asyncio.gather(*sends)
                 await cons.commit()
