@@ -372,7 +372,10 @@ class RouterWorker:
         t = self.topics
         await ensure_topics(self.settings, (t.requests, t.dispatch, t.dead_letter))
         prod = producer(self.settings)
-        cons = consumer(self.settings, t.requests.name, group_id=self.settings.topic_prefix + self.GROUP)
+        # The embedded broker answers a fetch only when its wait runs out, new records or not:
+        # a short wait keeps a waiting gateway's decision from sitting there (Kafka returns early).
+        cons = consumer(self.settings, t.requests.name, group_id=self.settings.topic_prefix + self.GROUP,
+                        **({"fetch_max_wait_ms": 5} if self.settings.embedded else {}))
         await prod.start()
         await cons.start()
         await self.router.start()
