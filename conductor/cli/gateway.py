@@ -10,12 +10,13 @@ from typing import Any
 import typer
 
 from conductor import web
-from conductor.cli.common import err, print_json, settings_or_exit
+from conductor.cli.common import err, print_json, print_result, settings_or_exit
 from conductor.cli.engines import _stop_on_signals
 from conductor.gateway.app import run_gateway
 from conductor.gateway.protocol import ENGINE_PROTOCOLS, parse_engine_map
 from conductor.gateway.service import GatewayConfig
 from conductor.telemetry import scrape, setup_metrics
+from conductor.tools.bench.gateway import run_gateway_bench
 from streams.topics import topics
 
 
@@ -86,3 +87,20 @@ def register(groups: dict[str, typer.Typer]) -> None:
             await run_gateway(s, cfg, sock, stop, tokenizer_path=tokenizer, metrics_text=scrape, on_ready=ready)
 
         asyncio.run(main())
+
+    @groups["bench"].command("gateway")
+    def bench_gateway(
+        clients: list[int] = typer.Option([50, 200], "--clients", min=1, help="concurrent streaming clients "
+                                          "(repeat for several levels)"),
+        requests_per_client: int = typer.Option(10, min=1, help="requests each client sends back to back"),
+        max_tokens: int = typer.Option(8, min=1, help="output tokens per request"),
+        json_out: bool = typer.Option(False, "--json", help="print one JSON line"),
+    ) -> None:
+        """Gateway overhead over calling the chosen engines directly, with zero-compute emulated engines.
+
+        Starts (on CONDUCTOR_KAFKA_URL/REDIS_URL, or the embedded ones) a worker, a router, 2 prefill + 2 decode engines and a gateway; measures time to first token straight to a prefill/decode pair and through the gateway at each concurrency. Fields: gateway_overhead_ms_p50, gateway_overhead_ms_p99, requests_per_s, errors (headline: the first level; per level under "levels").
+        """
+        s = settings_or_exit()
+        out = run_gateway_bench(s, levels=tuple(clients), requests_per_client=requests_per_client,
+                                max_tokens=max_tokens)
+        print_result(out, json_out)

@@ -80,6 +80,7 @@ async def run_gateway(settings: Settings, config: GatewayConfig, sock: socket.so
                       tokenizer_path: str | None = None, metrics_text: Callable[[], str] = lambda: "",
                       on_ready: Callable[[Gateway], None] | None = None) -> None:
     """Run one gateway on ``sock`` until ``stop``: its producer, its reply inbox, its HTTP server."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call is noise
     tps = topics(settings)
     await ensure_topics(settings, (tps.requests, tps.dispatch, tps.request_outcomes))
     limits = httpx.Limits(max_connections=4096, max_keepalive_connections=1024)
