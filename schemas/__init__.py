@@ -16,6 +16,7 @@ from .records import (
     KvCommand,
     KvEvent,
     RejectReason,
+    RequestOutcome,
     Role,
     RoutingDecision,
     RoutingRejection,
@@ -28,6 +29,6 @@ __all__ = [
     "ROOT_KEY", "chain_from_precomputed", "chain_keys", "CONTENT_TYPE", "DecodeError", "decode",
     "encode", "headers", "BODY_TYPES", "SCHEMA_VERSIONS", "TIERS", "AllBlocksCleared",
     "BlocksMigrated", "BlocksRemoved", "BlocksStored", "DeadLetter", "Envelope", "Heartbeat",
-    "KvCommand", "KvEvent", "RejectReason", "Role", "RoutingDecision", "RoutingRejection",
+    "KvCommand", "KvEvent", "RejectReason", "RequestOutcome", "Role", "RoutingDecision", "RoutingRejection",
     "RoutingRequest", "Tier", "envelope",
 ]

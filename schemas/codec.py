@@ -64,6 +64,12 @@ def _heartbeat_v1_to_v2(body: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
+@upcaster("routing_request", 1)
+def _routing_request_v1(body: dict[str, Any]) -> dict[str, Any]:
+    # v2 added cache_salt, exclude and retry_of, all with defaults: nothing to fill in.
+    return body
+
+
 def encode(record: Envelope) -> bytes:
     """Serialise an envelope (at its current schema version)."""
     if not isinstance(record, Envelope):

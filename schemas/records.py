@@ -136,7 +136,14 @@ class RoutingRequest(Record):
     tbt_slo_ms: float | None = Field(default=None, gt=0)
     priority: int = Field(default=0, ge=-100, le=100)
     lora_name: OptName = None
+    cache_salt: OptName = None
+    """vLLM's per-request cache salt: an extra key of every block, so salted prefixes never match unsalted ones."""
     reply_to: OptName = None
+    """The gateway id that waits for this decision: the router also writes it to that gateway's reply topic."""
+    exclude: Annotated[list[Name], Field(max_length=64)] = []
+    """Instances the decision must not name (a retry after an instance failed mid-request)."""
+    retry_of: OptName = None
+    """The request id this one retries (the failed attempt's decision stays in the log)."""
 
     @model_validator(mode="after")
     def _tokens_or_chain(self) -> "RoutingRequest":
@@ -179,6 +186,47 @@ class RoutingRejection(Record):
     watermark: Annotated[dict[Name, int], Field(max_length=4096)] = {}
 
 
+# --- what happened to a request (topic request-outcomes, key = request id) -------
+
+
+class RequestOutcome(Record):
+    """What a gateway observed for one client request, once it ended (served, rejected or failed).
+
+    Placed next to the decision's predictions, it gives the prediction error, the real
+    cache-hit rate and the measurements ``profile fit`` needs, from production traffic.
+    """
+
+    kind: Literal["request_outcome"] = "request_outcome"
+    request_id: Name
+    """The client request's id (the first attempt's routing request id)."""
+    gateway: Name
+    status: int = Field(ge=100, le=599)
+    """The HTTP status the client got (200 even when a stream ended in an error event)."""
+    error: OptName = None
+    """A short code: a rejection reason, ``engine_failed``, ``decision_timeout``...; None when served."""
+    message: Text = ""
+    attempts: Annotated[list[Name], Field(max_length=16)] = []
+    """The routing request id of every attempt, first to last."""
+    prefill_instance: OptName = None
+    decode_instance: OptName = None
+    excluded: Annotated[list[Name], Field(max_length=64)] = []
+    """Instances that failed during this request (and were excluded from its retries)."""
+    prompt_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS)
+    cached_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS)
+    """Prompt tokens the prefill engine reported as read from cache, when it reports them."""
+    output_tokens: int = Field(default=0, ge=0, le=MAX_TOKENS)
+    predicted_ttft_s: float | None = Field(default=None, ge=0)
+    predicted_tbt_ms: float | None = Field(default=None, ge=0)
+    ttft_s: float | None = Field(default=None, ge=0)
+    """Arrival at the gateway to the first output token leaving it."""
+    tbt_p50_ms: float | None = Field(default=None, ge=0)
+    tbt_p99_ms: float | None = Field(default=None, ge=0)
+    routing_ms: float | None = Field(default=None, ge=0)
+    """Tokenizing + the request's round trip through the log to its decision (all attempts)."""
+    total_s: float = Field(default=0.0, ge=0)
+    stream: bool = False
+
+
 # --- KV balance commands (topic kv-commands) ----------------------------------
 
 
@@ -217,6 +265,7 @@ Body = Annotated[
         RoutingRequest,
         RoutingDecision,
         RoutingRejection,
+        RequestOutcome,
         KvCommand,
         DeadLetter,
     ],
@@ -235,6 +284,7 @@ BODY_TYPES: dict[str, type[Record]] = {
         RoutingRequest,
         RoutingDecision,
         RoutingRejection,
+        RequestOutcome,
         KvCommand,
         DeadLetter,
     )
@@ -244,6 +294,7 @@ BODY_TYPES: dict[str, type[Record]] = {
 # ``schemas.codec`` whenever a body changes incompatibly.
 SCHEMA_VERSIONS: dict[str, int] = {kind: 1 for kind in BODY_TYPES}
 SCHEMA_VERSIONS["heartbeat"] = 2  # v2 added decode_context_tokens and zone
+SCHEMA_VERSIONS["routing_request"] = 2  # v2 added cache_salt, exclude and retry_of
 
 
 class Envelope(Record):

@@ -35,9 +35,25 @@ class Topics:
     dispatch: Topic
     kv_commands: Topic
     dead_letter: Topic
+    request_outcomes: Topic
+    reply_prefix: str
+    replication_factor: int
 
     def all(self) -> tuple[Topic, ...]:
-        return (self.kv_events, self.heartbeats, self.requests, self.dispatch, self.kv_commands, self.dead_letter)
+        """The shared topics (per-gateway reply topics are named by :meth:`replies`)."""
+        return (self.kv_events, self.heartbeats, self.requests, self.dispatch, self.kv_commands, self.dead_letter,
+                self.request_outcomes)
+
+    def replies(self, gateway_id: str) -> Topic:
+        """The reply topic of one gateway: the decisions of the requests it sent (``reply_to``).
+
+        One partition: a gateway reads all of it, and nobody else's. Routers still write
+        every decision to ``dispatch`` too (the audit log ``explain`` reads).
+        """
+        if not gateway_id or not all(c.isalnum() or c in "._-" for c in gateway_id) or len(gateway_id) > 120:
+            raise ValueError(f"gateway id {gateway_id!r}: use 1-120 letters, digits, '.', '_' or '-'")
+        return Topic(f"{self.reply_prefix}{gateway_id}", "request id",
+                     frozenset({"routing_decision", "routing_rejection"}), 1, self.replication_factor)
 
     def by_name(self, name: str) -> Topic:
         for t in self.all():
@@ -59,4 +75,7 @@ def topics(settings: _TopicSettings) -> Topics:
         dispatch=t("dispatch", "prefill instance id (rejections: request id)", "routing_decision", "routing_rejection"),
         kv_commands=t("kv-commands", "source node id", "kv_command"),
         dead_letter=t("dead-letter", "source topic", "dead_letter"),
+        request_outcomes=t("request-outcomes", "request id", "request_outcome"),
+        reply_prefix=f"{p}replies.",
+        replication_factor=rf,
     )

@@ -16,10 +16,12 @@ import typer
 from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Observation
 
+from conductor import web
 from conductor.bridge.publisher import EventPublisher
 from conductor.bridge.runner import Bridge, BridgeConfig, kafka_sink
 from conductor.cli.common import err, print_json, print_result, settings_or_exit
 from conductor.engine.emulated import EmulatedEngine, EngineConfig
+from conductor.engine.http import engine_app
 from conductor.errors import ConfigError
 from conductor.profiles import load_profile
 from conductor.routing.dispatch import decisions_for
@@ -150,12 +152,18 @@ def register(groups: dict[str, typer.Typer]) -> None:
         max_output_tokens: int = typer.Option(None, min=1, help="cap on decoded tokens per request"),
         heartbeat_s: float = typer.Option(0.5, min=0.05, help="heartbeat interval"),
         report: bool = typer.Option(False, "--report", help="print one JSON line per finished request on stdout"),
+        http_port: int = typer.Option(None, "--http-port", min=0, max=65535,
+                                      help="serve vLLM's OpenAI HTTP API (and the P/D KV hand-off) on this port of "
+                                      "CONDUCTOR_BIND_HOST (0 = a free one); unset = no HTTP"),
+        model: str = typer.Option("default", "--model", help="served model name (heartbeats, /v1/models)"),
     ) -> None:
         """Run an emulated prefill/decode instance that speaks vLLM's KV-event protocol.
 
         It reads its decisions from the dispatch topic, executes them with CONDUCTOR_MODEL_PROFILE's timing model, keeps an LRU prefix cache and heartbeats.
 
-        Its first stdout line is JSON with the ZMQ endpoints to give `conductor bridge`.
+        With --http-port it also serves what vLLM serves (/v1/completions, /v1/chat/completions with SSE, /tokenize, /v1/models, /health, /metrics) including vLLM's kv_transfer_params and SGLang's bootstrap room hand-off: the path `conductor gateway` uses.
+
+        Its first stdout line is JSON with the ZMQ endpoints to give `conductor bridge` (and the HTTP URL).
         """
         if role not in ROLES:
             err.print(f"[red]error:[/red] --role must be one of {', '.join(ROLES)}, not {role!r}")
@@ -182,17 +190,26 @@ def register(groups: dict[str, typer.Typer]) -> None:
                 node_id=node_id, role=role, block_size=s.block_size, kv_blocks=kv_blocks,  # type: ignore[arg-type]
                 dram_blocks=dram_blocks,
                 time_scale=time_scale, heartbeat_s=heartbeat_s, max_output_tokens=max_output_tokens, seed=s.seed,
+                model=model,
             )
             eng = EmulatedEngine(cfg, profile, pub, heartbeat_sink=kafka_sink(prod, tps.heartbeats.name),
                                  report=sys.stdout if report else None)
-            print_json({"event": "ready", "node_id": node_id, "role": role, "zmq": pub.endpoint,
-                        "replay": pub.replay_endpoint})
+            sock = web.bind(s.bind_host, http_port) if http_port is not None else None
+            ready: dict[str, Any] = {"event": "ready", "node_id": node_id, "role": role, "zmq": pub.endpoint,
+                                     "replay": pub.replay_endpoint}
+            if sock is not None:
+                ready["http"] = f"http://{s.bind_host}:{sock.getsockname()[1]}"
+            print_json(ready)
             stop = asyncio.Event()
             _stop_on_signals(stop)
             try:
                 # A little before our start: the router's clock may lag ours.
                 stream = decisions_for(s, node_id, since_ms=started_ms - CLOCK_SLACK_MS, stop=stop)
-                await _until_stopped(stop, asyncio.create_task(eng.run(stream)))
+                tasks = [asyncio.create_task(eng.run(stream))]
+                if sock is not None:
+                    app = engine_app(eng, s.bind_host, sock.getsockname()[1])
+                    tasks.append(asyncio.create_task(web.serve(app, sock, stop)))
+                await _until_stopped(stop, *tasks)
             finally:
                 await pub.close()
                 await prod.stop()

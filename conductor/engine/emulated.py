@@ -9,10 +9,15 @@ on a ZMQ PUB socket with a replay ROUTER socket, and heartbeats its load.
 Its own block hashes are salted per instance (like vLLM's random hash seed), so
 only the bridge's token-derived keys make its blocks comparable across nodes.
 
+Two ways in: decisions read from ``dispatch`` (the closed-world demo path: a
+decode instance admits a request when the router predicted its prefill would
+end), or HTTP requests (``conductor.engine.http``, the gateway path: a decode
+instance waits for its prefill peer's KV transfer). Both share one prefill queue
+and one continuous-batching decode loop. Decisions of requests a gateway sent
+(``reply_to`` set) arrive by HTTP, so the dispatch path skips them.
+
 Emulation shortcuts, on purpose: a prefill instance runs one request at a time;
-a decode instance admits a request when the router predicted its prefill would
-end (there is no KV transfer to wait for) and decodes it with continuous
-batching; decode instances publish no KV events (their KV is per request).
+decode instances publish no KV events (their KV is per request).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from conductor.bridge.publisher import EventPublisher
 from conductor.bridge.wire import EngineBlockRemoved, EngineBlockStored
 from conductor.profiles import ModelProfile
 from conductor.routing.dispatch import Assignment
-from schemas import Heartbeat, Role, envelope
+from schemas import Heartbeat, Role, RoutingDecision, RoutingRequest, envelope
 
 log = logging.getLogger(__name__)
 
@@ -116,6 +121,8 @@ class EngineConfig:
     max_output_tokens: int | None = None
     """Cap on tokens decoded per request (keeps demos short); None = as the request asks."""
     seed: int = 0
+    model: str = "default"
+    """The served model name (heartbeats, ``/v1/models``)."""
 
 
 @dataclass
@@ -125,12 +132,15 @@ class _Seq:
     remaining: int
     steps: int = 0
     step_time_s: float = 0.0
+    on_tokens: Callable[[int], None] | None = None
+    """Called with the number of tokens each decode step batch produced (HTTP requests)."""
 
 
 @dataclass
 class EngineState:
-    queue: deque[tuple[Assignment, int]] = field(default_factory=deque)
-    """Prefill assignments waiting, with the wall-clock ms each was received at."""
+    queue: deque[tuple[Assignment, int, "asyncio.Future[int] | None"]] = field(default_factory=deque)
+    """Prefill assignments waiting, with the wall-clock ms each was received at and, for an
+    HTTP request, the future that receives its cached-token count."""
     current_prefill_tokens: int = 0
     decoding: list[_Seq] = field(default_factory=list)
     waiting_decode: int = 0
@@ -172,8 +182,10 @@ class EmulatedEngine:
 
     def submit(self, a: Assignment) -> None:
         """Queue an assignment (prefill part, decode part, or both)."""
+        if a.request is not None and a.request.reply_to:
+            return  # a gateway's request: the gateway brings it here by HTTP
         if a.prefill:
-            self.state.queue.append((a, self.clock_ms()))
+            self.state.queue.append((a, self.clock_ms(), None))
             self._prefill_work.set()
         if a.decode:
             asyncio.get_running_loop().create_task(self._admit_decode(a))
@@ -185,13 +197,45 @@ class EmulatedEngine:
             while not self.state.queue:
                 self._prefill_work.clear()
                 await self._prefill_work.wait()
-            a, received_ms = self.state.queue.popleft()
+            a, received_ms, fut = self.state.queue.popleft()
             try:
-                await self._prefill(a, received_ms)
-            except Exception:  # one bad assignment must not stop the instance
+                cached = await self._prefill(a, received_ms)
+            except Exception as e:  # one bad assignment must not stop the instance
                 log.exception("prefill of %s failed", a.decision.request_id)
+                if fut is not None and not fut.done():
+                    fut.set_exception(e)
+            else:
+                if fut is not None and not fut.done():
+                    fut.set_result(cached)
 
-    async def _prefill(self, a: Assignment, received_ms: int) -> None:
+    async def prefill_now(self, request_id: str, token_ids: list[int], expected_output_tokens: int = 1) -> int:
+        """Run one HTTP request's prefill through the prefill queue; return its cached prompt tokens."""
+        now = self.clock_ms()
+        req = RoutingRequest(request_id=request_id[:256] or "http", token_ids=token_ids, prompt_tokens=len(token_ids),
+                             expected_output_tokens=expected_output_tokens, model=self.config.model)
+        d = RoutingDecision(request_id=req.request_id, prefill_instance=self.config.node_id,
+                            decode_instance=self.config.node_id, reused_tokens=0, predicted_ttft_s=0.0,
+                            predicted_tbt_ms=0.0, policy="http")
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        a = Assignment(decision=d, request=req, request_ts_ms=now, decision_ts_ms=now, prefill=True, decode=False)
+        self.state.queue.append((a, now, fut))
+        self._prefill_work.set()
+        return await fut
+
+    def decode_now(self, request_id: str, context_tokens: int, max_tokens: int,
+                   on_tokens: Callable[[int], None]) -> None:
+        """Add one HTTP request to the continuous decode batch; ``on_tokens(n)`` after each step
+        batch, the last call bringing the total to the (capped) ``max_tokens``."""
+        out = max_tokens if self.config.max_output_tokens is None else min(max_tokens, self.config.max_output_tokens)
+        self.state.decoding.append(_Seq(request_id, context=context_tokens, remaining=max(out, 1), on_tokens=on_tokens))
+        self._decode_work.set()
+
+    def decode_output_tokens(self, max_tokens: int) -> int:
+        """How many tokens :meth:`decode_now` will produce for ``max_tokens``."""
+        out = max_tokens if self.config.max_output_tokens is None else min(max_tokens, self.config.max_output_tokens)
+        return max(out, 1)
+
+    async def _prefill(self, a: Assignment, received_ms: int) -> int:
         req, d = a.request, a.decision
         prompt = req.prompt_tokens if req else 0
         self.state.current_prefill_tokens = prompt
@@ -242,6 +286,7 @@ class EmulatedEngine:
                 "predicted_ttft_s": d.predicted_ttft_s,
             }
         )
+        return min(cached_tokens, prompt)
 
     async def _store(self, chain: list[int], local: int, tokens: list[int]) -> None:
         new = chain[local:]
@@ -326,10 +371,16 @@ class EmulatedEngine:
             await asyncio.sleep(n * step / self.config.time_scale)
             finished = []
             for s in batch:
-                s.context += n
-                s.remaining -= n
-                s.steps += n
-                s.step_time_s += n * step
+                made = min(n, s.remaining)
+                s.context += made
+                s.remaining -= made
+                s.steps += made
+                s.step_time_s += made * step
+                if s.on_tokens is not None:
+                    try:
+                        s.on_tokens(made)
+                    except Exception:  # a client gone away must not stop the batch
+                        log.exception("token callback of %s failed", s.request_id)
                 if s.remaining <= 0:
                     finished.append(s)
             for s in finished:
@@ -349,9 +400,10 @@ class EmulatedEngine:
 
     def heartbeat(self) -> Heartbeat:
         st = self.state
-        queued = sum(a.request.prompt_tokens for a, _ in st.queue if a.request) + st.current_prefill_tokens
+        queued = sum(a.request.prompt_tokens for a, _, _ in st.queue if a.request) + st.current_prefill_tokens
         return Heartbeat(
             role=self.config.role,
+            model=self.config.model,
             queue_depth=len(st.queue) + (1 if st.current_prefill_tokens else 0) + st.waiting_decode,
             queued_prefill_tokens=queued,
             running_requests=len(st.decoding) + (1 if st.current_prefill_tokens else 0),
@@ -383,10 +435,10 @@ class EmulatedEngine:
     async def run(self, assignments: Any) -> None:
         """Execute ``assignments`` (an async iterator of :class:`Assignment`) until cancelled."""
         self.publisher.start()
-        tasks = [asyncio.create_task(self.run_heartbeats())]
-        tasks.append(asyncio.create_task(self.run_prefill() if self.config.role != "decode" else self.run_decode()))
-        if self.config.role == "both":
-            tasks.append(asyncio.create_task(self.run_decode()))
+        # Both loops on every role: over HTTP a prefill instance also makes its one token, and a
+        # request sent to a decode instance without a KV hand-off is prefilled there.
+        tasks = [asyncio.create_task(self.run_heartbeats()), asyncio.create_task(self.run_prefill()),
+                 asyncio.create_task(self.run_decode())]
         try:
             async for a in assignments:
                 self.submit(a)

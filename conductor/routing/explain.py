@@ -230,7 +230,7 @@ async def explain(settings: Settings, request_id: str) -> Explanation:
     router = Router(s, _ViewAt(store, at_ms), reservations)
     chain = router.chain_of(req)
     snap, pending = await router.read(chain)
-    cluster = router.cluster(snap, pending, req.model, 0.0)
+    cluster = router.cluster(snap, pending, req.model, 0.0, req.exclude)
     prefill_rows, decode_rows = _estimates(router, cluster, req, len(chain))
     again = await router.route(req, ordinal)
     if again.seed != rec.seed:

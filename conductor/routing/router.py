@@ -42,9 +42,18 @@ from redis.asyncio.connection import Connection
 
 from conductor.errors import ViewStoreError
 from conductor.profiles import ModelProfile, load_profile
-from conductor.routing.decision import decision_record, decision_reservations, rejection_record
+from conductor.routing.decision import (
+    decision_record,
+    decision_reservations,
+    rejection_record,
+)
 from conductor.routing.policies import Policy, make_policy
-from conductor.routing.snapshot import ClusterSnapshot, InstanceMemo, PolicyRequest, build_cluster
+from conductor.routing.snapshot import (
+    ClusterSnapshot,
+    InstanceMemo,
+    PolicyRequest,
+    build_cluster,
+)
 from conductor.settings import Settings
 from schemas import (
     DeadLetter,
@@ -155,7 +164,8 @@ class Router:
                 )
             return list(req.block_keys)
         assert req.token_ids is not None
-        return chain_keys(req.token_ids, bs, lora_name=req.lora_name)
+        extra = (f"salt={req.cache_salt}",) if req.cache_salt else ()
+        return chain_keys(req.token_ids, bs, lora_name=req.lora_name, extra_keys=extra)
 
     def policy_request(self, req: RoutingRequest, chain_len: int, ordinal: int = 0) -> PolicyRequest:
         s = self.settings
@@ -180,10 +190,12 @@ class Router:
 
     # --- deciding -------------------------------------------------------------------
 
-    def cluster(self, snap: ViewSnapshot, pending: dict[str, Load], model: str, age_ms: float) -> ClusterSnapshot:
-        """The policy's picture of one read (:func:`~conductor.routing.snapshot.build_cluster`)."""
+    def cluster(self, snap: ViewSnapshot, pending: dict[str, Load], model: str, age_ms: float,
+                exclude: Sequence[str] = ()) -> ClusterSnapshot:
+        """The policy's picture of one read (:func:`~conductor.routing.snapshot.build_cluster`),
+        without the instances in ``exclude`` (a gateway's retry after one of them failed)."""
         return build_cluster(snap, pending, block_size=self.settings.block_size, ttl_s=self.ttl_s, model=model,
-                             age_ms=age_ms, memo=self._memo)
+                             age_ms=age_ms, memo=self._memo, exclude=exclude)
 
     async def route(self, req: RoutingRequest, ordinal: int = 0) -> RoutingDecision | RoutingRejection:
         """Place one request (or reject it with a reason); records the reservation.
@@ -215,7 +227,7 @@ class Router:
             degraded = True
             snap = last.snapshot  # node states only: prefixes of this chain are unknown
             pending = await self.reservations.pending(self._since, snap.now_ms + int(age_ms))
-        cluster = self.cluster(snap, pending, req.model, age_ms)
+        cluster = self.cluster(snap, pending, req.model, age_ms, req.exclude)
         answer = self.policy.decide(preq, cluster, random.Random(seed))
         self.metrics.latency.record((time.perf_counter() - t0) * 1000.0)
         out = decision_record(req, answer, block_size=self.settings.block_size, policy=self.policy.name,
@@ -249,6 +261,12 @@ class Router:
         Returns the body to produce: a decision, a rejection, or ``None`` with the reason
         as the key when the record must be dead-lettered (no request id anywhere).
         """
+        key_out, out, _ = await self.handle_with_reply(value, key, offset)
+        return key_out, out
+
+    async def handle_with_reply(self, value: bytes | None, key: bytes | None,
+                                offset: int = 0) -> tuple[str, Any, str | None]:
+        """:meth:`handle`, plus the gateway id the answer also goes to (the request's ``reply_to``)."""
         key_id = _key_text(key)
         try:
             env = decode(value or b"")
@@ -257,14 +275,14 @@ class Router:
                 raise DecodeError("wrong_kind", f"a {body.kind} record on the requests topic")
         except DecodeError as e:
             if not key_id:
-                return "", e
-            return key_id, self.reject(key_id, "invalid_request", str(e))
+                return "", e, None
+            return key_id, self.reject(key_id, "invalid_request", str(e)), None
         try:
             out = await self.route(body, offset)
         except Exception as e:  # a bug must not turn one request into a crash loop of every replica
             log.exception("routing %s failed", body.request_id)
             out = self.reject(body.request_id, "invalid_request", f"router error: {type(e).__name__}: {e}")
-        return (out.prefill_instance if isinstance(out, RoutingDecision) else out.request_id), out
+        return (out.prefill_instance if isinstance(out, RoutingDecision) else out.request_id), out, body.reply_to
 
 
 def default_router_id() -> str:
@@ -306,7 +324,10 @@ class RouterWorker:
         t = self.topics
         await ensure_topics(self.settings, (t.requests, t.dispatch, t.dead_letter))
         prod = producer(self.settings)
-        cons = consumer(self.settings, t.requests.name, group_id=self.settings.topic_prefix + self.GROUP)
+        # The embedded broker answers a fetch only when its wait runs out, new records or not:
+        # a short wait keeps a waiting gateway's decision from sitting there (Kafka returns early).
+        cons = consumer(self.settings, t.requests.name, group_id=self.settings.topic_prefix + self.GROUP,
+                        **({"fetch_max_wait_ms": 5} if self.settings.embedded else {}))
         await prod.start()
         await cons.start()
         await self.router.start()
@@ -326,8 +347,9 @@ class RouterWorker:
                     handled = []
                     for i in range(0, len(records), n):
                         window = records[i : i + n]
-                        handled += await asyncio.gather(*(self.router.handle(r.value, r.key, r.offset) for r in window))
-                    for rec, (key, out) in zip(records, handled):
+                        handled += await asyncio.gather(
+                            *(self.router.handle_with_reply(r.value, r.key, r.offset) for r in window))
+                    for rec, (key, out, reply_to) in zip(records, handled):
                         if key == "":
                             dl = DeadLetter(
                                 source_topic=tp.topic, partition=tp.partition, offset=rec.offset,
@@ -339,8 +361,17 @@ class RouterWorker:
                                                          headers=headers(env)))
                             continue
                         env = self._wrap(out)
-                        sends.append(await prod.send(t.dispatch.name, encode(env), key=key.encode(),
-                                                     headers=headers(env)))
+                        raw, hdrs = encode(env), headers(env)
+                        sends.append(await prod.send(t.dispatch.name, raw, key=key.encode(), headers=hdrs))
+                        if reply_to:
+                            # The waiting gateway reads only its own topic; dispatch stays the audit log.
+                            try:
+                                reply = t.replies(reply_to)
+                            except ValueError as e:
+                                log.warning("request %s: no reply sent: %s", out.request_id, e)
+                            else:
+                                sends.append(await prod.send(reply.name, raw, key=out.request_id.encode(),
+                                                             headers=hdrs))
                         self.routed += 1
                 await asyncio.gather(*sends)
                 await cons.commit()

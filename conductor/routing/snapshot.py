@@ -7,7 +7,7 @@ simulator all call it. Policies are pure functions of (request, snapshot, params
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -132,13 +132,15 @@ def build_cluster(
     model: str | None = None,
     age_ms: float = 0.0,
     memo: InstanceMemo | None = None,
+    exclude: Collection[str] = (),
 ) -> ClusterSnapshot:
     """The policy's picture of ``view``: live nodes serving ``model`` (stores serve every
-    model; ``None`` = no filter), each with its prefix of the chain and its ``pending``
-    reservations added. Pure; ``memo`` only saves rebuilding unchanged instances."""
+    model; ``None`` = no filter) and not named in ``exclude``, each with its prefix of the
+    chain and its ``pending`` reservations added. Pure; ``memo`` only saves rebuilding
+    unchanged instances."""
     insts = []
     for n in view.live_nodes(ttl_s):
-        if model is not None and n.model != model and n.role != "store":
+        if (model is not None and n.model != model and n.role != "store") or n.node_id in exclude:
             continue
         prefix = view.prefix.get(n.node_id, NO_PREFIX)
         extra = pending.get(n.node_id)

@@ -10,7 +10,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from conductor.routing.snapshot import ClusterSnapshot, InstanceMemo, PolicyRequest, build_cluster
+from conductor.routing.snapshot import (
+    ClusterSnapshot,
+    InstanceMemo,
+    PolicyRequest,
+    build_cluster,
+)
 from conductor.sim.cache import LruBlockCache, TieredPool
 from conductor.sim.cluster import ClusterProfile
 from conductor.sim.decode import DecodeInstance, DecodeJob

@@ -1,0 +1,1 @@
+"""``conductor gateway``: the OpenAI-compatible HTTP front door (see README.md here)."""

@@ -1,0 +1,105 @@
+"""The gateway's HTTP app (FastAPI) and the task that runs it with its Kafka clients."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response
+
+from conductor import web
+from conductor.gateway.protocol import error_body
+from conductor.gateway.replies import ReplyInbox
+from conductor.gateway.service import Gateway, GatewayConfig
+from conductor.gateway.tokenizer import EngineTokenizer, LocalTokenizer, PromptTokenizer
+from conductor.settings import Settings
+from streams.kafka import ensure_topics, producer
+from streams.topics import topics
+
+log = logging.getLogger(__name__)
+
+UPSTREAM_TIMEOUT = httpx.Timeout(60.0, connect=2.0)
+"""Connect fails fast (a dead engine is retried elsewhere); reads allow a long prefill."""
+
+
+def gateway_app(gw: Gateway, metrics_text: Callable[[], str] = lambda: "") -> FastAPI:
+    app = FastAPI(title="conductor gateway", docs_url=None, redoc_url=None)
+
+    async def body_of(request: Request) -> Any:
+        try:
+            return await request.json()
+        except ValueError:
+            return None
+
+    async def completions(request: Request) -> Response:
+        body = await body_of(request)
+        if body is None:
+            return JSONResponse(error_body("the body is not JSON", "invalid_json", param="body"), status_code=400)
+        return await gw.handle(body, request.headers, chat=False)
+
+    async def chat(request: Request) -> Response:
+        body = await body_of(request)
+        if body is None:
+            return JSONResponse(error_body("the body is not JSON", "invalid_json", param="body"), status_code=400)
+        return await gw.handle(body, request.headers, chat=True)
+
+    async def models() -> Response:
+        for url in gw.config.engines.values():
+            with contextlib.suppress(httpx.HTTPError, ValueError):
+                r = await gw.client.get(f"{url}/v1/models", timeout=2.0)
+                if r.status_code == 200:
+                    return JSONResponse(r.json())
+        name = gw.config.base_model or "default"
+        return JSONResponse({"object": "list", "data": [{"id": name, "object": "model", "created": 0,
+                                                         "owned_by": "conductor"}]})
+
+    async def health() -> Response:
+        if not gw.inbox.ready:
+            return JSONResponse(error_body("not reading its reply topic yet", "starting", kind="service_unavailable"),
+                                status_code=503)
+        return Response(status_code=200)
+
+    async def prom() -> Response:
+        return PlainTextResponse(metrics_text(), media_type="text/plain; version=0.0.4")
+
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", chat, methods=["POST"])
+    app.add_api_route("/v1/models", models, methods=["GET"])
+    app.add_api_route("/health", health, methods=["GET"])
+    app.add_api_route("/metrics", prom, methods=["GET"])
+    return app
+
+
+async def run_gateway(settings: Settings, config: GatewayConfig, sock: socket.socket, stop: asyncio.Event, *,
+                      tokenizer_path: str | None = None, metrics_text: Callable[[], str] = lambda: "",
+                      on_ready: Callable[[Gateway], None] | None = None) -> None:
+    """Run one gateway on ``sock`` until ``stop``: its producer, its reply inbox, its HTTP server."""
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call is noise
+    tps = topics(settings)
+    await ensure_topics(settings, (tps.requests, tps.dispatch, tps.request_outcomes))
+    limits = httpx.Limits(max_connections=4096, max_keepalive_connections=1024)
+    client = httpx.AsyncClient(timeout=UPSTREAM_TIMEOUT, limits=limits)
+    engine_tok = EngineTokenizer(client, list(config.engines.values()))
+    tok: PromptTokenizer = LocalTokenizer(tokenizer_path, engine_tok) if tokenizer_path else engine_tok
+    prod = producer(settings, linger_ms=0)
+    await prod.start()
+    inbox = ReplyInbox(settings, config.gateway_id)
+    gw = Gateway(settings, config, tok, client, prod, inbox)
+    inbox_task = asyncio.create_task(inbox.run(stop))
+    try:
+        await asyncio.wait_for(asyncio.shield(inbox.wait_ready(60)), 60)
+        if on_ready is not None:
+            on_ready(gw)
+        await web.serve(gateway_app(gw, metrics_text), sock, stop)
+    finally:
+        stop.set()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await asyncio.wait_for(inbox_task, 5)
+        await prod.stop()
+        await client.aclose()

@@ -1,0 +1,225 @@
+"""The gateway's pure parts: client bodies and headers, rejections as HTTP, the engine hand-off bodies.
+
+No I/O here: everything is a function of its arguments, so it is tested without a server.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from schemas.records import MAX_NAME
+
+EngineProtocol = Literal["vllm", "sglang"]
+ENGINE_PROTOCOLS: tuple[str, ...] = ("vllm", "sglang")
+
+TTFT_HEADER = "x-conductor-ttft-slo-ms"
+TBT_HEADER = "x-conductor-tbt-slo-ms"
+PRIORITY_HEADER = "x-conductor-priority"
+DEFAULT_EXPECTED_OUTPUT = 256
+"""Output tokens the router plans for when the client names no max_tokens."""
+MAX_TOKENS_CAP = 1_048_576
+
+# Rejection reason → (HTTP status, Retry-After seconds).
+# 429: the cluster is up but cannot serve *this* request within its SLOs right now
+#      (load-dependent: the same request later, or with a looser SLO, may pass).
+# 503: the service cannot place anything (no live instance, the view unreachable, no
+#      decision in time): not about this client's rate, retry after the outage.
+# 400: the request itself is unplaceable as given.
+REJECTION_STATUS: dict[str, tuple[int, int]] = {
+    "ttft_slo": (429, 1),
+    "tbt_slo": (429, 1),
+    "overloaded": (429, 2),
+    "no_live_instance": (503, 5),
+    "view_unavailable": (503, 5),
+    "decision_timeout": (503, 2),
+    "invalid_request": (400, 0),
+}
+
+
+class BadRequest(ValueError):
+    """A client error; ``param`` names the body field or header at fault."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass(frozen=True, slots=True)
+class ClientRequest:
+    """What the gateway needs from one OpenAI request body (the body itself is forwarded as is)."""
+
+    chat: bool
+    model: str
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None
+    prompt_text: str | None
+    prompt_ids: tuple[int, ...] | None
+    messages: tuple[dict[str, Any], ...] | None
+    cache_salt: str | None
+    lora_name: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Slo:
+    ttft_s: float | None
+    tbt_ms: float | None
+    priority: int
+
+
+def _int(body: Mapping[str, Any], name: str, lo: int, hi: int) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise BadRequest(name, f"{name} must be an integer in [{lo}, {hi}], got {v!r}")
+    return v
+
+
+def parse_body(body: Any, *, chat: bool, base_model: str | None = None) -> ClientRequest:
+    """Validate the fields the gateway acts on; raise :class:`BadRequest` naming the first bad one.
+
+    ``base_model``: the engines' base model; any other ``model`` is taken as a LoRA adapter
+    name (as vLLM serves adapters), which enters the block keys.
+    """
+    if not isinstance(body, dict):
+        raise BadRequest("body", "the body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not 0 < len(model) <= MAX_NAME:
+        raise BadRequest("model", "model is required: a string of 1-256 characters")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool) and stream is not None:
+        raise BadRequest("stream", "stream must be a boolean")
+    so = body.get("stream_options")
+    if so is not None and not isinstance(so, dict):
+        raise BadRequest("stream_options", "stream_options must be an object")
+    _int(body, "n", 1, 1)  # only n=1 is served: one prefill, one decode
+    mt = _int(body, "max_completion_tokens", 1, MAX_TOKENS_CAP) if chat else None
+    mt = _int(body, "max_tokens", 1, MAX_TOKENS_CAP) or mt
+    salt = body.get("cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_NAME):
+        raise BadRequest("cache_salt", "cache_salt must be a string of 1-256 characters")
+    text = ids = msgs = None
+    if chat:
+        m = body.get("messages")
+        if not isinstance(m, list) or not m:
+            raise BadRequest("messages", "messages is required: a non-empty list of {role, content} objects")
+        for i, x in enumerate(m):
+            if not isinstance(x, dict) or not isinstance(x.get("role"), str):
+                raise BadRequest(f"messages[{i}]", "each message is an object with a string role")
+        msgs = tuple(m)
+    else:
+        p = body.get("prompt")
+        if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
+            p = p[0]
+        if isinstance(p, str):
+            text = p
+        elif isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < 2**32
+                                               for t in p):
+            ids = tuple(p)
+        else:
+            raise BadRequest("prompt", "prompt is required: a string or a non-empty list of token ids "
+                             "(one prompt per request)")
+    return ClientRequest(
+        chat=chat, model=model, stream=bool(stream), include_usage=bool((so or {}).get("include_usage")),
+        max_tokens=mt, prompt_text=text, prompt_ids=ids, messages=msgs, cache_salt=salt,
+        lora_name=model if base_model is not None and model != base_model else None,
+    )
+
+
+def parse_slo(headers: Mapping[str, str]) -> Slo:
+    """The client's SLOs and priority from ``x-conductor-*`` headers (absent = the router's defaults)."""
+
+    def num(name: str) -> float | None:
+        v = headers.get(name)
+        if v is None:
+            return None
+        try:
+            x = float(v)
+        except ValueError:
+            raise BadRequest(name, f"header {name} must be a number of milliseconds, got {v!r}") from None
+        if not math.isfinite(x) or x <= 0:
+            raise BadRequest(name, f"header {name} must be > 0, got {v!r}")
+        return x
+
+    ttft = num(TTFT_HEADER)
+    tbt = num(TBT_HEADER)
+    pr = headers.get(PRIORITY_HEADER)
+    try:
+        priority = int(pr) if pr is not None else 0
+    except ValueError:
+        raise BadRequest(PRIORITY_HEADER, f"header {PRIORITY_HEADER} must be an integer, got {pr!r}") from None
+    if not -100 <= priority <= 100:
+        raise BadRequest(PRIORITY_HEADER, f"header {PRIORITY_HEADER} must be in [-100, 100]")
+    return Slo(ttft / 1000.0 if ttft is not None else None, tbt, priority)
+
+
+def error_body(message: str, code: str, *, param: str | None = None, kind: str = "invalid_request_error") -> dict[str, Any]:
+    """An OpenAI-style error object (what the ``openai`` client puts in ``APIError.body``)."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def rejection_response(reason: str, message: str) -> tuple[int, dict[str, Any], dict[str, str]]:
+    """(status, body, headers) telling a client that Conductor rejected its request, and why."""
+    status, retry = REJECTION_STATUS.get(reason, (503, 5))
+    kind = {429: "rate_limit_error", 400: "invalid_request_error"}.get(status, "service_unavailable")
+    headers = {"Retry-After": str(retry)} if retry else {}
+    return status, error_body(f"rejected by Conductor ({reason}): {message}", reason, kind=kind), headers
+
+
+def vllm_prefill_body(body: Mapping[str, Any], chat: bool) -> dict[str, Any]:
+    """The prefill half of vLLM's disaggregated serving: one token, KV kept for a remote decode."""
+    out = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "max_completion_tokens")}
+    out.update(stream=False, max_tokens=1, kv_transfer_params={
+        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+        "remote_block_ids": None, "remote_host": None, "remote_port": None,
+    })
+    if chat and "max_completion_tokens" in body:
+        out["max_completion_tokens"] = 1
+    return out
+
+
+def vllm_decode_body(body: Mapping[str, Any], kv_transfer_params: Mapping[str, Any]) -> dict[str, Any]:
+    """The decode half: the client's body plus the prefill's ``kv_transfer_params``."""
+    out = dict(body)
+    out["kv_transfer_params"] = dict(kv_transfer_params)
+    if out.get("stream"):
+        # Usage tells the gateway the token counts; it is dropped again if the client did not ask.
+        out["stream_options"] = {**(out.get("stream_options") or {}), "include_usage": True}
+    return out
+
+
+def sglang_bodies(body: Mapping[str, Any], host: str, port: int, room: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """SGLang's hand-off: the same request to both instances, naming the prefill's bootstrap server and a room."""
+    boot = {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room}
+    prefill = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
+    prefill.update(boot, stream=False)
+    decode = dict(body)
+    decode.update(boot)
+    if decode.get("stream"):
+        decode["stream_options"] = {**(decode.get("stream_options") or {}), "include_usage": True}
+    return prefill, decode
+
+
+def percentile(xs: Sequence[float], p: float) -> float | None:
+    """Nearest-rank percentile (None for no values)."""
+    if not xs:
+        return None
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, math.ceil(p / 100 * len(s)) - 1))]
+
+
+def parse_engine_map(items: Sequence[str]) -> dict[str, str]:
+    """``ID=URL`` items → {node id: base URL}; raise ValueError naming the bad item."""
+    out: dict[str, str] = {}
+    for it in items:
+        node, sep, url = it.partition("=")
+        if not sep or not node or not url.startswith(("http://", "https://")):
+            raise ValueError(f"--engine {it!r}: expected NODE_ID=http://HOST:PORT")
+        if node in out:
+            raise ValueError(f"--engine {node}: named twice")
+        out[node] = url.rstrip("/")
+    return out

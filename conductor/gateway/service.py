@@ -1,0 +1,439 @@
+"""One client request, end to end: tokenize → ask Conductor through the log → P/D hand-off → relay.
+
+- The routing request goes onto ``requests`` with ``reply_to`` = this gateway; the answer
+  comes back on this gateway's reply topic (:mod:`conductor.gateway.replies`).
+- A rejection becomes 429/503/400 with an OpenAI-style error naming the reason and a
+  ``Retry-After`` (:data:`conductor.gateway.protocol.REJECTION_STATUS`). No decision within
+  ``decision_timeout_s`` becomes 503 ``decision_timeout``: a client never hangs on the log.
+- An engine that fails before the first output token reaches the client (connection refused,
+  5xx, a KV transfer its decode peer could not complete, a stream cut before its first
+  token) is excluded and a new routing request is sent (``retry_of``, ``exclude``: the
+  retry is in the log); after ``max_attempts`` the client gets 502 ``engine_failed``.
+  Once tokens have been relayed, a broken stream ends with an SSE error event (the
+  ``openai`` client raises it as ``APIError``), never a silent hang.
+- After each request a ``request_outcome`` record goes to ``request-outcomes``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+import logging
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+from urllib.parse import urlparse
+
+import httpx
+from opentelemetry import metrics
+from pydantic import ValidationError
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from conductor.gateway.protocol import (
+    DEFAULT_EXPECTED_OUTPUT,
+    BadRequest,
+    ClientRequest,
+    EngineProtocol,
+    Slo,
+    error_body,
+    parse_body,
+    parse_slo,
+    percentile,
+    rejection_response,
+    sglang_bodies,
+    vllm_decode_body,
+    vllm_prefill_body,
+)
+from conductor.gateway.replies import ReplyInbox
+from conductor.gateway.tokenizer import PromptTokenizer, TokenizeError
+from conductor.settings import Settings
+from schemas import (
+    RequestOutcome,
+    RoutingDecision,
+    RoutingRejection,
+    RoutingRequest,
+    encode,
+    envelope,
+    headers,
+)
+from streams.topics import topics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    gateway_id: str
+    engines: dict[str, str]
+    """Node id → base URL of every engine the gateway may send to."""
+    protocol: EngineProtocol = "vllm"
+    base_model: str | None = None
+    """The engines' base model; another ``model`` in a request is a LoRA adapter name."""
+    decision_timeout_s: float = 5.0
+    max_attempts: int = 3
+    bootstrap_port: int | None = None
+    """SGLang: the prefill instances' bootstrap port (default: the port of their URL)."""
+
+
+class EngineFailed(Exception):
+    def __init__(self, node: str, message: str) -> None:
+        super().__init__(message)
+        self.node = node
+
+
+class UpstreamClientError(Exception):
+    """An engine refused the request itself (4xx): the client's, passed through."""
+
+    def __init__(self, status: int, body: Any) -> None:
+        super().__init__(f"engine answered {status}")
+        self.status, self.body = status, body
+
+
+@dataclass
+class _Trace:
+    """What one client request went through (becomes its ``request_outcome``)."""
+
+    request_id: str
+    t0: float
+    stream: bool
+    attempts: list[str] = field(default_factory=list)
+    excluded: list[str] = field(default_factory=list)
+    decision: RoutingDecision | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    ttft_s: float | None = None
+    gaps_ms: list[float] = field(default_factory=list)
+    routing_ms: float = 0.0
+    status: int = 200
+    error: str | None = None
+    message: str = ""
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        m = metrics.get_meter(__name__)
+        self.requests = m.create_counter("conductor_gateway_requests", description="client requests, by status and error")
+        self.ttft = m.create_histogram("conductor_gateway_ttft", unit="s", description="observed TTFT")
+        self.routing = m.create_histogram("conductor_gateway_routing", unit="ms",
+                                          description="tokenize + routing through the log, per request")
+        self.retries = m.create_counter("conductor_gateway_retries", description="re-routes after an engine failed")
+
+
+class Gateway:
+    """Serves OpenAI requests by asking Conductor and driving the chosen prefill/decode pair."""
+
+    def __init__(self, settings: Settings, config: GatewayConfig, tokenizer: PromptTokenizer,
+                 client: httpx.AsyncClient, producer: Any, inbox: ReplyInbox,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.settings = settings
+        self.config = config
+        self.tokenizer = tokenizer
+        self.client = client
+        self.producer = producer
+        self.inbox = inbox
+        self.clock = clock
+        self.topics = topics(settings)
+        self.metrics = GatewayMetrics()
+        self._seq = itertools.count(1)
+        self._rng = random.Random()
+        self.outcomes: list[RequestOutcome] = []
+        """The last outcomes (bounded), for tests and the bench."""
+
+    # --- the request ------------------------------------------------------------------
+
+    async def handle(self, body: Any, hdrs: Mapping[str, str], *, chat: bool) -> Response:
+        t0 = self.clock()
+        try:
+            creq = parse_body(body, chat=chat, base_model=self.config.base_model)
+            slo = parse_slo(hdrs)
+        except BadRequest as e:
+            self.metrics.requests.add(1, {"status": 400, "error": "invalid_body"})
+            return JSONResponse(error_body(str(e), "invalid_value", param=e.param), status_code=400)
+        tr = _Trace(request_id=f"{self.config.gateway_id}-{uuid.uuid4().hex[:16]}", t0=t0, stream=creq.stream)
+        try:
+            tokens = await self.tokenizer.tokens(creq)
+        except TokenizeError as e:
+            return self._fail(tr, 503, "tokenizer_unavailable", str(e), kind="service_unavailable",
+                              retry_after=2)
+        tr.prompt_tokens = len(tokens)
+        for attempt in range(self.config.max_attempts):
+            arid = tr.request_id if attempt == 0 else f"{tr.request_id}.r{attempt}"
+            tr.attempts.append(arid)
+            if attempt:
+                self.metrics.retries.add(1)
+            t_r = self.clock()
+            try:
+                answer = await self._decide(arid, creq, slo, tokens, tr)
+            except ValidationError as e:
+                first = e.errors()[0]
+                return self._fail(tr, 400, "invalid_value", f"{first.get('loc')}: {first.get('msg')}",
+                                  param="prompt")
+            tr.routing_ms += (self.clock() - t_r) * 1000.0
+            if answer is None:
+                return self._fail(tr, *rejection_response(
+                    "decision_timeout", f"no decision within {self.config.decision_timeout_s:g}s "
+                    "(are the routers running?)"))
+            if isinstance(answer, RoutingRejection):
+                return self._fail(tr, *rejection_response(answer.reason, answer.message), code=answer.reason)
+            tr.decision = answer
+            try:
+                return await self._serve(creq, body, answer, arid, tr)
+            except EngineFailed as e:
+                log.warning("request %s: %s failed (%s); %s", arid, e.node, e,
+                            "routing again without it" if attempt + 1 < self.config.max_attempts else "giving up")
+                if e.node not in tr.excluded:
+                    tr.excluded.append(e.node)
+            except UpstreamClientError as e:
+                tr.status, tr.error = e.status, "engine_rejected"
+                self._outcome(tr)
+                return JSONResponse(e.body, status_code=e.status)
+        return self._fail(tr, 502, "engine_failed",
+                          f"every attempt failed; instances that failed: {', '.join(tr.excluded)}",
+                          kind="server_error")
+
+    def _fail(self, tr: _Trace, status: int, body_or_code: Any, message_or_headers: Any = "", *,
+              code: str | None = None, kind: str = "invalid_request_error", param: str | None = None,
+              retry_after: int | None = None) -> Response:
+        """An error response and its outcome (takes either (status, code, message) or rejection_response())."""
+        if isinstance(body_or_code, dict):
+            body, hdrs = body_or_code, dict(message_or_headers)
+            code = code or body["error"]["code"]
+            message = body["error"]["message"]
+        else:
+            code, message = body_or_code, str(message_or_headers)
+            body, hdrs = error_body(message, code, param=param, kind=kind), {}
+        if retry_after:
+            hdrs["Retry-After"] = str(retry_after)
+        tr.status, tr.error, tr.message = status, code, message
+        self._outcome(tr)
+        return JSONResponse(body, status_code=status, headers=hdrs)
+
+    async def _decide(self, arid: str, creq: ClientRequest, slo: Slo, tokens: list[int],
+                      tr: _Trace) -> RoutingDecision | RoutingRejection | None:
+        req = RoutingRequest(
+            request_id=arid, model=creq.model if creq.lora_name is None else (self.config.base_model or creq.model),
+            token_ids=tokens, prompt_tokens=len(tokens),
+            expected_output_tokens=creq.max_tokens or DEFAULT_EXPECTED_OUTPUT,
+            ttft_slo_s=slo.ttft_s, tbt_slo_ms=slo.tbt_ms, priority=slo.priority, lora_name=creq.lora_name,
+            cache_salt=creq.cache_salt, reply_to=self.config.gateway_id, exclude=list(tr.excluded),
+            retry_of=tr.request_id if arid != tr.request_id else None,
+        )
+        fut = self.inbox.expect(arid)
+        env = envelope(req, producer_id=self.config.gateway_id, producer_seq=next(self._seq),
+                       ts_ms=time.time_ns() // 1_000_000)
+        try:
+            await self.producer.send(self.topics.requests.name, encode(env), key=arid.encode(), headers=headers(env))
+            return await asyncio.wait_for(fut, self.config.decision_timeout_s)
+        except asyncio.TimeoutError:
+            return None
+        finally:
+            self.inbox.forget(arid)
+
+    # --- the hand-off -------------------------------------------------------------------
+
+    def _url(self, node: str) -> str:
+        url = self.config.engines.get(node)
+        if url is None:
+            raise EngineFailed(node, f"the gateway knows no URL for {node} (add --engine {node}=URL)")
+        return url
+
+    async def _serve(self, creq: ClientRequest, body: dict[str, Any], d: RoutingDecision, arid: str,
+                     tr: _Trace) -> Response:
+        p_url, d_url = self._url(d.prefill_instance), self._url(d.decode_instance)
+        path = "/v1/chat/completions" if creq.chat else "/v1/completions"
+        hdrs = {"x-request-id": arid}
+        if self.config.protocol == "sglang":
+            u = urlparse(p_url)
+            prefill_body, decode_body = sglang_bodies(body, u.hostname or "127.0.0.1",
+                                                      self.config.bootstrap_port or u.port or 80,
+                                                      self._rng.getrandbits(63))
+            prefill = asyncio.create_task(self._prefill(p_url + path, prefill_body, hdrs, d.prefill_instance))
+            try:
+                resp = await self._open_decode(d_url + path, decode_body, hdrs, d, prefill)
+                pj = await prefill
+            except BaseException:
+                prefill.cancel()
+                raise
+        else:
+            pj = await self._prefill(p_url + path, vllm_prefill_body(body, creq.chat), hdrs, d.prefill_instance)
+            params = pj.get("kv_transfer_params")
+            if not isinstance(params, dict):
+                raise EngineFailed(d.prefill_instance, "the prefill answer has no kv_transfer_params "
+                                   "(is the engine started with a KV connector?)")
+            resp = await self._open_decode(d_url + path, vllm_decode_body(body, params), hdrs, d, None)
+        tr.cached_tokens = _cached(pj)
+        out_headers = {"x-conductor-request-id": tr.request_id, "x-conductor-prefill-instance": d.prefill_instance,
+                       "x-conductor-decode-instance": d.decode_instance}
+        if not creq.stream:
+            try:
+                data = json.loads(await resp.aread())
+            except (httpx.HTTPError, ValueError) as e:
+                raise EngineFailed(d.decode_instance, f"decode answer lost: {type(e).__name__}: {e}") from None
+            finally:
+                await resp.aclose()
+            tr.ttft_s = self.clock() - tr.t0
+            if isinstance(data, dict):
+                data.pop("kv_transfer_params", None)
+                usage = data.get("usage") or {}
+                tr.output_tokens = int(usage.get("completion_tokens") or 0)
+            self._outcome(tr)
+            return JSONResponse(data, headers=out_headers)
+        it = resp.aiter_raw()
+        try:
+            first = await it.__anext__()
+        except (httpx.HTTPError, StopAsyncIteration) as e:
+            await resp.aclose()
+            raise EngineFailed(d.decode_instance, f"stream ended before its first byte: {type(e).__name__}") from None
+        return StreamingResponse(self._relay(resp, it, first, creq, tr), media_type="text/event-stream",
+                                 headers=out_headers)
+
+    async def _prefill(self, url: str, body: dict[str, Any], hdrs: dict[str, str], node: str) -> dict[str, Any]:
+        try:
+            r = await self.client.post(url, json=body, headers=hdrs)
+        except httpx.HTTPError as e:
+            raise EngineFailed(node, f"prefill request failed: {type(e).__name__}: {e}") from None
+        if r.status_code >= 500:
+            raise EngineFailed(node, f"prefill answered {r.status_code}: {r.text[:200]}")
+        if r.status_code >= 400:
+            raise UpstreamClientError(r.status_code, _json_or_text(r.content))
+        try:
+            out = r.json()
+        except ValueError:
+            raise EngineFailed(node, "prefill answered with a body that is not JSON") from None
+        return out if isinstance(out, dict) else {}
+
+    async def _open_decode(self, url: str, body: dict[str, Any], hdrs: dict[str, str], d: RoutingDecision,
+                           prefill: asyncio.Task[dict[str, Any]] | None) -> httpx.Response:
+        req = self.client.build_request("POST", url, json=body, headers=hdrs)
+        send = asyncio.create_task(self.client.send(req, stream=True))
+        if prefill is not None:
+            # SGLang: both run at once; a prefill that fails must not leave the decode waiting on its room.
+            await asyncio.wait({send, prefill}, return_when=asyncio.FIRST_COMPLETED)
+            if prefill.done() and prefill.exception() is not None and not send.done():
+                send.cancel()
+                raise prefill.exception()  # type: ignore[misc]
+        try:
+            resp = await send
+        except httpx.HTTPError as e:
+            raise EngineFailed(d.decode_instance, f"decode request failed: {type(e).__name__}: {e}") from None
+        if resp.status_code < 400:
+            return resp
+        content = await resp.aread()
+        await resp.aclose()
+        err = _json_or_text(content)
+        code = err.get("error", {}).get("code") if isinstance(err, dict) and isinstance(err.get("error"), dict) else None
+        if code == "kv_transfer_failed":  # the decode is fine; its prefill peer is not
+            raise EngineFailed(d.prefill_instance, f"the decode instance could not pull the KV: {content[:200]!r}")
+        if resp.status_code >= 500:
+            raise EngineFailed(d.decode_instance, f"decode answered {resp.status_code}: {content[:200]!r}")
+        raise UpstreamClientError(resp.status_code, err)
+
+    async def _relay(self, resp: httpx.Response, it: AsyncIterator[bytes], first: bytes, creq: ClientRequest,
+                     tr: _Trace) -> AsyncIterator[bytes]:
+        """Pass the decode's SSE events through, timing tokens; drop the usage chunk the client did not ask for."""
+        buf = b""
+        last = None
+        raw: bytes | None = first
+        try:
+            while True:
+                if raw is None:
+                    try:
+                        raw = await it.__anext__()
+                    except StopAsyncIteration:
+                        break
+                now = self.clock()
+                buf += raw
+                raw = None
+                *events, buf = buf.split(b"\n\n")
+                out = []
+                tokens = 0
+                for ev in events:
+                    if ev.startswith(b"data: ") and ev[6:7] == b"{":
+                        try:
+                            obj = json.loads(ev[6:])
+                        except ValueError:
+                            obj = {}
+                        if obj.get("usage"):
+                            tr.output_tokens = int(obj["usage"].get("completion_tokens") or tr.output_tokens)
+                            if not obj.get("choices") and not creq.include_usage:
+                                continue
+                        if _has_token(obj):
+                            tokens += 1
+                    out.append(ev + b"\n\n")
+                if tokens:
+                    if tr.ttft_s is None:
+                        tr.ttft_s = now - tr.t0
+                        tokens -= 1
+                    if tokens and last is not None:
+                        tr.gaps_ms.extend([(now - last) * 1000.0 / tokens] * tokens)
+                    last = now
+                if out:
+                    yield b"".join(out)
+        except httpx.HTTPError as e:
+            tr.error, tr.message = "engine_failed", f"the decode stream broke: {type(e).__name__}: {e}"
+            err = error_body(f"{tr.message} (instance {tr.decision.decode_instance if tr.decision else '?'})",
+                             "engine_failed", kind="server_error")
+            yield b"data: " + json.dumps(err).encode() + b"\n\n"
+        finally:
+            await resp.aclose()
+            self._outcome(tr)
+
+    # --- the outcome --------------------------------------------------------------------------
+
+    def _outcome(self, tr: _Trace) -> None:
+        d = tr.decision
+        o = RequestOutcome(
+            request_id=tr.request_id, gateway=self.config.gateway_id, status=tr.status, error=tr.error,
+            message=tr.message[:4096], attempts=tr.attempts[:16],
+            prefill_instance=d.prefill_instance if d else None, decode_instance=d.decode_instance if d else None,
+            excluded=tr.excluded[:64], prompt_tokens=tr.prompt_tokens, cached_tokens=min(tr.cached_tokens, tr.prompt_tokens),
+            output_tokens=tr.output_tokens, predicted_ttft_s=d.predicted_ttft_s if d else None,
+            predicted_tbt_ms=d.predicted_tbt_ms if d else None, ttft_s=tr.ttft_s,
+            tbt_p50_ms=percentile(tr.gaps_ms, 50), tbt_p99_ms=percentile(tr.gaps_ms, 99),
+            routing_ms=tr.routing_ms or None, total_s=max(0.0, self.clock() - tr.t0), stream=tr.stream,
+        )
+        self.outcomes.append(o)
+        del self.outcomes[:-1000]
+        self.metrics.requests.add(1, {"status": tr.status, "error": tr.error or ""})
+        if tr.ttft_s is not None:
+            self.metrics.ttft.record(tr.ttft_s)
+        if tr.routing_ms:
+            self.metrics.routing.record(tr.routing_ms)
+        env = envelope(o, producer_id=self.config.gateway_id, producer_seq=next(self._seq),
+                       ts_ms=time.time_ns() // 1_000_000)
+        task = asyncio.ensure_future(self.producer.send(self.topics.request_outcomes.name, encode(env),
+                                                        key=tr.request_id.encode(), headers=headers(env)))
+        task.add_done_callback(_log_send_error)
+
+
+def _log_send_error(t: asyncio.Future[Any]) -> None:
+    if not t.cancelled() and t.exception() is not None:
+        log.warning("request outcome not published: %s", t.exception())
+
+
+def _json_or_text(content: bytes) -> Any:
+    try:
+        return json.loads(content)
+    except ValueError:
+        return error_body(content[:500].decode(errors="replace"), "engine_error", kind="server_error")
+
+
+def _cached(j: dict[str, Any]) -> int:
+    usage = j.get("usage") or {}
+    details = usage.get("prompt_tokens_details") or {}
+    try:
+        return int(details.get("cached_tokens") or 0)
+    except (TypeError, ValueError):
+        return 0
+
+
+def _has_token(obj: dict[str, Any]) -> bool:
+    for c in obj.get("choices") or ():
+        if c.get("text") or (c.get("delta") or {}).get("content"):
+            return True
+    return False

@@ -1,0 +1,47 @@
+"""Serving Conductor's HTTP apps (gateway, emulated engine) with uvicorn inside a running loop.
+
+One place that knows how: a socket bound up front (so port 0 gives a free port we can
+print before serving), no uvicorn signal handling (the command's own handlers stop
+everything in order), and a stop event instead of a signal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+from collections.abc import Iterator
+from typing import Any
+
+import uvicorn
+
+
+class _Server(uvicorn.Server):
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:  # the command owns SIGINT/SIGTERM
+        yield
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host:port`` (0 = a free port: read it from ``getsockname()``)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+async def serve(app: Any, sock: socket.socket, stop: asyncio.Event) -> None:
+    """Serve ``app`` on ``sock`` until ``stop`` is set; in-flight requests get a short grace."""
+    config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
+                            timeout_graceful_shutdown=3, timeout_keep_alive=30)
+    server = _Server(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    stopper = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait([task, stopper], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        server.should_exit = True
+        stopper.cancel()
+        await task
