@@ -1,6 +1,6 @@
 """Records, the wire codec and block keys. Imports nothing else of Conductor."""
 
-from .blocks import ROOT_KEY, chain_from_precomputed, chain_keys
+from .blocks import ROOT_KEY, chain_from_precomputed, chain_keys, chain_keys_per_block, request_keys, vllm_block_extras
 from .codec import CONTENT_TYPE, DecodeError, decode, encode, headers
 from .records import (
     BODY_TYPES,
@@ -19,15 +19,17 @@ from .records import (
     Role,
     RoutingDecision,
     RoutingRejection,
+    MmItem,
     RoutingRequest,
     Tier,
     envelope,
+    request_chain_keys,
 )
 
 __all__ = [
-    "ROOT_KEY", "chain_from_precomputed", "chain_keys", "CONTENT_TYPE", "DecodeError", "decode",
+    "ROOT_KEY", "chain_from_precomputed", "chain_keys", "chain_keys_per_block", "request_keys", "vllm_block_extras", "CONTENT_TYPE", "DecodeError", "decode",
     "encode", "headers", "BODY_TYPES", "SCHEMA_VERSIONS", "TIERS", "AllBlocksCleared",
     "BlocksMigrated", "BlocksRemoved", "BlocksStored", "DeadLetter", "Envelope", "Heartbeat",
     "KvCommand", "KvEvent", "RejectReason", "Role", "RoutingDecision", "RoutingRejection",
-    "RoutingRequest", "Tier", "envelope",
+    "MmItem", "RoutingRequest", "Tier", "envelope", "request_chain_keys",
 ]

@@ -52,7 +52,7 @@ from schemas import (
     RoutingDecision,
     RoutingRejection,
     RoutingRequest,
-    chain_keys,
+    request_chain_keys,
     decode,
     encode,
     envelope,
@@ -160,7 +160,7 @@ class Router:
                 )
             return list(req.block_keys)
         assert req.token_ids is not None
-        return chain_keys(req.token_ids, bs, lora_name=req.lora_name)
+        return request_chain_keys(req, bs)
 
     def policy_request(self, req: RoutingRequest, chain_len: int) -> PolicyRequest:
         s = self.settings
