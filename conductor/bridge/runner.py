@@ -427,15 +427,42 @@ class Bridge:
             return None
         self.counts["scrapes"] += 1
         if load.start_time_s is not None:
-            if self._engine_start is not None and load.start_time_s != self._engine_start:
-                # Unless the ZMQ side already opened an epoch for this very process.
-                if self._restart_seen_s < load.start_time_s:
-                    self.counts["restart_by_start_time"] += 1
-                    async with self._lock:
-                        await self._restarted("restart")
+            # A new process, unless the ZMQ side already opened an epoch for this very one.
+            if (self._engine_start is not None and load.start_time_s != self._engine_start
+                    and self._restart_seen_s < load.start_time_s):
+                self.counts["restart_by_start_time"] += 1
+                async with self._lock:
+                    await self._restarted("restart")
             self._engine_start = load.start_time_s
         return heartbeat_of(load, role=self.config.role, model=self.config.model, interval_s=interval,
                             default_prompt_tokens=self.config.default_prompt_tokens)
+
+
+def offset_port(endpoint: str | None, rank: int) -> str | None:
+    """The endpoint data-parallel rank ``rank`` uses: tcp port + rank (as vLLM offsets them), ipc/inproc + ``_dp<r>``."""
+    if endpoint is None or rank == 0:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint.rpartition(":")
+        return f"{host}:{int(port) + rank}"
+    return f"{endpoint}_dp{rank}"
+
+
+def rank_configs(*, node_id: str, dp_size: int = 1, zmq_endpoint: str, replay_endpoint: str | None,
+                 **common: Any) -> list[BridgeConfig]:
+    """One bridge per data-parallel rank: its own sockets, node id and metrics series.
+
+    Each rank of a vLLM DP engine is its own scheduler with its own KV cache, queue and
+    prefix-cache hits, so Conductor routes to a rank as to any instance (vLLM accepts a
+    request pinned to a rank); one node with merged load would hide which rank holds a prefix.
+    """
+    if dp_size == 1:
+        return [BridgeConfig(node_id=node_id, zmq_endpoint=zmq_endpoint, replay_endpoint=replay_endpoint, **common)]
+    return [
+        BridgeConfig(node_id=f"{node_id}-dp{r}", zmq_endpoint=offset_port(zmq_endpoint, r) or zmq_endpoint,
+                     replay_endpoint=offset_port(replay_endpoint, r), dp_rank=r, **common)
+        for r in range(dp_size)
+    ]
 
 
 class KafkaSink:

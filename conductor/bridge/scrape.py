@@ -185,7 +185,7 @@ class MetricsScraper:
                     raise MetricsError(f"HTTP {resp.status}")
                 body = await resp.content.read(MAX_METRICS_BYTES + 1)
             load = parse_load(body.decode("utf-8", "replace"), rank=self.rank)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, MetricsError) as e:
+        except (aiohttp.ClientError, TimeoutError, OSError, MetricsError) as e:
             self.failures += 1
             self.last_error = f"{type(e).__name__}: {e}"[:200]
             if self.reachable is not False:

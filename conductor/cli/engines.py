@@ -15,11 +15,13 @@ from typing import Any
 import typer
 from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Observation
+from prometheus_client import start_http_server
 
 from conductor.bridge.publisher import EventPublisher
-from conductor.bridge.runner import Bridge, BridgeConfig, kafka_sink
+from conductor.bridge.runner import Bridge, kafka_sink, rank_configs
 from conductor.cli.common import err, print_json, print_result, settings_or_exit
 from conductor.engine.emulated import EmulatedEngine, EngineConfig
+from conductor.engine.metrics import engine_registry
 from conductor.errors import ConfigError
 from conductor.profiles import load_profile
 from conductor.routing.dispatch import decisions_for
@@ -58,18 +60,31 @@ async def _until_stopped(stop: asyncio.Event, *tasks: asyncio.Task[Any]) -> None
             raise r
 
 
-def _bridge_metrics(settings: Any, bridge: Any) -> None:
-    """Export the bridge's counters (records, gaps, epochs, orphans...) on CONDUCTOR_METRICS_PORT."""
-
-
+def _bridge_metrics(settings: Any, bridges: list[Bridge]) -> None:
+    """Export the bridges' counters (records, gaps, epochs, orphans, scrape failures...) on CONDUCTOR_METRICS_PORT."""
     setup_metrics("conductor-bridge", settings.bind_host, settings.metrics_port)
 
     def observe(_: CallbackOptions) -> list[Observation]:
-        counts = bridge.counts + bridge.translator.counts
-        return [Observation(v, {"node": bridge.config.node_id, "what": k}) for k, v in counts.items()]
+        return [
+            Observation(v, {"node": b.config.node_id, "what": k})
+            for b in bridges
+            for k, v in (b.counts + b.translator.counts).items()
+        ]
 
-    metrics.get_meter(__name__).create_observable_counter(
+    def reachable(_: CallbackOptions) -> list[Observation]:
+        return [
+            Observation(1 if b.scraper.reachable else 0, {"node": b.config.node_id})
+            for b in bridges
+            if b.scraper is not None
+        ]
+
+    meter = metrics.get_meter(__name__)
+    meter.create_observable_counter(
         "conductor_bridge_events", callbacks=[observe], description="bridge counters by node and kind"
+    )
+    meter.create_observable_gauge(
+        "conductor_bridge_engine_reachable", callbacks=[reachable],
+        description="1 while the engine's /metrics answers (no heartbeats otherwise)",
     )
 
 
@@ -96,6 +111,18 @@ def register(groups: dict[str, typer.Typer]) -> None:
             help="heartbeat the node this often while the engine answers; 0 = the engine heartbeats itself",
         ),
         model: str = typer.Option("default", help="model name announced in heartbeats"),
+        metrics_url: str = typer.Option(
+            None, "--metrics-url",
+            help="the engine's Prometheus endpoint, e.g. http://10.0.0.5:8000/metrics: heartbeats then carry its real "
+            "queue, running batch and KV use, and stop while it does not answer",
+        ),
+        dp_size: int = typer.Option(
+            1, "--dp-size", min=1, max=256,
+            help="data-parallel ranks of this engine: rank r publishes on both ports + r and becomes node ID-dp<r>",
+        ),
+        default_prompt_tokens: int = typer.Option(
+            0, min=0, help="mean prompt length assumed for queued requests until the engine has finished one",
+        ),
     ) -> None:
         """Carry one vLLM/SGLang engine's KV events onto the kv-events topic.
 
@@ -105,7 +132,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
 
         Gaps are filled from the replay socket; a gap it cannot fill, or an engine restart, starts a new epoch.
 
-        With data parallelism, vLLM's rank r publishes on both ports + r: run one bridge (one node id) per rank.
+        With data parallelism (--dp-size N), vLLM's rank r publishes on both ports + r and labels its metrics engine="r": each rank is its own node (ID-dp0, ID-dp1...), since each has its own KV cache and queue.
         """
         if role not in ROLES:
             err.print(f"[red]error:[/red] --role must be one of {', '.join(ROLES)}, not {role!r}")
@@ -119,21 +146,26 @@ def register(groups: dict[str, typer.Typer]) -> None:
             await ensure_topics(s, (tps.kv_events, tps.heartbeats))
             prod = producer(s)
             await prod.start()
-            cfg = BridgeConfig(
-                node_id=node_id, role=role, zmq_endpoint=zmq_endpoint, replay_endpoint=replay,  # type: ignore[arg-type]
-                block_size=s.block_size, heartbeat_s=heartbeat_s or None, model=model,
-            )
             events = kafka_sink(prod, tps.kv_events.name)
-            b = Bridge(cfg, events, kafka_sink(prod, tps.heartbeats.name))
-            _bridge_metrics(s, b)
+            bridges = []
+            for cfg in rank_configs(
+                node_id=node_id, role=role, zmq_endpoint=zmq_endpoint, replay_endpoint=replay,
+                block_size=s.block_size, heartbeat_s=heartbeat_s or None, model=model, metrics_url=metrics_url,
+                dp_size=dp_size, default_prompt_tokens=default_prompt_tokens,
+            ):
+                bridges.append(Bridge(cfg, events, kafka_sink(prod, tps.heartbeats.name)))
+            _bridge_metrics(s, bridges)
             stop = asyncio.Event()
             _stop_on_signals(stop)
             try:
-                await _until_stopped(stop, asyncio.create_task(b.run(stop)))
+                await _until_stopped(stop, *(asyncio.create_task(b.run(stop)) for b in bridges))
                 await events.flush()
             finally:
                 await prod.stop()
-            return b.counts + b.translator.counts
+            total: Counter[str] = Counter()
+            for b in bridges:
+                total += b.counts + b.translator.counts
+            return total
 
         counts = asyncio.run(main())
         err.print(f"bridge {node_id} stopped: {dict(counts)}")
@@ -150,6 +182,15 @@ def register(groups: dict[str, typer.Typer]) -> None:
         max_output_tokens: int = typer.Option(None, min=1, help="cap on decoded tokens per request"),
         heartbeat_s: float = typer.Option(0.5, min=0.05, help="heartbeat interval"),
         report: bool = typer.Option(False, "--report", help="print one JSON line per finished request on stdout"),
+        metrics_port: int = typer.Option(
+            None, "--metrics-port", min=0, max=65535,
+            help="serve vLLM-named Prometheus metrics (/metrics) on CONDUCTOR_BIND_HOST:PORT (0 = a free port) for "
+            "`conductor bridge --metrics-url`",
+        ),
+        self_heartbeat: bool = typer.Option(
+            True, "--self-heartbeat/--no-self-heartbeat",
+            help="publish heartbeats itself; --no-self-heartbeat leaves them to a bridge that scrapes /metrics",
+        ),
     ) -> None:
         """Run an emulated prefill/decode instance that speaks vLLM's KV-event protocol.
 
@@ -183,10 +224,17 @@ def register(groups: dict[str, typer.Typer]) -> None:
                 dram_blocks=dram_blocks,
                 time_scale=time_scale, heartbeat_s=heartbeat_s, max_output_tokens=max_output_tokens, seed=s.seed,
             )
-            eng = EmulatedEngine(cfg, profile, pub, heartbeat_sink=kafka_sink(prod, tps.heartbeats.name),
+            eng = EmulatedEngine(cfg, profile, pub,
+                                 heartbeat_sink=kafka_sink(prod, tps.heartbeats.name) if self_heartbeat else None,
                                  report=sys.stdout if report else None)
+            metrics_server = None
+            metrics_url = None
+            if metrics_port is not None:
+                # prometheus_client's own server (a thread); the gateway's HTTP app can mount the same registry.
+                metrics_server, _ = start_http_server(metrics_port, addr=s.bind_host, registry=engine_registry(eng))
+                metrics_url = f"http://{s.bind_host}:{metrics_server.server_port}/metrics"
             print_json({"event": "ready", "node_id": node_id, "role": role, "zmq": pub.endpoint,
-                        "replay": pub.replay_endpoint})
+                        "replay": pub.replay_endpoint, "metrics": metrics_url})
             stop = asyncio.Event()
             _stop_on_signals(stop)
             try:
@@ -194,6 +242,8 @@ def register(groups: dict[str, typer.Typer]) -> None:
                 stream = decisions_for(s, node_id, since_ms=started_ms - CLOCK_SLACK_MS, stop=stop)
                 await _until_stopped(stop, asyncio.create_task(eng.run(stream)))
             finally:
+                if metrics_server is not None:
+                    metrics_server.shutdown()
                 await pub.close()
                 await prod.stop()
 
