@@ -70,6 +70,19 @@ _GEN = ("vllm:generation_tokens_total", "sglang:generation_tokens_total")
 _DONE = ("vllm:request_success_total", "sglang:num_requests_total")
 
 
+_WANTED = tuple(
+    n + ("{" if i == 0 else " ")
+    for n in (*_RUNNING, *_WAITING, *_USAGE, *_PREEMPT, *_PROMPT, *_GEN, *_DONE, "vllm:cache_config_info",
+              "sglang:max_total_num_tokens", "process_start_time_seconds")
+    for i in range(2)
+)
+
+
+def _wanted_lines(text: str) -> str:
+    """Only the samples read below: a vLLM page is mostly histograms, which the parser would spend its time on."""
+    return "\n".join(line for line in text.splitlines() if line.startswith(_WANTED)) + "\n"
+
+
 def _rank_of(labels: dict[str, str]) -> str | None:
     return labels.get("engine", labels.get("dp_rank"))
 
@@ -86,7 +99,7 @@ def parse_load(text: str, *, rank: int | None = None, sglang_page_size: int = 1)
     sums: dict[str, float] = {}
     info: dict[str, str] = {}
     try:
-        for fam in text_string_to_metric_families(text):
+        for fam in text_string_to_metric_families(_wanted_lines(text)):
             for s in fam.samples:
                 r = _rank_of(s.labels)
                 if rank is not None and r is not None and r != str(rank):

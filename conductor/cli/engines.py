@@ -28,6 +28,7 @@ from conductor.routing.dispatch import decisions_for
 from conductor.routing.policies import POLICIES
 from conductor.telemetry import setup_metrics
 from conductor.tools.bench.bridge import run_bridge_bench
+from conductor.tools.bench.scrape import run_scrape_bench
 from conductor.tools.demo import DemoOptions, run_demo
 from streams.kafka import ensure_topics, producer
 from streams.topics import topics
@@ -266,6 +267,21 @@ def register(groups: dict[str, typer.Typer]) -> None:
             _need_kafka(s)
 
         out = asyncio.run(run_bridge_bench(s, batches=batches, blocks=blocks, kafka=kafka))
+        print_result(out, json_out)
+
+    @groups["bench"].command("scrape")
+    def bench_scrape(
+        scrapes: int = typer.Option(30, min=1, help="scrapes to time"),
+        interval_s: float = typer.Option(1.0, min=0.0, help="seconds between scrapes (the bridge's --heartbeat-s)"),
+        vllm_size: bool = typer.Option(True, "--vllm-size/--small", help="pad the page with vLLM's histograms"),
+        json_out: bool = typer.Option(False, "--json", help="print one JSON line"),
+    ) -> None:
+        """Cost of following one engine's load: scrape /metrics, parse, build and encode the heartbeat.
+
+        Reports the bridge thread's CPU ms per scrape (the served page runs in another thread).
+        """
+        s = settings_or_exit()
+        out = asyncio.run(run_scrape_bench(s, scrapes=scrapes, interval_s=interval_s, vllm_size=vllm_size))
         print_result(out, json_out)
 
     @app.command("demo")
