@@ -138,6 +138,9 @@ def register(groups: dict[str, typer.Typer]) -> None:
         if role not in ROLES:
             err.print(f"[red]error:[/red] --role must be one of {', '.join(ROLES)}, not {role!r}")
             raise typer.Exit(2)
+        if metrics_url and not heartbeat_s:
+            err.print("[red]error:[/red] --metrics-url needs --heartbeat-s > 0 (the scrape interval)")
+            raise typer.Exit(2)
         s = settings_or_exit()
         _need_kafka(s)
 
