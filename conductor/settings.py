@@ -48,6 +48,16 @@ class Settings(BaseSettings):
     topic_prefix: str = Field(default="conductor.", pattern=r"^[A-Za-z0-9._-]{0,100}$")
     partitions: int = Field(default=4, ge=1, le=1024)
     replication_factor: int = Field(default=1, ge=1, le=16)
+    kv_events_retention_ms: int = Field(
+        default=7 * 86_400_000, ge=-1,
+        description="retention of kv-events (time-based, never compacted; -1 = forever): a rebuild needs every "
+        "event since each node's epoch began, so keep it longer than any engine runs without a restart",
+    )
+    heartbeats_retention_ms: int = Field(default=86_400_000, ge=-1, description="retention of heartbeats (-1 = forever)")
+    audit_retention_ms: int = Field(
+        default=30 * 86_400_000, ge=-1,
+        description="retention of requests and dispatch, which `conductor explain` audits (-1 = forever)",
+    )
 
     # --- the view ---------------------------------------------------------
     block_size: int = Field(default=16, ge=1, le=4096, description="tokens per KV block")

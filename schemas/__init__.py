@@ -1,6 +1,13 @@
 """Records, the wire codec and block keys. Imports nothing else of Conductor."""
 
-from .blocks import ROOT_KEY, chain_from_precomputed, chain_keys
+from .blocks import (
+    ROOT_KEY,
+    chain_from_precomputed,
+    chain_keys,
+    chain_keys_per_block,
+    request_keys,
+    vllm_block_extras,
+)
 from .codec import CONTENT_TYPE, DecodeError, decode, encode, headers
 from .records import (
     BODY_TYPES,
@@ -15,6 +22,7 @@ from .records import (
     Heartbeat,
     KvCommand,
     KvEvent,
+    MmItem,
     RejectReason,
     RequestOutcome,
     Role,
@@ -23,12 +31,13 @@ from .records import (
     RoutingRequest,
     Tier,
     envelope,
+    request_chain_keys,
 )
 
 __all__ = [
-    "ROOT_KEY", "chain_from_precomputed", "chain_keys", "CONTENT_TYPE", "DecodeError", "decode",
+    "ROOT_KEY", "chain_from_precomputed", "chain_keys", "chain_keys_per_block", "request_keys", "vllm_block_extras", "CONTENT_TYPE", "DecodeError", "decode",
     "encode", "headers", "BODY_TYPES", "SCHEMA_VERSIONS", "TIERS", "AllBlocksCleared",
     "BlocksMigrated", "BlocksRemoved", "BlocksStored", "DeadLetter", "Envelope", "Heartbeat",
-    "KvCommand", "KvEvent", "RejectReason", "RequestOutcome", "Role", "RoutingDecision", "RoutingRejection",
-    "RoutingRequest", "Tier", "envelope",
+    "KvCommand", "KvEvent", "MmItem", "RejectReason", "RequestOutcome", "Role", "RoutingDecision",
+    "RoutingRejection", "RoutingRequest", "Tier", "envelope", "request_chain_keys",
 ]

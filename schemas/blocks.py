@@ -22,14 +22,19 @@ ROOT_KEY = int.from_bytes(hashlib.blake2b(b"conductor/block-chain/v1", digest_si
 _PRECOMPUTED_SALT = b"conductor/precomputed/v1"
 
 
+def _extra_text(x: object) -> str:
+    if x is None or isinstance(x, (bool, int, float, str)):
+        return f"{type(x).__name__}:{x!r}"
+    if isinstance(x, (bytes, bytearray)):
+        return f"bytes:{bytes(x).hex()}"  # prompt-embedding digests
+    if isinstance(x, (tuple, list)):
+        # Older vLLM multimodal keys: (mm_hash, offset); a list after msgpack is the same key.
+        return "(" + ",".join(_extra_text(e) for e in x) + ")"
+    raise TypeError(f"extra key of type {type(x).__name__} is not a scalar")
+
+
 def _extras_bytes(extra_keys: Iterable[object]) -> bytes:
-    parts = []
-    for x in extra_keys:
-        if x is None or isinstance(x, (bool, int, float, str)):
-            parts.append(f"{type(x).__name__}:{x!r}")
-        else:
-            raise TypeError(f"extra key of type {type(x).__name__} is not a scalar")
-    return "\x1f".join(parts).encode()
+    return "\x1f".join(_extra_text(x) for x in extra_keys).encode()
 
 
 def block_key(parent: int, tokens: Sequence[int], extra: bytes = b"") -> int:
@@ -55,12 +60,13 @@ def chain_keys(
 
     ``parent`` continues an existing chain (an engine reporting blocks that extend
     a prefix it reported before); by default the chain starts at :data:`ROOT_KEY`.
+    ``lora_name`` then ``extra_keys`` are every block's extra keys, in vLLM's order.
     """
     if block_size < 1:
         raise ValueError("block_size must be >= 1")
     extras = list(extra_keys)
     if lora_name:
-        extras = [f"lora={lora_name}", *extras]
+        extras = [lora_name, *extras]
     extra = _extras_bytes(extras)
     key = ROOT_KEY if parent is None else parent
     keys = []
@@ -86,3 +92,76 @@ def chain_from_precomputed(ids: Sequence[int], *, namespace: str = "") -> list[i
         key = int.from_bytes(h.digest(), "big")
         keys.append(key)
     return keys
+
+
+def chain_keys_per_block(
+    token_ids: Sequence[int],
+    block_size: int,
+    extras: Sequence[Sequence[object] | None],
+    *,
+    parent: int | None = None,
+) -> list[int]:
+    """Keys of the full blocks of ``token_ids`` where block ``i`` has its own extra keys ``extras[i]``.
+
+    Exactly what an engine's ``BlockStored.extra_keys`` reports per block (vLLM >= 0.11);
+    ``None`` or a missing entry means no extra keys for that block.
+    """
+    if block_size < 1:
+        raise ValueError("block_size must be >= 1")
+    key = ROOT_KEY if parent is None else parent
+    keys = []
+    for i, start in enumerate(range(0, len(token_ids) - block_size + 1, block_size)):
+        extra = extras[i] if i < len(extras) else None
+        key = block_key(key, token_ids[start : start + block_size], _extras_bytes(extra) if extra else b"")
+        keys.append(key)
+    return keys
+
+
+def vllm_block_extras(
+    n_tokens: int,
+    block_size: int,
+    *,
+    lora_name: str | None = None,
+    mm_items: Sequence[tuple[str, int, int]] = (),
+    cache_salt: str | None = None,
+    prompt_embeds_digests: Sequence[bytes | None] = (),
+) -> list[tuple[object, ...] | None]:
+    """The extra keys vLLM puts into each full block's hash, in its order.
+
+    Per block: the LoRA name; the identifier of every multimodal item
+    (``(identifier, offset, length)`` in token positions, sorted by offset) whose
+    placeholder range reaches into the block; the cache salt on the first block
+    only; the block's prompt-embedding digest. ``None`` for a block with none.
+    """
+    items = sorted(mm_items, key=lambda m: m[1])
+    out: list[tuple[object, ...] | None] = []
+    for i in range(n_tokens // block_size):
+        start, end = i * block_size, (i + 1) * block_size
+        keys: list[object] = [lora_name] if lora_name else []
+        # vLLM skips an item only once the block starts past offset + length.
+        keys.extend(ident for ident, off, length in items if end > off and not start > off + length)
+        if start == 0 and cache_salt:
+            keys.append(cache_salt)
+        if i < len(prompt_embeds_digests) and prompt_embeds_digests[i] is not None:
+            keys.append(prompt_embeds_digests[i])
+        out.append(tuple(keys) if keys else None)
+    return out
+
+
+def request_keys(
+    token_ids: Sequence[int],
+    block_size: int,
+    *,
+    lora_name: str | None = None,
+    mm_items: Sequence[tuple[str, int, int]] = (),
+    cache_salt: str | None = None,
+    extra_keys: Sequence[Sequence[object] | None] | None = None,
+) -> list[int]:
+    """A request's block keys, equal to the keys the bridge derives from the engine's events."""
+    if extra_keys is not None:
+        return chain_keys_per_block(token_ids, block_size, extra_keys)
+    if not mm_items and not cache_salt:
+        return chain_keys(token_ids, block_size, lora_name=lora_name)
+    extras = vllm_block_extras(len(token_ids), block_size, lora_name=lora_name, mm_items=mm_items,
+                               cache_salt=cache_salt)
+    return chain_keys_per_block(token_ids, block_size, extras)

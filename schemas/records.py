@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
+from .blocks import request_keys
+
 # --- caps -------------------------------------------------------------------
 MAX_NAME = 256
 MAX_TEXT = 4096
@@ -121,8 +123,21 @@ class Heartbeat(Record):
 # --- routing (topics requests and dispatch) -----------------------------------
 
 
+class MmItem(Record):
+    """One multimodal input of a prompt: its identifier (vLLM's ``mm_hash``) and placeholder tokens."""
+
+    identifier: Name
+    offset: int = Field(ge=0, le=MAX_TOKENS)
+    length: int = Field(ge=1, le=MAX_TOKENS)
+
+
 class RoutingRequest(Record):
-    """A request to be placed. Carries token ids or a precomputed block-key chain."""
+    """A request to be placed. Carries token ids or a precomputed block-key chain.
+
+    ``lora_name``, ``mm_items`` and ``cache_salt`` go into the block keys exactly as vLLM
+    puts them into its own block hashes; ``extra_keys`` (one entry per full block, as an
+    engine's ``BlockStored.extra_keys`` reports them) overrides all three when given.
+    """
 
     kind: Literal["routing_request"] = "routing_request"
     request_id: Name
@@ -138,6 +153,10 @@ class RoutingRequest(Record):
     lora_name: OptName = None
     cache_salt: OptName = None
     """vLLM's per-request cache salt: an extra key of every block, so salted prefixes never match unsalted ones."""
+    mm_items: Annotated[list[MmItem], Field(max_length=MAX_EXTRA_KEYS)] = []
+    extra_keys: Annotated[
+        list[Annotated[list[Scalar], Field(max_length=MAX_EXTRA_KEYS)] | None], Field(max_length=MAX_BLOCKS)
+    ] | None = None
     reply_to: OptName = None
     """The gateway id that waits for this decision: the router also writes it to that gateway's reply topic."""
     exclude: Annotated[list[Name], Field(max_length=64)] = []
@@ -336,4 +355,13 @@ def envelope(
         epoch=epoch,
         ts_ms=ts_ms,
         body=body,
+    )
+
+
+def request_chain_keys(req: RoutingRequest, block_size: int) -> list[int]:
+    """The block keys of a request given as token ids (LoRA, multimodal items, cache salt included)."""
+    return request_keys(
+        req.token_ids or [], block_size, lora_name=req.lora_name,
+        mm_items=[(m.identifier, m.offset, m.length) for m in req.mm_items], cache_salt=req.cache_salt,
+        extra_keys=req.extra_keys,
     )

@@ -10,12 +10,16 @@ rests on either: the view is protected by our own offset-fenced writes.
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 
 from .topics import Topic
+
+log = logging.getLogger(__name__)
 
 
 def _bootstrap(settings: Any) -> str:
@@ -58,7 +62,8 @@ async def ensure_topics(settings: Any, wanted: tuple[Topic, ...]) -> list[str]:
     try:
         existing = set(await admin.list_topics())
         new = [
-            NewTopic(t.name, num_partitions=t.partitions, replication_factor=t.replication_factor)
+            NewTopic(t.name, num_partitions=t.partitions, replication_factor=t.replication_factor,
+                     topic_configs=dict(t.configs))
             for t in wanted
             if t.name not in existing
         ]
@@ -68,9 +73,56 @@ async def ensure_topics(settings: Any, wanted: tuple[Topic, ...]) -> list[str]:
             except Exception as e:  # a concurrent creator won the race
                 if "TopicAlreadyExists" not in type(e).__name__ and "already exists" not in str(e).lower():
                     raise
+        old = [t for t in wanted if t.name in existing and t.configs]
+        if old:
+            for problem in await unsafe_topic_configs(admin, old):
+                log.warning("topic config: %s", problem)
         return [t.name for t in new]
     finally:
         await admin.close()
+
+
+def config_problems(topic: Topic, actual: dict[str, str]) -> list[str]:
+    """What in an existing topic's configs breaks the recovery story (pure)."""
+    want = dict(topic.configs)
+    out = []
+    policy = actual.get("cleanup.policy", "delete")
+    if "compact" in policy and want.get("cleanup.policy") == "delete":
+        out.append(f"{topic.name} has cleanup.policy={policy}: compaction drops the events a rebuild replays")
+    if "retention.ms" in want and "retention.ms" in actual:
+        have, need = int(actual["retention.ms"]), int(want["retention.ms"])
+        if need < 0 <= have or 0 <= have < need:
+            out.append(f"{topic.name} keeps records {have} ms, less than the configured {need} ms")
+    return out
+
+
+async def unsafe_topic_configs(admin: AIOKafkaAdminClient, wanted: list[Topic]) -> list[str]:
+    """Problems with existing topics' configs; one note instead if the broker cannot describe them.
+
+    Tansu (the embedded broker) does not keep topic configs the way Kafka does (it has no
+    retention or compaction at all); whatever it answers, or if it fails, is reported, not fatal.
+    """
+    try:
+        resources = [ConfigResource(ConfigResourceType.TOPIC, t.name) for t in wanted]
+        responses = await admin.describe_configs(resources)
+        actual: dict[str, dict[str, str]] = {}
+        for resp in responses:
+            for res in resp.resources:
+                # (error_code, error_message, resource_type, resource_name, config_entries)
+                error_code, _, _, name, entries = res[:5]
+                if error_code:
+                    continue
+                actual[name] = {e[0]: e[1] for e in entries if e[1] is not None}
+    except Exception as e:  # unsupported API or an odd answer: say so, do not stop the caller
+        return [f"could not describe topic configs ({type(e).__name__}: {e}); retention of existing topics "
+                "not checked"[:300]]
+    out: list[str] = []
+    for t in wanted:
+        if t.name not in actual:
+            out.append(f"{t.name}: the broker did not describe its configs; retention not checked")
+        else:
+            out.extend(config_problems(t, actual[t.name]))
+    return out
 
 
 async def end_offsets(c: AIOKafkaConsumer, tps: list[Any], *, probe_timeout_s: float = 5.0) -> dict[Any, int]:

@@ -25,6 +25,8 @@ class Topic:
     """Record kinds (``Envelope.schema_name``) this topic accepts; others are dead-lettered."""
     partitions: int
     replication_factor: int
+    configs: tuple[tuple[str, str], ...] = ()
+    """Topic configs it is created with (``retention.ms``, ``cleanup.policy``...)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,17 +64,31 @@ class Topics:
         raise KeyError(name)
 
 
+DAY_MS = 86_400_000
+
+
+def _retention(ms: int) -> tuple[tuple[str, str], ...]:
+    # Time-based deletion only: compaction would keep one record per node and break the fold's replay.
+    return (("cleanup.policy", "delete"), ("retention.ms", str(ms)))
+
+
 def topics(settings: _TopicSettings) -> Topics:
     p, n, rf = settings.topic_prefix, settings.partitions, settings.replication_factor
+    kv_ms = getattr(settings, "kv_events_retention_ms", 7 * DAY_MS)
+    hb_ms = getattr(settings, "heartbeats_retention_ms", DAY_MS)
+    audit_ms = getattr(settings, "audit_retention_ms", 30 * DAY_MS)
 
-    def t(name: str, key: str, *kinds: str, partitions: int | None = None) -> Topic:
-        return Topic(f"{p}{name}", key, frozenset(kinds), partitions or n, rf)
+    def t(name: str, key: str, *kinds: str, partitions: int | None = None, retention_ms: int | None = None) -> Topic:
+        configs = _retention(retention_ms) if retention_ms is not None else ()
+        return Topic(f"{p}{name}", key, frozenset(kinds), partitions or n, rf, configs)
 
     return Topics(
-        kv_events=t("kv-events", "node id", "blocks_stored", "blocks_removed", "all_blocks_cleared", "blocks_migrated"),
-        heartbeats=t("heartbeats", "node id", "heartbeat"),
-        requests=t("requests", "request id", "routing_request"),
-        dispatch=t("dispatch", "prefill instance id (rejections: request id)", "routing_decision", "routing_rejection"),
+        kv_events=t("kv-events", "node id", "blocks_stored", "blocks_removed", "all_blocks_cleared", "blocks_migrated",
+                    retention_ms=kv_ms),
+        heartbeats=t("heartbeats", "node id", "heartbeat", retention_ms=hb_ms),
+        requests=t("requests", "request id", "routing_request", retention_ms=audit_ms),
+        dispatch=t("dispatch", "prefill instance id (rejections: request id)", "routing_decision", "routing_rejection",
+                   retention_ms=audit_ms),
         kv_commands=t("kv-commands", "source node id", "kv_command"),
         dead_letter=t("dead-letter", "source topic", "dead_letter"),
         request_outcomes=t("request-outcomes", "request id", "request_outcome"),

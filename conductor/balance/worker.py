@@ -22,11 +22,11 @@ from schemas import (
     DecodeError,
     KvCommand,
     RoutingRequest,
-    chain_keys,
     decode,
     encode,
     envelope,
     headers,
+    request_chain_keys,
 )
 from state.redis_view import RedisViewStore
 from streams import kafka
@@ -38,7 +38,7 @@ log = logging.getLogger("conductor.balance")
 def request_chain(req: RoutingRequest, block_size: int) -> list[int]:
     if req.block_keys is not None:
         return list(req.block_keys)
-    return chain_keys(req.token_ids or [], req.block_size or block_size, lora_name=req.lora_name)
+    return request_chain_keys(req, req.block_size or block_size)
 
 
 class Balancer:

@@ -68,9 +68,12 @@ class EventPublisher:
         send: bool = True,
     ) -> int:
         """Publish one batch; return its seq. ``send=False`` buffers it only (a lost message)."""
+        return await self.publish_payload(encode_batch(ts, events), send=send)
+
+    async def publish_payload(self, payload: bytes, *, send: bool = True) -> int:
+        """Publish an already encoded batch (e.g. an engine's own msgspec bytes); return its seq."""
         seq = self.next_seq
         self.next_seq += 1
-        payload = encode_batch(ts, events)
         self.buffer.append((seq, payload))
         if send:
             await self.pub.send_multipart([self.topic, seq_frame(seq), payload])

@@ -16,7 +16,14 @@ Ordering and recovery, all per node:
   whose first record clears the node, and goes on.
 - A sequence that goes backwards means the engine restarted: new epoch, too. So
   does a reconnect after which the engine no longer holds the last batch applied
-  (byte for byte): a restarted engine may already be past the old sequence.
+  (byte for byte): a restarted engine may already be past the old sequence. The
+  reconnect is checked as soon as ZMQ reports it, so an engine that restarts and
+  stays idle is noticed too; and with ``metrics_url`` a new
+  ``process_start_time_seconds`` on the engine's ``/metrics`` is a restart as well.
+  After a restart the new process's buffered batches are replayed from seq 0.
+- With ``metrics_url`` the heartbeats carry the engine's real load (see
+  :mod:`conductor.bridge.scrape`); an engine whose ``/metrics`` does not answer gets
+  no heartbeat, so the view stops counting it live within the heartbeat TTL.
 
 Each epoch starts with an ``AllBlocksCleared`` at producer_seq 0 and numbers its
 records 1, 2, 3... without holes (the view counts a hole as a gap). A bridge that
@@ -39,6 +46,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from conductor.bridge.scrape import MetricsScraper, heartbeat_of
 from conductor.bridge.translate import NodeTranslator
 from conductor.bridge.wire import WireError, decode_batch, parse_seq, seq_frame
 from schemas import (
@@ -71,6 +79,12 @@ class BridgeConfig:
     heartbeat_s: float | None = 1.0
     """Publish a heartbeat for the node this often (None: the engine heartbeats itself)."""
     model: str = "default"
+    metrics_url: str | None = None
+    """The engine's Prometheus endpoint (vLLM/SGLang ``/metrics``): heartbeats with its real load."""
+    dp_rank: int | None = None
+    """The data-parallel rank this bridge follows (its batches must say so; its metrics are filtered by it)."""
+    default_prompt_tokens: int = 0
+    """Mean prompt length assumed for queued requests until the engine has finished one."""
 
 
 class Bridge:
@@ -106,6 +120,13 @@ class Bridge:
         self._last_engine_contact = 0.0
         self._sub: zmq.asyncio.Socket | None = None
         self._dealer: zmq.asyncio.Socket | None = None
+        self._lock = asyncio.Lock()
+        """Serialises the event loop's work with restarts noticed by the heartbeat task."""
+        self.scraper = (
+            MetricsScraper(config.metrics_url, rank=config.dp_rank) if config.metrics_url else None
+        )
+        self._engine_start: float | None = None
+        self._restart_seen_s = 0.0
         self.ready = asyncio.Event()
         """Set once the start-up replay is done and live events are being followed."""
 
@@ -151,6 +172,11 @@ class Bridge:
             await self._new_epoch("bad_batch")
             self.expected = seq + 1
             return
+        if (self.config.dp_rank is not None and batch.data_parallel_rank is not None
+                and batch.data_parallel_rank != self.config.dp_rank):
+            # Events of another rank's cache would mislead routing to this node: counted, still applied
+            # (the engine decides which socket a rank publishes on; the count tells the operator).
+            self.counts["dp_rank_mismatch"] += 1
         await self._publish(self.translator.translate(batch))
         self.counts["batches"] += 1
         if self.translator.overflowed:
@@ -252,9 +278,22 @@ class Bridge:
             return False
         return hashlib.blake2b(got[0][1], digest_size=16).digest() == digest
 
+    async def _restarted(self, reason: str) -> None:
+        """The engine is a new process: drop the old blocks, then take what the new one buffers."""
+        log.warning("node %s: engine restarted (%s)", self.config.node_id, reason)
+        self._restart_seen_s = time.time()
+        await self._new_epoch(reason)
+        if self.config.replay_endpoint:
+            await self._catch_up(0, None)
+
+    async def _check_reconnect(self) -> None:
+        """Right after ZMQ reconnects (an engine may have restarted and stay idle)."""
+        if self._verify and not await self._same_run():
+            await self._restarted("restart")
+
     async def _on_message(self, seq: int, payload: bytes) -> None:
         if self._verify and not await self._same_run():
-            await self._new_epoch("restart")
+            await self._restarted("restart")
         if self.expected is not None and seq < self.expected:
             if self._recent.get(seq) == hashlib.blake2b(payload, digest_size=16).digest():
                 # Already applied: it came both from replay and from the live socket.
@@ -300,6 +339,8 @@ class Bridge:
             while not stop.is_set():
                 if not await sub.poll(200):
                     await self._drain_monitor(monitor)
+                    async with self._lock:
+                        await self._check_reconnect()
                     continue
                 await self._drain_monitor(monitor)
                 frames = await sub.recv_multipart()
@@ -319,7 +360,8 @@ class Bridge:
                 if seq < 0:
                     self.counts["bad_frame"] += 1
                     continue
-                await self._on_message(seq, payload)
+                async with self._lock:
+                    await self._on_message(seq, payload)
         finally:
             if hb_task:
                 hb_task.cancel()
@@ -333,38 +375,94 @@ class Bridge:
     async def _heartbeats(self, stop: asyncio.Event) -> None:
         """Heartbeat for an engine that does not heartbeat itself (a real vLLM/SGLang).
 
-        Liveness is what the bridge can see: recent events, or (with a replay socket) an
-        answer to a probe; the load fields stay zero because vLLM does not publish them.
+        With ``metrics_url``: one scrape per interval, the heartbeat carries the engine's load,
+        and no answer means no heartbeat. Otherwise liveness is what the bridge can see (recent
+        events, or an answer to a probe on the replay socket) and the load fields stay zero.
         """
         assert self.config.heartbeat_s
         interval = self.config.heartbeat_s
-        probe = self.ctx.socket(zmq.DEALER) if self.config.replay_endpoint else None
-        if probe is not None:
+        probe = None
+        if self.scraper is None and self.config.replay_endpoint:
+            probe = self.ctx.socket(zmq.DEALER)
             probe.setsockopt(zmq.LINGER, 0)
-            probe.connect(self.config.replay_endpoint)  # type: ignore[arg-type]
+            probe.connect(self.config.replay_endpoint)
         try:
             while not stop.is_set():
                 if probe is not None:
                     # Ask for a seq far ahead: a live engine answers with just the end marker.
                     await probe.send_multipart([b"", seq_frame(1 << 62)])
-                await asyncio.sleep(interval)
-                if probe is not None:
-                    while await probe.poll(0):
-                        await probe.recv_multipart()
-                        self._last_engine_contact = time.monotonic()
-                alive = probe is None or time.monotonic() - self._last_engine_contact <= 3 * interval
-                if alive and self.heartbeat_sink is not None:
-                    hb = Heartbeat(role=self.config.role, model=self.config.model, interval_s=interval)
+                started = time.monotonic()
+                if self.scraper is not None:
+                    hb = await self._scraped_heartbeat(interval)
+                else:
+                    await asyncio.sleep(interval)
+                    if probe is not None:
+                        while await probe.poll(0):
+                            await probe.recv_multipart()
+                            self._last_engine_contact = time.monotonic()
+                    alive = probe is None or time.monotonic() - self._last_engine_contact <= 3 * interval
+                    hb = Heartbeat(role=self.config.role, model=self.config.model, interval_s=interval) if alive else None
+                if hb is not None and self.heartbeat_sink is not None:
                     self._hb_seq += 1
                     env = envelope(hb, producer_id=self.config.node_id, producer_seq=self._hb_seq,
                                    epoch=self.epoch, ts_ms=self.clock_ms())
                     try:
                         await self.heartbeat_sink([env])
+                        self.counts["heartbeats"] += 1
                     except Exception as e:  # a broker hiccup must not stop the bridge
                         log.warning("node %s: heartbeat not published: %s", self.config.node_id, e)
+                if self.scraper is not None:
+                    await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
         finally:
             if probe is not None:
                 probe.close(linger=0)
+            if self.scraper is not None:
+                await self.scraper.close()
+
+    async def _scraped_heartbeat(self, interval: float) -> Heartbeat | None:
+        assert self.scraper is not None
+        load = await self.scraper.scrape()
+        if load is None:
+            self.counts["scrape_failures"] += 1
+            return None
+        self.counts["scrapes"] += 1
+        if load.start_time_s is not None:
+            # A new process, unless the ZMQ side already opened an epoch for this very one.
+            if (self._engine_start is not None and load.start_time_s != self._engine_start
+                    and self._restart_seen_s < load.start_time_s):
+                self.counts["restart_by_start_time"] += 1
+                async with self._lock:
+                    await self._restarted("restart")
+            self._engine_start = load.start_time_s
+        return heartbeat_of(load, role=self.config.role, model=self.config.model, interval_s=interval,
+                            default_prompt_tokens=self.config.default_prompt_tokens)
+
+
+def offset_port(endpoint: str | None, rank: int) -> str | None:
+    """The endpoint data-parallel rank ``rank`` uses: tcp port + rank (as vLLM offsets them), ipc/inproc + ``_dp<r>``."""
+    if endpoint is None or rank == 0:
+        return endpoint
+    if endpoint.startswith("tcp://"):
+        host, _, port = endpoint.rpartition(":")
+        return f"{host}:{int(port) + rank}"
+    return f"{endpoint}_dp{rank}"
+
+
+def rank_configs(*, node_id: str, dp_size: int = 1, zmq_endpoint: str, replay_endpoint: str | None,
+                 **common: Any) -> list[BridgeConfig]:
+    """One bridge per data-parallel rank: its own sockets, node id and metrics series.
+
+    Each rank of a vLLM DP engine is its own scheduler with its own KV cache, queue and
+    prefix-cache hits, so Conductor routes to a rank as to any instance (vLLM accepts a
+    request pinned to a rank); one node with merged load would hide which rank holds a prefix.
+    """
+    if dp_size == 1:
+        return [BridgeConfig(node_id=node_id, zmq_endpoint=zmq_endpoint, replay_endpoint=replay_endpoint, **common)]
+    return [
+        BridgeConfig(node_id=f"{node_id}-dp{r}", zmq_endpoint=offset_port(zmq_endpoint, r) or zmq_endpoint,
+                     replay_endpoint=offset_port(replay_endpoint, r), dp_rank=r, **common)
+        for r in range(dp_size)
+    ]
 
 
 class KafkaSink:

@@ -9,6 +9,16 @@ A stored event whose parent this translator never saw (the bridge joined late an
 the engine's replay buffer no longer reaches back) cannot be keyed correctly, so
 it is skipped and counted as an orphan: the view then lacks those blocks, which
 only costs reuse, instead of holding wrong keys.
+
+Offload placeholders (a ``BlockStored`` with no tokens, e.g. vLLM's CPU offload
+announcing copies of blocks the GPU tier reported) resolve through the same map.
+
+Hybrid models: the translator tracks which (tier, KV-cache group) holds each block;
+a block is in the view at a tier while every full-attention group that the node has
+announced holds it there. Sliding-window (and other windowed) groups are tracked but
+neither add nor remove view entries, because vLLM's hybrid manager reuses a prefix as
+far as its full-attention groups hold it, and a windowed group only needs the last
+window before the cut (see the README for the rule and its bound).
 """
 
 from __future__ import annotations
@@ -27,15 +37,29 @@ from conductor.bridge.wire import (
     EngineHash,
     UnknownEvent,
 )
-from schemas import AllBlocksCleared, BlocksRemoved, BlocksStored, Tier, chain_keys
+from schemas import (
+    AllBlocksCleared,
+    BlocksRemoved,
+    BlocksStored,
+    Tier,
+    chain_keys_per_block,
+)
 from schemas.records import MAX_BLOCKS, Record
 
 MAX_TRACKED_BLOCKS = 4_000_000
 """Engine hashes remembered per node before the node is declared stale (a leak guard)."""
 
 
+Holder = tuple[Tier, int | None]
+"""A copy of a block: its tier and its KV-cache group (None: a model with one group)."""
+
+
 def _scalar(x: Any) -> Any:
-    return x if x is None or isinstance(x, (bool, int, float, str)) else repr(x)[:200]
+    if x is None or isinstance(x, (bool, int, float, str, bytes)):
+        return x
+    if isinstance(x, (tuple, list)):
+        return tuple(_scalar(e) for e in x)
+    return repr(x)[:200]
 
 
 @dataclass
@@ -45,13 +69,16 @@ class NodeTranslator:
     expected_block_size: int | None = None
     max_tracked: int = MAX_TRACKED_BLOCKS
     keys: dict[EngineHash, int] = field(default_factory=dict)
-    tiers: dict[EngineHash, set[Tier]] = field(default_factory=dict)
+    holders: dict[EngineHash, set[Holder]] = field(default_factory=dict)
+    windowed: dict[int | None, bool] = field(default_factory=dict)
+    """The node's KV-cache groups as announced by its stored events: True = sliding-window-like."""
     counts: Counter[str] = field(default_factory=Counter)
 
     def reset(self) -> None:
         """Forget everything (a new epoch: the engine restarted or the node went stale)."""
         self.keys.clear()
-        self.tiers.clear()
+        self.holders.clear()
+        self.windowed.clear()
 
     @property
     def overflowed(self) -> bool:
@@ -78,7 +105,27 @@ class NodeTranslator:
             self.counts["bad_event"] += 1
         return []
 
+    # --- which copies count for the view --------------------------------------
+
+    def _counts_for_view(self, group: int | None) -> bool:
+        if not self.windowed.get(group, False):
+            return True
+        # A model whose groups are all windowed: each of them is all the engine has.
+        return not any(not w for w in self.windowed.values())
+
+    def _present(self, h: EngineHash, tier: Tier) -> bool:
+        held = {g for t, g in self.holders.get(h, ()) if t == tier and self._counts_for_view(g)}
+        if not held:
+            return False
+        full = {g for g, w in self.windowed.items() if not w}
+        return not full or full <= held
+
+    # --- stored -------------------------------------------------------------------
+
     def _stored(self, ev: EngineBlockStored) -> list[Record]:
+        self.windowed.setdefault(ev.group_idx, ev.sliding_window)
+        if ev.placeholder:
+            return self._placeholder(ev)
         if ev.parent_block_hash is None:
             parent_key = None
         else:
@@ -95,55 +142,77 @@ class NodeTranslator:
             return []
         for h, k in zip(ev.block_hashes, derived):
             self.keys[h] = k
-            self.tiers.setdefault(h, set()).add(ev.tier)
-        self.counts["blocks_stored"] += len(derived)
+        return self._hold(list(zip(ev.block_hashes, derived)), ev.tier, ev.group_idx, ev.block_size, parent_key)
+
+    def _placeholder(self, ev: EngineBlockStored) -> list[Record]:
+        """Copies of blocks already known by hash (offload to CPU, disk, a shared pool)."""
+        known = []
+        for h in ev.block_hashes:
+            k = self.keys.get(h)
+            if k is None:
+                self.counts["orphan_blocks"] += 1
+            else:
+                known.append((h, k))
+        self.counts["placeholder_blocks"] += len(known)
+        return self._hold(known, ev.tier, ev.group_idx, ev.block_size or self.expected_block_size or 16)
+
+    def _hold(
+        self, blocks: list[tuple[EngineHash, int]], tier: Tier, group: int | None, bs: int, parent: int | None = None
+    ) -> list[Record]:
+        new: list[int] = []
+        for h, k in blocks:
+            before = self._present(h, tier)
+            self.holders.setdefault(h, set()).add((tier, group))
+            if not before and self._present(h, tier):
+                new.append(k)
+        self.counts["blocks_stored"] += len(new)
+        whole_run = len(new) == len(blocks)  # else the keys alone say it all: no parent to name
         out: list[Record] = []
-        parent = parent_key
-        for i in range(0, len(derived), MAX_BLOCKS):
-            part = derived[i : i + MAX_BLOCKS]
-            out.append(
-                BlocksStored(
-                    block_keys=part, parent_key=parent, block_size=ev.block_size, tier=ev.tier,
-                    lora_name=ev.lora_name,
-                )
-            )
+        for i in range(0, len(new), MAX_BLOCKS):
+            part = new[i : i + MAX_BLOCKS]
+            out.append(BlocksStored(block_keys=part, parent_key=parent if whole_run else None, block_size=bs,
+                                    tier=tier))
             parent = part[-1]
         return out
 
     def _derive(self, ev: EngineBlockStored, parent_key: int | None) -> list[int] | None:
+        """Conductor keys of the event's blocks: the engine's own extra keys, block by block.
+
+        vLLM >= 0.11 reports each block's extra keys (LoRA name first, then multimodal ids,
+        the cache salt, prompt-embedding digests); older engines only name the LoRA adapter,
+        which is then the one extra key of every block, as vLLM hashes it.
+        """
         n, bs = len(ev.block_hashes), ev.block_size
         if len(ev.token_ids) != n * bs:
             return None
-        if ev.extra_keys is None or all(e is None for e in ev.extra_keys):
-            return chain_keys(ev.token_ids, bs, parent=parent_key, lora_name=ev.lora_name)
-        # Per-block extras (multimodal ids, cache salt): one chain step per block.
-        keys: list[int] = []
-        parent = parent_key
-        for i, extra in enumerate(ev.extra_keys):
-            step = chain_keys(
-                ev.token_ids[i * bs : (i + 1) * bs], bs, parent=parent, lora_name=ev.lora_name,
-                extra_keys=[_scalar(x) for x in (extra or ())],
-            )
-            keys.extend(step)
-            parent = step[-1]
-        return keys
+        if ev.extra_keys is not None:
+            extras: list[tuple[Any, ...] | None] = [
+                None if e is None else tuple(_scalar(x) for x in e) for e in ev.extra_keys
+            ]
+        else:
+            extras = [(ev.lora_name,) if ev.lora_name else None] * n
+        try:
+            return chain_keys_per_block(ev.token_ids, bs, extras, parent=parent_key)
+        except TypeError:
+            return None
+
+    # --- removed ------------------------------------------------------------------
 
     def _removed(self, ev: EngineBlockRemoved) -> list[Record]:
         gone: list[int] = []
         for h in ev.block_hashes:
             key = self.keys.get(h)
-            if key is None:
+            held = self.holders.get(h)
+            if key is None or held is None or (ev.tier, ev.group_idx) not in held:
                 self.counts["unknown_removed"] += 1
                 continue
-            held = self.tiers.get(h, set())
-            if ev.tier not in held:
-                self.counts["unknown_removed"] += 1
-                continue
-            held.discard(ev.tier)
+            before = self._present(h, ev.tier)
+            held.discard((ev.tier, ev.group_idx))
+            if before and not self._present(h, ev.tier):
+                gone.append(key)
             if not held:
                 del self.keys[h]
-                del self.tiers[h]
-            gone.append(key)
+                del self.holders[h]
         self.counts["blocks_removed"] += len(gone)
         return [
             BlocksRemoved(block_keys=gone[i : i + MAX_BLOCKS], tier=ev.tier) for i in range(0, len(gone), MAX_BLOCKS)

@@ -48,13 +48,23 @@ class EngineBlockStored:
     tier: Tier
     lora_name: str | None = None
     extra_keys: tuple[tuple[Any, ...] | None, ...] | None = None
-    """One entry per block (vLLM >= 0.11): multimodal ids, cache salt... or None."""
+    """One entry per block (vLLM >= 0.11): LoRA name, multimodal ids, cache salt... or None."""
+    group_idx: int | None = None
+    """KV-cache group of a hybrid model (vLLM); None = the only group."""
+    sliding_window: bool = False
+    """The group holds only a window of the prefix (sliding-window or local attention, Mamba state)."""
+
+    @property
+    def placeholder(self) -> bool:
+        """No tokens: a copy of blocks already reported on another tier (vLLM's CPU offload)."""
+        return not self.token_ids
 
 
 @dataclass(frozen=True, slots=True)
 class EngineBlockRemoved:
     block_hashes: tuple[EngineHash, ...]
     tier: Tier
+    group_idx: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,17 +97,20 @@ class EngineBatch:
     data_parallel_rank: int | None = None
 
 
-# Medium names as engines spell them → Conductor's tiers.
+# Medium names as engines spell them → Conductor's tiers (the table is in the README).
 _TIERS: dict[str, Tier] = {
     "gpu": "hbm", "cuda": "hbm", "hbm": "hbm", "device": "hbm", "xpu": "hbm", "npu": "hbm",
     "cpu": "dram", "dram": "dram", "host": "dram", "cpu_tier": "dram", "pinned": "dram",
+    "cpu_pinned": "dram", "host_pinned": "dram",
     "disk": "ssd", "ssd": "ssd", "local_disk": "ssd", "nvme": "ssd", "file": "ssd", "storage": "ssd",
+    "external": "ssd", "remote": "ssd", "shared": "ssd", "mooncake": "ssd", "lmcache": "ssd", "l3": "ssd",
 }
 
 # Field order of the array form, after the tag (vLLM's struct field order).
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
-                  "lora_name", "extra_keys")
-_REMOVED_FIELDS = ("block_hashes", "medium")
+                  "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window")
+_REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
+_WINDOWED_KINDS = ("sliding", "local", "chunked", "mamba", "window")
 
 
 def tier_of(medium: object) -> Tier:
@@ -150,12 +163,15 @@ def _stored(f: dict[str, Any]) -> EngineBlockStored:
     hashes = _hashes(f.get("block_hashes"))
     parent = f.get("parent_block_hash")
     tokens = f.get("token_ids")
+    if tokens is None:
+        tokens = []
     if not isinstance(tokens, list) or not all(
         isinstance(t, int) and not isinstance(t, bool) and 0 <= t <= 0xFFFFFFFF for t in tokens
     ):
         raise ValueError("token_ids is not a list of uint32")
     bs = f.get("block_size")
-    if not isinstance(bs, int) or isinstance(bs, bool) or not 1 <= bs <= 4096:
+    # An offload placeholder (no tokens) may say block_size 0: its blocks are known by hash.
+    if not isinstance(bs, int) or isinstance(bs, bool) or not (0 if not tokens else 1) <= bs <= 4096:
         raise ValueError(f"bad block_size {bs!r}"[:80])
     lora_name = f.get("lora_name")
     if lora_name is not None and not isinstance(lora_name, str):
@@ -170,6 +186,11 @@ def _stored(f: dict[str, Any]) -> EngineBlockStored:
         if not isinstance(extra, list) or len(extra) != len(hashes):
             raise ValueError("extra_keys must hold one entry per block")
         extra_keys = tuple(None if e is None else tuple(e) if isinstance(e, list) else (e,) for e in extra)
+    kind = f.get("kv_cache_spec_kind")
+    window = f.get("kv_cache_spec_sliding_window")
+    windowed = (isinstance(window, int) and not isinstance(window, bool) and window > 0) or (
+        isinstance(kind, str) and any(w in kind.lower() for w in _WINDOWED_KINDS)
+    )
     return EngineBlockStored(
         block_hashes=hashes,
         parent_block_hash=None if parent is None else normalize_hash(parent),
@@ -178,7 +199,17 @@ def _stored(f: dict[str, Any]) -> EngineBlockStored:
         tier=tier_of(f.get("medium")),
         lora_name=lora_name,
         extra_keys=extra_keys,
+        group_idx=_group(f.get("group_idx")),
+        sliding_window=windowed,
     )
+
+
+def _group(g: object) -> int | None:
+    if g is None:
+        return None
+    if not isinstance(g, int) or isinstance(g, bool) or not 0 <= g < 1024:
+        raise ValueError(f"bad group_idx {g!r}"[:80])
+    return g
 
 
 def decode_event(raw: object) -> EngineEvent:
@@ -194,7 +225,7 @@ def decode_event(raw: object) -> EngineEvent:
             return _stored(_as_fields(raw, _STORED_FIELDS))  # type: ignore[arg-type]
         if tag == "BlockRemoved":
             f = _as_fields(raw, _REMOVED_FIELDS)  # type: ignore[arg-type]
-            return EngineBlockRemoved(_hashes(f.get("block_hashes")), tier_of(f.get("medium")))
+            return EngineBlockRemoved(_hashes(f.get("block_hashes")), tier_of(f.get("medium")), _group(f.get("group_idx")))
         if tag == "AllBlocksCleared":
             return EngineAllCleared()
     except ValueError as e:
@@ -251,9 +282,15 @@ def _event_map(ev: EngineBlockStored | EngineBlockRemoved | EngineAllCleared) ->
         }
         if ev.extra_keys is not None:
             m["extra_keys"] = [None if e is None else list(e) for e in ev.extra_keys]
+        if ev.group_idx is not None:
+            m["group_idx"] = ev.group_idx
         return m
     if isinstance(ev, EngineBlockRemoved):
-        return {"type": "BlockRemoved", "block_hashes": list(ev.block_hashes), "medium": medium_of(ev.tier)}
+        r: dict[str, Any] = {"type": "BlockRemoved", "block_hashes": list(ev.block_hashes),
+                             "medium": medium_of(ev.tier)}
+        if ev.group_idx is not None:
+            r["group_idx"] = ev.group_idx
+        return r
     return {"type": "AllBlocksCleared"}
 
 

@@ -15,19 +15,22 @@ from typing import Any
 import typer
 from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Observation
+from prometheus_client import start_http_server
 
 from conductor import web
 from conductor.bridge.publisher import EventPublisher
-from conductor.bridge.runner import Bridge, BridgeConfig, kafka_sink
+from conductor.bridge.runner import Bridge, kafka_sink, rank_configs
 from conductor.cli.common import err, print_json, print_result, settings_or_exit
 from conductor.engine.emulated import EmulatedEngine, EngineConfig
 from conductor.engine.http import engine_app
+from conductor.engine.metrics import engine_registry
 from conductor.errors import ConfigError
 from conductor.profiles import load_profile
 from conductor.routing.dispatch import decisions_for
 from conductor.routing.policies import POLICIES
 from conductor.telemetry import setup_metrics
 from conductor.tools.bench.bridge import run_bridge_bench
+from conductor.tools.bench.scrape import run_scrape_bench
 from conductor.tools.demo import DemoOptions, run_demo
 from streams.kafka import ensure_topics, producer
 from streams.topics import topics
@@ -60,18 +63,31 @@ async def _until_stopped(stop: asyncio.Event, *tasks: asyncio.Task[Any]) -> None
             raise r
 
 
-def _bridge_metrics(settings: Any, bridge: Any) -> None:
-    """Export the bridge's counters (records, gaps, epochs, orphans...) on CONDUCTOR_METRICS_PORT."""
-
-
+def _bridge_metrics(settings: Any, bridges: list[Bridge]) -> None:
+    """Export the bridges' counters (records, gaps, epochs, orphans, scrape failures...) on CONDUCTOR_METRICS_PORT."""
     setup_metrics("conductor-bridge", settings.bind_host, settings.metrics_port)
 
     def observe(_: CallbackOptions) -> list[Observation]:
-        counts = bridge.counts + bridge.translator.counts
-        return [Observation(v, {"node": bridge.config.node_id, "what": k}) for k, v in counts.items()]
+        return [
+            Observation(v, {"node": b.config.node_id, "what": k})
+            for b in bridges
+            for k, v in (b.counts + b.translator.counts).items()
+        ]
 
-    metrics.get_meter(__name__).create_observable_counter(
+    def reachable(_: CallbackOptions) -> list[Observation]:
+        return [
+            Observation(1 if b.scraper.reachable else 0, {"node": b.config.node_id})
+            for b in bridges
+            if b.scraper is not None
+        ]
+
+    meter = metrics.get_meter(__name__)
+    meter.create_observable_counter(
         "conductor_bridge_events", callbacks=[observe], description="bridge counters by node and kind"
+    )
+    meter.create_observable_gauge(
+        "conductor_bridge_engine_reachable", callbacks=[reachable],
+        description="1 while the engine's /metrics answers (no heartbeats otherwise)",
     )
 
 
@@ -98,6 +114,18 @@ def register(groups: dict[str, typer.Typer]) -> None:
             help="heartbeat the node this often while the engine answers; 0 = the engine heartbeats itself",
         ),
         model: str = typer.Option("default", help="model name announced in heartbeats"),
+        metrics_url: str = typer.Option(
+            None, "--metrics-url",
+            help="the engine's Prometheus endpoint, e.g. http://10.0.0.5:8000/metrics: heartbeats then carry its real "
+            "queue, running batch and KV use, and stop while it does not answer",
+        ),
+        dp_size: int = typer.Option(
+            1, "--dp-size", min=1, max=256,
+            help="data-parallel ranks of this engine: rank r publishes on both ports + r and becomes node ID-dp<r>",
+        ),
+        default_prompt_tokens: int = typer.Option(
+            0, min=0, help="mean prompt length assumed for queued requests until the engine has finished one",
+        ),
     ) -> None:
         """Carry one vLLM/SGLang engine's KV events onto the kv-events topic.
 
@@ -107,10 +135,13 @@ def register(groups: dict[str, typer.Typer]) -> None:
 
         Gaps are filled from the replay socket; a gap it cannot fill, or an engine restart, starts a new epoch.
 
-        With data parallelism, vLLM's rank r publishes on both ports + r: run one bridge (one node id) per rank.
+        With data parallelism (--dp-size N), vLLM's rank r publishes on both ports + r and labels its metrics engine="r": each rank is its own node (ID-dp0, ID-dp1...), since each has its own KV cache and queue.
         """
         if role not in ROLES:
             err.print(f"[red]error:[/red] --role must be one of {', '.join(ROLES)}, not {role!r}")
+            raise typer.Exit(2)
+        if metrics_url and not heartbeat_s:
+            err.print("[red]error:[/red] --metrics-url needs --heartbeat-s > 0 (the scrape interval)")
             raise typer.Exit(2)
         s = settings_or_exit()
         _need_kafka(s)
@@ -121,21 +152,26 @@ def register(groups: dict[str, typer.Typer]) -> None:
             await ensure_topics(s, (tps.kv_events, tps.heartbeats))
             prod = producer(s)
             await prod.start()
-            cfg = BridgeConfig(
-                node_id=node_id, role=role, zmq_endpoint=zmq_endpoint, replay_endpoint=replay,  # type: ignore[arg-type]
-                block_size=s.block_size, heartbeat_s=heartbeat_s or None, model=model,
-            )
             events = kafka_sink(prod, tps.kv_events.name)
-            b = Bridge(cfg, events, kafka_sink(prod, tps.heartbeats.name))
-            _bridge_metrics(s, b)
+            bridges = []
+            for cfg in rank_configs(
+                node_id=node_id, role=role, zmq_endpoint=zmq_endpoint, replay_endpoint=replay,
+                block_size=s.block_size, heartbeat_s=heartbeat_s or None, model=model, metrics_url=metrics_url,
+                dp_size=dp_size, default_prompt_tokens=default_prompt_tokens,
+            ):
+                bridges.append(Bridge(cfg, events, kafka_sink(prod, tps.heartbeats.name)))
+            _bridge_metrics(s, bridges)
             stop = asyncio.Event()
             _stop_on_signals(stop)
             try:
-                await _until_stopped(stop, asyncio.create_task(b.run(stop)))
+                await _until_stopped(stop, *(asyncio.create_task(b.run(stop)) for b in bridges))
                 await events.flush()
             finally:
                 await prod.stop()
-            return b.counts + b.translator.counts
+            total: Counter[str] = Counter()
+            for b in bridges:
+                total += b.counts + b.translator.counts
+            return total
 
         counts = asyncio.run(main())
         err.print(f"bridge {node_id} stopped: {dict(counts)}")
@@ -156,6 +192,15 @@ def register(groups: dict[str, typer.Typer]) -> None:
                                       help="serve vLLM's OpenAI HTTP API (and the P/D KV hand-off) on this port of "
                                       "CONDUCTOR_BIND_HOST (0 = a free one); unset = no HTTP"),
         model: str = typer.Option("default", "--model", help="served model name (heartbeats, /v1/models)"),
+        metrics_port: int = typer.Option(
+            None, "--metrics-port", min=0, max=65535,
+            help="serve vLLM-named Prometheus metrics (/metrics) on CONDUCTOR_BIND_HOST:PORT (0 = a free port) for "
+            "`conductor bridge --metrics-url`",
+        ),
+        self_heartbeat: bool = typer.Option(
+            True, "--self-heartbeat/--no-self-heartbeat",
+            help="publish heartbeats itself; --no-self-heartbeat leaves them to a bridge that scrapes /metrics",
+        ),
     ) -> None:
         """Run an emulated prefill/decode instance that speaks vLLM's KV-event protocol.
 
@@ -192,13 +237,21 @@ def register(groups: dict[str, typer.Typer]) -> None:
                 time_scale=time_scale, heartbeat_s=heartbeat_s, max_output_tokens=max_output_tokens, seed=s.seed,
                 model=model,
             )
-            eng = EmulatedEngine(cfg, profile, pub, heartbeat_sink=kafka_sink(prod, tps.heartbeats.name),
+            eng = EmulatedEngine(cfg, profile, pub,
+                                 heartbeat_sink=kafka_sink(prod, tps.heartbeats.name) if self_heartbeat else None,
                                  report=sys.stdout if report else None)
+            metrics_server = None
+            metrics_url = None
+            if metrics_port is not None:
+                # prometheus_client's own server (a thread), for an engine run without --http-port.
+                metrics_server, _ = start_http_server(metrics_port, addr=s.bind_host, registry=engine_registry(eng))
+                metrics_url = f"http://{s.bind_host}:{metrics_server.server_port}/metrics"
             sock = web.bind(s.bind_host, http_port) if http_port is not None else None
             ready: dict[str, Any] = {"event": "ready", "node_id": node_id, "role": role, "zmq": pub.endpoint,
-                                     "replay": pub.replay_endpoint}
+                                     "replay": pub.replay_endpoint, "metrics": metrics_url}
             if sock is not None:
                 ready["http"] = f"http://{s.bind_host}:{sock.getsockname()[1]}"
+                ready["metrics"] = metrics_url or ready["http"] + "/metrics"  # as vLLM: on the API port
             print_json(ready)
             stop = asyncio.Event()
             _stop_on_signals(stop)
@@ -211,6 +264,8 @@ def register(groups: dict[str, typer.Typer]) -> None:
                     tasks.append(asyncio.create_task(web.serve(app, sock, stop)))
                 await _until_stopped(stop, *tasks)
             finally:
+                if metrics_server is not None:
+                    metrics_server.shutdown()
                 await pub.close()
                 await prod.stop()
 
@@ -233,6 +288,21 @@ def register(groups: dict[str, typer.Typer]) -> None:
             _need_kafka(s)
 
         out = asyncio.run(run_bridge_bench(s, batches=batches, blocks=blocks, kafka=kafka))
+        print_result(out, json_out)
+
+    @groups["bench"].command("scrape")
+    def bench_scrape(
+        scrapes: int = typer.Option(30, min=1, help="scrapes to time"),
+        interval_s: float = typer.Option(1.0, min=0.0, help="seconds between scrapes (the bridge's --heartbeat-s)"),
+        vllm_size: bool = typer.Option(True, "--vllm-size/--small", help="pad the page with vLLM's histograms"),
+        json_out: bool = typer.Option(False, "--json", help="print one JSON line"),
+    ) -> None:
+        """Cost of following one engine's load: scrape /metrics, parse, build and encode the heartbeat.
+
+        Reports the bridge thread's CPU ms per scrape (the served page runs in another thread).
+        """
+        s = settings_or_exit()
+        out = asyncio.run(run_scrape_bench(s, scrapes=scrapes, interval_s=interval_s, vllm_size=vllm_size))
         print_result(out, json_out)
 
     @app.command("demo")

@@ -145,6 +145,9 @@ class EngineState:
     decoding: list[_Seq] = field(default_factory=list)
     waiting_decode: int = 0
     done: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    """Counters for the engine's /metrics (conductor.engine.metrics)."""
 
 
 class EmulatedEngine:
@@ -176,6 +179,8 @@ class EmulatedEngine:
         self._prefill_work = asyncio.Event()
         self._decode_work = asyncio.Event()
         self._epoch = clock_ms()
+        self.started_s = time.time()
+        """When this engine (process) started: its /metrics process_start_time_seconds."""
         self._hb_seq = 0
 
     # --- intake ---------------------------------------------------------------
@@ -264,6 +269,7 @@ class EmulatedEngine:
             await self._store(chain, local, tokens)
         self.state.current_prefill_tokens = 0
         self.state.done += 1
+        self.state.prompt_tokens_total += prompt
         now_ms = self.clock_ms()
         # TTFT = the real time the request took to reach this instance (routing, Kafka)
         # + queueing and prefill here, in model time (scaled back from the emulation's).
@@ -370,6 +376,7 @@ class EmulatedEngine:
             n = max(1, min(int(MIN_SLEEP_S * self.config.time_scale / max(step, 1e-9)), min(s.remaining for s in batch)))
             await asyncio.sleep(n * step / self.config.time_scale)
             finished = []
+            self.state.generation_tokens_total += n * len(batch)
             for s in batch:
                 made = min(n, s.remaining)
                 s.context += made

@@ -36,12 +36,13 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import (
     JSONResponse,
-    PlainTextResponse,
     Response,
     StreamingResponse,
 )
+from prometheus_client import make_asgi_app
 
 from conductor.engine.emulated import EmulatedEngine
+from conductor.engine.metrics import engine_registry
 
 VOCAB = 50_000
 MAX_MODEL_LEN = 131_072
@@ -296,12 +297,6 @@ class EngineHttp:
             {"id": self.model, "object": "model", "created": 0, "owned_by": "conductor-emulated",
              "max_model_len": MAX_MODEL_LEN}]})
 
-    async def metrics_placeholder(self) -> Response:
-        hb = self.engine.heartbeat()
-        return PlainTextResponse(f"vllm:num_requests_running {hb.running_requests}\n"
-                                 f"vllm:num_requests_waiting {hb.queue_depth}\n")
-
-
 def engine_app(engine: EmulatedEngine, host: str, port: int) -> FastAPI:
     """The FastAPI app of one emulated engine reachable at ``http://host:port``."""
     h = EngineHttp(engine, host, port)
@@ -323,6 +318,6 @@ def engine_app(engine: EmulatedEngine, host: str, port: int) -> FastAPI:
     app.add_api_route("/health", health, methods=["GET"])
     app.add_api_route("/kv/pull", h.pull, methods=["POST"])
     app.add_api_route("/kv/bootstrap/{room}", h.bootstrap, methods=["GET"])
-    app.add_api_route("/metrics", h.metrics_placeholder, methods=["GET"])  # placeholder: conductor.engine.metrics at merge
+    app.mount("/metrics", make_asgi_app(registry=engine_registry(engine)))  # vLLM's names, on the API port as vLLM
     app.router.on_shutdown.append(h.client.aclose)
     return app

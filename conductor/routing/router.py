@@ -62,11 +62,11 @@ from schemas import (
     RoutingDecision,
     RoutingRejection,
     RoutingRequest,
-    chain_keys,
     decode,
     encode,
     envelope,
     headers,
+    request_chain_keys,
 )
 from state.redis_view import RedisViewStore, assemble_snapshot
 from state.reservations import Load, RedisReservations, ReservationStore
@@ -164,8 +164,7 @@ class Router:
                 )
             return list(req.block_keys)
         assert req.token_ids is not None
-        extra = (f"salt={req.cache_salt}",) if req.cache_salt else ()
-        return chain_keys(req.token_ids, bs, lora_name=req.lora_name, extra_keys=extra)
+        return request_chain_keys(req, bs)
 
     def policy_request(self, req: RoutingRequest, chain_len: int, ordinal: int = 0) -> PolicyRequest:
         s = self.settings

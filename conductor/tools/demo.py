@@ -73,6 +73,8 @@ def default_trace() -> Path:
 
 
 MIN_REPLAY_S = 4.0
+SCRAPE_INTERVAL_S = 0.5
+"""How often each bridge scrapes its engine's /metrics and heartbeats the node."""
 
 
 class DemoError(ConductorError):
@@ -166,6 +168,8 @@ class RunStats:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     ttft: list[float] = field(default_factory=list)
+    ttft_error: list[float] = field(default_factory=list)
+    """|predicted - observed| / observed TTFT of every prefill."""
     tbt: list[float] = field(default_factory=list)
     decodes: int = 0
     per_node: dict[str, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))
@@ -201,6 +205,9 @@ class RunStats:
             self.cached_tokens += int(row["cached_tokens"])
             if row.get("ttft_s") is not None:
                 self.ttft.append(float(row["ttft_s"]))
+                observed, predicted = float(row["ttft_s"]), row.get("predicted_ttft_s")
+                if predicted is not None and observed > 0:
+                    self.ttft_error.append(abs(float(predicted) - observed) / observed)
             self.per_node[node]["done"] += 1
             self.per_node[node]["cached_tokens"] += int(row["cached_tokens"])
             self.per_node[node]["prompt_tokens"] += int(row["prompt_tokens"])
@@ -227,6 +234,7 @@ class RunStats:
             "ttft_p50_s": r(percentile(self.ttft, 0.5)),
             "ttft_p90_s": r(percentile(self.ttft, 0.9)),
             "ttft_mean_s": r(statistics.fmean(self.ttft) if self.ttft else None),
+            "ttft_prediction_error_p50": r(percentile(self.ttft_error, 0.5)),
             "tbt_p50_ms": r(percentile(self.tbt, 0.5), 2),
             "tbt_p90_ms": r(percentile(self.tbt, 0.9), 2),
         }
@@ -350,8 +358,9 @@ async def _run_once(
         for role, n in (("prefill", opts.prefill), ("decode", opts.decode)):
             for i in range(n):
                 node = f"{role}-{i}"
+                # Load reaches the view the way it does from a real vLLM: the bridge scrapes /metrics.
                 args = ["engine", "--role", role, "--node-id", node, "--kv-blocks", str(opts.kv_blocks),
-                        "--time-scale", str(opts.speed), "--report"]
+                        "--time-scale", str(opts.speed), "--report", "--metrics-port", "0", "--no-self-heartbeat"]
                 if role == "prefill" and opts.dram_blocks:
                     args += ["--dram-blocks", str(opts.dram_blocks)]
                 engines[node] = (role, await procs.start(node, args, env, stdout_pipe=True))
@@ -389,8 +398,9 @@ async def _run_once(
             role = engines[node][0]
             bridge = Bridge(
                 BridgeConfig(node_id=node, role=role, zmq_endpoint=info["zmq"], replay_endpoint=info["replay"],  # type: ignore[arg-type]
-                             block_size=opts.block_size, heartbeat_s=None),
+                             block_size=opts.block_size, heartbeat_s=SCRAPE_INTERVAL_S, metrics_url=info["metrics"]),
                 kafka_sink(prod, tps.kv_events.name),
+                kafka_sink(prod, tps.heartbeats.name),
             )
             bridge_tasks[node] = asyncio.create_task(bridge.run(stop))
             tasks.append(bridge_tasks[node])
@@ -548,7 +558,7 @@ def run_demo(settings: Settings, opts: DemoOptions) -> dict[str, Any]:
             "ok": True,
             **{k: main[k] for k in ("requests", "decisions", "rejected", "reuse_ratio", "ttft_p50_s", "ttft_p90_s",
                                     "tbt_p50_ms", "tbt_p90_ms", "prefills_done", "decodes_done", "routed_reuse_ratio",
-                                    "rejected_by_reason", "rejection_examples")},
+                                    "rejected_by_reason", "rejection_examples", "ttft_prediction_error_p50")},
             "policy": opts.policy,
             "baseline_policy": opts.baseline,
             "baseline_requests": other["requests"],
@@ -557,6 +567,7 @@ def run_demo(settings: Settings, opts: DemoOptions) -> dict[str, Any]:
             "baseline_ttft_p50_s": other["ttft_p50_s"],
             "baseline_ttft_p90_s": other["ttft_p90_s"],
             "baseline_tbt_p90_ms": other["tbt_p90_ms"],
+            "baseline_ttft_prediction_error_p50": other["ttft_prediction_error_p50"],
             "speed": opts.speed,
             "instances": {"prefill": opts.prefill, "decode": opts.decode},
             "bridge": {k: v for k, v in runs[-1].bridge_counts.items() if v},
@@ -596,5 +607,7 @@ def _print_summary(console: Console, r: dict[str, Any]) -> None:
     t.add_row("TTFT p50 (s)", f(r["ttft_p50_s"], ".2f"), f(r["baseline_ttft_p50_s"], ".2f"))
     t.add_row("TTFT p90 (s)", f(r["ttft_p90_s"], ".2f"), f(r["baseline_ttft_p90_s"], ".2f"))
     t.add_row("TBT p90 (ms)", f(r["tbt_p90_ms"], ".1f"), f(r["baseline_tbt_p90_ms"], ".1f"))
+    t.add_row("TTFT prediction error p50 (|pred - obs| / obs)", f(r["ttft_prediction_error_p50"], ".1%"),
+              f(r["baseline_ttft_prediction_error_p50"], ".1%"))
     console.print(t)
     console.print(f"wall time {r['wall_s']}s; logs in {r['logs']}")

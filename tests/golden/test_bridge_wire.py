@@ -36,9 +36,11 @@ def golden(name: str) -> bytes:
 def test_both_forms_decode_to_the_same_events(name: str) -> None:
     batch = decode_batch(golden(name))
     assert batch.ts == 1700000000.5
+    group = 0 if name == "vllm_map_form.msgpack" else None  # the hybrid-model fields, when present
     assert batch.events == [
-        EngineBlockStored(block_hashes=(H1, H2), parent_block_hash=None, token_ids=TOKENS, block_size=16, tier="hbm"),
-        EngineBlockRemoved(block_hashes=(H2,), tier="hbm"),
+        EngineBlockStored(block_hashes=(H1, H2), parent_block_hash=None, token_ids=TOKENS, block_size=16, tier="hbm",
+                          group_idx=group),
+        EngineBlockRemoved(block_hashes=(H2,), tier="hbm", group_idx=group),
         EngineAllCleared(),
     ]
     assert batch.data_parallel_rank == (None if "array" in name else 0)
@@ -132,7 +134,7 @@ def test_a_child_event_chains_from_its_parents_conductor_key() -> None:
     assert out[1] == BlocksStored(block_keys=[want[1]], parent_key=want[0], block_size=16, tier="dram")
     assert out[2] == BlocksRemoved(block_keys=[want[0]], tier="hbm")
     # The first block left HBM only; the child still chains from it.
-    assert not t.tiers.get(decode_batch(golden("vllm_bytes_hashes.msgpack")).events[0].block_hashes[0])  # type: ignore[union-attr]
+    assert not t.holders.get(decode_batch(golden("vllm_bytes_hashes.msgpack")).events[0].block_hashes[0])  # type: ignore[union-attr]
 
 
 def test_an_unknown_parent_is_an_orphan_not_a_wrong_key() -> None:

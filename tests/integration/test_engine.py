@@ -219,4 +219,4 @@ async def test_evicted_blocks_move_to_host_memory_and_are_reused_from_there() ->
     removed = [(r.tier, tuple(r.block_keys)) for r in records if isinstance(r, BlocksRemoved)]
     assert ("hbm", tuple(ka)) in removed
     assert t.counts["orphan_blocks"] == 0 and t.counts["bad_event"] == 0
-    assert {tier for h in eng._blocks for tier in t.tiers[h]} >= {"hbm", "dram"}
+    assert {tier for h in eng._blocks for tier, _ in t.holders[h]} >= {"hbm", "dram"}

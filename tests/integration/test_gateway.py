@@ -3,7 +3,6 @@ engines over HTTP, and `conductor gateway`, driven with the official `openai` cl
 
 from __future__ import annotations
 
-import asyncio
 import time
 from pathlib import Path
 

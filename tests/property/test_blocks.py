@@ -16,7 +16,8 @@ from schemas.blocks import ROOT_KEY, block_key, chain_from_precomputed, chain_ke
 GOLDEN = {
     "root": 0xDF053DF657C40814,
     "range32_bs16": [0xD901A2B7F2CF208E, 0xBE2B0EEFBDED4D72],
-    "range32_bs16_lora": [0x33C9711D6E1819E6, 0x1815923BDF22F229],
+    # The LoRA name is the block's first extra key, spelled as vLLM puts it into its own hashes.
+    "range32_bs16_lora": [0x52F3909433C7C7D7, 0x5CA4E86DF0771A3C],
     "precomputed_012": [0xD8D7388946099417, 0x22F9F2CB17253869, 0xDB541B6473F78B73],
 }
 

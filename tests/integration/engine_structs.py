@@ -1,0 +1,137 @@
+"""The engines' own KV-event structs, declared as each engine declares them (msgspec), for the tests.
+
+Written from the engines' definitions — tags, field order, ``array_like``,
+``omit_defaults`` — so that the bytes the tests publish are the bytes those
+engines publish, not a hand-built approximation:
+
+- ``V023``: vLLM <= 0.23 (``vllm/distributed/kv_events.py``): batch and events are
+  arrays (``array_like=True``), events tagged by class name, defaults omitted.
+- ``V026``: vLLM >= 0.26: maps (no ``array_like``), ``lora_name``, per-block
+  ``extra_keys``, the hybrid-model fields ``group_idx``, ``kv_cache_spec_kind``,
+  ``kv_cache_spec_sliding_window``.
+- ``SGLANG``: SGLang (``sglang/srt/disaggregation/kv_events.py``): arrays, signed
+  int64 hashes, ``medium`` one of GPU / CPU_PINNED / DISK / EXTERNAL, ``attn_dp_rank``.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import msgspec
+
+Hash = int | bytes
+
+
+# --- vLLM <= 0.23: array form ---------------------------------------------------------
+
+
+class _V023Batch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class _V023Event(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class _V023Stored(_V023Event, tag="BlockStored"):
+    block_hashes: list[Hash]
+    parent_block_hash: Hash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+
+
+class _V023Removed(_V023Event, tag="BlockRemoved"):
+    block_hashes: list[Hash]
+    medium: str | None
+
+
+class _V023Cleared(_V023Event, tag="AllBlocksCleared"):
+    pass
+
+
+# --- vLLM >= 0.26: map form -------------------------------------------------------------
+
+
+class _V026Batch(msgspec.Struct, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+    data_parallel_rank: int | None = None
+
+
+class _V026Event(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class _V026Stored(_V026Event, tag="BlockStored"):
+    block_hashes: list[Hash]
+    parent_block_hash: Hash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class _V026Removed(_V026Event, tag="BlockRemoved"):
+    block_hashes: list[Hash]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class _V026Cleared(_V026Event, tag="AllBlocksCleared"):
+    pass
+
+
+# --- SGLang: array form, signed hashes -----------------------------------------------------
+
+
+class _SgBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[Any]
+    attn_dp_rank: int | None = None
+
+
+class _SgEvent(msgspec.Struct, array_like=True, gc=False, tag=True):
+    pass
+
+
+class _SgStored(_SgEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None = None
+
+
+class _SgRemoved(_SgEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None = None
+
+
+class _SgCleared(_SgEvent, tag="AllBlocksCleared"):
+    pass
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def _engine(batch: type, stored: type, removed: type, cleared: type) -> SimpleNamespace:
+    def encode(ts: float, events: list[Any], rank: int | None = None) -> bytes:
+        return _ENCODER.encode(batch(ts, events, rank))
+
+    return SimpleNamespace(Batch=batch, Stored=stored, Removed=removed, Cleared=cleared, encode=encode)
+
+
+V023 = _engine(_V023Batch, _V023Stored, _V023Removed, _V023Cleared)
+V026 = _engine(_V026Batch, _V026Stored, _V026Removed, _V026Cleared)
+SGLANG = _engine(_SgBatch, _SgStored, _SgRemoved, _SgCleared)
