@@ -99,8 +99,54 @@ class Settings(BaseSettings):
         return f"{self.topic_prefix}{name}"
 
 
+STACK_FILE = "stack.json"
+"""What `conductor dev up` writes in the data directory (conductor.tools.devstack)."""
+
+
+def running_stack(data_dir: Path) -> dict[str, Any] | None:
+    """The URLs of the embedded stack `conductor dev up` started in ``data_dir``, if both of its
+    processes still run; ``None`` otherwise (no file, a stale one, or an unreadable one)."""
+    try:
+        st = json.loads((data_dir / STACK_FILE).read_text())
+        pids = (int(st["broker_pid"]), int(st["redis_pid"]))
+        urls = {"kafka_url": str(st["kafka_url"]), "redis_url": str(st["redis_url"])}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass  # alive, someone else's: the URLs may still answer
+    return urls
+
+
 def load_settings(**overrides: Any) -> Settings:
-    """Build and validate the settings; a bad value raises :class:`ConfigError` naming the field."""
+    """Build and validate the settings; a bad value raises :class:`ConfigError` naming the field.
+
+    When ``kafka_url`` or ``redis_url`` is unset and `conductor dev up` runs a stack in
+    ``data_dir``, the missing URL is taken from it (and the profile stays ``embedded``
+    unless set), so every command finds the running embedded stack by itself."""
+    s = _build_settings(**overrides)
+    if s.kafka_url and s.redis_url:
+        return s
+    found = running_stack(s.data_dir)
+    if found is None:
+        return s
+    update: dict[str, Any] = {k: v for k, v in found.items() if getattr(s, k) is None and k not in overrides}
+    if not update:
+        return s
+    if "kafka_url" in update and "profile" not in overrides and not _env_sets("profile"):
+        update["profile"] = "embedded"
+    return s.model_copy(update=update)
+
+
+def _env_sets(field: str) -> bool:
+    return f"CONDUCTOR_{field.upper()}" in os.environ
+
+
+def _build_settings(**overrides: Any) -> Settings:
     lines = []
     for name in sorted(os.environ):
         if name.startswith("CONDUCTOR_"):

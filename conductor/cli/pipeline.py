@@ -8,7 +8,6 @@ from typing import Any
 
 import faust
 import typer
-from rich.console import Console
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -18,7 +17,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from conductor.cli.common import err, print_json, print_result, settings_or_exit
+from conductor.cli.common import err, print_json, print_result, require_servers, settings_or_exit, table_console
 from conductor.telemetry import setup_metrics
 from conductor.tools.bench.ingest import IngestBenchConfig, run_ingest_bench
 from conductor.tools.bench.view_read import run_view_read_bench
@@ -47,6 +46,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
 
 
         s = settings_or_exit(**({"web_port": web_port} if web_port else {}))
+        require_servers(s, kafka=True, redis=True)
         asyncio.run(ensure_topics(s, topics(s).all()))
         setup_metrics("conductor-worker", s.bind_host, s.metrics_port)
         store = RedisViewStore.from_settings(s)
@@ -62,6 +62,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
         """
 
         s = settings_or_exit()
+        require_servers(s, redis=True)
         out = asyncio.run(_view_summary(RedisViewStore.from_settings(s), s.heartbeat_ttl_s))
         if json_out:
             print_json(out)
@@ -78,7 +79,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
                 str(n["queue_depth"]), str(n["queued_prefill_tokens"]), str(n["running_requests"]),
                 str(n["batch_size"]), str(b.get("hbm", 0)), str(b.get("dram", 0)), str(b.get("ssd", 0)), str(n["seq_gaps"]),
             )
-        Console().print(t)
+        table_console().print(t)
         tot = out["totals"]["blocks"]
         typer.echo(f"blocks: hbm {tot.get('hbm', 0)}  dram {tot.get('dram', 0)}  ssd {tot.get('ssd', 0)}")
         typer.echo("watermark: " + (", ".join(f"{k}={v}" for k, v in out["watermark"].items()) or "-"))
@@ -100,6 +101,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
 
 
         s = settings_or_exit()
+        require_servers(s, kafka=True, redis=True)
         target_ns = namespace or s.view_namespace
         if compare and target_ns == s.view_namespace:
             err.print("[red]error:[/red] --compare needs --namespace other than the live one")

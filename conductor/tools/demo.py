@@ -172,6 +172,9 @@ class RunStats:
     prompt_of: dict[str, int] = field(default_factory=dict)
     bridge_counts: Counter[str] = field(default_factory=Counter)
     reject_examples: list[str] = field(default_factory=list)
+    topic_prefix: str = ""
+    example_ids: list[str] = field(default_factory=list)
+    """A few decided request ids, to show how `conductor explain` audits them."""
     view_load: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     """node → (queue depth, decode batch, blocks) as the view shows it."""
     started: float = field(default_factory=time.monotonic)
@@ -184,6 +187,8 @@ class RunStats:
     def on_dispatch(self, body: Any) -> None:
         if isinstance(body, RoutingDecision):
             self.decisions += 1
+            if len(self.example_ids) < 3 and body.reused_tokens:
+                self.example_ids.append(body.request_id)
             self.routed_reuse_tokens += body.reused_tokens
             self.routed_prompt_tokens += self.prompt_of.get(body.request_id, 0)
             self.per_node[body.prefill_instance]["routed"] += 1
@@ -332,6 +337,7 @@ async def _run_once(
         "policy_params": base.policy_params if policy == opts.policy else {},
         "web_port": free_port(base.bind_host), "metrics_port": 0, "data_dir": log_dir / "data",
     })
+    stats.topic_prefix = s.topic_prefix
     env = child_environment(s)
     tps = topics(s)
     await ensure_topics(s, tps.all())
@@ -563,8 +569,13 @@ def run_demo(settings: Settings, opts: DemoOptions) -> dict[str, Any]:
             "wall_s": round(time.monotonic() - t_all, 1),
             "pids": pids,
             "logs": str(log_dir),
+            "runs": [{"policy": r.policy, "topic_prefix": r.topic_prefix, "example_request_ids": r.example_ids}
+                     for r in runs],
+            "stack_kept": stack is None,
         }
-        _print_summary(console, result)
+        # The summary is the demo's result: stdout (stderr when stdout carries the --json line).
+        out = console if opts.json_out else Console(width=None if sys.stdout.isatty() else 160)
+        _print_summary(out, result)
         return result
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: stopping everything the demo started[/yellow]")
@@ -598,3 +609,11 @@ def _print_summary(console: Console, r: dict[str, Any]) -> None:
     t.add_row("TBT p90 (ms)", f(r["tbt_p90_ms"], ".1f"), f(r["baseline_tbt_p90_ms"], ".1f"))
     console.print(t)
     console.print(f"wall time {r['wall_s']}s; logs in {r['logs']}")
+    console.print("audit a decision (re-derived from the topics alone):")
+    for run in r["runs"]:
+        for rid in run["example_request_ids"]:
+            console.print(f"  CONDUCTOR_TOPIC_PREFIX={run['topic_prefix']} conductor explain {rid}",
+                          soft_wrap=True, highlight=False)
+    if not r["stack_kept"]:
+        console.print("  (the demo stopped the broker it started: run `conductor dev up` before the demo to keep "
+                      "the topics for `explain`)", soft_wrap=True, highlight=False)
