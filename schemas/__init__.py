@@ -10,6 +10,8 @@ from .records import (
     BlocksMigrated,
     BlocksRemoved,
     BlocksStored,
+    ControlAction,
+    ControlCommand,
     DeadLetter,
     Envelope,
     Heartbeat,
@@ -27,7 +29,7 @@ from .records import (
 __all__ = [
     "ROOT_KEY", "chain_from_precomputed", "chain_keys", "CONTENT_TYPE", "DecodeError", "decode",
     "encode", "headers", "BODY_TYPES", "SCHEMA_VERSIONS", "TIERS", "AllBlocksCleared",
-    "BlocksMigrated", "BlocksRemoved", "BlocksStored", "DeadLetter", "Envelope", "Heartbeat",
+    "BlocksMigrated", "BlocksRemoved", "BlocksStored", "ControlAction", "ControlCommand", "DeadLetter", "Envelope", "Heartbeat",
     "KvCommand", "KvEvent", "RejectReason", "Role", "RoutingDecision", "RoutingRejection",
     "RoutingRequest", "Tier", "envelope",
 ]

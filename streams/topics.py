@@ -35,9 +35,13 @@ class Topics:
     dispatch: Topic
     kv_commands: Topic
     dead_letter: Topic
+    control: Topic
+    """Operators' runtime changes (policy, params, cordon/drain); one partition, so every
+    router applies them in one order and a decision can name the offset it was made under."""
 
     def all(self) -> tuple[Topic, ...]:
-        return (self.kv_events, self.heartbeats, self.requests, self.dispatch, self.kv_commands, self.dead_letter)
+        return (self.kv_events, self.heartbeats, self.requests, self.dispatch, self.kv_commands, self.dead_letter,
+                self.control)
 
     def by_name(self, name: str) -> Topic:
         for t in self.all():
@@ -59,4 +63,5 @@ def topics(settings: _TopicSettings) -> Topics:
         dispatch=t("dispatch", "prefill instance id (rejections: request id)", "routing_decision", "routing_rejection"),
         kv_commands=t("kv-commands", "source node id", "kv_command"),
         dead_letter=t("dead-letter", "source topic", "dead_letter"),
+        control=t("control", "target (policy or node id)", "control", partitions=1),
     )

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import hashlib
 import logging
 import os
@@ -36,16 +37,19 @@ from typing import Any
 from urllib.parse import urlparse
 
 import hiredis
+from aiokafka import TopicPartition
 import redis.asyncio as aioredis
 from opentelemetry import metrics
 from redis.asyncio.connection import Connection
 
 from conductor.errors import ViewStoreError
 from conductor.profiles import ModelProfile, load_profile
+from conductor.routing.control import ControlState, apply_control
 from conductor.routing.policies import Placement, Policy, Rejection, make_policy
 from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
 from conductor.settings import Settings
 from schemas import (
+    ControlCommand,
     DeadLetter,
     DecodeError,
     Envelope,
@@ -66,7 +70,7 @@ from state.reservations import (
     placement_reservations,
 )
 from state.view import NodeState, ViewReader, ViewSnapshot
-from streams.kafka import consumer, ensure_topics, producer
+from streams.kafka import consumer, end_offsets, ensure_topics, producer
 from streams.topics import topics
 
 log = logging.getLogger(__name__)
@@ -132,6 +136,7 @@ class Router:
         # node → (state, prefix, reservations, Instance): most nodes look the same request after request
         self._instances: dict[str, tuple[NodeState, tuple[int, int, int], Load | None, Instance]] = {}
         self.ttl_s = settings.heartbeat_ttl_s
+        self.control = ControlState()
 
     async def start(self) -> None:
         """Start following the shared reservations (a no-op for in-memory ones)."""
@@ -144,6 +149,28 @@ class Router:
         close = getattr(self.reservations, "close", None)
         if close is not None:
             await close()
+
+    # --- runtime control (the control topic, in log order) ------------------------------
+
+    def check_policy(self, name: str | None, params: dict[str, Any]) -> None:
+        """Raise ConfigError when ``name`` (None: the configured policy) and ``params`` do not build."""
+        make_policy(name or self.settings.policy, params, self.profile)
+
+    def apply_control(self, cmd: ControlCommand, offset: int) -> None:
+        """Fold one control record in; swap the policy when it changed. Later decisions record ``offset``."""
+        before = self.control
+        after = apply_control(before, cmd, offset, self.check_policy)
+        self.control = after
+        if after.last_error:
+            log.error("control %s", after.last_error)
+        if (after.policy, after.params) != (before.policy, before.params):
+            name = after.policy or self.settings.policy
+            params = dict(after.params) if after.params is not None else self.settings.policy_params
+            self.policy = make_policy(name, params, self.profile)
+            self.params = {k: v for k, v in self.policy.params.items() if isinstance(v, (bool, int, float, str))}
+            log.info("control offset %d: policy %s %s", offset, self.policy.name, self.params)
+        if after.excluded != before.excluded:
+            log.info("control offset %d: not routing to %s", offset, sorted(after.excluded) or "-")
 
     # --- the request --------------------------------------------------------------
 
@@ -229,6 +256,9 @@ class Router:
             snap = last.snapshot  # node states only: prefixes of this chain are unknown
             pending = await self.reservations.pending(self._since, snap.now_ms + int(age_ms))
         cluster = self._cluster(snap, pending, req.model, age_ms)
+        if self.control.excluded:  # cordoned and draining nodes take no new requests
+            cluster = dataclasses.replace(cluster, instances=tuple(
+                i for i in cluster.instances if i.node_id not in self.control.excluded))
         decision = self.policy.decide(preq, cluster, random.Random(seed))
         self.metrics.latency.record((time.perf_counter() - t0) * 1000.0)
         if isinstance(decision, Rejection):
@@ -253,7 +283,13 @@ class Router:
             watermark=cluster.watermark,
             degraded=degraded,
             snapshot_age_ms=age_ms,
+            **self._rederivation(),
         )
+
+    def _rederivation(self) -> dict[str, Any]:
+        """What `explain` needs besides the log: the control offset, block size and profile."""
+        return {"control_offset": self.control.offset, "block_size": self.settings.block_size,
+                "model_profile": self.settings.model_profile}
 
     async def _reserve(self, req: RoutingRequest, preq: PolicyRequest, d: Placement, now_ms: int) -> None:
         bs = self.settings.block_size
@@ -280,6 +316,7 @@ class Router:
             params=self.params,
             seed=seed,
             watermark=watermark or {},
+            **self._rederivation(),
         )
 
     # --- one Kafka record --------------------------------------------------------------
@@ -363,16 +400,19 @@ class RouterWorker:
     async def run(self, stop: asyncio.Event, ready: asyncio.Event | None = None) -> None:
 
         t = self.topics
-        await ensure_topics(self.settings, (t.requests, t.dispatch, t.dead_letter))
+        await ensure_topics(self.settings, (t.requests, t.dispatch, t.dead_letter, t.control))
         prod = producer(self.settings)
         cons = consumer(self.settings, t.requests.name, group_id=self.settings.topic_prefix + self.GROUP)
+        control = ControlFollower(self.settings, self.router)
         await prod.start()
+        await control.start()  # caught up with every control record before the first decision
         await cons.start()
         await self.router.start()
         try:
             if ready is not None:
                 ready.set()
             while not stop.is_set():
+                await control.poll()
                 batches = await cons.getmany(timeout_ms=200, max_records=500)
                 if not batches:
                     continue
@@ -406,7 +446,48 @@ class RouterWorker:
         finally:
             await self.router.close()
             await cons.stop()
+            await control.stop()
             await prod.stop()
+
+
+class ControlFollower:
+    """Reads the one-partition ``control`` topic from the start (every replica, no group) and
+    hands each record to :meth:`Router.apply_control` in offset order."""
+
+    def __init__(self, settings: Settings, router: Router) -> None:
+        self.settings = settings
+        self.router = router
+        self.topic = topics(settings).control
+        self._cons: Any = None
+        self.position = 0  # the next offset to read
+
+    async def start(self, catch_up_timeout_s: float = 10.0) -> None:
+        tp = TopicPartition(self.topic.name, 0)
+        self._cons = consumer(self.settings, group_id=None)
+        await self._cons.start()
+        self._cons.assign([tp])
+        end = (await end_offsets(self._cons, [tp]))[tp]
+        await self._cons.seek_to_beginning(tp)
+        deadline = time.monotonic() + catch_up_timeout_s
+        while self.position < end and time.monotonic() < deadline:
+            await self.poll(timeout_ms=200)
+
+    async def poll(self, timeout_ms: int = 0) -> None:
+        got = await self._cons.getmany(timeout_ms=timeout_ms, max_records=100)
+        for msgs in got.values():
+            for m in msgs:
+                self.position = m.offset + 1
+                try:
+                    env = decode(m.value or b"")
+                except DecodeError as e:
+                    log.error("control offset %d unreadable, skipped: %s", m.offset, e)
+                    continue
+                if isinstance(env.body, ControlCommand):
+                    self.router.apply_control(env.body, m.offset)
+
+    async def stop(self) -> None:
+        if self._cons is not None:
+            await self._cons.stop()
 
 
 # KEYS: version, node hash; ARGV: the version the reader holds. Returns {version} when it
