@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from conductor.errors import ConfigError
@@ -43,6 +43,13 @@ class Settings(BaseSettings):
     bind_host: str = Field(default="127.0.0.1", description="address every Conductor server binds to")
     metrics_port: int = Field(default=0, ge=0, le=65535, description="Prometheus port; 0 = no endpoint")
     web_port: int = Field(default=6066, ge=1, le=65535, description="Faust web port (bound on bind_host)")
+
+    # --- the admin API and console ------------------------------------------
+    admin_port: int = Field(default=8088, ge=0, le=65535, description="`conductor admin` port on bind_host")
+    admin_token: SecretStr | None = Field(
+        default=None, description="bearer token of the admin scope (reads and control changes)"
+    )
+    read_token: SecretStr | None = Field(default=None, description="bearer token of the read-only scope")
 
     # --- topics -----------------------------------------------------------
     topic_prefix: str = Field(default="conductor.", pattern=r"^[A-Za-z0-9._-]{0,100}$")
@@ -77,6 +84,15 @@ class Settings(BaseSettings):
             return None
         return v
 
+    @field_validator("admin_token", "read_token")
+    @classmethod
+    def _token(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is None or not v.get_secret_value().strip():
+            return None
+        if len(v.get_secret_value()) < 16:
+            raise ValueError("a token must be at least 16 characters")
+        return v
+
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, v: str | None) -> str | None:
@@ -98,6 +114,9 @@ class Settings(BaseSettings):
     def topic(self, name: str) -> str:
         return f"{self.topic_prefix}{name}"
 
+
+SECRET_FIELDS = frozenset({"admin_token", "read_token"})
+"""Never echoed, not even in a configuration error."""
 
 STACK_FILE = "stack.json"
 """What `conductor dev up` writes in the data directory (conductor.tools.devstack)."""
@@ -161,7 +180,8 @@ def _build_settings(**overrides: Any) -> Settings:
         for err in e.errors():
             field = ".".join(str(p) for p in err.get("loc", ())) or "settings"
             env = "CONDUCTOR_" + field.upper().replace(".", "__")
-            lines.append(f"{field} ({env}): {err.get('msg')} (got {err.get('input')!r})")
+            got = "hidden" if field in SECRET_FIELDS else repr(err.get("input"))
+            lines.append(f"{field} ({env}): {err.get('msg')} (got {got})")
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None
 
 
@@ -172,6 +192,8 @@ def settings_env(settings: Settings) -> dict[str, str]:
         v = getattr(settings, name)
         if v is None:
             continue
+        if isinstance(v, SecretStr):
+            v = v.get_secret_value()
         env[f"CONDUCTOR_{name.upper()}"] = json.dumps(v) if isinstance(v, (dict, list, bool)) else str(v)
     return env
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import sys
 
-from conductor.cli import audit, balance, control, dev, engines, pipeline, routing, simulate
+from conductor.cli import admin, audit, balance, control, dev, engines, pipeline, routing, simulate
 from conductor.cli.common import GROUPS, app, err
 from conductor.errors import ConductorError
 
 # Order is the order of --help.
-COMMAND_MODULES = (dev, pipeline, routing, control, balance, audit, simulate, engines)
+COMMAND_MODULES = (dev, pipeline, routing, control, admin, balance, audit, simulate, engines)
 for _module in COMMAND_MODULES:
     _module.register(GROUPS)
 

@@ -17,6 +17,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from conductor.admin.cluster import view_summary
 from conductor.cli.common import err, print_json, print_result, require_servers, settings_or_exit, table_console
 from conductor.telemetry import setup_metrics
 from conductor.tools.bench.ingest import IngestBenchConfig, run_ingest_bench
@@ -215,27 +216,4 @@ async def _view_summary(store: Any, ttl_s: float) -> dict[str, Any]:
         snap = await store.snapshot([])
     finally:
         await store.close()
-    nodes = []
-    totals: dict[str, int] = {}
-    for n in snap.nodes:
-        live = n.is_live(snap.now_ms, ttl_s)
-        nodes.append(
-            {
-                "node_id": n.node_id, "role": n.role, "live": live,
-                "heartbeat_age_s": round((snap.now_ms - n.last_heartbeat_ms) / 1000, 3) if n.last_heartbeat_ms else None,
-                "queue_depth": n.queue_depth, "queued_prefill_tokens": n.queued_prefill_tokens,
-                "running_requests": n.running_requests, "batch_size": n.batch_size,
-                "decode_context_tokens": n.decode_context_tokens,
-                "free_kv_blocks": n.free_kv_blocks, "total_kv_blocks": n.total_kv_blocks,
-                "rack": n.rack, "epoch": n.epoch, "last_seq": n.last_seq, "seq_gaps": n.seq_gaps,
-                "blocks": dict(n.blocks),
-            }
-        )
-        for tier, c in n.blocks.items():
-            totals[tier] = totals.get(tier, 0) + c
-    return {
-        "now_ms": snap.now_ms,
-        "nodes": nodes,
-        "totals": {"nodes": len(nodes), "live_nodes": sum(1 for n in nodes if n["live"]), "blocks": totals},
-        "watermark": dict(sorted(snap.watermark.items())),
-    }
+    return view_summary(snap, ttl_s)
