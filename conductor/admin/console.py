@@ -53,7 +53,11 @@ const fmt = (v, d) => v === null || v === undefined ? "-" : (typeof v === "numbe
 async function get(path) {
   const r = await fetch(path, {credentials: "same-origin", headers: {"Accept": "application/json"}});
   if (r.status === 401) { location.reload(); throw new Error("not signed in"); }
-  if (!r.ok) throw new Error(path + ": " + r.status + " " + (await r.text()));
+  if (!r.ok) {
+    let detail = await r.text();
+    try { detail = JSON.parse(detail).detail || detail; } catch (e) { /* not JSON */ }
+    throw new Error(r.status + ": " + detail);
+  }
   return r.json();
 }
 function cell(tr, text, cls) { const td = tr.insertCell(); td.textContent = text; if (cls) td.className = cls; }

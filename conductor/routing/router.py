@@ -392,6 +392,14 @@ class RouterWorker:
         self.router_id = router_id or default_router_id()
         self._seq = 0
         self.routed = 0
+        self.lag: dict[int, int] = {}  # requests partition → records not yet routed (the last fetch's view)
+
+        def observe_lag(_: Any) -> list[metrics.Observation]:
+            return [metrics.Observation(v, {"partition": str(p)}) for p, v in self.lag.items()]
+
+        metrics.get_meter(__name__).create_observable_gauge(
+            "conductor_router_consumer_lag", callbacks=[observe_lag],
+            description="requests not yet routed by this router, per partition")
 
     def _wrap(self, body: Any) -> Envelope:
         self._seq += 1
@@ -419,6 +427,9 @@ class RouterWorker:
                 sends = []
                 n = self.settings.router_concurrency
                 for tp, records in batches.items():
+                    hw = cons.highwater(tp)
+                    if hw is not None:
+                        self.lag[tp.partition] = max(0, hw - records[-1].offset - 1)
                     # Up to n view reads in flight at once; decisions still run one after another
                     # (nothing between a read's reply and its reservation yields), so each one
                     # sees the reservations of those before it. Outputs keep the input order.

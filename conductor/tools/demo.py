@@ -96,6 +96,8 @@ class DemoOptions:
     kv_blocks: int = 16_384
     dram_blocks: int = 0
     partitions: int = 2
+    admin_port: int = 0
+    """Port of the live console (`conductor admin`) each run serves; 0: no console."""
 
 
 # --- the trace -------------------------------------------------------------------
@@ -336,6 +338,7 @@ async def _run_once(
         # Parameters belong to the policy they were written for; the baseline runs on its defaults.
         "policy_params": base.policy_params if policy == opts.policy else {},
         "web_port": free_port(base.bind_host), "metrics_port": 0, "data_dir": log_dir / "data",
+        "admin_port": opts.admin_port or base.admin_port,
     })
     stats.topic_prefix = s.topic_prefix
     env = child_environment(s)
@@ -352,6 +355,8 @@ async def _run_once(
         await prod.start()
         await procs.start("worker", ["worker"], env)
         await procs.start("router", ["router"], env)
+        if opts.admin_port:
+            await procs.start("admin", ["admin"], env)  # the live console, on the same port every run
         engines: dict[str, tuple[str, asyncio.subprocess.Process]] = {}
         for role, n in (("prefill", opts.prefill), ("decode", opts.decode)):
             for i in range(n):
@@ -536,6 +541,9 @@ def run_demo(settings: Settings, opts: DemoOptions) -> dict[str, Any]:
             base = settings.model_copy(update={"kafka_url": settings.kafka_url or st.kafka_url,
                                                "redis_url": settings.redis_url or st.redis_url,
                                                "profile": "embedded" if not settings.kafka_url else settings.profile})
+        if opts.admin_port:
+            console.print(f"live console: http://{settings.bind_host}:{opts.admin_port}/ (while the demo runs)",
+                          soft_wrap=True, highlight=False)
         budget = opts.duration_s / 2
         requests = load_slice(trace, opts.speed, opts.sample, budget)
         with Live(render(runs, opts), console=console, refresh_per_second=2, transient=False) as live:
