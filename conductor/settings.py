@@ -12,6 +12,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -43,6 +44,20 @@ class Settings(BaseSettings):
     bind_host: str = Field(default="127.0.0.1", description="address every Conductor server binds to")
     metrics_port: int = Field(default=0, ge=0, le=65535, description="Prometheus port; 0 = no endpoint")
     web_port: int = Field(default=6066, ge=1, le=65535, description="Faust web port (bound on bind_host)")
+
+    # --- security on every connection ---------------------------------------
+    kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
+        default="PLAINTEXT", description="how every Kafka client (aiokafka and Faust) connects"
+    )
+    kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] = "PLAIN"
+    kafka_sasl_username: str | None = None
+    kafka_sasl_password: SecretStr | None = None
+    kafka_ssl_cafile: Path | None = Field(default=None, description="CA bundle that signed the brokers' certificates")
+    kafka_ssl_certfile: Path | None = Field(default=None, description="client certificate (mutual TLS)")
+    kafka_ssl_keyfile: Path | None = Field(default=None, description="its private key")
+    redis_username: str | None = Field(default=None, description="Redis ACL user (else the URL's, else default)")
+    redis_password: SecretStr | None = Field(default=None, description="its password (else the URL's)")
+    redis_ssl_ca_certs: Path | None = Field(default=None, description="CA bundle for a rediss:// server")
 
     # --- the admin API and console ------------------------------------------
     admin_port: int = Field(default=8088, ge=0, le=65535, description="`conductor admin` port on bind_host")
@@ -101,6 +116,20 @@ class Settings(BaseSettings):
         return v
 
     @model_validator(mode="after")
+    def _security_complete(self) -> "Settings":
+        if self.kafka_security_protocol.startswith("SASL_") and not (
+            self.kafka_sasl_username and self.kafka_sasl_password
+        ):
+            raise ValueError("kafka_security_protocol SASL_* needs kafka_sasl_username and kafka_sasl_password")
+        if (self.kafka_ssl_certfile is None) != (self.kafka_ssl_keyfile is None):
+            raise ValueError("kafka_ssl_certfile and kafka_ssl_keyfile go together")
+        for name in ("kafka_ssl_cafile", "kafka_ssl_certfile", "kafka_ssl_keyfile", "redis_ssl_ca_certs"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{name}: no such file: {path}")
+        return self
+
+    @model_validator(mode="after")
     def _default_profile(self) -> "Settings":
         if self.profile is None:
             object.__setattr__(self, "profile", "embedded" if self.kafka_url is None else "production")
@@ -114,8 +143,24 @@ class Settings(BaseSettings):
     def topic(self, name: str) -> str:
         return f"{self.topic_prefix}{name}"
 
+    @property
+    def redis_connection_url(self) -> str | None:
+        """``redis_url`` with ``redis_username`` / ``redis_password`` put in, when set apart from it.
+        Carries the password: never log it (``conductor.cli.common.redacted_url``)."""
+        url = self.redis_url
+        if url is None or (self.redis_username is None and self.redis_password is None):
+            return url
+        u = urlsplit(url)
+        user = quote(self.redis_username if self.redis_username is not None else (u.username or ""), safe="")
+        pw = self.redis_password.get_secret_value() if self.redis_password else unquote(u.password or "")
+        host = u.hostname or ""
+        if ":" in host:
+            host = f"[{host}]"
+        netloc = f"{user}:{quote(pw, safe='')}@{host}" + (f":{u.port}" if u.port else "")
+        return urlunsplit(u._replace(netloc=netloc))
 
-SECRET_FIELDS = frozenset({"admin_token", "read_token"})
+
+SECRET_FIELDS = frozenset({"admin_token", "read_token", "kafka_sasl_password", "redis_password", "redis_url"})
 """Never echoed, not even in a configuration error."""
 
 STACK_FILE = "stack.json"

@@ -15,6 +15,7 @@ from rich.console import Console
 
 from conductor.errors import ConductorError
 from conductor.settings import Settings, load_settings
+from state.redis_view import connection_url, tls_options
 
 app = typer.Typer(
     help="Conductor: a KVCache-centric global scheduler for prefill/decode-disaggregated LLM serving.\n\n"
@@ -86,7 +87,7 @@ def kafka_unreachable(bootstrap: str, timeout_s: float) -> str | None:
 def redis_unreachable(s: Settings, timeout_s: float) -> str | None:
     """``None`` when Redis answers PING with these settings' credentials, else why not."""
     client = redis_sync.Redis.from_url(
-        str(s.redis_url), socket_connect_timeout=timeout_s, socket_timeout=timeout_s
+        connection_url(s), socket_connect_timeout=timeout_s, socket_timeout=timeout_s, **tls_options(s)
     )
     try:
         client.ping()
@@ -133,3 +134,5 @@ def _root(verbose: bool = typer.Option(False, "--verbose", "-v", help="debug log
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if not verbose:  # the Kafka client's per-subscription INFO lines say nothing to an operator
+        logging.getLogger("aiokafka").setLevel(logging.WARNING)

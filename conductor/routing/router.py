@@ -62,7 +62,7 @@ from schemas import (
     envelope,
     headers,
 )
-from state.redis_view import RedisViewStore, assemble_snapshot
+from state.redis_view import RedisViewStore, assemble_snapshot, connection_url, tls_options
 from state.reservations import (
     Load,
     RedisReservations,
@@ -691,12 +691,13 @@ def redis_stores(settings: Settings, producer_id: str | None = None) -> tuple[An
 
     if not settings.redis_url:
         raise ViewStoreError("redis_url is not set (start the embedded stack with `conductor dev up`)")
+    url = connection_url(settings)
     client = aioredis.from_url(
-        settings.redis_url, decode_responses=False, socket_timeout=0.5, socket_connect_timeout=0.5,
+        url, decode_responses=False, **tls_options(settings), socket_timeout=0.5, socket_connect_timeout=0.5,
         health_check_interval=0, connection_class=_fast_connection_class(),
     )
     view = RedisViewStore(client, settings.view_namespace)
-    reader = RawSnapshotReader(view, settings.redis_url) if settings.redis_url.startswith("redis://") else view
+    reader = RawSnapshotReader(view, url) if url.startswith("redis://") else view
     return (reader,
             RedisReservations(client, settings.view_namespace, settings.reservation_ttl_s,
                               producer_id=producer_id or default_router_id()))
