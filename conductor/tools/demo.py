@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
 import os
 import signal
+import socket
 import statistics
 import sys
 import time
@@ -541,6 +543,8 @@ def run_demo(settings: Settings, opts: DemoOptions) -> dict[str, Any]:
             base = settings.model_copy(update={"kafka_url": settings.kafka_url or st.kafka_url,
                                                "redis_url": settings.redis_url or st.redis_url,
                                                "profile": "embedded" if not settings.kafka_url else settings.profile})
+        if opts.admin_port and not _port_free(settings.bind_host, opts.admin_port):
+            opts = dataclasses.replace(opts, admin_port=free_port(settings.bind_host))  # another one serves there
         if opts.admin_port:
             console.print(f"live console: http://{settings.bind_host}:{opts.admin_port}/ (while the demo runs)",
                           soft_wrap=True, highlight=False)
@@ -598,6 +602,15 @@ def run_demo(settings: Settings, opts: DemoOptions) -> dict[str, Any]:
         signal.signal(signal.SIGTERM, previous)
         if stack is not None:
             stack.down()
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def _print_summary(console: Console, r: dict[str, Any]) -> None:
