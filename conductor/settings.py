@@ -12,8 +12,9 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from conductor.errors import ConfigError
@@ -43,6 +44,27 @@ class Settings(BaseSettings):
     bind_host: str = Field(default="127.0.0.1", description="address every Conductor server binds to")
     metrics_port: int = Field(default=0, ge=0, le=65535, description="Prometheus port; 0 = no endpoint")
     web_port: int = Field(default=6066, ge=1, le=65535, description="Faust web port (bound on bind_host)")
+
+    # --- security on every connection ---------------------------------------
+    kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
+        default="PLAINTEXT", description="how every Kafka client (aiokafka and Faust) connects"
+    )
+    kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] = "PLAIN"
+    kafka_sasl_username: str | None = None
+    kafka_sasl_password: SecretStr | None = None
+    kafka_ssl_cafile: Path | None = Field(default=None, description="CA bundle that signed the brokers' certificates")
+    kafka_ssl_certfile: Path | None = Field(default=None, description="client certificate (mutual TLS)")
+    kafka_ssl_keyfile: Path | None = Field(default=None, description="its private key")
+    redis_username: str | None = Field(default=None, description="Redis ACL user (else the URL's, else default)")
+    redis_password: SecretStr | None = Field(default=None, description="its password (else the URL's)")
+    redis_ssl_ca_certs: Path | None = Field(default=None, description="CA bundle for a rediss:// server")
+
+    # --- the admin API and console ------------------------------------------
+    admin_port: int = Field(default=8088, ge=0, le=65535, description="`conductor admin` port on bind_host")
+    admin_token: SecretStr | None = Field(
+        default=None, description="bearer token of the admin scope (reads and control changes)"
+    )
+    read_token: SecretStr | None = Field(default=None, description="bearer token of the read-only scope")
 
     # --- topics -----------------------------------------------------------
     topic_prefix: str = Field(default="conductor.", pattern=r"^[A-Za-z0-9._-]{0,100}$")
@@ -87,12 +109,35 @@ class Settings(BaseSettings):
             return None
         return v
 
+    @field_validator("admin_token", "read_token")
+    @classmethod
+    def _token(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is None or not v.get_secret_value().strip():
+            return None
+        if len(v.get_secret_value()) < 16:
+            raise ValueError("a token must be at least 16 characters")
+        return v
+
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, v: str | None) -> str | None:
         if v is not None and not v.startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("must start with redis://, rediss:// or unix://")
         return v
+
+    @model_validator(mode="after")
+    def _security_complete(self) -> "Settings":
+        if self.kafka_security_protocol.startswith("SASL_") and not (
+            self.kafka_sasl_username and self.kafka_sasl_password
+        ):
+            raise ValueError("kafka_security_protocol SASL_* needs kafka_sasl_username and kafka_sasl_password")
+        if (self.kafka_ssl_certfile is None) != (self.kafka_ssl_keyfile is None):
+            raise ValueError("kafka_ssl_certfile and kafka_ssl_keyfile go together")
+        for name in ("kafka_ssl_cafile", "kafka_ssl_certfile", "kafka_ssl_keyfile", "redis_ssl_ca_certs"):
+            path = getattr(self, name)
+            if path is not None and not Path(path).is_file():
+                raise ValueError(f"{name}: no such file: {path}")
+        return self
 
     @model_validator(mode="after")
     def _default_profile(self) -> "Settings":
@@ -108,9 +153,74 @@ class Settings(BaseSettings):
     def topic(self, name: str) -> str:
         return f"{self.topic_prefix}{name}"
 
+    @property
+    def redis_connection_url(self) -> str | None:
+        """``redis_url`` with ``redis_username`` / ``redis_password`` put in, when set apart from it.
+        Carries the password: never log it (``conductor.cli.common.redacted_url``)."""
+        url = self.redis_url
+        if url is None or (self.redis_username is None and self.redis_password is None):
+            return url
+        u = urlsplit(url)
+        user = quote(self.redis_username if self.redis_username is not None else (u.username or ""), safe="")
+        pw = self.redis_password.get_secret_value() if self.redis_password else unquote(u.password or "")
+        host = u.hostname or ""
+        if ":" in host:
+            host = f"[{host}]"
+        netloc = f"{user}:{quote(pw, safe='')}@{host}" + (f":{u.port}" if u.port else "")
+        return urlunsplit(u._replace(netloc=netloc))
+
+
+SECRET_FIELDS = frozenset({"admin_token", "read_token", "kafka_sasl_password", "redis_password", "redis_url"})
+"""Never echoed, not even in a configuration error."""
+
+STACK_FILE = "stack.json"
+"""What `conductor dev up` writes in the data directory (conductor.tools.devstack)."""
+
+
+def running_stack(data_dir: Path) -> dict[str, Any] | None:
+    """The URLs of the embedded stack `conductor dev up` started in ``data_dir``, if both of its
+    processes still run; ``None`` otherwise (no file, a stale one, or an unreadable one)."""
+    try:
+        st = json.loads((data_dir / STACK_FILE).read_text())
+        pids = (int(st["broker_pid"]), int(st["redis_pid"]))
+        urls = {"kafka_url": str(st["kafka_url"]), "redis_url": str(st["redis_url"])}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    for pid in pids:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return None
+        except PermissionError:
+            pass  # alive, someone else's: the URLs may still answer
+    return urls
+
 
 def load_settings(**overrides: Any) -> Settings:
-    """Build and validate the settings; a bad value raises :class:`ConfigError` naming the field."""
+    """Build and validate the settings; a bad value raises :class:`ConfigError` naming the field.
+
+    When ``kafka_url`` or ``redis_url`` is unset and `conductor dev up` runs a stack in
+    ``data_dir``, the missing URL is taken from it (and the profile stays ``embedded``
+    unless set), so every command finds the running embedded stack by itself."""
+    s = _build_settings(**overrides)
+    if s.kafka_url and s.redis_url:
+        return s
+    found = running_stack(s.data_dir)
+    if found is None:
+        return s
+    update: dict[str, Any] = {k: v for k, v in found.items() if getattr(s, k) is None and k not in overrides}
+    if not update:
+        return s
+    if "kafka_url" in update and "profile" not in overrides and not _env_sets("profile"):
+        update["profile"] = "embedded"
+    return s.model_copy(update=update)
+
+
+def _env_sets(field: str) -> bool:
+    return f"CONDUCTOR_{field.upper()}" in os.environ
+
+
+def _build_settings(**overrides: Any) -> Settings:
     lines = []
     for name in sorted(os.environ):
         if name.startswith("CONDUCTOR_"):
@@ -125,7 +235,8 @@ def load_settings(**overrides: Any) -> Settings:
         for err in e.errors():
             field = ".".join(str(p) for p in err.get("loc", ())) or "settings"
             env = "CONDUCTOR_" + field.upper().replace(".", "__")
-            lines.append(f"{field} ({env}): {err.get('msg')} (got {err.get('input')!r})")
+            got = "hidden" if field in SECRET_FIELDS else repr(err.get("input"))
+            lines.append(f"{field} ({env}): {err.get('msg')} (got {got})")
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None
 
 
@@ -136,6 +247,8 @@ def settings_env(settings: Settings) -> dict[str, str]:
         v = getattr(settings, name)
         if v is None:
             continue
+        if isinstance(v, SecretStr):
+            v = v.get_secret_value()
         env[f"CONDUCTOR_{name.upper()}"] = json.dumps(v) if isinstance(v, (dict, list, bool)) else str(v)
     return env
 

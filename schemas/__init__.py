@@ -17,6 +17,8 @@ from .records import (
     BlocksMigrated,
     BlocksRemoved,
     BlocksStored,
+    ControlAction,
+    ControlCommand,
     DeadLetter,
     Envelope,
     Heartbeat,
@@ -37,7 +39,7 @@ from .records import (
 __all__ = [
     "ROOT_KEY", "chain_from_precomputed", "chain_keys", "chain_keys_per_block", "request_keys", "vllm_block_extras", "CONTENT_TYPE", "DecodeError", "decode",
     "encode", "headers", "BODY_TYPES", "SCHEMA_VERSIONS", "TIERS", "AllBlocksCleared",
-    "BlocksMigrated", "BlocksRemoved", "BlocksStored", "DeadLetter", "Envelope", "Heartbeat",
-    "KvCommand", "KvEvent", "MmItem", "RejectReason", "RequestOutcome", "Role", "RoutingDecision",
+    "BlocksMigrated", "BlocksRemoved", "BlocksStored", "ControlAction", "ControlCommand", "DeadLetter", "Envelope",
+    "Heartbeat", "KvCommand", "KvEvent", "MmItem", "RejectReason", "RequestOutcome", "Role", "RoutingDecision",
     "RoutingRejection", "RoutingRequest", "Tier", "envelope", "request_chain_keys",
 ]

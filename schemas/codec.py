@@ -54,6 +54,13 @@ def upcaster(kind: str, from_version: int) -> Callable[[Upcaster], Upcaster]:
     return register
 
 
+@upcaster("routing_decision", 1)
+@upcaster("routing_rejection", 1)
+def _decision_v1_to_v2(body: dict[str, Any]) -> dict[str, Any]:
+    # v1 had no control offset, block size or profile: unknown (explain falls back to settings).
+    return dict(body)
+
+
 @upcaster("heartbeat", 1)
 def _heartbeat_v1_to_v2(body: dict[str, Any]) -> dict[str, Any]:
     # v1 named the prefill backlog ``queued_tokens`` and had no decode context or zone.

@@ -192,6 +192,11 @@ class RoutingDecision(Record):
     watermark: Annotated[dict[Name, int], Field(max_length=4096)] = {}
     degraded: bool = False
     snapshot_age_ms: float = Field(default=0.0, ge=0)
+    # v2: what re-deriving the decision needs besides the log (explain needs no environment)
+    control_offset: int = Field(default=-1, ge=-1)
+    """Offset of the last ``control`` record applied when deciding (-1: none)."""
+    block_size: int | None = Field(default=None, ge=1, le=4096)
+    model_profile: OptName = None
 
 
 class RoutingRejection(Record):
@@ -203,6 +208,41 @@ class RoutingRejection(Record):
     params: Annotated[dict[Name, Scalar], Field(max_length=MAX_PARAMS)] = {}
     seed: U64 = 0
     watermark: Annotated[dict[Name, int], Field(max_length=4096)] = {}
+    control_offset: int = Field(default=-1, ge=-1)  # v2
+    block_size: int | None = Field(default=None, ge=1, le=4096)  # v2
+    model_profile: OptName = None  # v2
+
+
+# --- runtime control (topic control, one partition: one total order) -------------
+
+ControlAction = Literal["set_policy", "set_params", "cordon", "drain", "uncordon"]
+
+
+class ControlCommand(Record):
+    """An operator's change, applied by every router in log order.
+
+    ``set_policy`` switches the policy (``params`` replace the old ones); ``set_params``
+    replaces the current policy's parameters; ``cordon`` and ``drain`` stop new requests
+    to ``node_id`` (running ones finish; ``drain`` says the node is going away);
+    ``uncordon`` takes it back.
+    """
+
+    kind: Literal["control"] = "control"
+    action: ControlAction
+    policy: OptName = None
+    params: Annotated[dict[Name, Scalar], Field(max_length=MAX_PARAMS)] = {}
+    node_id: OptName = None
+    reason: Text = ""
+    operator: OptName = None
+    """Who asked (the admin token's scope name or a CLI user), for the audit trail."""
+
+    @model_validator(mode="after")
+    def _complete(self) -> "ControlCommand":
+        if self.action == "set_policy" and not self.policy:
+            raise ValueError("set_policy needs policy")
+        if self.action in ("cordon", "drain", "uncordon") and not self.node_id:
+            raise ValueError(f"{self.action} needs node_id")
+        return self
 
 
 # --- what happened to a request (topic request-outcomes, key = request id) -------
@@ -287,6 +327,7 @@ Body = Annotated[
         RequestOutcome,
         KvCommand,
         DeadLetter,
+        ControlCommand,
     ],
     Field(discriminator="kind"),
 ]
@@ -306,6 +347,7 @@ BODY_TYPES: dict[str, type[Record]] = {
         RequestOutcome,
         KvCommand,
         DeadLetter,
+        ControlCommand,
     )
 }
 
@@ -314,6 +356,8 @@ BODY_TYPES: dict[str, type[Record]] = {
 SCHEMA_VERSIONS: dict[str, int] = {kind: 1 for kind in BODY_TYPES}
 SCHEMA_VERSIONS["heartbeat"] = 2  # v2 added decode_context_tokens and zone
 SCHEMA_VERSIONS["routing_request"] = 2  # v2 added cache_salt, exclude and retry_of
+SCHEMA_VERSIONS["routing_decision"] = 2  # v2 added control_offset, block_size, model_profile
+SCHEMA_VERSIONS["routing_rejection"] = 2  # v2 added control_offset, block_size, model_profile
 
 
 class Envelope(Record):

@@ -251,6 +251,19 @@ def encode_ops(ops: Sequence[Op]) -> list[list[Any]]:
     return out
 
 
+def connection_url(settings: Any) -> str:
+    """The URL to connect with: the settings' (with any separately set ACL user and password)."""
+    return getattr(settings, "redis_connection_url", None) or settings.redis_url
+
+
+def tls_options(settings: Any) -> dict[str, Any]:
+    """redis-py options for a ``rediss://`` server verified against ``redis_ssl_ca_certs``."""
+    ca = getattr(settings, "redis_ssl_ca_certs", None)
+    if ca is None or not str(settings.redis_url).startswith("rediss://"):
+        return {}
+    return {"ssl_ca_certs": str(ca)}
+
+
 class RedisViewStore:
     """A :class:`state.view.ViewStore` in Redis; see the module docstring for the layout."""
 
@@ -273,7 +286,8 @@ class RedisViewStore:
     def from_settings(cls, settings: Any) -> "RedisViewStore":
         if not settings.redis_url:
             raise ViewStoreError("redis_url is not set (start the embedded stack with `conductor dev up`)")
-        client = aioredis.from_url(settings.redis_url, decode_responses=False, socket_timeout=5.0)
+        client = aioredis.from_url(connection_url(settings), decode_responses=False, socket_timeout=5.0,
+                                   **tls_options(settings))
         return cls(client, settings.view_namespace)
 
     async def close(self) -> None:

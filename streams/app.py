@@ -22,6 +22,8 @@ from faust.transport.drivers import aiokafka as faust_aiokafka
 
 from schemas.errors import ConfigError
 
+from .kafka import ssl_context
+
 TANSU_FETCH_MAX_WAIT_MS = 10
 
 
@@ -54,6 +56,22 @@ def broker_urls(kafka_url: str | None) -> list[str]:
     return [f"kafka://{h.strip()}" for h in kafka_url.split(",") if h.strip()]
 
 
+def broker_credentials(settings: Any) -> Any:
+    """Faust's form of the Kafka security settings (the same as every aiokafka client's)."""
+    protocol = getattr(settings, "kafka_security_protocol", "PLAINTEXT")
+    if protocol == "PLAINTEXT":
+        return None
+    ctx = ssl_context(settings) if protocol in ("SSL", "SASL_SSL") else None
+    if protocol == "SSL":
+        return faust.SSLCredentials(ctx)
+    return faust.SASLCredentials(
+        username=settings.kafka_sasl_username,
+        password=settings.kafka_sasl_password.get_secret_value(),
+        mechanism=settings.kafka_sasl_mechanism,
+        ssl_context=ctx,
+    )
+
+
 def make_app(settings: Any, *, app_id: str | None = None, **overrides: Any) -> faust.App:
     """A Faust app for ``settings``; its id (and so its consumer group and changelog topic
     names) derives from the topic prefix unless ``app_id`` is given."""
@@ -81,6 +99,9 @@ def make_app(settings: Any, *, app_id: str | None = None, **overrides: Any) -> f
             broker_rebalance_timeout=2,
             recovery_consistency_check=False,
         )
+    credentials = broker_credentials(settings)
+    if credentials is not None:
+        opts["broker_credentials"] = credentials
     opts.update(overrides)
     cls = EmbeddedApp if settings.profile == "embedded" else faust.App
     return cls(app_id, **opts)

@@ -16,6 +16,7 @@ from typing import Any
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
+from aiokafka.helpers import create_ssl_context
 
 from .topics import Topic
 
@@ -28,8 +29,38 @@ def _bootstrap(settings: Any) -> str:
     return settings.kafka_url
 
 
+def security_options(settings: Any) -> dict[str, Any]:
+    """The SASL (PLAIN, SCRAM-SHA-256/512) and TLS options of every aiokafka client."""
+    protocol = getattr(settings, "kafka_security_protocol", "PLAINTEXT")
+    opts: dict[str, Any] = {"security_protocol": protocol}
+    if protocol in ("SSL", "SASL_SSL"):
+        opts["ssl_context"] = ssl_context(settings)
+    if protocol.startswith("SASL_"):
+        opts.update(
+            sasl_mechanism=settings.kafka_sasl_mechanism,
+            sasl_plain_username=settings.kafka_sasl_username,
+            sasl_plain_password=settings.kafka_sasl_password.get_secret_value(),
+        )
+    return opts
+
+
+def ssl_context(settings: Any) -> Any:
+    """A TLS context verifying the brokers against ``kafka_ssl_cafile`` (else the system CAs),
+    presenting the client certificate when one is configured."""
+    return create_ssl_context(
+        cafile=_str(getattr(settings, "kafka_ssl_cafile", None)),
+        certfile=_str(getattr(settings, "kafka_ssl_certfile", None)),
+        keyfile=_str(getattr(settings, "kafka_ssl_keyfile", None)),
+    )
+
+
+def _str(p: Any) -> str | None:
+    return None if p is None else str(p)
+
+
 def producer(settings: Any, **overrides: Any) -> AIOKafkaProducer:
-    opts: dict[str, Any] = dict(bootstrap_servers=_bootstrap(settings), linger_ms=2, max_batch_size=1 << 20)
+    opts: dict[str, Any] = dict(bootstrap_servers=_bootstrap(settings), linger_ms=2, max_batch_size=1 << 20,
+                                **security_options(settings))
     if settings.profile == "production":
         opts.update(acks="all", enable_idempotence=True)
     else:
@@ -47,6 +78,7 @@ def consumer(settings: Any, *topic_names: str, group_id: str | None, **overrides
         auto_offset_reset="earliest",
         max_partition_fetch_bytes=8 << 20,
         fetch_max_bytes=32 << 20,
+        **security_options(settings),
     )
     if settings.profile == "embedded":
         # Tansu holds a join for half the session timeout: keep it short.
@@ -57,7 +89,7 @@ def consumer(settings: Any, *topic_names: str, group_id: str | None, **overrides
 
 async def ensure_topics(settings: Any, wanted: tuple[Topic, ...]) -> list[str]:
     """Create the topics that do not exist yet; return the names created."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=_bootstrap(settings))
+    admin = AIOKafkaAdminClient(bootstrap_servers=_bootstrap(settings), **security_options(settings))
     await admin.start()
     try:
         existing = set(await admin.list_topics())

@@ -38,13 +38,16 @@ class Topics:
     kv_commands: Topic
     dead_letter: Topic
     request_outcomes: Topic
+    control: Topic
+    """Operators' runtime changes (policy, params, cordon/drain); one partition, so every
+    router applies them in one order and a decision can name the offset it was made under."""
     reply_prefix: str
     replication_factor: int
 
     def all(self) -> tuple[Topic, ...]:
         """The shared topics (per-gateway reply topics are named by :meth:`replies`)."""
         return (self.kv_events, self.heartbeats, self.requests, self.dispatch, self.kv_commands, self.dead_letter,
-                self.request_outcomes)
+                self.request_outcomes, self.control)
 
     def replies(self, gateway_id: str) -> Topic:
         """The reply topic of one gateway: the decisions of the requests it sent (``reply_to``).
@@ -91,7 +94,9 @@ def topics(settings: _TopicSettings) -> Topics:
                    retention_ms=audit_ms),
         kv_commands=t("kv-commands", "source node id", "kv_command"),
         dead_letter=t("dead-letter", "source topic", "dead_letter"),
-        request_outcomes=t("request-outcomes", "request id", "request_outcome"),
+        request_outcomes=t("request-outcomes", "request id", "request_outcome", retention_ms=audit_ms),
         reply_prefix=f"{p}replies.",
         replication_factor=rf,
+        # Kept for good: `explain` folds control from offset 0 to the offset a decision names.
+        control=t("control", "target (policy or node id)", "control", partitions=1, retention_ms=-1),
     )

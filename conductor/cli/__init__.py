@@ -9,8 +9,10 @@ from __future__ import annotations
 import sys
 
 from conductor.cli import (
+    admin,
     audit,
     balance,
+    control,
     dev,
     engines,
     gateway,
@@ -22,7 +24,7 @@ from conductor.cli.common import GROUPS, app, err
 from conductor.errors import ConductorError
 
 # Order is the order of --help.
-COMMAND_MODULES = (dev, pipeline, routing, balance, audit, simulate, engines, gateway)
+COMMAND_MODULES = (dev, pipeline, routing, control, admin, gateway, balance, audit, simulate, engines)
 for _module in COMMAND_MODULES:
     _module.register(GROUPS)
 

@@ -5,10 +5,15 @@ from __future__ import annotations
 import asyncio
 
 import typer
-from rich.console import Console
 from rich.table import Table
 
-from conductor.cli.common import err, print_json, settings_or_exit
+from conductor.cli.common import (
+    err,
+    print_json,
+    require_servers,
+    settings_or_exit,
+    table_console,
+)
 from conductor.routing.explain import explain
 
 
@@ -32,11 +37,12 @@ def register(groups: dict[str, typer.Typer]) -> None:
 
 
         s = settings_or_exit()
+        require_servers(s, kafka=True)
         ex = asyncio.run(explain(s, request_id))
         if json_out:
             print_json(ex.as_dict())
             raise typer.Exit(0 if ex.matches else 1)
-        out = Console()
+        out = table_console()
         verdict = "[green]matches[/green]" if ex.matches else "[red]DIFFERS[/red]"
         out.print(f"request {ex.request_id}: policy {ex.policy}, seed {ex.seed}, decided at {ex.decided_at_ms} ms, "
                   f"{ex.reservations} reservation(s) in flight; re-derived decision {verdict}")

@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import sys
+from urllib.parse import urlsplit, urlunsplit
 
+import redis as redis_sync
 import typer
 from rich.console import Console
 
 from conductor.errors import ConductorError
 from conductor.settings import Settings, load_settings
+from state.redis_view import connection_url, tls_options
 
 app = typer.Typer(
     help="Conductor: a KVCache-centric global scheduler for prefill/decode-disaggregated LLM serving.\n\n"
@@ -39,6 +43,75 @@ def settings_or_exit(**overrides: object) -> Settings:
         raise typer.Exit(2) from None
 
 
+def require_servers(s: Settings, *, kafka: bool = False, redis: bool = False, timeout_s: float = 3.0) -> None:
+    """Before a command that needs them: check Kafka and/or Redis are named and answer; else print
+    one line naming the URL and what to do, and exit 2 (instead of a driver's traceback later)."""
+    problems = []
+    if kafka:
+        if not s.kafka_url:
+            problems.append("Kafka is not configured")
+        else:
+            why = kafka_unreachable(s.kafka_url, timeout_s)
+            if why:
+                problems.append(f"cannot reach Kafka at {s.kafka_url} ({why})")
+    if redis:
+        if not s.redis_url:
+            problems.append("Redis is not configured")
+        else:
+            why = redis_unreachable(s, timeout_s)
+            if why:
+                problems.append(f"cannot reach Redis at {redacted_url(s.redis_url)} ({why})")
+    if problems:
+        err.print(
+            f"[red]error:[/red] {'; '.join(problems)}: start the embedded stack with `conductor dev up` "
+            "(every command then finds it) or set CONDUCTOR_KAFKA_URL / CONDUCTOR_REDIS_URL to running servers",
+            soft_wrap=True,
+        )
+        raise typer.Exit(2)
+
+
+def kafka_unreachable(bootstrap: str, timeout_s: float) -> str | None:
+    """``None`` when some bootstrap server accepts a TCP connection, else why not."""
+    why = "no bootstrap server"
+    for server in bootstrap.split(","):
+        host, _, port = server.strip().rpartition(":")
+        try:
+            with socket.create_connection((host.strip("[]") or "localhost", int(port)), timeout=timeout_s):
+                return None
+        except (OSError, ValueError) as e:
+            why = str(e) or type(e).__name__
+    return why
+
+
+def redis_unreachable(s: Settings, timeout_s: float) -> str | None:
+    """``None`` when Redis answers PING with these settings' credentials, else why not."""
+    client = redis_sync.Redis.from_url(
+        connection_url(s), socket_connect_timeout=timeout_s, socket_timeout=timeout_s, **tls_options(s)
+    )
+    try:
+        client.ping()
+        return None
+    except redis_sync.RedisError as e:
+        return str(e) or type(e).__name__
+    finally:
+        client.close()
+
+
+def redacted_url(url: str) -> str:
+    """``url`` without its password (for messages and logs)."""
+    u = urlsplit(url)
+    if u.password is None:
+        return url
+    netloc = (f"{u.username}:***@" if u.username else ":***@") + (u.hostname or "") + (f":{u.port}" if u.port else "")
+    return urlunsplit(u._replace(netloc=netloc))
+
+
+def table_console() -> Console:
+    """Where tables go: stdout, not cut to 80 columns when it is a pipe or a file."""
+    c = Console()
+    return c if c.is_terminal else Console(width=max(c.width, 240))
+
+
 def print_json(obj: object) -> None:
     sys.stdout.write(json.dumps(obj, sort_keys=False, default=str) + "\n")
     sys.stdout.flush()
@@ -60,3 +133,5 @@ def _root(verbose: bool = typer.Option(False, "--verbose", "-v", help="debug log
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    if not verbose:  # the Kafka client's per-subscription INFO lines say nothing to an operator
+        logging.getLogger("aiokafka").setLevel(logging.WARNING)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shlex
 import time
 from pathlib import Path
 
@@ -27,8 +28,9 @@ def register(groups: dict[str, typer.Typer]) -> None:
     ) -> None:
         """Start the embedded broker and Redis, wait until both answer, print their URLs.
 
-        The output is shell-ready: `eval "$(conductor dev up)"` points every later
-        conductor command at the embedded servers.
+        Later conductor commands find the running stack by themselves (through the data
+        directory's stack.json); the output is also shell-ready for other tools:
+        `eval "$(conductor dev up)"` exports both URLs.
 
         Nothing is started when CONDUCTOR_KAFKA_URL and CONDUCTOR_REDIS_URL name real servers.
         """
@@ -50,10 +52,10 @@ def register(groups: dict[str, typer.Typer]) -> None:
         if json_out:
             print_json(out)
         else:
-            typer.echo(f"CONDUCTOR_KAFKA_URL={out['kafka_url']}")
-            typer.echo(f"CONDUCTOR_REDIS_URL={out['redis_url']}")
+            typer.echo(f"export CONDUCTOR_KAFKA_URL={shlex.quote(str(out['kafka_url']))}")
+            typer.echo(f"export CONDUCTOR_REDIS_URL={shlex.quote(str(out['redis_url']))}")
             # With a Kafka URL set, the profile defaults to production, which Tansu cannot serve.
-            typer.echo("CONDUCTOR_PROFILE=embedded")
+            typer.echo("export CONDUCTOR_PROFILE=embedded")
             err.print(f"ready in {out['ready_s']}s (broker pid {st.broker_pid}, redis pid {st.redis_pid})")
 
     @dev.command("status")

@@ -320,6 +320,9 @@ def register(groups: dict[str, typer.Typer]) -> None:
         kv_blocks: int = typer.Option(16_384, min=1, help="prefix-cache capacity of each emulated instance, in blocks"),
         dram_blocks: int = typer.Option(0, min=0, help="host-memory tier of each prefill instance, in blocks (0 = none)"),
         json_out: bool = typer.Option(False, "--json", help="print one JSON line with the results at the end"),
+        console_port: int = typer.Option(
+            None, min=0, max=65535,
+            help="port of the live web console on bind_host (0 = none) [default: CONDUCTOR_ADMIN_PORT]"),
     ) -> None:
         """The whole system on one machine: broker, Redis, stream worker, router, bridges and emulated engines.
 
@@ -338,6 +341,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
             duration_s=duration, speed=speed, policy=policy or s.policy, baseline=baseline, trace=trace,
             prefill=prefill, decode=decode, json_out=json_out, sample=sample, block_size=block_size,
             kv_blocks=kv_blocks, dram_blocks=dram_blocks,
+            admin_port=s.admin_port if console_port is None else console_port,
         )
         result = run_demo(s, opts)
         if json_out:

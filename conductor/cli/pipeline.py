@@ -8,7 +8,6 @@ from typing import Any
 
 import faust
 import typer
-from rich.console import Console
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
@@ -18,7 +17,15 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from conductor.cli.common import err, print_json, print_result, settings_or_exit
+from conductor.admin.cluster import view_summary
+from conductor.cli.common import (
+    err,
+    print_json,
+    print_result,
+    require_servers,
+    settings_or_exit,
+    table_console,
+)
 from conductor.telemetry import setup_metrics
 from conductor.tools.bench.ingest import IngestBenchConfig, run_ingest_bench
 from conductor.tools.bench.view_read import run_view_read_bench
@@ -47,6 +54,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
 
 
         s = settings_or_exit(**({"web_port": web_port} if web_port else {}))
+        require_servers(s, kafka=True, redis=True)
         asyncio.run(ensure_topics(s, topics(s).all()))
         setup_metrics("conductor-worker", s.bind_host, s.metrics_port)
         store = RedisViewStore.from_settings(s)
@@ -62,6 +70,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
         """
 
         s = settings_or_exit()
+        require_servers(s, redis=True)
         out = asyncio.run(_view_summary(RedisViewStore.from_settings(s), s.heartbeat_ttl_s))
         if json_out:
             print_json(out)
@@ -78,7 +87,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
                 str(n["queue_depth"]), str(n["queued_prefill_tokens"]), str(n["running_requests"]),
                 str(n["batch_size"]), str(b.get("hbm", 0)), str(b.get("dram", 0)), str(b.get("ssd", 0)), str(n["seq_gaps"]),
             )
-        Console().print(t)
+        table_console().print(t)
         tot = out["totals"]["blocks"]
         typer.echo(f"blocks: hbm {tot.get('hbm', 0)}  dram {tot.get('dram', 0)}  ssd {tot.get('ssd', 0)}")
         typer.echo("watermark: " + (", ".join(f"{k}={v}" for k, v in out["watermark"].items()) or "-"))
@@ -100,6 +109,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
 
 
         s = settings_or_exit()
+        require_servers(s, kafka=True, redis=True)
         target_ns = namespace or s.view_namespace
         if compare and target_ns == s.view_namespace:
             err.print("[red]error:[/red] --compare needs --namespace other than the live one")
@@ -213,27 +223,4 @@ async def _view_summary(store: Any, ttl_s: float) -> dict[str, Any]:
         snap = await store.snapshot([])
     finally:
         await store.close()
-    nodes = []
-    totals: dict[str, int] = {}
-    for n in snap.nodes:
-        live = n.is_live(snap.now_ms, ttl_s)
-        nodes.append(
-            {
-                "node_id": n.node_id, "role": n.role, "live": live,
-                "heartbeat_age_s": round((snap.now_ms - n.last_heartbeat_ms) / 1000, 3) if n.last_heartbeat_ms else None,
-                "queue_depth": n.queue_depth, "queued_prefill_tokens": n.queued_prefill_tokens,
-                "running_requests": n.running_requests, "batch_size": n.batch_size,
-                "decode_context_tokens": n.decode_context_tokens,
-                "free_kv_blocks": n.free_kv_blocks, "total_kv_blocks": n.total_kv_blocks,
-                "rack": n.rack, "epoch": n.epoch, "last_seq": n.last_seq, "seq_gaps": n.seq_gaps,
-                "blocks": dict(n.blocks),
-            }
-        )
-        for tier, c in n.blocks.items():
-            totals[tier] = totals.get(tier, 0) + c
-    return {
-        "now_ms": snap.now_ms,
-        "nodes": nodes,
-        "totals": {"nodes": len(nodes), "live_nodes": sum(1 for n in nodes if n["live"]), "blocks": totals},
-        "watermark": dict(sorted(snap.watermark.items())),
-    }
+    return view_summary(snap, ttl_s)

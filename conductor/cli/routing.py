@@ -11,7 +11,13 @@ from pathlib import Path
 
 import typer
 
-from conductor.cli.common import err, print_json, print_result, settings_or_exit
+from conductor.cli.common import (
+    err,
+    print_json,
+    print_result,
+    require_servers,
+    settings_or_exit,
+)
 from conductor.errors import ConductorError
 from conductor.profiles import (
     fit_profile,
@@ -60,9 +66,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
 
         s = settings_or_exit()
         if not s.kafka_url or not s.redis_url:
-            err.print("[red]error:[/red] CONDUCTOR_KAFKA_URL and CONDUCTOR_REDIS_URL must be set: start the "
-                      "embedded stack with `conductor dev up` (it prints both) or name your servers")
-            raise typer.Exit(2)
+            require_servers(s, kafka=True, redis=True)
 
         router_id = router_id or default_router_id()
         try:
@@ -71,6 +75,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
         except ConductorError as e:
             err.print(f"[red]error:[/red] {e}")
             raise typer.Exit(2) from None
+        require_servers(s, kafka=True, redis=True)  # after the config checks: a bad policy says so first
         setup_metrics("conductor-router", s.bind_host, s.metrics_port)
         worker = RouterWorker(s, router, router_id=router_id)
         err.print(f"router {worker.router_id}: policy {router.policy.name} {router.params}")

@@ -18,8 +18,12 @@ from state.reservations import Reservation, placement_reservations
 
 def rejection_record(request_id: str, reason: str, message: str, *, policy: str | None,
                      params: Mapping[str, Any], seed: int = 0,
-                     watermark: Mapping[str, int] | None = None) -> RoutingRejection:
-    """A rejection on the wire (ids and messages clipped to the schema's caps)."""
+                     watermark: Mapping[str, int] | None = None,
+                     rederivation: Mapping[str, Any] | None = None) -> RoutingRejection:
+    """A rejection on the wire (ids and messages clipped to the schema's caps).
+
+    ``rederivation`` holds what `explain` needs besides the log (``control_offset``,
+    ``block_size``, ``model_profile``), on rejections and decisions alike."""
     return RoutingRejection(
         request_id=request_id[:256] or "unknown",
         reason=reason,  # type: ignore[arg-type]
@@ -28,17 +32,19 @@ def rejection_record(request_id: str, reason: str, message: str, *, policy: str 
         params=dict(params),
         seed=seed,
         watermark=dict(watermark or {}),
+        **(rederivation or {}),
     )
 
 
 def decision_record(req: RoutingRequest, answer: Placement | Rejection, *, block_size: int, policy: str,
                     params: Mapping[str, Any], seed: int, watermark: Mapping[str, int],
-                    degraded: bool = False, age_ms: float = 0.0) -> RoutingDecision | RoutingRejection:
+                    degraded: bool = False, age_ms: float = 0.0,
+                    rederivation: Mapping[str, Any] | None = None) -> RoutingDecision | RoutingRejection:
     """The record of ``answer`` for ``req``: a placement's reused blocks become tokens
     (never more than the prompt)."""
     if isinstance(answer, Rejection):
         return rejection_record(req.request_id, answer.reason, answer.message, policy=policy, params=params,
-                                seed=seed, watermark=watermark)
+                                seed=seed, watermark=watermark, rederivation=rederivation)
     return RoutingDecision(
         request_id=req.request_id,
         prefill_instance=answer.prefill,
@@ -54,6 +60,7 @@ def decision_record(req: RoutingRequest, answer: Placement | Rejection, *, block
         watermark=dict(watermark),
         degraded=degraded,
         snapshot_age_ms=age_ms,
+        **(rederivation or {}),
     )
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from aiokafka import TopicPartition
 
+from conductor.routing.control_log import control_records
 from conductor.routing.decision import decision_reservations
 from conductor.routing.router import Router
 from conductor.routing.snapshot import ClusterSnapshot
@@ -63,6 +64,10 @@ class Explanation:
     decode: list[dict[str, Any]] = field(default_factory=list)
     """Per decode-capable instance: batch, free blocks and predicted TBT."""
     reservations: int = 0
+    control_offset: int = -1
+    """The control offset the decision was made under (-1: no control record yet)."""
+    control: dict[str, Any] = field(default_factory=dict)
+    """The control state re-derived at that offset (policy, params, cordoned and draining nodes)."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -209,7 +214,12 @@ async def explain(settings: Settings, request_id: str) -> Explanation:
     store = InMemoryViewStore()
     await replay_into(settings, store, until=dict(rec.watermark), idle_timeout_s=1.0)
     at_ms = target.ts_ms
-    s = settings.model_copy(update={"policy": rec.policy, "policy_params": dict(rec.params)})
+    # The decision names its block size and profile (v2); older ones fall back to the settings.
+    s = settings.model_copy(update={
+        "policy": rec.policy, "policy_params": dict(rec.params),
+        "block_size": rec.block_size or settings.block_size,
+        "model_profile": rec.model_profile or settings.model_profile,
+    })
     reservations = InMemoryReservations(settings.reservation_ttl_s)
     n_resv = 0
     for env in dispatched:
@@ -225,12 +235,20 @@ async def explain(settings: Settings, request_id: str) -> Explanation:
         r = requests.get(d.request_id)
         if r is None:
             continue
-        reservations.reserve_sync(decision_reservations(r[1], d, settings.block_size), env.ts_ms)
+        reservations.reserve_sync(decision_reservations(r[1], d, s.block_size), env.ts_ms)
         n_resv += 1
     router = Router(s, _ViewAt(store, at_ms), reservations)
+    # The control state the decision was made under: the same fold, up to the recorded offset.
+    if rec.control_offset >= 0:
+        for offset, cmd in await control_records(settings, rec.control_offset):
+            router.apply_control(cmd, offset)
+        if router.control.offset != rec.control_offset:
+            raise AuditError(f"control offset {rec.control_offset} is not on {t.control.name} "
+                             f"(read up to {router.control.offset})")
     chain = router.chain_of(req)
     snap, pending = await router.read(chain)
-    cluster = router.cluster(snap, pending, req.model, 0.0, req.exclude)
+    exclude = router.control.excluded.union(req.exclude) if router.control.excluded else req.exclude
+    cluster = router.cluster(snap, pending, req.model, 0.0, exclude)
     prefill_rows, decode_rows = _estimates(router, cluster, req, len(chain))
     again = await router.route(req, ordinal)
     if again.seed != rec.seed:
@@ -241,6 +259,7 @@ async def explain(settings: Settings, request_id: str) -> Explanation:
         request_id=request_id, recorded=recorded, rederived=rederived, matches=not diffs, differences=diffs,
         policy=rec.policy or "", seed=rec.seed, watermark=dict(rec.watermark), decided_at_ms=at_ms,
         prefill=prefill_rows, decode=decode_rows, reservations=n_resv,
+        control_offset=rec.control_offset, control=router.control.as_dict(),
     )
 
 

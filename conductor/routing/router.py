@@ -37,11 +37,13 @@ from urllib.parse import urlparse
 
 import hiredis
 import redis.asyncio as aioredis
+from aiokafka import TopicPartition
 from opentelemetry import metrics
 from redis.asyncio.connection import Connection
 
 from conductor.errors import ViewStoreError
 from conductor.profiles import ModelProfile, load_profile
+from conductor.routing.control import ControlState, apply_control
 from conductor.routing.decision import (
     decision_record,
     decision_reservations,
@@ -56,6 +58,7 @@ from conductor.routing.snapshot import (
 )
 from conductor.settings import Settings
 from schemas import (
+    ControlCommand,
     DeadLetter,
     DecodeError,
     Envelope,
@@ -68,10 +71,15 @@ from schemas import (
     headers,
     request_chain_keys,
 )
-from state.redis_view import RedisViewStore, assemble_snapshot
+from state.redis_view import (
+    RedisViewStore,
+    assemble_snapshot,
+    connection_url,
+    tls_options,
+)
 from state.reservations import Load, RedisReservations, ReservationStore
 from state.view import NodeState, ViewReader, ViewSnapshot
-from streams.kafka import consumer, ensure_topics, producer
+from streams.kafka import consumer, end_offsets, ensure_topics, producer
 from streams.topics import topics
 
 log = logging.getLogger(__name__)
@@ -136,6 +144,7 @@ class Router:
         self._since: dict[str, int] = {}  # node → last heartbeat seen: the reservation cut-off
         self._memo: InstanceMemo = {}
         self.ttl_s = settings.heartbeat_ttl_s
+        self.control = ControlState()
 
     async def start(self) -> None:
         """Start following the shared reservations (a no-op for in-memory ones)."""
@@ -148,6 +157,28 @@ class Router:
         close = getattr(self.reservations, "close", None)
         if close is not None:
             await close()
+
+    # --- runtime control (the control topic, in log order) ------------------------------
+
+    def check_policy(self, name: str | None, params: dict[str, Any]) -> None:
+        """Raise ConfigError when ``name`` (None: the configured policy) and ``params`` do not build."""
+        make_policy(name or self.settings.policy, params, self.profile)
+
+    def apply_control(self, cmd: ControlCommand, offset: int) -> None:
+        """Fold one control record in; swap the policy when it changed. Later decisions record ``offset``."""
+        before = self.control
+        after = apply_control(before, cmd, offset, self.check_policy)
+        self.control = after
+        if after.last_error:
+            log.error("control %s", after.last_error)
+        if (after.policy, after.params) != (before.policy, before.params):
+            name = after.policy or self.settings.policy
+            params = dict(after.params) if after.params is not None else self.settings.policy_params
+            self.policy = make_policy(name, params, self.profile)
+            self.params = {k: v for k, v in self.policy.params.items() if isinstance(v, (bool, int, float, str))}
+            log.info("control offset %d: policy %s %s", offset, self.policy.name, self.params)
+        if after.excluded != before.excluded:
+            log.info("control offset %d: not routing to %s", offset, sorted(after.excluded) or "-")
 
     # --- the request --------------------------------------------------------------
 
@@ -226,12 +257,14 @@ class Router:
             degraded = True
             snap = last.snapshot  # node states only: prefixes of this chain are unknown
             pending = await self.reservations.pending(self._since, snap.now_ms + int(age_ms))
-        cluster = self.cluster(snap, pending, req.model, age_ms, req.exclude)
+        # Cordoned and draining nodes take no new requests; a retry names the instances that failed it.
+        exclude = self.control.excluded.union(req.exclude) if self.control.excluded else req.exclude
+        cluster = self.cluster(snap, pending, req.model, age_ms, exclude)
         answer = self.policy.decide(preq, cluster, random.Random(seed))
         self.metrics.latency.record((time.perf_counter() - t0) * 1000.0)
         out = decision_record(req, answer, block_size=self.settings.block_size, policy=self.policy.name,
                               params=self.params, seed=seed, watermark=cluster.watermark, degraded=degraded,
-                              age_ms=age_ms)
+                              age_ms=age_ms, rederivation=self._rederivation())
         if isinstance(out, RoutingRejection):
             self.metrics.rejections.add(1, {"reason": out.reason})
             return out
@@ -239,6 +272,11 @@ class Router:
         self.metrics.reuse.record(out.reused_tokens / req.prompt_tokens if req.prompt_tokens else 0.0)
         self.metrics.decisions.add(1, {"prefill": out.prefill_instance, "decode": out.decode_instance})
         return out
+
+    def _rederivation(self) -> dict[str, Any]:
+        """What `explain` needs besides the log: the control offset, block size and profile."""
+        return {"control_offset": self.control.offset, "block_size": self.settings.block_size,
+                "model_profile": self.settings.model_profile}
 
     async def _reserve(self, req: RoutingRequest, d: RoutingDecision, now_ms: int) -> None:
         try:
@@ -250,7 +288,7 @@ class Router:
                watermark: dict[str, int] | None = None) -> RoutingRejection:
         self.metrics.rejections.add(1, {"reason": reason})
         return rejection_record(request_id, reason, message, policy=self.policy.name, params=self.params, seed=seed,
-                                watermark=watermark)
+                                watermark=watermark, rederivation=self._rederivation())
 
     # --- one Kafka record --------------------------------------------------------------
 
@@ -313,6 +351,14 @@ class RouterWorker:
         self.router_id = router_id or default_router_id()
         self._seq = 0
         self.routed = 0
+        self.lag: dict[int, int] = {}  # requests partition → records not yet routed (the last fetch's view)
+
+        def observe_lag(_: Any) -> list[metrics.Observation]:
+            return [metrics.Observation(v, {"partition": str(p)}) for p, v in self.lag.items()]
+
+        metrics.get_meter(__name__).create_observable_gauge(
+            "conductor_router_consumer_lag", callbacks=[observe_lag],
+            description="requests not yet routed by this router, per partition")
 
     def _wrap(self, body: Any) -> Envelope:
         self._seq += 1
@@ -321,25 +367,31 @@ class RouterWorker:
     async def run(self, stop: asyncio.Event, ready: asyncio.Event | None = None) -> None:
 
         t = self.topics
-        await ensure_topics(self.settings, (t.requests, t.dispatch, t.dead_letter))
+        await ensure_topics(self.settings, (t.requests, t.dispatch, t.dead_letter, t.control))
         prod = producer(self.settings)
         # The embedded broker answers a fetch only when its wait runs out, new records or not:
         # a short wait keeps a waiting gateway's decision from sitting there (Kafka returns early).
         cons = consumer(self.settings, t.requests.name, group_id=self.settings.topic_prefix + self.GROUP,
                         **({"fetch_max_wait_ms": 5} if self.settings.embedded else {}))
+        control = ControlFollower(self.settings, self.router)
         await prod.start()
+        await control.start()  # caught up with every control record before the first decision
         await cons.start()
         await self.router.start()
         try:
             if ready is not None:
                 ready.set()
             while not stop.is_set():
+                await control.poll()
                 batches = await cons.getmany(timeout_ms=200, max_records=500)
                 if not batches:
                     continue
                 sends = []
                 n = self.settings.router_concurrency
                 for tp, records in batches.items():
+                    hw = cons.highwater(tp)
+                    if hw is not None:
+                        self.lag[tp.partition] = max(0, hw - records[-1].offset - 1)
                     # Up to n view reads in flight at once; decisions still run one after another
                     # (nothing between a read's reply and its reservation yields), so each one
                     # sees the reservations of those before it. Outputs keep the input order.
@@ -377,7 +429,48 @@ class RouterWorker:
         finally:
             await self.router.close()
             await cons.stop()
+            await control.stop()
             await prod.stop()
+
+
+class ControlFollower:
+    """Reads the one-partition ``control`` topic from the start (every replica, no group) and
+    hands each record to :meth:`Router.apply_control` in offset order."""
+
+    def __init__(self, settings: Settings, router: Router) -> None:
+        self.settings = settings
+        self.router = router
+        self.topic = topics(settings).control
+        self._cons: Any = None
+        self.position = 0  # the next offset to read
+
+    async def start(self, catch_up_timeout_s: float = 10.0) -> None:
+        tp = TopicPartition(self.topic.name, 0)
+        self._cons = consumer(self.settings, group_id=None)
+        await self._cons.start()
+        self._cons.assign([tp])
+        end = (await end_offsets(self._cons, [tp]))[tp]
+        await self._cons.seek_to_beginning(tp)
+        deadline = time.monotonic() + catch_up_timeout_s
+        while self.position < end and time.monotonic() < deadline:
+            await self.poll(timeout_ms=200)
+
+    async def poll(self, timeout_ms: int = 0) -> None:
+        got = await self._cons.getmany(timeout_ms=timeout_ms, max_records=100)
+        for msgs in got.values():
+            for m in msgs:
+                self.position = m.offset + 1
+                try:
+                    env = decode(m.value or b"")
+                except DecodeError as e:
+                    log.error("control offset %d unreadable, skipped: %s", m.offset, e)
+                    continue
+                if isinstance(env.body, ControlCommand):
+                    self.router.apply_control(env.body, m.offset)
+
+    async def stop(self) -> None:
+        if self._cons is not None:
+            await self._cons.stop()
 
 
 # KEYS: version, node hash; ARGV: the version the reader holds. Returns {version} when it
@@ -570,12 +663,13 @@ def redis_stores(settings: Settings, producer_id: str | None = None) -> tuple[An
 
     if not settings.redis_url:
         raise ViewStoreError("redis_url is not set (start the embedded stack with `conductor dev up`)")
+    url = connection_url(settings)
     client = aioredis.from_url(
-        settings.redis_url, decode_responses=False, socket_timeout=0.5, socket_connect_timeout=0.5,
+        url, decode_responses=False, **tls_options(settings), socket_timeout=0.5, socket_connect_timeout=0.5,
         health_check_interval=0, connection_class=_fast_connection_class(),
     )
     view = RedisViewStore(client, settings.view_namespace)
-    reader = RawSnapshotReader(view, settings.redis_url) if settings.redis_url.startswith("redis://") else view
+    reader = RawSnapshotReader(view, url) if url.startswith("redis://") else view
     return (reader,
             RedisReservations(client, settings.view_namespace, settings.reservation_ttl_s,
                               producer_id=producer_id or default_router_id()))

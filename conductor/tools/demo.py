@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
 import os
 import signal
+import socket
 import statistics
 import sys
 import time
@@ -98,6 +100,8 @@ class DemoOptions:
     kv_blocks: int = 16_384
     dram_blocks: int = 0
     partitions: int = 2
+    admin_port: int = 0
+    """Port of the live console (`conductor admin`) each run serves; 0: no console."""
 
 
 # --- the trace -------------------------------------------------------------------
@@ -176,6 +180,9 @@ class RunStats:
     prompt_of: dict[str, int] = field(default_factory=dict)
     bridge_counts: Counter[str] = field(default_factory=Counter)
     reject_examples: list[str] = field(default_factory=list)
+    topic_prefix: str = ""
+    example_ids: list[str] = field(default_factory=list)
+    """A few decided request ids, to show how `conductor explain` audits them."""
     view_load: dict[str, tuple[int, int, int]] = field(default_factory=dict)
     """node → (queue depth, decode batch, blocks) as the view shows it."""
     started: float = field(default_factory=time.monotonic)
@@ -188,6 +195,8 @@ class RunStats:
     def on_dispatch(self, body: Any) -> None:
         if isinstance(body, RoutingDecision):
             self.decisions += 1
+            if len(self.example_ids) < 3 and body.reused_tokens:
+                self.example_ids.append(body.request_id)
             self.routed_reuse_tokens += body.reused_tokens
             self.routed_prompt_tokens += self.prompt_of.get(body.request_id, 0)
             self.per_node[body.prefill_instance]["routed"] += 1
@@ -339,7 +348,9 @@ async def _run_once(
         # Parameters belong to the policy they were written for; the baseline runs on its defaults.
         "policy_params": base.policy_params if policy == opts.policy else {},
         "web_port": free_port(base.bind_host), "metrics_port": 0, "data_dir": log_dir / "data",
+        "admin_port": opts.admin_port or base.admin_port,
     })
+    stats.topic_prefix = s.topic_prefix
     env = child_environment(s)
     tps = topics(s)
     await ensure_topics(s, tps.all())
@@ -354,6 +365,8 @@ async def _run_once(
         await prod.start()
         await procs.start("worker", ["worker"], env)
         await procs.start("router", ["router"], env)
+        if opts.admin_port:
+            await procs.start("admin", ["admin"], env)  # the live console, on the same port every run
         engines: dict[str, tuple[str, asyncio.subprocess.Process]] = {}
         for role, n in (("prefill", opts.prefill), ("decode", opts.decode)):
             for i in range(n):
@@ -540,6 +553,11 @@ def run_demo(settings: Settings, opts: DemoOptions) -> dict[str, Any]:
             base = settings.model_copy(update={"kafka_url": settings.kafka_url or st.kafka_url,
                                                "redis_url": settings.redis_url or st.redis_url,
                                                "profile": "embedded" if not settings.kafka_url else settings.profile})
+        if opts.admin_port and not _port_free(settings.bind_host, opts.admin_port):
+            opts = dataclasses.replace(opts, admin_port=free_port(settings.bind_host))  # another one serves there
+        if opts.admin_port:
+            console.print(f"live console: http://{settings.bind_host}:{opts.admin_port}/ (while the demo runs)",
+                          soft_wrap=True, highlight=False)
         budget = opts.duration_s / 2
         requests = load_slice(trace, opts.speed, opts.sample, budget)
         with Live(render(runs, opts), console=console, refresh_per_second=2, transient=False) as live:
@@ -574,8 +592,13 @@ def run_demo(settings: Settings, opts: DemoOptions) -> dict[str, Any]:
             "wall_s": round(time.monotonic() - t_all, 1),
             "pids": pids,
             "logs": str(log_dir),
+            "runs": [{"policy": r.policy, "topic_prefix": r.topic_prefix, "example_request_ids": r.example_ids}
+                     for r in runs],
+            "stack_kept": stack is None,
         }
-        _print_summary(console, result)
+        # The summary is the demo's result: stdout (stderr when stdout carries the --json line).
+        out = console if opts.json_out else Console(width=None if sys.stdout.isatty() else 160)
+        _print_summary(out, result)
         return result
     except KeyboardInterrupt:
         console.print("[yellow]interrupted: stopping everything the demo started[/yellow]")
@@ -590,6 +613,15 @@ def run_demo(settings: Settings, opts: DemoOptions) -> dict[str, Any]:
         signal.signal(signal.SIGTERM, previous)
         if stack is not None:
             stack.down()
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def _print_summary(console: Console, r: dict[str, Any]) -> None:
@@ -611,3 +643,11 @@ def _print_summary(console: Console, r: dict[str, Any]) -> None:
               f(r["baseline_ttft_prediction_error_p50"], ".1%"))
     console.print(t)
     console.print(f"wall time {r['wall_s']}s; logs in {r['logs']}")
+    console.print("audit a decision (re-derived from the topics alone):")
+    for run in r["runs"]:
+        for rid in run["example_request_ids"]:
+            console.print(f"  CONDUCTOR_TOPIC_PREFIX={run['topic_prefix']} conductor explain {rid}",
+                          soft_wrap=True, highlight=False)
+    if not r["stack_kept"]:
+        console.print("  (the demo stopped the broker it started: run `conductor dev up` before the demo to keep "
+                      "the topics for `explain`)", soft_wrap=True, highlight=False)

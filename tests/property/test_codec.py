@@ -14,6 +14,7 @@ from schemas import (
     BlocksMigrated,
     BlocksRemoved,
     BlocksStored,
+    ControlCommand,
     DeadLetter,
     DecodeError,
     Heartbeat,
@@ -61,7 +62,8 @@ BODY_STRATEGIES = [
               reused_tokens=st.integers(0, 10**6), reuse_source=st.none() | names, reuse_tier=st.none() | tiers,
               predicted_ttft_s=st.floats(0, 1e4), predicted_tbt_ms=st.floats(0, 1e4), policy=names, params=params,
               seed=u64, watermark=st.dictionaries(names, st.integers(0, 2**62), max_size=4), degraded=st.booleans(),
-              snapshot_age_ms=st.floats(0, 1e6)),
+              snapshot_age_ms=st.floats(0, 1e6), control_offset=st.integers(-1, 2**62),
+              block_size=st.none() | st.integers(1, 4096), model_profile=st.none() | names),
     st.builds(RoutingRejection, request_id=names,
               reason=st.sampled_from(["ttft_slo", "tbt_slo", "no_live_instance", "overloaded", "invalid_request",
                                       "view_unavailable"]),
@@ -75,6 +77,11 @@ BODY_STRATEGIES = [
               ttft_s=st.none() | st.floats(0, 1e4), tbt_p99_ms=st.none() | st.floats(0, 1e4)),
     st.builds(DeadLetter, source_topic=names, partition=st.integers(0, 1000), offset=st.integers(0, 2**62),
               reason=names, error=st.text(max_size=100), original=st.binary(max_size=200)),
+    st.one_of(
+        st.builds(ControlCommand, action=st.sampled_from(["set_policy", "set_params"]), policy=names, params=params,
+                  reason=st.text(max_size=20), operator=st.none() | names),
+        st.builds(ControlCommand, action=st.sampled_from(["cordon", "drain", "uncordon"]), node_id=names),
+    ),
 ]
 bodies = st.one_of(*BODY_STRATEGIES)
 

@@ -39,3 +39,41 @@ def test_bad_value_names_the_field(monkeypatch, env, value, field):
         load_settings()
     assert field in str(exc.value)
     assert env in str(exc.value)
+
+
+def _write_stack(d, pid):
+    import json
+
+    (d / "stack.json").write_text(json.dumps({
+        "kafka_url": "127.0.0.1:19092", "redis_url": "redis://127.0.0.1:16379/0",
+        "broker_pid": pid, "redis_pid": pid, "broker_bin": "x", "redis_bin": "y",
+        "data_dir": str(d), "started_at": 0.0,
+    }))
+
+
+def test_unset_urls_come_from_the_running_dev_stack(monkeypatch, tmp_path):
+    import os
+
+    for k in ("CONDUCTOR_KAFKA_URL", "CONDUCTOR_REDIS_URL", "CONDUCTOR_PROFILE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("CONDUCTOR_DATA_DIR", str(tmp_path))
+    _write_stack(tmp_path, os.getpid())  # a live pid stands in for the servers
+    s = load_settings()
+    assert (s.kafka_url, s.redis_url, s.profile) == ("127.0.0.1:19092", "redis://127.0.0.1:16379/0", "embedded")
+    # what the environment (or a caller) names wins over the stack file
+    monkeypatch.setenv("CONDUCTOR_REDIS_URL", "redis://elsewhere:6379/0")
+    assert load_settings().redis_url == "redis://elsewhere:6379/0"
+    assert load_settings(kafka_url=None).kafka_url is None
+
+
+def test_a_stale_stack_file_is_ignored(monkeypatch, tmp_path):
+    import subprocess
+
+    for k in ("CONDUCTOR_KAFKA_URL", "CONDUCTOR_REDIS_URL", "CONDUCTOR_PROFILE"):
+        monkeypatch.delenv(k, raising=False)
+    monkeypatch.setenv("CONDUCTOR_DATA_DIR", str(tmp_path))
+    p = subprocess.Popen(["true"])
+    p.wait()  # a pid that no longer runs
+    _write_stack(tmp_path, p.pid)
+    s = load_settings()
+    assert s.kafka_url is None and s.redis_url is None

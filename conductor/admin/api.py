@@ -1,0 +1,256 @@
+"""The admin API (FastAPI): the cluster, recent decisions, explain, the dead-letter queue,
+the policy, and the live console — for operators.
+
+Reads come from the Redis view and from a :class:`~conductor.admin.feed.LogFeed` that
+follows the log. Every change goes through the ``control`` topic (never Redis
+directly), so routers apply it in log order. JSON field names are stable: clients
+and the console rely on them. Auth: see :mod:`conductor.admin.auth`.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from typing import Any, Literal
+
+from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
+from fastapi.responses import HTMLResponse, JSONResponse
+from pydantic import BaseModel, Field
+
+from conductor.admin.auth import Scope, Tokens
+from conductor.admin.cluster import view_summary
+from conductor.admin.console import CONSOLE_HTML, LOGIN_HTML
+from conductor.admin.feed import LogFeed
+from conductor.errors import ConductorError
+from conductor.routing.control_log import publish_control
+from conductor.routing.explain import explain
+from conductor.routing.policies import list_policies
+from conductor.settings import Settings
+from schemas import ControlCommand, DecodeError, decode
+from state.redis_view import RedisViewStore
+from streams.kafka import producer
+from streams.topics import topics
+
+COOKIE = "conductor_token"
+
+
+class PolicyChange(BaseModel):
+    policy: str = Field(min_length=1, max_length=256)
+    params: dict[str, bool | int | float | str | None] = {}
+    reason: str = Field(default="", max_length=4096)
+
+
+class ParamsChange(BaseModel):
+    params: dict[str, bool | int | float | str | None]
+    reason: str = Field(default="", max_length=4096)
+
+
+class NodeChange(BaseModel):
+    reason: str = Field(default="", max_length=4096)
+
+
+class Login(BaseModel):
+    token: str = Field(min_length=1, max_length=4096)
+
+
+def create_app(settings: Settings, *, feed: LogFeed | None = None, view: Any = None) -> FastAPI:
+    """The admin app. ``feed`` and ``view`` default to the real log follower and Redis view,
+    started and stopped with the app."""
+    tokens = Tokens(settings)
+    own_feed = feed is None
+    feed = feed or LogFeed(settings)
+    view = view or RedisViewStore.from_settings(settings)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if own_feed:
+            await feed.start()
+        try:
+            yield
+        finally:
+            if own_feed:
+                await feed.stop()
+            await view.close()
+
+    app = FastAPI(
+        title="Conductor admin API",
+        version="1",
+        description="The cluster, recent decisions, explain, dead letters and the routing policy. "
+        "Changes are records on the control topic. Bearer token (read or admin scope) on every "
+        "endpoint except /health when tokens are configured.",
+        lifespan=lifespan,
+    )
+
+    def credential(request: Request) -> str | None:
+        header = request.headers.get("authorization")
+        if header:
+            return header
+        cookie = request.cookies.get(COOKIE)
+        return f"Bearer {cookie}" if cookie else None
+
+    def need(scope: Scope) -> Any:
+        def check(request: Request) -> str:
+            ok = tokens.allows(credential(request), scope)
+            if ok is None:
+                raise HTTPException(401, "a bearer token is required", headers={"WWW-Authenticate": "Bearer"})
+            if not ok:
+                raise HTTPException(403, f"this token has no {scope} scope")
+            return tokens.scope_of(credential(request)) or ""
+
+        return Depends(check)
+
+    read, admin = need("read"), need("admin")
+
+    # --- health and the console --------------------------------------------------------
+
+    @app.get("/health", tags=["health"])
+    async def health() -> dict[str, Any]:
+        return {"ok": True, "feed_ready": feed.ready.is_set(), "feed_error": feed.error or None}
+
+    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
+    async def console(request: Request) -> HTMLResponse:
+        if tokens.allows(credential(request), "read") is None:
+            return HTMLResponse(LOGIN_HTML, status_code=401)
+        return HTMLResponse(CONSOLE_HTML)
+
+    @app.post("/login", tags=["health"])
+    async def login(body: Login, response: Response) -> dict[str, Any]:
+        """Trade a token for an HttpOnly session cookie (what the console uses)."""
+        scope = tokens.scope_of(f"Bearer {body.token}")
+        if scope is None:
+            raise HTTPException(401, "unknown token")
+        response.set_cookie(COOKIE, body.token, httponly=True, samesite="strict")
+        return {"scope": scope}
+
+    # --- the cluster and its decisions ------------------------------------------------------
+
+    @app.get("/api/cluster", tags=["cluster"], dependencies=[read])
+    async def cluster() -> dict[str, Any]:
+        """Nodes: role, liveness, epoch, load, KV use, blocks per tier, heartbeat age, control status."""
+        try:
+            snap = await view.snapshot([])
+        except (ConductorError, OSError) as e:
+            raise HTTPException(503, f"the view is unreachable: {e}") from None
+        out = view_summary(snap, settings.heartbeat_ttl_s, feed.control.node_status)
+        hits = feed.stats()["hit_rate_by_instance"]
+        for n in out["nodes"]:
+            n["hit_rate"] = hits.get(n["node_id"])
+        return out
+
+    @app.get("/api/decisions", tags=["decisions"], dependencies=[read])
+    async def decisions(
+        limit: int = Query(100, ge=1, le=2000),
+        kind: Literal["all", "placed", "rejected"] = "all",
+    ) -> dict[str, Any]:
+        """The most recent decisions and rejections, newest first."""
+        rows = [d for d in reversed(feed.decisions)
+                if kind == "all" or (kind == "rejected") == d.rejected]
+        return {"decisions": [d.as_dict() for d in rows[:limit]]}
+
+    @app.get("/api/stats", tags=["decisions"], dependencies=[read])
+    async def stats(window_s: float = Query(10.0, gt=0, le=3600)) -> dict[str, Any]:
+        """Decisions per second, reuse ratio, predicted TTFT, rejections by reason."""
+        return feed.stats(window_s)
+
+    @app.get("/api/explain/{request_id}", tags=["decisions"], dependencies=[read])
+    async def explain_request(request_id: str) -> dict[str, Any]:
+        """Re-derive one decision from the log (as `conductor explain`)."""
+        try:
+            return (await explain(settings, request_id)).as_dict()
+        except ConductorError as e:
+            raise HTTPException(404, str(e)) from None
+
+    # --- the dead-letter queue ---------------------------------------------------------------
+
+    @app.get("/api/dead-letters", tags=["dead letters"], dependencies=[read])
+    async def dead_letters(limit: int = Query(100, ge=1, le=2000)) -> dict[str, Any]:
+        rows = list(reversed(feed.dead_letters))[:limit]
+        return {"dead_letters": [r.summary() for r in rows], "total_seen": len(feed.dead_letters)}
+
+    @app.get("/api/dead-letters/{partition}/{offset}", tags=["dead letters"], dependencies=[read])
+    async def dead_letter(partition: int, offset: int) -> dict[str, Any]:
+        row = feed.dead_letter(partition, offset)
+        if row is None:
+            raise HTTPException(404, f"no dead letter at {partition}/{offset} in the last {feed.keep}")
+        return row.summary() | {"original_base64": base64.b64encode(row.letter.original).decode()}
+
+    @app.post("/api/dead-letters/{partition}/{offset}/resend", tags=["dead letters"], dependencies=[admin])
+    async def resend(partition: int, offset: int) -> dict[str, Any]:
+        """Send the original bytes back to their source topic (after the cause was fixed)."""
+        row = feed.dead_letter(partition, offset)
+        if row is None:
+            raise HTTPException(404, f"no dead letter at {partition}/{offset}")
+        letter = row.letter
+        try:
+            target = topics(settings).by_name(letter.source_topic)
+        except KeyError:
+            raise HTTPException(409, f"{letter.source_topic!r} is not one of this cluster's topics") from None
+        key = _key_of(letter.original)
+        prod = producer(settings)
+        await prod.start()
+        try:
+            md = await prod.send_and_wait(target.name, letter.original, key=key)
+        finally:
+            await prod.stop()
+        return {"topic": target.name, "partition": md.partition, "offset": md.offset,
+                "key": key.decode() if key else None}
+
+    # --- the policy (through the control topic) --------------------------------------------------
+
+    @app.get("/api/policies", tags=["policy"], dependencies=[read])
+    async def policies() -> list[dict[str, Any]]:
+        return list_policies()
+
+    @app.get("/api/policy", tags=["policy"], dependencies=[read])
+    async def policy() -> dict[str, Any]:
+        """The control state the routers hold: effective policy and params, cordoned/draining nodes."""
+        st = feed.control
+        return {
+            "policy": st.policy or settings.policy,
+            "params": dict(st.params) if st.params is not None else dict(settings.policy_params),
+            "configured": st.policy is None and st.params is None,
+            "control": st.as_dict(),
+        }
+
+    async def publish(cmd_fields: dict[str, Any], scope: str) -> JSONResponse:
+        try:
+            cmd = ControlCommand(**cmd_fields, operator=f"admin-api:{scope}")
+            off = await publish_control(settings, cmd, producer_id="conductor-admin")
+        except (ConductorError, ValueError) as e:
+            raise HTTPException(422, str(e)) from None
+        return JSONResponse({"control_offset": off, "action": cmd.action, "published_at_ms": int(time.time() * 1000)},
+                            status_code=202)
+
+    @app.put("/api/policy", tags=["policy"], status_code=202)
+    async def set_policy(body: PolicyChange, scope: str = admin) -> JSONResponse:
+        """Switch the routers' policy (a set_policy record on the control topic)."""
+        return await publish({"action": "set_policy", "policy": body.policy, "params": body.params,
+                              "reason": body.reason}, scope)
+
+    @app.put("/api/policy/params", tags=["policy"], status_code=202)
+    async def set_params(body: ParamsChange, scope: str = admin) -> JSONResponse:
+        """Replace the current policy's parameters (a set_params record)."""
+        return await publish({"action": "set_params", "params": body.params, "reason": body.reason}, scope)
+
+    @app.post("/api/nodes/{node_id}/{action}", tags=["policy"], status_code=202)
+    async def node_action(node_id: str, action: Literal["cordon", "drain", "uncordon"],
+                          body: NodeChange | None = None, scope: str = admin) -> JSONResponse:
+        """Take a node out of rotation (cordon, drain: running requests finish) or back (uncordon)."""
+        return await publish({"action": action, "node_id": node_id, "reason": body.reason if body else ""}, scope)
+
+    return app
+
+
+def _key_of(original: bytes) -> bytes | None:
+    """The record key the source topic expects (node or request id), when the bytes decode."""
+    try:
+        env = decode(original)
+    except DecodeError:
+        return None
+    rid = getattr(env.body, "request_id", None)
+    return (rid or env.producer_id).encode()
+
+
+__all__ = ["create_app"]

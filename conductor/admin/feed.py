@@ -1,0 +1,219 @@
+"""What the admin API shows from the log: recent decisions, dead letters, the control state.
+
+One consumer (no group: every admin process sees everything) follows ``dispatch`` and
+``dead-letter`` from their last ``keep`` records, ``requests`` for prompt sizes, and
+``control`` from the start (folded with the same check every router applies), and
+keeps bounded in-memory windows. Nothing here decides anything; it is a read model.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiokafka import TopicPartition
+
+from conductor.routing.control import ControlState, apply_control
+from conductor.routing.control_log import policy_check
+from conductor.settings import Settings
+from schemas import (
+    ControlCommand,
+    DeadLetter,
+    DecodeError,
+    RoutingDecision,
+    RoutingRejection,
+    RoutingRequest,
+    decode,
+)
+from streams.kafka import consumer, end_offsets, ensure_topics
+from streams.topics import topics
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class DecisionRow:
+    at_ms: int
+    request_id: str
+    rejected: bool
+    prefill_instance: str | None
+    decode_instance: str | None
+    reused_tokens: int
+    prompt_tokens: int | None
+    predicted_ttft_s: float | None
+    reason: str | None
+    policy: str | None
+    control_offset: int
+    degraded: bool
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class DeadLetterRow:
+    topic: str
+    partition: int
+    offset: int
+    at_ms: int
+    letter: DeadLetter
+
+    def summary(self) -> dict[str, Any]:
+        d = self.letter
+        return {"partition": self.partition, "offset": self.offset, "at_ms": self.at_ms,
+                "source_topic": d.source_topic, "source_partition": d.partition, "source_offset": d.offset,
+                "reason": d.reason, "error": d.error, "original_bytes": len(d.original)}
+
+
+@dataclass
+class LogFeed:
+    settings: Settings
+    keep: int = 2000
+    decisions: collections.deque[DecisionRow] = field(default_factory=collections.deque)
+    dead_letters: collections.deque[DeadLetterRow] = field(default_factory=collections.deque)
+    control: ControlState = field(default_factory=ControlState)
+    prompt_tokens: collections.OrderedDict[str, int] = field(default_factory=collections.OrderedDict)
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    error: str = ""
+
+    def __post_init__(self) -> None:
+        self.topics = topics(self.settings)
+        self._check = policy_check(self.settings)
+        self._task: asyncio.Task[None] | None = None
+
+    # --- following the log -------------------------------------------------------------
+
+    async def start(self) -> None:
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+
+    async def _run(self) -> None:
+        t = self.topics
+        while True:
+            try:
+                await ensure_topics(self.settings, (t.requests, t.dispatch, t.dead_letter, t.control))
+                c = consumer(self.settings, group_id=None)
+                await c.start()
+                try:
+                    await self._follow(c)
+                finally:
+                    await c.stop()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - the broker went away: say so, retry
+                self.error = f"{type(e).__name__}: {e}"
+                log.warning("admin feed: %s; retrying in 2s", self.error)
+                await asyncio.sleep(2.0)
+
+    async def _follow(self, c: Any) -> None:
+        t = self.topics
+        tps = []
+        for topic in (t.requests, t.dispatch, t.dead_letter, t.control):
+            parts = c.partitions_for_topic(topic.name) or set()
+            if not parts:
+                await c.topics()
+                parts = c.partitions_for_topic(topic.name) or set()
+            tps += [TopicPartition(topic.name, p) for p in sorted(parts)]
+        c.assign(tps)
+        ends = await end_offsets(c, tps)
+        for tp in tps:
+            tail = 0 if tp.topic == t.control.name else max(0, ends[tp] - self.keep)
+            c.seek(tp, tail)
+        self.error = ""
+        caught_up = {tp for tp in tps if ends[tp] > 0}
+        while True:
+            got = await c.getmany(timeout_ms=200, max_records=2000)
+            for tp, msgs in got.items():
+                for m in msgs:
+                    self._on_record(tp.topic, tp.partition, m.offset, m.value, m.timestamp)
+                if msgs and msgs[-1].offset + 1 >= ends.get(tp, 0):
+                    caught_up.discard(tp)
+            if not caught_up:
+                self.ready.set()
+
+    def _on_record(self, topic: str, partition: int, offset: int, value: bytes | None, ts: int) -> None:
+        try:
+            env = decode(value or b"")
+        except DecodeError:
+            return  # the router or worker dead-lettered it already
+        b = env.body
+        t = self.topics
+        if topic == t.requests.name and isinstance(b, RoutingRequest):
+            self.prompt_tokens[b.request_id] = b.prompt_tokens
+            while len(self.prompt_tokens) > 4 * self.keep:
+                self.prompt_tokens.popitem(last=False)
+        elif topic == t.dispatch.name and isinstance(b, (RoutingDecision, RoutingRejection)):
+            self.on_dispatch(b, env.ts_ms)
+        elif topic == t.dead_letter.name and isinstance(b, DeadLetter):
+            self.dead_letters.append(DeadLetterRow(topic, partition, offset, env.ts_ms, b))
+            while len(self.dead_letters) > self.keep:
+                self.dead_letters.popleft()
+        elif topic == t.control.name and isinstance(b, ControlCommand):
+            self.control = apply_control(self.control, b, offset, self._check)
+
+    def on_dispatch(self, b: RoutingDecision | RoutingRejection, at_ms: int) -> None:
+        rej = isinstance(b, RoutingRejection)
+        self.decisions.append(DecisionRow(
+            at_ms=at_ms, request_id=b.request_id, rejected=rej,
+            prefill_instance=None if rej else b.prefill_instance,  # type: ignore[union-attr]
+            decode_instance=None if rej else b.decode_instance,  # type: ignore[union-attr]
+            reused_tokens=0 if rej else b.reused_tokens,  # type: ignore[union-attr]
+            prompt_tokens=self.prompt_tokens.get(b.request_id),
+            predicted_ttft_s=None if rej else b.predicted_ttft_s,  # type: ignore[union-attr]
+            reason=b.reason if rej else None,  # type: ignore[union-attr]
+            policy=b.policy, control_offset=b.control_offset,
+            degraded=False if rej else b.degraded,  # type: ignore[union-attr]
+        ))
+        while len(self.decisions) > self.keep:
+            self.decisions.popleft()
+
+    # --- reading --------------------------------------------------------------------------
+
+    def dead_letter(self, partition: int, offset: int) -> DeadLetterRow | None:
+        for row in self.dead_letters:
+            if row.partition == partition and row.offset == offset:
+                return row
+        return None
+
+    def stats(self, window_s: float = 10.0, now_ms: int | None = None) -> dict[str, Any]:
+        """Decisions per second, reuse ratio, predicted TTFT and rejections over the window."""
+        now_ms = now_ms or int(time.time() * 1000)
+        recent = [d for d in self.decisions if d.at_ms >= now_ms - window_s * 1000]
+        placed = [d for d in recent if not d.rejected]
+        sized = [d for d in placed if d.prompt_tokens]
+        reasons = collections.Counter(d.reason for d in recent if d.rejected)
+        ttfts = sorted(d.predicted_ttft_s for d in placed if d.predicted_ttft_s is not None)
+        per_instance: dict[str, dict[str, int]] = {}
+        for d in self.decisions:
+            if d.rejected or d.prefill_instance is None:
+                continue
+            row = per_instance.setdefault(d.prefill_instance, {"decisions": 0, "hits": 0})
+            row["decisions"] += 1
+            row["hits"] += 1 if d.reused_tokens else 0
+        return {
+            "window_s": window_s,
+            "decisions_per_s": round(len(recent) / window_s, 3),
+            "placed": len(placed),
+            "rejected": len(recent) - len(placed),
+            "rejections_by_reason": dict(reasons),
+            "reuse_ratio": round(sum(d.reused_tokens for d in sized) / sum(d.prompt_tokens or 0 for d in sized), 4)
+            if sized else None,
+            "predicted_ttft_p50_s": ttfts[len(ttfts) // 2] if ttfts else None,
+            "predicted_ttft_p90_s": ttfts[int(0.9 * (len(ttfts) - 1))] if ttfts else None,
+            "observed_ttft_p50_s": None,  # needs the request-outcomes topic (gateway, issue 12)
+            "hit_rate_by_instance": {k: round(v["hits"] / v["decisions"], 4) for k, v in per_instance.items()},
+            "total_decisions_seen": len(self.decisions),
+        }
+
+
+__all__ = ["DeadLetterRow", "DecisionRow", "LogFeed"]
