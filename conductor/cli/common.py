@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import io
 import json
 import logging
+import signal
 import socket
 import sys
 from urllib.parse import urlsplit, urlunsplit
@@ -135,3 +139,24 @@ def _root(verbose: bool = typer.Option(False, "--verbose", "-v", help="debug log
     )
     if not verbose:  # the Kafka client's per-subscription INFO lines say nothing to an operator
         logging.getLogger("aiokafka").setLevel(logging.WARNING)
+
+
+def stop_on_signals(stop: asyncio.Event) -> None:
+    """SIGINT/SIGTERM set ``stop`` (a clean shutdown); SIGUSR1 logs every asyncio task's stack,
+    so an operator can see where a process that stopped making progress is waiting."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    with contextlib.suppress(NotImplementedError, AttributeError):
+        loop.add_signal_handler(signal.SIGUSR1, log_task_stacks)
+
+
+def log_task_stacks() -> None:
+    """Every pending asyncio task of this process and where it waits, as one log record."""
+    out = io.StringIO()
+    tasks = asyncio.all_tasks()
+    for t in tasks:
+        out.write(f"--- {t.get_name()} {t.get_coro()!r}\n")
+        t.print_stack(limit=12, file=out)
+    logging.getLogger("conductor").warning("SIGUSR1: %d asyncio tasks\n%s", len(tasks), out.getvalue())

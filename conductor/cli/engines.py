@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import signal
 import sys
 import time
 from collections import Counter
@@ -20,7 +18,13 @@ from prometheus_client import start_http_server
 from conductor import web
 from conductor.bridge.publisher import EventPublisher
 from conductor.bridge.runner import Bridge, kafka_sink, rank_configs
-from conductor.cli.common import err, print_json, print_result, settings_or_exit
+from conductor.cli.common import (
+    err,
+    print_json,
+    print_result,
+    settings_or_exit,
+    stop_on_signals,
+)
 from conductor.engine.emulated import EmulatedEngine, EngineConfig
 from conductor.engine.http import engine_app
 from conductor.engine.metrics import engine_registry
@@ -40,12 +44,6 @@ log = logging.getLogger(__name__)
 ROLES = ("prefill", "decode", "both")
 CLOCK_SLACK_MS = 2_000
 
-
-def _stop_on_signals(stop: asyncio.Event) -> None:
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
 
 
 async def _until_stopped(stop: asyncio.Event, *tasks: asyncio.Task[Any]) -> None:
@@ -162,7 +160,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
                 bridges.append(Bridge(cfg, events, kafka_sink(prod, tps.heartbeats.name)))
             _bridge_metrics(s, bridges)
             stop = asyncio.Event()
-            _stop_on_signals(stop)
+            stop_on_signals(stop)
             try:
                 await _until_stopped(stop, *(asyncio.create_task(b.run(stop)) for b in bridges))
                 await events.flush()
@@ -254,7 +252,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
                 ready["metrics"] = metrics_url or ready["http"] + "/metrics"  # as vLLM: on the API port
             print_json(ready)
             stop = asyncio.Event()
-            _stop_on_signals(stop)
+            stop_on_signals(stop)
             try:
                 # A little before our start: the router's clock may lag ours.
                 stream = decisions_for(s, node_id, since_ms=started_ms - CLOCK_SLACK_MS, stop=stop)

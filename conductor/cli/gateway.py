@@ -10,8 +10,13 @@ from typing import Any
 import typer
 
 from conductor import web
-from conductor.cli.common import err, print_json, print_result, settings_or_exit
-from conductor.cli.engines import _stop_on_signals
+from conductor.cli.common import (
+    err,
+    print_json,
+    print_result,
+    settings_or_exit,
+    stop_on_signals,
+)
 from conductor.gateway.app import run_gateway
 from conductor.gateway.protocol import ENGINE_PROTOCOLS, parse_engine_map
 from conductor.gateway.service import GatewayConfig
@@ -79,7 +84,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
 
         async def main() -> None:
             stop = asyncio.Event()
-            _stop_on_signals(stop)
+            stop_on_signals(stop)
 
             def ready(_: Any) -> None:
                 print_json({"event": "ready", "gateway_id": gid, "url": url, "openai_base_url": f"{url}/v1"})

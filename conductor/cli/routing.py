@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import signal
 import tempfile
 from pathlib import Path
 
@@ -17,6 +16,7 @@ from conductor.cli.common import (
     print_result,
     require_servers,
     settings_or_exit,
+    stop_on_signals,
 )
 from conductor.errors import ConductorError
 from conductor.profiles import (
@@ -35,13 +35,6 @@ from conductor.routing.router import (
 from conductor.telemetry import setup_metrics
 from conductor.tools.bench.route import run_route_bench
 from conductor.tools.devstack import EmbeddedStack
-
-
-def _stop_on_signals(stop: asyncio.Event) -> None:
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        with contextlib.suppress(NotImplementedError):
-            loop.add_signal_handler(sig, stop.set)
 
 
 def register(groups: dict[str, typer.Typer]) -> None:
@@ -82,7 +75,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
 
         async def main() -> None:
             stop = asyncio.Event()
-            _stop_on_signals(stop)
+            stop_on_signals(stop)
             try:
                 await worker.run(stop)
             finally:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import hashlib
 import logging
 import os
@@ -400,6 +401,12 @@ class RouterWorker:
                         window = records[i : i + n]
                         handled += await asyncio.gather(
                             *(self.router.handle_with_reply(r.value, r.key, r.offset) for r in window))
+                    # Metadata of every reply topic first, before this batch's first send: a new
+                    # topic's metadata fetch that ran while a dispatch batch waited in the producer was
+                    # seen to strand that batch (its delivery never came, the loop stalled for good).
+                    for reply_to in {r for _, _, r in handled if r}:
+                        with contextlib.suppress(ValueError):
+                            await prod.partitions_for(t.replies(reply_to).name)
                     for rec, (key, out, reply_to) in zip(records, handled):
                         if key == "":
                             dl = DeadLetter(
@@ -424,13 +431,27 @@ class RouterWorker:
                                 sends.append(await prod.send(reply.name, raw, key=out.request_id.encode(),
                                                              headers=hdrs))
                         self.routed += 1
-                await asyncio.gather(*sends)
+                await _delivered(prod, sends)
                 await cons.commit()
         finally:
             await self.router.close()
             await cons.stop()
             await control.stop()
             await prod.stop()
+
+
+async def _delivered(prod: Any, sends: list[Any], warn_after_s: float = 10.0) -> None:
+    """Wait until the broker acknowledged every send; if that takes longer than
+    ``warn_after_s``, say so and refresh the producer's metadata (a batch whose partition
+    leader the producer lost track of waits for the next refresh, minutes away by default)."""
+    done = asyncio.gather(*sends)
+    try:
+        await asyncio.wait_for(asyncio.shield(done), warn_after_s)
+    except asyncio.TimeoutError:
+        log.error("%d dispatch record(s) not acknowledged after %.0fs; refreshing the producer's metadata",
+                  len(sends), warn_after_s)
+        prod.client.force_metadata_update()
+        await done
 
 
 class ControlFollower:

@@ -48,7 +48,7 @@ class GatewayCluster:
         self.procs = Processes(self.log_dir, cwd=None)
         try:
             await self.procs.start("worker", ["worker"], env)
-            await self.procs.start("router", ["router"], env)
+            await self.procs.start("router", ["-v", "router"], env)
             for role, n in (("prefill", self.prefill), ("decode", self.decode)):
                 for i in range(n):
                     node = f"{role}-{i}"

@@ -38,7 +38,7 @@ def test_demo_completes_and_compares_with_the_baseline(stack: StackState, settin
     assert r["decisions"] == 0 or r["ttft_p50_s"] is not None
     assert 0.0 <= r["reuse_ratio"] <= 1.0
     assert "Summary" in proc.stderr.decode()
-    assert len(r["pids"]) == 2 * (1 + 1 + 2 + 2)  # worker, router, 2 prefill, 2 decode, per run
+    assert len(r["pids"]) == 2 * (1 + 1 + 1 + 2 + 2)  # worker, router, admin console, 2 prefill, 2 decode, per run
     for pid in r["pids"]:
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split(") ")[1][:1]
 
