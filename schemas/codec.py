@@ -54,6 +54,12 @@ def upcaster(kind: str, from_version: int) -> Callable[[Upcaster], Upcaster]:
     return register
 
 
+@upcaster("routing_decision", 1)
+def _routing_decision_v1_to_v2(body: dict[str, Any]) -> dict[str, Any]:
+    # v2 only added the optional CPP fields (prefill_group, chunk_boundaries): absent = one instance.
+    return body
+
+
 @upcaster("heartbeat", 1)
 def _heartbeat_v1_to_v2(body: dict[str, Any]) -> dict[str, Any]:
     # v1 named the prefill backlog ``queued_tokens`` and had no decode context or zone.

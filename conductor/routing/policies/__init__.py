@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from conductor.errors import ConfigError
 from conductor.profiles import ModelProfile
+from conductor.topology import Topology
 from conductor.routing.policies.base import (
     REJECT_CODES,
     BasePolicy,
@@ -52,8 +53,10 @@ POLICIES: dict[str, type[BasePolicy]] = {
 """Every registered policy by name; ``kvcache-centric`` is Conductor's own, the rest are baselines."""
 
 
-def make_policy(name: str, params: dict[str, Any] | None, profile: ModelProfile) -> Policy:
-    """A fresh policy object; :class:`ConfigError` naming the policy or the bad parameter."""
+def make_policy(name: str, params: dict[str, Any] | None, profile: ModelProfile,
+                topology: Topology | None = None) -> Policy:
+    """A fresh policy object costing transfers on ``topology`` (default: the profile's two
+    link speeds); :class:`ConfigError` naming the policy or the bad parameter."""
     cls = POLICIES.get(name)
     if cls is None:
         raise ConfigError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
@@ -69,7 +72,7 @@ def make_policy(name: str, params: dict[str, Any] | None, profile: ModelProfile)
             else:
                 lines.append(f"policy {name!r}: parameter {field!r}: {err.get('msg')} (got {err.get('input')!r})")
         raise ConfigError("\n".join(lines)) from None
-    return cls(validated, profile)
+    return cls(validated, profile, topology)
 
 
 def list_policies() -> list[dict[str, Any]]:
