@@ -71,6 +71,9 @@ class BridgeConfig:
     heartbeat_s: float | None = 1.0
     """Publish a heartbeat for the node this often (None: the engine heartbeats itself)."""
     model: str = "default"
+    rack: str | None = None
+    """Where the engine is (carried in heartbeats; transfer costs follow the topology)."""
+    zone: str | None = None
 
 
 class Bridge:
@@ -354,7 +357,8 @@ class Bridge:
                         self._last_engine_contact = time.monotonic()
                 alive = probe is None or time.monotonic() - self._last_engine_contact <= 3 * interval
                 if alive and self.heartbeat_sink is not None:
-                    hb = Heartbeat(role=self.config.role, model=self.config.model, interval_s=interval)
+                    hb = Heartbeat(role=self.config.role, model=self.config.model, interval_s=interval,
+                                   rack=self.config.rack, zone=self.config.zone)
                     self._hb_seq += 1
                     env = envelope(hb, producer_id=self.config.node_id, producer_seq=self._hb_seq,
                                    epoch=self.epoch, ts_ms=self.clock_ms())

@@ -17,7 +17,7 @@ from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Observation
 
 from conductor.bridge.publisher import EventPublisher
-from conductor.bridge.runner import Bridge, BridgeConfig, kafka_sink
+from conductor.bridge.runner import Bridge, BridgeConfig, Sink, kafka_sink
 from conductor.cli.common import err, print_json, print_result, settings_or_exit
 from conductor.engine.emulated import EmulatedEngine, EngineConfig
 from conductor.errors import ConfigError
@@ -27,6 +27,7 @@ from conductor.routing.policies import POLICIES
 from conductor.telemetry import setup_metrics
 from conductor.tools.bench.bridge import run_bridge_bench
 from conductor.tools.demo import DemoOptions, run_demo
+from schemas import Envelope, Heartbeat
 from streams.kafka import ensure_topics, producer
 from streams.topics import topics
 
@@ -73,6 +74,26 @@ def _bridge_metrics(settings: Any, bridge: Any) -> None:
     )
 
 
+def placed_heartbeats(sink: Sink, rack: str | None, zone: str | None) -> Sink:
+    """``sink`` with ``rack``/``zone`` stamped on every heartbeat that does not name its own
+    (the emulated engine's heartbeats carry no placement)."""
+    if rack is None and zone is None:
+        return sink
+
+    async def send(envs: list[Envelope]) -> None:
+        out = []
+        for env in envs:
+            body = env.body
+            if isinstance(body, Heartbeat):
+                update = {k: v for k, v in (("rack", rack), ("zone", zone)) if v is not None and getattr(body, k) is None}
+                if update:
+                    env = env.model_copy(update={"body": Heartbeat.model_validate({**body.model_dump(), **update})})
+            out.append(env)
+        await sink(out)
+
+    return send
+
+
 def register(groups: dict[str, typer.Typer]) -> None:
     app = groups["app"]
 
@@ -96,6 +117,9 @@ def register(groups: dict[str, typer.Typer]) -> None:
             help="heartbeat the node this often while the engine answers; 0 = the engine heartbeats itself",
         ),
         model: str = typer.Option("default", help="model name announced in heartbeats"),
+        rack: str = typer.Option(None, "--rack", help="the engine's rack, carried in heartbeats (transfer costs "
+                                 "follow CONDUCTOR_TOPOLOGY_FILE's links)"),
+        zone: str = typer.Option(None, "--zone", help="the engine's zone, carried in heartbeats"),
     ) -> None:
         """Carry one vLLM/SGLang engine's KV events onto the kv-events topic.
 
@@ -121,7 +145,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
             await prod.start()
             cfg = BridgeConfig(
                 node_id=node_id, role=role, zmq_endpoint=zmq_endpoint, replay_endpoint=replay,  # type: ignore[arg-type]
-                block_size=s.block_size, heartbeat_s=heartbeat_s or None, model=model,
+                block_size=s.block_size, heartbeat_s=heartbeat_s or None, model=model, rack=rack, zone=zone,
             )
             events = kafka_sink(prod, tps.kv_events.name)
             b = Bridge(cfg, events, kafka_sink(prod, tps.heartbeats.name))
@@ -150,6 +174,8 @@ def register(groups: dict[str, typer.Typer]) -> None:
         max_output_tokens: int = typer.Option(None, min=1, help="cap on decoded tokens per request"),
         heartbeat_s: float = typer.Option(0.5, min=0.05, help="heartbeat interval"),
         report: bool = typer.Option(False, "--report", help="print one JSON line per finished request on stdout"),
+        rack: str = typer.Option(None, "--rack", help="this instance's rack, carried in its heartbeats"),
+        zone: str = typer.Option(None, "--zone", help="this instance's zone, carried in its heartbeats"),
     ) -> None:
         """Run an emulated prefill/decode instance that speaks vLLM's KV-event protocol.
 
@@ -183,7 +209,8 @@ def register(groups: dict[str, typer.Typer]) -> None:
                 dram_blocks=dram_blocks,
                 time_scale=time_scale, heartbeat_s=heartbeat_s, max_output_tokens=max_output_tokens, seed=s.seed,
             )
-            eng = EmulatedEngine(cfg, profile, pub, heartbeat_sink=kafka_sink(prod, tps.heartbeats.name),
+            hb_sink = placed_heartbeats(kafka_sink(prod, tps.heartbeats.name), rack, zone)
+            eng = EmulatedEngine(cfg, profile, pub, heartbeat_sink=hb_sink,
                                  report=sys.stdout if report else None)
             print_json({"event": "ready", "node_id": node_id, "role": role, "zmq": pub.endpoint,
                         "replay": pub.replay_endpoint})
