@@ -167,7 +167,7 @@ def _estimates(router: Router, cluster: ClusterSnapshot, req: RoutingRequest, ch
                 for holder in cluster.instances:  # a prefix copied from elsewhere, if cheaper
                     if holder.node_id == inst.node_id or holder.prefix_blocks[2] <= 0:
                         continue
-                    r = costs.remote_reuse(holder, preq, bs, costs.link(holder, inst))
+                    r = costs.remote_reuse(holder, preq, bs, costs.link_index(holder, inst))
                     if r is not None and r.cost_s < best.cost_s:
                         best = r
                 row.update(queue_wait_s=wait, reuse_blocks=best.blocks, reuse_tier=best.tier,

@@ -116,13 +116,14 @@ class Costs:
     """The estimates the policies share, bound to one profile and one topology (default:
     the profile's two link speeds, :func:`~conductor.topology.flat_topology`)."""
 
-    __slots__ = ("profile", "topology", "links", "_prefill", "_local", "_remote")
+    __slots__ = ("profile", "topology", "links", "_prefill", "_local", "_remote", "_paths")
 
     def __init__(self, profile: ModelProfile, topology: Topology | None = None) -> None:
         self.profile = profile
         self.topology = topology if topology is not None else flat_topology(profile)
         self.links: tuple[Link, ...] = self.topology.classes()
         """Every distinct link a remote prefix may cross."""
+        self._paths: dict[tuple[Any, ...], int] = {}
         self._prefill: dict[tuple[float, float], float] = {}
         self._local: dict[tuple[Any, ...], tuple[int, str | None, float]] = {}
         self._remote: dict[tuple[Any, ...], Any] = {}
@@ -157,11 +158,33 @@ class Costs:
         return Reuse(blocks, inst.node_id if blocks else None, tier, cost)
 
     def link(self, a: Instance, b: Instance) -> Link:
-        """The path a transfer from ``a`` to ``b`` crosses."""
-        return self.topology.link_between(a, b)
+        """The link a transfer from ``a`` to ``b`` crosses."""
+        return self.links[self.link_index(a, b)]
 
-    def remote_reuse(self, holder: Instance, request: PolicyRequest, block_size: int, link: Link) -> Reuse | None:
-        """Cheapest prefill on another node reading ``holder``'s prefix over ``link``."""
+    def place_key(self, a: Instance) -> tuple[str | None, str | None, str | None]:
+        """What the link from or to ``a`` depends on: its rack and zone (and its id when the
+        topology file places nodes by id)."""
+        return (a.node_id if self.topology.nodes else None, a.rack, a.zone)
+
+    def link_index(self, a: Instance, b: Instance, key: tuple[Any, ...] | None = None) -> int:
+        """Index in :attr:`links` of the link from ``a`` to ``b``, memoised per
+        ``(place_key(a), place_key(b))`` (pass it as ``key`` when already built)."""
+        if key is None:
+            key = (self.place_key(a), self.place_key(b))
+        i = self._paths.get(key)
+        if i is None:
+            if len(self._paths) > 65_536:
+                self._paths.clear()
+            i = self._paths[key] = self.links.index(self.topology.link_between(a, b))
+        return i
+
+    @property
+    def path_table(self) -> dict[tuple[Any, ...], int]:
+        """The memo of :meth:`link_index` (for hot loops that look links up inline)."""
+        return self._paths
+
+    def remote_reuse(self, holder: Instance, request: PolicyRequest, block_size: int, link: int) -> Reuse | None:
+        """Cheapest prefill on another node reading ``holder``'s prefix over ``links[link]``."""
         opt = self._remote_cost(holder.prefix_blocks, request.chain_len, request.prompt_tokens, block_size, link)
         if opt is None:
             return None
@@ -206,13 +229,14 @@ class Costs:
         return steps
 
     def _remote_cost(self, prefix: tuple[int, int, int], cap: int, n: int, bs: int,
-                     link: Link) -> tuple[int, str, float] | None:
-        key = (prefix, cap, n, bs, link)
+                     li: int) -> tuple[int, str, float] | None:
+        key = (prefix, cap, n, bs, li)
         if key in self._remote:
             return self._remote[key]
         out: tuple[int, str, float] | None = None
         if sum(_segments(prefix, cap)) > 0:
             prof = self.profile
+            link = self.links[li]
             for cum, tier, toks, compute in self._prefix_steps(prefix, cap, n, bs):
                 c = prof.prefix_load_seconds(*toks, remote=True, link=link) + compute
                 if out is None or c < out[2]:

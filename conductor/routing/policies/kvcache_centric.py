@@ -111,18 +111,20 @@ class KvCacheCentric(RoleSplitPolicy):
         bs = snapshot.block_size
         # Per link class, every holder's cheapest remote plan over that link, cheapest first:
         # each prefill instance stops at its first usable copy on each class.
-        by_link: list[tuple[Link, list[tuple[float, Instance, Reuse]]]] = []
+        by_link: list[tuple[int, list[tuple[float, Instance, Reuse, tuple]]]] = []
         if p.remote_reuse:
             holders = [h for h in snapshot.instances if h.prefix_blocks[2] > 0]
             if holders:
-                for link in costs.links:
+                keys = [costs.place_key(h) for h in holders]
+                for li in range(len(costs.links)):
                     opts = []
-                    for h in holders:
-                        r = costs.remote_reuse(h, request, bs, link)
+                    for h, hk in zip(holders, keys):
+                        r = costs.remote_reuse(h, request, bs, li)
                         if r is not None:
-                            opts.append((r.cost_s, h, r))
+                            opts.append((r.cost_s, h, r, hk))
                     opts.sort(key=_first)
-                    by_link.append((link, opts))
+                    by_link.append((li, opts))
+        table = costs.path_table
         threshold = p.kvcache_balancing_threshold
         ttfts: list[float] = []
         reuses: list[Reuse] = []
@@ -131,11 +133,17 @@ class KvCacheCentric(RoleSplitPolicy):
             best = costs.local_reuse(inst, request, bs)
             floor = best.blocks * threshold
             node = inst.node_id
-            for link, opts in by_link:
-                for cost, holder, r in opts:
+            ik = costs.place_key(inst) if by_link else None
+            for li, opts in by_link:
+                for cost, holder, r, hk in opts:
                     if cost >= best.cost_s:
                         break
-                    if holder.node_id != node and r.blocks > floor and costs.link(holder, inst) == link:
+                    if holder.node_id == node or r.blocks <= floor:
+                        continue
+                    found = table.get((hk, ik))
+                    if found is None:
+                        found = costs.link_index(holder, inst, (hk, ik))
+                    if found == li:
                         best = r
                         break
             wait = costs.queue_wait_s(inst)
