@@ -27,6 +27,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from conductor.errors import ConfigError
+from conductor.topology import Link
 
 DEFAULT_PROFILE = "llama3-70b-a800x8"
 
@@ -86,11 +87,13 @@ class ModelProfile(BaseModel):
         bytes_read = self.weight_bytes + max(context_tokens, 0) * self.kv_bytes_per_token
         return self.step_overhead_s + batch_size * self.per_sequence_s + bytes_read / self.hbm_bandwidth
 
-    def transfer_seconds(self, tokens: int, tier: str, remote: bool, same_rack: bool = True) -> float:
+    def transfer_seconds(self, tokens: int, tier: str, remote: bool, same_rack: bool = True,
+                         link: Link | None = None) -> float:
         """Time to bring ``tokens`` tokens of KV cache held in ``tier`` into this instance's HBM.
 
         Local HBM costs nothing. A remote read streams from the holder's tier into the
-        network, so the slower of the two legs bounds it (plus a set-up latency).
+        network, so the slower of the two legs bounds it (plus a set-up latency). ``link``
+        (a topology's path) replaces the profile's rack/cross-rack speeds when given.
         """
         if tokens <= 0:
             return 0.0
@@ -105,11 +108,14 @@ class ModelProfile(BaseModel):
             raise ValueError(f"unknown tier {tier!r} (hbm, dram or ssd)")
         if not remote:
             return read
-        link = self.rack_bandwidth if same_rack else self.cross_rack_bandwidth
-        return self.transfer_latency_s + max(read, nbytes / link)
+        if link is not None:
+            return link.seconds(nbytes, read)
+        bw = self.rack_bandwidth if same_rack else self.cross_rack_bandwidth
+        return self.transfer_latency_s + max(read, nbytes / bw)
 
     def prefix_load_seconds(
-        self, hbm_tokens: int, dram_tokens: int, ssd_tokens: int, remote: bool, same_rack: bool = True
+        self, hbm_tokens: int, dram_tokens: int, ssd_tokens: int, remote: bool, same_rack: bool = True,
+        link: Link | None = None,
     ) -> float:
         """Time to bring a prefix split over tiers (tokens in each) into this instance's HBM.
 
@@ -126,8 +132,10 @@ class ModelProfile(BaseModel):
         total = max(hbm_tokens, 0) + max(dram_tokens, 0) + max(ssd_tokens, 0)
         if total <= 0:
             return 0.0
-        link = self.rack_bandwidth if same_rack else self.cross_rack_bandwidth
-        return self.transfer_latency_s + max(read, total * self.kv_bytes_per_token / link)
+        if link is not None:
+            return link.seconds(total * self.kv_bytes_per_token, read)
+        bw = self.rack_bandwidth if same_rack else self.cross_rack_bandwidth
+        return self.transfer_latency_s + max(read, total * self.kv_bytes_per_token / bw)
 
 
 def _profile_dir() -> resources.abc.Traversable:

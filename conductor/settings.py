@@ -18,6 +18,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from conductor.errors import ConfigError
+from conductor.topology import Topology, load_topology
 
 Profile = Literal["embedded", "production"]
 
@@ -98,6 +99,11 @@ class Settings(BaseSettings):
     router_concurrency: int = Field(
         default=2, ge=1, le=64, description="view reads a router keeps in flight (pipelined on one connection)"
     )
+    topology_file: Path | None = Field(
+        default=None,
+        description="cluster topology (JSON: racks, zones, per-link bandwidth/latency, RDMA or TCP; "
+        "docs/topology.md); unset = the model profile's two link speeds",
+    )
     balance_params: dict[str, Any] = Field(
         default_factory=dict, description="KVCache balance scheduler parameters (conductor balance --help)"
     )
@@ -125,6 +131,16 @@ class Settings(BaseSettings):
             raise ValueError("must start with redis://, rediss:// or unix://")
         return v
 
+    @field_validator("topology_file")
+    @classmethod
+    def _topology_loads(cls, v: Path | None) -> Path | None:
+        if v is not None:
+            try:
+                load_topology(v)
+            except ConfigError as e:
+                raise ValueError(str(e)) from None
+        return v
+
     @model_validator(mode="after")
     def _security_complete(self) -> "Settings":
         if self.kafka_security_protocol.startswith("SASL_") and not (
@@ -149,6 +165,10 @@ class Settings(BaseSettings):
     @property
     def embedded(self) -> bool:
         return self.profile == "embedded"
+
+    def cluster_topology(self) -> Topology | None:
+        """The topology ``topology_file`` names (read now; validated at start-up), or None."""
+        return None if self.topology_file is None else load_topology(self.topology_file)
 
     def topic(self, name: str) -> str:
         return f"{self.topic_prefix}{name}"

@@ -57,7 +57,8 @@ def upcaster(kind: str, from_version: int) -> Callable[[Upcaster], Upcaster]:
 @upcaster("routing_decision", 1)
 @upcaster("routing_rejection", 1)
 def _decision_v1_to_v2(body: dict[str, Any]) -> dict[str, Any]:
-    # v1 had no control offset, block size or profile: unknown (explain falls back to settings).
+    # v2 added the re-derivation fields (control offset, block size, profile: unknown, so explain
+    # falls back to settings) and, on decisions, the optional CPP group: absent = one instance.
     return dict(body)
 
 

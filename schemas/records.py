@@ -23,6 +23,7 @@ MAX_TOKENS = 1_048_576  # token ids in one event or request (2,048 x 512-token b
 MAX_EXTRA_KEYS = 64
 MAX_PARAMS = 64
 MAX_ORIGINAL_BYTES = 1_048_576
+MAX_GROUP = 64  # prefill instances in one chunked-pipeline (CPP) group
 
 U64 = Annotated[int, Field(ge=0, le=2**64 - 1)]
 Name = Annotated[str, StringConstraints(min_length=1, max_length=MAX_NAME)]
@@ -197,6 +198,29 @@ class RoutingDecision(Record):
     """Offset of the last ``control`` record applied when deciding (-1: none)."""
     block_size: int | None = Field(default=None, ge=1, le=4096)
     model_profile: OptName = None
+    prefill_group: Annotated[list[Name], Field(min_length=2, max_length=MAX_GROUP)] | None = None
+    """Chunked pipeline parallelism: the prefill instances in pipeline order, the first being
+    ``prefill_instance``; each computes its chunk and hands the KV so far on to the next, the
+    last hands the whole prompt's KV to ``decode_instance``. None = one prefill instance."""
+    chunk_boundaries: Annotated[list[Annotated[int, Field(ge=1, le=MAX_TOKENS)]],
+                                Field(min_length=2, max_length=MAX_GROUP)] | None = None
+    """With ``prefill_group``: the end token of each member's chunk, increasing, the last being
+    the prompt length; the first chunk starts at ``reused_tokens``."""
+
+    @model_validator(mode="after")
+    def _group_and_chunks(self) -> "RoutingDecision":
+        g, b = self.prefill_group, self.chunk_boundaries
+        if g is None and b is None:
+            return self
+        if g is None or b is None or len(g) != len(b):
+            raise ValueError("prefill_group and chunk_boundaries go together, one chunk per member")
+        if g[0] != self.prefill_instance:
+            raise ValueError(f"prefill_group must start with prefill_instance {self.prefill_instance!r}")
+        if len(set(g)) != len(g):
+            raise ValueError("prefill_group names an instance twice")
+        if b[0] <= self.reused_tokens or any(x >= y for x, y in zip(b, b[1:])):
+            raise ValueError("chunk_boundaries must increase, starting past reused_tokens")
+        return self
 
 
 class RoutingRejection(Record):
@@ -356,7 +380,7 @@ BODY_TYPES: dict[str, type[Record]] = {
 SCHEMA_VERSIONS: dict[str, int] = {kind: 1 for kind in BODY_TYPES}
 SCHEMA_VERSIONS["heartbeat"] = 2  # v2 added decode_context_tokens and zone
 SCHEMA_VERSIONS["routing_request"] = 2  # v2 added cache_salt, exclude and retry_of
-SCHEMA_VERSIONS["routing_decision"] = 2  # v2 added control_offset, block_size, model_profile
+SCHEMA_VERSIONS["routing_decision"] = 2  # v2 added control_offset, block_size, model_profile, prefill_group, chunk_boundaries
 SCHEMA_VERSIONS["routing_rejection"] = 2  # v2 added control_offset, block_size, model_profile
 
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from conductor.topology import Topology
 from schemas import KvCommand
 from state.view import NodeState, ViewSnapshot
 
@@ -129,8 +130,14 @@ def plan(
     now_s: float,
     params: BalanceParams,
     cooldown: Cooldown,
+    topology: Topology | None = None,
+    kv_bytes_per_block: float = 0.0,
 ) -> list[KvCommand]:
-    """Commands for this round; ``snapshots`` holds a view read for each prefix named."""
+    """Commands for this round; ``snapshots`` holds a view read for each prefix named.
+
+    With a ``topology``, a replica is copied from the holder with the cheapest path to the
+    target (``kv_bytes_per_block`` x the prefix's blocks over the path's link), the least
+    queued holder breaking ties; without one, from the least queued holder."""
     commands: list[KvCommand] = []
     for chain, h in hot:
         snap = snapshots.get(chain)
@@ -152,7 +159,15 @@ def plan(
         if not candidates:
             continue
         target = min(candidates, key=lambda n: (n.queued_prefill_tokens, n.node_id))
-        source = min(holders, key=lambda n: (n.queued_prefill_tokens, n.node_id))
+        if topology is not None:
+            nbytes = kv_bytes_per_block * need
+            source = min(holders, key=lambda n: (topology.link_between(n, target).seconds(nbytes),
+                                                 n.queued_prefill_tokens, n.node_id))
+            path = topology.link_between(source, target)
+            via = f"; copied over {path.transport} {path.bandwidth_gbps:g} Gb/s"
+        else:
+            source = min(holders, key=lambda n: (n.queued_prefill_tokens, n.node_id))
+            via = ""
         key = (chain[0], "replicate", target.node_id)
         if not cooldown.ready(key, now_s, params.cooldown_s):
             continue
@@ -165,7 +180,8 @@ def plan(
                 from_tier=src_tier,
                 to_node=target.node_id,
                 to_tier="hbm",
-                reason=f"hot prefix (heat {h:.1f}); all {len(holders)} holder(s) have >= {bar:.0f} queued prefill tokens",
+                reason=f"hot prefix (heat {h:.1f}); all {len(holders)} holder(s) have >= {bar:.0f} queued prefill "
+                       f"tokens{via}",
             )
         )
         cooldown.mark(key, now_s)

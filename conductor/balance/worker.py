@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from opentelemetry import metrics
 
 from conductor.balance.planner import BalanceParams, Cooldown, HeatTracker, plan
+from conductor.profiles import load_profile
 from conductor.settings import Settings
 from schemas import (
     DecodeError,
@@ -49,6 +50,9 @@ class Balancer:
         self.params = params
         self.tracker = HeatTracker(params)
         self.cooldown = Cooldown()
+        # Replicas are copied over the cheapest path when the cluster's topology is known.
+        self.topology = settings.cluster_topology()
+        self.kv_bytes_per_block = load_profile(settings.model_profile).kv_bytes_per_token * settings.block_size
         self.producer_id = producer_id or f"balancer-{uuid.uuid4().hex[:8]}"
         self.seq = 0
         self.event_now_s = 0.0
@@ -75,7 +79,8 @@ class Balancer:
         chains: Sequence[tuple[int, ...]] = [c for c, _ in hot] + list(cold)
         snapshots = {c: await store.snapshot(c) for c in chains}
         cmds = plan(hot, cold, snapshots, ttl_s=self.settings.heartbeat_ttl_s, now_s=now_s,
-                    params=self.params, cooldown=self.cooldown)
+                    params=self.params, cooldown=self.cooldown, topology=self.topology,
+                    kv_bytes_per_block=self.kv_bytes_per_block)
         for c in cold:
             if c in snapshots and all(p[0] == 0 for p in snapshots[c].prefix.values()):
                 self.tracker.forget(c)  # nothing left in HBM to demote

@@ -85,6 +85,9 @@ class BridgeConfig:
     """The data-parallel rank this bridge follows (its batches must say so; its metrics are filtered by it)."""
     default_prompt_tokens: int = 0
     """Mean prompt length assumed for queued requests until the engine has finished one."""
+    rack: str | None = None
+    """Where the engine is (carried in heartbeats; transfer costs follow the topology)."""
+    zone: str | None = None
 
 
 class Bridge:
@@ -402,6 +405,8 @@ class Bridge:
                             self._last_engine_contact = time.monotonic()
                     alive = probe is None or time.monotonic() - self._last_engine_contact <= 3 * interval
                     hb = Heartbeat(role=self.config.role, model=self.config.model, interval_s=interval) if alive else None
+                if hb is not None and (self.config.rack or self.config.zone):
+                    hb = hb.model_copy(update={"rack": self.config.rack, "zone": self.config.zone})
                 if hb is not None and self.heartbeat_sink is not None:
                     self._hb_seq += 1
                     env = envelope(hb, producer_id=self.config.node_id, producer_seq=self._hb_seq,

@@ -17,7 +17,7 @@ from prometheus_client import start_http_server
 
 from conductor import web
 from conductor.bridge.publisher import EventPublisher
-from conductor.bridge.runner import Bridge, kafka_sink, rank_configs
+from conductor.bridge.runner import Bridge, Sink, kafka_sink, rank_configs
 from conductor.cli.common import (
     err,
     print_json,
@@ -36,6 +36,7 @@ from conductor.telemetry import setup_metrics
 from conductor.tools.bench.bridge import run_bridge_bench
 from conductor.tools.bench.scrape import run_scrape_bench
 from conductor.tools.demo import DemoOptions, run_demo
+from schemas import Envelope, Heartbeat
 from streams.kafka import ensure_topics, producer
 from streams.topics import topics
 
@@ -89,6 +90,26 @@ def _bridge_metrics(settings: Any, bridges: list[Bridge]) -> None:
     )
 
 
+def placed_heartbeats(sink: Sink, rack: str | None, zone: str | None) -> Sink:
+    """``sink`` with ``rack``/``zone`` stamped on every heartbeat that does not name its own
+    (the emulated engine's heartbeats carry no placement)."""
+    if rack is None and zone is None:
+        return sink
+
+    async def send(envs: list[Envelope]) -> None:
+        out = []
+        for env in envs:
+            body = env.body
+            if isinstance(body, Heartbeat):
+                update = {k: v for k, v in (("rack", rack), ("zone", zone)) if v is not None and getattr(body, k) is None}
+                if update:
+                    env = env.model_copy(update={"body": Heartbeat.model_validate({**body.model_dump(), **update})})
+            out.append(env)
+        await sink(out)
+
+    return send
+
+
 def register(groups: dict[str, typer.Typer]) -> None:
     app = groups["app"]
 
@@ -124,6 +145,9 @@ def register(groups: dict[str, typer.Typer]) -> None:
         default_prompt_tokens: int = typer.Option(
             0, min=0, help="mean prompt length assumed for queued requests until the engine has finished one",
         ),
+        rack: str = typer.Option(None, "--rack", help="the engine's rack, carried in heartbeats (transfer costs "
+                                 "follow CONDUCTOR_TOPOLOGY_FILE's links)"),
+        zone: str = typer.Option(None, "--zone", help="the engine's zone, carried in heartbeats"),
     ) -> None:
         """Carry one vLLM/SGLang engine's KV events onto the kv-events topic.
 
@@ -155,7 +179,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
             for cfg in rank_configs(
                 node_id=node_id, role=role, zmq_endpoint=zmq_endpoint, replay_endpoint=replay,
                 block_size=s.block_size, heartbeat_s=heartbeat_s or None, model=model, metrics_url=metrics_url,
-                dp_size=dp_size, default_prompt_tokens=default_prompt_tokens,
+                dp_size=dp_size, default_prompt_tokens=default_prompt_tokens, rack=rack, zone=zone,
             ):
                 bridges.append(Bridge(cfg, events, kafka_sink(prod, tps.heartbeats.name)))
             _bridge_metrics(s, bridges)
@@ -199,6 +223,8 @@ def register(groups: dict[str, typer.Typer]) -> None:
             True, "--self-heartbeat/--no-self-heartbeat",
             help="publish heartbeats itself; --no-self-heartbeat leaves them to a bridge that scrapes /metrics",
         ),
+        rack: str = typer.Option(None, "--rack", help="this instance's rack, carried in its heartbeats"),
+        zone: str = typer.Option(None, "--zone", help="this instance's zone, carried in its heartbeats"),
     ) -> None:
         """Run an emulated prefill/decode instance that speaks vLLM's KV-event protocol.
 
@@ -235,8 +261,9 @@ def register(groups: dict[str, typer.Typer]) -> None:
                 time_scale=time_scale, heartbeat_s=heartbeat_s, max_output_tokens=max_output_tokens, seed=s.seed,
                 model=model,
             )
+            hb_sink = kafka_sink(prod, tps.heartbeats.name) if self_heartbeat else None
             eng = EmulatedEngine(cfg, profile, pub,
-                                 heartbeat_sink=kafka_sink(prod, tps.heartbeats.name) if self_heartbeat else None,
+                                 heartbeat_sink=placed_heartbeats(hb_sink, rack, zone) if hb_sink else None,
                                  report=sys.stdout if report else None)
             metrics_server = None
             metrics_url = None

@@ -17,6 +17,7 @@ from conductor.sim.capacity import find_capacity
 from conductor.sim.cluster import load_cluster
 from conductor.sim.report import PolicyRun, write_report
 from conductor.sim.session import Bench
+from conductor.topology import load_topology
 
 
 def _policies(spec: str) -> list[str]:
@@ -71,6 +72,14 @@ def register(groups: dict[str, typer.Typer]) -> None:
         seed: int = typer.Option(None, "--seed", min=0, help="seed of the policies' tie-breaks [default: CONDUCTOR_SEED]"),
         json_out: bool = typer.Option(False, "--json", help="one JSON line per policy on stdout"),
         report: Path = typer.Option(None, "--report", help="write DIR/README.md and PNG plots"),
+        cpp: str = typer.Option(None, "--cpp", help="on|off: chunked pipeline parallelism of policies that have it "
+                                "(kvcache-centric's cpp parameter) [default: the policy's]"),
+        topology: Path = typer.Option(None, "--topology", help="cluster topology JSON (racks, zones, links; "
+                                      "docs/topology.md) [default: CONDUCTOR_TOPOLOGY_FILE, else the model "
+                                      "profile's two link speeds]"),
+        workload: str = typer.Option("trace", "--workload", help="trace: the trace as is; long-context: every "
+                                     "20th request with its prompt moved to 32k-128k tokens by its length rank "
+                                     "and its prefix sharing kept (docs/simulation/cpp-topology.md)"),
     ) -> None:
         """Replay a trace through a simulated prefill/decode cluster and score the policies.
 
@@ -92,7 +101,12 @@ def register(groups: dict[str, typer.Typer]) -> None:
         run_speed = speed if speed is not None else prof.default_speed
         if speed is not None:
             prof = prof.model_copy(update={"default_speed": speed})
-        bench = Bench(trace, prof, seed=s.seed if seed is None else seed, limit=limit, params=_params(params))
+        if cpp not in (None, "on", "off"):
+            raise ConfigError(f"--cpp: expected on or off, got {cpp!r}")
+        topo_file = topology or s.topology_file
+        topo = load_topology(topo_file) if topo_file is not None else None
+        bench = Bench(trace, prof, seed=s.seed if seed is None else seed, limit=limit, params=_params(params),
+                      topology=topo, cpp=None if cpp is None else cpp == "on", workload=workload)
 
         runs: list[PolicyRun] = []
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -146,7 +160,8 @@ def register(groups: dict[str, typer.Typer]) -> None:
             parts = ["--trace", str(trace), "--policy", policy]
             for flag, value in (("--cluster", cluster), ("--speed", speed), ("--tbt-slo-ms", tbt_slo_ms),
                                 ("--ttft-slo-s", ttft_slo_s), ("--view-delay-ms", view_delay_ms),
-                                ("--limit", limit), ("--params", params), ("--seed", seed)):
+                                ("--limit", limit), ("--params", params), ("--seed", seed), ("--cpp", cpp),
+                                ("--topology", topology), ("--workload", workload if workload != "trace" else None)):
                 if value is not None:
                     parts += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
             if profile != "paper-16p8d":
@@ -166,6 +181,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
                 "arrival speed": f"{run_speed:g}x ({bench.arrival_rate(run_speed):.3f} req/s)",
                 "view propagation delay": f"{prof.view_delay_ms:g} ms",
                 "seed": bench.seed,
+                "topology": f"`{topo.name}`" if topo is not None else "flat (the model profile's link speeds)",
             }
             md = write_report(runs, report, title="Conductor policy benchmark", context=context, command=cmd)
             err.print(f"report: {md}")

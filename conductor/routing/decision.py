@@ -13,7 +13,7 @@ from typing import Any
 
 from conductor.routing.policies import Placement, Rejection
 from schemas import RoutingDecision, RoutingRejection, RoutingRequest
-from state.reservations import Reservation, placement_reservations
+from state.reservations import Load, Reservation, placement_reservations
 
 
 def rejection_record(request_id: str, reason: str, message: str, *, policy: str | None,
@@ -60,20 +60,38 @@ def decision_record(req: RoutingRequest, answer: Placement | Rejection, *, block
         watermark=dict(watermark),
         degraded=degraded,
         snapshot_age_ms=age_ms,
+        prefill_group=list(answer.prefill_group) if answer.prefill_group else None,
+        chunk_boundaries=list(answer.chunk_boundaries) if answer.prefill_group else None,
         **(rederivation or {}),
     )
 
 
 def decision_reservations(req: RoutingRequest, d: RoutingDecision, block_size: int) -> list[Reservation]:
     """What ``d`` holds on its nodes: the prompt tokens it computes and one queued request on
-    the prefill instance; a batch slot, the prompt as context and the whole request's KV
-    blocks on the decode instance."""
-    return placement_reservations(
+    the prefill instance (on each member of a CPP group: its own chunk and one queued
+    request); a batch slot, the prompt as context and the whole request's KV blocks on the
+    decode instance."""
+    kv_blocks = -(-(req.prompt_tokens + req.expected_output_tokens) // block_size)
+    out = placement_reservations(
         d.prefill_instance, d.decode_instance,
-        prefill_tokens=req.prompt_tokens - d.reused_tokens,
+        prefill_tokens=(d.chunk_boundaries[0] if d.chunk_boundaries else req.prompt_tokens) - d.reused_tokens,
         context_tokens=req.prompt_tokens,
-        kv_blocks=-(-(req.prompt_tokens + req.expected_output_tokens) // block_size),
+        kv_blocks=kv_blocks,
     )
+    if d.prefill_group and d.chunk_boundaries:
+        ends = d.chunk_boundaries
+        for node, lo, hi in zip(d.prefill_group[1:], ends, ends[1:]):
+            out = _add(out, Reservation(node, Load(prefill_tokens=hi - lo, prefill_requests=1)))
+    return out
+
+
+def _add(rs: list[Reservation], r: Reservation) -> list[Reservation]:
+    """``rs`` with ``r`` merged into the reservation of its node (one per node)."""
+    for i, x in enumerate(rs):
+        if x.node == r.node:
+            merged = Load(*(a + b for a, b in zip(x.load.as_tuple(), r.load.as_tuple())))
+            return [*rs[:i], Reservation(x.node, merged), *rs[i + 1:]]
+    return [*rs, r]
 
 
 __all__ = ["decision_record", "decision_reservations", "rejection_record"]

@@ -136,13 +136,16 @@ def _outcome(rec: RoutingDecision | RoutingRejection) -> dict[str, Any]:
         "reused_tokens": rec.reused_tokens,
         "reuse_source": rec.reuse_source,
         "reuse_tier": rec.reuse_tier,
+        "prefill_group": rec.prefill_group,
+        "chunk_boundaries": rec.chunk_boundaries,
         "predicted_ttft_s": rec.predicted_ttft_s,
         "predicted_tbt_ms": rec.predicted_tbt_ms,
     }
 
 
 def _differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-    keys = ["rejected", "reason", "prefill_instance", "decode_instance", "reused_tokens", "reuse_source", "reuse_tier"]
+    keys = ["rejected", "reason", "prefill_instance", "decode_instance", "reused_tokens", "reuse_source", "reuse_tier",
+            "prefill_group", "chunk_boundaries"]
     diffs = [f"{k}: recorded {a.get(k)!r}, re-derived {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
     for k, tol in (("predicted_ttft_s", 1e-6), ("predicted_tbt_ms", 1e-3)):
         if k in a and k in b and abs(a[k] - b[k]) > tol * max(1.0, abs(a[k])):
@@ -169,11 +172,9 @@ def _estimates(router: Router, cluster: ClusterSnapshot, req: RoutingRequest, ch
                 for holder in cluster.instances:  # a prefix copied from elsewhere, if cheaper
                     if holder.node_id == inst.node_id or holder.prefix_blocks[2] <= 0:
                         continue
-                    opts = costs.remote_options(holder, preq, bs)
-                    if opts is not None:
-                        r = opts[0] if holder.rack == inst.rack else opts[1]
-                        if r.cost_s < best.cost_s:
-                            best = r
+                    r = costs.remote_reuse(holder, preq, bs, costs.link_index(holder, inst))
+                    if r is not None and r.cost_s < best.cost_s:
+                        best = r
                 row.update(queue_wait_s=wait, reuse_blocks=best.blocks, reuse_tier=best.tier,
                            reuse_source=best.source, load_and_compute_s=best.cost_s, ttft_s=wait + best.cost_s)
             prefill.append(row)

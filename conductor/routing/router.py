@@ -137,7 +137,8 @@ class Router:
         self.reservations = reservations
         self.profile = profile or load_profile(settings.model_profile)
         # Validates the configured name and params at start-up (ConfigError otherwise).
-        self.policy = policy or make_policy(settings.policy, settings.policy_params, self.profile)
+        self.policy = policy or make_policy(settings.policy, settings.policy_params, self.profile,
+                                            settings.cluster_topology())
         self.params = {k: v for k, v in self.policy.params.items() if isinstance(v, (bool, int, float, str))}
         self.clock = clock
         self.metrics = RouterMetrics()

@@ -8,18 +8,21 @@ from pathlib import Path
 from typing import Any
 
 from conductor.profiles import load_profile
-from conductor.routing.policies import make_policy
+from conductor.routing.policies import POLICIES, make_policy
 from conductor.sim.capacity import CapacitySearch, find_capacity
 from conductor.sim.cluster import ClusterProfile
 from conductor.sim.engine import SimResult, Simulation
+from conductor.sim.errors import SimulationError
 from conductor.sim.summary import summarize
 from conductor.sim.trace import (
     TraceRecord,
     TraceRequest,
+    long_context,
     read_trace,
     reuse_upper_bound,
     schedule,
 )
+from conductor.topology import Topology
 
 Progress = Callable[[str, int, int], None]
 """``progress(label, done, total)``: requests decided so far in the current run."""
@@ -37,8 +40,17 @@ class Bench:
         limit: int | None = None,
         params: dict[str, dict[str, Any]] | None = None,
         bucket_ms: float = 1000.0,
+        topology: Topology | None = None,
+        cpp: bool | None = None,
+        workload: str = "trace",
     ) -> None:
         self.records = read_trace(trace) if isinstance(trace, (str, Path)) else trace
+        if workload == "long-context":
+            self.records = long_context(self.records, block_size=cluster.block_size)
+        elif workload != "trace":
+            raise SimulationError(f"--workload {workload!r}: expected trace or long-context")
+        self.topology = topology
+        self.cpp = cpp
         if limit is not None:
             self.records = self.records[:limit]
         self.cluster = cluster
@@ -61,11 +73,16 @@ class Bench:
         reqs = self.requests(speed)
         # "name:variant" runs policy ``name`` with the parameters given for "name:variant",
         # so ablations of one policy can share a run and a table.
-        pol = make_policy(policy.split(":", 1)[0], self.params.get(policy), self.profile)  # type: ignore[arg-type]
+        base = policy.split(":", 1)[0]
+        params = dict(self.params.get(policy) or {})
+        if self.cpp is not None and "cpp" in POLICIES[base].Params.model_fields:
+            params["cpp"] = self.cpp
+        pol = make_policy(base, params, self.profile, self.topology)  # type: ignore[arg-type]
         label = f"{policy} @ {speed:.3g}x"
         cb = (lambda done: progress(label, done, len(reqs))) if progress is not None else None
         t0 = time.perf_counter()
-        result = Simulation(self.cluster, self.profile, pol, reqs, seed=self.seed, progress=cb).run()
+        result = Simulation(self.cluster, self.profile, pol, reqs, seed=self.seed, progress=cb,
+                            topology=self.topology).run()
         wall = time.perf_counter() - t0
         summary = summarize(result, policy=policy, speed=speed, reuse_upper_bound=self.upper_bound, sim_wall_s=wall)
         if self.params.get(policy):

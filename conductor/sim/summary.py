@@ -7,7 +7,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from conductor.sim.engine import Outcome, SimResult
+from conductor.sim.engine import PATH_CLASS, Outcome, SimResult
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float:
@@ -100,4 +100,41 @@ def summarize(
         "makespan_s": r(result.makespan_s, 2),
         "kv_events": result.events_published,
         "sim_wall_s": round(sim_wall_s, 3),
+        "topology": result.topology,
+        "cpp_requests": sum(bool(o.group) for o in served),
+        "prefix_reads": _prefix_reads(served),
+        "handoff_mean_s": r(sum(o.handoff_s for o in served) / len(served) if served else math.nan),
+        "paths": _paths(result),
     }
+
+
+def _prefix_reads(served: Sequence[Outcome]) -> dict[str, dict[str, float]]:
+    """Per place a reused prefix was read from (``local`` or a path class): requests, tokens
+    reused and the mean read time."""
+    out: dict[str, dict[str, float]] = {}
+    for o in served:
+        if o.prefix_path is None:
+            continue
+        row = out.setdefault(o.prefix_path, {"requests": 0, "tokens": 0, "read_s": 0.0})
+        row["requests"] += 1
+        row["tokens"] += o.reused_tokens
+        row["read_s"] += o.prefix_read_s
+    for row in out.values():
+        row["read_s_mean"] = round(row.pop("read_s") / row["requests"], 4)
+    return dict(sorted(out.items()))
+
+
+def _paths(result: SimResult) -> dict[str, dict[str, float]]:
+    """Per path class: transfers, GB moved, the busiest path's busy time and the most
+    transfers that ever shared one path."""
+    out: dict[str, dict[str, float]] = {}
+    for key, st in result.paths.items():
+        row = out.setdefault(PATH_CLASS[key[0]], {"transfers": 0, "gb": 0.0, "busiest_s": 0.0, "max_concurrent": 0})
+        row["transfers"] += st.transfers
+        row["gb"] += st.bytes / 1e9
+        row["busiest_s"] = max(row["busiest_s"], st.busy_s)
+        row["max_concurrent"] = max(row["max_concurrent"], st.max_concurrent)
+    for row in out.values():
+        row["gb"] = round(row["gb"], 1)
+        row["busiest_s"] = round(row["busiest_s"], 2)
+    return dict(sorted(out.items()))

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import bisect
 import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -123,3 +124,48 @@ def reuse_upper_bound(requests: Sequence[TraceRequest], block_size: int) -> floa
         total += r.input_length
         seen.update(r.hash_ids)
     return reused / total if total else 0.0
+
+
+def long_context(
+    records: Sequence[TraceRecord],
+    *,
+    sample: int = 20,
+    min_tokens: int = 32_768,
+    max_tokens: int = 131_072,
+    factor: int = 8,
+    block_size: int = 512,
+) -> list[TraceRecord]:
+    """A long-context workload with the shape of ``records`` (e.g. the conversation trace).
+
+    * every ``sample``-th request is kept, at its own timestamp (long prompts cost tens of
+      seconds each, so the full rate would swamp any cluster);
+    * its prompt length moves to ``[min_tokens, max_tokens]`` by its rank in the trace:
+      the request at quantile ``q`` of the input lengths gets ``min * (max/min) ** q``
+      tokens (log-uniform, order kept: the trace's long requests stay the longest);
+    * its prefix sharing keeps its structure: each original block id becomes ``factor``
+      derived ids (so a prefix two requests shared is still shared, ``factor`` times
+      longer), cut to the new length or padded with ids of its own;
+    * its output length is unchanged.
+    """
+    if not records:
+        return []
+    lengths = sorted(r.input_length for r in records)
+    n = len(lengths)
+    top = max((max(r.hash_ids, default=0) for r in records), default=0)
+    fresh = (top + 1) * factor
+    ratio = max_tokens / min_tokens
+    out: list[TraceRecord] = []
+    for i, r in enumerate(records):
+        if i % max(sample, 1):
+            continue
+        lo = bisect.bisect_left(lengths, r.input_length)
+        hi = bisect.bisect_right(lengths, r.input_length)
+        q = ((lo + hi - 1) / 2) / (n - 1) if n > 1 else 0.0
+        tokens = int(round(min_tokens * ratio**q))
+        blocks = -(-tokens // block_size)
+        chain = [h * factor + k for h in r.hash_ids for k in range(factor)][:blocks]
+        while len(chain) < blocks:
+            chain.append(fresh)
+            fresh += 1
+        out.append(TraceRecord(r.line, r.timestamp_ms, tokens, r.output_length, tuple(chain)))
+    return out

@@ -57,11 +57,12 @@ class DelayedView:
         self.published += 1
 
     def heartbeat(self, node: str, role: str, now_s: float, *, rack: str | None, total_kv_blocks: int,
+                  zone: str | None = None,
                   free_kv_blocks: int | None = None, queue_depth: int = 0, queued_prefill_tokens: int = 0,
                   running_requests: int = 0, batch_size: int = 0, decode_context_tokens: int = 0) -> None:
         """Apply ``node``'s heartbeat (its load now) to the view, unless it says what the last one did."""
         free = total_kv_blocks if free_kv_blocks is None else free_kv_blocks
-        said = (role, rack, total_kv_blocks, free, queue_depth, queued_prefill_tokens, running_requests, batch_size,
+        said = (role, rack, zone, total_kv_blocks, free, queue_depth, queued_prefill_tokens, running_requests, batch_size,
                 decode_context_tokens)
         seq, last = self._hb.get(node, (-1, None))
         if said == last:
@@ -69,7 +70,7 @@ class DelayedView:
         seq += 1
         self._hb[node] = (seq, said)
         hb = Heartbeat(
-            role=role, rack=rack, total_kv_blocks=total_kv_blocks, free_kv_blocks=free,  # type: ignore[arg-type]
+            role=role, rack=rack, zone=zone, total_kv_blocks=total_kv_blocks, free_kv_blocks=free,  # type: ignore[arg-type]
             queue_depth=queue_depth, queued_prefill_tokens=queued_prefill_tokens,
             running_requests=running_requests, batch_size=batch_size, decode_context_tokens=decode_context_tokens,
         )

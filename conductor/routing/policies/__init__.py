@@ -39,6 +39,7 @@ from conductor.routing.policies.parts import (
 from conductor.routing.policies.random_pick import RandomPick
 from conductor.routing.policies.round_robin import RoundRobin
 from conductor.routing.policies.sglang_style import SglangStyle
+from conductor.topology import Topology
 
 POLICIES: dict[str, type[BasePolicy]] = {
     cls.name: cls
@@ -57,8 +58,10 @@ POLICIES: dict[str, type[BasePolicy]] = {
 """Every registered policy by name; ``kvcache-centric`` is Conductor's own, the rest are baselines."""
 
 
-def make_policy(name: str, params: dict[str, Any] | None, profile: ModelProfile) -> Policy:
-    """A fresh policy object; :class:`ConfigError` naming the policy or the bad parameter."""
+def make_policy(name: str, params: dict[str, Any] | None, profile: ModelProfile,
+                topology: Topology | None = None) -> Policy:
+    """A fresh policy object costing transfers on ``topology`` (default: the profile's two
+    link speeds); :class:`ConfigError` naming the policy or the bad parameter."""
     cls = POLICIES.get(name)
     if cls is None:
         raise ConfigError(f"unknown policy {name!r}; known: {', '.join(POLICIES)}")
@@ -74,7 +77,7 @@ def make_policy(name: str, params: dict[str, Any] | None, profile: ModelProfile)
             else:
                 lines.append(f"policy {name!r}: parameter {field!r}: {err.get('msg')} (got {err.get('input')!r})")
         raise ConfigError("\n".join(lines)) from None
-    return cls(validated, profile)
+    return cls(validated, profile, topology)
 
 
 def list_policies() -> list[dict[str, Any]]:

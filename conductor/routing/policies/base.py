@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict
 
 from conductor.profiles import ModelProfile
 from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
+from conductor.topology import Link, Topology, flat_topology
 from schemas import TIERS
 from schemas.records import PolicyRejectReason
 
@@ -38,6 +39,12 @@ class Placement:
     reuse_tier: str | None
     predicted_ttft_s: float
     predicted_tbt_ms: float
+    prefill_group: tuple[str, ...] = ()
+    """Chunked pipeline parallelism: the prefill instances in pipeline order (``prefill``
+    first); empty when one instance prefills the whole prompt."""
+    chunk_boundaries: tuple[int, ...] = ()
+    """The end token of each group member's chunk (the last is the prompt length); the
+    first chunk starts after the reused prefix."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,11 +85,11 @@ class BasePolicy:
     summary: ClassVar[str]
     Params: ClassVar[type[PolicyParams]] = PolicyParams
 
-    def __init__(self, params: PolicyParams, profile: ModelProfile) -> None:
+    def __init__(self, params: PolicyParams, profile: ModelProfile, topology: Topology | None = None) -> None:
         self.p = params
         self.params: dict[str, Any] = params.model_dump()
         self.profile = profile
-        self.costs = Costs(profile)
+        self.costs = Costs(profile, topology)
 
     def decide(self, request: PolicyRequest, snapshot: ClusterSnapshot, rng: random.Random) -> Decision:
         raise NotImplementedError
@@ -106,12 +113,17 @@ class Reuse:
 
 
 class Costs:
-    """The estimates the policies share, bound to one profile."""
+    """The estimates the policies share, bound to one profile and one topology (default:
+    the profile's two link speeds, :func:`~conductor.topology.flat_topology`)."""
 
-    __slots__ = ("profile", "_prefill", "_local", "_remote")
+    __slots__ = ("profile", "topology", "links", "_prefill", "_local", "_remote", "_paths")
 
-    def __init__(self, profile: ModelProfile) -> None:
+    def __init__(self, profile: ModelProfile, topology: Topology | None = None) -> None:
         self.profile = profile
+        self.topology = topology if topology is not None else flat_topology(profile)
+        self.links: tuple[Link, ...] = self.topology.classes()
+        """Every distinct link a remote prefix may cross."""
+        self._paths: dict[tuple[Any, ...], int] = {}
         self._prefill: dict[tuple[float, float], float] = {}
         self._local: dict[tuple[Any, ...], tuple[int, str | None, float]] = {}
         self._remote: dict[tuple[Any, ...], Any] = {}
@@ -145,13 +157,38 @@ class Costs:
         blocks, tier, cost = self._local_cost(inst.prefix_blocks, request.chain_len, request.prompt_tokens, block_size)
         return Reuse(blocks, inst.node_id if blocks else None, tier, cost)
 
-    def remote_options(self, holder: Instance, request: PolicyRequest, block_size: int) -> tuple[Reuse, Reuse] | None:
-        """Cheapest prefill elsewhere reading ``holder``'s prefix: (same rack, other rack)."""
-        opts = self._remote_cost(holder.prefix_blocks, request.chain_len, request.prompt_tokens, block_size)
-        if opts is None:
+    def link(self, a: Instance, b: Instance) -> Link:
+        """The link a transfer from ``a`` to ``b`` crosses."""
+        return self.links[self.link_index(a, b)]
+
+    def place_key(self, a: Instance) -> tuple[str | None, str | None, str | None]:
+        """What the link from or to ``a`` depends on: its rack and zone (and its id when the
+        topology file places nodes by id)."""
+        return (a.node_id if self.topology.nodes else None, a.rack, a.zone)
+
+    def link_index(self, a: Instance, b: Instance, key: tuple[Any, ...] | None = None) -> int:
+        """Index in :attr:`links` of the link from ``a`` to ``b``, memoised per
+        ``(place_key(a), place_key(b))`` (pass it as ``key`` when already built)."""
+        if key is None:
+            key = (self.place_key(a), self.place_key(b))
+        i = self._paths.get(key)
+        if i is None:
+            if len(self._paths) > 65_536:
+                self._paths.clear()
+            i = self._paths[key] = self.links.index(self.topology.link_between(a, b))
+        return i
+
+    @property
+    def path_table(self) -> dict[tuple[Any, ...], int]:
+        """The memo of :meth:`link_index` (for hot loops that look links up inline)."""
+        return self._paths
+
+    def remote_reuse(self, holder: Instance, request: PolicyRequest, block_size: int, link: int) -> Reuse | None:
+        """Cheapest prefill on another node reading ``holder``'s prefix over ``links[link]``."""
+        opt = self._remote_cost(holder.prefix_blocks, request.chain_len, request.prompt_tokens, block_size, link)
+        if opt is None:
             return None
-        (b1, t1, c1), (b2, t2, c2) = opts
-        return Reuse(b1, holder.node_id, t1, c1), Reuse(b2, holder.node_id, t2, c2)
+        return Reuse(opt[0], holder.node_id, opt[1], opt[2])
 
     # The costs depend on the prefix shape and the request only, and many instances share
     # a shape (no prefix, the same system prompt...): memoised per shape.
@@ -191,23 +228,19 @@ class Costs:
             steps.append((cum, tier, (toks[0], toks[1], toks[2]), self.prefill_s(n, cached)))
         return steps
 
-    def _remote_cost(self, prefix: tuple[int, int, int], cap: int, n: int, bs: int) -> Any:
-        key = (prefix, cap, n, bs)
+    def _remote_cost(self, prefix: tuple[int, int, int], cap: int, n: int, bs: int,
+                     li: int) -> tuple[int, str, float] | None:
+        key = (prefix, cap, n, bs, li)
         if key in self._remote:
             return self._remote[key]
-        out = None
+        out: tuple[int, str, float] | None = None
         if sum(_segments(prefix, cap)) > 0:
             prof = self.profile
-            same: tuple[int, str, float] | None = None
-            cross: tuple[int, str, float] | None = None
+            link = self.links[li]
             for cum, tier, toks, compute in self._prefix_steps(prefix, cap, n, bs):
-                cs = prof.prefix_load_seconds(*toks, remote=True, same_rack=True) + compute
-                cc = prof.prefix_load_seconds(*toks, remote=True, same_rack=False) + compute
-                if same is None or cs < same[2]:
-                    same = (cum, tier, cs)
-                if cross is None or cc < cross[2]:
-                    cross = (cum, tier, cc)
-            out = (same, cross)
+                c = prof.prefix_load_seconds(*toks, remote=True, link=link) + compute
+                if out is None or c < out[2]:
+                    out = (cum, tier, c)
         if len(self._remote) > 65_536:
             self._remote.clear()
         self._remote[key] = out

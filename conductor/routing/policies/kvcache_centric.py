@@ -16,7 +16,9 @@ docs/simulation/ANALYSIS.md for the measurement behind the default.
 
 from __future__ import annotations
 
+import dataclasses
 import random
+from dataclasses import dataclass
 
 from pydantic import Field
 
@@ -26,12 +28,31 @@ from conductor.routing.policies.base import (
     Rejection,
     Reuse,
 )
+from conductor.routing.policies.cpp import STAGES, plan_pipeline
 from conductor.routing.policies.parts import RoleSplitPolicy, pick_lowest, placement
 from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
+from conductor.topology import Link
 
 
 def _first(item: tuple) -> float:
     return item[0]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillPlan:
+    instance: Instance
+    reuse: Reuse
+    ttft_s: float
+    group: tuple[str, ...] = ()
+    boundaries: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class _Group:
+    members: tuple[int, ...]
+    """Indexes into the prefill instances, in pipeline order."""
+    boundaries: tuple[int, ...]
+    finish_s: float
 
 
 class KvCacheCentricParams(PolicyParams):
@@ -53,6 +74,13 @@ class KvCacheCentricParams(PolicyParams):
         default=0.1, ge=0, description="decode picks at random among TBTs within (1 + band) x the lowest"
     )
     prefill_tie_s: float = Field(default=1e-6, ge=0, description="TTFTs closer than this are a tie")
+    cpp: bool = Field(
+        default=False,
+        description="chunked pipeline parallelism: a prompt no single prefill instance can serve within the "
+        "TTFT SLO may be split over a group (off until the engines and the gateway carry groups out)",
+    )
+    cpp_max_group: int = Field(default=4, ge=2, le=16, description="most prefill instances in one CPP group")
+    cpp_min_tokens: int = Field(default=16_384, ge=1, description="shortest prompt considered for CPP")
 
 
 class KvCacheCentric(RoleSplitPolicy):
@@ -65,31 +93,38 @@ class KvCacheCentric(RoleSplitPolicy):
         pre = self._prefill(request, snapshot, prefills, rng)
         if isinstance(pre, Rejection):
             return pre
-        inst, reuse, ttft = pre
         dec = self._decode(request, snapshot, decodes, rng)
         if isinstance(dec, Rejection):
             return dec
         decode, tbt = dec
-        return placement(inst, decode, reuse, ttft, tbt)
+        out = placement(pre.instance, decode, pre.reuse, pre.ttft_s, tbt)
+        if pre.group:
+            out = dataclasses.replace(out, prefill_group=pre.group, chunk_boundaries=pre.boundaries)
+        return out
 
     def _prefill(self, request: PolicyRequest, snapshot: ClusterSnapshot, prefills: tuple[Instance, ...],
-                 rng: random.Random) -> tuple[Instance, Reuse, float] | Rejection:
-        """Lowest predicted TTFT, with its reuse plan; or why none meets the SLO."""
+                 rng: random.Random) -> PrefillPlan | Rejection:
+        """Lowest predicted TTFT, with its reuse plan (and a CPP group when one instance
+        cannot meet the SLO and a group can); or why none meets the SLO."""
         p: KvCacheCentricParams = self.p  # type: ignore[assignment]
         costs = self.costs
         bs = snapshot.block_size
-        same_rack: list[tuple[float, str, str | None, Reuse]] = []
-        cross_rack: list[tuple[float, str, str | None, Reuse]] = []
+        # Per link class, every holder's cheapest remote plan over that link, cheapest first:
+        # each prefill instance stops at its first usable copy on each class.
+        by_link: list[tuple[int, list[tuple[float, Instance, Reuse, tuple]]]] = []
         if p.remote_reuse:
-            for h in snapshot.instances:
-                if h.prefix_blocks[2] > 0:
-                    opts = costs.remote_options(h, request, bs)
-                    if opts is not None:
-                        same_rack.append((opts[0].cost_s, h.node_id, h.rack, opts[0]))
-                        cross_rack.append((opts[1].cost_s, h.node_id, h.rack, opts[1]))
-            # Cheapest first: each prefill instance stops at its first usable copy.
-            same_rack.sort(key=_first)
-            cross_rack.sort(key=_first)
+            holders = [h for h in snapshot.instances if h.prefix_blocks[2] > 0]
+            if holders:
+                keys = [costs.place_key(h) for h in holders]
+                for li in range(len(costs.links)):
+                    opts = []
+                    for h, hk in zip(holders, keys):
+                        r = costs.remote_reuse(h, request, bs, li)
+                        if r is not None:
+                            opts.append((r.cost_s, h, r, hk))
+                    opts.sort(key=_first)
+                    by_link.append((li, opts))
+        table = costs.path_table
         threshold = p.kvcache_balancing_threshold
         ttfts: list[float] = []
         reuses: list[Reuse] = []
@@ -97,19 +132,20 @@ class KvCacheCentric(RoleSplitPolicy):
         for inst in prefills:
             best = costs.local_reuse(inst, request, bs)
             floor = best.blocks * threshold
-            node, rack = inst.node_id, inst.rack
-            for cost, holder, hrack, r in same_rack:
-                if cost >= best.cost_s:
-                    break
-                if hrack == rack and holder != node and r.blocks > floor:
-                    best = r
-                    break
-            for cost, holder, hrack, r in cross_rack:
-                if cost >= best.cost_s:
-                    break
-                if hrack != rack and r.blocks > floor:
-                    best = r
-                    break
+            node = inst.node_id
+            ik = costs.place_key(inst) if by_link else None
+            for li, opts in by_link:
+                for cost, holder, r, hk in opts:
+                    if cost >= best.cost_s:
+                        break
+                    if holder.node_id == node or r.blocks <= floor:
+                        continue
+                    found = table.get((hk, ik))
+                    if found is None:
+                        found = costs.link_index(holder, inst, (hk, ik))
+                    if found == li:
+                        best = r
+                        break
             wait = costs.queue_wait_s(inst)
             waits.append(wait)
             reuses.append(best)
@@ -129,6 +165,15 @@ class KvCacheCentric(RoleSplitPolicy):
                                      node_id=lambda i: prefills[i].node_id)
                 ttft = ttfts[chosen]
         guarded = ttft + extra * waits[chosen]
+        single_fits = guarded <= ttft_budget if p.early_rejection else ttft <= ttft_budget
+        if not single_fits and p.cpp and request.prompt_tokens >= p.cpp_min_tokens and len(prefills) > 1:
+            # Only a request no single instance can serve in time pays for a pipeline.
+            group = self._pipeline(request, prefills, reuses, waits, ttfts, bs)
+            if group is not None:
+                g_guarded = group.finish_s + extra * max(waits[i] for i in group.members)
+                if (g_guarded <= ttft_budget) if p.early_rejection else (group.finish_s < ttft):
+                    return PrefillPlan(prefills[group.members[0]], reuses[group.members[0]], group.finish_s,
+                                       tuple(prefills[i].node_id for i in group.members), group.boundaries)
         if p.early_rejection and guarded > ttft_budget:
             if min(waits) > ttft_budget:
                 return Rejection(
@@ -140,9 +185,41 @@ class KvCacheCentric(RoleSplitPolicy):
                 "ttft_slo",
                 f"best predicted TTFT {ttft:.3f}s on {prefills[chosen].node_id}, {guarded:.3f}s with its queue wait "
                 f"{waits[chosen]:.3f}s counted x{p.queue_wait_safety:g}, exceeds the SLO {request.ttft_slo_s:g}s "
-                f"on every one of {len(prefills)} prefill instances",
+                f"on every one of {len(prefills)} prefill instances" + (" and every CPP group" if p.cpp else ""),
             )
-        return prefills[chosen], reuses[chosen], ttft
+        return PrefillPlan(prefills[chosen], reuses[chosen], ttft)
+
+    def _pipeline(self, request: PolicyRequest, prefills: tuple[Instance, ...], reuses: list[Reuse],
+                  waits: list[float], ttfts: list[float], bs: int) -> _Group | None:
+        """The best CPP group: a head (the instance with the lowest single-instance TTFT, or
+        the shortest queue: it reads the reusable prefix), then 1..k-1 more members of
+        shortest queue plus hand-off lag; the group of lowest predicted finish wins (the
+        smaller group on a tie). Pure and deterministic (ties by node id)."""
+        p: KvCacheCentricParams = self.p  # type: ignore[assignment]
+        costs, prof = self.costs, self.profile
+        n = request.prompt_tokens
+        order = sorted(range(len(prefills)), key=lambda i: prefills[i].node_id)
+        heads = {min(order, key=lambda i: ttfts[i]), min(order, key=lambda i: waits[i])}
+        best: _Group | None = None
+        kv_stage = n * prof.kv_bytes_per_token / STAGES
+        for head in sorted(heads, key=lambda i: prefills[i].node_id):
+            reuse = reuses[head]
+            start = min(reuse.blocks * bs, n - 1)
+            load_s = reuse.cost_s - costs.prefill_s(n, start)  # the prefix load part of its plan
+            h = prefills[head]
+            rest = sorted((i for i in order if i != head),
+                          key=lambda i: (waits[i] + costs.link(h, prefills[i]).seconds(kv_stage), prefills[i].node_id))
+            for k in range(2, min(p.cpp_max_group, len(prefills)) + 1):
+                idx = [head, *rest[: k - 1]]
+                ready = [waits[head] + max(load_s, 0.0)] + [waits[i] for i in idx[1:]]
+                links: list[Link | None] = [None] + [costs.link(prefills[a], prefills[b])
+                                                     for a, b in zip(idx, idx[1:])]
+                plan = plan_pipeline(prof, [str(i) for i in idx], ready, links, start=start, total=n, block_size=bs)
+                if len(plan.members) < k:
+                    break  # the prompt is too short for more members
+                if best is None or plan.finish_s < best.finish_s - 1e-9:
+                    best = _Group(tuple(idx), plan.boundaries, plan.finish_s)
+        return best
 
     def _decode(self, request: PolicyRequest, snapshot: ClusterSnapshot, decodes: tuple[Instance, ...],
                 rng: random.Random) -> tuple[Instance, float] | Rejection:
