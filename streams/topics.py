@@ -34,10 +34,12 @@ class Topics:
     requests: Topic
     dispatch: Topic
     kv_commands: Topic
+    kv_command_results: Topic
     dead_letter: Topic
 
     def all(self) -> tuple[Topic, ...]:
-        return (self.kv_events, self.heartbeats, self.requests, self.dispatch, self.kv_commands, self.dead_letter)
+        return (self.kv_events, self.heartbeats, self.requests, self.dispatch, self.kv_commands, self.kv_command_results,
+                self.dead_letter)
 
     def by_name(self, name: str) -> Topic:
         for t in self.all():
@@ -57,6 +59,7 @@ def topics(settings: _TopicSettings) -> Topics:
         heartbeats=t("heartbeats", "node id", "heartbeat"),
         requests=t("requests", "request id", "routing_request"),
         dispatch=t("dispatch", "prefill instance id (rejections: request id)", "routing_decision", "routing_rejection"),
-        kv_commands=t("kv-commands", "source node id", "kv_command"),
+        kv_commands=t("kv-commands", "executing node id (KvCommand.executor)", "kv_command"),
+        kv_command_results=t("kv-command-results", "executing node id", "kv_command_result"),
         dead_letter=t("dead-letter", "source topic", "dead_letter"),
     )

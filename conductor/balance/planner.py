@@ -11,18 +11,29 @@ every instance holding it is overloaded (Mooncake's cache-load balancing: copy
 the hot prefix to where there is compute, instead of queueing behind it). A
 prefix that was hot and has decayed below ``cold_threshold`` is demoted from HBM
 to DRAM on instances whose HBM is under pressure.
+
+Given a cost model (:class:`BalanceCosts`, e.g. a ``ModelProfile``), the replicate
+trigger is the cost rule instead of the token bars (the ``kvcache_balancing_threshold``
+idea): copy the prefix to the least-loaded instance when the queue it lets a request
+skip (the holders' shortest wait minus the target's) exceeds ``balancing_threshold``
+times the transfer, and the transfer is cheaper than recomputing the prefix there.
+
+Every command gets a deterministic ``command_id`` (a replay of the same requests plans
+the same ids) and a deadline ``command_ttl_s`` after the planning time.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from schemas import KvCommand
+from schemas import KvCommand, Tier
 from state.view import NodeState, ViewSnapshot
 
 
@@ -40,6 +51,26 @@ class BalanceParams(BaseModel):
     max_prefix_blocks: int = Field(default=512, ge=1, description="longest prefix one command moves")
     max_tracked: int = Field(default=10_000, ge=1, description="prefixes tracked; the coldest are forgotten")
     max_commands: int = Field(default=32, ge=1, description="commands per planning round")
+    command_ttl_s: float = Field(default=10.0, gt=0, description="a command not carried out this long after it "
+                                 "was planned expires")
+    replica_tier: Tier = Field(default="hbm", description="the tier a replica is written to")
+    balancing_threshold: float = Field(default=1.0, gt=0, description="with a cost model: replicate when the queue "
+                                       "avoided exceeds this times the transfer time")
+    min_avoided_s: float = Field(default=0.5, ge=0, description="with a cost model: ignore queues shorter than this")
+
+
+class BalanceCosts(Protocol):
+    """What the cost rule needs of a model profile (``conductor.profiles.ModelProfile`` fits)."""
+
+    def prefill_seconds(self, total_tokens: int, cached_tokens: int = 0) -> float: ...
+
+    def transfer_seconds(self, tokens: int, tier: str, remote: bool, same_rack: bool = True) -> float: ...
+
+
+def command_id(action: str, chain_head: int, blocks: int, from_node: str, to_node: str | None, now_s: float) -> str:
+    """A deterministic id: the same plan on a replay names the same command."""
+    text = f"{action}|{chain_head}|{blocks}|{from_node}|{to_node or ''}|{int(now_s * 1000)}"
+    return f"{action[:3]}-{hashlib.blake2b(text.encode(), digest_size=10).hexdigest()}"
 
 
 @dataclass
@@ -129,9 +160,15 @@ def plan(
     now_s: float,
     params: BalanceParams,
     cooldown: Cooldown,
+    costs: BalanceCosts | None = None,
+    block_size: int = 16,
 ) -> list[KvCommand]:
-    """Commands for this round; ``snapshots`` holds a view read for each prefix named."""
+    """Commands for this round; ``snapshots`` holds a view read for each prefix named.
+
+    ``costs`` switches the replicate trigger from the token bars to the cost rule
+    (``block_size`` then converts blocks to tokens)."""
     commands: list[KvCommand] = []
+    deadline_ms = int((now_s + params.command_ttl_s) * 1000)
     for chain, h in hot:
         snap = snapshots.get(chain)
         if snap is None or len(commands) >= params.max_commands:
@@ -143,29 +180,44 @@ def plan(
         holders = [n for n in live if snap.prefix.get(n.node_id, (0, 0, 0))[1] >= need]
         if not holders or len(holders) >= params.max_replicas:
             continue
-        mean = sum(n.queued_prefill_tokens for n in live) / len(live)
-        bar = max(params.overload_tokens, params.overload_factor * mean)
-        if min(n.queued_prefill_tokens for n in holders) < bar:
-            continue  # some holder still has room: routing will use it
         held = {n.node_id for n in holders}
-        candidates = [n for n in live if n.node_id not in held and n.queued_prefill_tokens < bar]
-        if not candidates:
-            continue
-        target = min(candidates, key=lambda n: (n.queued_prefill_tokens, n.node_id))
         source = min(holders, key=lambda n: (n.queued_prefill_tokens, n.node_id))
+        src_tier: Tier = "hbm" if snap.prefix[source.node_id][0] >= need else "dram"
+        others = [n for n in live if n.node_id not in held]
+        if not others:
+            continue
+        target = min(others, key=lambda n: (n.queued_prefill_tokens, n.node_id))
+        if costs is None:
+            mean = sum(n.queued_prefill_tokens for n in live) / len(live)
+            bar = max(params.overload_tokens, params.overload_factor * mean)
+            if source.queued_prefill_tokens < bar or target.queued_prefill_tokens >= bar:
+                continue  # some holder still has room (routing will use it), or nowhere better to go
+            why = f"all {len(holders)} holder(s) have >= {bar:.0f} queued prefill tokens"
+        else:
+            tokens = need * block_size
+            avoided = costs.prefill_seconds(source.queued_prefill_tokens) - costs.prefill_seconds(
+                target.queued_prefill_tokens)
+            transfer = costs.transfer_seconds(tokens, src_tier, remote=True)
+            recompute = costs.prefill_seconds(tokens)
+            if avoided < params.min_avoided_s or avoided <= params.balancing_threshold * transfer \
+                    or transfer >= recompute:
+                continue
+            why = (f"transfer {transfer:.3f} s < queue avoided {avoided:.2f} s "
+                   f"and < recompute {recompute:.2f} s")
         key = (chain[0], "replicate", target.node_id)
         if not cooldown.ready(key, now_s, params.cooldown_s):
             continue
-        src_tier = "hbm" if snap.prefix[source.node_id][0] >= need else "dram"
         commands.append(
             KvCommand(
+                command_id=command_id("replicate", chain[0], need, source.node_id, target.node_id, now_s),
                 action="replicate",
                 block_keys=list(chain),
                 from_node=source.node_id,
                 from_tier=src_tier,
                 to_node=target.node_id,
-                to_tier="hbm",
-                reason=f"hot prefix (heat {h:.1f}); all {len(holders)} holder(s) have >= {bar:.0f} queued prefill tokens",
+                to_tier=params.replica_tier,
+                deadline_ms=deadline_ms,
+                reason=f"hot prefix (heat {h:.1f}); {why}",
             )
         )
         cooldown.mark(key, now_s)
@@ -184,12 +236,13 @@ def plan(
                 continue
             commands.append(
                 KvCommand(
+                    command_id=command_id("demote", chain[0], in_hbm, n.node_id, None, now_s),
                     action="demote",
                     block_keys=list(chain[:in_hbm]),
                     from_node=n.node_id,
                     from_tier="hbm",
-                    to_node=n.node_id,
                     to_tier="dram",
+                    deadline_ms=deadline_ms,
                     reason=f"cold prefix; HBM {100 * (1 - n.free_kv_blocks / n.total_kv_blocks):.0f}% used",
                 )
             )

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from opentelemetry import metrics
@@ -52,6 +53,9 @@ class Balancer:
         self.producer_id = producer_id or f"balancer-{uuid.uuid4().hex[:8]}"
         self.seq = 0
         self.event_now_s = 0.0
+        self.tokens: OrderedDict[int, tuple[int, list[int]]] = OrderedDict()
+        """Prefix head → (block size, tokens) of the last request under it that carried tokens,
+        so a replicate can name the tokens (engines key blocks by their own hashes)."""
         m = metrics.get_meter(__name__)
         self._commands = m.create_counter("conductor_kv_commands", description="KV commands published, by action")
         self._bad = m.create_counter("conductor_balance_skipped_records", description="request records not understood")
@@ -66,7 +70,26 @@ class Balancer:
             self._bad.add(1, {"reason": "wrong_kind"})
             return
         self.event_now_s = max(self.event_now_s, env.ts_ms / 1000)
-        self.tracker.record(request_chain(env.body, self.settings.block_size), env.ts_ms / 1000)
+        req = env.body
+        chain = request_chain(req, self.settings.block_size)
+        self.tracker.record(chain, env.ts_ms / 1000)
+        if chain and req.token_ids is not None:
+            bs = req.block_size or self.settings.block_size
+            self.tokens[chain[0]] = (bs, list(req.token_ids[: self.params.max_prefix_blocks * bs]))
+            self.tokens.move_to_end(chain[0])
+            while len(self.tokens) > self.params.max_tracked:
+                self.tokens.popitem(last=False)
+
+    def with_tokens(self, cmd: KvCommand) -> KvCommand:
+        """``cmd`` with its prefix's tokens when a request under its head carried them."""
+        known = self.tokens.get(cmd.block_keys[0])
+        if cmd.token_ids is not None or known is None:
+            return cmd
+        bs, toks = known
+        need = len(cmd.block_keys) * bs
+        if len(toks) < need:
+            return cmd
+        return cmd.model_copy(update={"token_ids": toks[:need], "block_size": bs})
 
     async def plan_round(self, store: RedisViewStore) -> list[KvCommand]:
         now_s = self.event_now_s
@@ -79,7 +102,7 @@ class Balancer:
         for c in cold:
             if c in snapshots and all(p[0] == 0 for p in snapshots[c].prefix.values()):
                 self.tracker.forget(c)  # nothing left in HBM to demote
-        return cmds
+        return [self.with_tokens(c) for c in cmds]
 
     async def run(self, interval_s: float = 2.0, stop: asyncio.Event | None = None) -> None:
         t = topics(self.settings)
@@ -106,11 +129,11 @@ class Balancer:
                     env = envelope(cmd, producer_id=self.producer_id, producer_seq=self.seq,
                                    ts_ms=int(self.event_now_s * 1000))
                     self.seq += 1
-                    await producer.send(t.kv_commands.name, encode(env), key=cmd.from_node.encode(),
+                    await producer.send(t.kv_commands.name, encode(env), key=cmd.executor.encode(),
                                         headers=headers(env))
                     self._commands.add(1, {"action": cmd.action})
-                    log.info("%s %d blocks %s/%s -> %s/%s: %s", cmd.action, len(cmd.block_keys), cmd.from_node,
-                             cmd.from_tier, cmd.to_node, cmd.to_tier, cmd.reason)
+                    log.info("%s %s %d blocks %s/%s -> %s/%s: %s", cmd.command_id, cmd.action, len(cmd.block_keys),
+                             cmd.from_node, cmd.from_tier, cmd.to_node or cmd.from_node, cmd.to_tier, cmd.reason)
                 await producer.flush()
                 if batches:
                     await consumer.commit()
