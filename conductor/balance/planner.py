@@ -6,7 +6,7 @@ the commands to publish on ``kv-commands``. No I/O, no clock.
 
 Heat is an exponentially decayed access count per block (half-life
 ``half_life_s``), so it weighs both frequency and recency. A prefix is *hot* when
-its first block's heat reaches ``hot_threshold``; it is worth replicating when
+its last block's heat reaches ``hot_threshold``; it is worth replicating when
 every instance holding it is overloaded (Mooncake's cache-load balancing: copy
 the hot prefix to where there is compute, instead of queueing behind it). A
 prefix that was hot and has decayed below ``cold_threshold`` is demoted from HBM
@@ -49,7 +49,7 @@ class BalanceParams(BaseModel):
     hbm_pressure: float = Field(default=0.9, gt=0, le=1, description="HBM use above which cold prefixes are demoted")
     cooldown_s: float = Field(default=30.0, ge=0, description="no second command for a prefix and target within this")
     max_prefix_blocks: int = Field(default=512, ge=1, description="longest prefix one command moves")
-    max_tracked: int = Field(default=10_000, ge=1, description="prefixes tracked; the coldest are forgotten")
+    max_tracked: int = Field(default=50_000, ge=1, description="blocks tracked; the least recently used are forgotten")
     max_commands: int = Field(default=32, ge=1, description="commands per planning round")
     command_ttl_s: float = Field(default=10.0, gt=0, description="a command not carried out this long after it "
                                  "was planned expires")
@@ -73,9 +73,9 @@ def command_id(action: str, chain_head: int, blocks: int, from_node: str, to_nod
     return f"{action[:3]}-{hashlib.blake2b(text.encode(), digest_size=10).hexdigest()}"
 
 
-@dataclass
-class _Prefix:
-    chain: tuple[int, ...]
+@dataclass(slots=True)
+class _Block:
+    parent: int | None
     heat: float = 0.0
     at_s: float = 0.0
     was_hot: bool = False
@@ -83,54 +83,86 @@ class _Prefix:
 
 @dataclass
 class HeatTracker:
-    """Decayed access counts per prefix (keyed by its first block)."""
+    """Decayed access counts per block; a prefix is named by its deepest block.
+
+    Every request heats each block of its chain (block keys are chained hashes, so a block
+    stands for the whole prefix ending at it). The hot prefixes are the chains that end at a
+    hot block none of whose children is hot: a system prompt shared by everyone and a
+    conversation that keeps coming back are two different prefixes, the second one longer.
+    """
 
     params: BalanceParams = field(default_factory=BalanceParams)
-    _prefixes: OrderedDict[int, _Prefix] = field(default_factory=OrderedDict)
+    _blocks: OrderedDict[int, _Block] = field(default_factory=OrderedDict)
+    _was_hot: set[int] = field(default_factory=set)
+    """Blocks that reached ``hot_threshold`` and were not forgotten: the only ones hot() and
+    cold() look at, so a planning round costs the hot set, not every block tracked."""
 
-    def _decay(self, p: _Prefix, now_s: float) -> float:
-        dt = max(0.0, now_s - p.at_s)
-        return p.heat * math.pow(0.5, dt / self.params.half_life_s)
+    def _decay(self, b: _Block, now_s: float) -> float:
+        dt = max(0.0, now_s - b.at_s)
+        return b.heat * math.pow(0.5, dt / self.params.half_life_s)
 
     def record(self, chain: Sequence[int], now_s: float) -> None:
-        if not chain:
-            return
-        head = chain[0]
-        p = self._prefixes.get(head)
-        if p is None:
-            p = self._prefixes[head] = _Prefix(tuple(chain[: self.params.max_prefix_blocks]))
-        else:
-            self._prefixes.move_to_end(head)
-            # The tracked prefix is the part every request under this head shared.
-            common = 0
-            for a, b in zip(p.chain, chain):
-                if a != b:
-                    break
-                common += 1
-            p.chain = p.chain[: max(common, 1)]
-        p.heat = self._decay(p, now_s) + 1.0
-        p.at_s = now_s
-        if p.heat >= self.params.hot_threshold:
-            p.was_hot = True
-        while len(self._prefixes) > self.params.max_tracked:
-            self._prefixes.popitem(last=False)  # least recently seen
+        chain = chain[: self.params.max_prefix_blocks]
+        blocks = self._blocks
+        parent: int | None = None
+        for key in chain:
+            b = blocks.get(key)
+            if b is None:
+                b = blocks[key] = _Block(parent)
+            b.heat = self._decay(b, now_s) + 1.0
+            b.at_s = now_s
+            if b.heat >= self.params.hot_threshold:
+                b.was_hot = True
+                self._was_hot.add(key)
+            parent = key
+        # Deepest first, so a chain's root is the most recently used and is forgotten last.
+        for key in reversed(chain):
+            blocks.move_to_end(key)
+        while len(blocks) > self.params.max_tracked:
+            self._was_hot.discard(blocks.popitem(last=False)[0])
 
-    def heat(self, head: int, now_s: float) -> float:
-        p = self._prefixes.get(head)
-        return 0.0 if p is None else self._decay(p, now_s)
+    def heat(self, key: int, now_s: float) -> float:
+        b = self._blocks.get(key)
+        return 0.0 if b is None else self._decay(b, now_s)
+
+    def _chain(self, key: int) -> tuple[int, ...] | None:
+        out = [key]
+        b = self._blocks[key]
+        while b.parent is not None:
+            nxt = self._blocks.get(b.parent)
+            if nxt is None:
+                return None  # an ancestor was forgotten: the prefix is not known from its root
+            out.append(b.parent)
+            b = nxt
+        return tuple(reversed(out))
+
+    def _tips(self, keys: dict[int, float]) -> list[tuple[tuple[int, ...], float]]:
+        inner = {self._blocks[k].parent for k in keys}
+        out = []
+        for k, h in keys.items():
+            if k not in inner and (c := self._chain(k)) is not None:
+                out.append((c, h))
+        return out
 
     def hot(self, now_s: float) -> list[tuple[tuple[int, ...], float]]:
-        """Hot prefixes, hottest first."""
-        out = [(p.chain, h) for p in self._prefixes.values() if (h := self._decay(p, now_s)) >= self.params.hot_threshold]
-        return sorted(out, key=lambda x: -x[1])
+        """Hot prefixes (each ending at a hot block with no hot child), hottest first."""
+        blocks, bar = self._blocks, self.params.hot_threshold
+        hot = {k: h for k in self._was_hot if (h := self._decay(blocks[k], now_s)) >= bar}
+        return sorted(self._tips(hot), key=lambda x: (-x[1], -len(x[0])))
 
     def cold(self, now_s: float) -> list[tuple[int, ...]]:
         """Prefixes that were hot once and have cooled below ``cold_threshold``."""
-        return [p.chain for p in self._prefixes.values() if p.was_hot and self._decay(p, now_s) < self.params.cold_threshold]
+        blocks, bar = self._blocks, self.params.cold_threshold
+        cold = {k: h for k in self._was_hot if (h := self._decay(blocks[k], now_s)) < bar}
+        return [c for c, _ in self._tips(cold)]
 
     def forget(self, chain: Sequence[int]) -> None:
-        if chain:
-            self._prefixes.pop(chain[0], None)
+        """Stop reporting ``chain`` as cold (its blocks keep their heat)."""
+        for key in chain:
+            b = self._blocks.get(key)
+            if b is not None:
+                b.was_hot = False
+                self._was_hot.discard(key)
 
 
 @dataclass

@@ -54,7 +54,7 @@ class Balancer:
         self.seq = 0
         self.event_now_s = 0.0
         self.tokens: OrderedDict[int, tuple[int, list[int]]] = OrderedDict()
-        """Prefix head → (block size, tokens) of the last request under it that carried tokens,
+        """Block → (block size, tokens) of the last request through it that carried tokens,
         so a replicate can name the tokens (engines key blocks by their own hashes)."""
         m = metrics.get_meter(__name__)
         self._commands = m.create_counter("conductor_kv_commands", description="KV commands published, by action")
@@ -75,14 +75,16 @@ class Balancer:
         self.tracker.record(chain, env.ts_ms / 1000)
         if chain and req.token_ids is not None:
             bs = req.block_size or self.settings.block_size
-            self.tokens[chain[0]] = (bs, list(req.token_ids[: self.params.max_prefix_blocks * bs]))
-            self.tokens.move_to_end(chain[0])
+            toks = list(req.token_ids[: self.params.max_prefix_blocks * bs])
+            for key in reversed(chain[: self.params.max_prefix_blocks]):
+                self.tokens[key] = (bs, toks)  # one list shared by the chain's blocks
+                self.tokens.move_to_end(key)
             while len(self.tokens) > self.params.max_tracked:
                 self.tokens.popitem(last=False)
 
     def with_tokens(self, cmd: KvCommand) -> KvCommand:
         """``cmd`` with its prefix's tokens when a request under its head carried them."""
-        known = self.tokens.get(cmd.block_keys[0])
+        known = self.tokens.get(cmd.block_keys[-1])
         if cmd.token_ids is not None or known is None:
             return cmd
         bs, toks = known

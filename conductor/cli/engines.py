@@ -20,6 +20,7 @@ from conductor.bridge.publisher import EventPublisher
 from conductor.bridge.runner import Bridge, BridgeConfig, kafka_sink
 from conductor.cli.common import err, print_json, print_result, settings_or_exit
 from conductor.engine.emulated import EmulatedEngine, EngineConfig
+from conductor.engine.executor import EngineCommandExecutor, commands_for
 from conductor.errors import ConfigError
 from conductor.profiles import load_profile
 from conductor.routing.dispatch import decisions_for
@@ -150,6 +151,9 @@ def register(groups: dict[str, typer.Typer]) -> None:
         max_output_tokens: int = typer.Option(None, min=1, help="cap on decoded tokens per request"),
         heartbeat_s: float = typer.Option(0.5, min=0.05, help="heartbeat interval"),
         report: bool = typer.Option(False, "--report", help="print one JSON line per finished request on stdout"),
+        kv_commands: bool = typer.Option(True, "--kv-commands/--no-kv-commands",
+                                         help="carry out this node's KV commands (replicate, migrate, demote, evict) "
+                                         "and answer them on kv-command-results"),
     ) -> None:
         """Run an emulated prefill/decode instance that speaks vLLM's KV-event protocol.
 
@@ -192,7 +196,11 @@ def register(groups: dict[str, typer.Typer]) -> None:
             try:
                 # A little before our start: the router's clock may lag ours.
                 stream = decisions_for(s, node_id, since_ms=started_ms - CLOCK_SLACK_MS, stop=stop)
-                await _until_stopped(stop, asyncio.create_task(eng.run(stream)))
+                tasks = [asyncio.create_task(eng.run(stream))]
+                if kv_commands and role != "decode":  # the KV command executor (conductor.engine.executor)
+                    executor = EngineCommandExecutor(eng, kafka_sink(prod, tps.kv_command_results.name))
+                    tasks.append(asyncio.create_task(executor.run(commands_for(s, node_id, stop))))
+                await _until_stopped(stop, *tasks)
             finally:
                 await pub.close()
                 await prod.stop()
