@@ -78,7 +78,6 @@ class _Block:
     parent: int | None
     heat: float = 0.0
     at_s: float = 0.0
-    was_hot: bool = False
 
 
 @dataclass
@@ -112,7 +111,6 @@ class HeatTracker:
             b.heat = self._decay(b, now_s) + 1.0
             b.at_s = now_s
             if b.heat >= self.params.hot_threshold:
-                b.was_hot = True
                 self._was_hot.add(key)
             parent = key
         # Deepest first, so a chain's root is the most recently used and is forgotten last.
@@ -159,10 +157,7 @@ class HeatTracker:
     def forget(self, chain: Sequence[int]) -> None:
         """Stop reporting ``chain`` as cold (its blocks keep their heat)."""
         for key in chain:
-            b = self._blocks.get(key)
-            if b is not None:
-                b.was_hot = False
-                self._was_hot.discard(key)
+            self._was_hot.discard(key)
 
 
 @dataclass
