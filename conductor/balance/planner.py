@@ -27,7 +27,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -67,9 +67,9 @@ class BalanceCosts(Protocol):
     def transfer_seconds(self, tokens: int, tier: str, remote: bool, same_rack: bool = True) -> float: ...
 
 
-def command_id(action: str, chain_head: int, blocks: int, from_node: str, to_node: str | None, now_s: float) -> str:
+def command_id(action: str, chain_tip: int, blocks: int, from_node: str, to_node: str | None, now_s: float) -> str:
     """A deterministic id: the same plan on a replay names the same command."""
-    text = f"{action}|{chain_head}|{blocks}|{from_node}|{to_node or ''}|{int(now_s * 1000)}"
+    text = f"{action}|{chain_tip}|{blocks}|{from_node}|{to_node or ''}|{int(now_s * 1000)}"
     return f"{action[:3]}-{hashlib.blake2b(text.encode(), digest_size=10).hexdigest()}"
 
 
@@ -189,12 +189,20 @@ def plan(
     cooldown: Cooldown,
     costs: BalanceCosts | None = None,
     block_size: int = 16,
+    reserved: Mapping[str, int] | None = None,
 ) -> list[KvCommand]:
     """Commands for this round; ``snapshots`` holds a view read for each prefix named.
 
     ``costs`` switches the replicate trigger from the token bars to the cost rule
-    (``block_size`` then converts blocks to tokens)."""
+    (``block_size`` then converts blocks to tokens). ``reserved`` adds, per node, the
+    prefill tokens the routers placed that its heartbeats do not show yet (the routers'
+    reservations), so a node that just received a burst counts as loaded."""
     commands: list[KvCommand] = []
+    extra = reserved or {}
+
+    def queued(n: NodeState) -> int:
+        return n.queued_prefill_tokens + extra.get(n.node_id, 0)
+
     deadline_ms = int((now_s + params.command_ttl_s) * 1000)
     for chain, h in hot:
         snap = snapshots.get(chain)
@@ -208,22 +216,22 @@ def plan(
         if not holders or len(holders) >= params.max_replicas:
             continue
         held = {n.node_id for n in holders}
-        source = min(holders, key=lambda n: (n.queued_prefill_tokens, n.node_id))
+        source = min(holders, key=lambda n: (queued(n), n.node_id))
         src_tier: Tier = "hbm" if snap.prefix[source.node_id][0] >= need else "dram"
         others = [n for n in live if n.node_id not in held]
         if not others:
             continue
-        target = min(others, key=lambda n: (n.queued_prefill_tokens, n.node_id))
+        target = min(others, key=lambda n: (queued(n), n.node_id))
         if costs is None:
-            mean = sum(n.queued_prefill_tokens for n in live) / len(live)
+            mean = sum(queued(n) for n in live) / len(live)
             bar = max(params.overload_tokens, params.overload_factor * mean)
-            if source.queued_prefill_tokens < bar or target.queued_prefill_tokens >= bar:
+            if queued(source) < bar or queued(target) >= bar:
                 continue  # some holder still has room (routing will use it), or nowhere better to go
             why = f"all {len(holders)} holder(s) have >= {bar:.0f} queued prefill tokens"
         else:
             tokens = need * block_size
-            avoided = costs.prefill_seconds(source.queued_prefill_tokens) - costs.prefill_seconds(
-                target.queued_prefill_tokens)
+            avoided = costs.prefill_seconds(queued(source)) - costs.prefill_seconds(
+                queued(target))
             transfer = costs.transfer_seconds(tokens, src_tier, remote=True)
             recompute = costs.prefill_seconds(tokens)
             if avoided < params.min_avoided_s or avoided <= params.balancing_threshold * transfer \
@@ -231,12 +239,12 @@ def plan(
                 continue
             why = (f"transfer {transfer:.3f} s < queue avoided {avoided:.2f} s "
                    f"and < recompute {recompute:.2f} s")
-        key = (chain[0], "replicate", target.node_id)
+        key = (chain[-1], "replicate", target.node_id)
         if not cooldown.ready(key, now_s, params.cooldown_s):
             continue
         commands.append(
             KvCommand(
-                command_id=command_id("replicate", chain[0], need, source.node_id, target.node_id, now_s),
+                command_id=command_id("replicate", chain[-1], need, source.node_id, target.node_id, now_s),
                 action="replicate",
                 block_keys=list(chain),
                 from_node=source.node_id,
@@ -258,12 +266,12 @@ def plan(
             in_hbm = snap.prefix.get(n.node_id, (0, 0, 0))[0]
             if in_hbm <= 0:
                 continue
-            key = (chain[0], "demote", n.node_id)
+            key = (chain[-1], "demote", n.node_id)
             if not cooldown.ready(key, now_s, params.cooldown_s):
                 continue
             commands.append(
                 KvCommand(
-                    command_id=command_id("demote", chain[0], in_hbm, n.node_id, None, now_s),
+                    command_id=command_id("demote", chain[-1], in_hbm, n.node_id, None, now_s),
                     action="demote",
                     block_keys=list(chain[:in_hbm]),
                     from_node=n.node_id,
