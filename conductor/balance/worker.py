@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -30,6 +31,7 @@ from schemas import (
     headers,
 )
 from state.redis_view import RedisViewStore
+from state.reservations import RedisReservations, ReservationStore
 from streams import kafka
 from streams.topics import topics
 
@@ -93,14 +95,21 @@ class Balancer:
             return cmd
         return cmd.model_copy(update={"token_ids": toks[:need], "block_size": bs})
 
-    async def plan_round(self, store: RedisViewStore) -> list[KvCommand]:
+    async def plan_round(self, store: RedisViewStore, reservations: ReservationStore | None = None) -> list[KvCommand]:
         now_s = self.event_now_s
         hot = self.tracker.hot(now_s)[: self.params.max_commands * 2]
         cold = self.tracker.cold(now_s)[: self.params.max_commands * 2]
         chains: Sequence[tuple[int, ...]] = [c for c, _ in hot] + list(cold)
         snapshots = {c: await store.snapshot(c) for c in chains}
+        reserved: dict[str, int] = {}
+        if reservations is not None and snapshots:
+            # Load the routers placed since each node's last heartbeat (what it does not show yet).
+            snap = next(iter(snapshots.values()))
+            since = {n.node_id: n.last_heartbeat_ms for n in snap.nodes}
+            pending = await reservations.pending(since, snap.now_ms)
+            reserved = {node: load.prefill_tokens for node, load in pending.items()}
         cmds = plan(hot, cold, snapshots, ttl_s=self.settings.heartbeat_ttl_s, now_s=now_s,
-                    params=self.params, cooldown=self.cooldown)
+                    params=self.params, cooldown=self.cooldown, reserved=reserved)
         for c in cold:
             if c in snapshots and all(p[0] == 0 for p in snapshots[c].prefix.values()):
                 self.tracker.forget(c)  # nothing left in HBM to demote
@@ -110,6 +119,9 @@ class Balancer:
         t = topics(self.settings)
         await kafka.ensure_topics(self.settings, t.all())
         store = RedisViewStore.from_settings(self.settings)
+        reservations = RedisReservations(store.client, self.settings.view_namespace, self.settings.reservation_ttl_s,
+                                         producer_id=self.producer_id)
+        await reservations.start(int(time.time() * 1000))
         consumer = kafka.consumer(self.settings, t.requests.name, group_id=f"{self.settings.topic_prefix}balance")
         producer = kafka.producer(self.settings)
         await consumer.start()
@@ -127,7 +139,7 @@ class Balancer:
                 if loop.time() < next_round:
                     continue
                 next_round = loop.time() + interval_s
-                for cmd in await self.plan_round(store):
+                for cmd in await self.plan_round(store, reservations):
                     env = envelope(cmd, producer_id=self.producer_id, producer_seq=self.seq,
                                    ts_ms=int(self.event_now_s * 1000))
                     self.seq += 1
@@ -142,4 +154,5 @@ class Balancer:
         finally:
             await consumer.stop()
             await producer.stop()
+            await reservations.close()
             await store.close()
