@@ -7,6 +7,7 @@ record of a known schema raises :class:`DecodeError` (and nothing else).
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Callable
 
 import msgpack
@@ -75,6 +76,16 @@ def _heartbeat_v1_to_v2(body: dict[str, Any]) -> dict[str, Any]:
 @upcaster("routing_request", 1)
 def _routing_request_v1(body: dict[str, Any]) -> dict[str, Any]:
     # v2 added cache_salt, exclude and retry_of, all with defaults: nothing to fill in.
+    return body
+
+
+@upcaster("kv_command", 1)
+def _kv_command_v1_to_v2(body: dict[str, Any]) -> dict[str, Any]:
+    # v1 had no command id: derive one from the body, so every re-delivery of the same v1
+    # record gets the same id (and is executed once). No deadline: it never expires.
+    body = dict(body)
+    digest = hashlib.blake2b(msgpack.packb(body, use_bin_type=True), digest_size=12).hexdigest()
+    body.setdefault("command_id", f"v1-{digest}")
     return body
 
 

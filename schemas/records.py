@@ -310,18 +310,96 @@ class RequestOutcome(Record):
     stream: bool = False
 
 
-# --- KV balance commands (topic kv-commands) ----------------------------------
+# --- KV balance commands (topics kv-commands and kv-command-results) -----------
+# The executor protocol (which events prove which action, idempotence, deadlines) is
+# described in schemas/README.md.
+
+KvAction = Literal["replicate", "migrate", "demote", "evict"]
+KvCommandStatus = Literal["done", "failed", "expired"]
+KvFailure = Literal["not_held", "no_room", "source_unreachable", "unsupported", "internal_error"]
+"""Why an executor could not carry a command out (``kv_command_result.error``)."""
+
+_TIER_RANK = {"hbm": 0, "dram": 1, "ssd": 2}
 
 
 class KvCommand(Record):
+    """An order to move KV blocks, for exactly one executing node (:attr:`executor`).
+
+    * ``replicate``: ``to_node`` pulls ``block_keys`` from ``from_node``/``from_tier`` into
+      ``to_tier``; the holder keeps its copy.
+    * ``migrate``: ``from_node`` moves the blocks from ``from_tier`` to ``to_tier`` (within the
+      node; a move across nodes is a ``replicate`` followed by an ``evict``).
+    * ``demote``: ``from_node`` moves the blocks to a lower (cheaper) tier.
+    * ``evict``: ``from_node`` drops the blocks from ``from_tier``.
+
+    ``command_id`` makes delivery at-least-once safe: an executor carries out one id once.
+    ``deadline_ms`` (the producer's clock, ms since the epoch) is when the command stops
+    being worth doing; an executor that reads it later answers ``expired``. ``token_ids``
+    (with ``block_size``) are the prefix's tokens when the producer knows them, so that an
+    engine that names blocks by its own hashes can materialise them.
+    """
+
     kind: Literal["kv_command"] = "kv_command"
-    action: Literal["replicate", "migrate", "demote", "evict"]
+    command_id: Annotated[str, StringConstraints(min_length=1, max_length=128)]
+    action: KvAction
     block_keys: Annotated[list[U64], Field(min_length=1, max_length=MAX_BLOCKS)]
     from_node: Name
     from_tier: Tier = "hbm"
     to_node: OptName = None
     to_tier: Tier | None = None
+    deadline_ms: int | None = Field(default=None, ge=0)
+    token_ids: Annotated[list[TokenId], Field(max_length=MAX_TOKENS)] | None = None
+    block_size: int | None = Field(default=None, ge=1, le=4096)
     reason: Text = ""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "KvCommand":
+        a = self.action
+        if a == "replicate":
+            if not self.to_node or self.to_node == self.from_node or self.to_tier is None:
+                raise ValueError("replicate needs a to_node other than from_node, and a to_tier")
+        elif a in ("migrate", "demote"):
+            if self.to_node not in (None, self.from_node) or self.to_tier is None:
+                raise ValueError(f"{a} stays on from_node and needs a to_tier (across nodes: replicate, then evict)")
+            if a == "demote" and _TIER_RANK[self.to_tier] <= _TIER_RANK[self.from_tier]:
+                raise ValueError("demote needs a to_tier below from_tier")
+        elif self.to_node not in (None, self.from_node) or self.to_tier is not None:
+            raise ValueError("evict names no destination")
+        if self.token_ids is not None and self.block_size is None:
+            raise ValueError("token_ids need block_size")
+        return self
+
+    @property
+    def executor(self) -> str:
+        """The node that carries the command out (and the key it travels under)."""
+        return self.to_node if self.action == "replicate" and self.to_node else self.from_node
+
+
+class KvCommandResult(Record):
+    """What an executor did with one :class:`KvCommand` (topic ``kv-command-results``).
+
+    ``done`` is only a claim: the proof is the KV events the executor published (see
+    schemas/README.md). A re-delivered command id gets the same result again and no new
+    events."""
+
+    kind: Literal["kv_command_result"] = "kv_command_result"
+    command_id: Annotated[str, StringConstraints(min_length=1, max_length=128)]
+    action: KvAction
+    node: Name
+    """The executor."""
+    status: KvCommandStatus
+    error: KvFailure | None = None
+    reason: Text = ""
+    blocks: int = Field(default=0, ge=0)
+    """Blocks that changed place (0 when everything was already where the command wanted it)."""
+    bytes_moved: int = Field(default=0, ge=0)
+    duration_ms: float = Field(default=0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _error_iff_failed(self) -> "KvCommandResult":
+        if (self.status == "failed") != (self.error is not None):
+            raise ValueError("error is set exactly when status is failed")
+        return self
 
 
 # --- dead letters (topic dead-letter) -----------------------------------------
@@ -350,6 +428,7 @@ Body = Annotated[
         RoutingRejection,
         RequestOutcome,
         KvCommand,
+        KvCommandResult,
         DeadLetter,
         ControlCommand,
     ],
@@ -370,6 +449,7 @@ BODY_TYPES: dict[str, type[Record]] = {
         RoutingRejection,
         RequestOutcome,
         KvCommand,
+        KvCommandResult,
         DeadLetter,
         ControlCommand,
     )
@@ -382,6 +462,7 @@ SCHEMA_VERSIONS["heartbeat"] = 2  # v2 added decode_context_tokens and zone
 SCHEMA_VERSIONS["routing_request"] = 2  # v2 added cache_salt, exclude and retry_of
 SCHEMA_VERSIONS["routing_decision"] = 2  # v2 added control_offset, block_size, model_profile, prefill_group, chunk_boundaries
 SCHEMA_VERSIONS["routing_rejection"] = 2  # v2 added control_offset, block_size, model_profile
+SCHEMA_VERSIONS["kv_command"] = 2  # v2 added command_id (required), deadline_ms, token_ids, block_size
 
 
 class Envelope(Record):

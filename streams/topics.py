@@ -36,6 +36,7 @@ class Topics:
     requests: Topic
     dispatch: Topic
     kv_commands: Topic
+    kv_command_results: Topic
     dead_letter: Topic
     request_outcomes: Topic
     control: Topic
@@ -46,8 +47,8 @@ class Topics:
 
     def all(self) -> tuple[Topic, ...]:
         """The shared topics (per-gateway reply topics are named by :meth:`replies`)."""
-        return (self.kv_events, self.heartbeats, self.requests, self.dispatch, self.kv_commands, self.dead_letter,
-                self.request_outcomes, self.control)
+        return (self.kv_events, self.heartbeats, self.requests, self.dispatch, self.kv_commands,
+                self.kv_command_results, self.dead_letter, self.request_outcomes, self.control)
 
     def replies(self, gateway_id: str) -> Topic:
         """The reply topic of one gateway: the decisions of the requests it sent (``reply_to``).
@@ -92,7 +93,8 @@ def topics(settings: _TopicSettings) -> Topics:
         requests=t("requests", "request id", "routing_request", retention_ms=audit_ms),
         dispatch=t("dispatch", "prefill instance id (rejections: request id)", "routing_decision", "routing_rejection",
                    retention_ms=audit_ms),
-        kv_commands=t("kv-commands", "source node id", "kv_command"),
+        kv_commands=t("kv-commands", "executing node id (KvCommand.executor)", "kv_command"),
+        kv_command_results=t("kv-command-results", "executing node id", "kv_command_result"),
         dead_letter=t("dead-letter", "source topic", "dead_letter"),
         request_outcomes=t("request-outcomes", "request id", "request_outcome", retention_ms=audit_ms),
         reply_prefix=f"{p}replies.",

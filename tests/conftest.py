@@ -12,9 +12,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import settings as hypothesis_settings
 
 from conductor.settings import Settings, load_settings
 from conductor.tools.devstack import EmbeddedStack, StackState
+
+# Properties are about values, not speed: no per-example deadline (a busy 2-core CI machine
+# would make a deadline a flaky timing test).
+hypothesis_settings.register_profile("conductor", deadline=None)
+hypothesis_settings.load_profile("conductor")
 
 
 @pytest.fixture(scope="session")

@@ -6,24 +6,35 @@ the commands to publish on ``kv-commands``. No I/O, no clock.
 
 Heat is an exponentially decayed access count per block (half-life
 ``half_life_s``), so it weighs both frequency and recency. A prefix is *hot* when
-its first block's heat reaches ``hot_threshold``; it is worth replicating when
+its last block's heat reaches ``hot_threshold``; it is worth replicating when
 every instance holding it is overloaded (Mooncake's cache-load balancing: copy
 the hot prefix to where there is compute, instead of queueing behind it). A
 prefix that was hot and has decayed below ``cold_threshold`` is demoted from HBM
 to DRAM on instances whose HBM is under pressure.
+
+Given a cost model (:class:`BalanceCosts`, e.g. a ``ModelProfile``), the replicate
+trigger is the cost rule instead of the token bars (the ``kvcache_balancing_threshold``
+idea): copy the prefix to the least-loaded instance when the queue it lets a request
+skip (the holders' shortest wait minus the target's) exceeds ``balancing_threshold``
+times the transfer, and the transfer is cheaper than recomputing the prefix there.
+
+Every command gets a deterministic ``command_id`` (a replay of the same requests plans
+the same ids) and a deadline ``command_ttl_s`` after the planning time.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from conductor.topology import Topology
-from schemas import KvCommand
+from schemas import KvCommand, Tier
 from state.view import NodeState, ViewSnapshot
 
 
@@ -39,68 +50,115 @@ class BalanceParams(BaseModel):
     hbm_pressure: float = Field(default=0.9, gt=0, le=1, description="HBM use above which cold prefixes are demoted")
     cooldown_s: float = Field(default=30.0, ge=0, description="no second command for a prefix and target within this")
     max_prefix_blocks: int = Field(default=512, ge=1, description="longest prefix one command moves")
-    max_tracked: int = Field(default=10_000, ge=1, description="prefixes tracked; the coldest are forgotten")
+    max_tracked: int = Field(default=50_000, ge=1, description="blocks tracked; the least recently used are forgotten")
     max_commands: int = Field(default=32, ge=1, description="commands per planning round")
+    command_ttl_s: float = Field(default=10.0, gt=0, description="a command not carried out this long after it "
+                                 "was planned expires")
+    replica_tier: Tier = Field(default="hbm", description="the tier a replica is written to")
+    balancing_threshold: float = Field(default=1.0, gt=0, description="with a cost model: replicate when the queue "
+                                       "avoided exceeds this times the transfer time")
+    min_avoided_s: float = Field(default=0.5, ge=0, description="with a cost model: ignore queues shorter than this")
 
 
-@dataclass
-class _Prefix:
-    chain: tuple[int, ...]
+class BalanceCosts(Protocol):
+    """What the cost rule needs of a model profile (``conductor.profiles.ModelProfile`` fits)."""
+
+    def prefill_seconds(self, total_tokens: int, cached_tokens: int = 0) -> float: ...
+
+    def transfer_seconds(self, tokens: int, tier: str, remote: bool, same_rack: bool = True) -> float: ...
+
+
+def command_id(action: str, chain_tip: int, blocks: int, from_node: str, to_node: str | None, now_s: float) -> str:
+    """A deterministic id: the same plan on a replay names the same command."""
+    text = f"{action}|{chain_tip}|{blocks}|{from_node}|{to_node or ''}|{int(now_s * 1000)}"
+    return f"{action[:3]}-{hashlib.blake2b(text.encode(), digest_size=10).hexdigest()}"
+
+
+@dataclass(slots=True)
+class _Block:
+    parent: int | None
     heat: float = 0.0
     at_s: float = 0.0
-    was_hot: bool = False
 
 
 @dataclass
 class HeatTracker:
-    """Decayed access counts per prefix (keyed by its first block)."""
+    """Decayed access counts per block; a prefix is named by its deepest block.
+
+    Every request heats each block of its chain (block keys are chained hashes, so a block
+    stands for the whole prefix ending at it). The hot prefixes are the chains that end at a
+    hot block none of whose children is hot: a system prompt shared by everyone and a
+    conversation that keeps coming back are two different prefixes, the second one longer.
+    """
 
     params: BalanceParams = field(default_factory=BalanceParams)
-    _prefixes: OrderedDict[int, _Prefix] = field(default_factory=OrderedDict)
+    _blocks: OrderedDict[int, _Block] = field(default_factory=OrderedDict)
+    _was_hot: set[int] = field(default_factory=set)
+    """Blocks that reached ``hot_threshold`` and were not forgotten: the only ones hot() and
+    cold() look at, so a planning round costs the hot set, not every block tracked."""
 
-    def _decay(self, p: _Prefix, now_s: float) -> float:
-        dt = max(0.0, now_s - p.at_s)
-        return p.heat * math.pow(0.5, dt / self.params.half_life_s)
+    def _decay(self, b: _Block, now_s: float) -> float:
+        dt = max(0.0, now_s - b.at_s)
+        return b.heat * math.pow(0.5, dt / self.params.half_life_s)
 
     def record(self, chain: Sequence[int], now_s: float) -> None:
-        if not chain:
-            return
-        head = chain[0]
-        p = self._prefixes.get(head)
-        if p is None:
-            p = self._prefixes[head] = _Prefix(tuple(chain[: self.params.max_prefix_blocks]))
-        else:
-            self._prefixes.move_to_end(head)
-            # The tracked prefix is the part every request under this head shared.
-            common = 0
-            for a, b in zip(p.chain, chain):
-                if a != b:
-                    break
-                common += 1
-            p.chain = p.chain[: max(common, 1)]
-        p.heat = self._decay(p, now_s) + 1.0
-        p.at_s = now_s
-        if p.heat >= self.params.hot_threshold:
-            p.was_hot = True
-        while len(self._prefixes) > self.params.max_tracked:
-            self._prefixes.popitem(last=False)  # least recently seen
+        chain = chain[: self.params.max_prefix_blocks]
+        blocks = self._blocks
+        parent: int | None = None
+        for key in chain:
+            b = blocks.get(key)
+            if b is None:
+                b = blocks[key] = _Block(parent)
+            b.heat = self._decay(b, now_s) + 1.0
+            b.at_s = now_s
+            if b.heat >= self.params.hot_threshold:
+                self._was_hot.add(key)
+            parent = key
+        # Deepest first, so a chain's root is the most recently used and is forgotten last.
+        for key in reversed(chain):
+            blocks.move_to_end(key)
+        while len(blocks) > self.params.max_tracked:
+            self._was_hot.discard(blocks.popitem(last=False)[0])
 
-    def heat(self, head: int, now_s: float) -> float:
-        p = self._prefixes.get(head)
-        return 0.0 if p is None else self._decay(p, now_s)
+    def heat(self, key: int, now_s: float) -> float:
+        b = self._blocks.get(key)
+        return 0.0 if b is None else self._decay(b, now_s)
+
+    def _chain(self, key: int) -> tuple[int, ...] | None:
+        out = [key]
+        b = self._blocks[key]
+        while b.parent is not None:
+            nxt = self._blocks.get(b.parent)
+            if nxt is None:
+                return None  # an ancestor was forgotten: the prefix is not known from its root
+            out.append(b.parent)
+            b = nxt
+        return tuple(reversed(out))
+
+    def _tips(self, keys: dict[int, float]) -> list[tuple[tuple[int, ...], float]]:
+        inner = {self._blocks[k].parent for k in keys}
+        out = []
+        for k, h in keys.items():
+            if k not in inner and (c := self._chain(k)) is not None:
+                out.append((c, h))
+        return out
 
     def hot(self, now_s: float) -> list[tuple[tuple[int, ...], float]]:
-        """Hot prefixes, hottest first."""
-        out = [(p.chain, h) for p in self._prefixes.values() if (h := self._decay(p, now_s)) >= self.params.hot_threshold]
-        return sorted(out, key=lambda x: -x[1])
+        """Hot prefixes (each ending at a hot block with no hot child), hottest first."""
+        blocks, bar = self._blocks, self.params.hot_threshold
+        hot = {k: h for k in self._was_hot if (h := self._decay(blocks[k], now_s)) >= bar}
+        return sorted(self._tips(hot), key=lambda x: (-x[1], -len(x[0])))
 
     def cold(self, now_s: float) -> list[tuple[int, ...]]:
         """Prefixes that were hot once and have cooled below ``cold_threshold``."""
-        return [p.chain for p in self._prefixes.values() if p.was_hot and self._decay(p, now_s) < self.params.cold_threshold]
+        blocks, bar = self._blocks, self.params.cold_threshold
+        cold = {k: h for k in self._was_hot if (h := self._decay(blocks[k], now_s)) < bar}
+        return [c for c, _ in self._tips(cold)]
 
     def forget(self, chain: Sequence[int]) -> None:
-        if chain:
-            self._prefixes.pop(chain[0], None)
+        """Stop reporting ``chain`` as cold (its blocks keep their heat)."""
+        for key in chain:
+            self._was_hot.discard(key)
 
 
 @dataclass
@@ -130,15 +188,28 @@ def plan(
     now_s: float,
     params: BalanceParams,
     cooldown: Cooldown,
+    costs: BalanceCosts | None = None,
+    block_size: int = 16,
+    reserved: Mapping[str, int] | None = None,
     topology: Topology | None = None,
     kv_bytes_per_block: float = 0.0,
 ) -> list[KvCommand]:
     """Commands for this round; ``snapshots`` holds a view read for each prefix named.
 
-    With a ``topology``, a replica is copied from the holder with the cheapest path to the
-    target (``kv_bytes_per_block`` x the prefix's blocks over the path's link), the least
-    queued holder breaking ties; without one, from the least queued holder."""
+    ``costs`` switches the replicate trigger from the token bars to the cost rule
+    (``block_size`` then converts blocks to tokens). ``reserved`` adds, per node, the
+    prefill tokens the routers placed that its heartbeats do not show yet (the routers'
+    reservations), so a node that just received a burst counts as loaded. With a
+    ``topology``, a replica is copied from the holder with the cheapest path to the target
+    (``kv_bytes_per_block`` x the prefix's blocks over the path's link), the least loaded
+    holder breaking ties; without one, from the least loaded holder."""
     commands: list[KvCommand] = []
+    extra = reserved or {}
+
+    def queued(n: NodeState) -> int:
+        return n.queued_prefill_tokens + extra.get(n.node_id, 0)
+
+    deadline_ms = int((now_s + params.command_ttl_s) * 1000)
     for chain, h in hot:
         snap = snapshots.get(chain)
         if snap is None or len(commands) >= params.max_commands:
@@ -150,38 +221,52 @@ def plan(
         holders = [n for n in live if snap.prefix.get(n.node_id, (0, 0, 0))[1] >= need]
         if not holders or len(holders) >= params.max_replicas:
             continue
-        mean = sum(n.queued_prefill_tokens for n in live) / len(live)
-        bar = max(params.overload_tokens, params.overload_factor * mean)
-        if min(n.queued_prefill_tokens for n in holders) < bar:
-            continue  # some holder still has room: routing will use it
         held = {n.node_id for n in holders}
-        candidates = [n for n in live if n.node_id not in held and n.queued_prefill_tokens < bar]
-        if not candidates:
+        source = min(holders, key=lambda n: (queued(n), n.node_id))
+        src_tier: Tier = "hbm" if snap.prefix[source.node_id][0] >= need else "dram"
+        others = [n for n in live if n.node_id not in held]
+        if not others:
             continue
-        target = min(candidates, key=lambda n: (n.queued_prefill_tokens, n.node_id))
+        target = min(others, key=lambda n: (queued(n), n.node_id))
+        via = ""
         if topology is not None:
             nbytes = kv_bytes_per_block * need
-            source = min(holders, key=lambda n: (topology.link_between(n, target).seconds(nbytes),
-                                                 n.queued_prefill_tokens, n.node_id))
+            source = min(holders, key=lambda n: (topology.link_between(n, target).seconds(nbytes), queued(n),
+                                                 n.node_id))
+            src_tier = "hbm" if snap.prefix[source.node_id][0] >= need else "dram"
             path = topology.link_between(source, target)
             via = f"; copied over {path.transport} {path.bandwidth_gbps:g} Gb/s"
+        if costs is None:
+            mean = sum(queued(n) for n in live) / len(live)
+            bar = max(params.overload_tokens, params.overload_factor * mean)
+            if min(queued(n) for n in holders) < bar or queued(target) >= bar:
+                continue  # some holder still has room (routing will use it), or nowhere better to go
+            why = f"all {len(holders)} holder(s) have >= {bar:.0f} queued prefill tokens"
         else:
-            source = min(holders, key=lambda n: (n.queued_prefill_tokens, n.node_id))
-            via = ""
-        key = (chain[0], "replicate", target.node_id)
+            tokens = need * block_size
+            avoided = costs.prefill_seconds(queued(source)) - costs.prefill_seconds(
+                queued(target))
+            transfer = costs.transfer_seconds(tokens, src_tier, remote=True)
+            recompute = costs.prefill_seconds(tokens)
+            if avoided < params.min_avoided_s or avoided <= params.balancing_threshold * transfer \
+                    or transfer >= recompute:
+                continue
+            why = (f"transfer {transfer:.3f} s < queue avoided {avoided:.2f} s "
+                   f"and < recompute {recompute:.2f} s")
+        key = (chain[-1], "replicate", target.node_id)
         if not cooldown.ready(key, now_s, params.cooldown_s):
             continue
-        src_tier = "hbm" if snap.prefix[source.node_id][0] >= need else "dram"
         commands.append(
             KvCommand(
+                command_id=command_id("replicate", chain[-1], need, source.node_id, target.node_id, now_s),
                 action="replicate",
                 block_keys=list(chain),
                 from_node=source.node_id,
                 from_tier=src_tier,
                 to_node=target.node_id,
-                to_tier="hbm",
-                reason=f"hot prefix (heat {h:.1f}); all {len(holders)} holder(s) have >= {bar:.0f} queued prefill "
-                       f"tokens{via}",
+                to_tier=params.replica_tier,
+                deadline_ms=deadline_ms,
+                reason=f"hot prefix (heat {h:.1f}); {why}{via}",
             )
         )
         cooldown.mark(key, now_s)
@@ -195,17 +280,18 @@ def plan(
             in_hbm = snap.prefix.get(n.node_id, (0, 0, 0))[0]
             if in_hbm <= 0:
                 continue
-            key = (chain[0], "demote", n.node_id)
+            key = (chain[-1], "demote", n.node_id)
             if not cooldown.ready(key, now_s, params.cooldown_s):
                 continue
             commands.append(
                 KvCommand(
+                    command_id=command_id("demote", chain[-1], in_hbm, n.node_id, None, now_s),
                     action="demote",
                     block_keys=list(chain[:in_hbm]),
                     from_node=n.node_id,
                     from_tier="hbm",
-                    to_node=n.node_id,
                     to_tier="dram",
+                    deadline_ms=deadline_ms,
                     reason=f"cold prefix; HBM {100 * (1 - n.free_kv_blocks / n.total_kv_blocks):.0f}% used",
                 )
             )

@@ -26,6 +26,7 @@ from conductor.cli.common import (
     stop_on_signals,
 )
 from conductor.engine.emulated import EmulatedEngine, EngineConfig
+from conductor.engine.executor import EngineCommandExecutor, commands_for
 from conductor.engine.http import engine_app
 from conductor.engine.metrics import engine_registry
 from conductor.errors import ConfigError
@@ -225,6 +226,9 @@ def register(groups: dict[str, typer.Typer]) -> None:
         ),
         rack: str = typer.Option(None, "--rack", help="this instance's rack, carried in its heartbeats"),
         zone: str = typer.Option(None, "--zone", help="this instance's zone, carried in its heartbeats"),
+        kv_commands: bool = typer.Option(True, "--kv-commands/--no-kv-commands",
+                                         help="carry out this node's KV commands (replicate, migrate, demote, evict) "
+                                         "and answer them on kv-command-results"),
     ) -> None:
         """Run an emulated prefill/decode instance that speaks vLLM's KV-event protocol.
 
@@ -287,6 +291,9 @@ def register(groups: dict[str, typer.Typer]) -> None:
                 if sock is not None:
                     app = engine_app(eng, s.bind_host, sock.getsockname()[1])
                     tasks.append(asyncio.create_task(web.serve(app, sock, stop)))
+                if kv_commands and role != "decode":  # the KV command executor (conductor.engine.executor)
+                    executor = EngineCommandExecutor(eng, kafka_sink(prod, tps.kv_command_results.name))
+                    tasks.append(asyncio.create_task(executor.run(commands_for(s, node_id, stop))))
                 await _until_stopped(stop, *tasks)
             finally:
                 if metrics_server is not None:

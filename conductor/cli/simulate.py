@@ -8,8 +8,10 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from pydantic import ValidationError
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
+from conductor.balance.planner import BalanceParams
 from conductor.cli.common import err, print_json, settings_or_exit
 from conductor.errors import ConfigError
 from conductor.routing.policies import POLICIES
@@ -44,6 +46,19 @@ def _params(text: str | None) -> dict[str, dict[str, Any]]:
     return data
 
 
+def _balance_params(text: str | None) -> BalanceParams | None:
+    if not text:
+        return None
+    try:
+        data = json.loads(Path(text[1:]).read_text() if text.startswith("@") else text)
+        return BalanceParams(**data)
+    except (OSError, json.JSONDecodeError, TypeError) as e:
+        raise ConfigError(f"--balance-params: not a JSON object of planner parameters ({e})") from None
+    except ValidationError as e:
+        first = e.errors()[0]
+        raise ConfigError(f"--balance-params: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
+
+
 def register(groups: dict[str, typer.Typer]) -> None:
     app = groups["app"]
 
@@ -70,6 +85,10 @@ def register(groups: dict[str, typer.Typer]) -> None:
         params: str = typer.Option(None, "--params", help='per-policy parameters as JSON '
                                    '{"kvcache-centric": {"slo_margin": 0.9}} or @file.json'),
         seed: int = typer.Option(None, "--seed", min=0, help="seed of the policies' tie-breaks [default: CONDUCTOR_SEED]"),
+        balance: str = typer.Option("off", "--balance", help="on: run the KVCache balance loop (conductor balance's "
+                                    "planner + the nodes executing its commands); off; both: each policy twice"),
+        balance_params: str = typer.Option(None, "--balance-params", help="balance planner parameters as JSON "
+                                           '{"hot_threshold": 2} or @file.json'),
         json_out: bool = typer.Option(False, "--json", help="one JSON line per policy on stdout"),
         report: Path = typer.Option(None, "--report", help="write DIR/README.md and PNG plots"),
         cpp: str = typer.Option(None, "--cpp", help="on|off: chunked pipeline parallelism of policies that have it "
@@ -93,6 +112,10 @@ def register(groups: dict[str, typer.Typer]) -> None:
 
         s = settings_or_exit()
         names = _policies(policy)
+        if balance not in ("on", "off", "both"):
+            raise ConfigError(f"--balance: expected on, off or both, not {balance!r}")
+        modes = {"on": [True], "off": [False], "both": [False, True]}[balance]
+        bparams = _balance_params(balance_params)
         prof = load_cluster(profile).with_counts(cluster)
         overrides = {k: v for k, v in (("tbt_slo_ms", tbt_slo_ms), ("ttft_slo_s", ttft_slo_s),
                                        ("view_delay_ms", view_delay_ms)) if v is not None}
@@ -106,7 +129,8 @@ def register(groups: dict[str, typer.Typer]) -> None:
         topo_file = topology or s.topology_file
         topo = load_topology(topo_file) if topo_file is not None else None
         bench = Bench(trace, prof, seed=s.seed if seed is None else seed, limit=limit, params=_params(params),
-                      topology=topo, cpp=None if cpp is None else cpp == "on", workload=workload)
+                      topology=topo, cpp=None if cpp is None else cpp == "on", workload=workload,
+                      balance=bparams)
 
         runs: list[PolicyRun] = []
         with Progress(TextColumn("{task.description}"), BarColumn(), TextColumn("{task.completed}/{task.total}"),
@@ -116,12 +140,12 @@ def register(groups: dict[str, typer.Typer]) -> None:
             def progress(label: str, done: int, total: int) -> None:
                 bar.update(task, description=label, completed=done, total=total)
 
-            for name in names:
+            for name, on in [(n, m) for n in names for m in modes]:
                 cache: dict[float, tuple[dict[str, Any], Any]] = {}
 
-                def run_at(sp: float, name: str = name, cache: dict = cache) -> dict[str, Any]:
+                def run_at(sp: float, name: str = name, cache: dict = cache, on: bool = on) -> dict[str, Any]:
                     if sp not in cache:
-                        cache[sp] = bench.run(name, sp, progress)
+                        cache[sp] = bench.run(name, sp, progress, balance=on)
                     return cache[sp][0]
 
                 summary = run_at(run_speed)
@@ -140,6 +164,8 @@ def register(groups: dict[str, typer.Typer]) -> None:
                     summary["sim_wall_s"] = round(sum(v[0]["sim_wall_s"] for v in cache.values()), 3)
                     summary["run_wall_s"] = cache[run_speed][0]["sim_wall_s"]
                 result = cache[run_speed][1]
+                if on:
+                    summary = dict(summary, policy=f"{name}+balance")
                 run = PolicyRun.from_result(summary, result)
                 run.probes = probes
                 runs.append(run)
@@ -161,9 +187,12 @@ def register(groups: dict[str, typer.Typer]) -> None:
             for flag, value in (("--cluster", cluster), ("--speed", speed), ("--tbt-slo-ms", tbt_slo_ms),
                                 ("--ttft-slo-s", ttft_slo_s), ("--view-delay-ms", view_delay_ms),
                                 ("--limit", limit), ("--params", params), ("--seed", seed), ("--cpp", cpp),
-                                ("--topology", topology), ("--workload", workload if workload != "trace" else None)):
+                                ("--topology", topology), ("--workload", workload if workload != "trace" else None),
+                                ("--balance-params", balance_params)):
                 if value is not None:
                     parts += [flag, f"{value:g}" if isinstance(value, float) else str(value)]
+            if balance != "off":
+                parts += ["--balance", balance]
             if profile != "paper-16p8d":
                 parts += ["--cluster-profile", profile]
             if capacity:

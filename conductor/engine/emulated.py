@@ -91,6 +91,13 @@ class PrefixCache:
             evicted.append(h)
         return evicted
 
+    def discard(self, hashes: Sequence[int]) -> list[int]:
+        """Drop blocks (a KV command's evict/demote); return those that were held."""
+        gone = [h for h in hashes if h in self._blocks]
+        for h in gone:
+            del self._blocks[h]
+        return gone
+
 
 def engine_hashes(token_ids: Sequence[int], block_size: int, salt: bytes) -> list[int]:
     """This instance's own chained block hashes (uint64), salted like vLLM's random seed."""
@@ -338,10 +345,60 @@ class EmulatedEngine:
                 self._blocks.pop(h, None)
         await self.publisher.publish(time.time(), events)  # type: ignore[arg-type]
 
-    def _offload_event(self, run: list[int]) -> EngineBlockStored:
+    # --- hook for the KV command executor (conductor.engine.executor) ----------------
+    # The executor decides (conductor.balance.executor); these carry its steps out on this
+    # instance's caches and publish them as the engine's own KV events.
+
+    def tier_cache(self, tier: str) -> PrefixCache | None:
+        return self.cache if tier == "hbm" else self.dram if tier == "dram" else None
+
+    async def write_prefix(self, chain: list[int], tokens: list[int]) -> None:
+        """Hold ``chain`` (this instance's hashes of ``tokens``) in HBM, as if it had computed it."""
+        local = 0
+        for h in chain:
+            if h not in self.cache:
+                break
+            local += 1
+        await self._store(chain, local, tokens)
+
+    async def move_blocks(self, hashes: list[int], from_tier: str, to_tier: str) -> None:
+        """Move held blocks between two tiers; published as stored on ``to_tier``, then removed."""
+        src, dst = self.tier_cache(from_tier), self.tier_cache(to_tier)
+        if src is None or dst is None:
+            return
+        moved = [h for h in hashes if h in src and h in self._blocks]
+        if not moved:
+            return
+        new = [h for h in moved if h not in dst]
+        events: list[EngineBlockStored | EngineBlockRemoved] = []
+        run: list[int] = []
+        for h in new:
+            if run and self._blocks[h][0] != run[-1]:
+                events.append(self._offload_event(run, to_tier))
+                run = []
+            run.append(h)
+        if run:
+            events.append(self._offload_event(run, to_tier))
+        dropped = dst.insert(new)
+        src.discard(moved)
+        events.append(EngineBlockRemoved(tuple(moved), from_tier))  # type: ignore[arg-type]
+        if dropped:
+            events.append(EngineBlockRemoved(tuple(dropped), to_tier))  # type: ignore[arg-type]
+        await self.publisher.publish(time.time(), events)  # type: ignore[arg-type]
+
+    async def drop_blocks(self, hashes: list[int], tier: str) -> None:
+        cache = self.tier_cache(tier)
+        gone = cache.discard(hashes) if cache is not None else []
+        for h in gone:
+            if h not in self.cache and (self.dram is None or h not in self.dram):
+                self._blocks.pop(h, None)
+        if gone:
+            await self.publisher.publish(time.time(), [EngineBlockRemoved(tuple(gone), tier)])  # type: ignore[arg-type]
+
+    def _offload_event(self, run: list[int], tier: str = "dram") -> EngineBlockStored:
         parent = self._blocks[run[0]][0]
         toks = tuple(t for h in run for t in self._blocks[h][1])
-        return EngineBlockStored(tuple(run), parent, toks, self.config.block_size, "dram")
+        return EngineBlockStored(tuple(run), parent, toks, self.config.block_size, tier)  # type: ignore[arg-type]
 
     # --- decode -----------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from conductor.routing.snapshot import (
     PolicyRequest,
     build_cluster,
 )
+from conductor.sim.balance import BalanceLoop, CacheTiers, execute, replicate_arrival
 from conductor.sim.cache import LruBlockCache, TieredPool
 from conductor.sim.cluster import ClusterProfile
 from conductor.sim.decode import DecodeInstance, DecodeJob
@@ -140,9 +141,11 @@ class SimResult:
     cluster: ClusterProfile
     paths: dict[PathKey, PathStats] = field(default_factory=dict)
     topology: str = "flat"
+    balance: dict[str, Any] | None = None
+    """The balance loop's counters (commands, done/failed/expired, blocks and bytes moved); None when off."""
 
 
-_ARRIVE, _PREFILL_DONE, _DECODE_READY, _DECODE_TICK, _NET, _FETCHED = 0, 1, 2, 3, 4, 5
+_ARRIVE, _PREFILL_DONE, _DECODE_READY, _DECODE_TICK, _NET, _FETCHED, _BALANCE, _REPLICA = range(8)
 STORE_NODE = "store-0"
 PATH_CLASS = {"pair": "same_rack", "racks": "cross_rack", "zones": "cross_zone"}
 
@@ -170,9 +173,11 @@ class Simulation:
         expected_output_tokens: int = 256,
         progress: Callable[[int], None] | None = None,
         topology: Topology | None = None,
+        balance: BalanceLoop | None = None,
     ) -> None:
         self.cluster = cluster
         self.topology = topology if topology is not None else flat_topology(profile)  # type: ignore[arg-type]
+        self.balance = balance
         self.profile = profile
         self.policy = policy
         self.requests = requests
@@ -241,12 +246,18 @@ class Simulation:
             self._push(r.arrival_s, _ARRIVE, o)
         self._by_index = {o.index: o for o in outcomes}
         self._decoded: dict[str, int] = {d.node_id: 0 for d in self.decodes}
+        self._arrivals_left = len(outcomes)
+        if self.balance is not None and outcomes:
+            self._push(min(o.arrival_s for o in outcomes) + self.balance.interval_s, _BALANCE, None)
         done = 0
         heap = self._heap
         while heap:
             t, _, kind, payload = heapq.heappop(heap)
             self.now = t
             if kind == _ARRIVE:
+                self._arrivals_left -= 1
+                if self.balance is not None:
+                    self.balance.observe(payload.chain, t)
                 self._arrive(payload)
                 done += 1
                 if self.progress is not None and done % 256 == 0:
@@ -260,6 +271,10 @@ class Simulation:
                 inst.expect(job.prompt_tokens, self.expected_output_tokens, -1)
                 self._finished(inst.submit(job, t))
                 self._schedule_tick(inst)
+            elif kind == _BALANCE:
+                self._balance_round()
+            elif kind == _REPLICA:
+                self._replica_landed(*payload)
             elif kind == _DECODE_TICK:
                 inst, version = payload
                 if version == inst.version:
@@ -290,6 +305,7 @@ class Simulation:
             cluster=self.cluster,
             paths=dict(self.net.stats),
             topology=self.topology.name,
+            balance=self.balance.summary() if self.balance is not None else None,
         )
 
     # --- the policy's picture -------------------------------------------------
@@ -297,6 +313,14 @@ class Simulation:
     def _snapshot(self, o: Outcome) -> ClusterSnapshot:
         """What the router would build: every node's load reported as a heartbeat (when it
         changed), the view read for the chain, and the one conversion to the policy's snapshot."""
+        self._report_load()
+        # The simulated nodes never fail, and their heartbeats already show every placement:
+        # no liveness cut-off, no reservations.
+        return build_cluster(self.view.snapshot(o.chain, self.now), {}, block_size=self.bs, ttl_s=math.inf,
+                             age_ms=self.cluster.view_delay_ms, memo=self._memo)
+
+    def _report_load(self) -> None:
+        """Every node's load now, as the heartbeats it would send (only when it changed)."""
         now = self.now
         view = self.view
         for p in self.prefills:
@@ -315,10 +339,48 @@ class Simulation:
             view.heartbeat(d.node_id, "decode", now, rack=w.rack, zone=w.zone, total_kv_blocks=d.kv_tokens // bs,
                            free_kv_blocks=free // bs, running_requests=batch, batch_size=batch,
                            decode_context_tokens=ctx)
-        # The simulated nodes never fail, and their heartbeats already show every placement:
-        # no liveness cut-off, no reservations.
-        return build_cluster(view.snapshot(o.chain, now), {}, block_size=bs, ttl_s=math.inf,
-                             age_ms=self.cluster.view_delay_ms, memo=self._memo)
+
+    # --- the balance loop (conductor balance + the executors) ---------------------
+
+    def _balance_round(self) -> None:
+        bal = self.balance
+        assert bal is not None
+        now = self.now
+        self._report_load()
+        tier = self.cluster.prefill_cache_tier
+        bytes_per_block = self.bs * self.profile.kv_bytes_per_token
+        for cmd in bal.plan(lambda chain: self.view.snapshot(list(chain), now), now):
+            p = self._prefill_by_id.get(cmd.executor)
+            if p is None:
+                bal.counts["unroutable"] += 1
+                continue
+            holder = self._prefill_by_id.get(cmd.from_node)
+            src = holder.cache.prefix_len(cmd.block_keys) if holder is not None and cmd.action == "replicate" else None
+            memory = bal.memory_of(p.node_id)
+            ex = execute(cmd, node=p.node_id, cache=CacheTiers(p.cache, tier), now_ms=int(now * 1000),
+                         memory=memory, source_prefix=src, bytes_per_block=bytes_per_block)
+            if ex is None or ex.repeat:
+                continue
+            bal.counts[ex.result.status] += 1
+            for step in ex.steps:
+                if step.op != "pull" or holder is None:
+                    continue
+                holder.cache.touch(list(step.keys))
+                same_rack = holder.rack == p.rack
+                dt = self.profile.transfer_seconds(len(step.keys) * self.bs, step.from_tier or tier, remote=True,
+                                                   same_rack=same_rack)
+                bal.blocks_moved += len(step.keys)
+                bal.bytes_moved += len(step.keys) * bytes_per_block
+                self._push(now + dt, _REPLICA, (p, step))
+        if self._arrivals_left > 0:
+            self._push(now + bal.interval_s, _BALANCE, None)
+
+    def _replica_landed(self, p: PrefillInstance, step: Any) -> None:
+        tier = self.cluster.prefill_cache_tier
+        ev, evicted = replicate_arrival(step, p.cache, p.node_id, tier)
+        self.view.removed(p.node_id, tier, evicted, self.now)
+        if ev is not None:
+            self.view.migrated(p.node_id, ev, self.now)
 
     # --- arrivals and prefill ---------------------------------------------------
 

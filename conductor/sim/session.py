@@ -7,8 +7,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from conductor.balance.planner import BalanceParams
 from conductor.profiles import load_profile
 from conductor.routing.policies import POLICIES, make_policy
+from conductor.sim.balance import BalanceLoop
 from conductor.sim.capacity import CapacitySearch, find_capacity
 from conductor.sim.cluster import ClusterProfile
 from conductor.sim.engine import SimResult, Simulation
@@ -43,6 +45,7 @@ class Bench:
         topology: Topology | None = None,
         cpp: bool | None = None,
         workload: str = "trace",
+        balance: BalanceParams | None = None,
     ) -> None:
         self.records = read_trace(trace) if isinstance(trace, (str, Path)) else trace
         if workload == "long-context":
@@ -58,6 +61,8 @@ class Bench:
         self.seed = seed
         self.params = params or {}
         self.bucket_ms = bucket_ms
+        self.balance = balance
+        """Balance planner parameters; runs with balancing on use them (None: default ones)."""
         self._schedules: dict[float, list[TraceRequest]] = {}
         self.upper_bound = reuse_upper_bound(self.requests(1.0), cluster.block_size)
 
@@ -68,8 +73,16 @@ class Bench:
             self._schedules = {speed: s}  # keep one: capacity probes rarely repeat a speed
         return s
 
-    def run(self, policy: str, speed: float, progress: Progress | None = None) -> tuple[dict[str, Any], SimResult]:
-        """Simulate ``policy`` (a registered name, or ``name:variant``) at ``speed``; (summary, raw result)."""
+    def balance_loop(self) -> BalanceLoop:
+        """A fresh balance loop for one run: the planner's parameters, with replicas written to
+        the tier the simulated prefill caches live in."""
+        params = (self.balance or BalanceParams()).model_copy(update={"replica_tier": self.cluster.prefill_cache_tier})
+        return BalanceLoop(params, self.profile, self.cluster.block_size)
+
+    def run(self, policy: str, speed: float, progress: Progress | None = None,
+            balance: bool = False) -> tuple[dict[str, Any], SimResult]:
+        """Simulate ``policy`` (a registered name, or ``name:variant``) at ``speed``, with the
+        KVCache balance loop when ``balance``; (summary, raw result)."""
         reqs = self.requests(speed)
         # "name:variant" runs policy ``name`` with the parameters given for "name:variant",
         # so ablations of one policy can share a run and a table.
@@ -78,20 +91,25 @@ class Bench:
         if self.cpp is not None and "cpp" in POLICIES[base].Params.model_fields:
             params["cpp"] = self.cpp
         pol = make_policy(base, params, self.profile, self.topology)  # type: ignore[arg-type]
-        label = f"{policy} @ {speed:.3g}x"
+        label = f"{policy}{' +balance' if balance else ''} @ {speed:.3g}x"
         cb = (lambda done: progress(label, done, len(reqs))) if progress is not None else None
         t0 = time.perf_counter()
+        loop = self.balance_loop() if balance else None
         result = Simulation(self.cluster, self.profile, pol, reqs, seed=self.seed, progress=cb,
-                            topology=self.topology).run()
+                            topology=self.topology, balance=loop).run()
         wall = time.perf_counter() - t0
         summary = summarize(result, policy=policy, speed=speed, reuse_upper_bound=self.upper_bound, sim_wall_s=wall)
+        summary["balance"] = balance
+        if result.balance is not None:
+            summary.update(result.balance)
         if self.params.get(policy):
             summary["params"] = self.params[policy]
         return summary, result
 
-    def capacity(self, policy: str, *, target: float = 0.9, progress: Progress | None = None) -> CapacitySearch:
+    def capacity(self, policy: str, *, target: float = 0.9, progress: Progress | None = None,
+                 balance: bool = False) -> CapacitySearch:
         return find_capacity(
-            lambda s: self.run(policy, s, progress)[0], target=target, start=self.cluster.default_speed
+            lambda s: self.run(policy, s, progress, balance)[0], target=target, start=self.cluster.default_speed
         )
 
     def arrival_rate(self, speed: float) -> float:

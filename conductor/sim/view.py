@@ -20,7 +20,7 @@ from collections import deque
 from collections.abc import Sequence
 
 from conductor.sim.errors import SimulationError
-from schemas import BlocksRemoved, BlocksStored, Heartbeat, envelope
+from schemas import BlocksMigrated, BlocksRemoved, BlocksStored, Heartbeat, envelope
 from state.memory import InMemoryViewStore
 from state.view import ViewSnapshot
 
@@ -87,6 +87,10 @@ class DelayedView:
     def removed(self, node: str, tier: str, keys: Sequence[int], now_s: float) -> None:
         if keys:
             self._publish(node, BlocksRemoved(block_keys=list(keys), tier=tier), now_s)  # type: ignore[arg-type]
+
+    def migrated(self, node: str, event: BlocksMigrated, now_s: float) -> None:
+        """``node``'s proof that it carried out a KV command (see schemas/README.md)."""
+        self._publish(node, event, now_s)
 
     def deliver(self, now_s: float) -> None:
         """Apply every record whose delivery time has come."""

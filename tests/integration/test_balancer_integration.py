@@ -63,4 +63,5 @@ async def test_hot_prefix_on_overloaded_holder_is_replicated(settings):
     cmd = decode(msg.value).body
     assert isinstance(cmd, KvCommand)
     assert (cmd.action, cmd.from_node, cmd.to_node, cmd.block_keys) == ("replicate", "p-busy", "p-idle", chain)
-    assert msg.key == b"p-busy"
+    assert msg.key == b"p-idle"  # keyed by the executor: the target pulls the prefix
+    assert cmd.command_id and cmd.deadline_ms is not None

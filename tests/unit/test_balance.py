@@ -96,3 +96,43 @@ def test_demotes_cold_prefix_only_under_hbm_pressure():
              {"full": (2, 3, 3), "roomy": (3, 3, 3)})
     cmds = plan([], [chain], {chain: s}, ttl_s=5, now_s=0, params=P, cooldown=Cooldown())
     assert [(c.action, c.from_node, c.block_keys, c.to_tier) for c in cmds] == [("demote", "full", [7, 8], "dram")]
+
+
+def test_prefixes_under_a_shared_root_are_told_apart():
+    t = HeatTracker(BalanceParams(hot_threshold=2))
+    for _ in range(2):
+        t.record([0, 1, 2], 0.0)
+        t.record([0, 5, 6, 7], 0.0)
+    t.record([0, 9], 0.0)
+    assert sorted(c for c, _ in t.hot(0.0)) == [(0, 1, 2), (0, 5, 6, 7)]
+
+
+class LinearCosts:
+    """Prefill 1 ms per token; remote transfer 0.1 ms per token."""
+
+    def prefill_seconds(self, total_tokens, cached_tokens=0):
+        return (total_tokens - cached_tokens) / 1000
+
+    def transfer_seconds(self, tokens, tier, remote, same_rack=True):
+        return tokens / 10_000
+
+
+@pytest.mark.parametrize(
+    "holder_queue, target_queue, replicated",
+    [
+        (5_000, 0, True),     # 5 s avoided > 0.1 s transfer
+        (5_000, 4_950, False),  # 0.05 s avoided: below min_avoided_s
+        (600, 0, True),
+        (400, 0, False),      # 0.4 s avoided < min_avoided_s (0.5 s)
+    ],
+)
+def test_cost_rule_replicates_when_the_transfer_is_cheaper_than_the_queue_it_avoids(holder_queue, target_queue,
+                                                                                     replicated):
+    chain = tuple(range(10))  # 10 blocks x 100 tokens: transfer 0.1 s, recompute 1 s
+    s = snap([node("a", holder_queue), node("b", target_queue)], {"a": (10, 10, 10)})
+    cmds = plan([(chain, 9.0)], [], {chain: s}, ttl_s=5, now_s=0, params=BalanceParams(), cooldown=Cooldown(),
+                costs=LinearCosts(), block_size=100)
+    assert bool(cmds) is replicated
+    if cmds:
+        assert (cmds[0].from_node, cmds[0].to_node, cmds[0].executor) == ("a", "b", "b")
+        assert cmds[0].deadline_ms == 10_000 and cmds[0].command_id.startswith("rep-")
