@@ -140,7 +140,7 @@ async def test_raw_snapshot_reader_matches_the_view_store(settings) -> None:
     finally:
         await view.clear()
         await reader.close()
-    dead = RawSnapshotReader(view, "redis://127.0.0.1:1/0", timeout_s=0.2)
+    dead = RawSnapshotReader("redis://127.0.0.1:1/0", settings.view_namespace, timeout_s=0.2)
     with pytest.raises(ViewStoreError, match="view read failed"):
         await dead.snapshot(chain)
 
