@@ -96,9 +96,6 @@ class InMemoryViewStore:
             self._slots[n.slot] = node_id
         return n
 
-    def _fenced(self, pos: SourcePosition | None) -> bool:
-        return pos is not None and pos.offset <= self._watermark.get(pos.key, -1)
-
     def apply_sync(self, env: Envelope, pos: SourcePosition | None = None) -> Outcome:
         """Fold one record with the stored stream state and write it; return its outcome."""
         return self.apply_records_sync([(env, pos)])[0]
@@ -111,26 +108,28 @@ class InMemoryViewStore:
         """:meth:`apply_groups` without an event loop."""
         out: list[Outcome] = []
         for pos, ops in batch:
-            if out and out[-1] == Outcome.CONFLICT:
-                out.append(Outcome.CONFLICT)
-            elif self._fenced(pos):
+            if pos is not None and pos.offset <= self._watermark.get(pos.key, -1):
                 out.append(Outcome.FENCED)
-            elif any(isinstance(op, SetStream) and op.prev is not None
-                     and self._stream(op.node).part(op.part) != op.prev.part(op.part) for op in ops):
-                out.append(Outcome.CONFLICT)
-            else:
-                self._apply(ops)
-                if pos is not None:
-                    self._watermark[pos.key] = pos.offset
-                out.append(Outcome.APPLIED)
+                continue
+            if self._moved(ops):
+                return out + [Outcome.CONFLICT] * (len(batch) - len(out))
+            self._apply(ops)
+            if pos is not None:
+                self._watermark[pos.key] = pos.offset
+            out.append(Outcome.APPLIED)
         return out
+
+    def _moved(self, ops: Sequence[Op]) -> bool:
+        """Whether a ``SetStream.prev`` among ``ops`` differs from the stored stream."""
+        for op in ops:
+            if type(op) is SetStream and op.prev is not None:
+                n = self._nodes.get(op.node)
+                if (n.stream if n is not None else NodeStream()).part(op.part) != op.prev.part(op.part):
+                    return True
+        return False
 
     def streams_sync(self, node_ids: Sequence[str]) -> dict[str, NodeStream]:
         return {n: self._nodes[n].stream for n in node_ids if n in self._nodes}
-
-    def _stream(self, node_id: str) -> NodeStream:
-        n = self._nodes.get(node_id)
-        return n.stream if n is not None else NodeStream()
 
     def _apply(self, ops: Sequence[Op]) -> None:
         blocks = self._blocks
