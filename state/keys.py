@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from schemas import TIERS
@@ -82,19 +81,27 @@ def parse_stream(kv: bytes | None, hbs: bytes | None) -> NodeStream:
     return NodeStream(epoch=e, seq=q, gaps=g, missed=m, hb_epoch=he, hb_seq=hq)
 
 
-@dataclass(frozen=True, slots=True)
 class ViewKeys:
-    """The key names of one view namespace."""
+    """The key names of one view namespace (computed once: the router builds keys per read)."""
 
-    ns: str
+    __slots__ = ("ns", "block_prefix", "block_pattern", "all_pattern", "nodes", "slots", "meta",
+                 "watermark", "version", "retired", "free")
 
-    def __post_init__(self) -> None:
-        if "|" in self.ns:
+    def __init__(self, ns: str) -> None:
+        if "|" in ns:
             raise ValueError("a view namespace cannot contain '|'")
-
-    @property
-    def block_prefix(self) -> bytes:
-        return f"{self.ns}|b".encode()
+        self.ns = ns
+        self.block_prefix = f"{ns}|b".encode()
+        self.block_pattern = f"{ns}|b*"
+        """SCAN pattern of the block keys (filter the matches with :meth:`block_of`)."""
+        self.all_pattern = f"{ns}|*"
+        self.nodes = f"{ns}|nodes"
+        self.slots = f"{ns}|slots"
+        self.meta = f"{ns}|meta"
+        self.watermark = f"{ns}|wm"
+        self.version = f"{ns}|ver"
+        self.retired = f"{ns}|retired"
+        self.free = f"{ns}|free"
 
     def block(self, key: int) -> bytes:
         return self.block_prefix + key.to_bytes(BLOCK_KEY_BYTES, "big")
@@ -103,29 +110,12 @@ class ViewKeys:
         pre = self.block_prefix
         return [pre + k.to_bytes(BLOCK_KEY_BYTES, "big") for k in chain]
 
-    @property
-    def block_pattern(self) -> str:
-        """SCAN pattern of the block keys (filter the matches with :meth:`block_of`)."""
-        return f"{self.ns}|b*"
-
     def block_of(self, key: bytes) -> int | None:
         """The block key a Redis key stores, or None for a key that is not a block key."""
         pre = self.block_prefix
         if len(key) != len(pre) + BLOCK_KEY_BYTES or not key.startswith(pre):
             return None
         return int.from_bytes(key[len(pre):], "big")
-
-    @property
-    def all_pattern(self) -> str:
-        return f"{self.ns}|*"
-
-    nodes = property(lambda self: f"{self.ns}|nodes")
-    slots = property(lambda self: f"{self.ns}|slots")
-    meta = property(lambda self: f"{self.ns}|meta")
-    watermark = property(lambda self: f"{self.ns}|wm")
-    version = property(lambda self: f"{self.ns}|ver")
-    retired = property(lambda self: f"{self.ns}|retired")
-    free = property(lambda self: f"{self.ns}|free")
 
 
 class NodeHashDecoder:
