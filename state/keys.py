@@ -108,7 +108,7 @@ class ViewKeys:
 
     def blocks(self, chain: Sequence[int]) -> list[bytes]:
         pre = self.block_prefix
-        return [pre + k.to_bytes(BLOCK_KEY_BYTES, "big") for k in chain]
+        return [pre + k.to_bytes(8, "big") for k in chain]  # 8 = BLOCK_KEY_BYTES (a literal: the hot loop)
 
     def block_of(self, key: bytes) -> int | None:
         """The block key a Redis key stores, or None for a key that is not a block key."""
