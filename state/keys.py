@@ -59,6 +59,9 @@ def blocks_field(tier: int) -> str:
     return f"b{tier}"
 
 
+BLOCKS_FIELDS = tuple(blocks_field(i) for i in range(len(TIERS)))
+
+
 def node_field(node: str, attr: str) -> str:
     return f"{node}{SEP}{attr}"
 
@@ -141,7 +144,7 @@ class NodeHashDecoder:
             a = per[node]
             if SLOT_FIELD in a:
                 slot_nodes[int(a[SLOT_FIELD])] = node
-            sig = (a.get(HEARTBEAT_FIELD), a.get(kv), a.get("b0"), a.get("b1"), a.get("b2"))
+            sig = (a.get(HEARTBEAT_FIELD), a.get(kv), *(a.get(f) for f in BLOCKS_FIELDS))
             hit = self._cache.get(node)
             if hit is not None and hit[0] == sig:
                 states.append(hit[1])
@@ -149,8 +152,8 @@ class NodeHashDecoder:
             st = parse_stream(a.get(kv), a.get(hbs))
             hb = json.loads(a[HEARTBEAT_FIELD]) if HEARTBEAT_FIELD in a else {}
             blocks = {}
-            for i, t in enumerate(TIERS):
-                n = int(a.get(blocks_field(i), 0) or 0)
+            for t, f in zip(TIERS, BLOCKS_FIELDS):
+                n = int(a.get(f, 0) or 0)
                 if n > 0:
                     blocks[t] = n
             state = NodeState(
