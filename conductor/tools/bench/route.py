@@ -20,7 +20,6 @@ from conductor.routing.router import Router, redis_stores
 from conductor.tools.bench import percentile
 from schemas import Heartbeat, RoutingDecision, RoutingRequest, envelope
 from state.fold import AddBlocks
-from state.redis_view import RedisViewStore
 
 # --- the benchmark's synthetic cluster ------------------------------------------------------
 
@@ -130,16 +129,13 @@ async def run_route_bench(settings: Any, *, decisions: int, target_blocks: int, 
     rng = random.Random(seed)
     nodes = cluster_nodes(16, 12, 4, racks=4)
     view, resv = redis_stores(settings)
-    # Writes (the bulk load, heartbeats) go through a store with the writers' timeouts; the
-    # router's client fails fast (0.5 s), which a 20k-key load call can exceed on a busy machine.
-    writer = RedisViewStore.from_settings(settings)
-    await writer.clear()
+    await view.clear()
     await resv.clear()
     work = PrefixWorkload(rng)
     t0 = time.perf_counter()
-    blocks = await load_synthetic_view(writer, work, nodes, target_blocks, rng)
+    blocks = await load_synthetic_view(view, work, nodes, target_blocks, rng)
     hb_seq = 1
-    await publish_heartbeats(writer, nodes, rng, hb_seq, int(time.time() * 1000))
+    await publish_heartbeats(view, nodes, rng, hb_seq, int(time.time() * 1000))
     load_s = time.perf_counter() - t0
     if progress:
         progress(f"view loaded: {len(nodes)} instances, {blocks} blocks in {load_s:.1f}s")
@@ -184,7 +180,7 @@ async def run_route_bench(settings: Any, *, decisions: int, target_blocks: int, 
             if now >= hb["next"]:  # engines report: reservations of the past interval are released
                 hb["next"] = now + heartbeat_every_s
                 hb["seq"] += 1
-                await publish_heartbeats(writer, nodes, rng, hb["seq"], int(time.time() * 1000))
+                await publish_heartbeats(view, nodes, rng, hb["seq"], int(time.time() * 1000))
                 hb["paused"] += time.perf_counter() - now
             req = queue.pop()
             t = time.perf_counter()
@@ -201,10 +197,9 @@ async def run_route_bench(settings: Any, *, decisions: int, target_blocks: int, 
     busy = time.perf_counter() - t_run - hb["paused"]
     await router.close()
     gc.unfreeze()
-    await writer.clear()
+    await view.clear()
     await resv.clear()
     await view.close()
-    await writer.close()
     return {
         "bench": "route",
         "policy": inner.name,
