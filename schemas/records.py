@@ -319,7 +319,7 @@ KvCommandStatus = Literal["done", "failed", "expired"]
 KvFailure = Literal["not_held", "no_room", "source_unreachable", "unsupported", "internal_error"]
 """Why an executor could not carry a command out (``kv_command_result.error``)."""
 
-_TIER_RANK = {"hbm": 0, "dram": 1, "ssd": 2}
+_TIER_RANK = {t: i for i, t in enumerate(TIERS)}  # fastest first
 
 
 class KvCommand(Record):

@@ -1,16 +1,33 @@
 """The cache-location view: the pure fold from events to view operations, and its stores.
 
 - :mod:`state.fold`: ``fold(envelope, node_stream) -> Folded`` (pure).
-- :mod:`state.view`: the read/write contracts (``ViewReader``, ``ViewStore``) and types.
+- :mod:`state.write`: ``fold_and_write``: the one write path of both stores.
+- :mod:`state.view`: the read/write contracts (``ViewReader``, ``ViewStore``), ``Outcome``, types.
+- :mod:`state.keys`: the Redis layout (key names, block-key bytes, node-hash fields; pure).
 - :mod:`state.memory`: ``InMemoryViewStore`` (sync + async API; the simulator's view).
 - :mod:`state.redis_view`: ``RedisViewStore`` (the production view).
+- :mod:`state.reader`: ``RawSnapshotReader`` (the router's fast ``ViewReader``).
 """
 
 from .fold import NodeStream, fold
 from .memory import InMemoryViewStore
-from .view import NodeState, SourcePosition, ViewReader, ViewSnapshot, ViewStore
+from .view import (
+    NodeState,
+    Outcome,
+    SourcePosition,
+    ViewReader,
+    ViewSnapshot,
+    ViewStore,
+)
 
 __all__ = [
-    "NodeStream", "fold", "InMemoryViewStore", "NodeState", "SourcePosition", "ViewReader",
-    "ViewSnapshot", "ViewStore",
+    "InMemoryViewStore",
+    "NodeState",
+    "NodeStream",
+    "Outcome",
+    "SourcePosition",
+    "ViewReader",
+    "ViewSnapshot",
+    "ViewStore",
+    "fold",
 ]

@@ -21,7 +21,7 @@ source position; ``stream`` is the node's new stream state (the caller keeps it)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from schemas import (
@@ -34,13 +34,7 @@ from schemas import (
     chain_keys,
 )
 
-TIER_INDEX: dict[str, int] = {"hbm": 0, "dram": 1, "ssd": 2}
-TIER_NAMES: tuple[str, str, str] = ("hbm", "dram", "ssd")
-
-# Outcomes of one fold (also the labels of the "records skipped/applied" counters).
-APPLIED = "applied"
-DUPLICATE = "duplicate"
-OLD_EPOCH = "old_epoch"
+from .view import TIER_INDEX, Outcome
 
 
 class UnfoldableRecord(ValueError):
@@ -117,7 +111,7 @@ class SetStream:
     """The state the fold started from. When set, a store applies the record only if its own
     copy of that ``part`` still equals it (compare-and-set); otherwise another writer moved
     the stream after this fold read it, and the record must be folded again (see
-    :data:`state.view.CONFLICT`). ``None``: no precondition (bulk loads)."""
+    :attr:`state.view.Outcome.CONFLICT`). ``None``: no precondition (bulk loads)."""
 
 
 Op = AddBlocks | RemoveBlocks | ClearNode | SetHeartbeat | SetStream
@@ -125,8 +119,8 @@ Op = AddBlocks | RemoveBlocks | ClearNode | SetHeartbeat | SetStream
 
 @dataclass(frozen=True, slots=True)
 class Folded:
-    outcome: str
-    """:data:`APPLIED`, :data:`DUPLICATE` or :data:`OLD_EPOCH`."""
+    outcome: Outcome
+    """``APPLIED``, ``DUPLICATE`` or ``OLD_EPOCH``."""
     stream: NodeStream
     ops: tuple[Op, ...] = ()
     gap: int = 0
@@ -182,9 +176,9 @@ def fold(env: Envelope, stream: NodeStream | None = None) -> Folded:
     body = env.body
     if isinstance(body, Heartbeat):
         if (env.epoch, env.producer_seq) <= (st.hb_epoch, st.hb_seq):
-            return Folded(DUPLICATE, st, node=node)
+            return Folded(Outcome.DUPLICATE, st, node=node)
         new = replace(st, hb_epoch=env.epoch, hb_seq=env.producer_seq)
-        return Folded(APPLIED, new, (SetHeartbeat(node, heartbeat_state(env, body)), SetStream(node, new, "hb", prev=st)), node=node)
+        return Folded(Outcome.APPLIED, new, (SetHeartbeat(node, heartbeat_state(env, body)), SetStream(node, new, "hb", prev=st)), node=node)
 
     if not isinstance(body, (BlocksStored, BlocksRemoved, AllBlocksCleared, BlocksMigrated)):
         raise UnfoldableRecord("wrong_kind", f"{body.kind} is not a KV event or heartbeat")
@@ -192,14 +186,14 @@ def fold(env: Envelope, stream: NodeStream | None = None) -> Folded:
     ops: list[Op] = []
     epoch, seq = env.epoch, env.producer_seq
     if epoch < st.epoch:
-        return Folded(OLD_EPOCH, st, node=node)
+        return Folded(Outcome.OLD_EPOCH, st, node=node)
     if epoch > st.epoch:
         if st.epoch >= 0:
             ops.append(ClearNode(node))  # the engine restarted: its old blocks are gone
         last = -1
     else:
         if seq <= st.seq:
-            return Folded(DUPLICATE, st, node=node)
+            return Folded(Outcome.DUPLICATE, st, node=node)
         last = st.seq
     # Sequences start at 0 in every epoch, so a first record above 0 is a gap too.
     gap = seq - last - 1
@@ -229,21 +223,4 @@ def fold(env: Envelope, stream: NodeStream | None = None) -> Folded:
                 ops.append(RemoveBlocks(body.from_node, TIER_INDEX[body.from_tier], keys))
             ops.append(AddBlocks(body.to_node, TIER_INDEX[body.to_tier], keys))
     ops.append(SetStream(node, new, prev=st))
-    return Folded(APPLIED, new, tuple(ops), gap=max(gap, 0), node=node)
-
-
-@dataclass(slots=True)
-class StreamTable:
-    """A plain dict of node → :class:`NodeStream` with the fold bound to it.
-
-    What the in-memory store and ``view rebuild`` use; the stream worker keeps the same
-    state in a Faust table instead.
-    """
-
-    streams: dict[str, NodeStream] = field(default_factory=dict)
-
-    def fold(self, env: Envelope) -> Folded:
-        f = fold(env, self.streams.get(env.producer_id))
-        if f.outcome == APPLIED:
-            self.streams[env.producer_id] = f.stream
-        return f
+    return Folded(Outcome.APPLIED, new, tuple(ops), gap=max(gap, 0), node=node)

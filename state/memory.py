@@ -3,14 +3,15 @@
 Synchronous use (the simulator's discrete-event loop; no event loop needed)::
 
     store = InMemoryViewStore()
-    outcome = store.apply_sync(envelope)             # fold + apply one record; no fence
+    outcome = store.apply_sync(envelope)             # fold + write one record; no fence
     outcome = store.apply_sync(envelope, position)   # ... fenced by its source position
     snap = store.snapshot_sync(chain, now_ms)        # ViewSnapshot for a chain of block keys
     snap.prefix["node-3"]                            # (hbm, hbm+dram, hbm+dram+ssd) blocks
     snap.live_nodes(ttl_s)                           # nodes whose heartbeat is fresh at now_ms
 
-``apply_ops_sync(ops, position)`` applies operations already folded (``state.fold``) and
-is the bulk path for synthetic views. The async methods implement
+``apply_sync`` goes through the same fold-and-write passes as every store
+(``state.write``); ``apply_groups_sync(batch)`` writes operations already folded
+(``state.fold``) and is the bulk path for synthetic views. The async methods implement
 :class:`state.view.ViewStore` with the same semantics, for the contract tests and for
 code written against the protocol.
 
@@ -22,15 +23,13 @@ no node holds.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
-from dataclasses import asdict, replace
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
-from schemas import Envelope
+from schemas import TIERS, Envelope
 
 from .fold import (
-    APPLIED,
-    TIER_NAMES,
     AddBlocks,
     ClearNode,
     NodeStream,
@@ -38,19 +37,17 @@ from .fold import (
     RemoveBlocks,
     SetHeartbeat,
     SetStream,
-    fold,
 )
 from .view import (
-    APPLIED_GROUP,
-    CONFLICT,
-    FENCED_GROUP,
     NodeState,
+    Outcome,
     SourcePosition,
     ViewSnapshot,
+    canonical_dump,
     longest_prefixes,
+    mask_holders,
 )
-
-FENCED = "fenced"
+from .write import Group, Record, fold_and_write_sync
 
 
 class _Node:
@@ -74,7 +71,7 @@ class _Node:
                 epoch=max(st.epoch, 0),
                 last_seq=st.seq,
                 seq_gaps=st.gaps,
-                blocks={t: len(k) for t, k in zip(TIER_NAMES, self.keys) if k},
+                blocks={t: len(k) for t, k in zip(TIERS, self.keys) if k},
                 **{k: v for k, v in hb.items() if k != "role"},
             )
         return self.cached
@@ -88,7 +85,6 @@ class InMemoryViewStore:
         self._slots: dict[int, str] = {}
         self._blocks: dict[int, int] = {}  # block key → bit 3*slot+tier per holder
         self._watermark: dict[str, int] = {}
-        self._missed: dict[str, int] = {}
 
     # --- writing ------------------------------------------------------------
 
@@ -100,41 +96,42 @@ class InMemoryViewStore:
             self._slots[n.slot] = node_id
         return n
 
-    def _fenced(self, pos: SourcePosition | None) -> bool:
-        return pos is not None and pos.offset <= self._watermark.get(pos.key, -1)
+    def apply_sync(self, env: Envelope, pos: SourcePosition | None = None) -> Outcome:
+        """Fold one record with the stored stream state and write it; return its outcome."""
+        return self.apply_records_sync([(env, pos)])[0]
 
-    def apply_sync(self, env: Envelope, pos: SourcePosition | None = None) -> str:
-        """Fold one record with the stored stream state and apply it; return its outcome."""
-        if self._fenced(pos):
-            return FENCED
-        n = self._nodes.get(env.producer_id)
-        f = fold(env, n.stream if n is not None else None)
-        if f.outcome == APPLIED:
-            self._apply(f.ops)
-        if pos is not None:
-            self._watermark[pos.key] = pos.offset
-        return f.outcome
+    def apply_records_sync(self, records: Sequence[Record]) -> list[Outcome]:
+        """:meth:`apply` without an event loop."""
+        return fold_and_write_sync(self.streams_sync, self.apply_groups_sync, records).outcomes()
 
-    def apply_ops_sync(self, ops: Iterable[Op], pos: SourcePosition | None = None) -> bool:
-        """Apply folded operations of one record; False if its position was already applied
-        or its stream precondition no longer holds (see :meth:`apply_group_sync`)."""
-        return self.apply_group_sync(ops, pos) == APPLIED_GROUP
+    def apply_groups_sync(self, batch: Sequence[Group]) -> list[Outcome]:
+        """:meth:`apply_groups` without an event loop."""
+        out: list[Outcome] = []
+        for pos, ops in batch:
+            if pos is not None and pos.offset <= self._watermark.get(pos.key, -1):
+                out.append(Outcome.FENCED)
+                continue
+            if self._moved(ops):
+                return out + [Outcome.CONFLICT] * (len(batch) - len(out))
+            self._apply(ops)
+            if pos is not None:
+                self._watermark[pos.key] = pos.offset
+            out.append(Outcome.APPLIED)
+        return out
 
-    def apply_group_sync(self, ops: Iterable[Op], pos: SourcePosition | None = None) -> int:
-        """Apply one record's operations: ``APPLIED_GROUP``, ``FENCED_GROUP`` (position already
-        applied) or ``CONFLICT`` (a ``SetStream.prev`` differs from the stored stream)."""
-        if self._fenced(pos):
-            return FENCED_GROUP
-        ops = tuple(ops)
+    def _moved(self, ops: Sequence[Op]) -> bool:
+        """Whether a ``SetStream.prev`` among ``ops`` differs from the stored stream."""
         for op in ops:
-            if isinstance(op, SetStream) and op.prev is not None and self.stream_sync(op.node).part(op.part) != op.prev.part(op.part):
-                return CONFLICT
-        self._apply(ops)
-        if pos is not None:
-            self._watermark[pos.key] = pos.offset
-        return APPLIED_GROUP
+            if type(op) is SetStream and op.prev is not None:
+                n = self._nodes.get(op.node)
+                if (n.stream if n is not None else NodeStream()).part(op.part) != op.prev.part(op.part):
+                    return True
+        return False
 
-    def _apply(self, ops: Iterable[Op]) -> None:
+    def streams_sync(self, node_ids: Sequence[str]) -> dict[str, NodeStream]:
+        return {n: self._nodes[n].stream for n in node_ids if n in self._nodes}
+
+    def _apply(self, ops: Sequence[Op]) -> None:
         blocks = self._blocks
         for op in ops:
             if isinstance(op, AddBlocks):
@@ -205,19 +202,9 @@ class InMemoryViewStore:
     def nodes_sync(self) -> list[NodeState]:
         return [n.state() for n in self._nodes.values()]
 
-    def stream_sync(self, node_id: str) -> NodeStream:
-        n = self._nodes.get(node_id)
-        return n.stream if n is not None else NodeStream()
-
     def holders(self, key: int) -> dict[str, tuple[str, ...]]:
         """Which nodes hold block ``key``, in which tiers."""
-        m = self._blocks.get(key, 0)
-        out: dict[str, tuple[str, ...]] = {}
-        for slot, node in self._slots.items():
-            tiers = tuple(TIER_NAMES[t] for t in range(3) if m >> (3 * slot + t) & 1)
-            if tiers:
-                out[node] = tiers
-        return out
+        return mask_holders(self._blocks.get(key, 0), self._slots)
 
     def dump_sync(self) -> dict[str, Any]:
         return canonical_dump(
@@ -230,7 +217,6 @@ class InMemoryViewStore:
     # --- the async ViewStore protocol ----------------------------------------
 
     async def snapshot(self, chain: Sequence[int], *, now_ms: int | None = None) -> ViewSnapshot:
-
         return self.snapshot_sync(chain, int(time.time() * 1000) if now_ms is None else now_ms)
 
     async def nodes(self) -> list[NodeState]:
@@ -242,46 +228,15 @@ class InMemoryViewStore:
     async def dump(self) -> dict[str, Any]:
         return self.dump_sync()
 
-    async def apply(self, records: Sequence[tuple[Envelope, SourcePosition | None]]) -> list[str]:
-        return [self.apply_sync(env, pos) for env, pos in records]
+    async def apply(self, records: Sequence[Record]) -> list[Outcome]:
+        return self.apply_records_sync(records)
 
-    async def apply_ops(self, batch: Sequence[tuple[SourcePosition | None, Sequence[Op]]]) -> int:
-        return sum(self.apply_ops_sync(ops, pos) for pos, ops in batch)
-
-    async def apply_groups(self, batch: Sequence[tuple[SourcePosition | None, Sequence[Op]]]) -> list[int]:
-        """Like :meth:`apply_ops`, with a flag per group; after a conflict, nothing more is
-        applied (see ``state.view.ViewStore.apply_groups``)."""
-        flags: list[int] = []
-        for pos, ops in batch:
-            flags.append(self.apply_group_sync(ops, pos) if CONFLICT not in flags[-1:] else CONFLICT)
-        return flags
+    async def apply_groups(self, batch: Sequence[Group]) -> list[Outcome]:
+        return self.apply_groups_sync(batch)
 
     async def streams(self, node_ids: Sequence[str]) -> dict[str, NodeStream]:
-        return {n: self._nodes[n].stream for n in node_ids if n in self._nodes}
+        return self.streams_sync(node_ids)
 
     async def clear(self) -> None:
         self.clear_sync()
 
-
-def canonical_dump(
-    nodes: Iterable[NodeState],
-    streams: dict[str, NodeStream],
-    blocks: Iterable[tuple[int, dict[str, tuple[str, ...]]]],
-    watermark: dict[str, int],
-) -> dict[str, Any]:
-    """The comparable picture both stores return from ``dump()``: plain, sorted, JSON-able."""
-    node_out = {}
-    for n in sorted(nodes, key=lambda n: n.node_id):
-        d = asdict(n)
-        d["blocks"] = {t: c for t, c in sorted(d["blocks"].items()) if c}
-        d["tier_capacity"] = dict(sorted(d["tier_capacity"].items()))
-        d["missed"] = streams.get(n.node_id, NodeStream()).missed
-        node_out[n.node_id] = d
-    block_out = {
-        f"{k:016x}": {node: list(t) for node, t in sorted(h.items())} for k, h in blocks if h
-    }
-    return {
-        "nodes": node_out,
-        "blocks": dict(sorted(block_out.items())),
-        "watermark": dict(sorted(watermark.items())),
-    }

@@ -1,19 +1,11 @@
 """The view in Redis (or Valkey): the production store.
 
-Key layout (``ns`` = ``settings.view_namespace``; ``|`` cannot occur in a namespace):
-
-``ns|b<8-byte block key>``  string: a bitmask, bit ``3*slot + tier`` set when the node in
-    ``slot`` holds the block in ``tier`` (0 hbm, 1 dram, 2 ssd). Read little-endian, so a
-    block held only by low slots is a few bytes; the key is deleted when no bit is left.
-``ns|nodes``  hash, one field per node attribute (``<node>\\x1f<attr>``): ``slot`` (its
-    current slot), ``hb`` (heartbeat state, JSON), ``kv`` / ``hbs`` (stream state),
-    ``b0`` ``b1`` ``b2`` (blocks indexed per tier).
-``ns|slots``  hash slot → node id (every slot ever given out).  ``ns|meta``  next slot.
-``ns|wm``     hash ``topic:partition`` → highest applied offset (the fence).
+Key layout: :mod:`state.keys` (the one place it is written down, beside these scripts).
 
 The routing read (:meth:`RedisViewStore.snapshot`) is ONE pipelined round trip: ``TIME``,
 ``MGET`` of the chain's block keys, ``HGETALL`` of the nodes and of the watermark; the
-prefix walk runs client-side on integer masks (``state.view.longest_prefixes``).
+prefix walk runs client-side on integer masks (``state.view.longest_prefixes``). The
+router reads the same way with less client CPU through :class:`state.reader.RawSnapshotReader`.
 
 Writes go through one Lua script per batch: per record, skip it if its offset is at or
 below the fence of its ``topic:partition``; refuse it (and the rest of the call) if the
@@ -24,7 +16,7 @@ touching its blocks: O(1), and reads ignore retired slots (``ns|retired``). :met
 (run periodically by the stream worker) later clears their stale bits in one SCAN pass and
 frees the slots (``ns|free``) for new nodes, so masks stay as narrow as the cluster.
 
-Bulk load (synthetic views, benchmarks): ``await store.apply_ops([(None, [AddBlocks(node,
+Bulk load (synthetic views, benchmarks): ``await store.apply_groups([(None, [AddBlocks(node,
 tier, keys), ...]), ...])`` — no fence, chunked so that no single script runs long.
 """
 
@@ -32,19 +24,16 @@ from __future__ import annotations
 
 import json
 import secrets
-import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from schemas import Envelope
 from schemas.codec import pack_script_args
 from schemas.errors import ViewStoreError
 
 from .fold import (
-    TIER_NAMES,
     AddBlocks,
     ClearNode,
     NodeStream,
@@ -52,13 +41,22 @@ from .fold import (
     RemoveBlocks,
     SetHeartbeat,
     SetStream,
-    UnfoldableRecord,
 )
-from .memory import FENCED, canonical_dump
-from .view import CONFLICT, NodeState, SourcePosition, ViewSnapshot, longest_prefixes
-from .write import fold_and_write
+from .keys import (
+    HEARTBEAT_FIELD,
+    STREAM_FIELD,
+    NodeHashDecoder,
+    ViewKeys,
+    dump_from_replies,
+    node_field,
+    pack_block_keys,
+    parse_stream,
+    snapshot_from_replies,
+    stream_text,
+)
+from .view import NodeState, Outcome, ViewSnapshot
+from .write import Group, Record, fold_and_write
 
-SEP = "\x1f"
 _CHUNK_KEYS = 20_000  # block keys per script call: keeps each call well under ~20 ms
 
 _APPLY_LUA = r"""
@@ -209,43 +207,32 @@ return n
 """
 
 
-_FIELD = {"kv": "kv", "hb": "hbs"}
-"""Stream part → its field in the node hash."""
-
-
-def _stream_field(s: NodeStream, part: str) -> str:
-    return ",".join(map(str, s.part(part)))
-
-
-def _parse_stream(kv: bytes | None, hbs: bytes | None) -> NodeStream:
-    e, q, g, m = map(int, kv.split(b",")) if kv else (-1, -1, 0, 0)
-    he, hq = map(int, hbs.split(b",")) if hbs else (-1, -1)
-    return NodeStream(epoch=e, seq=q, gaps=g, missed=m, hb_epoch=he, hb_seq=hq)
+_FLAGS = (Outcome.FENCED, Outcome.APPLIED, Outcome.CONFLICT)
+"""The apply script's per-group reply (0, 1, 2) → outcome."""
 
 
 def _conditions(ops: Sequence[Op]) -> list[list[str]]:
     """The script's compare-and-set checks for a group: ``[field, expected, value if absent]``."""
     return [
-        [f"{op.node}{SEP}{_FIELD[op.part]}", _stream_field(op.prev, op.part), _stream_field(NodeStream(), op.part)]
+        [node_field(op.node, STREAM_FIELD[op.part]), stream_text(op.prev, op.part), stream_text(NodeStream(), op.part)]
         for op in ops
         if isinstance(op, SetStream) and op.prev is not None
     ]
 
 
 def encode_ops(ops: Sequence[Op]) -> list[list[Any]]:
-    """Operations in the script's compact form (block keys packed as 8-byte big-endian)."""
+    """Operations in the script's compact form (block keys packed by ``state.keys``)."""
     out: list[list[Any]] = []
     for op in ops:
         if isinstance(op, (AddBlocks, RemoveBlocks)):
             if op.keys:
-                packed = b"".join(k.to_bytes(8, "big") for k in op.keys)
-                out.append([1 if isinstance(op, AddBlocks) else 2, op.node, op.tier, packed])
+                out.append([1 if isinstance(op, AddBlocks) else 2, op.node, op.tier, pack_block_keys(op.keys)])
         elif isinstance(op, ClearNode):
             out.append([3, op.node])
         elif isinstance(op, SetHeartbeat):
-            out.append([4, op.node, "hb", json.dumps(op.state, separators=(",", ":"), sort_keys=True)])
+            out.append([4, op.node, HEARTBEAT_FIELD, json.dumps(op.state, separators=(",", ":"), sort_keys=True)])
         elif isinstance(op, SetStream):
-            out.append([4, op.node, _FIELD[op.part], _stream_field(op.stream, op.part)])
+            out.append([4, op.node, STREAM_FIELD[op.part], stream_text(op.stream, op.part)])
         else:
             raise TypeError(f"unknown view operation {op!r}")
     return out
@@ -265,22 +252,16 @@ def tls_options(settings: Any) -> dict[str, Any]:
 
 
 class RedisViewStore:
-    """A :class:`state.view.ViewStore` in Redis; see the module docstring for the layout."""
+    """A :class:`state.view.ViewStore` in Redis; see the module docstring and :mod:`state.keys`."""
 
     def __init__(self, client: aioredis.Redis, namespace: str) -> None:
-        if "|" in namespace:
-            raise ValueError("a view namespace cannot contain '|'")
+        self.keys = ViewKeys(namespace)  # refuses a namespace with '|'
         self.client = client
         self.ns = namespace
-        self._bpre = f"{namespace}|b".encode()
-        self._nodes_key = f"{namespace}|nodes"
-        self.version_key = f"{namespace}|ver"
-        """Moves on every write to the node hash (apply, slot freeing, clear)."""
-        self._wm_key = f"{namespace}|wm"
         self._script = client.register_script(_APPLY_LUA)
         self._compact = client.register_script(_COMPACT_LUA)
         self._free = client.register_script(_FREE_LUA)
-        self._state_cache: dict[str, tuple[tuple[Any, ...], NodeState]] = {}
+        self._decoder = NodeHashDecoder()
 
     @classmethod
     def from_settings(cls, settings: Any) -> "RedisViewStore":
@@ -294,22 +275,24 @@ class RedisViewStore:
         await self.client.aclose()
 
     def block_key(self, key: int) -> bytes:
-        return self._bpre + key.to_bytes(8, "big")
+        return self.keys.block(key)
 
     # --- writing ------------------------------------------------------------
 
-    async def apply_ops(self, batch: Sequence[tuple[SourcePosition | None, Sequence[Op]]]) -> int:
-        results = await self.apply_groups(batch)
-        return sum(results)
+    async def apply(self, records: Sequence[Record]) -> list[Outcome]:
+        """Fold each record with the stream state stored in Redis, then write the batch, each
+        record atomically with its position (``state.write.fold_and_write``). A record whose
+        position the view has applied already is reported ``FENCED``."""
+        return (await fold_and_write(self, records)).outcomes()
 
-    async def apply_groups(self, batch: Sequence[tuple[SourcePosition | None, Sequence[Op]]]) -> list[int]:
-        """Run the script over ``batch`` in chunks; return a flag per group (``state.view``:
-        1 applied, 0 fenced, 2 conflict). After a conflict no further chunk is sent.
+    async def apply_groups(self, batch: Sequence[Group]) -> list[Outcome]:
+        """Run the script over ``batch`` in chunks; an outcome per group (``APPLIED``,
+        ``FENCED``, ``CONFLICT``). After a conflict no further chunk is sent.
 
         A fenced group always goes whole into one script call (its effect and its fence are
         one atomic step); an unfenced bulk group may be split to keep each call short.
         """
-        flags: list[int] = []
+        flags: list[Outcome] = []
         chunk: list[list[Any]] = []
         owners: list[int] = []  # chunk entry -> group index, -1 for continuation pieces
         weight = 0
@@ -321,7 +304,7 @@ class RedisViewStore:
                 if owner >= 0:
                     flags.append(ok)
             chunk, owners, weight = [], [], 0
-            return CONFLICT in res
+            return Outcome.CONFLICT in res
 
         for gi, (pos, ops) in enumerate(batch):
             enc = encode_ops(ops)
@@ -333,68 +316,56 @@ class RedisViewStore:
                 owners.append(gi if i == 0 else -1)
                 weight += sum(len(o[3]) // 8 if o[0] in (1, 2) else 1 for o in piece) + 1
                 if weight >= _CHUNK_KEYS and await flush():
-                    return flags + [CONFLICT] * (len(batch) - len(flags))
+                    return flags + [Outcome.CONFLICT] * (len(batch) - len(flags))
         if chunk:
             await flush()
         return flags
 
-    async def _run(self, groups: list[list[Any]]) -> list[int]:
+    async def _run(self, groups: list[list[Any]]) -> list[Outcome]:
         try:
             res = await self._script(args=[self.ns, pack_script_args(groups)])
         except RedisError as e:
             raise ViewStoreError(f"view write failed: {e}") from e
-        return [int(x) for x in res]
-
-    async def apply(self, records: Sequence[tuple[Envelope, SourcePosition | None]]) -> list[str]:
-        """Fold each record with the stream state stored in Redis, then apply the batch atomically
-        per record (``state.write.fold_and_write``). A record whose position the view has
-        applied already is reported ``fenced``."""
-        w = await fold_and_write(self, records)
-        outcomes = []
-        for ok, f in zip(w.flags, w.folds):
-            if isinstance(f, UnfoldableRecord):
-                raise f
-            outcomes.append(f.outcome if ok and f is not None else FENCED)
-        return outcomes
+        return [_FLAGS[int(x)] for x in res]
 
     async def streams(self, node_ids: Sequence[str]) -> dict[str, NodeStream]:
         if not node_ids:
             return {}
-        fields = [f"{n}{SEP}{p}" for n in node_ids for p in ("kv", "hbs")]
+        kv, hbs = STREAM_FIELD["kv"], STREAM_FIELD["hb"]
+        fields = [node_field(n, p) for n in node_ids for p in (kv, hbs)]
         try:
-            vals = await self.client.hmget(self._nodes_key, fields)
+            vals = await self.client.hmget(self.keys.nodes, fields)
         except RedisError as e:
             raise ViewStoreError(f"view read failed: {e}") from e
         out = {}
         for i, n in enumerate(node_ids):
-            kv, hbs = vals[2 * i], vals[2 * i + 1]
-            if kv is not None or hbs is not None:
-                out[n] = _parse_stream(kv, hbs)
+            kv_v, hbs_v = vals[2 * i], vals[2 * i + 1]
+            if kv_v is not None or hbs_v is not None:
+                out[n] = parse_stream(kv_v, hbs_v)
         return out
 
     async def clear(self) -> None:
         try:
-            async for batch in _scan_batches(self.client, f"{self.ns}|*"):
+            async for batch in _scan_batches(self.client, self.keys.all_pattern):
                 await self.client.unlink(*batch)
             # A fresh random version, so no reader mistakes the new node hash for one it cached.
-            await self.client.set(self.version_key, secrets.randbits(62))
+            await self.client.set(self.keys.version, secrets.randbits(62))
         except RedisError as e:
             raise ViewStoreError(f"view clear failed: {e}") from e
-        self._state_cache.clear()
+        self._decoder.clear()
 
     async def compact(self, batch: int = 1000) -> dict[str, int]:
         """Clear the bits of retired slots (nodes cleared or restarted) from every block key,
         then free those slots for reuse. Safe to run beside live writes and other compactions
         (the script skips any slot no longer retired); one SCAN pass over the block keys."""
         try:
-            retired = sorted(int(x) for x in await self.client.smembers(f"{self.ns}|retired"))
+            retired = sorted(int(x) for x in await self.client.smembers(self.keys.retired))
             if not retired:
                 return {"slots_freed": 0, "bits_cleared": 0, "keys_deleted": 0}
             listed = ",".join(map(str, retired))
-            n_pre = len(self._bpre)
             cleared = deleted = 0
-            async for keys in _scan_batches(self.client, self._bpre.decode() + "*", count=batch):
-                keys = [k for k in keys if len(k) == n_pre + 8]
+            async for keys in _scan_batches(self.client, self.keys.block_pattern, count=batch):
+                keys = [k for k in keys if self.keys.block_of(k) is not None]
                 if keys:
                     c, d = await self._compact(args=[self.ns, listed, *keys])
                     cleared += int(c)
@@ -408,14 +379,13 @@ class RedisViewStore:
 
     async def snapshot(self, chain: Sequence[int], *, now_ms: int | None = None) -> ViewSnapshot:
         """Every node's state and its longest prefix of ``chain``: one round trip."""
-        pre = self._bpre
         try:
             async with self.client.pipeline(transaction=False) as p:
                 p.time()
                 if chain:
-                    p.mget([pre + k.to_bytes(8, "big") for k in chain])
-                p.hgetall(self._nodes_key)
-                p.hgetall(self._wm_key)
+                    p.mget(self.keys.blocks(chain))
+                p.hgetall(self.keys.nodes)
+                p.hgetall(self.keys.watermark)
                 res = await p.execute()
         except RedisError as e:
             raise ViewStoreError(f"view read failed: {e}") from e
@@ -424,51 +394,19 @@ class RedisViewStore:
         else:
             (sec, usec), raw_nodes, raw_wm = res
             values = []
-        nodes, slot_nodes = self._parse_nodes(raw_nodes)
-        return assemble_snapshot((sec, usec), values, nodes, slot_nodes, raw_wm.items(), now_ms)
-
-    def _parse_nodes(self, raw: dict[bytes, bytes]) -> tuple[tuple[NodeState, ...], dict[int, str]]:
-        per: dict[str, dict[str, bytes]] = {}
-        for f, v in raw.items():
-            node, _, attr = f.decode().rpartition(SEP)
-            per.setdefault(node, {})[attr] = v
-        states = []
-        slot_nodes: dict[int, str] = {}
-        for node in sorted(per):
-            a = per[node]
-            if "slot" in a:
-                slot_nodes[int(a["slot"])] = node
-            sig = (a.get("hb"), a.get("kv"), a.get("b0"), a.get("b1"), a.get("b2"))
-            hit = self._state_cache.get(node)
-            if hit is not None and hit[0] == sig:
-                states.append(hit[1])
-                continue
-            st = _parse_stream(a.get("kv"), a.get("hbs"))
-            hb = json.loads(a["hb"]) if "hb" in a else {}
-            blocks = {t: int(a[f"b{i}"]) for i, t in enumerate(TIER_NAMES) if int(a.get(f"b{i}", 0) or 0) > 0}
-            state = NodeState(
-                node_id=node,
-                role=hb.pop("role", "prefill"),
-                epoch=max(st.epoch, 0),
-                last_seq=st.seq,
-                seq_gaps=st.gaps,
-                blocks=blocks,
-                **hb,
-            )
-            self._state_cache[node] = (sig, state)
-            states.append(state)
-        return tuple(states), slot_nodes
+        nodes, slot_nodes = self._decoder.decode(raw_nodes)
+        return snapshot_from_replies((sec, usec), values, nodes, slot_nodes, raw_wm.items(), now_ms)
 
     async def nodes(self) -> list[NodeState]:
         try:
-            raw = await self.client.hgetall(self._nodes_key)
+            raw = await self.client.hgetall(self.keys.nodes)
         except RedisError as e:
             raise ViewStoreError(f"view read failed: {e}") from e
-        return list(self._parse_nodes(raw)[0])
+        return list(self._decoder.decode(raw)[0])
 
     async def watermark(self) -> dict[str, int]:
         try:
-            raw = await self.client.hgetall(self._wm_key)
+            raw = await self.client.hgetall(self.keys.watermark)
         except RedisError as e:
             raise ViewStoreError(f"view read failed: {e}") from e
         return {k.decode(): int(v) for k, v in raw.items()}
@@ -476,43 +414,22 @@ class RedisViewStore:
     async def block_count(self) -> int:
         """Block keys stored (a scan: for tools and benchmarks, not for the hot path)."""
         n = 0
-        async for batch in _scan_batches(self.client, self._bpre.decode() + "*"):
-            n += sum(1 for k in batch if len(k) == len(self._bpre) + 8)
+        async for batch in _scan_batches(self.client, self.keys.block_pattern):
+            n += sum(1 for k in batch if self.keys.block_of(k) is not None)
         return n
 
     async def dump(self) -> dict[str, Any]:
         try:
-            raw_nodes = await self.client.hgetall(self._nodes_key)
-            nodes, slot_nodes = self._parse_nodes(raw_nodes)
-            streams = {}
-            for f, v in raw_nodes.items():
-                node, _, attr = f.decode().rpartition(SEP)
-                streams.setdefault(node, [None, None])
-                if attr == "kv":
-                    streams[node][0] = v
-                elif attr == "hbs":
-                    streams[node][1] = v
-            blocks = []
-            n_pre = len(self._bpre)
-            async for batch in _scan_batches(self.client, self._bpre.decode() + "*"):
-                batch = [k for k in batch if len(k) == n_pre + 8]
-                if not batch:
-                    continue
-                values = await self.client.mget(batch)
-                for k, v in zip(batch, values):
-                    if not v:
-                        continue
-                    m = int.from_bytes(v, "little")
-                    holders = {}
-                    for slot, node in slot_nodes.items():
-                        tiers = tuple(TIER_NAMES[t] for t in range(3) if m >> (3 * slot + t) & 1)
-                        if tiers:
-                            holders[node] = tiers
-                    blocks.append((int.from_bytes(k[n_pre:], "big"), holders))
-            wm = await self.watermark()
+            raw_nodes = await self.client.hgetall(self.keys.nodes)
+            blocks: list[tuple[bytes, bytes | None]] = []
+            async for batch in _scan_batches(self.client, self.keys.block_pattern):
+                batch = [k for k in batch if self.keys.block_of(k) is not None]
+                if batch:
+                    blocks += zip(batch, await self.client.mget(batch))
+            raw_wm = await self.client.hgetall(self.keys.watermark)
         except RedisError as e:
             raise ViewStoreError(f"view read failed: {e}") from e
-        return canonical_dump(nodes, {n: _parse_stream(*v) for n, v in streams.items()}, blocks, wm)
+        return dump_from_replies(self.keys, raw_nodes, blocks, raw_wm.items())
 
     async def memory_bytes(self) -> int:
         """Redis ``used_memory`` (the whole server; for benchmarks on a dedicated instance)."""
@@ -551,27 +468,3 @@ async def _scan_batches(client: aioredis.Redis, pattern: str, count: int = 2000)
             yield keys
         if cursor == 0:
             break
-
-
-def assemble_snapshot(
-    time_reply: Sequence[Any],
-    values: Sequence[bytes | None],
-    nodes: tuple[NodeState, ...],
-    slot_nodes: dict[int, str],
-    watermark: Iterable[tuple[bytes, bytes]],
-    now_ms: int | None = None,
-) -> ViewSnapshot:
-    """A :class:`ViewSnapshot` from the replies of the one-round-trip read (``TIME``, the
-    ``MGET`` of the chain's block keys, parsed nodes, watermark pairs); shared by this store
-    and the router's raw reader so both read the layout the same way."""
-    if now_ms is None:
-        sec, usec = time_reply
-        now_ms = int(sec) * 1000 + int(usec) // 1000
-    frm = int.from_bytes
-    prefix = longest_prefixes((frm(v, "little") if v else 0 for v in values), slot_nodes) if values else {}
-    return ViewSnapshot(now_ms=now_ms, nodes=nodes, prefix=prefix,
-                        watermark={k.decode(): int(v) for k, v in watermark})
-
-
-def now_ms() -> int:
-    return int(time.time() * 1000)

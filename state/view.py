@@ -7,10 +7,15 @@ a :class:`ViewSnapshot` into the policy's ``conductor.routing.snapshot.ClusterSn
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
 from typing import Any, Protocol
 
-from schemas import Role, Tier
+from schemas import TIERS, Role, Tier
+
+TIER_INDEX: dict[str, int] = {t: i for i, t in enumerate(TIERS)}
+"""Tier → its bit within a node's three (``3*slot + tier``): the order of ``schemas.TIERS``,
+fastest first, which is also the order prefixes accumulate in (HBM, +DRAM, +SSD)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,9 +95,24 @@ class ViewReader(Protocol):
 
 # --- the write side -----------------------------------------------------------------
 
-FENCED_GROUP, APPLIED_GROUP, CONFLICT = 0, 1, 2
-"""What ``apply_groups`` reports per group: skipped by the offset fence, applied, or refused
-because a node's stream state moved since the group was folded (see ``SetStream.prev``)."""
+
+class Outcome(StrEnum):
+    """What became of one record (or one group of folded operations) written to the view.
+
+    The values are also the ``outcome`` labels of the pipeline's counters."""
+
+    APPLIED = "applied"
+    """Its effects and its position are in the view."""
+    DUPLICATE = "duplicate"
+    """At or below its node's last applied ``(epoch, seq)``: nothing to do (the fold says so)."""
+    OLD_EPOCH = "old_epoch"
+    """From an epoch before its node's current one (a straggler from before a restart)."""
+    FENCED = "fenced"
+    """Its position is at or below the view's fence for its ``topic:partition``: done before."""
+    CONFLICT = "conflict"
+    """Refused: the node's stream state moved since the record was folded (another writer);
+    fold it again (see ``SetStream.prev``)."""
+
 
 MAX_REFOLDS = 20
 """Fold-and-write passes over one batch whose streams keep moving before a writer gives up
@@ -108,23 +128,21 @@ class ViewStore(ViewReader, Protocol):
     synthetic loads).
     """
 
-    async def apply(self, records: Sequence[tuple[Any, SourcePosition | None]]) -> list[str]:
-        """Fold and apply ``(Envelope, position)`` pairs in order; return each one's outcome
-        (``applied``, ``duplicate``, ``old_epoch`` or ``fenced``)."""
+    async def apply(self, records: Sequence[tuple[Any, SourcePosition | None]]) -> list[Outcome]:
+        """Fold ``(Envelope, position)`` pairs in order from the view's own stream state and
+        write them (``state.write.fold_and_write``); return each one's outcome (``APPLIED``,
+        ``DUPLICATE``, ``OLD_EPOCH`` or ``FENCED``)."""
         ...
 
-    async def apply_ops(self, batch: Sequence[tuple[SourcePosition | None, Sequence[Any]]]) -> int:
-        """Apply already-folded operations (``state.fold`` ops), one group per record, in
-        order and atomically with their positions; return how many groups applied."""
-        ...
-
-    async def apply_groups(self, batch: Sequence[tuple[SourcePosition | None, Sequence[Any]]]) -> list[int]:
-        """:meth:`apply_ops` reporting each group: 1 applied, 0 skipped by the fence, 2 (a
-        conflict) when a ``SetStream`` precondition failed: the node's stream moved since the
-        fold read it (another writer). A conflicting group changes nothing, and every group
-        after it in the batch is reported 2 and left unapplied too (they were folded on the
-        same assumption, and applying a later offset would fence the conflicting record
-        out); the caller re-reads the stream state and folds them again."""
+    async def apply_groups(self, batch: Sequence[tuple[SourcePosition | None, Sequence[Any]]]) -> list[Outcome]:
+        """Write already-folded operations (``state.fold`` ops), one group per record, in order
+        and each atomically with its position; report each group ``APPLIED``, ``FENCED`` or
+        ``CONFLICT`` (a ``SetStream`` precondition failed: the node's stream moved since the
+        fold read it). A conflicting group changes nothing, and every group after it in the
+        batch is reported ``CONFLICT`` and left unapplied too (they were folded on the same
+        assumption, and applying a later offset would fence the conflicting record out); the
+        caller re-reads the stream state and folds them again. Groups with no ``prev``
+        (bulk loads, ``pos=None``) never conflict."""
         ...
 
     async def streams(self, node_ids: Sequence[str]) -> dict[str, Any]:
@@ -183,3 +201,39 @@ def longest_prefixes(masks: Iterable[int], slot_nodes: dict[int, str]) -> dict[s
         if n3 > 0:
             out[node] = (ends[0].get(s, i), ends[1].get(s, i), n3)
     return out
+
+
+def mask_holders(mask: int, slot_nodes: dict[int, str]) -> dict[str, tuple[str, ...]]:
+    """Which nodes a block's mask names, in which tiers (names from ``schemas.TIERS``)."""
+    out: dict[str, tuple[str, ...]] = {}
+    for slot, node in slot_nodes.items():
+        tiers = tuple(t for i, t in enumerate(TIERS) if mask >> (3 * slot + i) & 1)
+        if tiers:
+            out[node] = tiers
+    return out
+
+
+def canonical_dump(
+    nodes: Iterable[NodeState],
+    streams: dict[str, Any],
+    blocks: Iterable[tuple[int, dict[str, tuple[str, ...]]]],
+    watermark: dict[str, int],
+) -> dict[str, Any]:
+    """The comparable picture both stores return from ``dump()``: plain, sorted, JSON-able.
+    ``streams`` maps node → its ``state.fold.NodeStream``."""
+    node_out = {}
+    for n in sorted(nodes, key=lambda n: n.node_id):
+        d = asdict(n)
+        d["blocks"] = {t: c for t, c in sorted(d["blocks"].items()) if c}
+        d["tier_capacity"] = dict(sorted(d["tier_capacity"].items()))
+        st = streams.get(n.node_id)
+        d["missed"] = st.missed if st is not None else 0
+        node_out[n.node_id] = d
+    block_out = {
+        f"{k:016x}": {node: list(t) for node, t in sorted(h.items())} for k, h in blocks if h
+    }
+    return {
+        "nodes": node_out,
+        "blocks": dict(sorted(block_out.items())),
+        "watermark": dict(sorted(watermark.items())),
+    }

@@ -1,32 +1,42 @@
-"""Fold records from the view's own stream state and write them: the one write path of the
-stream worker, replays and :meth:`state.redis_view.RedisViewStore.apply`.
+"""Fold records from the view's own stream state and write them: the one write path of both
+stores (``apply`` and the in-memory ``apply_sync``), the stream worker and replays.
 
 Each pass reads the stream state of the records' nodes from the store, folds the records in
 order, and writes them with ``apply_groups``; every write is a compare-and-set on the state
 it was folded from (``SetStream.prev``). If another writer moved a node's stream in between,
-the store refuses that record and all after it (``CONFLICT``), and the next pass reads and
-folds them again.
+the store refuses that record and all after it (``Outcome.CONFLICT``), and the next pass
+reads and folds them again.
+
+The passes are written once, as a generator that asks for the store's two calls
+(``streams``, ``apply_groups``) and is handed their answers; :func:`fold_and_write` drives
+it against an async store, :func:`fold_and_write_sync` against the in-memory store's sync
+calls (the simulator's loop has no event loop).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from schemas import Envelope
 from schemas.errors import ViewStoreError
 
-from .fold import APPLIED, Folded, NodeStream, Op, UnfoldableRecord, fold
-from .view import CONFLICT, MAX_REFOLDS, SourcePosition
+from .fold import Folded, NodeStream, Op, UnfoldableRecord, fold
+from .view import MAX_REFOLDS, Outcome, SourcePosition
 
 log = logging.getLogger(__name__)
+
+Record = tuple[Envelope | None, SourcePosition | None]
+Group = tuple[SourcePosition | None, Sequence[Op]]
 
 
 @dataclass(slots=True)
 class Written:
-    flags: list[int]
-    """Per record: ``APPLIED_GROUP`` or ``FENCED_GROUP`` (the view had its position already)."""
+    flags: list[Outcome]
+    """Per record: ``APPLIED`` or ``FENCED`` (the view had its position already): what the
+    store did with its group."""
     folds: list[Folded | UnfoldableRecord | None]
     """Per record: how it folded; ``None`` for a record given without an envelope, and the
     error for one that cannot fold. Both were written as an empty group: their positions
@@ -34,18 +44,29 @@ class Written:
     refolds: int = 0
     """Passes that found a node's stream moved by another writer."""
 
+    def outcomes(self) -> list[Outcome]:
+        """Per record: ``FENCED`` when the store skipped it, else how it folded (what
+        ``ViewStore.apply`` returns). Raises the :class:`UnfoldableRecord` of a record that
+        cannot fold."""
+        out = []
+        for flag, f in zip(self.flags, self.folds):
+            if isinstance(f, UnfoldableRecord):
+                raise f
+            out.append(f.outcome if flag == Outcome.APPLIED and f is not None else Outcome.FENCED)
+        return out
 
-async def fold_and_write(store, records: Sequence[tuple[Envelope | None, SourcePosition | None]]) -> Written:
-    """Fold and write ``records`` (envelope, source position) in order; see the module docstring.
 
-    Raises ``ViewStoreError`` when streams keep moving for :data:`state.view.MAX_REFOLDS` passes.
-    """
-    out = Written([0] * len(records), [None] * len(records))
+# What the passes ask of the store: ("streams", node ids) or ("write", groups).
+_Ask = tuple[str, Any]
+
+
+def _passes(records: Sequence[Record]) -> Generator[_Ask, Any, Written]:
+    out = Written([Outcome.FENCED] * len(records), [None] * len(records))
     todo = list(range(len(records)))
     for _ in range(MAX_REFOLDS):
         nodes = sorted({env.producer_id for i in todo if (env := records[i][0]) is not None})
-        local: dict[str, NodeStream | None] = dict(await store.streams(nodes)) if nodes else {}
-        groups: list[tuple[SourcePosition | None, Sequence[Op]]] = []
+        local: dict[str, NodeStream | None] = dict((yield ("streams", nodes))) if nodes else {}
+        groups: list[Group] = []
         for i in todo:
             env, pos = records[i]
             ops: Sequence[Op] = ()
@@ -55,15 +76,15 @@ async def fold_and_write(store, records: Sequence[tuple[Envelope | None, SourceP
                 except UnfoldableRecord as e:
                     f = e
                 else:
-                    if f.outcome == APPLIED:
+                    if f.outcome == Outcome.APPLIED:
                         local[env.producer_id] = f.stream
                         ops = f.ops
                 out.folds[i] = f
             groups.append((pos, ops))
-        flags = await store.apply_groups(groups) if groups else []
+        flags = (yield ("write", groups)) if groups else []
         redo: list[int] = []
-        for k, (i, ok) in enumerate(zip(todo, flags)):
-            if ok == CONFLICT:
+        for k, (i, flag) in enumerate(zip(todo, flags)):
+            if flag == Outcome.CONFLICT:
                 redo = todo[k:]
                 out.refolds += 1
                 log.warning(
@@ -71,8 +92,40 @@ async def fold_and_write(store, records: Sequence[tuple[Envelope | None, SourceP
                     len(redo),
                 )
                 break
-            out.flags[i] = ok
+            out.flags[i] = flag
         if not redo:
             return out
         todo = redo
     raise ViewStoreError(f"view stream state kept changing under {MAX_REFOLDS} attempts (another writer?)")
+
+
+async def fold_and_write(store: Any, records: Sequence[Record]) -> Written:
+    """Fold and write ``records`` (envelope, source position) in order through ``store``'s
+    async ``streams`` and ``apply_groups``; see the module docstring.
+
+    Raises ``ViewStoreError`` when streams keep moving for :data:`state.view.MAX_REFOLDS` passes.
+    """
+    steps = _passes(records)
+    answer: Any = None
+    try:
+        while True:
+            what, arg = steps.send(answer)
+            answer = await (store.streams(arg) if what == "streams" else store.apply_groups(arg))
+    except StopIteration as done:
+        return done.value
+
+
+def fold_and_write_sync(
+    streams: Callable[[Sequence[str]], dict[str, NodeStream]],
+    apply_groups: Callable[[Sequence[Group]], list[Outcome]],
+    records: Sequence[Record],
+) -> Written:
+    """:func:`fold_and_write` over synchronous ``streams`` and ``apply_groups`` calls."""
+    steps = _passes(records)
+    answer: Any = None
+    try:
+        while True:
+            what, arg = steps.send(answer)
+            answer = streams(arg) if what == "streams" else apply_groups(arg)
+    except StopIteration as done:
+        return done.value

@@ -6,16 +6,16 @@ in order and without a hole, whatever offsets Faust resumed from or re-delivered
 them to the ingestor, and keeps going whatever the records hold: a bad record is
 dead-lettered by the ingestor; a view that cannot be written (Redis down) is retried with
 backoff, holding the batch until it can. Faust's committed offsets only say where fetching
-starts; what has been applied is the view's fence. Per-node stream state is mirrored in
-two Faust tables keyed like the topics (node id, raw bytes), so a node's row moves with
-its partition; block data lives only in the Redis view.
+starts; what has been applied is the view's fence. Per-node stream state and block data
+live only in the view (written in one atomic step with each record's position); the
+agents keep no tables.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Iterator, MutableMapping
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +24,7 @@ import faust
 from schemas import DeadLetter, encode, headers
 from schemas.errors import ViewStoreError
 from streams.app import make_app
-from streams.ingest import BatchResult, IngestMetrics, Ingestor, RawRecord, StreamRow
+from streams.ingest import BatchResult, IngestMetrics, Ingestor, RawRecord
 from streams.resume import LogReader, ResumeGuard
 from streams.topics import topics
 
@@ -35,32 +35,6 @@ BATCH_WITHIN_S = 0.01
 COMPACT_EVERY_S = 60.0
 
 
-class TableRows(MutableMapping[str, StreamRow]):
-    """A Faust table seen as ``node id → row`` (the table itself is keyed by raw bytes,
-    so its partitioner places a row where the node's records are)."""
-
-    def __init__(self, table: Any) -> None:
-        self.table = table
-
-    def __getitem__(self, node: str) -> StreamRow:
-        v = self.table.get(node.encode())
-        if v is None:
-            raise KeyError(node)
-        return list(v)
-
-    def __setitem__(self, node: str, row: StreamRow) -> None:
-        self.table[node.encode()] = list(row)
-
-    def __delitem__(self, node: str) -> None:
-        del self.table[node.encode()]
-
-    def __iter__(self) -> Iterator[str]:
-        return (k.decode() for k in self.table.keys())
-
-    def __len__(self) -> int:
-        return len(self.table)
-
-
 @dataclass
 class Worker:
     app: faust.App
@@ -68,14 +42,12 @@ class Worker:
 
 
 def build_worker(settings: Any, store: Any, *, metrics: bool = True, **app_overrides: Any) -> Worker:
-    """Declare the app, its topics, tables and agents over ``store`` (a ViewStore)."""
+    """Declare the app, its topics and agents over ``store`` (a ViewStore)."""
     app = make_app(settings, **app_overrides)
     t = topics(settings)
     kv_topic = app.topic(t.kv_events.name, partitions=t.kv_events.partitions, value_serializer="raw", key_serializer="raw")
     hb_topic = app.topic(t.heartbeats.name, partitions=t.heartbeats.partitions, value_serializer="raw", key_serializer="raw")
     dl_topic = app.topic(t.dead_letter.name, partitions=t.dead_letter.partitions, value_serializer="raw", key_serializer="raw")
-    kv_table = app.Table("kv-streams", partitions=t.kv_events.partitions, key_type=bytes, use_partitioner=True)
-    hb_table = app.Table("hb-streams", partitions=t.heartbeats.partitions, key_type=bytes, use_partitioner=True)
 
     async def send_dead_letter(dl: DeadLetter) -> None:
         env = ingestor.dead_letter_envelope(dl)
@@ -84,8 +56,6 @@ def build_worker(settings: Any, store: Any, *, metrics: bool = True, **app_overr
     ingestor = Ingestor(
         t,
         store,
-        kv_streams=TableRows(kv_table),
-        hb_streams=TableRows(hb_table),
         dead_letter=send_dead_letter,
         metrics=IngestMetrics(lambda: ingestor.live_nodes(settings.heartbeat_ttl_s)) if metrics else None,
     )

@@ -7,20 +7,18 @@ batch it
 1. decodes each record; a record that does not decode, or whose kind the topic does not
    carry, becomes a :class:`schemas.DeadLetter` (reason, error, source position, original
    bytes) handed to ``dead_letter`` — and the batch goes on;
-2-3. folds the good ones from the per-node stream state the view recorded with its effects
+2. folds the good ones from the per-node stream state the view recorded with its effects
    and writes all their operations in one fenced call (``state.write.fold_and_write``: one
-   read and one write per batch, folded again if another writer moved a node's stream);
-4. only then mirrors the new stream state into the ``kv_streams`` / ``hb_streams`` rows (Faust
-   tables in the worker, dicts elsewhere). A crash between 3 and 4 leaves a row behind the
-   view, which is harmless: the view's copy is the one folds start from, and the offset
-   fence drops what is re-delivered.
+   read and one write per batch, folded again if another writer moved a node's stream).
+   The view is the only home of the stream state: it moves in the same atomic step as the
+   effects, so nothing can lag behind it, and the offset fence drops what is re-delivered.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Awaitable, Callable, MutableMapping, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,18 +27,12 @@ from opentelemetry.metrics import CallbackOptions, Observation
 
 from schemas import DeadLetter, DecodeError, Envelope, Heartbeat, decode, envelope
 from schemas.records import MAX_ORIGINAL_BYTES, MAX_TEXT
-from state.fold import APPLIED, NodeStream, Op, UnfoldableRecord
-from state.memory import FENCED
-from state.view import SourcePosition
+from state.fold import Op, UnfoldableRecord
+from state.view import Outcome, SourcePosition
 from state.write import fold_and_write
 from streams.topics import Topics
 
 log = logging.getLogger(__name__)
-
-StreamRow = list[int]
-"""A node's stream state as a table stores it: kv part ``[epoch, seq, gaps, missed]`` or
-heartbeat part ``[epoch, seq]`` (plain lists: set-only, idempotent table writes)."""
-
 
 @dataclass(frozen=True, slots=True)
 class RawRecord:
@@ -133,8 +125,6 @@ class Ingestor:
         topics: Topics,
         store: Any,
         *,
-        kv_streams: MutableMapping[str, StreamRow] | None = None,
-        hb_streams: MutableMapping[str, StreamRow] | None = None,
         dead_letter: Callable[[DeadLetter], Awaitable[None]] | None = None,
         metrics: IngestMetrics | None = None,
         clock_ms: Callable[[], float] = lambda: time.time() * 1000,
@@ -142,8 +132,6 @@ class Ingestor:
     ) -> None:
         self.topics = topics
         self.store = store
-        self.kv_streams: MutableMapping[str, StreamRow] = {} if kv_streams is None else kv_streams
-        self.hb_streams: MutableMapping[str, StreamRow] = {} if hb_streams is None else hb_streams
         self.dead_letter = dead_letter
         self.metrics = metrics
         self.clock_ms = clock_ms
@@ -184,42 +172,27 @@ class Ingestor:
                 continue
             good.append((rec, env))
 
-        # Folds start from the view's own stream state (written atomically with the effects),
-        # never from the table rows, which can lag (a crash between view write and changelog
-        # write, a moved partition); each write is a compare-and-set on that state, so a
-        # second writer cannot interleave (state.write).
+        # Folds start from the view's own stream state (written atomically with the effects);
+        # each write is a compare-and-set on that state, so a second writer cannot interleave
+        # (state.write).
         w = await fold_and_write(self.store, [(env, rec.position) for rec, env in good])
         res.refolds = w.refolds
         now = self.clock_ms()
-        confirmed: dict[str, NodeStream] = {}  # node → state after its last write that applied
-        touched_kv: set[str] = set()
-        touched_hb: set[str] = set()
-        for (rec, env), ok, f in zip(good, w.flags, w.folds):
+        for (rec, env), flag, f in zip(good, w.flags, w.folds):
             if isinstance(f, UnfoldableRecord):  # defensive: topic.kinds already filtered
                 await self._dead(res, rec, f.reason, str(f))
                 continue
             if env is None or f is None:  # dead-lettered (counted then); its fence has moved
                 continue
-            self._count(res, env, f, FENCED if not ok else f.outcome, now)
-            if ok and f.outcome == APPLIED:
-                confirmed[env.producer_id] = f.stream
-                (touched_hb if isinstance(env.body, Heartbeat) else touched_kv).add(env.producer_id)
-        # Only now, after the view has the effects, does the stream state move on.
-        # Each stream's table is written only by the agent of that stream.
-        for node in touched_kv:
-            st = confirmed[node]
-            self.kv_streams[node] = list(st.part("kv"))
-        for node in touched_hb:
-            st = confirmed[node]
-            self.hb_streams[node] = list(st.part("hb"))
+            self._count(res, env, f, f.outcome if flag == Outcome.APPLIED else Outcome.FENCED, now)
         if self.metrics is not None and records:
             self.metrics.record(records[0].topic, res)
         return res
 
-    def _count(self, res: BatchResult, env: Envelope, f: Any, outcome: str, now: float) -> None:
+    def _count(self, res: BatchResult, env: Envelope, f: Any, outcome: Outcome, now: float) -> None:
         """Account for one record whose write has been decided (applied or skipped)."""
-        if outcome != APPLIED:
-            res.skipped[outcome] = res.skipped.get(outcome, 0) + 1
+        if outcome != Outcome.APPLIED:
+            res.skipped[outcome.value] = res.skipped.get(outcome.value, 0) + 1
             return
         res.applied += 1
         if isinstance(env.body, Heartbeat):

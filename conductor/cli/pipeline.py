@@ -29,6 +29,7 @@ from conductor.cli.common import (
 from conductor.telemetry import setup_metrics
 from conductor.tools.bench.ingest import IngestBenchConfig, run_ingest_bench
 from conductor.tools.bench.view_read import run_view_read_bench
+from schemas import TIERS
 from state.redis_view import RedisViewStore
 from streams.agents import build_worker
 from streams.kafka import ensure_topics
@@ -77,7 +78,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
             return
 
         t = Table(title=f"view {s.view_namespace!r} ({out['totals']['live_nodes']}/{out['totals']['nodes']} live)")
-        for col in ("node", "role", "live", "hb age s", "queue", "queued tok", "running", "batch", "hbm", "dram", "ssd", "gaps"):
+        for col in ("node", "role", "live", "hb age s", "queue", "queued tok", "running", "batch", *TIERS, "gaps"):
             t.add_column(col, justify="right" if col not in ("node", "role") else "left")
         for n in out["nodes"]:
             b = n["blocks"]
@@ -85,11 +86,11 @@ def register(groups: dict[str, typer.Typer]) -> None:
                 n["node_id"], n["role"], "yes" if n["live"] else "[red]no[/red]",
                 "-" if n["heartbeat_age_s"] is None else f"{n['heartbeat_age_s']:.1f}",
                 str(n["queue_depth"]), str(n["queued_prefill_tokens"]), str(n["running_requests"]),
-                str(n["batch_size"]), str(b.get("hbm", 0)), str(b.get("dram", 0)), str(b.get("ssd", 0)), str(n["seq_gaps"]),
+                str(n["batch_size"]), *(str(b.get(tier, 0)) for tier in TIERS), str(n["seq_gaps"]),
             )
         table_console().print(t)
         tot = out["totals"]["blocks"]
-        typer.echo(f"blocks: hbm {tot.get('hbm', 0)}  dram {tot.get('dram', 0)}  ssd {tot.get('ssd', 0)}")
+        typer.echo("blocks: " + "  ".join(f"{tier} {tot.get(tier, 0)}" for tier in TIERS))
         typer.echo("watermark: " + (", ".join(f"{k}={v}" for k, v in out["watermark"].items()) or "-"))
 
     @view.command("rebuild")

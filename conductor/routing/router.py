@@ -23,7 +23,6 @@ possibly a newer view); dispatchers drop a second decision for a request id.
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import hashlib
 import logging
@@ -34,13 +33,10 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlparse
 
-import hiredis
 import redis.asyncio as aioredis
 from aiokafka import TopicPartition
 from opentelemetry import metrics
-from redis.asyncio.connection import Connection
 
 from conductor.errors import ViewStoreError
 from conductor.profiles import ModelProfile, load_profile
@@ -72,14 +68,14 @@ from schemas import (
     headers,
     request_chain_keys,
 )
+from state.reader import HiredisPackedConnection, RawSnapshotReader
 from state.redis_view import (
     RedisViewStore,
-    assemble_snapshot,
     connection_url,
     tls_options,
 )
 from state.reservations import Load, RedisReservations, ReservationStore
-from state.view import NodeState, ViewReader, ViewSnapshot
+from state.view import ViewReader, ViewSnapshot
 from streams.kafka import consumer, end_offsets, ensure_topics, producer
 from streams.topics import topics
 
@@ -495,186 +491,6 @@ class ControlFollower:
             await self._cons.stop()
 
 
-# KEYS: version, node hash; ARGV: the version the reader holds. Returns {version} when it
-# still holds the current one, else {version, HGETALL}. A namespace never written has no
-# version (false), which never matches, so its (empty) hash is always sent.
-_NODES_IF_CHANGED_LUA = """
-local v = redis.call('GET', KEYS[1])
-if v and v == ARGV[1] then return {v} end
-return {v, redis.call('HGETALL', KEYS[2])}
-"""
-
-
-class RawSnapshotReader:
-    """The view's one-round-trip snapshot read over a dedicated RESP connection.
-
-    Same commands, same key layout and same parsing as ``RedisViewStore.snapshot``
-    (whose ``_parse_nodes`` it reuses, so node states stay identical), but packed and
-    parsed by hiredis on a raw asyncio stream: redis-py's asyncio pipeline costs more
-    client CPU than the read itself, and that CPU is what bounds one router's
-    throughput. Everything else is delegated to the wrapped store. A lost connection
-    is re-opened on the next read; failures raise :class:`ViewStoreError`.
-    """
-
-    def __init__(self, view: Any, url: str, timeout_s: float = 0.5) -> None:
-
-        u = urlparse(url)
-        if u.scheme not in ("redis", ""):
-            raise ViewStoreError(f"the raw snapshot reader speaks plain redis:// only, not {u.scheme}://")
-        self.view = view
-        self.host, self.port = u.hostname or "127.0.0.1", u.port or 6379
-        self.db = int((u.path or "/0").lstrip("/") or 0)
-        self.password = u.password
-        self.timeout_s = timeout_s
-        self._io: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
-        self._lock = asyncio.Lock()
-        self._waiting: collections.deque[tuple[asyncio.Future[list[Any]], int, list[Any]]] = collections.deque()
-        self._reader_task: asyncio.Future[None] | None = None
-        self._last_version: bytes | None = None
-        self._last_nodes: tuple[tuple[NodeState, ...], dict[int, str]] = ((), {})
-
-
-        self._hiredis = hiredis
-        self._nodes_sha = hashlib.sha1(_NODES_IF_CHANGED_LUA.encode()).hexdigest()
-        self._wm_cmd = hiredis.pack_command(("HGETALL", view._wm_key))
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.view, name)
-
-    async def _connect(self) -> None:
-        """Open the connection, start its reply reader, and set it up (called under the lock)."""
-        reader, writer = await asyncio.wait_for(asyncio.open_connection(self.host, self.port), self.timeout_s)
-        self._io = (reader, writer)
-        self._reader_task = asyncio.ensure_future(self._read_replies(reader, writer))
-        h = self._hiredis
-        setup = [("AUTH", self.password)] if self.password else []
-        if self.db:
-            setup.append(("SELECT", self.db))
-        setup.append(("SCRIPT", "LOAD", _NODES_IF_CHANGED_LUA))
-        fut = self._send(b"".join(h.pack_command(c) for c in setup), len(setup))
-        try:
-            replies = await asyncio.wait_for(fut, self.timeout_s)
-        except BaseException:
-            await self._drop()
-            raise
-        for r in replies:
-            if isinstance(r, h.ReplyError):
-                await self._drop()
-                raise ViewStoreError(f"view connection set-up failed: {r}")
-
-    def _send(self, packed: bytes, replies: int) -> asyncio.Future[list[Any]]:
-        """Write one request; its replies resolve the returned future. Replies come back in
-        the order requests were written, so several reads can be in flight at once."""
-        assert self._io is not None
-        fut: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
-        self._waiting.append((fut, replies, []))
-        self._io[1].write(packed)
-        return fut
-
-    async def _read_replies(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        parser = self._hiredis.Reader()
-        waiting = self._waiting
-        try:
-            while True:
-                data = await reader.read(1 << 16)
-                if not data:
-                    raise ConnectionError("connection closed by the server")
-                parser.feed(data)
-                while waiting:
-                    r = parser.gets()
-                    if r is False:
-                        break
-                    fut, n, got = waiting[0]
-                    got.append(r)
-                    if len(got) == n:
-                        waiting.popleft()
-                        if not fut.done():
-                            fut.set_result(got)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - every waiter must learn the connection is gone
-            if self._io is not None and self._io[1] is writer:
-                self._fail_waiting(e)
-                self._io = None
-                writer.close()
-
-    def _fail_waiting(self, e: BaseException) -> None:
-        while self._waiting:
-            fut, _, _ = self._waiting.popleft()
-            if not fut.done():
-                fut.set_exception(ConnectionError(f"{type(e).__name__}: {e}"))
-
-    async def snapshot(self, chain: Sequence[int], *, now_ms: int | None = None) -> ViewSnapshot:
-        h = self._hiredis
-        pre = self.view._bpre
-        packed = h.pack_command(("TIME",))
-        if chain:
-            packed += h.pack_command(("MGET", *[pre + k.to_bytes(8, "big") for k in chain]))
-        # The node hash (~tens of KB for a large cluster) travels only when its version moved.
-        packed += h.pack_command(
-            ("EVALSHA", self._nodes_sha, 2, self.view.version_key, self.view._nodes_key, self._last_version or b"")
-        )
-        packed += self._wm_cmd
-        try:
-            async with self._lock:  # only connecting and writing are serialised, not the wait
-                if self._io is None:
-                    await self._connect()
-                fut = self._send(packed, 4 if chain else 3)
-            res = await asyncio.wait_for(fut, self.timeout_s)
-        except (OSError, asyncio.TimeoutError, ConnectionError, h.ProtocolError) as e:
-            # A reply that never came leaves the stream out of step: start afresh.
-            await self._drop()
-            raise ViewStoreError(f"view read failed: {type(e).__name__}: {e}") from e
-        for r in res:
-            if isinstance(r, h.ReplyError):
-                if str(r).startswith("NOSCRIPT"):  # script cache flushed (restart, failover)
-                    await self._drop()  # the next connection loads it again
-                raise ViewStoreError(f"view read failed: {r}")
-        if chain:
-            time_reply, values, flat_nodes, flat_wm = res
-        else:
-            time_reply, flat_nodes, flat_wm = res
-            values = []
-        version, flat_nodes = flat_nodes[0], flat_nodes[1] if len(flat_nodes) > 1 else None
-        if flat_nodes is None:  # unchanged since the last read
-            nodes, slot_nodes = self._last_nodes
-        else:
-            nodes, slot_nodes = self.view._parse_nodes(dict(zip(flat_nodes[::2], flat_nodes[1::2])))
-            self._last_nodes = (nodes, slot_nodes)
-            self._last_version = version  # None for a namespace never written: always re-read
-        return assemble_snapshot(time_reply, values, nodes, slot_nodes, zip(flat_wm[::2], flat_wm[1::2]), now_ms)
-
-    async def _drop(self) -> None:
-        io, self._io = self._io, None
-        task, self._reader_task = self._reader_task, None
-        if task is not None:
-            task.cancel()
-        self._fail_waiting(ConnectionError("connection dropped"))
-        if io is not None:
-            io[1].close()
-
-    async def close(self) -> None:
-        await self._drop()
-        await self.view.close()
-
-
-def _fast_connection_class() -> Any:
-    """An asyncio Redis connection that packs commands with hiredis (C) instead of Python.
-
-    The routing read sends a 128-key MGET per request; redis-py's asyncio client packs
-    it argument by argument in Python, which was the largest single cost of a decision.
-    """
-
-    class HiredisPackedConnection(Connection):
-        def pack_command(self, *args: Any) -> list[bytes]:
-            first = args[0]
-            if isinstance(first, str) and " " in first:  # e.g. "SCRIPT LOAD": separate words
-                args = (*first.split(), *args[1:])
-            return [hiredis.pack_command(args)]
-
-    return HiredisPackedConnection
-
-
 def redis_stores(settings: Settings, producer_id: str | None = None) -> tuple[Any, Any]:
     """The Redis view reader and reservation log of ``settings``, with short timeouts.
 
@@ -688,10 +504,12 @@ def redis_stores(settings: Settings, producer_id: str | None = None) -> tuple[An
     url = connection_url(settings)
     client = aioredis.from_url(
         url, decode_responses=False, **tls_options(settings), socket_timeout=0.5, socket_connect_timeout=0.5,
-        health_check_interval=0, connection_class=_fast_connection_class(),
+        health_check_interval=0, connection_class=HiredisPackedConnection,
     )
     view = RedisViewStore(client, settings.view_namespace)
-    reader = RawSnapshotReader(view, url) if url.startswith("redis://") else view
+    # The raw reader speaks plain RESP (with AUTH user password); TLS (rediss://) and unix
+    # sockets read through redis-py.
+    reader = RawSnapshotReader(url, settings.view_namespace, store=view) if url.startswith("redis://") else view
     return (reader,
             RedisReservations(client, settings.view_namespace, settings.reservation_ttl_s,
                               producer_id=producer_id or default_router_id()))

@@ -1,7 +1,8 @@
 """One contract, every view store: the same tests run against each implementation.
 
 ``ViewStoreContract`` is subclassed once per store; a subclass only provides the
-``store`` fixture (an empty view).
+``store`` fixture (an empty view). The router's reader (``state.reader``) runs the same
+tests as a read-through view: written through ``RedisViewStore``, read through it.
 """
 
 from __future__ import annotations
@@ -21,7 +22,11 @@ from schemas import (
 )
 from state.fold import AddBlocks, SetHeartbeat, fold
 from state.memory import InMemoryViewStore
-from state.view import SourcePosition
+from state.reader import RawSnapshotReader
+from state.redis_view import RedisViewStore
+from state.view import Outcome, SourcePosition
+
+APPLIED, FENCED, CONFLICT = Outcome.APPLIED, Outcome.FENCED, Outcome.CONFLICT
 
 KV = "kv-events"
 HB = "heartbeats"
@@ -177,8 +182,8 @@ class ViewStoreContract:
         assert out == ["applied"]
         assert await store.watermark() == {f"{KV}:0": 10, f"{KV}:1": 3}
 
-    async def test_apply_ops_bulk_path(self, store):
-        n = await store.apply_ops(
+    async def test_apply_groups_bulk_path(self, store):
+        out = await store.apply_groups(
             [
                 (None, [AddBlocks("a", 0, tuple(range(100, 200)))]),
                 (SourcePosition("bulk", 0, 0), [AddBlocks("b", 1, (100, 101))]),
@@ -186,7 +191,7 @@ class ViewStoreContract:
                 (None, [SetHeartbeat("a", {"role": "prefill", "last_heartbeat_ms": 7})]),
             ]
         )
-        assert n == 3
+        assert out == [APPLIED, APPLIED, FENCED, APPLIED]
         snap = await store.snapshot(list(range(100, 210)), now_ms=7)
         assert snap.prefix == {"a": (100, 100, 100), "b": (0, 2, 2)}
         assert [x.node_id for x in snap.live_nodes(1.0)] == ["a"]
@@ -194,7 +199,7 @@ class ViewStoreContract:
     async def test_apply_groups_reports_each_group(self, store):
         pos = SourcePosition("bulk", 1, 5)
         flags = await store.apply_groups([(pos, [AddBlocks("a", 0, (1,))]), (pos, [AddBlocks("a", 0, (2,))]), (None, [])])
-        assert flags == [1, 0, 1]
+        assert flags == [APPLIED, FENCED, APPLIED]
         assert (await store.snapshot([1, 2], now_ms=0)).prefix == {"a": (1, 1, 1)}
 
     async def test_a_write_folded_from_a_moved_stream_is_refused(self, store):
@@ -203,16 +208,16 @@ class ViewStoreContract:
         def pos(o):
             return SourcePosition(KV, 0, o)
 
-        assert await store.apply_groups([(pos(0), fold(stored("a", 0, [1])).ops)]) == [1]
+        assert await store.apply_groups([(pos(0), fold(stored("a", 0, [1])).ops)]) == [APPLIED]
         stale = fold(stored("a", 1, [2])).ops  # folded as if "a" had no stream yet
         other = fold(stored("b", 0, [3])).ops
-        assert await store.apply_groups([(pos(1), stale), (pos(2), other)]) == [2, 2]
+        assert await store.apply_groups([(pos(1), stale), (pos(2), other)]) == [CONFLICT, CONFLICT]
         assert (await store.snapshot([1, 2], now_ms=0)).prefix == {"a": (1, 1, 1)}
         assert (await store.snapshot([3], now_ms=0)).prefix == {}
         assert await store.watermark() == {f"{KV}:0": 0}
         # folded again from the stored state, the same records go in
         st = (await store.streams(["a"]))["a"]
-        assert await store.apply_groups([(pos(1), fold(stored("a", 1, [2]), st).ops), (pos(2), other)]) == [1, 1]
+        assert await store.apply_groups([(pos(1), fold(stored("a", 1, [2]), st).ops), (pos(2), other)]) == [APPLIED, APPLIED]
         assert (await store.snapshot([1, 2], now_ms=0)).prefix == {"a": (2, 2, 2)}
         assert (await store.streams(["a"]))["a"].gaps == 0
 
@@ -268,8 +273,6 @@ class TestInMemoryViewStore(ViewStoreContract):
 class TestRedisViewStore(ViewStoreContract):
     @pytest.fixture
     async def store(self, settings):
-        from state.redis_view import RedisViewStore
-
         s = RedisViewStore.from_settings(settings)
         yield s
         await s.clear()
@@ -295,3 +298,19 @@ class TestRedisViewStore(ViewStoreContract):
         assert slots == {0: "c", 1: "b", 2: "a"}
         assert (await store.snapshot([9], now_ms=0)).prefix == {"a": (1, 1, 1), "c": (1, 1, 1)}
         assert await store.compact() == {"slots_freed": 0, "bits_cleared": 0, "keys_deleted": 0}
+
+
+class TestRawSnapshotReader(ViewStoreContract):
+    """Every read of the contract (snapshot, nodes, watermark, dump) through the router's
+    reader; writes (which it lends to its store) through ``RedisViewStore``."""
+
+    @pytest.fixture
+    async def store(self, settings):
+        s = RawSnapshotReader(settings.redis_url, settings.view_namespace, store=RedisViewStore.from_settings(settings))
+        yield s
+        await s.view.clear()
+        await s.close()
+
+    async def test_reads_do_not_go_through_the_store(self, store):
+        assert type(store).snapshot is RawSnapshotReader.snapshot and type(store).dump is RawSnapshotReader.dump
+        assert type(store).nodes is RawSnapshotReader.nodes and type(store).watermark is RawSnapshotReader.watermark

@@ -20,6 +20,7 @@ from schemas import (
     encode,
     envelope,
 )
+from state.redis_view import RedisViewStore
 from streams import kafka
 from streams.topics import topics
 
@@ -140,7 +141,7 @@ async def test_raw_snapshot_reader_matches_the_view_store(settings) -> None:
     finally:
         await view.clear()
         await reader.close()
-    dead = RawSnapshotReader(view, "redis://127.0.0.1:1/0", timeout_s=0.2)
+    dead = RawSnapshotReader("redis://127.0.0.1:1/0", settings.view_namespace, timeout_s=0.2)
     with pytest.raises(ViewStoreError, match="view read failed"):
         await dead.snapshot(chain)
 
@@ -203,3 +204,45 @@ async def test_concurrent_reads_still_see_each_others_reservations(settings) -> 
         await reader.close()
     assert all(isinstance(d, RoutingDecision) for d in out)
     assert Counter(d.prefill_instance for d in out) == {"p0": 2, "p1": 2, "p2": 2, "p3": 2}
+
+
+async def test_raw_reader_logs_in_with_the_urls_user_and_password(settings) -> None:
+    """``redis://user:password@host/db``: the raw reader sends ``AUTH user password`` (the
+    password URL-decoded), and a wrong one fails at set-up with the server's reason."""
+    from urllib.parse import quote, urlparse
+
+    import redis.asyncio as aioredis
+
+    from conductor.errors import ViewStoreError
+    from conductor.routing.router import RawSnapshotReader
+
+    admin = aioredis.from_url(settings.redis_url)
+    user, password = f"reader-{settings.view_namespace}", "s3cret:@/x"
+    u = urlparse(settings.redis_url)
+
+    def url(pw: str) -> str:
+        return f"redis://{user}:{quote(pw, safe='')}@{u.hostname}:{u.port}{u.path}"
+
+    await admin.execute_command("ACL", "SETUSER", user, "on", f">{password}", "~*", "+@all")
+    writer = RedisViewStore.from_settings(settings)
+    reader = RawSnapshotReader(url(password), settings.view_namespace)
+    wrong = RawSnapshotReader(url("nope"), settings.view_namespace, timeout_s=0.5)
+    try:
+        now = int(time.time() * 1000)
+        await writer.apply([(envelope(Heartbeat(role="decode"), producer_id="d0", producer_seq=0, ts_ms=now), None)])
+        assert [n.node_id for n in (await reader.snapshot([1], now_ms=now)).nodes] == ["d0"]
+        with pytest.raises(ViewStoreError, match="set-up failed"):
+            await wrong.snapshot([1])
+    finally:
+        await reader.close()
+        await wrong.close()
+        await writer.clear()
+        await writer.close()
+        await admin.execute_command("ACL", "DELUSER", user)
+        await admin.aclose()
+
+
+async def test_redis_stores_reads_tls_urls_through_redis_py(settings) -> None:
+    reader, _ = redis_stores(settings.model_copy(update={"redis_url": "rediss://127.0.0.1:1/0"}))
+    assert isinstance(reader, RedisViewStore)
+    await reader.close()

@@ -13,24 +13,24 @@ from schemas import (
     BlocksStored,
     Heartbeat,
     RoutingRequest,
+    TIERS,
     chain_keys,
     envelope,
 )
 from state.fold import (
-    APPLIED,
-    DUPLICATE,
-    OLD_EPOCH,
     AddBlocks,
     ClearNode,
     NodeStream,
     RemoveBlocks,
     SetHeartbeat,
     SetStream,
-    StreamTable,
     UnfoldableRecord,
     fold,
 )
 from state.memory import InMemoryViewStore
+from state.view import Outcome
+
+APPLIED, DUPLICATE, OLD_EPOCH = Outcome.APPLIED, Outcome.DUPLICATE, Outcome.OLD_EPOCH
 
 
 def env(body, seq=0, epoch=0, node="n1", ts=100):
@@ -106,17 +106,16 @@ def test_wrong_kind_is_unfoldable():
     assert e.value.reason == "wrong_kind"
 
 
-def test_stream_table_keeps_state():
-    t = StreamTable()
-    assert t.fold(env(S, seq=0)).outcome == APPLIED
-    assert t.fold(env(S, seq=0)).outcome == DUPLICATE
-    assert t.streams["n1"].seq == 0
+def test_the_in_memory_store_keeps_the_stream_state():
+    store = InMemoryViewStore()
+    assert store.apply_sync(env(S, seq=0)) == APPLIED
+    assert store.apply_sync(env(S, seq=0)) == DUPLICATE
+    assert store.streams_sync(["n1"])["n1"].seq == 0
 
 
 # --- the property: re-delivering any prefix of a stream changes nothing ------------
 
 NODES = ("a", "b", "c")
-TIERS = ("hbm", "dram", "ssd")
 keys_st = st.lists(st.integers(0, 30), min_size=1, max_size=5)
 
 

@@ -1,4 +1,5 @@
-"""The ingest core without Kafka: decode → dead-letter / fold → apply → stream tables, and metrics."""
+"""The ingest core without Kafka: decode → dead-letter / fold → write the view (effects and stream
+state in one step), and metrics."""
 
 from __future__ import annotations
 
@@ -22,6 +23,12 @@ def rec(offset, value, topic=KV, partition=0):
 
 def stored(node, seq, keys, ts=1_000):
     return envelope(BlocksStored(block_keys=keys), producer_id=node, producer_seq=seq, ts_ms=ts)
+
+
+def stream(store, node, part="kv"):
+    """The node's stream part as the view holds it (None: the view has no stream for it)."""
+    st = store.streams_sync([node]).get(node)
+    return None if st is None else list(st.part(part))
 
 
 async def test_bad_records_are_dead_lettered_and_the_batch_goes_on():
@@ -50,7 +57,7 @@ async def test_bad_records_are_dead_lettered_and_the_batch_goes_on():
     assert [(d.reason, d.offset) for d in letters] == [("malformed", 1), ("wrong_kind", 2), ("malformed", 3), ("unknown_topic", 9)]
     assert letters[0].original == b"\xc1garbage" and letters[0].source_topic == KV
     assert (await store.snapshot([1, 2, 3], now_ms=0)).prefix == {"a": (3, 3, 3)}
-    assert ing.kv_streams["a"] == [0, 1, 0, 0]
+    assert stream(store, "a") == [0, 1, 0, 0]
     text = scrape()
     assert metric(text, "conductor_dead_letters_total", f'reason="wrong_kind",topic="{KV}"') >= 1
     assert metric(text, "conductor_dead_letters_total", f'reason="malformed",topic="{KV}"') >= 2
@@ -66,23 +73,24 @@ def metric(text, name, labels):
     return 0.0
 
 
-async def test_a_fresh_table_starts_from_the_views_stream_state():
+async def test_a_fresh_ingestor_starts_from_the_views_stream_state():
     store = InMemoryViewStore()
     store.apply_sync(stored("a", 0, [1]), SourcePosition(KV, 0, 0))
     store.apply_sync(stored("a", 1, [2]), SourcePosition(KV, 0, 1))
-    ing = Ingestor(T, store)  # empty tables: e.g. the partition just moved to this worker
+    ing = Ingestor(T, store)  # a new worker: e.g. the partition just moved to it
     # the engine re-published seq 1 (new offset, so the offset fence does not catch it)
     res = await ing.process([rec(7, stored("a", 1, [9])), rec(8, stored("a", 2, [3]))])
     assert res.skipped == {"duplicate": 1} and res.applied == 1
     assert (await store.snapshot([9], now_ms=0)).prefix == {}
-    assert ing.kv_streams["a"][:2] == [0, 2]
+    assert stream(store, "a")[:2] == [0, 2]
 
 
-async def test_heartbeats_touch_only_their_table():
-    ing = Ingestor(T, InMemoryViewStore(), clock_ms=lambda: 5_000)
+async def test_heartbeats_move_only_their_stream_part():
+    store = InMemoryViewStore()
+    ing = Ingestor(T, store, clock_ms=lambda: 5_000)
     hb = envelope(Heartbeat(role="decode"), producer_id="d", producer_seq=3, ts_ms=4_000)
     await ing.process([rec(0, hb, topic=HB)])
-    assert ing.hb_streams["d"] == [0, 3] and "d" not in ing.kv_streams
+    assert stream(store, "d", "hb") == [0, 3] and stream(store, "d") == [-1, -1, 0, 0]
     assert ing.live_nodes(2.0) == 1 and ing.live_nodes(0.5) == 0
 
 
@@ -107,47 +115,45 @@ async def test_state_moves_only_after_the_view_write_and_writes_are_retried():
         await ing.process([rec(0, stored("a", 0, [1]))])
     except ViewStoreError:
         pass
-    assert "a" not in ing.kv_streams  # the view did not take it: the stream state did not move
+    assert stream(store, "a") is None  # the view did not take it: the stream state did not move
     await process_until_done(ing, [rec(0, stored("a", 0, [1]))])  # one more failure, then success
-    assert ing.kv_streams["a"][:2] == [0, 0]
+    assert stream(store, "a")[:2] == [0, 0]
     assert (await store.snapshot([1], now_ms=0)).prefix == {"a": (1, 1, 1)}
 
 
-async def test_a_lagging_table_is_caught_by_the_offset_fence():
-    """After a crash the table may be behind the view; re-delivered records fold as new but
-    the view's fence refuses them, and they are counted as fenced, not applied."""
+async def test_redelivered_records_are_caught_by_the_offset_fence():
+    """After a crash, records the view applied come again; the view's fence refuses them, and
+    they are counted as fenced, not applied."""
     store = InMemoryViewStore()
     envs = [stored("a", i, [10 + i]) for i in range(3)]
     for i, e in enumerate(envs):
         store.apply_sync(e, SourcePosition(KV, 0, i))
     store.apply_sync(stored("a", 3, [99]), SourcePosition(KV, 0, 3))  # applied, then a crash
-    ing = Ingestor(T, store, kv_streams={"a": [0, 2, 0, 0]})  # the table only saw seq 0-2
+    ing = Ingestor(T, store)
     res = await ing.process([rec(3, stored("a", 3, [99])), rec(4, stored("a", 4, [5]))])
     assert res.skipped == {"fenced": 1} and res.applied == 1
-    assert ing.kv_streams["a"][:2] == [0, 4]
+    assert stream(store, "a")[:2] == [0, 4]
     assert (await store.snapshot([10, 11, 12], now_ms=0)).prefix == {"a": (3, 3, 3)}
 
 
-async def test_a_table_behind_the_committed_offset_counts_no_phantom_gap():
-    """A worker killed after its view write and offset commit but before its changelog write
-    comes back with a table row older than the view, and Kafka resumes past the records
-    in between: they are in the view, so the next record is no gap."""
+async def test_resuming_past_applied_records_counts_no_phantom_gap():
+    """A worker killed after its view write and offset commit comes back, and Kafka resumes
+    past the records in between: they are in the view, so the next record is no gap."""
     store = InMemoryViewStore()
     for i in range(5):
         store.apply_sync(stored("a", i, [20 + i]), SourcePosition(KV, 0, i))
-    ing = Ingestor(T, store, kv_streams={"a": [0, 1, 0, 0]})  # the table saw seq 0-1 only
+    ing = Ingestor(T, store)
     res = await ing.process([rec(5, stored("a", 5, [25]))])
     assert res.applied == 1 and res.gaps == 0
-    assert ing.kv_streams["a"] == [0, 5, 0, 0]
-    assert store.stream_sync("a").gaps == 0
+    assert stream(store, "a") == [0, 5, 0, 0]
     # a real gap is still a gap
     res = await ing.process([rec(6, stored("a", 8, [28]))])
-    assert res.gaps == 1 and ing.kv_streams["a"] == [0, 8, 1, 2]
+    assert res.gaps == 1 and stream(store, "a") == [0, 8, 1, 2]
 
 
-async def test_a_lagging_table_does_not_take_a_resent_record_for_new():
+async def test_a_resent_record_is_not_taken_for_new():
     """An engine (or a retrying producer) re-sends seq 1 at a new offset after seq 2 removed
-    its block; with the table behind the view it must still fold as a duplicate."""
+    its block; folded from the view's stream state it is a duplicate."""
     from schemas import BlocksRemoved
 
     store = InMemoryViewStore()
@@ -155,7 +161,7 @@ async def test_a_lagging_table_does_not_take_a_resent_record_for_new():
     store.apply_sync(stored("a", 1, [2]), SourcePosition(KV, 0, 1))
     removed = envelope(BlocksRemoved(block_keys=[2]), producer_id="a", producer_seq=2, ts_ms=1_000)
     store.apply_sync(removed, SourcePosition(KV, 0, 2))
-    ing = Ingestor(T, store, kv_streams={"a": [0, 0, 0, 0]})  # the table saw seq 0 only
+    ing = Ingestor(T, store)
     res = await ing.process([rec(3, stored("a", 1, [2]))])
     assert res.skipped == {"duplicate": 1} and res.applied == 0
     assert store.holders(2) == {}
@@ -187,7 +193,7 @@ async def test_a_writer_that_got_in_between_read_and_write_leaves_no_phantom_gap
     for i, e in enumerate(envs):
         ref.apply_sync(e, SourcePosition(KV, 0, i))
     assert store.dump_sync() == ref.dump_sync()
-    assert ing.kv_streams["a"] == [0, 3, 0, 0]
+    assert stream(store, "a") == [0, 3, 0, 0]
 
 
 async def test_a_dead_lettered_record_moves_its_partitions_fence():

@@ -94,7 +94,7 @@ async def load_synthetic_view(store: Any, work: PrefixWorkload, nodes: list[tupl
     for node, tiers in held.items():
         for tier, keys in enumerate(tiers):
             if keys:
-                await store.apply_ops([(None, [AddBlocks(node, tier, tuple(keys))])])
+                await store.apply_groups([(None, [AddBlocks(node, tier, tuple(keys))])])
         distinct.update(*tiers)
     return len(distinct)
 

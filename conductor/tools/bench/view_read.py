@@ -19,6 +19,7 @@ import redis.asyncio as aioredis
 from conductor.tools.bench import percentile
 from conductor.tools.devstack import free_port, redis_binary
 from state.fold import AddBlocks
+from state.keys import block_key_bytes
 from state.redis_view import RedisViewStore
 
 _LUA_WALK = r"""
@@ -73,16 +74,16 @@ async def run_view_read_bench(
                 batch.append((None, [AddBlocks(f"prefill-{n}", rng.choice((0, 0, 1, 2)), tuple(keys[i : i + 5000]))]))
         chain = universe[:chain_len]
         batch.append((None, [AddBlocks("prefill-0", 0, tuple(chain))]))
-        await store.apply_ops(batch)
+        await store.apply_groups(batch)
         load_s = time.monotonic() - t0
         used = int((await client.info("memory"))["used_memory"]) - mem0
         keys_n = await client.dbsize()
         say(f"loaded {nodes * blocks_per_node} (node, block) entries into {keys_n} keys in {load_s:.1f}s")
         walk = client.register_script(_LUA_WALK)
-        packed = [k.to_bytes(8, "big") for k in chain]
+        packed = [block_key_bytes(k) for k in chain]
         options = {
             "mget": lambda: store.snapshot(chain),
-            "lua_walk": lambda: walk(args=[b"cv|b", *packed]),
+            "lua_walk": lambda: walk(args=[store.keys.block_prefix, *packed]),
         }
         out: dict[str, Any] = {
             "nodes": nodes, "blocks_per_node": blocks_per_node, "chain_len": chain_len,

@@ -1,0 +1,221 @@
+"""The view's Redis layout, written down once: key names, block-key bytes, node-hash fields,
+the stream-state text, and the decoding of what a read returns. Pure: no driver, no I/O;
+the store (:mod:`state.redis_view`), the fast reader (:mod:`state.reader`) and the tools
+all build and parse keys here. (The Lua scripts of ``state.redis_view`` follow the same
+layout on the server side.)
+
+Keys (``ns`` = the view namespace; ``|`` cannot occur in it):
+
+``ns|b<8-byte block key>``  string: bit ``3*slot + tier`` set when the node in ``slot`` holds
+    the block in ``tier`` (:data:`state.view.TIER_INDEX`), read little-endian.
+``ns|nodes``  hash, one field per node attribute, ``<node>\\x1f<attr>``: ``slot``, ``hb``
+    (heartbeat state, JSON), ``kv`` / ``hbs`` (stream state, :func:`stream_text`),
+    ``b0`` ``b1`` ``b2`` (blocks indexed per tier).
+``ns|slots``  slot → node id.  ``ns|meta``  next slot.  ``ns|retired`` / ``ns|free``  slots
+    of cleared nodes, awaiting compaction / reusable.
+``ns|wm``     ``topic:partition`` → highest applied offset (the fence).
+``ns|ver``    moves on every write to the node hash (readers cache the hash by it).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+from schemas import TIERS
+
+from .fold import NodeStream
+from .view import (
+    NodeState,
+    ViewSnapshot,
+    canonical_dump,
+    longest_prefixes,
+    mask_holders,
+)
+
+SEP = "\x1f"
+"""Between a node id and its attribute in a ``ns|nodes`` field."""
+BLOCK_KEY_BYTES = 8
+
+SLOT_FIELD = "slot"
+HEARTBEAT_FIELD = "hb"
+STREAM_FIELD = {"kv": "kv", "hb": "hbs"}
+"""Stream part (``NodeStream.part``) → its attribute in the node hash."""
+
+
+def block_key_bytes(key: int) -> bytes:
+    """A block key as stored: 8 bytes, big-endian."""
+    return key.to_bytes(BLOCK_KEY_BYTES, "big")
+
+
+def pack_block_keys(keys: Iterable[int]) -> bytes:
+    """Block keys back to back, 8 bytes each (what the write script takes)."""
+    return b"".join(k.to_bytes(BLOCK_KEY_BYTES, "big") for k in keys)
+
+
+def blocks_field(tier: int) -> str:
+    """The node attribute counting its blocks in ``tier`` (an index into ``schemas.TIERS``)."""
+    return f"b{tier}"
+
+
+BLOCKS_FIELDS = tuple(blocks_field(i) for i in range(len(TIERS)))
+
+
+def node_field(node: str, attr: str) -> str:
+    return f"{node}{SEP}{attr}"
+
+
+def split_node_field(field: bytes) -> tuple[str, str]:
+    """``<node>\\x1f<attr>`` → (node, attr)."""
+    node, _, attr = field.decode().rpartition(SEP)
+    return node, attr
+
+
+def stream_text(stream: NodeStream, part: str) -> str:
+    """One stream part as stored: ``"epoch,seq,gaps,missed"`` (kv) or ``"epoch,seq"`` (hb)."""
+    return ",".join(map(str, stream.part(part)))
+
+
+def parse_stream(kv: bytes | None, hbs: bytes | None) -> NodeStream:
+    """The :class:`NodeStream` stored in a node's ``kv`` and ``hbs`` attributes."""
+    e, q, g, m = map(int, kv.split(b",")) if kv else (-1, -1, 0, 0)
+    he, hq = map(int, hbs.split(b",")) if hbs else (-1, -1)
+    return NodeStream(epoch=e, seq=q, gaps=g, missed=m, hb_epoch=he, hb_seq=hq)
+
+
+class ViewKeys:
+    """The key names of one view namespace (computed once: the router builds keys per read)."""
+
+    __slots__ = ("ns", "block_prefix", "block_pattern", "all_pattern", "nodes", "slots", "meta",
+                 "watermark", "version", "retired", "free")
+
+    def __init__(self, ns: str) -> None:
+        if "|" in ns:
+            raise ValueError("a view namespace cannot contain '|'")
+        self.ns = ns
+        self.block_prefix = f"{ns}|b".encode()
+        self.block_pattern = f"{ns}|b*"
+        """SCAN pattern of the block keys (filter the matches with :meth:`block_of`)."""
+        self.all_pattern = f"{ns}|*"
+        self.nodes = f"{ns}|nodes"
+        self.slots = f"{ns}|slots"
+        self.meta = f"{ns}|meta"
+        self.watermark = f"{ns}|wm"
+        self.version = f"{ns}|ver"
+        self.retired = f"{ns}|retired"
+        self.free = f"{ns}|free"
+
+    def block(self, key: int) -> bytes:
+        return self.block_prefix + key.to_bytes(BLOCK_KEY_BYTES, "big")
+
+    def blocks(self, chain: Sequence[int]) -> list[bytes]:
+        pre = self.block_prefix
+        return [pre + k.to_bytes(8, "big") for k in chain]  # 8 = BLOCK_KEY_BYTES (a literal: the hot loop)
+
+    def block_of(self, key: bytes) -> int | None:
+        """The block key a Redis key stores, or None for a key that is not a block key."""
+        pre = self.block_prefix
+        if len(key) != len(pre) + BLOCK_KEY_BYTES or not key.startswith(pre):
+            return None
+        return int.from_bytes(key[len(pre):], "big")
+
+
+class NodeHashDecoder:
+    """Decodes the ``ns|nodes`` hash into node states, reusing the previous state of a node
+    whose fields did not change (most of them, read after read)."""
+
+    def __init__(self) -> None:
+        self._cache: dict[str, tuple[tuple[Any, ...], NodeState]] = {}
+
+    def clear(self) -> None:
+        self._cache.clear()
+
+    def decode(self, raw: Mapping[bytes, bytes]) -> tuple[tuple[NodeState, ...], dict[int, str]]:
+        """(node states sorted by id, slot → node for nodes holding a slot)."""
+        per: dict[str, dict[str, bytes]] = {}
+        for f, v in raw.items():
+            node, attr = split_node_field(f)
+            per.setdefault(node, {})[attr] = v
+        states = []
+        slot_nodes: dict[int, str] = {}
+        kv, hbs = STREAM_FIELD["kv"], STREAM_FIELD["hb"]
+        for node in sorted(per):
+            a = per[node]
+            if SLOT_FIELD in a:
+                slot_nodes[int(a[SLOT_FIELD])] = node
+            sig = (a.get(HEARTBEAT_FIELD), a.get(kv), *(a.get(f) for f in BLOCKS_FIELDS))
+            hit = self._cache.get(node)
+            if hit is not None and hit[0] == sig:
+                states.append(hit[1])
+                continue
+            st = parse_stream(a.get(kv), a.get(hbs))
+            hb = json.loads(a[HEARTBEAT_FIELD]) if HEARTBEAT_FIELD in a else {}
+            blocks = {}
+            for t, f in zip(TIERS, BLOCKS_FIELDS):
+                n = int(a.get(f, 0) or 0)
+                if n > 0:
+                    blocks[t] = n
+            state = NodeState(
+                node_id=node,
+                role=hb.pop("role", "prefill"),
+                epoch=max(st.epoch, 0),
+                last_seq=st.seq,
+                seq_gaps=st.gaps,
+                blocks=blocks,
+                **hb,
+            )
+            self._cache[node] = (sig, state)
+            states.append(state)
+        return tuple(states), slot_nodes
+
+
+def node_streams(raw: Mapping[bytes, bytes]) -> dict[str, NodeStream]:
+    """Every node's stored :class:`NodeStream`, from the whole ``ns|nodes`` hash."""
+    parts: dict[str, list[bytes | None]] = {}
+    kv, hbs = STREAM_FIELD["kv"], STREAM_FIELD["hb"]
+    for f, v in raw.items():
+        node, attr = split_node_field(f)
+        row = parts.setdefault(node, [None, None])
+        if attr == kv:
+            row[0] = v
+        elif attr == hbs:
+            row[1] = v
+    return {n: parse_stream(*row) for n, row in parts.items()}
+
+
+def snapshot_from_replies(
+    time_reply: Sequence[Any],
+    values: Sequence[bytes | None],
+    nodes: tuple[NodeState, ...],
+    slot_nodes: dict[int, str],
+    watermark: Iterable[tuple[bytes, bytes]],
+    now_ms: int | None = None,
+) -> ViewSnapshot:
+    """A :class:`ViewSnapshot` from the replies of the one-round-trip read: ``TIME``, the
+    ``MGET`` of the chain's block keys, the decoded node hash, the watermark's pairs."""
+    if now_ms is None:
+        sec, usec = time_reply
+        now_ms = int(sec) * 1000 + int(usec) // 1000
+    frm = int.from_bytes
+    prefix = longest_prefixes((frm(v, "little") if v else 0 for v in values), slot_nodes) if values else {}
+    return ViewSnapshot(now_ms=now_ms, nodes=nodes, prefix=prefix,
+                        watermark={k.decode(): int(v) for k, v in watermark})
+
+
+def dump_from_replies(
+    keys: ViewKeys,
+    raw_nodes: Mapping[bytes, bytes],
+    blocks: Iterable[tuple[bytes, bytes | None]],
+    watermark: Iterable[tuple[bytes, bytes]],
+) -> dict[str, Any]:
+    """``ViewReader.dump()`` from the node hash, ``(Redis key, value)`` of the block keys
+    (others are ignored) and the watermark's pairs."""
+    nodes, slot_nodes = NodeHashDecoder().decode(raw_nodes)
+    held = []
+    for k, v in blocks:
+        block = keys.block_of(k)
+        if block is not None and v:
+            held.append((block, mask_holders(int.from_bytes(v, "little"), slot_nodes)))
+    wm = {k.decode(): int(v) for k, v in watermark}
+    return canonical_dump(nodes, node_streams(raw_nodes), held, wm)

@@ -1,0 +1,252 @@
+"""The router's view reader: the one-round-trip snapshot over a dedicated RESP connection.
+
+:class:`RawSnapshotReader` is a :class:`state.view.ViewReader` that sends the same commands
+as ``RedisViewStore.snapshot`` (``TIME``, ``MGET`` of the chain's block keys, the node hash,
+the watermark) and decodes them with the same code (:mod:`state.keys`), but packs and
+parses them with hiredis on a raw asyncio stream: redis-py's asyncio pipeline costs more
+client CPU than the read itself, and that CPU is what bounds one router's throughput. The
+node hash travels only when the view's version moved since the last read.
+
+It speaks plain ``redis://`` (with ``user:password@`` and a ``/db``); for ``rediss://`` and
+the rest, read through ``RedisViewStore`` (``conductor.routing.router.redis_stores`` picks).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import unquote, urlparse
+
+import hiredis
+from redis.asyncio.connection import Connection
+
+from schemas.errors import ViewStoreError
+
+from .keys import NodeHashDecoder, ViewKeys, dump_from_replies, snapshot_from_replies
+from .view import NodeState, ViewSnapshot
+
+# KEYS: version, node hash; ARGV: the version the reader holds. Returns {version} when it
+# still holds the current one, else {version, HGETALL}. A namespace never written has no
+# version (false), which never matches, so its (empty) hash is always sent.
+_NODES_IF_CHANGED_LUA = """
+local v = redis.call('GET', KEYS[1])
+if v and v == ARGV[1] then return {v} end
+return {v, redis.call('HGETALL', KEYS[2])}
+"""
+_NODES_SHA = hashlib.sha1(_NODES_IF_CHANGED_LUA.encode()).hexdigest()
+
+_IO_ERRORS = (OSError, asyncio.TimeoutError, ConnectionError, hiredis.ProtocolError)
+
+
+def _pairs(flat: Sequence[Any]) -> zip:
+    return zip(flat[::2], flat[1::2])
+
+
+class RawSnapshotReader:
+    """A :class:`state.view.ViewReader` of the view in namespace ``namespace`` at ``url``.
+
+    Several reads may be in flight on its one connection (replies come back in order). A
+    lost connection is re-opened on the next read; failures raise :class:`ViewStoreError`.
+    ``store``, when given, is the writing side (a ``RedisViewStore``): attributes this
+    reader lacks (``apply``, ``clear``, ...) are looked up there, and :meth:`close` closes it.
+    """
+
+    def __init__(self, url: str, namespace: str, *, timeout_s: float = 0.5, store: Any = None) -> None:
+        u = urlparse(url)
+        if u.scheme not in ("redis", ""):
+            raise ViewStoreError(f"the raw snapshot reader speaks plain redis:// only, not {u.scheme}://")
+        self.keys = ViewKeys(namespace)
+        self.view = store
+        self.host, self.port = u.hostname or "127.0.0.1", u.port or 6379
+        self.db = int((u.path or "/0").lstrip("/") or 0)
+        self.username = unquote(u.username) if u.username else None
+        self.password = unquote(u.password) if u.password else None
+        self.timeout_s = timeout_s
+        self._io: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
+        self._lock = asyncio.Lock()
+        self._waiting: collections.deque[tuple[asyncio.Future[list[Any]], int, list[Any]]] = collections.deque()
+        self._reader_task: asyncio.Future[None] | None = None
+        self._decoder = NodeHashDecoder()
+        self._last_version: bytes | None = None
+        self._last_nodes: tuple[tuple[NodeState, ...], dict[int, str]] = ((), {})
+        self._wm_cmd = hiredis.pack_command(("HGETALL", self.keys.watermark))
+
+    def __getattr__(self, name: str) -> Any:
+        view = self.__dict__.get("view")
+        if view is None:
+            raise AttributeError(name)
+        return getattr(view, name)
+
+    # --- the connection -------------------------------------------------------------
+
+    def setup_commands(self) -> list[tuple[Any, ...]]:
+        """What a new connection sends first: AUTH (user and password, or password alone),
+        SELECT, and loading the node-hash script."""
+        setup: list[tuple[Any, ...]] = []
+        if self.password is not None:
+            setup.append(("AUTH", self.username, self.password) if self.username else ("AUTH", self.password))
+        if self.db:
+            setup.append(("SELECT", self.db))
+        setup.append(("SCRIPT", "LOAD", _NODES_IF_CHANGED_LUA))
+        return setup
+
+    async def _connect(self) -> None:
+        """Open the connection, start its reply reader, and set it up (called under the lock)."""
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(self.host, self.port), self.timeout_s)
+        self._io = (reader, writer)
+        self._reader_task = asyncio.ensure_future(self._read_replies(reader, writer))
+        setup = self.setup_commands()
+        fut = self._send(b"".join(hiredis.pack_command(c) for c in setup), len(setup))
+        try:
+            replies = await asyncio.wait_for(fut, self.timeout_s)
+        except BaseException:
+            await self._drop()
+            raise
+        for r in replies:
+            if isinstance(r, hiredis.ReplyError):
+                await self._drop()
+                raise ViewStoreError(f"view connection set-up failed: {r}")
+
+    def _send(self, packed: bytes, replies: int) -> asyncio.Future[list[Any]]:
+        """Write one request; its replies resolve the returned future. Replies come back in
+        the order requests were written, so several reads can be in flight at once."""
+        assert self._io is not None
+        fut: asyncio.Future[list[Any]] = asyncio.get_running_loop().create_future()
+        self._waiting.append((fut, replies, []))
+        self._io[1].write(packed)
+        return fut
+
+    async def _read_replies(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        parser = hiredis.Reader()
+        waiting = self._waiting
+        try:
+            while True:
+                data = await reader.read(1 << 16)
+                if not data:
+                    raise ConnectionError("connection closed by the server")
+                parser.feed(data)
+                while waiting:
+                    r = parser.gets()
+                    if r is False:
+                        break
+                    fut, n, got = waiting[0]
+                    got.append(r)
+                    if len(got) == n:
+                        waiting.popleft()
+                        if not fut.done():
+                            fut.set_result(got)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - every waiter must learn the connection is gone
+            if self._io is not None and self._io[1] is writer:
+                self._fail_waiting(e)
+                self._io = None
+                writer.close()
+
+    def _fail_waiting(self, e: BaseException) -> None:
+        while self._waiting:
+            fut, _, _ = self._waiting.popleft()
+            if not fut.done():
+                fut.set_exception(ConnectionError(f"{type(e).__name__}: {e}"))
+
+    async def _request(self, packed: bytes, replies: int) -> list[Any]:
+        """Send packed commands, await their ``replies`` replies; errors → ViewStoreError."""
+        try:
+            async with self._lock:  # only connecting and writing are serialised, not the wait
+                if self._io is None:
+                    await self._connect()
+                fut = self._send(packed, replies)
+            res = await asyncio.wait_for(fut, self.timeout_s)
+        except _IO_ERRORS as e:
+            # A reply that never came leaves the stream out of step: start afresh.
+            await self._drop()
+            raise ViewStoreError(f"view read failed: {type(e).__name__}: {e}") from e
+        for r in res:
+            if isinstance(r, hiredis.ReplyError):
+                if str(r).startswith("NOSCRIPT"):  # script cache flushed (restart, failover)
+                    await self._drop()  # the next connection loads it again
+                raise ViewStoreError(f"view read failed: {r}")
+        return res
+
+    async def _call(self, *commands: tuple[Any, ...]) -> list[Any]:
+        return await self._request(b"".join(hiredis.pack_command(c) for c in commands), len(commands))
+
+    async def _drop(self) -> None:
+        io, self._io = self._io, None
+        task, self._reader_task = self._reader_task, None
+        if task is not None:
+            task.cancel()
+        self._fail_waiting(ConnectionError("connection dropped"))
+        if io is not None:
+            io[1].close()
+
+    async def close(self) -> None:
+        await self._drop()
+        if self.view is not None:
+            await self.view.close()
+
+    # --- ViewReader -----------------------------------------------------------------
+
+    async def snapshot(self, chain: Sequence[int], *, now_ms: int | None = None) -> ViewSnapshot:
+        pack = hiredis.pack_command
+        packed = pack(("TIME",))
+        if chain:
+            packed += pack(("MGET", *self.keys.blocks(chain)))
+        # The node hash (~tens of KB for a large cluster) travels only when its version moved.
+        packed += pack(("EVALSHA", _NODES_SHA, 2, self.keys.version, self.keys.nodes, self._last_version or b""))
+        packed += self._wm_cmd
+        res = await self._request(packed, 4 if chain else 3)
+        if chain:
+            time_reply, values, flat_nodes, flat_wm = res
+        else:
+            time_reply, flat_nodes, flat_wm = res
+            values = []
+        version, flat_nodes = flat_nodes[0], flat_nodes[1] if len(flat_nodes) > 1 else None
+        if flat_nodes is None:  # unchanged since the last read
+            nodes, slot_nodes = self._last_nodes
+        else:
+            nodes, slot_nodes = self._decoder.decode(dict(_pairs(flat_nodes)))
+            self._last_nodes = (nodes, slot_nodes)
+            self._last_version = version  # None for a namespace never written: always re-read
+        return snapshot_from_replies(time_reply, values, nodes, slot_nodes, _pairs(flat_wm), now_ms)
+
+    async def nodes(self) -> list[NodeState]:
+        (flat,) = await self._call(("HGETALL", self.keys.nodes))
+        return list(self._decoder.decode(dict(_pairs(flat)))[0])
+
+    async def watermark(self) -> dict[str, int]:
+        (flat,) = await self._call(("HGETALL", self.keys.watermark))
+        return {k.decode(): int(v) for k, v in _pairs(flat)}
+
+    async def dump(self) -> dict[str, Any]:
+        (flat_nodes,) = await self._call(("HGETALL", self.keys.nodes))
+        blocks: list[tuple[bytes, bytes | None]] = []
+        cursor = b"0"
+        while True:
+            ((cursor, found),) = await self._call(("SCAN", cursor, "MATCH", self.keys.block_pattern, "COUNT", 2000))
+            found = [k for k in found if self.keys.block_of(k) is not None]
+            if found:
+                (values,) = await self._call(("MGET", *found))
+                blocks += zip(found, values)
+            if cursor == b"0":
+                break
+        (flat_wm,) = await self._call(("HGETALL", self.keys.watermark))
+        return dump_from_replies(self.keys, dict(_pairs(flat_nodes)), blocks, _pairs(flat_wm))
+
+
+class HiredisPackedConnection(Connection):
+    """An asyncio redis-py connection that packs commands with hiredis (C) instead of Python.
+
+    The routing read sends a 128-key MGET per request; redis-py's asyncio client packs it
+    argument by argument in Python, which was the largest single cost of a decision. (The
+    router's other Redis traffic, reservations, uses this through ``connection_class``.)
+    """
+
+    def pack_command(self, *args: Any) -> list[bytes]:
+        first = args[0]
+        if isinstance(first, str) and " " in first:  # e.g. "SCRIPT LOAD": separate words
+            args = (*first.split(), *args[1:])
+        return [hiredis.pack_command(args)]
