@@ -35,8 +35,8 @@ def stream_of_records(kv_topic: str, n: int, partitions: int = 2) -> list[RawRec
     return out
 
 
-async def run_writer(ingestor: Ingestor, records: list[RawRecord], seed: int) -> dict[str, int]:
-    """Feed ``records`` in random-sized batches; return the outcome counts."""
+async def run_writer(ingestor: Ingestor, records: list[RawRecord], seed: int, pause_s: float = 0.0) -> dict[str, int]:
+    """Feed ``records`` in random-sized batches (``pause_s`` after each); return the outcome counts."""
     rng = random.Random(seed)
     i = 0
     counts = {"applied": 0}
@@ -47,7 +47,7 @@ async def run_writer(ingestor: Ingestor, records: list[RawRecord], seed: int) ->
         for k, v in res.skipped.items():
             counts[k] = counts.get(k, 0) + v
         i += n
-        await asyncio.sleep(0)
+        await asyncio.sleep(pause_s)
     return counts
 
 
@@ -59,9 +59,11 @@ async def test_two_writers_racing_on_the_same_records(settings):
         first = Ingestor(t, a)
         await run_writer(first, records[:100], seed=0)
         # Then a second owner starts from an older committed offset (re-delivering 60-99)
-        # while the first one carries on with what it had fetched.
+        # while the first one carries on with what it had fetched. The zombie is the slower of
+        # the two (it pauses between batches), so the new owner overtakes it whatever the
+        # machine's load: both write, and their writes interleave.
         late, new = await asyncio.gather(
-            run_writer(first, records[100:], seed=1),
+            run_writer(first, records[100:], seed=1, pause_s=0.01),
             run_writer(Ingestor(t, b), records[60:], seed=2),
         )
         ref = InMemoryViewStore()
