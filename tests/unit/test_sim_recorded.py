@@ -126,3 +126,24 @@ def test_calibration_without_outcomes_keeps_the_profile() -> None:
     assert same is profile and cal.method == "off" and "no served request-outcomes" in cal.note
     with pytest.raises(ConfigError, match="--calibrate"):
         calibrate(t, profile, lambda p: None, policy="x", method="guess")
+
+
+def test_fit_calibration_refits_the_prefill_coefficients_to_the_observations() -> None:
+    reqs, hbs, _ = _traffic_envelopes(n=40, seed=4)
+    t = recorded_traffic(reqs, hbs, [], base=_base(), block_size=BS)
+    profile = load_profile(t.cluster.model_profile)
+    bench = Bench(t.records, t.cluster, bucket_ms=1.0, profile=scale_compute(profile, 2.0))
+    for o in bench.run("round-robin", 1.0)[1].outcomes:
+        rid = t.request_ids[o.index]
+        t.observed[rid] = RequestOutcome(request_id=rid, gateway="gw", status=200, ttft_s=o.ttft_s,
+                                         prompt_tokens=o.input_length, cached_tokens=o.reused_tokens)
+
+    def simulate(p):
+        bench.profile = p
+        return bench.run("round-robin", 1.0)[1]
+
+    fitted, cal = calibrate(t, profile, simulate, policy="round-robin", method="fit")
+    assert cal.method == "fit" and cal.fit_rmse_s is not None and fitted.name.endswith("-fit")
+    before = abs(cal.simulated_ttft_p50_s - cal.observed_ttft_p50_s)
+    assert abs(cal.calibrated_ttft_p50_s - cal.observed_ttft_p50_s) < before
+    assert "fitted to 40 observed" in cal.describe()
