@@ -396,6 +396,11 @@ class EmulatedEngine:
             await self.publisher.publish(time.time(), [EngineBlockRemoved(tuple(gone), tier)])  # type: ignore[arg-type]
 
     def _offload_event(self, run: list[int], tier: str = "dram") -> EngineBlockStored:
+        if tier != "hbm":
+            # As vLLM's offloading connector announces a copy to CPU (or disk): the same hashes
+            # the GPU tier reported, no tokens, block size 0, no parent. The bridge resolves
+            # them through its engine-hash → key map (conductor/bridge/translate.py).
+            return EngineBlockStored(tuple(run), None, (), 0, tier)  # type: ignore[arg-type]
         parent = self._blocks[run[0]][0]
         toks = tuple(t for h in run for t in self._blocks[h][1])
         return EngineBlockStored(tuple(run), parent, toks, self.config.block_size, tier)  # type: ignore[arg-type]

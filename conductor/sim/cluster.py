@@ -43,6 +43,15 @@ class ClusterProfile(BaseModel):
     tbt_slo_ms: float = Field(default=100.0, gt=0)
     view_delay_ms: float = Field(default=20.0, ge=0, description="KV event → view propagation delay")
     default_speed: float = Field(default=1.0, gt=0, description="arrival speed-up used when --speed is not given")
+    prefill_names: tuple[str, ...] = Field(default=(), description="node ids of the prefill instances "
+                                           "(recorded clusters); unnamed ones are prefill-<i>")
+    decode_names: tuple[str, ...] = Field(default=(), description="node ids of the decode instances")
+
+    def prefill_name(self, i: int) -> str:
+        return self.prefill_names[i] if i < len(self.prefill_names) else f"prefill-{i}"
+
+    def decode_name(self, i: int) -> str:
+        return self.decode_names[i] if i < len(self.decode_names) else f"decode-{i}"
 
     @property
     def has_store(self) -> bool:
@@ -55,7 +64,9 @@ class ClusterProfile(BaseModel):
         m = re.fullmatch(r"\s*(\d+)\s*[Pp]\s*(\d+)\s*[Dd]\s*", spec)
         if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
             raise SimulationError(f"--cluster {spec!r}: expected <prefill>P<decode>D with counts >= 1, e.g. 16P8D")
-        return self.model_copy(update={"prefill_instances": int(m.group(1)), "decode_instances": int(m.group(2))})
+        # Other counts than the recorded ones: the names no longer describe the instances.
+        return self.model_copy(update={"prefill_instances": int(m.group(1)), "decode_instances": int(m.group(2)),
+                                       "prefill_names": (), "decode_names": ()})
 
 
 def list_clusters() -> list[str]:

@@ -200,12 +200,12 @@ class Simulation:
         self.where: dict[str, _Node] = {}
         self.prefills = []
         for i in range(cluster.prefill_instances):
-            w = where(f"prefill-{i}", i)
+            w = where(cluster.prefill_name(i), i)
             self.where[w.node_id] = w
             self.prefills.append(PrefillInstance(w.node_id, w.rack or "", LruBlockCache(cluster.prefill_cache_blocks),
                                                  zone=w.zone))
         self.decodes = [
-            DecodeInstance(f"decode-{i}", profile.decode_step_seconds, cluster.decode_kv_tokens, cluster.decode_max_batch)
+            DecodeInstance(cluster.decode_name(i), profile.decode_step_seconds, cluster.decode_kv_tokens, cluster.decode_max_batch)
             for i in range(cluster.decode_instances)
         ]
         for i, d in enumerate(self.decodes):
@@ -241,7 +241,8 @@ class Simulation:
             view.heartbeat(STORE_NODE, "store", 0.0, rack=w.rack, zone=w.zone, total_kv_blocks=self.pool.dram.capacity)
         outcomes = []
         for r in self.requests:
-            o = Outcome(r.index, r.arrival_s, r.input_length, r.output_length, chain_from_precomputed(r.hash_ids))
+            chain = list(r.hash_ids) if r.keyed else chain_from_precomputed(r.hash_ids)
+            o = Outcome(r.index, r.arrival_s, r.input_length, r.output_length, chain)
             outcomes.append(o)
             self._push(r.arrival_s, _ARRIVE, o)
         self._by_index = {o.index: o for o in outcomes}

@@ -158,9 +158,11 @@ def _plots(runs: list[PolicyRun], out: Path) -> list[tuple[str, str]]:
 
 
 def write_report(
-    runs: list[PolicyRun], out_dir: str | Path, *, title: str, context: dict[str, Any], command: str
+    runs: list[PolicyRun], out_dir: str | Path, *, title: str, context: dict[str, Any], command: str,
+    paper: bool = True,
 ) -> Path:
-    """Write ``README.md`` and the PNGs into ``out_dir``; returns the Markdown path."""
+    """Write ``README.md`` and the PNGs into ``out_dir``; returns the Markdown path. ``paper``:
+    compare with FAST'25's conversation-trace numbers (off for traffic other than that trace)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     plots = _plots(runs, out) if runs else []
@@ -205,7 +207,7 @@ def write_report(
         "",
     ]
     byname = {r.summary["policy"]: r for r in runs}
-    if any(p in byname for _, _, p in PAPER_TTFT_S):
+    if paper and any(p in byname for _, _, p in PAPER_TTFT_S):
         lines += ["## Against the paper (FAST'25, conversation trace, 16 prefill instances)", ""]
         lines += [
             "| paper's scheduler | paper TTFT (s) | paper / load-balancing | policy here | TTFT here (s) "

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from conductor.balance.planner import BalanceParams
-from conductor.profiles import load_profile
+from conductor.profiles import ModelProfile, load_profile
 from conductor.routing.policies import POLICIES, make_policy
 from conductor.sim.balance import BalanceLoop
 from conductor.sim.capacity import CapacitySearch, find_capacity
@@ -46,6 +46,7 @@ class Bench:
         cpp: bool | None = None,
         workload: str = "trace",
         balance: BalanceParams | None = None,
+        profile: ModelProfile | None = None,
     ) -> None:
         self.records = read_trace(trace) if isinstance(trace, (str, Path)) else trace
         if workload == "long-context":
@@ -57,7 +58,8 @@ class Bench:
         if limit is not None:
             self.records = self.records[:limit]
         self.cluster = cluster
-        self.profile = load_profile(cluster.model_profile)
+        self.profile = profile if profile is not None else load_profile(cluster.model_profile)
+        """The cost model (a calibrated one for recorded traffic)."""
         self.seed = seed
         self.params = params or {}
         self.bucket_ms = bucket_ms

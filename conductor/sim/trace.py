@@ -21,6 +21,8 @@ class TraceRequest:
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
+    keyed: bool = False
+    """``hash_ids`` are already the router's block keys (recorded traffic), not trace ids to chain."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,6 +34,8 @@ class TraceRecord:
     input_length: int
     output_length: int
     hash_ids: tuple[int, ...]
+    keyed: bool = False
+    """``hash_ids`` are already block keys (``schemas.request_chain_keys``), used as they are."""
 
 
 def _int_field(obj: dict, name: str, where: str, *, minimum: int) -> int:
@@ -104,7 +108,8 @@ def schedule(
         for m in range(i, j):
             t_ms = recs[m].timestamp_ms - t0 + (m - i) * bucket_ms / k
             r = recs[m]
-            out.append(TraceRequest(len(out), t_ms / 1000.0 / speed, r.input_length, r.output_length, r.hash_ids))
+            out.append(TraceRequest(len(out), t_ms / 1000.0 / speed, r.input_length, r.output_length, r.hash_ids,
+                                    r.keyed))
         i = j
     return out
 

@@ -195,7 +195,7 @@ async def test_a_decode_engine_decodes_in_one_batch_at_the_profiles_step_time() 
 
 async def test_evicted_blocks_move_to_host_memory_and_are_reused_from_there() -> None:
     from conductor.bridge.translate import NodeTranslator
-    from conductor.bridge.wire import decode_batch
+    from conductor.bridge.wire import EngineBlockStored, decode_batch
     from schemas import BlocksRemoved
 
     report = io.StringIO()
@@ -210,7 +210,14 @@ async def test_evicted_blocks_move_to_host_memory_and_are_reused_from_there() ->
     assert rows[2]["dram_cached_tokens"] == 64  # loaded from host memory, not recomputed
     # Through the bridge's translation: a's blocks go hbm → dram (same keys), then back to hbm.
     t = NodeTranslator()
-    records = [r for _, payload in pub.buffer for r in t.translate(decode_batch(payload))]
+    batches = [decode_batch(payload) for _, payload in pub.buffer]
+    # The copies to host memory go out as vLLM's CPU-offload placeholders: medium CPU, no
+    # tokens, block size 0, the hashes the GPU tier already reported.
+    offloads = [ev for batch in batches for ev in batch.events if getattr(ev, "tier", None) == "dram"
+                and isinstance(ev, EngineBlockStored)]
+    assert offloads and all(ev.placeholder and ev.block_size == 0 and ev.parent_block_hash is None
+                            for ev in offloads)
+    records = [r for batch in batches for r in t.translate(batch)]
     ka, kb = chain_keys(a, 16), chain_keys(b, 16)
     stored = [(r.tier, tuple(r.block_keys or ())) for r in records if isinstance(r, BlocksStored)]
     assert stored[0] == ("hbm", tuple(ka)) and stored[1] == ("hbm", tuple(kb))
@@ -219,4 +226,5 @@ async def test_evicted_blocks_move_to_host_memory_and_are_reused_from_there() ->
     removed = [(r.tier, tuple(r.block_keys)) for r in records if isinstance(r, BlocksRemoved)]
     assert ("hbm", tuple(ka)) in removed
     assert t.counts["orphan_blocks"] == 0 and t.counts["bad_event"] == 0
+    assert t.counts["placeholder_blocks"] == len(ka) + len(kb)
     assert {tier for h in eng._blocks for tier, _ in t.holders[h]} >= {"hbm", "dram"}

@@ -1,0 +1,149 @@
+"""Recorded traffic → simulator workload, and the calibration of the cost model to observed TTFTs."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from conductor.errors import ConfigError
+from conductor.profiles import load_profile
+from conductor.sim.cluster import load_cluster
+from conductor.sim.errors import SimulationError
+from conductor.sim.recorded import calibrate, parse_time, recorded_traffic, scale_compute
+from conductor.sim.session import Bench
+from schemas import Heartbeat, RequestOutcome, RoutingDecision, RoutingRequest, envelope
+from schemas.records import request_chain_keys
+
+BS = 16
+T0 = 1_750_000_000_000
+
+
+def _hb(node: str, role: str, ts: int, **kw) -> object:
+    return envelope(Heartbeat(role=role, **kw), producer_id=node, producer_seq=0, ts_ms=ts)
+
+
+def _traffic_envelopes(n: int = 40, seed: int = 1):
+    rng = random.Random(seed)
+    systems = [[rng.randrange(1, 30000) for _ in range(BS * 20)] for _ in range(3)]
+    reqs, outs = [], []
+    for i in range(n):
+        tokens = systems[i % 3] + [rng.randrange(1, 30000) for _ in range(BS * rng.randrange(2, 30))]
+        req = RoutingRequest(request_id=f"r{i}", token_ids=tokens, prompt_tokens=len(tokens), lora_name=None)
+        reqs.append(envelope(req, producer_id="gw", producer_seq=i, ts_ms=T0 + 250 * i))
+        outs.append(envelope(RequestOutcome(request_id=f"r{i}", gateway="gw", status=200, prompt_tokens=len(tokens),
+                                            cached_tokens=0, output_tokens=5 + i, ttft_s=0.5, routing_ms=20.0),
+                             producer_id="gw", producer_seq=i, ts_ms=T0 + 250 * i + 900))
+    hbs = [_hb("p-a", "prefill", T0 - 500, total_kv_blocks=400, tier_capacity={"hbm": 400, "dram": 1000}),
+           _hb("p-b", "prefill", T0 - 400, total_kv_blocks=400),
+           _hb("d-a", "decode", T0 - 300, total_kv_blocks=5000),
+           _hb("d-b", "decode", T0 - 200, total_kv_blocks=4000),
+           _hb("gone", "prefill", T0 - 3_600_000)]
+    return reqs, hbs, outs
+
+
+def _base():
+    return load_cluster().model_copy(update={"ttft_slo_s": 30.0, "tbt_slo_ms": 100.0})
+
+
+def test_requests_keep_the_routers_block_keys_and_the_cluster_its_heartbeats() -> None:
+    reqs, hbs, outs = _traffic_envelopes()
+    retry = RoutingRequest(request_id="r0-retry", token_ids=[1] * 64, prompt_tokens=64, retry_of="r0")
+    keyed = RoutingRequest(request_id="k", block_keys=[11, 12, 13], prompt_tokens=40)
+    reqs += [envelope(retry, producer_id="gw", producer_seq=99, ts_ms=T0 + 1),
+             envelope(keyed, producer_id="gw", producer_seq=100, ts_ms=T0 + 2)]
+    dec = RoutingDecision(request_id="r0", prefill_instance="p-a", decode_instance="d-a", reused_tokens=0,
+                          predicted_ttft_s=0.1, predicted_tbt_ms=10, policy="least-loaded", params={"x": 1})
+    t = recorded_traffic(reqs, hbs, outs, [envelope(dec, producer_id="router", producer_seq=0, ts_ms=T0 + 5)],
+                         base=_base(), block_size=BS)
+    assert t.skipped == {"retry": 1}
+    assert len(t.records) == 41 and t.request_ids[:3] == ["r0", "k", "r1"]
+    first = reqs[0].body
+    assert list(t.records[0].hash_ids) == request_chain_keys(first, BS) and t.records[0].keyed
+    assert t.records[1].hash_ids == (11, 12)  # cut to the prompt's full blocks
+    assert t.records[0].output_length == 5 and t.records[1].output_length == 256  # observed, else expected
+    c = t.cluster
+    assert (c.prefill_names, c.decode_names) == (("p-a", "p-b"), ("d-a", "d-b"))  # "gone" is an hour stale
+    assert c.block_size == BS and c.prefill_cache_blocks == 1400 and c.prefill_cache_tier == "dram"
+    assert c.decode_kv_tokens == 5000 * BS
+    assert (t.recorded_policy, t.recorded_params) == ("least-loaded", {"x": 1})
+    assert t.observed_ttft_s("r3") == pytest.approx(0.48)
+
+
+def test_the_time_range_selects_requests_and_an_empty_one_says_so() -> None:
+    reqs, hbs, outs = _traffic_envelopes()
+    t = recorded_traffic(reqs, hbs, outs, base=_base(), block_size=BS, since_ms=T0 + 1000, until_ms=T0 + 2000)
+    assert t.request_ids == ["r4", "r5", "r6", "r7", "r8"]
+    with pytest.raises(SimulationError, match="no routing requests"):
+        recorded_traffic(reqs, hbs, outs, base=_base(), block_size=BS, since_ms=T0 + 10**9)
+    with pytest.raises(SimulationError, match="0 decode"):
+        recorded_traffic(reqs, hbs[:2], outs, base=_base(), block_size=BS)
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("30m", T0 - 1_800_000), ("2h", T0 - 7_200_000), ("1d", T0 - 86_400_000), ("1.5s", T0 - 1500),
+    ("1749999999000", 1_749_999_999_000), ("2025-06-15T15:06:40+00:00", 1_750_000_000_000),
+])
+def test_parse_time(text: str, expected: int) -> None:
+    assert parse_time(text, T0) == expected
+
+
+def test_parse_time_names_the_flag_on_bad_input() -> None:
+    with pytest.raises(ConfigError, match="--until 'yesterday'"):
+        parse_time("yesterday", T0, "--until")
+
+
+def test_scale_calibration_recovers_a_known_compute_speed() -> None:
+    """Observations made by a cluster 3x slower at prefill than the profile: calibration finds ~3x."""
+    reqs, hbs, _ = _traffic_envelopes(n=60, seed=3)
+    t = recorded_traffic(reqs, hbs, [], base=_base(), block_size=BS)
+    profile = load_profile(t.cluster.model_profile)
+    bench = Bench(t.records, t.cluster, bucket_ms=1.0, profile=scale_compute(profile, 3.0))
+    truth = bench.run("least-loaded", 1.0)[1]
+    for o in truth.outcomes:
+        rid = t.request_ids[o.index]
+        t.observed[rid] = RequestOutcome(request_id=rid, gateway="gw", status=200, ttft_s=o.ttft_s)
+
+    def simulate(p):
+        bench.profile = p
+        return bench.run("least-loaded", 1.0)[1]
+
+    fitted, cal = calibrate(t, profile, simulate, policy="least-loaded", method="scale", tolerance=0.02)
+    assert cal.requests == 60 and cal.iterations >= 2
+    assert cal.simulated_ttft_p50_s < cal.observed_ttft_p50_s  # the uncalibrated profile is too fast
+    assert cal.compute_scale == pytest.approx(3.0, rel=0.1)
+    assert abs(cal.calibrated_ttft_p50_s / cal.observed_ttft_p50_s - 1) <= 0.02
+    assert cal.error_p50 < 0.1 and fitted.effective_flops < profile.effective_flops
+    assert "x" in cal.describe() and math.isfinite(cal.error_p50)
+
+
+def test_calibration_without_outcomes_keeps_the_profile() -> None:
+    reqs, hbs, _ = _traffic_envelopes(n=5)
+    t = recorded_traffic(reqs, hbs, [], base=_base(), block_size=BS)
+    profile = load_profile(t.cluster.model_profile)
+    same, cal = calibrate(t, profile, lambda p: pytest.fail("no run needed"), policy="least-loaded")
+    assert same is profile and cal.method == "off" and "no served request-outcomes" in cal.note
+    with pytest.raises(ConfigError, match="--calibrate"):
+        calibrate(t, profile, lambda p: None, policy="x", method="guess")
+
+
+def test_fit_calibration_refits_the_prefill_coefficients_to_the_observations() -> None:
+    reqs, hbs, _ = _traffic_envelopes(n=40, seed=4)
+    t = recorded_traffic(reqs, hbs, [], base=_base(), block_size=BS)
+    profile = load_profile(t.cluster.model_profile)
+    bench = Bench(t.records, t.cluster, bucket_ms=1.0, profile=scale_compute(profile, 2.0))
+    for o in bench.run("round-robin", 1.0)[1].outcomes:
+        rid = t.request_ids[o.index]
+        t.observed[rid] = RequestOutcome(request_id=rid, gateway="gw", status=200, ttft_s=o.ttft_s,
+                                         prompt_tokens=o.input_length, cached_tokens=o.reused_tokens)
+
+    def simulate(p):
+        bench.profile = p
+        return bench.run("round-robin", 1.0)[1]
+
+    fitted, cal = calibrate(t, profile, simulate, policy="round-robin", method="fit")
+    assert cal.method == "fit" and cal.fit_rmse_s is not None and fitted.name.endswith("-fit")
+    before = abs(cal.simulated_ttft_p50_s - cal.observed_ttft_p50_s)
+    assert abs(cal.calibrated_ttft_p50_s - cal.observed_ttft_p50_s) < before
+    assert "fitted to 40 observed" in cal.describe()
