@@ -58,6 +58,8 @@ class BalanceParams(BaseModel):
     balancing_threshold: float = Field(default=1.0, gt=0, description="with a cost model: replicate when the queue "
                                        "avoided exceeds this times the transfer time")
     min_avoided_s: float = Field(default=0.5, ge=0, description="with a cost model: ignore queues shorter than this")
+    heat_window_s: float = Field(default=60.0, ge=1, description="the balance worker's heat: accesses in the last "
+                                 "this many seconds (tumbling windows in Faust tables; the simulator decays instead)")
 
 
 class BalanceCosts(Protocol):
@@ -159,6 +161,43 @@ class HeatTracker:
         """Stop reporting ``chain`` as cold (its blocks keep their heat)."""
         for key in chain:
             self._was_hot.discard(key)
+
+
+def sliding_heat(current: float, previous: float, into_window: float) -> float:
+    """Accesses in the last window length, from two tumbling windows: all of the current
+    one, and the previous one weighted by the share of it still inside that span
+    (``into_window`` is how far into the current window ``now`` is, 0..1)."""
+    return current + previous * max(0.0, 1.0 - into_window)
+
+
+def hot_and_cold(
+    heat: Mapping[int, float], parents: Mapping[int, int | None], params: BalanceParams
+) -> tuple[list[tuple[tuple[int, ...], float]], list[tuple[int, ...]]]:
+    """The hot prefixes (hottest first) and the cooled ones, from a heat per block.
+
+    ``parents`` names the blocks that were hot once (with their parent block); ``heat`` gives
+    their heat now. As in :class:`HeatTracker`, a prefix is named by its deepest block: the
+    hot prefixes end at a hot block with no hot child; the cold ones at a block below
+    ``cold_threshold`` with no such child. A chain whose ancestors are not all in ``parents``
+    is skipped (its root is not known)."""
+
+    def chain(key: int) -> tuple[int, ...] | None:
+        out = [key]
+        parent = parents[key]
+        while parent is not None:
+            if parent not in parents or len(out) > params.max_prefix_blocks:
+                return None
+            out.append(parent)
+            parent = parents[parent]
+        return tuple(reversed(out))
+
+    def tips(keys: dict[int, float]) -> list[tuple[tuple[int, ...], float]]:
+        inner = {parents[k] for k in keys}
+        return [(c, h) for k, h in keys.items() if k not in inner and (c := chain(k)) is not None]
+
+    hot = {k: h for k in parents if (h := heat.get(k, 0.0)) >= params.hot_threshold}
+    cold = {k: h for k in parents if (h := heat.get(k, 0.0)) < params.cold_threshold}
+    return (sorted(tips(hot), key=lambda x: (-x[1], -len(x[0]))), [c for c, _ in tips(cold)])
 
 
 @dataclass

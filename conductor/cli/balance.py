@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import asyncio
 
+import faust
 import typer
 from pydantic import ValidationError
 
 from conductor.balance.planner import BalanceParams
 from conductor.balance.worker import Balancer
-from conductor.cli.common import err, settings_or_exit
+from conductor.cli.common import err, require_servers, settings_or_exit
 from conductor.telemetry import setup_metrics
+from streams.kafka import ensure_topics
+from streams.topics import topics
 
 
 def register(groups: dict[str, typer.Typer]) -> None:
@@ -19,11 +22,14 @@ def register(groups: dict[str, typer.Typer]) -> None:
     @app.command("balance")
     def balance(
         interval: float = typer.Option(2.0, min=0.1, help="seconds between planning rounds"),
+        loglevel: str = typer.Option("info", help="Faust worker log level"),
     ) -> None:
         """Run the KVCache balance worker.
 
-        It reads `requests` (its own consumer group) to keep a decayed heat per prefix,
-        and every INTERVAL reads the view for hot and cold prefixes. A hot prefix whose
+        A Faust app: it reads `requests` (its own consumer group) and counts each block's
+        accesses in tumbling windows of heat_window_s, in Faust tables with changelogs (a
+        restarted worker resumes with the heat it had). Every INTERVAL it reads the view
+        for the hot and cold prefixes and the routers' reservations. A hot prefix whose
         every holder is overloaded is replicated to the least-loaded prefill instance; a
         once-hot prefix that cooled is demoted from HBM to DRAM where HBM is under
         pressure. Commands go to `kv-commands`, keyed by the node that must act.
@@ -37,8 +43,8 @@ def register(groups: dict[str, typer.Typer]) -> None:
             first = e.errors()[0]
             err.print(f"[red]error:[/red] balance_params.{'.'.join(map(str, first['loc']))}: {first['msg']}")
             raise typer.Exit(2) from None
+        require_servers(s, kafka=True, redis=True)
+        asyncio.run(ensure_topics(s, topics(s).all()))
         setup_metrics("conductor-balance", s.bind_host, s.metrics_port)
-        try:
-            asyncio.run(Balancer(s, params).run(interval_s=interval))
-        except KeyboardInterrupt:
-            pass
+        balancer = Balancer(s, params, interval_s=interval)
+        faust.Worker(balancer.app, loglevel=loglevel).execute_from_commandline()

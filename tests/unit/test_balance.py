@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from conductor.balance.planner import BalanceParams, Cooldown, HeatTracker, plan
+from conductor.balance.planner import (
+    BalanceParams,
+    Cooldown,
+    HeatTracker,
+    hot_and_cold,
+    plan,
+    sliding_heat,
+)
 from state.view import NodeState, ViewSnapshot
 
 NOW_MS = 1_000_000
@@ -136,3 +143,28 @@ def test_cost_rule_replicates_when_the_transfer_is_cheaper_than_the_queue_it_avo
     if cmds:
         assert (cmds[0].from_node, cmds[0].to_node, cmds[0].executor) == ("a", "b", "b")
         assert cmds[0].deadline_ms == 10_000 and cmds[0].command_id.startswith("rep-")
+
+
+@pytest.mark.parametrize(("current", "previous", "into", "want"), [
+    (5, 10, 0.0, 15.0),   # at a window's start the previous window counts whole
+    (5, 10, 0.25, 12.5),  # a quarter in, three quarters of it is still inside the span
+    (5, 10, 1.0, 5.0),    # at its end only the current window counts
+    (0, 0, 0.5, 0.0),
+])
+def test_sliding_heat_weighs_the_previous_window_by_what_is_left_of_it(current, previous, into, want):
+    assert sliding_heat(current, previous, into) == want
+
+
+def test_hot_and_cold_from_window_heat_name_prefixes_by_their_deepest_block():
+    params = BalanceParams(hot_threshold=8, cold_threshold=0.5)
+    # 1 ← 2 ← 3 is a hot conversation under a shared root 1; 1 ← 4 ← 5 has cooled off;
+    # 7's parent 6 was never hot: its root is not known, so it names no prefix.
+    parents = {1: None, 2: 1, 3: 2, 4: 1, 5: 4, 7: 6}
+    heat = {1: 30.0, 2: 20.0, 3: 9.0, 4: 0.2, 5: 0.0, 7: 50.0}
+    hot, cold = hot_and_cold(heat, parents, params)
+    assert hot == [((1, 2, 3), 9.0)]
+    assert cold == [(1, 4, 5)]
+    # Once 3 cools, the hot prefix is the shorter one, and 3 is a cold tip of its own.
+    hot, cold = hot_and_cold({**heat, 3: 0.1}, parents, params)
+    assert hot == [((1, 2), 20.0)]
+    assert sorted(cold) == [(1, 2, 3), (1, 4, 5)]

@@ -54,7 +54,7 @@ def exported() -> set[str]:
     i.staleness.record(5.0)
     for c in _counters():
         c.add(1)
-    b = Balancer(load_settings(), BalanceParams())
+    b = Balancer(load_settings(kafka_url="k:9092"), BalanceParams())
     b._commands.add(1, {"action": "replicate"})
     b._bad.add(1)
     names = set(re.findall(r"^(conductor_\w+?)(?:\{| )", scrape(), re.M))

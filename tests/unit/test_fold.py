@@ -7,13 +7,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from schemas import (
+    TIERS,
     AllBlocksCleared,
     BlocksMigrated,
     BlocksRemoved,
     BlocksStored,
     Heartbeat,
     RoutingRequest,
-    TIERS,
     chain_keys,
     envelope,
 )
