@@ -7,9 +7,17 @@ own vLLM-format ZMQ publisher), one bridge per engine (ZMQ → kv-events, run in
 this process), and the trace replayed onto ``requests``. Each run has its own
 topic prefix and view namespace, so the baseline starts as cold as Conductor did.
 
+Requests enter as a user's would: each run starts ``conductor gateway`` in front
+of the engines (engines serve vLLM's HTTP API with the P/D KV hand-off), and the
+demo sends every trace request through it with the official ``openai`` client
+(a streamed completion, prompt as token ids). The gateway's address is printed
+at the start (the same port for both runs), so a person can ``curl`` it.
+
 Time: the trace's arrivals and the engines' timing model both run ``speed``
-times faster than real time. TTFT is reported in model time: the real routing
-latency (publish → the engine has the decision) plus queueing and prefill.
+times faster than real time. TTFT is what the client observes (first streamed
+token: routing, prefill, KV hand-off, first decode step), reported in model time:
+the gateway's real parse/tokenize/route time (its ``x-conductor-routing-ms``
+header) plus the rest scaled back by ``speed``; the wall-clock value is reported too.
 
 The trace only has block ids (``hash_ids``, 512-token blocks), so each id is
 given deterministic token ids; requests carry them and Conductor hashes them
@@ -35,6 +43,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import openai
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
@@ -47,11 +56,7 @@ from conductor.tools.devstack import EmbeddedStack, free_port
 from schemas import (
     RoutingDecision,
     RoutingRejection,
-    RoutingRequest,
     decode,
-    encode,
-    envelope,
-    headers,
 )
 from state.redis_view import RedisViewStore
 from streams.kafka import consumer, ensure_topics, producer
@@ -102,6 +107,8 @@ class DemoOptions:
     partitions: int = 2
     admin_port: int = 0
     """Port of the live console (`conductor admin`) each run serves; 0: no console."""
+    gateway_port: int = 0
+    """Port of the gateway (`conductor gateway`) each run's clients send to; 0: a free one, the same for both runs."""
 
 
 # --- the trace -------------------------------------------------------------------
@@ -172,8 +179,15 @@ class RunStats:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     ttft: list[float] = field(default_factory=list)
-    ttft_error: list[float] = field(default_factory=list)
-    """|predicted - observed| / observed TTFT of every prefill."""
+    """TTFT the client observed (model time: see :meth:`on_client`)."""
+    ttft_wall: list[float] = field(default_factory=list)
+    """TTFT the client observed, wall-clock seconds."""
+    routing_ms: list[float] = field(default_factory=list)
+    """The gateway's parse + tokenize + route time of each request (x-conductor-routing-ms)."""
+    observed: dict[str, float] = field(default_factory=dict)
+    predicted: dict[str, float] = field(default_factory=dict)
+    client_errors: Counter[str] = field(default_factory=Counter)
+    """Requests the client got no completion for, by HTTP status (rejections: 429/503) or error."""
     tbt: list[float] = field(default_factory=list)
     decodes: int = 0
     per_node: dict[str, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))
@@ -192,9 +206,30 @@ class RunStats:
     def reuse_ratio(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
+    @property
+    def ttft_error(self) -> list[float]:
+        """|predicted - observed| / observed TTFT of every request the client saw a token of."""
+        return [abs(self.predicted[rid] - obs) / obs for rid, obs in self.observed.items()
+                if rid in self.predicted and obs > 0]
+
+    def on_client(self, request_id: str, wall_ttft_s: float, routing_s: float, speed: float) -> None:
+        """One streamed completion's first token as the client saw it.
+
+        The engines run ``speed`` times faster than the model, the gateway and the log in real
+        time; model-time TTFT = the gateway's real parse/tokenize/route time + the rest
+        (hand-off, queueing, prefill, KV transfer, first decode step) scaled back by ``speed``.
+        """
+        routing_s = min(max(routing_s, 0.0), wall_ttft_s)
+        model = routing_s + (wall_ttft_s - routing_s) * speed
+        self.ttft.append(model)
+        self.ttft_wall.append(wall_ttft_s)
+        self.routing_ms.append(routing_s * 1000.0)
+        self.observed[request_id] = model
+
     def on_dispatch(self, body: Any) -> None:
         if isinstance(body, RoutingDecision):
             self.decisions += 1
+            self.predicted[body.request_id] = body.predicted_ttft_s
             if len(self.example_ids) < 3 and body.reused_tokens:
                 self.example_ids.append(body.request_id)
             self.routed_reuse_tokens += body.reused_tokens
@@ -212,11 +247,6 @@ class RunStats:
             self.prefills += 1
             self.prompt_tokens += int(row["prompt_tokens"])
             self.cached_tokens += int(row["cached_tokens"])
-            if row.get("ttft_s") is not None:
-                self.ttft.append(float(row["ttft_s"]))
-                observed, predicted = float(row["ttft_s"]), row.get("predicted_ttft_s")
-                if predicted is not None and observed > 0:
-                    self.ttft_error.append(abs(float(predicted) - observed) / observed)
             self.per_node[node]["done"] += 1
             self.per_node[node]["cached_tokens"] += int(row["cached_tokens"])
             self.per_node[node]["prompt_tokens"] += int(row["prompt_tokens"])
@@ -246,6 +276,10 @@ class RunStats:
             "ttft_prediction_error_p50": r(percentile(self.ttft_error, 0.5)),
             "tbt_p50_ms": r(percentile(self.tbt, 0.5), 2),
             "tbt_p90_ms": r(percentile(self.tbt, 0.9), 2),
+            "client_ttft_wall_p50_s": r(percentile(self.ttft_wall, 0.5), 4),
+            "gateway_routing_ms_p50": r(percentile(self.routing_ms, 0.5), 2),
+            "gateway_routing_ms_p99": r(percentile(self.routing_ms, 0.99), 2),
+            "client_errors": dict(self.client_errors),
         }
 
 
@@ -361,6 +395,8 @@ async def _run_once(
     prod = producer(s)
     stop = asyncio.Event()
     view = RedisViewStore.from_settings(s)
+    client: openai.AsyncOpenAI | None = None
+    clients: set[asyncio.Task[None]] = set()
     try:
         await prod.start()
         await procs.start("worker", ["worker"], env)
@@ -372,8 +408,9 @@ async def _run_once(
             for i in range(n):
                 node = f"{role}-{i}"
                 # Load reaches the view the way it does from a real vLLM: the bridge scrapes /metrics.
+                # vLLM's HTTP API (with the P/D hand-off) and its /metrics on the same port, as vLLM.
                 args = ["engine", "--role", role, "--node-id", node, "--kv-blocks", str(opts.kv_blocks),
-                        "--time-scale", str(opts.speed), "--report", "--metrics-port", "0", "--no-self-heartbeat"]
+                        "--time-scale", str(opts.speed), "--report", "--http-port", "0", "--no-self-heartbeat"]
                 if role == "prefill" and opts.dram_blocks:
                     args += ["--dram-blocks", str(opts.dram_blocks)]
                 engines[node] = (role, await procs.start(node, args, env, stdout_pipe=True))
@@ -391,6 +428,7 @@ async def _run_once(
                     stats.on_report(row)
 
         readies: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        urls: dict[str, str] = {}
         bridge_tasks: dict[str, asyncio.Task[None]] = {}
 
         def check_alive() -> None:
@@ -409,6 +447,7 @@ async def _run_once(
             except asyncio.TimeoutError:
                 raise DemoError(f"engine {node} did not start:\n{procs.log_tail(node)}") from None
             role = engines[node][0]
+            urls[node] = info["http"]
             bridge = Bridge(
                 BridgeConfig(node_id=node, role=role, zmq_endpoint=info["zmq"], replay_endpoint=info["replay"],  # type: ignore[arg-type]
                              block_size=opts.block_size, heartbeat_s=SCRAPE_INTERVAL_S, metrics_url=info["metrics"]),
@@ -434,6 +473,18 @@ async def _run_once(
                                 f"worker log:\n{procs.log_tail('worker')}")
             refresh()
             await asyncio.sleep(0.3)
+
+        # The gateway: the only way requests enter, as for a user.
+        gateway_id = f"demo-{tag}"
+        gw_args = ["gateway", "--port", str(opts.gateway_port), "--gateway-id", gateway_id,
+                   "--decision-timeout-s", "10", *[a for n, u in urls.items() for a in ("--engine", f"{n}={u}")]]
+        gw = await procs.start("gateway", gw_args, env, stdout_pipe=True)
+        gw_ready = await _ready_line(gw, 60.0)
+        if gw_ready is None:
+            raise DemoError(f"the gateway did not start:\n{procs.log_tail('gateway')}")
+        tasks.append(asyncio.create_task(_drain(gw)))
+        client = openai.AsyncOpenAI(base_url=gw_ready["openai_base_url"], api_key="demo", max_retries=0,
+                                    timeout=300.0)
 
         async def follow_dispatch() -> None:
             cons = consumer(s, tps.dispatch.name, group_id=None, fetch_max_wait_ms=100)
@@ -466,7 +517,6 @@ async def _run_once(
         t0 = time.monotonic()
         # A slow start (a busy machine) eats into the budget, but never leaves nothing to replay.
         replay_until = max(t_start + budget_s - drain_s, t0 + MIN_REPLAY_S)
-        seq = 0
         for r in requests:
             at = t0 + r.arrival_s
             if at > replay_until and not exact:
@@ -476,12 +526,10 @@ async def _run_once(
                 refresh()
             check_alive()
             toks = request_tokens(r.hash_ids, r.input_length, r.index, base.seed)
-            req = RoutingRequest(request_id=f"{policy}-{r.index}", token_ids=toks, prompt_tokens=len(toks),
-                                 expected_output_tokens=r.output_length)
-            stats.prompt_of[req.request_id] = len(toks)
-            seq += 1
-            env_ = envelope(req, producer_id="demo-gateway", producer_seq=seq, ts_ms=time.time_ns() // 1_000_000)
-            await prod.send(tps.requests.name, encode(env_), key=req.request_id.encode(), headers=headers(env_))
+            client_id = f"{policy}-{r.index}"
+            stats.prompt_of[f"{gateway_id}-{client_id}"] = len(toks)
+            clients.add(asyncio.create_task(_ask(client, stats, f"{gateway_id}-{client_id}", client_id, toks,
+                                                 r.output_length, opts.speed)))
             stats.sent += 1
 
         # Drain: wait for what was decided to finish its prefill (and decode), within the budget.
@@ -489,12 +537,17 @@ async def _run_once(
         end = max(time.monotonic() + (drain_s if exact else 2.0), t_start + budget_s)
         while time.monotonic() < end:
             if stats.decisions + sum(stats.rejected.values()) >= stats.sent and stats.prefills >= stats.decisions \
-                    and stats.decodes >= stats.decisions:
+                    and stats.decodes >= stats.decisions and all(t.done() for t in clients):
                 break
             refresh()
             await asyncio.sleep(0.25)
         stats.phase = "done"
     finally:
+        for t in clients:
+            t.cancel()
+        await asyncio.gather(*clients, return_exceptions=True)
+        if client is not None:
+            await client.close()
         stop.set()
         await procs.stop()
         for t in tasks:
@@ -505,6 +558,52 @@ async def _run_once(
         with contextlib.suppress(Exception):
             await view.close()
         refresh()
+
+
+async def _ask(client: openai.AsyncOpenAI, stats: RunStats, request_id: str, client_id: str, tokens: list[int],
+               max_tokens: int, speed: float) -> None:
+    """One user request through the gateway: a streamed completion of the trace's prompt (as token ids)."""
+    t0 = time.perf_counter()
+    try:
+        raw = await client.completions.with_raw_response.create(
+            model="default", prompt=tokens, max_tokens=max(1, max_tokens), stream=True,
+            extra_headers={"x-request-id": client_id})
+        routing_s = float(raw.headers.get("x-conductor-routing-ms") or 0.0) / 1000.0
+        first = None
+        async for chunk in raw.parse():
+            if first is None and chunk.choices and chunk.choices[0].text:
+                first = time.perf_counter() - t0
+        if first is not None:
+            stats.on_client(raw.headers.get("x-conductor-request-id") or request_id, first, routing_s, speed)
+    except openai.APIStatusError as e:
+        stats.client_errors[str(e.status_code)] += 1  # a rejection: 429/503 with its reason (also on dispatch)
+    except (openai.APIError, ValueError) as e:
+        stats.client_errors[type(e).__name__] += 1
+
+
+async def _ready_line(proc: asyncio.subprocess.Process, timeout_s: float) -> dict[str, Any] | None:
+    """The process's ``{"event": "ready", ...}`` stdout line (None if it exits or times out first)."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            line = await asyncio.wait_for(proc.stdout.readline(), max(0.1, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            return None
+        if not line:
+            return None
+        with contextlib.suppress(ValueError):
+            row = json.loads(line)
+            if isinstance(row, dict) and row.get("event") == "ready":
+                return row
+    return None
+
+
+async def _drain(proc: asyncio.subprocess.Process) -> None:
+    """Keep reading a child's stdout so it never blocks on a full pipe."""
+    assert proc.stdout is not None
+    while await proc.stdout.readline():
+        pass
 
 
 async def _collect_counts(bridge: Any, into: Counter[str], stop: asyncio.Event) -> None:
@@ -529,7 +628,7 @@ def run_demo(settings: Settings, opts: DemoOptions) -> dict[str, Any]:
     if not console.is_terminal:
         console = Console(stderr=True, width=max(console.width, 120))  # a log file, not a window
     # The dashboard is the demo's output; per-record logs go to the processes' log files.
-    for name in ("conductor.bridge", "aiokafka", "conductor.dispatch"):
+    for name in ("conductor.bridge", "aiokafka", "conductor.dispatch", "httpx", "httpx2", "openai"):
         logging.getLogger(name).setLevel(logging.WARNING)
     trace = opts.trace or default_trace()
     if not trace.exists():
@@ -558,6 +657,12 @@ def run_demo(settings: Settings, opts: DemoOptions) -> dict[str, Any]:
         if opts.admin_port:
             console.print(f"live console: http://{settings.bind_host}:{opts.admin_port}/ (while the demo runs)",
                           soft_wrap=True, highlight=False)
+        if not opts.gateway_port or not _port_free(settings.bind_host, opts.gateway_port):
+            opts = dataclasses.replace(opts, gateway_port=free_port(settings.bind_host))  # the same for both runs
+        gw_url = f"http://{settings.bind_host}:{opts.gateway_port}"
+        console.print(f"gateway (OpenAI API, while the demo runs): {gw_url}/v1  e.g.\n  curl -s {gw_url}/v1/completions "
+                      "-H 'content-type: application/json' -d '{\"model\": \"default\", \"prompt\": \"hello there\", "
+                      "\"max_tokens\": 8}'", soft_wrap=True, highlight=False, markup=False)
         budget = opts.duration_s / 2
         requests = load_slice(trace, opts.speed, opts.sample, budget)
         with Live(render(runs, opts), console=console, refresh_per_second=2, transient=False) as live:
@@ -587,6 +692,12 @@ def run_demo(settings: Settings, opts: DemoOptions) -> dict[str, Any]:
             "baseline_tbt_p90_ms": other["tbt_p90_ms"],
             "baseline_ttft_prediction_error_p50": other["ttft_prediction_error_p50"],
             "speed": opts.speed,
+            "gateway_url": gw_url,
+            "client_ttft_wall_p50_s": main["client_ttft_wall_p50_s"],
+            "gateway_routing_ms_p50": main["gateway_routing_ms_p50"],
+            "gateway_routing_ms_p99": main["gateway_routing_ms_p99"],
+            "client_errors": main["client_errors"],
+            "baseline_client_errors": other["client_errors"],
             "instances": {"prefill": opts.prefill, "decode": opts.decode},
             "bridge": {k: v for k, v in runs[-1].bridge_counts.items() if v},
             "wall_s": round(time.monotonic() - t_all, 1),
