@@ -66,6 +66,9 @@ from streams.topics import topics
 
 log = logging.getLogger(__name__)
 
+_USAGE = re.compile(rb'"usage":\s*\{')
+_TOKEN = re.compile(rb'"(?:text|content)":\s*"(?!")')
+"""A non-empty ``text`` (completions) or ``delta.content`` (chat) in an SSE chunk's JSON."""
 _CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,96}")
 """A client's ``x-request-id`` the gateway keeps in its routing request id (as the log's key)."""
 
@@ -386,16 +389,21 @@ class Gateway:
                 out = []
                 tokens = 0
                 for ev in events:
+                    # Byte checks, not a JSON parse per token: only a chunk with usage is parsed
+                    # (once per stream), so relaying costs the gateway little CPU per token.
                     if ev.startswith(b"data: ") and ev[6:7] == b"{":
-                        try:
-                            obj = json.loads(ev[6:])
-                        except ValueError:
-                            obj = {}
-                        if obj.get("usage"):
-                            tr.output_tokens = int(obj["usage"].get("completion_tokens") or tr.output_tokens)
+                        if _USAGE.search(ev):
+                            try:
+                                obj = json.loads(ev[6:])
+                            except ValueError:
+                                obj = {}
+                            usage = obj.get("usage") or {}
+                            tr.output_tokens = int(usage.get("completion_tokens") or tr.output_tokens)
                             if not obj.get("choices") and not creq.include_usage:
                                 continue
-                        if _has_token(obj):
+                            if _has_token(obj):
+                                tokens += 1
+                        elif _TOKEN.search(ev):
                             tokens += 1
                     out.append(ev + b"\n\n")
                 if tokens:
