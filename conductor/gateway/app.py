@@ -89,11 +89,6 @@ async def run_gateway(settings: Settings, config: GatewayConfig, sock: socket.so
     tok: PromptTokenizer = LocalTokenizer(tokenizer_path, engine_tok) if tokenizer_path else engine_tok
     prod = producer(settings, linger_ms=0)
     await prod.start()
-    # Metadata of both topics this producer writes, before the first send: a topic's first
-    # metadata fetch while a batch of the other waits in the producer can strand that batch
-    # (seen in the router: its dispatch batch never got its delivery). One fetch, at start.
-    for t in (tps.requests, tps.request_outcomes):
-        await prod.partitions_for(t.name)
     inbox = ReplyInbox(settings, config.gateway_id)
     gw = Gateway(settings, config, tok, client, prod, inbox)
     inbox_task = asyncio.create_task(inbox.run(stop))

@@ -408,9 +408,11 @@ async def _run_once(
             for i in range(n):
                 node = f"{role}-{i}"
                 # Load reaches the view the way it does from a real vLLM: the bridge scrapes /metrics.
-                # vLLM's HTTP API (with the P/D hand-off) and its /metrics on the same port, as vLLM.
+                # vLLM's HTTP API (with the P/D hand-off); /metrics on a port of its own (a thread), so
+                # a busy event loop never makes the bridge's scrape time out and the node look dead.
                 args = ["engine", "--role", role, "--node-id", node, "--kv-blocks", str(opts.kv_blocks),
-                        "--time-scale", str(opts.speed), "--report", "--http-port", "0", "--no-self-heartbeat"]
+                        "--time-scale", str(opts.speed), "--report", "--http-port", "0", "--metrics-port", "0",
+                        "--no-self-heartbeat"]
                 if role == "prefill" and opts.dram_blocks:
                     args += ["--dram-blocks", str(opts.dram_blocks)]
                 engines[node] = (role, await procs.start(node, args, env, stdout_pipe=True))
