@@ -245,13 +245,32 @@ class Gateway:
         fut = self.inbox.expect(arid)
         env = envelope(req, producer_id=self.config.gateway_id, producer_seq=next(self._seq),
                        ts_ms=time.time_ns() // 1_000_000)
+        async def ask() -> RoutingDecision | RoutingRejection:
+            delivery = await self.producer.send(self.topics.requests.name, encode(env), key=arid.encode(),
+                                                headers=headers(env))
+            asyncio.ensure_future(self._watch_delivery(delivery, arid))
+            return await fut
+
         try:
-            await self.producer.send(self.topics.requests.name, encode(env), key=arid.encode(), headers=headers(env))
-            return await asyncio.wait_for(fut, self.config.decision_timeout_s)
+            # The send is inside the timeout too: a producer that cannot take the record never hangs a client.
+            return await asyncio.wait_for(ask(), self.config.decision_timeout_s)
         except asyncio.TimeoutError:
             return None
         finally:
             self.inbox.forget(arid)
+
+    async def _watch_delivery(self, delivery: asyncio.Future[Any], arid: str, after_s: float = 1.0) -> None:
+        """A routing request not acknowledged within ``after_s``: say so and refresh the producer's
+        metadata (the stranded-batch hazard the router hit: a batch whose partition leader the
+        producer lost track of waits for the next metadata refresh, minutes away by default)."""
+        try:
+            await asyncio.wait_for(asyncio.shield(delivery), after_s)
+        except asyncio.TimeoutError:
+            log.warning("routing request %s not acknowledged after %.1fs; refreshing the producer's metadata",
+                        arid, after_s)
+            self.producer.client.force_metadata_update()
+        except Exception as e:  # noqa: BLE001 - the decision timeout answers the client
+            log.warning("routing request %s not published: %s", arid, e)
 
     # --- the hand-off -------------------------------------------------------------------
 
