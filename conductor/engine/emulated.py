@@ -189,6 +189,8 @@ class EmulatedEngine:
         self.started_s = time.time()
         """When this engine (process) started: its /metrics process_start_time_seconds."""
         self._hb_seq = 0
+        self._received: dict[str, int] = {}
+        """Request id → leading tokens whose KV a CPP predecessor handed over (see prefill_now)."""
 
     # --- intake ---------------------------------------------------------------
 
@@ -220,9 +222,14 @@ class EmulatedEngine:
                 if fut is not None and not fut.done():
                     fut.set_result(cached)
 
-    async def prefill_now(self, request_id: str, token_ids: list[int], expected_output_tokens: int = 1) -> int:
-        """Run one HTTP request's prefill through the prefill queue; return its cached prompt tokens."""
+    async def prefill_now(self, request_id: str, token_ids: list[int], expected_output_tokens: int = 1,
+                          received_tokens: int = 0) -> int:
+        """Run one HTTP request's prefill through the prefill queue; return its cached prompt tokens.
+        ``received_tokens``: the KV of that many leading tokens came from a peer (a CPP member's
+        predecessor), so they are not computed."""
         now = self.clock_ms()
+        if received_tokens:
+            self._received[request_id[:256] or "http"] = received_tokens
         req = RoutingRequest(request_id=request_id[:256] or "http", token_ids=token_ids, prompt_tokens=len(token_ids),
                              expected_output_tokens=expected_output_tokens, model=self.config.model)
         d = RoutingDecision(request_id=req.request_id, prefill_instance=self.config.node_id,
@@ -263,12 +270,14 @@ class EmulatedEngine:
                 in_dram += 1
             self.dram.cached_prefix(chain[local : local + in_dram])
         cached_tokens = (local + in_dram) * self.config.block_size
+        received = self._received.pop(d.request_id, 0)
         transfer_s = self.profile.transfer_seconds(in_dram * self.config.block_size, "dram", remote=False)
         if d.reused_tokens > cached_tokens and d.reuse_source and d.reuse_source != self.config.node_id:
             # The router chose to read the rest of the prefix from another node.
             extra = min(d.reused_tokens, prompt) - cached_tokens
             transfer_s = self.profile.transfer_seconds(extra, d.reuse_tier or "hbm", remote=True)
             cached_tokens += extra
+        cached_tokens = max(cached_tokens, min(received, prompt))  # already here: its transfer was the pull
         compute_s = self.profile.prefill_seconds(prompt, cached_tokens)
         model_s = transfer_s + compute_s
         await asyncio.sleep(model_s / self.config.time_scale)
@@ -495,6 +504,10 @@ class EmulatedEngine:
                 except Exception as e:  # a broker hiccup must not stop the instance
                     log.warning("heartbeat not published: %s", e)
             await asyncio.sleep(self.config.heartbeat_s)
+
+    def report_row(self, row: dict[str, Any]) -> None:
+        """One JSON line on the report stream (when ``--report``): what the HTTP path did."""
+        self._report(row)
 
     def _report(self, row: dict[str, Any]) -> None:
         if self.report is not None:

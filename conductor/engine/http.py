@@ -191,6 +191,16 @@ class EngineHttp:
         await asyncio.sleep(e.profile.transfer_seconds(slot.tokens, "hbm", remote=True) / e.config.time_scale)
         return slot.tokens
 
+    async def _pull(self, kvp: dict[str, Any]) -> dict[str, Any]:
+        """Pull the KV a peer holds for us (vLLM-style ``kv_transfer_params``); its JSON answer."""
+        url = f"http://{kvp.get('remote_host')}:{kvp.get('remote_port')}/kv/pull"
+        r = await self.client.post(url, json={"remote_request_id": kvp.get("remote_request_id")})
+        r.raise_for_status()
+        got = r.json()
+        if not isinstance(got, dict):
+            raise ValueError("the peer's /kv/pull answer is not an object")
+        return got
+
     # --- routes -----------------------------------------------------------------
 
     async def pull(self, request: Request) -> Response:
@@ -198,11 +208,12 @@ class EngineHttp:
         key = str(body.get("remote_request_id", ""))
         if key not in self.kv:
             return error(404, f"no KV held for {key!r}", "kv_not_found")
-        return JSONResponse({"tokens": await self._send_kv(key, 1.0)})
+        return JSONResponse({"tokens": await self._send_kv(key, 1.0), "engine_id": self.engine.config.node_id})
 
     async def bootstrap(self, room: str) -> Response:
         try:
-            return JSONResponse({"tokens": await self._send_kv(f"room:{room}", BOOTSTRAP_WAIT_S)})
+            return JSONResponse({"tokens": await self._send_kv(f"room:{room}", BOOTSTRAP_WAIT_S),
+                                 "engine_id": self.engine.config.node_id})
         except asyncio.TimeoutError:
             return error(504, f"bootstrap room {room} saw no prefill in {BOOTSTRAP_WAIT_S:.0f}s", "kv_not_found")
 
@@ -226,7 +237,29 @@ class EngineHttp:
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         if kvp.get("do_remote_decode") or (room is not None and e.config.role == "prefill"):
             # The prefill half: run it, hold the KV for the peer, answer with one token.
-            cached = await e.prefill_now(rid, tokens)
+            # A CPP member (chunk_end): pull the KV before its chunk from the previous member
+            # first, then compute only its chunk; it holds the KV up to chunk_end.
+            received, got = 0, {}
+            if kvp.get("chunk_end") is not None:
+                end = kvp.get("chunk_end")
+                if not isinstance(end, int) or isinstance(end, bool) or not 1 <= end <= len(tokens):
+                    return error(400, f"kv_transfer_params.chunk_end must be 1..{len(tokens)}", "invalid_value",
+                                 param="kv_transfer_params.chunk_end")
+                if kvp.get("do_remote_prefill"):
+                    try:
+                        got = await self._pull(kvp)
+                    except (httpx.HTTPError, ValueError) as x:
+                        return error(502, f"KV transfer from the previous CPP member failed: {type(x).__name__}: {x}",
+                                     "kv_transfer_failed", kind="server_error")
+                    received = int(got.get("tokens") or 0)
+                    if received >= end:
+                        return error(400, f"received the KV of {received} tokens, past chunk_end {end}",
+                                     "invalid_value", param="kv_transfer_params.chunk_end")
+                e.report_row({"event": "cpp_chunk", "request_id": rid, "node": e.config.node_id,
+                              "received_tokens": received, "received_from": got.get("engine_id") if received else None,
+                              "chunk_end": end, "prompt_tokens": len(tokens)})
+                tokens = tokens[:end]
+            cached = await e.prefill_now(rid, tokens, received_tokens=received)
             if room is not None:
                 slot = self._slot(f"room:{room}")
                 extra: dict[str, Any] = {}
@@ -248,14 +281,21 @@ class EngineHttp:
                 if room is not None:
                     url = f"http://{body.get('bootstrap_host')}:{body.get('bootstrap_port')}/kv/bootstrap/{room}"
                     r = await self.client.get(url)
+                    r.raise_for_status()
+                    got = r.json()
                 else:
-                    url = f"http://{kvp.get('remote_host')}:{kvp.get('remote_port')}/kv/pull"
-                    r = await self.client.post(url, json={"remote_request_id": kvp.get("remote_request_id")})
-                r.raise_for_status()
-            except (httpx.HTTPError, ValueError) as x:
+                    got = await self._pull(kvp)
+                received = int(got.get("tokens") or 0)
+            except (httpx.HTTPError, ValueError, TypeError, AttributeError) as x:
                 return error(502, f"KV transfer from the prefill peer failed: {type(x).__name__}: {x}",
                              "kv_transfer_failed", kind="server_error")
-            cached = len(tokens)
+            e.report_row({"event": "kv_received", "request_id": rid, "node": e.config.node_id,
+                          "received_tokens": received, "received_from": got.get("engine_id"),
+                          "prompt_tokens": len(tokens)})
+            if received < len(tokens):  # a decode needs the whole prompt's KV
+                return error(502, f"the prefill peer handed over the KV of {received} of {len(tokens)} prompt tokens",
+                             "kv_transfer_failed", kind="server_error")
+            cached = received
         else:
             cached = await e.prefill_now(rid, tokens)
         comp = _Completion(chat, self.model, rid, len(tokens), cached)

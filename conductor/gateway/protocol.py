@@ -182,6 +182,21 @@ def vllm_prefill_body(body: Mapping[str, Any], chat: bool) -> dict[str, Any]:
     return out
 
 
+def cpp_chunk_body(body: Mapping[str, Any], chat: bool, chunk_end: int,
+                   previous: Mapping[str, Any] | None) -> dict[str, Any]:
+    """One member of a CPP prefill group (a Conductor extension the emulated engine speaks):
+    a prefill half computing the prompt up to ``chunk_end`` after pulling the KV before its
+    chunk from the previous member (``previous``: that member's ``kv_transfer_params``)."""
+    out = vllm_prefill_body(body, chat)
+    kvp = dict(out["kv_transfer_params"])
+    if previous:
+        kvp.update({k: v for k, v in previous.items() if k != "do_remote_decode"})
+        kvp["do_remote_prefill"] = True
+    kvp.update(do_remote_decode=True, chunk_end=chunk_end)
+    out["kv_transfer_params"] = kvp
+    return out
+
+
 def vllm_decode_body(body: Mapping[str, Any], kv_transfer_params: Mapping[str, Any]) -> dict[str, Any]:
     """The decode half: the client's body plus the prefill's ``kv_transfer_params``."""
     out = dict(body)

@@ -42,6 +42,9 @@ class ReplyInbox:
         self._waiting[request_id] = fut
         return fut
 
+    def waiting(self, request_id: str) -> bool:
+        return request_id in self._waiting
+
     def forget(self, request_id: str) -> None:
         self._waiting.pop(request_id, None)
 

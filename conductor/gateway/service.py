@@ -21,6 +21,7 @@ import itertools
 import json
 import logging
 import random
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
@@ -37,6 +38,7 @@ from conductor.gateway.protocol import (
     DEFAULT_EXPECTED_OUTPUT,
     BadRequest,
     ClientRequest,
+    cpp_chunk_body,
     EngineProtocol,
     Slo,
     error_body,
@@ -63,6 +65,12 @@ from schemas import (
 from streams.topics import topics
 
 log = logging.getLogger(__name__)
+
+_USAGE = re.compile(rb'"usage":\s*\{')
+_TOKEN = re.compile(rb'"(?:text|content)":\s*"(?!")')
+"""A non-empty ``text`` (completions) or ``delta.content`` (chat) in an SSE chunk's JSON."""
+_CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,96}")
+"""A client's ``x-request-id`` the gateway keeps in its routing request id (as the log's key)."""
 
 
 @dataclass(frozen=True)
@@ -109,6 +117,8 @@ class _Trace:
     ttft_s: float | None = None
     gaps_ms: list[float] = field(default_factory=list)
     routing_ms: float = 0.0
+    decided_s: float = 0.0
+    """From the request's arrival to its (last) decision: parse, tokenize, route through the log."""
     status: int = 200
     error: str | None = None
     message: str = ""
@@ -154,7 +164,7 @@ class Gateway:
         except BadRequest as e:
             self.metrics.requests.add(1, {"status": 400, "error": "invalid_body"})
             return JSONResponse(error_body(str(e), "invalid_value", param=e.param), status_code=400)
-        tr = _Trace(request_id=f"{self.config.gateway_id}-{uuid.uuid4().hex[:16]}", t0=t0, stream=creq.stream)
+        tr = _Trace(request_id=self._request_id(hdrs.get("x-request-id")), t0=t0, stream=creq.stream)
         try:
             tokens = await self.tokenizer.tokens(creq)
         except TokenizeError as e:
@@ -181,6 +191,7 @@ class Gateway:
             if isinstance(answer, RoutingRejection):
                 return self._fail(tr, *rejection_response(answer.reason, answer.message), code=answer.reason)
             tr.decision = answer
+            tr.decided_s = self.clock() - tr.t0
             try:
                 return await self._serve(creq, body, answer, arid, tr)
             except EngineFailed as e:
@@ -195,6 +206,14 @@ class Gateway:
         return self._fail(tr, 502, "engine_failed",
                           f"every attempt failed; instances that failed: {', '.join(tr.excluded)}",
                           kind="server_error")
+
+    def _request_id(self, client_id: str | None) -> str:
+        """``<gateway id>-<the client's x-request-id>`` when it is a usable, not in-flight id, else a random one."""
+        if client_id and _CLIENT_ID.fullmatch(client_id):
+            rid = f"{self.config.gateway_id}-{client_id}"
+            if not self.inbox.waiting(rid):
+                return rid
+        return f"{self.config.gateway_id}-{uuid.uuid4().hex[:16]}"
 
     def _fail(self, tr: _Trace, status: int, body_or_code: Any, message_or_headers: Any = "", *,
               code: str | None = None, kind: str = "invalid_request_error", param: str | None = None,
@@ -226,13 +245,32 @@ class Gateway:
         fut = self.inbox.expect(arid)
         env = envelope(req, producer_id=self.config.gateway_id, producer_seq=next(self._seq),
                        ts_ms=time.time_ns() // 1_000_000)
+        async def ask() -> RoutingDecision | RoutingRejection:
+            delivery = await self.producer.send(self.topics.requests.name, encode(env), key=arid.encode(),
+                                                headers=headers(env))
+            asyncio.ensure_future(self._watch_delivery(delivery, arid))
+            return await fut
+
         try:
-            await self.producer.send(self.topics.requests.name, encode(env), key=arid.encode(), headers=headers(env))
-            return await asyncio.wait_for(fut, self.config.decision_timeout_s)
+            # The send is inside the timeout too: a producer that cannot take the record never hangs a client.
+            return await asyncio.wait_for(ask(), self.config.decision_timeout_s)
         except asyncio.TimeoutError:
             return None
         finally:
             self.inbox.forget(arid)
+
+    async def _watch_delivery(self, delivery: asyncio.Future[Any], arid: str, after_s: float = 1.0) -> None:
+        """A routing request not acknowledged within ``after_s``: say so and refresh the producer's
+        metadata (the stranded-batch hazard the router hit: a batch whose partition leader the
+        producer lost track of waits for the next metadata refresh, minutes away by default)."""
+        try:
+            await asyncio.wait_for(asyncio.shield(delivery), after_s)
+        except asyncio.TimeoutError:
+            log.warning("routing request %s not acknowledged after %.1fs; refreshing the producer's metadata",
+                        arid, after_s)
+            self.producer.client.force_metadata_update()
+        except Exception as e:  # noqa: BLE001 - the decision timeout answers the client
+            log.warning("routing request %s not published: %s", arid, e)
 
     # --- the hand-off -------------------------------------------------------------------
 
@@ -247,7 +285,20 @@ class Gateway:
         p_url, d_url = self._url(d.prefill_instance), self._url(d.decode_instance)
         path = "/v1/chat/completions" if creq.chat else "/v1/completions"
         hdrs = {"x-request-id": arid}
-        if self.config.protocol == "sglang":
+        if d.prefill_group and d.chunk_boundaries:
+            # CPP: member j pulls the KV before its chunk from member j-1, computes its chunk and
+            # holds the KV up to its boundary; the decode instance pulls the whole KV from the last.
+            pj, params, prev = {}, None, None
+            for node, end in zip(d.prefill_group, d.chunk_boundaries):
+                pj_j = await self._prefill(self._url(node) + path, cpp_chunk_body(body, creq.chat, end, params),
+                                         hdrs, node, peer=prev)
+                pj = pj or pj_j  # the head's answer: its cached tokens are the request's reuse
+                params, prev = pj_j.get("kv_transfer_params"), node
+                if not isinstance(params, dict):
+                    raise EngineFailed(node, "the CPP member's answer has no kv_transfer_params")
+            resp = await self._open_decode(d_url + path, vllm_decode_body(body, params), hdrs, d, None,
+                                           kv_from=prev)
+        elif self.config.protocol == "sglang":
             u = urlparse(p_url)
             prefill_body, decode_body = sglang_bodies(body, u.hostname or "127.0.0.1",
                                                       self.config.bootstrap_port or u.port or 80,
@@ -268,7 +319,8 @@ class Gateway:
             resp = await self._open_decode(d_url + path, vllm_decode_body(body, params), hdrs, d, None)
         tr.cached_tokens = _cached(pj)
         out_headers = {"x-conductor-request-id": tr.request_id, "x-conductor-prefill-instance": d.prefill_instance,
-                       "x-conductor-decode-instance": d.decode_instance}
+                       "x-conductor-decode-instance": d.decode_instance,
+                       "x-conductor-routing-ms": f"{tr.decided_s * 1000.0:.3f}"}
         if not creq.stream:
             try:
                 data = json.loads(await resp.aread())
@@ -292,11 +344,14 @@ class Gateway:
         return StreamingResponse(self._relay(resp, it, first, creq, tr), media_type="text/event-stream",
                                  headers=out_headers)
 
-    async def _prefill(self, url: str, body: dict[str, Any], hdrs: dict[str, str], node: str) -> dict[str, Any]:
+    async def _prefill(self, url: str, body: dict[str, Any], hdrs: dict[str, str], node: str,
+                       peer: str | None = None) -> dict[str, Any]:
         try:
             r = await self.client.post(url, json=body, headers=hdrs)
         except httpx.HTTPError as e:
             raise EngineFailed(node, f"prefill request failed: {type(e).__name__}: {e}") from None
+        if peer is not None and r.status_code >= 500 and _error_code(r.content) == "kv_transfer_failed":
+            raise EngineFailed(peer, f"{node} could not pull the KV before its chunk: {r.text[:200]}")
         if r.status_code >= 500:
             raise EngineFailed(node, f"prefill answered {r.status_code}: {r.text[:200]}")
         if r.status_code >= 400:
@@ -308,7 +363,7 @@ class Gateway:
         return out if isinstance(out, dict) else {}
 
     async def _open_decode(self, url: str, body: dict[str, Any], hdrs: dict[str, str], d: RoutingDecision,
-                           prefill: asyncio.Task[dict[str, Any]] | None) -> httpx.Response:
+                           prefill: asyncio.Task[dict[str, Any]] | None, kv_from: str | None = None) -> httpx.Response:
         req = self.client.build_request("POST", url, json=body, headers=hdrs)
         send = asyncio.create_task(self.client.send(req, stream=True))
         if prefill is not None:
@@ -326,9 +381,9 @@ class Gateway:
         content = await resp.aread()
         await resp.aclose()
         err = _json_or_text(content)
-        code = err.get("error", {}).get("code") if isinstance(err, dict) and isinstance(err.get("error"), dict) else None
-        if code == "kv_transfer_failed":  # the decode is fine; its prefill peer is not
-            raise EngineFailed(d.prefill_instance, f"the decode instance could not pull the KV: {content[:200]!r}")
+        if _error_code(content) == "kv_transfer_failed":  # the decode is fine; its prefill peer is not
+            raise EngineFailed(kv_from or d.prefill_instance,
+                               f"the decode instance could not pull the KV: {content[:200]!r}")
         if resp.status_code >= 500:
             raise EngineFailed(d.decode_instance, f"decode answered {resp.status_code}: {content[:200]!r}")
         raise UpstreamClientError(resp.status_code, err)
@@ -353,16 +408,21 @@ class Gateway:
                 out = []
                 tokens = 0
                 for ev in events:
+                    # Byte checks, not a JSON parse per token: only a chunk with usage is parsed
+                    # (once per stream), so relaying costs the gateway little CPU per token.
                     if ev.startswith(b"data: ") and ev[6:7] == b"{":
-                        try:
-                            obj = json.loads(ev[6:])
-                        except ValueError:
-                            obj = {}
-                        if obj.get("usage"):
-                            tr.output_tokens = int(obj["usage"].get("completion_tokens") or tr.output_tokens)
+                        if _USAGE.search(ev):
+                            try:
+                                obj = json.loads(ev[6:])
+                            except ValueError:
+                                obj = {}
+                            usage = obj.get("usage") or {}
+                            tr.output_tokens = int(usage.get("completion_tokens") or tr.output_tokens)
                             if not obj.get("choices") and not creq.include_usage:
                                 continue
-                        if _has_token(obj):
+                            if _has_token(obj):
+                                tokens += 1
+                        elif _TOKEN.search(ev):
                             tokens += 1
                     out.append(ev + b"\n\n")
                 if tokens:
@@ -421,6 +481,12 @@ def _json_or_text(content: bytes) -> Any:
         return json.loads(content)
     except ValueError:
         return error_body(content[:500].decode(errors="replace"), "engine_error", kind="server_error")
+
+
+def _error_code(content: bytes) -> str | None:
+    err = _json_or_text(content)
+    inner = err.get("error") if isinstance(err, dict) else None
+    return inner.get("code") if isinstance(inner, dict) else None
 
 
 def _cached(j: dict[str, Any]) -> int:

@@ -36,6 +36,9 @@ class GatewayCluster:
     max_output_tokens: int | None = None
     protocol: str = "vllm"
     gateway_args: list[str] = field(default_factory=list)
+    report: bool = False
+    """Engines print a JSON line per finished step (``--report``), collected in ``reports``."""
+    reports: list[dict[str, Any]] = field(default_factory=list)
     engine_urls: dict[str, str] = field(default_factory=dict)
     engine_procs: dict[str, Any] = field(default_factory=dict)
     gateway_url: str = ""
@@ -54,6 +57,8 @@ class GatewayCluster:
                     node = f"{role}-{i}"
                     args = ["engine", "--role", role, "--node-id", node, "--http-port", "0",
                             "--time-scale", str(self.time_scale), "--heartbeat-s", "0.3"]
+                    if self.report:
+                        args.append("--report")
                     if self.max_output_tokens:
                         args += ["--max-output-tokens", str(self.max_output_tokens)]
                     self.engine_procs[node] = await self.procs.start(node, args, env, stdout_pipe=True)
@@ -89,7 +94,7 @@ class GatewayCluster:
                 continue
             if row.get("event") == "ready":
                 # Keep draining stdout so the process never blocks on a full pipe.
-                asyncio.ensure_future(_drain(proc))
+                asyncio.ensure_future(_drain(proc, self.reports))
                 return row
         raise ClusterError(f"{name} did not start:\n{self.procs.log_tail(name)}")
 
@@ -116,6 +121,11 @@ class GatewayCluster:
         self.engine_procs[node].kill()
 
 
-async def _drain(proc: Any) -> None:
-    while await proc.stdout.readline():
-        pass
+async def _drain(proc: Any, into: list[dict[str, Any]]) -> None:
+    while line := await proc.stdout.readline():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            into.append(row)
