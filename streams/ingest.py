@@ -42,10 +42,13 @@ class RawRecord:
     key: bytes | None
     value: bytes | None
     timestamp_ms: int = 0
+    after: int | None = field(default=None, compare=False)
+    """The offset this record continues from in its partition (set by ``streams.resume``);
+    the view refuses the write unless its fence is exactly that (``SourcePosition.after``)."""
 
     @property
     def position(self) -> SourcePosition:
-        return SourcePosition(self.topic, self.partition, self.offset)
+        return SourcePosition(self.topic, self.partition, self.offset, self.after)
 
 
 @dataclass(slots=True)
