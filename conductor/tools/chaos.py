@@ -1,0 +1,251 @@
+"""Fault scenarios against a real stream worker, checked pair by pair against an independent truth.
+
+``conductor chaos --scenario NAME --json`` and the fault suite (``tests/faults``) run the same
+scenarios. Each run starts a Valkey of its own (so it can be flushed, killed and restarted on
+the same port without touching anyone else's data) beside a Kafka-compatible broker, a
+``conductor worker`` subprocess, and :class:`TruthEngines`: engines that store and evict
+random blocks and know, independently of Conductor, which (node, block) pairs must be in the
+view. The fault is injected while the stream is being published; the run then waits until the
+view holds exactly the true pairs and says it is healthy (``ns|gen`` present, nothing left in
+``ns|rebuild``).
+
+Reported per run: ``pairs_lost`` (true pairs missing from the view), ``pairs_extra`` (pairs in
+the view that are not true), ``recovery_s`` (seconds from the fault to the view equal to the
+truth and healthy; the rest of the stream is published meanwhile), ``converged``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from conductor.settings import load_settings
+from conductor.tools.bench.ingest import start_worker_process, stop_worker_process
+from conductor.tools.devstack import free_port, redis_binary, redis_ready
+from schemas import BlocksRemoved, BlocksStored, Envelope, encode, envelope
+from state.redis_view import RedisViewStore
+from streams.kafka import ensure_topics, producer
+from streams.topics import topics
+
+
+class OwnValkey:
+    """A Valkey server of this run's own: flushed, killed and restarted empty on the same port."""
+
+    def __init__(self, data_dir: Path, host: str = "127.0.0.1") -> None:
+        self.host, self.port = host, free_port(host)
+        self.dir = data_dir
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+    async def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [redis_binary(), "--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "no",
+             "--dir", str(self.dir.resolve()), "--protected-mode", "no", "--daemonize", "no"],
+            stdout=open(self.dir / "valkey.log", "ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        await redis_ready(self.url, 10.0)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    async def restart_empty(self, down_s: float = 1.0) -> None:
+        """SIGKILL, stay down ``down_s``, start again on the same port with nothing in it."""
+        self.kill()
+        await asyncio.sleep(down_s)
+        await self.start()
+
+    async def flushall(self) -> None:
+        c = aioredis.from_url(self.url)
+        try:
+            await c.flushall()
+        finally:
+            await c.aclose()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+class TruthEngines:
+    """Engines storing random blocks and evicting their oldest, each node's sequence in order;
+    :meth:`pairs` is what the view must hold, known without Conductor."""
+
+    def __init__(self, seed: int, *, nodes: int = 6, max_store: int = 24, max_remove: int = 12) -> None:
+        self.rng = random.Random(seed)
+        self.held: dict[str, list[int]] = {f"node-{i}": [] for i in range(nodes)}
+        self.seq = dict.fromkeys(self.held, 0)
+        self.max_store, self.max_remove = max_store, max_remove
+
+    def take(self, n: int) -> list[Envelope]:
+        rng, out = self.rng, []
+        for _ in range(n):
+            node = rng.choice(sorted(self.held))
+            held = self.held[node]
+            if held and rng.random() < 0.3:
+                body: Any = BlocksRemoved(block_keys=[held.pop(0) for _ in range(min(len(held), rng.randint(1, self.max_remove)))])
+            else:
+                keys = [rng.getrandbits(63) for _ in range(rng.randint(1, self.max_store))]
+                held += keys
+                body = BlocksStored(block_keys=keys)
+            out.append(envelope(body, producer_id=node, producer_seq=self.seq[node], ts_ms=int(time.time() * 1000)))
+            self.seq[node] += 1
+        return out
+
+    def pairs(self) -> set[tuple[str, int]]:
+        return {(node, k) for node, keys in self.held.items() for k in keys}
+
+
+async def view_pairs(store: RedisViewStore) -> set[tuple[str, int]]:
+    """Every (node, block) pair the view holds, in any tier."""
+    dump = await store.dump()
+    return {(node, int(k, 16)) for k, holders in dump["blocks"].items() for node in holders}
+
+
+@dataclass
+class RunResult:
+    scenario: str
+    pairs_lost: int = 0
+    pairs_extra: int = 0
+    recovery_s: float | None = None
+    converged: bool = False
+    records: int = 0
+    true_pairs: int = 0
+    generations: int = 0
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+Fault = Callable[["Run"], Awaitable[None]]
+
+
+@dataclass
+class Run:
+    valkey: OwnValkey
+    settings: Any
+    worker: subprocess.Popen[bytes]
+    work_dir: Path
+
+
+async def _flushall(run: Run) -> None:
+    await run.valkey.flushall()
+
+
+async def _restart_empty(run: Run) -> None:
+    await run.valkey.restart_empty()
+
+
+async def _sigkill_worker(run: Run) -> None:
+    run.worker.send_signal(signal.SIGKILL)
+    run.worker.wait()
+    run.worker = start_worker_process(run.settings, run.work_dir / "worker2.log")
+
+
+SCENARIOS: dict[str, tuple[Fault, bool]] = {
+    # name → (fault, injected while the stream is published (True) or after it was all applied (False))
+    "redis-flushall": (_flushall, True),
+    "redis-flushall-quiet": (_flushall, False),
+    "redis-restart-empty": (_restart_empty, True),
+    "worker-sigkill": (_sigkill_worker, True),
+}
+
+
+async def run_scenario(
+    name: str, kafka_url: str, work_dir: Path, *, records: int = 3000, seed: int = 1, timeout_s: float = 120.0,
+) -> RunResult:
+    """One run of scenario ``name`` against the broker at ``kafka_url``; see the module docstring."""
+    fault, mid_stream = SCENARIOS[name]
+    tag = uuid.uuid4().hex[:8]
+    valkey = OwnValkey(work_dir / "valkey")
+    await valkey.start()
+    s = load_settings(kafka_url=kafka_url, redis_url=valkey.url, profile="embedded", topic_prefix=f"c{tag}.",
+                      view_namespace=f"c{tag}", partitions=2, web_port=free_port(), data_dir=work_dir / "d")
+    t = topics(s)
+    await ensure_topics(s, t.all())
+    truth = TruthEngines(seed)
+    res = RunResult(name, records=records)
+    store = RedisViewStore.from_settings(s)
+    prod = producer(s)
+    await prod.start()
+    run = Run(valkey, s, start_worker_process(s, work_dir / "worker.log"), work_dir)
+    try:
+        async def publish(n: int, chunk: int = 100) -> None:
+            for i in range(0, n, chunk):
+                for e in truth.take(min(chunk, n - i)):
+                    await prod.send(t.kv_events.name, encode(e), key=e.producer_id.encode())
+                await prod.flush()
+                await asyncio.sleep(0.01)
+
+        first = records // 2 if mid_stream else records
+        await publish(first)
+        # the fault lands once the worker is busy applying (mid-batch) or, quiet, once all is applied
+        want_applied = first // 3 if mid_stream else first
+        deadline = time.monotonic() + timeout_s
+        while await _applied(store) < want_applied:
+            if time.monotonic() > deadline or run.worker.poll() is not None:
+                raise RuntimeError(f"the worker never applied {want_applied} records (see {work_dir / 'worker.log'})")
+            await asyncio.sleep(0.02)
+        t_fault = time.monotonic()
+        await fault(run)
+        if mid_stream:
+            await publish(records - first)
+        want = truth.pairs()
+        res.true_pairs = len(want)
+        got: set[tuple[str, int]] = set()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                healthy, why = await store.view_health()
+                got = await view_pairs(store)
+            except Exception as e:  # Redis still coming back
+                healthy, why = False, str(e)
+            if healthy and got == want:
+                res.converged = True
+                res.recovery_s = round(time.monotonic() - t_fault, 2)
+                break
+            res.detail["last_health"] = why
+            await asyncio.sleep(0.2)
+        res.pairs_lost = len(want - got)
+        res.pairs_extra = len(got - want)
+        res.generations = _log_count(work_dir, "the view's generation is")
+    finally:
+        stop_worker_process(run.worker)
+        await prod.stop()
+        try:
+            await store.close()
+        finally:
+            valkey.stop()
+    return res
+
+
+async def _applied(store: RedisViewStore) -> int:
+    try:
+        wm = await store.watermark()
+    except Exception:
+        return 0
+    return sum(v + 1 for v in wm.values())
+
+
+def _log_count(work_dir: Path, words: str) -> int:
+    return sum(
+        p.read_text(errors="replace").count(words) for p in work_dir.glob("worker*.log") if p.exists()
+    )
