@@ -485,7 +485,7 @@ class RedisViewStore:
     async def snapshot(self, chain: Sequence[int], *, now_ms: int | None = None) -> ViewSnapshot:
         """Every node's state and its longest prefix of ``chain``: one round trip."""
         try:
-            async with self.client.pipeline(transaction=False) as p:
+            async with self.client.pipeline(transaction=True) as p:  # one instant: blocks, nodes, fences
                 p.time()
                 if chain:
                     p.mget(self.keys.blocks(chain))
