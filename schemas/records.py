@@ -22,7 +22,9 @@ MAX_BLOCKS = 16_384  # block keys in one event or one request chain
 MAX_TOKENS = 1_048_576  # token ids in one event or request (2,048 x 512-token blocks)
 MAX_EXTRA_KEYS = 64
 MAX_PARAMS = 64
-MAX_ORIGINAL_BYTES = 1_048_576
+MAX_ORIGINAL_BYTES = 65_536
+"""At most this much of a bad record rides in its dead letter (with topic, partition and
+offset to fetch the rest): a dead letter always fits the topic's 1 MB message limit."""
 MAX_GROUP = 64  # prefill instances in one chunked-pipeline (CPP) group
 
 U64 = Annotated[int, Field(ge=0, le=2**64 - 1)]
@@ -74,6 +76,9 @@ class BlocksStored(Record):
     def _keys_or_tokens(self) -> "BlocksStored":
         if self.block_keys is None and self.token_ids is None:
             raise ValueError("blocks_stored needs block_keys or token_ids")
+        if self.block_keys is None and len(self.token_ids or ()) // self.block_size > MAX_BLOCKS:
+            raise ValueError(f"token_ids make {len(self.token_ids or ()) // self.block_size} blocks of "
+                             f"{self.block_size}; at most {MAX_BLOCKS} blocks per record")
         return self
 
 

@@ -68,6 +68,7 @@ from schemas import (
     headers,
     request_chain_keys,
 )
+from schemas.records import MAX_BLOCKS
 from state.reader import HiredisPackedConnection, RawSnapshotReader
 from state.redis_view import (
     RedisViewStore,
@@ -202,6 +203,9 @@ class Router:
                 )
             return list(req.block_keys)
         assert req.token_ids is not None
+        if len(req.token_ids) // bs > MAX_BLOCKS:
+            raise InvalidRequest(f"{len(req.token_ids)} token ids make {len(req.token_ids) // bs} blocks of {bs}; "
+                                 f"at most {MAX_BLOCKS} blocks per request")
         return request_chain_keys(req, bs)
 
     def policy_request(self, req: RoutingRequest, chain_len: int, ordinal: int = 0) -> PolicyRequest:

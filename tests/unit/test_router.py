@@ -343,3 +343,11 @@ async def test_a_lost_or_rebuilding_view_is_not_the_truth() -> None:
     out = await router.route(token_request("r2"))
     assert isinstance(out, RoutingDecision) and out.degraded and out.prefill_instance == "p0"
     assert out.degraded_reason.startswith("view_rebuilding")
+
+
+async def test_a_request_of_a_million_token_ids_at_block_size_1_is_refused() -> None:
+    settings = load_settings(block_size=1, seed=7)
+    router = Router(settings, InMemoryViewStore(), InMemoryReservations(settings.reservation_ttl_s))
+    tokens = list(range(1_048_576))
+    out = await router.route(RoutingRequest(request_id="huge", token_ids=tokens, prompt_tokens=len(tokens)))
+    assert isinstance(out, RoutingRejection) and out.reason == "invalid_request" and "at most" in out.message
