@@ -17,6 +17,7 @@ truth and healthy; the rest of the stream is published meanwhile), ``converged``
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import signal
 import subprocess
@@ -32,7 +33,7 @@ import redis.asyncio as aioredis
 from conductor.settings import load_settings
 from conductor.tools.bench.ingest import start_worker_process, stop_worker_process
 from conductor.tools.devstack import free_port, redis_binary, redis_ready
-from schemas import BlocksRemoved, BlocksStored, Envelope, encode, envelope
+from schemas import BlocksRemoved, BlocksStored, DecodeError, Envelope, decode, encode, envelope
 from state.redis_view import RedisViewStore
 from streams.kafka import ensure_topics, producer
 from streams.topics import topics
@@ -144,6 +145,38 @@ class Run:
     settings: Any
     worker: subprocess.Popen[bytes]
     work_dir: Path
+    prod: Any = None
+    sent: list[tuple[str, bytes, bytes]] = field(default_factory=list)
+    """(topic, key, value) of every good record sent so far (the duplicates scenario re-sends them)."""
+    bad: int = 0
+    """Bad records injected (the bad-records scenario)."""
+
+
+CORPUS = Path(__file__).resolve().parents[2] / "tests" / "faults" / "corpus" / "bad_records.jsonl"
+"""The checked-in corpus of hostile and broken records (``tests/faults/corpus/make_corpus.py``)."""
+OVERSIZED_BYTES = 1_200_000
+
+
+def bad_records(corpus: Path = CORPUS, seed: int = 0) -> list[tuple[str, bytes]]:
+    """(``kv`` | ``hb``, bytes): the corpus, plus oversized records (> 1 MB: one that does not
+    decode, one valid envelope padded past the limit) and fuzzed copies of valid ones."""
+    rng = random.Random(seed)
+    out = [(d["topic"], bytes.fromhex(d["hex"])) for d in map(json.loads, corpus.read_text().splitlines())]
+    out.append(("kv", b"\x92" + rng.randbytes(OVERSIZED_BYTES)))
+    pad = encode(envelope(BlocksStored(block_keys=[1]), producer_id="node-0", producer_seq=0, ts_ms=1))
+    out.append(("kv", pad + b"\x00" * OVERSIZED_BYTES))
+    good = encode(envelope(BlocksStored(block_keys=[7, 8, 9]), producer_id="node-1", producer_seq=1, ts_ms=1))
+    fuzzed = 0
+    while fuzzed < 50:  # bit flips of a valid record; a flip that still decodes is a valid record, not a bad one
+        b = bytearray(good)
+        for _ in range(rng.randint(1, 4)):
+            b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
+        try:
+            decode(bytes(b))
+        except DecodeError:
+            out.append(("kv", bytes(b)))
+            fuzzed += 1
+    return out
 
 
 async def _flushall(run: Run) -> None:
@@ -160,12 +193,34 @@ async def _sigkill_worker(run: Run) -> None:
     run.worker = start_worker_process(run.settings, run.work_dir / "worker2.log")
 
 
+async def _bad_records(run: Run) -> None:
+    t = topics(run.settings)
+    big = producer(run.settings, max_request_size=4 << 20)
+    await big.start()
+    try:
+        for i, (topic, raw) in enumerate(bad_records()):
+            name = t.kv_events.name if topic == "kv" else t.heartbeats.name
+            await big.send(name, raw, key=f"node-{i % 6}".encode())
+            run.bad += 1
+        await big.flush()
+    finally:
+        await big.stop()
+
+
+async def _duplicates(run: Run) -> None:
+    for topic, key, value in list(run.sent):  # everything so far, once more
+        await run.prod.send(topic, value, key=key)
+    await run.prod.flush()
+
+
 SCENARIOS: dict[str, tuple[Fault, bool]] = {
     # name → (fault, injected while the stream is published (True) or after it was all applied (False))
     "redis-flushall": (_flushall, True),
     "redis-flushall-quiet": (_flushall, False),
     "redis-restart-empty": (_restart_empty, True),
     "worker-sigkill": (_sigkill_worker, True),
+    "bad-records": (_bad_records, True),
+    "duplicates": (_duplicates, True),
 }
 
 
@@ -186,12 +241,14 @@ async def run_scenario(
     store = RedisViewStore.from_settings(s)
     prod = producer(s)
     await prod.start()
-    run = Run(valkey, s, start_worker_process(s, work_dir / "worker.log"), work_dir)
+    run = Run(valkey, s, start_worker_process(s, work_dir / "worker.log"), work_dir, prod)
     try:
         async def publish(n: int, chunk: int = 100) -> None:
             for i in range(0, n, chunk):
                 for e in truth.take(min(chunk, n - i)):
-                    await prod.send(t.kv_events.name, encode(e), key=e.producer_id.encode())
+                    raw, key = encode(e), e.producer_id.encode()
+                    run.sent.append((t.kv_events.name, key, raw))
+                    await prod.send(t.kv_events.name, raw, key=key)
                 await prod.flush()
                 await asyncio.sleep(0.01)
 
@@ -227,6 +284,12 @@ async def run_scenario(
         res.pairs_lost = len(want - got)
         res.pairs_extra = len(got - want)
         res.generations = _log_count(work_dir, "the view's generation is")
+        res.detail["dead_letters"] = _log_count(work_dir, "dead-letter ")
+        res.detail["bad_records"] = run.bad
+        ghosts = [n.node_id for n in await store.nodes() if not n.node_id.startswith("node-")]
+        res.detail["unknown_nodes"] = ghosts
+        if ghosts:  # a hostile record made a node appear: count it as extra
+            res.pairs_extra += len(ghosts)
     finally:
         stop_worker_process(run.worker)
         await prod.stop()

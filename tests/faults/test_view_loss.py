@@ -9,10 +9,14 @@ import pytest
 from conductor.tools.chaos import run_scenario
 
 
-@pytest.mark.parametrize("scenario", ["redis-flushall", "redis-restart-empty", "redis-flushall-quiet", "worker-sigkill"])
+@pytest.mark.parametrize("scenario", ["redis-flushall", "redis-restart-empty", "redis-flushall-quiet", "worker-sigkill",
+                                      "bad-records", "duplicates"])
 async def test_no_pair_lost_or_extra(stack, tmp_path, scenario):
     res = await run_scenario(scenario, stack.kafka_url, tmp_path, records=2000, seed=7)
     assert (res.pairs_lost, res.pairs_extra) == (0, 0), res
     assert res.converged, res
     if scenario.startswith("redis"):
         assert res.generations >= 1, res  # the worker noticed the lost view (not by luck)
+    if scenario == "bad-records":  # every bad record refused with a dead letter, none changed the view
+        assert res.detail["bad_records"] >= 300
+        assert res.detail["dead_letters"] >= res.detail["bad_records"] - 20, res.detail
