@@ -33,7 +33,7 @@ import redis.asyncio as aioredis
 from conductor.settings import load_settings
 from conductor.tools.bench.ingest import start_worker_process, stop_worker_process
 from conductor.tools.devstack import free_port, redis_binary, redis_ready
-from schemas import BlocksRemoved, BlocksStored, DecodeError, Envelope, decode, encode, envelope
+from schemas import BlocksRemoved, BlocksStored, DecodeError, Envelope, Heartbeat, decode, encode, envelope
 from state.redis_view import RedisViewStore
 from streams.kafka import ensure_topics, producer
 from streams.topics import topics
@@ -150,6 +150,10 @@ class Run:
     """(topic, key, value) of every good record sent so far (the duplicates scenario re-sends them)."""
     bad: int = 0
     """Bad records injected (the bad-records scenario)."""
+    silent: set[str] = field(default_factory=set)
+    """Nodes that stopped heartbeating (the silent-node scenario)."""
+    skew_ms: dict[str, int] = field(default_factory=dict)
+    """Node → how far ahead its heartbeats are stamped (the skewed-clock scenario)."""
 
 
 CORPUS = Path(__file__).resolve().parents[2] / "tests" / "faults" / "corpus" / "bad_records.jsonl"
@@ -213,6 +217,18 @@ async def _duplicates(run: Run) -> None:
     await run.prod.flush()
 
 
+async def _silent_node(run: Run) -> None:
+    run.silent.add("node-4")
+
+
+async def _skewed_clock(run: Run) -> None:
+    run.skew_ms["node-5"] = 3_600_000  # an hour ahead: it must not keep node-5 live
+
+
+EXPECT_DEAD = {"silent-node": "node-4", "skewed-clock": "node-5"}
+"""Scenarios after which a node must stop being live within the heartbeat TTL."""
+
+
 SCENARIOS: dict[str, tuple[Fault, bool]] = {
     # name → (fault, injected while the stream is published (True) or after it was all applied (False))
     "redis-flushall": (_flushall, True),
@@ -221,7 +237,10 @@ SCENARIOS: dict[str, tuple[Fault, bool]] = {
     "worker-sigkill": (_sigkill_worker, True),
     "bad-records": (_bad_records, True),
     "duplicates": (_duplicates, True),
+    "silent-node": (_silent_node, True),
+    "skewed-clock": (_skewed_clock, True),
 }
+HEARTBEAT_TTL_S = 3.0
 
 
 async def run_scenario(
@@ -233,7 +252,8 @@ async def run_scenario(
     valkey = OwnValkey(work_dir / "valkey")
     await valkey.start()
     s = load_settings(kafka_url=kafka_url, redis_url=valkey.url, profile="embedded", topic_prefix=f"c{tag}.",
-                      view_namespace=f"c{tag}", partitions=2, web_port=free_port(), data_dir=work_dir / "d")
+                      view_namespace=f"c{tag}", partitions=2, web_port=free_port(), data_dir=work_dir / "d",
+                      heartbeat_ttl_s=HEARTBEAT_TTL_S)
     t = topics(s)
     await ensure_topics(s, t.all())
     truth = TruthEngines(seed)
@@ -243,12 +263,21 @@ async def run_scenario(
     await prod.start()
     run = Run(valkey, s, start_worker_process(s, work_dir / "worker.log"), work_dir, prod)
     try:
+        hb_seq: dict[str, int] = {}
+
         async def publish(n: int, chunk: int = 100) -> None:
             for i in range(0, n, chunk):
                 for e in truth.take(min(chunk, n - i)):
                     raw, key = encode(e), e.producer_id.encode()
                     run.sent.append((t.kv_events.name, key, raw))
                     await prod.send(t.kv_events.name, raw, key=key)
+                now = int(time.time() * 1000)
+                for node in sorted(truth.held):  # every engine heartbeats once per chunk
+                    if node not in run.silent:
+                        hb_seq[node] = hb_seq.get(node, -1) + 1
+                        hb = envelope(Heartbeat(role="prefill"), producer_id=node, producer_seq=hb_seq[node],
+                                      ts_ms=now + run.skew_ms.get(node, 0))
+                        await prod.send(t.heartbeats.name, encode(hb), key=node.encode())
                 await prod.flush()
                 await asyncio.sleep(0.01)
 
@@ -257,7 +286,7 @@ async def run_scenario(
         # the fault lands once the worker is busy applying (mid-batch) or, quiet, once all is applied
         want_applied = first // 3 if mid_stream else first
         deadline = time.monotonic() + timeout_s
-        while await _applied(store) < want_applied:
+        while await _applied(store, t.kv_events.name) < want_applied:
             if time.monotonic() > deadline or run.worker.poll() is not None:
                 raise RuntimeError(f"the worker never applied {want_applied} records (see {work_dir / 'worker.log'})")
             await asyncio.sleep(0.02)
@@ -281,6 +310,19 @@ async def run_scenario(
                 break
             res.detail["last_health"] = why
             await asyncio.sleep(0.2)
+        dead = EXPECT_DEAD.get(name)
+        if dead is not None:  # must stop being live within the TTL of the fault (plus apply time)
+            res.detail["still_live_after_s"] = None
+            limit = time.monotonic() + HEARTBEAT_TTL_S + 10
+            while time.monotonic() < limit:
+                snap = await store.snapshot([])
+                if dead not in {n.node_id for n in snap.live_nodes(HEARTBEAT_TTL_S)}:
+                    res.detail["still_live_after_s"] = round(time.monotonic() - t_fault, 2)
+                    break
+                await asyncio.sleep(0.2)
+            else:
+                res.converged = False
+                res.detail["immortal_node"] = dead
         res.pairs_lost = len(want - got)
         res.pairs_extra = len(got - want)
         res.generations = _log_count(work_dir, "the view's generation is")
@@ -300,12 +342,13 @@ async def run_scenario(
     return res
 
 
-async def _applied(store: RedisViewStore) -> int:
+async def _applied(store: RedisViewStore, topic: str) -> int:
+    """Records of ``topic`` the view has applied (offsets from 0)."""
     try:
         wm = await store.watermark()
     except Exception:
         return 0
-    return sum(v + 1 for v in wm.values())
+    return sum(v + 1 for k, v in wm.items() if k.rpartition(":")[0] == topic)
 
 
 def _log_count(work_dir: Path, words: str) -> int:
