@@ -24,7 +24,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
         scenario: list[str] = typer.Option(
             None, "--scenario", help="scenario to run (repeatable); default: all. "
             "redis-flushall, redis-flushall-quiet, redis-restart-empty, worker-sigkill, bad-records, duplicates, "
-            "silent-node, skewed-clock"),
+            "silent-node, skewed-clock, two-workers-one-killed"),
         runs: int = typer.Option(3, "--runs", "-n", min=1, help="runs per scenario"),
         records: int = typer.Option(3000, help="KV-event records published per run"),
         seed: int = typer.Option(1, help="seed of the first run's truth (run i uses seed + i)"),

@@ -150,6 +150,8 @@ class Run:
     """(topic, key, value) of every good record sent so far (the duplicates scenario re-sends them)."""
     bad: int = 0
     """Bad records injected (the bad-records scenario)."""
+    others: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    """Further workers of the same group (the two-workers scenario)."""
     silent: set[str] = field(default_factory=set)
     """Nodes that stopped heartbeating (the silent-node scenario)."""
     skew_ms: dict[str, int] = field(default_factory=dict)
@@ -217,6 +219,12 @@ async def _duplicates(run: Run) -> None:
     await run.prod.flush()
 
 
+async def _kill_one_of_two(run: Run) -> None:
+    run.worker.send_signal(signal.SIGKILL)  # its partitions go to the other worker at the rebalance
+    run.worker.wait()
+    run.worker = run.others.pop()
+
+
 async def _silent_node(run: Run) -> None:
     run.silent.add("node-4")
 
@@ -237,6 +245,7 @@ SCENARIOS: dict[str, tuple[Fault, bool]] = {
     "worker-sigkill": (_sigkill_worker, True),
     "bad-records": (_bad_records, True),
     "duplicates": (_duplicates, True),
+    "two-workers-one-killed": (_kill_one_of_two, True),
     "silent-node": (_silent_node, True),
     "skewed-clock": (_skewed_clock, True),
 }
@@ -262,6 +271,8 @@ async def run_scenario(
     prod = producer(s)
     await prod.start()
     run = Run(valkey, s, start_worker_process(s, work_dir / "worker.log"), work_dir, prod)
+    if name == "two-workers-one-killed":
+        run.others.append(start_worker_process(s.model_copy(update={"web_port": free_port()}), work_dir / "worker-b.log"))
     try:
         hb_seq: dict[str, int] = {}
 
@@ -333,7 +344,8 @@ async def run_scenario(
         if ghosts:  # a hostile record made a node appear: count it as extra
             res.pairs_extra += len(ghosts)
     finally:
-        stop_worker_process(run.worker)
+        for w in [run.worker, *run.others]:
+            stop_worker_process(w)
         await prod.stop()
         try:
             await store.close()

@@ -10,7 +10,8 @@ from conductor.tools.chaos import run_scenario
 
 
 @pytest.mark.parametrize("scenario", ["redis-flushall", "redis-restart-empty", "redis-flushall-quiet", "worker-sigkill",
-                                      "bad-records", "duplicates", "silent-node", "skewed-clock"])
+                                      "bad-records", "duplicates", "silent-node", "skewed-clock",
+                                      "two-workers-one-killed"])
 async def test_no_pair_lost_or_extra(stack, tmp_path, scenario):
     res = await run_scenario(scenario, stack.kafka_url, tmp_path, records=2000, seed=7)
     assert (res.pairs_lost, res.pairs_extra) == (0, 0), res
