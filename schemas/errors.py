@@ -16,3 +16,14 @@ class StackError(ConductorError):
 
 class ViewStoreError(ConductorError):
     """The view store (Redis) failed or is unreachable."""
+
+
+class ViewRefused(ViewStoreError):
+    """The view refused a write that would not land on the state it was folded from: its
+    generation changed (``reason="lost"``: lost or replaced) or a partition's fence is not
+    the one the write continues from (``reason="hole"``). Retrying the same write cannot
+    help: the writer reads its partitions back from the log (``streams.resume``)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason

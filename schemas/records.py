@@ -22,7 +22,9 @@ MAX_BLOCKS = 16_384  # block keys in one event or one request chain
 MAX_TOKENS = 1_048_576  # token ids in one event or request (2,048 x 512-token blocks)
 MAX_EXTRA_KEYS = 64
 MAX_PARAMS = 64
-MAX_ORIGINAL_BYTES = 1_048_576
+MAX_ORIGINAL_BYTES = 65_536
+"""At most this much of a bad record rides in its dead letter (with topic, partition and
+offset to fetch the rest): a dead letter always fits the topic's 1 MB message limit."""
 MAX_GROUP = 64  # prefill instances in one chunked-pipeline (CPP) group
 
 U64 = Annotated[int, Field(ge=0, le=2**64 - 1)]
@@ -41,7 +43,7 @@ Role = Literal["prefill", "decode", "both", "store"]
 
 PolicyRejectReason = Literal["ttft_slo", "tbt_slo", "no_live_instance", "overloaded"]
 """Why a policy turns a request away (its prediction, or nothing to run it on)."""
-RejectReason = Literal[PolicyRejectReason, "invalid_request", "view_unavailable"]
+RejectReason = Literal[PolicyRejectReason, "invalid_request", "view_unavailable", "view_rebuilding"]
 """Every reason a ``routing_rejection`` can carry: a policy's, or the router's own (a request
 it cannot read or place as given, a view it cannot reach)."""
 
@@ -74,6 +76,9 @@ class BlocksStored(Record):
     def _keys_or_tokens(self) -> "BlocksStored":
         if self.block_keys is None and self.token_ids is None:
             raise ValueError("blocks_stored needs block_keys or token_ids")
+        if self.block_keys is None and len(self.token_ids or ()) // self.block_size > MAX_BLOCKS:
+            raise ValueError(f"token_ids make {len(self.token_ids or ()) // self.block_size} blocks of "
+                             f"{self.block_size}; at most {MAX_BLOCKS} blocks per record")
         return self
 
 
@@ -198,6 +203,11 @@ class RoutingDecision(Record):
     """Offset of the last ``control`` record applied when deciding (-1: none)."""
     block_size: int | None = Field(default=None, ge=1, le=4096)
     model_profile: OptName = None
+    view_now_ms: int | None = Field(default=None, ge=0)
+    """v3: the view's clock (Redis TIME) the router read the view and stamped reservations
+    at; `explain` re-derives at this instant (older decisions: the envelope's ts_ms)."""
+    degraded_reason: Text = ""
+    """Why the decision is ``degraded`` (view unreachable, lost, or being rebuilt from the log)."""
     prefill_group: Annotated[list[Name], Field(min_length=2, max_length=MAX_GROUP)] | None = None
     """Chunked pipeline parallelism: the prefill instances in pipeline order, the first being
     ``prefill_instance``; each computes its chunk and hands the KV so far on to the next, the
@@ -235,6 +245,7 @@ class RoutingRejection(Record):
     control_offset: int = Field(default=-1, ge=-1)  # v2
     block_size: int | None = Field(default=None, ge=1, le=4096)  # v2
     model_profile: OptName = None  # v2
+    view_now_ms: int | None = Field(default=None, ge=0)  # v3: see RoutingDecision.view_now_ms
 
 
 # --- runtime control (topic control, one partition: one total order) -------------

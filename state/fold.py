@@ -166,6 +166,12 @@ def stored_keys(ev: BlocksStored) -> tuple[int, ...]:
     )
 
 
+MAX_SEQ_JUMP = 1_000_000
+"""A producer sequence more than this far past its node's last one (in the same epoch) is a
+fault, not a gap: the record is refused (``implausible_sequence``, dead-lettered) and the
+node's stream stays where it was, so one forged ``producer_seq`` of 2^63 cannot mute it."""
+
+
 def fold(env: Envelope, stream: NodeStream | None = None) -> Folded:
     """Fold one record into view operations given its producer's stream state.
 
@@ -177,6 +183,10 @@ def fold(env: Envelope, stream: NodeStream | None = None) -> Folded:
     if isinstance(body, Heartbeat):
         if (env.epoch, env.producer_seq) <= (st.hb_epoch, st.hb_seq):
             return Folded(Outcome.DUPLICATE, st, node=node)
+        last_hb = st.hb_seq if env.epoch == st.hb_epoch else -1
+        if env.producer_seq - last_hb - 1 > MAX_SEQ_JUMP:
+            raise UnfoldableRecord("implausible_sequence", f"heartbeat seq {env.producer_seq} jumps more than "
+                                   f"{MAX_SEQ_JUMP} past {last_hb} (epoch {env.epoch})")
         new = replace(st, hb_epoch=env.epoch, hb_seq=env.producer_seq)
         return Folded(Outcome.APPLIED, new, (SetHeartbeat(node, heartbeat_state(env, body)), SetStream(node, new, "hb", prev=st)), node=node)
 
@@ -197,6 +207,8 @@ def fold(env: Envelope, stream: NodeStream | None = None) -> Folded:
         last = st.seq
     # Sequences start at 0 in every epoch, so a first record above 0 is a gap too.
     gap = seq - last - 1
+    if gap > MAX_SEQ_JUMP:
+        raise UnfoldableRecord("implausible_sequence", f"seq {seq} jumps more than {MAX_SEQ_JUMP} past {last} (epoch {epoch})")
     new = NodeStream(
         epoch=epoch,
         seq=seq,

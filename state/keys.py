@@ -15,6 +15,12 @@ Keys (``ns`` = the view namespace; ``|`` cannot occur in it):
     of cleared nodes, awaiting compaction / reusable.
 ``ns|wm``     ``topic:partition`` → highest applied offset (the fence).
 ``ns|ver``    moves on every write to the node hash (readers cache the hash by it).
+``ns|gen``    the view's generation: a random token written when the view is created or
+    cleared; every fenced write names the generation it was folded on and is refused
+    under another (the view was lost or replaced). Absent: lost (or never written).
+``ns|rebuild``  hash, ``topic:partition`` → offset the partition must reach: partitions
+    still being read back from the log after a new generation (routers answer degraded
+    while it is not empty).
 """
 
 from __future__ import annotations
@@ -88,7 +94,7 @@ class ViewKeys:
     """The key names of one view namespace (computed once: the router builds keys per read)."""
 
     __slots__ = ("ns", "block_prefix", "block_pattern", "all_pattern", "nodes", "slots", "meta",
-                 "watermark", "version", "retired", "free")
+                 "watermark", "version", "retired", "free", "generation", "rebuild")
 
     def __init__(self, ns: str) -> None:
         if "|" in ns:
@@ -105,6 +111,8 @@ class ViewKeys:
         self.version = f"{ns}|ver"
         self.retired = f"{ns}|retired"
         self.free = f"{ns}|free"
+        self.generation = f"{ns}|gen"
+        self.rebuild = f"{ns}|rebuild"
 
     def block(self, key: int) -> bytes:
         return self.block_prefix + key.to_bytes(BLOCK_KEY_BYTES, "big")

@@ -108,9 +108,13 @@ class InMemoryViewStore:
         """:meth:`apply_groups` without an event loop."""
         out: list[Outcome] = []
         for pos, ops in batch:
-            if pos is not None and pos.offset <= self._watermark.get(pos.key, -1):
-                out.append(Outcome.FENCED)
-                continue
+            if pos is not None:
+                cur = self._watermark.get(pos.key)
+                if cur is not None and pos.offset <= cur:
+                    out.append(Outcome.FENCED)
+                    continue
+                if pos.after is not None and (-1 if cur is None else cur) != pos.after:
+                    return out + [Outcome.HOLE] + [Outcome.CONFLICT] * (len(batch) - len(out) - 1)
             if self._moved(ops):
                 return out + [Outcome.CONFLICT] * (len(batch) - len(out))
             self._apply(ops)

@@ -192,13 +192,24 @@ class RawSnapshotReader:
 
     async def snapshot(self, chain: Sequence[int], *, now_ms: int | None = None) -> ViewSnapshot:
         pack = hiredis.pack_command
-        packed = pack(("TIME",))
+        # One MULTI/EXEC: the blocks, the node hash and the fences are of one instant (no
+        # write lands between them), so the watermark a decision records is exactly what it
+        # read and `explain` replays to the same view.
+        packed = pack(("MULTI",)) + pack(("TIME",))
         if chain:
             packed += pack(("MGET", *self.keys.blocks(chain)))
         # The node hash (~tens of KB for a large cluster) travels only when its version moved.
         packed += pack(("EVALSHA", _NODES_SHA, 2, self.keys.version, self.keys.nodes, self._last_version or b""))
-        packed += self._wm_cmd
-        res = await self._request(packed, 4 if chain else 3)
+        packed += self._wm_cmd + pack(("EXEC",))
+        n = 4 if chain else 3
+        res = (await self._request(packed, n + 2))[-1]
+        if not isinstance(res, list) or len(res) != n:
+            raise ViewStoreError(f"view read failed: the transaction answered {res!r}")
+        for r in res:
+            if isinstance(r, hiredis.ReplyError):
+                if str(r).startswith("NOSCRIPT"):  # script cache flushed (restart, failover)
+                    await self._drop()  # the next connection loads it again
+                raise ViewStoreError(f"view read failed: {r}")
         if chain:
             time_reply, values, flat_nodes, flat_wm = res
         else:

@@ -62,6 +62,12 @@ _CHUNK_KEYS = 20_000  # block keys per script call: keeps each call well under ~
 _APPLY_LUA = r"""
 local ns = ARGV[1]
 local groups = cmsgpack.unpack(ARGV[2])
+-- generation check: a write folded on another generation of the view (lost, replaced) is refused whole
+if ARGV[3] ~= redis.call('GET', ns .. '|gen') then
+  local lost = {}
+  for gi = 1, #groups do lost[gi] = 4 end
+  return lost
+end
 local nodes, wmkey, bpre = ns .. '|nodes', ns .. '|wm', ns .. '|b'
 local SEP = '\31'
 local slots = {}
@@ -99,6 +105,11 @@ for gi = 1, #groups do
       local cur = fence[fk]
       if cur == nil then cur = tonumber(redis.call('HGET', wmkey, fk) or '-1') end
       if off <= cur then ok = 0 end
+      -- contiguity check: g[5] is the fence the record continues from (-2: unchecked)
+      if ok == 1 and g[5] ~= -2 and g[5] ~= cur then
+        ok = 3
+        halted = true
+      end
     end
     -- compare-and-set on the stream state the record was folded from
     if ok == 1 and conds then
@@ -207,8 +218,35 @@ return n
 """
 
 
-_FLAGS = (Outcome.FENCED, Outcome.APPLIED, Outcome.CONFLICT)
-"""The apply script's per-group reply (0, 1, 2) → outcome."""
+# Partitions being rebuilt under generation ARGV[2]: pairs (topic:partition, end offset);
+# a partition whose fence has reached end - 1 (or end <= 0) is done and leaves the hash.
+_REBUILD_LUA = r"""
+local ns = ARGV[1]
+if redis.call('GET', ns .. '|gen') ~= ARGV[2] then return -1 end
+for i = 3, #ARGV, 2 do
+  local tp, target = ARGV[i], tonumber(ARGV[i + 1])
+  local cur = tonumber(redis.call('HGET', ns .. '|wm', tp) or '-1')
+  if cur >= target - 1 then redis.call('HDEL', ns .. '|rebuild', tp)
+  else redis.call('HSET', ns .. '|rebuild', tp, target) end
+end
+return redis.call('HLEN', ns .. '|rebuild')
+"""
+
+_FLAGS = (Outcome.FENCED, Outcome.APPLIED, Outcome.CONFLICT, Outcome.HOLE, Outcome.LOST)
+"""The apply script's per-group reply (0 to 4) → outcome."""
+
+# Adopt the view's generation, creating it when absent (a new view, or one lost): the
+# partitions named (ARGV[2..]) are then marked as being rebuilt from the log, with the
+# creation, atomically. Returns {generation, 1 if created here else 0}.
+_GENERATION_LUA = r"""
+local ns = ARGV[1]
+local g = redis.call('GET', ns .. '|gen')
+if g then return {g, 0} end
+g = ARGV[2]
+redis.call('SET', ns .. '|gen', g)
+for i = 3, #ARGV do redis.call('HSET', ns .. '|rebuild', ARGV[i], -1) end
+return {g, 1}
+"""
 
 
 def _conditions(ops: Sequence[Op]) -> list[list[str]]:
@@ -261,7 +299,11 @@ class RedisViewStore:
         self._script = client.register_script(_APPLY_LUA)
         self._compact = client.register_script(_COMPACT_LUA)
         self._free = client.register_script(_FREE_LUA)
+        self._gen_script = client.register_script(_GENERATION_LUA)
+        self._rebuild_script = client.register_script(_REBUILD_LUA)
         self._decoder = NodeHashDecoder()
+        self.generation: str | None = None
+        """The generation this store's writes are folded on (adopted by :meth:`adopt_generation`)."""
 
     @classmethod
     def from_settings(cls, settings: Any) -> "RedisViewStore":
@@ -304,7 +346,7 @@ class RedisViewStore:
                 if owner >= 0:
                     flags.append(ok)
             chunk, owners, weight = [], [], 0
-            return Outcome.CONFLICT in res
+            return any(r in (Outcome.CONFLICT, Outcome.HOLE, Outcome.LOST) for r in res)
 
         for gi, (pos, ops) in enumerate(batch):
             enc = encode_ops(ops)
@@ -312,7 +354,8 @@ class RedisViewStore:
             pieces = [enc] if pos is not None else (_split(enc) or [[]])
             for i, piece in enumerate(pieces):
                 fk, off = (pos.key, pos.offset) if pos is not None else ("", 0)
-                chunk.append([fk, off, piece, conds if i == 0 else []])
+                after = -2 if pos is None or pos.after is None else pos.after
+                chunk.append([fk, off, piece, conds if i == 0 else [], after])
                 owners.append(gi if i == 0 else -1)
                 weight += sum(len(o[3]) // 8 if o[0] in (1, 2) else 1 for o in piece) + 1
                 if weight >= _CHUNK_KEYS and await flush():
@@ -321,9 +364,67 @@ class RedisViewStore:
             await flush()
         return flags
 
-    async def _run(self, groups: list[list[Any]]) -> list[Outcome]:
+    async def adopt_generation(self, partitions: Sequence[str] = ()) -> tuple[str, bool]:
+        """The view's generation, which this store's writes are then folded on; created when
+        absent (a new or lost view), and then ``partitions`` (``topic:partition``) are marked
+        as being rebuilt (``ns|rebuild``) in the same step. Returns (generation, created)."""
         try:
-            res = await self._script(args=[self.ns, pack_script_args(groups)])
+            g, created = await self._gen_script(args=[self.ns, secrets.token_hex(8), *partitions])
+        except RedisError as e:
+            raise ViewStoreError(f"view read failed: {e}") from e
+        self.generation = g.decode() if isinstance(g, bytes) else str(g)
+        return self.generation, bool(created)
+
+    async def fences(self) -> tuple[str | None, dict[str, int]]:
+        """(the view's generation or None, its fences), read in one atomic step."""
+        try:
+            async with self.client.pipeline(transaction=True) as p:
+                p.get(self.keys.generation)
+                p.hgetall(self.keys.watermark)
+                g, raw = await p.execute()
+        except RedisError as e:
+            raise ViewStoreError(f"view read failed: {e}") from e
+        return (g.decode() if g is not None else None), {k.decode(): int(v) for k, v in raw.items()}
+
+    async def rebuild_pending(self) -> dict[str, int]:
+        """Partitions still being rebuilt after a new generation → the offset each must reach (-1: not yet known)."""
+        try:
+            raw = await self.client.hgetall(self.keys.rebuild)
+        except RedisError as e:
+            raise ViewStoreError(f"view read failed: {e}") from e
+        return {k.decode(): int(v) for k, v in raw.items()}
+
+    async def mark_rebuilding(self, targets: dict[str, int], generation: str) -> None:
+        """Record the end offset each partition must reach after a new generation (only under
+        ``generation``); one whose fence has reached it leaves ``ns|rebuild``."""
+        if not targets:
+            return
+        try:
+            await self._rebuild_script(args=[self.ns, generation, *[x for kv in targets.items() for x in (kv[0], kv[1])]])
+        except RedisError as e:
+            raise ViewStoreError(f"view write failed: {e}") from e
+
+    async def view_health(self) -> tuple[bool, str]:
+        """(healthy, reason): not healthy while the view has no generation (lost, nobody
+        rebuilding it yet) or partitions are still being read back from the log."""
+        try:
+            async with self.client.pipeline(transaction=True) as p:
+                p.exists(self.keys.generation)
+                p.hlen(self.keys.rebuild)
+                has_gen, pending = await p.execute()
+        except RedisError as e:
+            return False, f"view unreachable: {e}"
+        if not has_gen:
+            return False, "view_lost: the view has no generation (Redis lost or flushed; no worker has started rebuilding it)"
+        if pending:
+            return False, f"view_rebuilding: {pending} partitions are being read back from the log"
+        return True, ""
+
+    async def _run(self, groups: list[list[Any]]) -> list[Outcome]:
+        if self.generation is None:
+            await self.adopt_generation()
+        try:
+            res = await self._script(args=[self.ns, pack_script_args(groups), self.generation])
         except RedisError as e:
             raise ViewStoreError(f"view write failed: {e}") from e
         return [_FLAGS[int(x)] for x in res]
@@ -350,6 +451,10 @@ class RedisViewStore:
                 await self.client.unlink(*batch)
             # A fresh random version, so no reader mistakes the new node hash for one it cached.
             await self.client.set(self.keys.version, secrets.randbits(62))
+            # A new generation: writers folded on the old view are refused from now on.
+            gen = secrets.token_hex(8)
+            await self.client.set(self.keys.generation, gen)
+            self.generation = gen
         except RedisError as e:
             raise ViewStoreError(f"view clear failed: {e}") from e
         self._decoder.clear()
@@ -380,7 +485,7 @@ class RedisViewStore:
     async def snapshot(self, chain: Sequence[int], *, now_ms: int | None = None) -> ViewSnapshot:
         """Every node's state and its longest prefix of ``chain``: one round trip."""
         try:
-            async with self.client.pipeline(transaction=False) as p:
+            async with self.client.pipeline(transaction=True) as p:  # one instant: blocks, nodes, fences
                 p.time()
                 if chain:
                     p.mget(self.keys.blocks(chain))

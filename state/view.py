@@ -25,6 +25,13 @@ class SourcePosition:
     topic: str
     partition: int
     offset: int
+    after: int | None = None
+    """The fence this record continues from: the offset of the partition's record before it
+    in the log, ``-1`` for the partition's first record (the view must then hold no fence for
+    the partition). The write is refused (``Outcome.HOLE``) unless the view's fence is exactly
+    that, so a view that lost writes (Redis flushed, restarted empty, a lagging replica
+    promoted) is never written on as if it had them. ``None``: not checked (bulk loads, a
+    replay into a namespace of its own); a missing fence then reads as -1."""
 
     @property
     def key(self) -> str:
@@ -112,6 +119,13 @@ class Outcome(StrEnum):
     CONFLICT = "conflict"
     """Refused: the node's stream state moved since the record was folded (another writer);
     fold it again (see ``SetStream.prev``)."""
+    HOLE = "hole"
+    """Refused: the view's fence for its partition is not the one the record continues from
+    (``SourcePosition.after``): the view lost writes, or the record skipped some; read the
+    hole back from the log."""
+    LOST = "lost"
+    """Refused: the view's generation is not the writer's (the view was lost or replaced
+    since the writer looked): rebuild every partition from the log."""
 
 
 MAX_REFOLDS = 20

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from schemas import Envelope
-from schemas.errors import ViewStoreError
+from schemas.errors import ViewRefused, ViewStoreError
 
 from .fold import Folded, NodeStream, Op, UnfoldableRecord, fold
 from .view import MAX_REFOLDS, Outcome, SourcePosition
@@ -84,6 +84,12 @@ def _passes(records: Sequence[Record]) -> Generator[_Ask, Any, Written]:
         flags = (yield ("write", groups)) if groups else []
         redo: list[int] = []
         for k, (i, flag) in enumerate(zip(todo, flags)):
+            if flag in (Outcome.HOLE, Outcome.LOST):
+                pos = records[i][1]
+                where = f" at {pos.key}@{pos.offset} (continuing from {pos.after})" if pos is not None else ""
+                raise ViewRefused(flag.value, f"the view refused the write{where}: " + (
+                    "its generation changed (lost or replaced)" if flag == Outcome.LOST
+                    else "its fence is not the one the record continues from"))
             if flag == Outcome.CONFLICT:
                 redo = todo[k:]
                 out.refolds += 1

@@ -22,7 +22,7 @@ from typing import Any
 import faust
 
 from schemas import DeadLetter, encode, headers
-from schemas.errors import ViewStoreError
+from schemas.errors import ViewRefused, ViewStoreError
 from streams.app import make_app
 from streams.ingest import BatchResult, IngestMetrics, Ingestor, RawRecord
 from streams.resume import LogReader, ResumeGuard
@@ -33,6 +33,8 @@ log = logging.getLogger(__name__)
 BATCH_MAX = 2000
 BATCH_WITHIN_S = 0.01
 COMPACT_EVERY_S = 60.0
+GENERATION_EVERY_S = 0.5
+"""How often each worker checks the view's generation and the partitions left to rebuild."""
 
 
 @dataclass
@@ -60,11 +62,34 @@ def build_worker(settings: Any, store: Any, *, metrics: bool = True, **app_overr
         metrics=IngestMetrics(lambda: ingestor.live_nodes(settings.heartbeat_ttl_s)) if metrics else None,
     )
 
-    async def consume(stream: Any) -> None:
+    # One guard, log reader and lock per topic: the agent's batches and the generation
+    # watcher's catch-up of the same partitions never interleave.
+    all_parts = [f"{tp.name}:{p}" for tp in (t.kv_events, t.heartbeats) for p in range(tp.partitions)]
+    guards: dict[str, tuple[ResumeGuard, LogReader, asyncio.Lock]] = {}
+
+    def guard_of(topic: str) -> tuple[ResumeGuard, LogReader, asyncio.Lock]:
+        if topic not in guards:
+            reader = LogReader(settings)
+            guard = ResumeGuard(store.watermark, reader.fetch_range, metrics=metrics, view=store)
+            guard.all_partitions = all_parts
+            guards[topic] = (guard, reader, asyncio.Lock())
+        return guards[topic]
+
+    async def apply_batch(topic: str, batch: list[RawRecord]) -> None:
+        guard, _, lock = guard_of(topic)
+        while True:
+            try:
+                async with lock:
+                    async for part in admit_until_done(guard, batch):
+                        await process_until_done(ingestor, part)
+                return
+            except ViewRefused as e:  # the view lost writes: admit again from its fences
+                log.warning("%s; checking the batch against the view's fences again", e)
+                await asyncio.sleep(0.05)
+
+    async def consume(topic: str, stream: Any) -> None:
         # Each agent resumes its own topic's partitions from the view's fences, reading
         # back from the log what the consumer skipped (see streams.resume).
-        reader = LogReader(settings)
-        guard = ResumeGuard(store.watermark, reader.fetch_range, metrics=metrics)
         try:
             async for events in stream.take_events(BATCH_MAX, within=BATCH_WITHIN_S):
                 batch = [
@@ -72,17 +97,53 @@ def build_worker(settings: Any, store: Any, *, metrics: bool = True, **app_overr
                               int(e.message.timestamp * 1000) if e.message.timestamp else 0)
                     for e in events
                 ]
-                async for part in admit_until_done(guard, batch):
-                    await process_until_done(ingestor, part)
+                await apply_batch(topic, batch)
         finally:
-            await reader.close()
+            if topic in guards:
+                await guards.pop(topic)[1].close()
+
+    async def watch_generation() -> None:
+        """A lost or replaced view is rebuilt at once, traffic or not: every assigned partition
+        is read from the log up to its end, and ``ns|rebuild`` tells routers when it is done."""
+        if not hasattr(store, "fences"):
+            return
+        try:
+            gen, _ = await store.fences()
+            pending = await store.rebuild_pending()
+            assigned = [(tp.topic, tp.partition) for tp in app.consumer.assignment()]
+        except Exception as e:  # Redis down or not assigned yet: the next tick tries again
+            log.debug("generation check skipped: %s", e)
+            return
+        mine = [tp for tp in assigned if f"{tp[0]}:{tp[1]}" in pending]
+        if gen is not None and gen == store.generation and not mine:
+            return
+        for name in (t.kv_events.name, t.heartbeats.name):
+            tps = [tp for tp in assigned if tp[0] == name]
+            if not tps:
+                continue
+            guard, reader, lock = guard_of(name)
+            try:
+                async with lock:
+                    await guard.fences()  # adopts the new generation (marking all partitions rebuilding)
+                    gen_now = store.generation
+                    ends = await reader.end_offsets(tps)
+                    await store.mark_rebuilding({f"{a}:{b}": e for (a, b), e in ends.items()}, gen_now)
+                    async for part in guard.catch_up(tps, ends):
+                        await process_until_done(ingestor, part)
+                    await store.mark_rebuilding({f"{a}:{b}": e for (a, b), e in ends.items()}, gen_now)
+            except ViewRefused as e:
+                log.warning("rebuild of %s interrupted (%s); trying again", name, e)
+            except Exception as e:
+                log.error("rebuild of %s failed, will retry: %s", name, e)
+
+    app.timer(GENERATION_EVERY_S, name="view-generation")(watch_generation)
 
     # Two functions, not one: Faust names an agent after its function.
     async def kv_events(stream: Any) -> None:
-        await consume(stream)
+        await consume(t.kv_events.name, stream)
 
     async def heartbeats(stream: Any) -> None:
-        await consume(stream)
+        await consume(t.heartbeats.name, stream)
 
     app.agent(kv_topic, name="kv-events")(kv_events)
     app.agent(hb_topic, name="heartbeats")(heartbeats)
@@ -117,27 +178,40 @@ async def admit_until_done(guard: ResumeGuard, batch: list[RawRecord]) -> AsyncI
 
 
 async def process_until_done(ingestor: Ingestor, batch: list[RawRecord]) -> None:
-    """Apply ``batch``; retry while the view is unreachable; never raise."""
+    """Apply ``batch``; retry while the view is unreachable; never raise, except
+    :class:`ViewRefused` (the view lost writes: the caller admits the batch again).
+
+    An unexpected error is dealt with per record, never per batch: the batch is applied
+    again one record at a time, and only a record that fails on its own is dead-lettered
+    (``internal_error``) and its fence moved past it."""
     delay = 0.1
     while True:
         try:
             await ingestor.process(batch)
             return
+        except ViewRefused:
+            raise
         except ViewStoreError as e:
             log.error("view write failed, retrying in %.1fs: %s", delay, e)
-        except Exception as e:  # a bug must not kill the worker: dead-letter the batch and go on
-            log.exception("batch of %d records failed; dead-lettering it", len(batch))
-            for rec in batch:
-                try:
-                    await ingestor._dead(_empty_result(), rec, "internal_error", f"{type(e).__name__}: {e}")
-                except Exception:
-                    log.exception("could not dead-letter %s:%d@%d", rec.topic, rec.partition, rec.offset)
-            # The batch has been dealt with: move the fences past it, so that a consumer
-            # resuming from them does not send it round again.
+        except Exception as e:  # a bug must not kill the worker nor take the batch's good records with it
+            if len(batch) > 1:
+                log.exception("batch of %d records failed; applying it one record at a time", len(batch))
+                for rec in batch:
+                    await process_until_done(ingestor, [rec])
+                return
+            rec = batch[0]
+            log.exception("record %s:%d@%d failed; dead-lettering it", rec.topic, rec.partition, rec.offset)
             try:
-                await ingestor.store.apply_groups([(rec.position, ()) for rec in batch])
+                await ingestor._dead(_empty_result(), rec, "internal_error", f"{type(e).__name__}: {e}")
             except Exception:
-                log.exception("could not move the fences past a dead-lettered batch")
+                log.exception("could not dead-letter %s:%d@%d (counted, logged)", rec.topic, rec.partition, rec.offset)
+            # Dealt with: move the fence past it, so that a consumer resuming from it does not send it round again.
+            try:
+                await ingestor.store.apply_groups([(rec.position, ())])
+            except ViewRefused:
+                raise
+            except Exception:
+                log.exception("could not move the fence past %s:%d@%d", rec.topic, rec.partition, rec.offset)
             return
         await asyncio.sleep(delay)
         delay = min(delay * 2, 5.0)

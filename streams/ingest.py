@@ -34,6 +34,11 @@ from streams.topics import Topics
 
 log = logging.getLogger(__name__)
 
+MAX_CLOCK_SKEW_MS = 30_000
+"""A heartbeat stamped further ahead of its Kafka record's timestamp is a fault
+(``future_timestamp``, dead-lettered): it would keep its node live past its death. Within it,
+the heartbeat counts from the earlier of the two: liveness follows what the log observed."""
+
 @dataclass(frozen=True, slots=True)
 class RawRecord:
     topic: str
@@ -42,10 +47,13 @@ class RawRecord:
     key: bytes | None
     value: bytes | None
     timestamp_ms: int = 0
+    after: int | None = field(default=None, compare=False)
+    """The offset this record continues from in its partition (set by ``streams.resume``);
+    the view refuses the write unless its fence is exactly that (``SourcePosition.after``)."""
 
     @property
     def position(self) -> SourcePosition:
-        return SourcePosition(self.topic, self.partition, self.offset)
+        return SourcePosition(self.topic, self.partition, self.offset, self.after)
 
 
 @dataclass(slots=True)
@@ -77,6 +85,10 @@ class IngestMetrics:
         self.gaps = m.create_counter("conductor_sequence_gaps", description="producer sequence gaps seen")
         self.conflicts = m.create_counter(
             "conductor_view_write_conflicts", description="batches refolded because another writer moved a node's stream"
+        )
+        self.skew = m.create_histogram(
+            "conductor_producer_clock_skew_ms", unit="ms",
+            description="a producer's stamp minus its Kafka record's timestamp (positive: its clock runs ahead)",
         )
         self.staleness = m.create_histogram(
             "conductor_view_staleness_ms", unit="ms", description="producer timestamp to applied in the view"
@@ -138,6 +150,8 @@ class Ingestor:
         self.producer_id = producer_id
         self._dl_seq = 0
         self.last_heartbeat_ms: dict[str, int] = {}
+        self.clock_skew_ms: dict[str, int] = {}
+        """Producer → its last record's stamp minus the Kafka record timestamp (ms)."""
 
     def dead_letter_envelope(self, dl: DeadLetter) -> Envelope:
         """Wrap a dead letter for the dead-letter topic (keyed by source topic)."""
@@ -170,6 +184,17 @@ class Ingestor:
                 await self._dead(res, rec, "wrong_kind", f"{env.schema_name} does not belong on {rec.topic}")
                 good.append((rec, None))
                 continue
+            if rec.timestamp_ms > 0:
+                skew = env.ts_ms - rec.timestamp_ms
+                self._skew(env, skew)
+                if isinstance(env.body, Heartbeat):
+                    if skew > MAX_CLOCK_SKEW_MS:
+                        await self._dead(res, rec, "future_timestamp",
+                                         f"heartbeat stamped {skew} ms after its Kafka record (at most {MAX_CLOCK_SKEW_MS})")
+                        good.append((rec, None))
+                        continue
+                    if skew > 0:  # freshness by what the log observed, never later than it
+                        env = env.model_copy(update={"ts_ms": rec.timestamp_ms})
             good.append((rec, env))
 
         # Folds start from the view's own stream state (written atomically with the effects);
@@ -189,6 +214,12 @@ class Ingestor:
             self.metrics.record(records[0].topic, res)
         return res
 
+    def _skew(self, env: Envelope, skew_ms: int) -> None:
+        """Record a producer's clock skew (its stamp minus the Kafka record's timestamp)."""
+        self.clock_skew_ms[env.producer_id] = skew_ms
+        if self.metrics is not None:
+            self.metrics.skew.record(skew_ms, {"producer": env.producer_id})
+
     def _count(self, res: BatchResult, env: Envelope, f: Any, outcome: Outcome, now: float) -> None:
         """Account for one record whose write has been decided (applied or skipped)."""
         if outcome != Outcome.APPLIED:
@@ -206,10 +237,19 @@ class Ingestor:
                 log.warning("node %s: sequence gap of %d before seq %d (epoch %d)", env.producer_id, f.gap, env.producer_seq, env.epoch)
 
     async def _dead(self, res: BatchResult, rec: RawRecord, reason: str, error: str) -> None:
+        """Count, log and dead-letter one record. A dead letter that cannot be sent (the broker
+        refuses it) is counted and logged with the record's position, and the batch goes on:
+        one record never takes its batch down."""
         res.dead[reason] = res.dead.get(reason, 0) + 1
-        log.warning("dead-letter %s:%d@%d: %s: %s", rec.topic, rec.partition, rec.offset, reason, error[:200])
+        size = len(rec.value) if isinstance(rec.value, (bytes, bytearray)) else 0
+        log.warning("dead-letter %s:%d@%d (%d bytes): %s: %s", rec.topic, rec.partition, rec.offset, size, reason, error[:200])
         if self.dead_letter is not None:
-            await self.dead_letter(_dead_letter(rec, reason, error))
+            try:
+                await self.dead_letter(_dead_letter(rec, reason, error))
+            except Exception as e:  # noqa: BLE001 - counted and logged; the record's fence still moves
+                res.dead["dead_letter_unsent"] = res.dead.get("dead_letter_unsent", 0) + 1
+                log.error("could not send the dead letter of %s:%d@%d (%d bytes, %s): %s: %s",
+                          rec.topic, rec.partition, rec.offset, size, reason, type(e).__name__, e)
 
     def live_nodes(self, ttl_s: float) -> int:
         now = self.clock_ms()

@@ -18,6 +18,8 @@ from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from aiokafka.admin.config_resource import ConfigResource, ConfigResourceType
 from aiokafka.helpers import create_ssl_context
 
+from schemas.records import MAX_BLOCKS
+
 from .topics import Topic
 
 log = logging.getLogger(__name__)
@@ -105,13 +107,21 @@ async def ensure_topics(settings: Any, wanted: tuple[Topic, ...]) -> list[str]:
             except Exception as e:  # a concurrent creator won the race
                 if "TopicAlreadyExists" not in type(e).__name__ and "already exists" not in str(e).lower():
                     raise
-        old = [t for t in wanted if t.name in existing and t.configs]
+        old = [t for t in wanted if t.name in existing]  # retention and message size checked
         if old:
             for problem in await unsafe_topic_configs(admin, old):
                 log.warning("topic config: %s", problem)
         return [t.name for t in new]
     finally:
         await admin.close()
+
+
+MIN_MESSAGE_BYTES = 256 * 1024
+"""The smallest ``max.message.bytes`` every topic needs: a dead letter (at most
+``MAX_ORIGINAL_BYTES`` of the original, an error text and the envelope) and an event of
+``MAX_BLOCKS`` block keys (~150 KB) must fit. Kafka's default is 1 MB; records above the
+topic's limit are refused by the broker when produced (a request of more than ~200k token
+ids must carry ``block_keys`` instead)."""
 
 
 def config_problems(topic: Topic, actual: dict[str, str]) -> list[str]:
@@ -121,6 +131,9 @@ def config_problems(topic: Topic, actual: dict[str, str]) -> list[str]:
     policy = actual.get("cleanup.policy", "delete")
     if "compact" in policy and want.get("cleanup.policy") == "delete":
         out.append(f"{topic.name} has cleanup.policy={policy}: compaction drops the events a rebuild replays")
+    if "max.message.bytes" in actual and int(actual["max.message.bytes"]) < MIN_MESSAGE_BYTES:
+        out.append(f"{topic.name} takes records of at most {actual['max.message.bytes']} bytes, less than the "
+                   f"{MIN_MESSAGE_BYTES} a dead letter or a {MAX_BLOCKS}-block event may need")
     if "retention.ms" in want and "retention.ms" in actual:
         have, need = int(actual["retention.ms"]), int(want["retention.ms"])
         if need < 0 <= have or 0 <= have < need:

@@ -12,8 +12,17 @@ showed a sequence gap. So before a batch goes to the ingestor, :meth:`ResumeGuar
 - checks that they continue from the view's fence; at a hole it reads the missing offsets
   straight from the log (``fetch_range``, in parts of ``fill_max``) and puts them first.
 
-So a worker that finds the view empty (Redis lost and restarted, or a view rebuilt under
-it) rebuilds each partition from the log by itself, as its next record arrives.
+Each record it yields names the offset it continues from (``RawRecord.after``: the fence,
+or the record before it), and the view refuses a write whose fence is not exactly that
+(``Outcome.HOLE``), so nothing is ever written on top of a view that lost what came before.
+
+The view has a generation (``ns|gen``, :meth:`state.redis_view.RedisViewStore.adopt_generation`).
+The guard reads it with the fences in one atomic step; a new or missing generation means the
+view was lost or replaced: the guard adopts (or creates) the new one, and its partitions read
+from the log's start (a missing fence means "rebuild", never "-1"). Writes folded on the old
+generation are refused whole (``Outcome.LOST``). :meth:`ResumeGuard.catch_up` reads assigned
+partitions up to their end with no new record needed (the stream worker runs it on a timer,
+so partitions without traffic are rebuilt too).
 
 Offsets the log no longer has (retention, or a transactional producer's markers) are let
 through as a hole, logged and counted: nothing can fill them, and the fold counts the
@@ -23,6 +32,7 @@ sequence gap on the node.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -32,7 +42,7 @@ from aiokafka import TopicPartition
 from opentelemetry import metrics
 
 from streams.ingest import RawRecord
-from streams.kafka import consumer
+from streams.kafka import consumer, end_offsets
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +71,16 @@ class ResumeGuard:
         *,
         fill_max: int = 20_000,
         metrics: bool = False,
+        view: Any = None,
     ) -> None:
         self.watermark = watermark
+        self.view = view
+        """The store, when it has a generation (``fences``, ``adopt_generation``, ``generation``)."""
+        self.all_partitions: Sequence[str] = ()
+        """Every ``topic:partition`` of the pipeline: marked as rebuilding (``ns|rebuild``) when
+        this guard creates a generation (set by the stream worker)."""
+        self.generations = 0
+        """Times the guard found the view's generation changed (lost or replaced) and adopted a new one."""
         self.fetch_range = fetch_range
         self.fill_max = fill_max
         self._refetched_counter, self._lost_counter = _counters() if metrics else (None, None)
@@ -83,30 +101,73 @@ class ResumeGuard:
         for r in batch:
             by_tp.setdefault((r.topic, r.partition), {}).setdefault(r.offset, r)
         self.already_applied += len(batch) - sum(map(len, by_tp.values()))  # second copies
-        wm = await self.watermark()
+        wm = await self.fences()
         out: list[RawRecord] = []
         for (topic, partition), recs in by_tp.items():
             applied = wm.get(f"{topic}:{partition}", -1)
             fresh = [recs[o] for o in sorted(recs) if o > applied]
             self.already_applied += len(recs) - len(fresh)
-            expected = applied + 1
+            prev = applied  # the offset the next record continues from (-1: the partition's first)
             for r in fresh:
-                if r.offset > expected:
+                if r.offset > prev + 1:
                     if out:  # what comes before the hole goes first
                         yield out
                         out = []
                     log.warning(
                         "%s:%d: offsets %d..%d are not in the view (the consumer resumed past them, or the view was lost); reading them back from the log",
-                        topic, partition, expected, r.offset - 1,
+                        topic, partition, prev + 1, r.offset - 1,
                     )
-                    for start in range(expected, r.offset, self.fill_max):
-                        part = await self._fill(topic, partition, start, min(start + self.fill_max, r.offset))
-                        if part:
-                            yield part
-                out.append(r)
-                expected = r.offset + 1
+                    async for part in self._fill_hole(topic, partition, prev, r.offset):
+                        prev = part[-1].offset
+                        yield part
+                out.append(dataclasses.replace(r, after=prev))
+                prev = r.offset
         if out:
             yield out
+
+    async def fences(self) -> dict[str, int]:
+        """The view's fences; with a view that has a generation, read atomically with it, and a
+        changed or missing generation adopted (created when missing) before they are used."""
+        if self.view is None or not hasattr(self.view, "fences"):
+            return await self.watermark()
+        gen, wm = await self.view.fences()
+        if gen is None or gen != self.view.generation:
+            had = self.view.generation
+            new, created = await self.view.adopt_generation(list(self.all_partitions))
+            if had is not None:
+                self.generations += 1
+                log.warning(
+                    "the view's generation is %s (%s); reading every partition back from the log where its fence stops",
+                    new, "created: the view was lost or is new" if created else "replaced",
+                )
+            gen, wm = await self.view.fences()
+            if gen != new:  # replaced again meanwhile: the next write is refused and admitted again
+                log.warning("the view's generation moved again while adopting it")
+        return wm
+
+    async def catch_up(self, tps: Sequence[tuple[str, int]], end: dict[tuple[str, int], int]) -> AsyncIterator[list[RawRecord]]:
+        """Yield, in parts, every record of ``tps`` after the view's fence up to ``end`` (the
+        offset after each partition's last record): a partition rebuilt with no new traffic."""
+        wm = await self.fences()
+        for topic, partition in tps:
+            applied = wm.get(f"{topic}:{partition}", -1)
+            stop = end.get((topic, partition), 0)
+            if stop > applied + 1:
+                log.warning("%s:%d: reading offsets %d..%d back from the log (the view stops at %d)",
+                            topic, partition, applied + 1, stop - 1, applied)
+                async for part in self._fill_hole(topic, partition, applied, stop):
+                    yield part
+
+    async def _fill_hole(self, topic: str, partition: int, prev: int, end: int) -> AsyncIterator[list[RawRecord]]:
+        """The records of offsets ``prev + 1`` to ``end - 1`` from the log, each naming the one before it."""
+        for start in range(prev + 1, end, self.fill_max):
+            part = await self._fill(topic, partition, start, min(start + self.fill_max, end))
+            if part:
+                chained = []
+                for r in part:
+                    chained.append(dataclasses.replace(r, after=prev))
+                    prev = r.offset
+                yield chained
 
     async def _fill(self, topic: str, partition: int, start: int, end: int) -> list[RawRecord]:
         got = [r for r in await self.fetch_range(topic, partition, start, end) if start <= r.offset < end]
@@ -134,11 +195,24 @@ class LogReader:
         self.timeout_s = timeout_s
         self._consumer: Any = None
 
-    async def fetch_range(self, topic: str, partition: int, start: int, end: int) -> list[RawRecord]:
+    async def _started(self) -> Any:
         if self._consumer is None:
             self._consumer = consumer(self.settings, group_id=None)
             await self._consumer.start()
-        c = self._consumer
+        return self._consumer
+
+    async def end_offsets(self, tps: Sequence[tuple[str, int]]) -> dict[tuple[str, int], int]:
+        """The offset after each partition's last record."""
+        if not tps:
+            return {}
+        c = await self._started()
+        tpl = [TopicPartition(t, p) for t, p in tps]
+        c.assign(tpl)
+        got = await end_offsets(c, tpl)
+        return {(tp.topic, tp.partition): off for tp, off in got.items()}
+
+    async def fetch_range(self, topic: str, partition: int, start: int, end: int) -> list[RawRecord]:
+        c = await self._started()
         tp = TopicPartition(topic, partition)
         c.assign([tp])
         c.seek(tp, start)  # below the log's start, the consumer resets to it (earliest)

@@ -50,7 +50,7 @@ def settings(stack: StackState, tmp_path: Path) -> Settings:
     )
 
 
-KINDS = ("unit", "property", "contract", "golden", "integration")
+KINDS = ("unit", "property", "contract", "golden", "integration", "faults")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -59,3 +59,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         kind = Path(str(item.fspath)).parent.name
         if kind in KINDS:
             item.add_marker(getattr(pytest.mark, kind))
+        if kind == "faults":  # needs the servers: out of the fast suite (-m "not integration")
+            item.add_marker(pytest.mark.integration)

@@ -12,6 +12,7 @@ from conductor.cli import (
     admin,
     audit,
     balance,
+    chaos,
     control,
     dev,
     engines,
@@ -24,7 +25,7 @@ from conductor.cli.common import GROUPS, app, err
 from conductor.errors import ConductorError
 
 # Order is the order of --help.
-COMMAND_MODULES = (dev, pipeline, routing, control, admin, gateway, balance, audit, simulate, engines)
+COMMAND_MODULES = (dev, pipeline, routing, control, admin, gateway, balance, audit, chaos, simulate, engines)
 for _module in COMMAND_MODULES:
     _module.register(GROUPS)
 

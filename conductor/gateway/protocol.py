@@ -34,6 +34,7 @@ REJECTION_STATUS: dict[str, tuple[int, int]] = {
     "overloaded": (429, 2),
     "no_live_instance": (503, 5),
     "view_unavailable": (503, 5),
+    "view_rebuilding": (503, 2),
     "decision_timeout": (503, 2),
     "invalid_request": (400, 0),
 }

@@ -38,7 +38,7 @@ def rejection_record(request_id: str, reason: str, message: str, *, policy: str 
 
 def decision_record(req: RoutingRequest, answer: Placement | Rejection, *, block_size: int, policy: str,
                     params: Mapping[str, Any], seed: int, watermark: Mapping[str, int],
-                    degraded: bool = False, age_ms: float = 0.0,
+                    degraded: bool = False, age_ms: float = 0.0, degraded_reason: str = "",
                     rederivation: Mapping[str, Any] | None = None) -> RoutingDecision | RoutingRejection:
     """The record of ``answer`` for ``req``: a placement's reused blocks become tokens
     (never more than the prompt)."""
@@ -59,6 +59,7 @@ def decision_record(req: RoutingRequest, answer: Placement | Rejection, *, block
         seed=seed,
         watermark=dict(watermark),
         degraded=degraded,
+        degraded_reason=degraded_reason[:4096],
         snapshot_age_ms=age_ms,
         prefill_group=list(answer.prefill_group) if answer.prefill_group else None,
         chunk_boundaries=list(answer.chunk_boundaries) if answer.prefill_group else None,

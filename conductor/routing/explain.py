@@ -9,9 +9,10 @@ request (from ``requests``); then it runs the same :class:`conductor.routing.rou
 with the same policy and seed, compares, and lays out the policy's per-instance
 estimates so an operator can see *why*.
 
-What the log cannot give back: the exact instant of the original read (the decision
-envelope's timestamp stands in for it) and reservations of decisions whose records
-were lost. A mismatch is reported, never hidden.
+The instant of the original read is the decision's ``view_now_ms`` (the view's clock the
+router read at and stamped its reservations with; decisions older than v3 fall back to
+the envelope's timestamp, set a few ms later). What the log cannot give back:
+reservations of decisions whose records were lost. A mismatch is reported, never hidden.
 """
 
 from __future__ import annotations
@@ -214,7 +215,7 @@ async def explain(settings: Settings, request_id: str) -> Explanation:
 
     store = InMemoryViewStore()
     await replay_into(settings, store, until=dict(rec.watermark), idle_timeout_s=1.0)
-    at_ms = target.ts_ms
+    at_ms = _read_at(target)
     # The decision names its block size and profile (v2); older ones fall back to the settings.
     s = settings.model_copy(update={
         "policy": rec.policy, "policy_params": dict(rec.params),
@@ -227,16 +228,16 @@ async def explain(settings: Settings, request_id: str) -> Explanation:
         d = env.body
         # Decisions made before this one: by time across routers, by sequence within one
         # router (several can share a millisecond). Partitions interleave, so not by position.
-        earlier = env.ts_ms < at_ms or (
+        earlier = _read_at(env) < at_ms or (
             env.producer_id == target.producer_id and env.epoch == target.epoch
             and env.producer_seq < target.producer_seq
         )
-        if not earlier or not isinstance(d, RoutingDecision) or env.ts_ms < at_ms - settings.reservation_ttl_s * 1000:
+        if not earlier or not isinstance(d, RoutingDecision) or _read_at(env) < at_ms - settings.reservation_ttl_s * 1000:
             continue
         r = requests.get(d.request_id)
         if r is None:
             continue
-        reservations.reserve_sync(decision_reservations(r[1], d, s.block_size), env.ts_ms)
+        reservations.reserve_sync(decision_reservations(r[1], d, s.block_size), _read_at(env))
         n_resv += 1
     router = Router(s, _ViewAt(store, at_ms), reservations)
     # The control state the decision was made under: the same fold, up to the recorded offset.
@@ -262,6 +263,12 @@ async def explain(settings: Settings, request_id: str) -> Explanation:
         prefill=prefill_rows, decode=decode_rows, reservations=n_resv,
         control_offset=rec.control_offset, control=router.control.as_dict(),
     )
+
+
+def _read_at(env: Envelope) -> int:
+    """When the router read the view for this decision (its ``view_now_ms``; before v3, the envelope's ts)."""
+    at = getattr(env.body, "view_now_ms", None)
+    return at if at is not None else env.ts_ms
 
 
 __all__ = ["AuditError", "Explanation", "explain", "read_records", "read_topic"]

@@ -68,6 +68,7 @@ from schemas import (
     headers,
     request_chain_keys,
 )
+from schemas.records import MAX_BLOCKS
 from state.reader import HiredisPackedConnection, RawSnapshotReader
 from state.redis_view import (
     RedisViewStore,
@@ -86,6 +87,14 @@ def request_seed(base_seed: int, request_id: str) -> int:
     """The tie-break seed of one request: a stable 64-bit hash of the base seed and its id."""
     h = hashlib.blake2b(f"{base_seed}\x1f{request_id}".encode(), digest_size=8)
     return int.from_bytes(h.digest(), "big")
+
+
+HEALTH_EVERY_S = 0.25
+"""How often a router asks whether the view is lost or being rebuilt (``Router.view_health``)."""
+
+
+class _Unhealthy(Exception):
+    """The view answers but is not the truth (lost, or partitions being rebuilt from the log)."""
 
 
 class InvalidRequest(ValueError):
@@ -141,6 +150,7 @@ class Router:
         self._last: _LastView | None = None
         self._since: dict[str, int] = {}  # node → last heartbeat seen: the reservation cut-off
         self._memo: InstanceMemo = {}
+        self._health: tuple[float, bool, str] | None = None  # (clock, healthy, reason) of the last check
         self.ttl_s = settings.heartbeat_ttl_s
         self.control = ControlState()
 
@@ -193,6 +203,9 @@ class Router:
                 )
             return list(req.block_keys)
         assert req.token_ids is not None
+        if len(req.token_ids) // bs > MAX_BLOCKS:
+            raise InvalidRequest(f"{len(req.token_ids)} token ids make {len(req.token_ids) // bs} blocks of {bs}; "
+                                 f"at most {MAX_BLOCKS} blocks per request")
         return request_chain_keys(req, bs)
 
     def policy_request(self, req: RoutingRequest, chain_len: int, ordinal: int = 0) -> PolicyRequest:
@@ -239,17 +252,23 @@ class Router:
         preq = self.policy_request(req, len(chain), ordinal)
         degraded = False
         age_ms = 0.0
+        why = ""
         try:
+            healthy, why = await self.view_health()
+            if not healthy:  # lost or being rebuilt: an empty or partial view is not the truth
+                raise _Unhealthy(why)
             snap, pending = await self.read(chain)
             self._last = _LastView(ViewSnapshot(snap.now_ms, snap.nodes, {}, snap.watermark), self.clock())
-        except (ViewStoreError, OSError, asyncio.TimeoutError) as e:
+        except (ViewStoreError, OSError, asyncio.TimeoutError, _Unhealthy) as e:
             last = self._last
             age_ms = (self.clock() - last.at) * 1000.0 if last else float("inf")
+            rebuilding = isinstance(e, _Unhealthy)
+            why = str(e) if rebuilding else f"view unreachable: {e}"
             if last is None or age_ms > self.settings.max_snapshot_age_s * 1000.0:
                 return self.reject(
-                    req.request_id, "view_unavailable",
-                    f"the view is unreachable ({e}) and the last snapshot is "
-                    + ("missing" if last is None else f"{age_ms / 1000:.1f}s old"),
+                    req.request_id, "view_rebuilding" if rebuilding else "view_unavailable",
+                    (f"the view is not the truth yet ({e})" if rebuilding else f"the view is unreachable ({e})")
+                    + " and the last snapshot is " + ("missing" if last is None else f"{age_ms / 1000:.1f}s old"),
                     seed=seed,
                 )
             degraded = True
@@ -262,7 +281,8 @@ class Router:
         self.metrics.latency.record((time.perf_counter() - t0) * 1000.0)
         out = decision_record(req, answer, block_size=self.settings.block_size, policy=self.policy.name,
                               params=self.params, seed=seed, watermark=cluster.watermark, degraded=degraded,
-                              age_ms=age_ms, rederivation=self._rederivation())
+                              age_ms=age_ms, degraded_reason=why if degraded else "",
+                              rederivation={**self._rederivation(), "view_now_ms": snap.now_ms + int(age_ms)})
         if isinstance(out, RoutingRejection):
             self.metrics.rejections.add(1, {"reason": out.reason})
             return out
@@ -270,6 +290,23 @@ class Router:
         self.metrics.reuse.record(out.reused_tokens / req.prompt_tokens if req.prompt_tokens else 0.0)
         self.metrics.decisions.add(1, {"prefill": out.prefill_instance, "decode": out.decode_instance})
         return out
+
+    async def view_health(self) -> tuple[bool, str]:
+        """Whether the view is the truth (it has a generation and no partition is being rebuilt
+        from the log), asked of the view at most every ``HEALTH_EVERY_S``; views that cannot
+        tell (in-memory, replays) are always healthy."""
+        check = getattr(self.view, "view_health", None)
+        if check is None:
+            return True, ""
+        now = self.clock()
+        if self._health is None or now - self._health[0] >= HEALTH_EVERY_S:
+            healthy, why = await check()
+            if not healthy and why.startswith("view unreachable"):
+                healthy = True  # the read itself fails and says so (view_unavailable)
+            if (healthy, why) != (self._health or (0, True, ""))[1:]:
+                (log.info if healthy else log.warning)("view %s", "healthy again" if healthy else why)
+            self._health = (now, healthy, why)
+        return self._health[1], self._health[2]
 
     def _rederivation(self) -> dict[str, Any]:
         """What `explain` needs besides the log: the control offset, block size and profile."""

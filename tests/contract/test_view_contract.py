@@ -221,6 +221,27 @@ class ViewStoreContract:
         assert (await store.snapshot([1, 2], now_ms=0)).prefix == {"a": (2, 2, 2)}
         assert (await store.streams(["a"]))["a"].gaps == 0
 
+    async def test_a_write_lands_only_on_the_fence_it_continues_from(self, store):
+        """Contiguity: a record naming the offset it continues from (``after``) is refused
+        (``HOLE``, with everything after it) unless the partition's fence is exactly that; a
+        missing fence is accepted only for the partition's first record (``after=-1``)."""
+        def pos(o, after):
+            return SourcePosition(KV, 0, o, after)
+
+        a0, a1 = fold(stored("a", 0, [1])), None
+        # a fence-less partition (a lost view) refuses a record that continues from offset 4
+        assert await store.apply_groups([(pos(5, 4), a0.ops)]) == [Outcome.HOLE]
+        assert await store.watermark() == {}
+        assert await store.apply_groups([(pos(3, -1), a0.ops)]) == [APPLIED]  # the log starts at 3
+        a1 = fold(stored("a", 1, [2]), a0.stream)
+        a2 = fold(stored("a", 2, [3]), a1.stream)
+        # 5 continues from 4, which the view does not have: refused, and 6 after it too
+        assert await store.apply_groups([(pos(5, 4), a1.ops), (pos(6, 5), a2.ops)]) == [Outcome.HOLE, CONFLICT]
+        assert await store.watermark() == {f"{KV}:0": 3}
+        assert await store.apply_groups([(pos(4, 3), a1.ops), (pos(5, 4), a2.ops)]) == [APPLIED, APPLIED]
+        assert await store.apply_groups([(pos(5, 4), a2.ops)]) == [FENCED]  # re-delivered
+        assert (await store.snapshot([1, 2, 3], now_ms=0)).prefix == {"a": (3, 3, 3)}
+
     async def test_clear(self, store):
         await self.feed(store, [stored("a", 0, [1])])
         await store.clear()
@@ -277,6 +298,26 @@ class TestRedisViewStore(ViewStoreContract):
         yield s
         await s.clear()
         await s.close()
+
+    async def test_a_write_folded_on_a_lost_view_is_refused_whole(self, store):
+        """Generation: a view flushed (or replaced) under a writer refuses its writes (``LOST``)
+        until the writer adopts the new generation; creating one marks the partitions named."""
+        await self.feed(store, [stored("a", 0, [1])])
+        old = store.generation
+        assert old is not None
+        await store.client.delete(*[k async for k in store.client.scan_iter(match=f"{store.ns}|*")])  # FLUSH
+        assert (await store.view_health())[0] is False
+        out = await store.apply_groups([(SourcePosition(KV, 0, 0, -1), fold(stored("a", 0, [1])).ops)])
+        assert out == [Outcome.LOST]
+        assert await store.watermark() == {}
+        gen, created = await store.adopt_generation([f"{KV}:0", f"{KV}:1"])
+        assert created and gen != old
+        assert await store.rebuild_pending() == {f"{KV}:0": -1, f"{KV}:1": -1}
+        assert (await store.view_health())[1].startswith("view_rebuilding")
+        await self.feed(store, [stored("a", 0, [1])])
+        await store.mark_rebuilding({f"{KV}:0": 1, f"{KV}:1": 0}, gen)
+        assert await store.rebuild_pending() == {}
+        assert await store.view_health() == (True, "")
 
     async def test_compaction_clears_retired_slots_and_reuses_them(self, store):
         ref = InMemoryViewStore()

@@ -114,3 +114,81 @@ async def test_a_past_decision_is_rederived_and_explained(settings):
         await explain(settings, "never-sent")
     await view.clear()
     await view.close()
+
+
+async def test_every_decision_of_a_run_with_live_heartbeats_is_rederived(settings, tmp_path):
+    """Heartbeats land between decisions (each one drops the reservations its node has seen):
+    every decision of the run, not a sample, re-derives exactly, at the view time it recorded."""
+    from conductor.tools.bench.ingest import start_worker_process, stop_worker_process
+    from conductor.tools.devstack import free_port
+
+    s = settings.model_copy(update={"web_port": free_port()})
+    t = topics(s)
+    await kafka.ensure_topics(s, t.all())
+    keys = chain_keys(SHARED, s.block_size)
+    prod = kafka.producer(s)
+    await prod.start()
+    worker = start_worker_process(s, tmp_path / "worker.log")
+    nodes = [("p-0", "prefill"), ("p-1", "prefill"), ("d-0", "decode"), ("d-1", "decode")]
+    beats = {"n": 0}
+    stop_beats = asyncio.Event()
+
+    async def beat():
+        while not stop_beats.is_set():
+            i = beats["n"]
+            for n, role in nodes:
+                hb = (Heartbeat(role=role, rack="r0", queued_prefill_tokens=(i * 37) % 900) if role == "prefill" else
+                      Heartbeat(role=role, rack="r0", total_kv_blocks=10_000, free_kv_blocks=10_000 - i))
+                await prod.send(t.heartbeats.name, encode(envelope(hb, producer_id=n, producer_seq=i,
+                                                                   ts_ms=int(time.time() * 1000))), key=n.encode())
+            beats["n"] += 1
+            await asyncio.sleep(0.03)
+
+    beater = asyncio.create_task(beat())
+    await _publish(prod, t.kv_events.name, [
+        envelope(BlocksStored(block_keys=keys), producer_id="p-0", producer_seq=0, ts_ms=int(time.time() * 1000))])
+    view = RedisViewStore.from_settings(s)
+    deadline = time.monotonic() + 60
+    while len(await view.nodes()) < len(nodes):
+        assert time.monotonic() < deadline and worker.poll() is None, "the worker never applied the heartbeats"
+        await asyncio.sleep(0.05)
+    reader, resv = redis_stores(s, producer_id="audit-all")
+    router_worker = RouterWorker(s, Router(s, reader, resv), router_id="audit-all")
+    stop = asyncio.Event()
+    task = asyncio.create_task(router_worker.run(stop))
+    reqs = [RoutingRequest(request_id=f"a{i}", token_ids=SHARED + list(range(100 * i, 100 * i + 64)),
+                           prompt_tokens=len(SHARED) + 64) for i in range(20)]
+    cons = kafka.consumer(s, t.dispatch.name, group_id=None)
+    await cons.start()
+    got: dict[str, object] = {}
+    try:
+        for i, r in enumerate(reqs):  # spread over heartbeats
+            await prod.send_and_wait(t.requests.name, encode(envelope(r, producer_id="gw", producer_seq=i,
+                                                                      ts_ms=int(time.time() * 1000))),
+                                     key=r.request_id.encode())
+            await asyncio.sleep(0.02)
+        deadline = time.monotonic() + 30
+        while len(got) < len(reqs):
+            assert time.monotonic() < deadline, f"only {sorted(got)} were routed"
+            for recs in (await cons.getmany(timeout_ms=300)).values():
+                for rec in recs:
+                    got[decode(rec.value).body.request_id] = decode(rec.value).body
+    finally:
+        stop.set()
+        stop_beats.set()
+        await beater
+        await cons.stop()
+        await asyncio.wait_for(task, 10)
+        await reader.close()
+        stop_worker_process(worker)
+        await prod.stop()
+    assert all(d.view_now_ms is not None for d in got.values())
+    mismatched = {}
+    for rid in sorted(got):
+        ex = await explain(s, rid)
+        if not ex.matches:
+            mismatched[rid] = ex.differences
+    assert mismatched == {}, mismatched
+    assert beats["n"] > 10  # heartbeats really landed during the run
+    await view.clear()
+    await view.close()

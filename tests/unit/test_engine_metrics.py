@@ -107,3 +107,14 @@ def test_unsafe_topic_configs_are_named() -> None:
     assert config_problems(kv, {"cleanup.policy": "delete", "retention.ms": "-1"}) == []
     problems = config_problems(kv, {"cleanup.policy": "compact", "retention.ms": "10"})
     assert len(problems) == 2 and "compact" in problems[0] and "10 ms" in problems[1]
+
+
+def test_a_topic_whose_message_limit_cannot_take_a_dead_letter_is_named() -> None:
+    class S:
+        topic_prefix, partitions, replication_factor = "m.", 1, 1
+        kv_events_retention_ms, heartbeats_retention_ms, audit_retention_ms = 1000, 1000, 1000
+
+    kv = topics(S()).kv_events  # type: ignore[arg-type]
+    assert config_problems(kv, {"max.message.bytes": "1048588"}) == []
+    (problem,) = config_problems(kv, {"max.message.bytes": "65536"})
+    assert "65536" in problem and kv.name in problem

@@ -3,10 +3,13 @@ state in one step), and metrics."""
 
 from __future__ import annotations
 
+import msgpack
+
 from conductor.errors import ViewStoreError
 from conductor.settings import load_settings
 from conductor.telemetry import scrape, setup_metrics
 from schemas import BlocksStored, Heartbeat, RoutingRequest, encode, envelope
+from schemas.records import MAX_ORIGINAL_BYTES
 from state.memory import InMemoryViewStore
 from state.view import SourcePosition
 from streams.agents import process_until_done
@@ -203,3 +206,84 @@ async def test_a_dead_lettered_record_moves_its_partitions_fence():
     res = await ing.process([rec(0, stored("a", 0, [1])), rec(1, b"\xc1garbage"), rec(2, None)])
     assert res.applied == 1 and res.dead == {"malformed": 2}
     assert await store.watermark() == {f"{KV}:0": 2}
+
+
+async def test_an_oversized_record_never_poisons_its_batch():
+    """A record of more than 1 MB among good ones: the good ones apply, the big one is
+    dead-lettered with a bounded slice of itself (position to fetch the rest); when even that
+    cannot be sent, it is counted and logged and the batch still goes on."""
+    sent, refuse = [], [False]
+
+    async def dl(d):
+        if refuse[0]:
+            raise RuntimeError("MessageSizeTooLargeError")
+        sent.append(d)
+
+    store = InMemoryViewStore()
+    ing = Ingestor(T, store, dead_letter=dl)
+    big = b"\x92" + b"\xff" * (1_200_000)  # not a valid envelope, 1.2 MB
+    res = await ing.process([rec(0, stored("a", 0, [1])), rec(1, big), rec(2, stored("a", 1, [2]))])
+    assert res.applied == 2 and res.dead == {"malformed": 1}
+    assert len(sent[0].original) == MAX_ORIGINAL_BYTES and sent[0].offset == 1
+    refuse[0] = True
+    res = await ing.process([rec(3, big), rec(4, stored("a", 2, [3]))])
+    assert res.applied == 1 and res.dead == {"malformed": 1, "dead_letter_unsent": 1}
+    assert (await store.snapshot([1, 2, 3], now_ms=0)).prefix == {"a": (3, 3, 3)}
+    assert await store.watermark() == {f"{KV}:0": 4}
+
+
+async def test_a_record_deriving_too_many_blocks_is_dead_lettered():
+    """1M token ids at block size 1 would add 1M blocks from one record: refused at decode."""
+    letters = []
+
+    async def dl(d):
+        letters.append(d)
+
+    store = InMemoryViewStore()
+    ing = Ingestor(T, store, dead_letter=dl)
+    raw = encode(stored("a", 0, [1]))  # a valid record beside it
+    # the bytes a hostile producer sends (our own encoder refuses to build them)
+    wire = msgpack.unpackb(encode(envelope(BlocksStored(token_ids=[1], block_size=1), producer_id="b", producer_seq=0, ts_ms=1)))
+    body = next(v for v in wire.values() if isinstance(v, dict) and "token_ids" in v)
+    body["token_ids"] = list(range(20_000))
+    bad = msgpack.packb(wire)
+    res = await ing.process([rec(0, raw), rec(1, bad)])
+    assert res.applied == 1 and sum(res.dead.values()) == 1
+    assert "at most" in letters[0].error
+    assert (await store.snapshot([1], now_ms=0)).prefix == {"a": (1, 1, 1)}
+
+
+async def test_a_future_stamped_heartbeat_never_keeps_a_node_live():
+    """Freshness by what the log observed: a heartbeat stamped ten years past its Kafka record is
+    a fault (dead-lettered); one a little ahead counts from the record's timestamp; the skew is kept."""
+    letters = []
+
+    async def dl(d):
+        letters.append(d)
+
+    store = InMemoryViewStore()
+    ing = Ingestor(T, store, dead_letter=dl)
+    ten_years = 10 * 365 * 86_400_000
+    hb = lambda seq, ts: encode(envelope(Heartbeat(role="prefill"), producer_id="p", producer_seq=seq, ts_ms=ts))  # noqa: E731
+    res = await ing.process([RawRecord(HB, 0, 0, b"p", hb(0, 5_000 + ten_years), 5_000)])
+    assert res.dead == {"future_timestamp": 1} and letters[0].offset == 0
+    assert (await store.snapshot([], now_ms=5_000)).nodes == ()
+    res = await ing.process([RawRecord(HB, 0, 1, b"p", hb(1, 9_000), 6_000)])  # 3 s ahead
+    assert res.applied == 1 and ing.clock_skew_ms["p"] == 3_000
+    snap = await store.snapshot([], now_ms=6_000)
+    assert [n.last_heartbeat_ms for n in snap.nodes] == [6_000]
+
+
+async def test_an_implausible_sequence_jump_is_a_fault_not_a_muted_node():
+    letters = []
+
+    async def dl(d):
+        letters.append(d)
+
+    store = InMemoryViewStore()
+    ing = Ingestor(T, store, dead_letter=dl)
+    res = await ing.process([rec(0, stored("a", 0, [1])), rec(1, stored("a", 2**63, [2])), rec(2, stored("a", 1, [3]))])
+    assert res.applied == 2 and res.dead == {"implausible_sequence": 1} and letters[0].offset == 1
+    assert (await store.snapshot([1, 3], now_ms=0)).prefix == {"a": (2, 2, 2)}
+    assert (await store.snapshot([2], now_ms=0)).prefix == {}
+    assert stream(store, "a") == [0, 1, 0, 0]

@@ -88,3 +88,53 @@ async def test_a_large_hole_comes_back_in_parts_in_order():
     g = ResumeGuard(watermark, log.fetch_range, fill_max=30)
     parts = [[x.offset for x in p] async for p in g.admit([r(95), r(96)])]
     assert parts == [list(range(0, 30)), list(range(30, 60)), list(range(60, 90)), list(range(90, 95)), [95, 96]]
+
+
+async def test_each_record_names_the_offset_it_continues_from_across_holes_the_log_cannot_fill():
+    # the view stops at 4; the log lost 7 (retention or a transaction marker): 8 continues from 6
+    g, _ = guard({f"{T}:0": 4}, FakeLog({0: [5, 6, 8]}))
+    got = await admitted(g, [r(9), r(10)])
+    assert [(x.offset, x.after) for x in got] == [(5, 4), (6, 5), (8, 6), (9, 8), (10, 9)]
+
+
+async def test_a_partition_without_a_fence_is_read_from_the_log_start():
+    g, _ = guard({}, FakeLog({0: range(3, 6)}))  # the log starts at 3 (retention)
+    got = await admitted(g, [r(6)])
+    assert [(x.offset, x.after) for x in got] == [(3, -1), (4, 3), (5, 4), (6, 5)]
+
+
+class FakeView:
+    """A view with a generation (the part of RedisViewStore the guard uses)."""
+
+    def __init__(self):
+        self.gen, self.wm, self.generation, self.marked = "g1", {f"{T}:0": 9}, None, []
+
+    async def fences(self):
+        return self.gen, dict(self.wm)
+
+    async def adopt_generation(self, partitions=()):
+        created = self.gen is None
+        if created:
+            self.gen = "g2"
+            self.marked = list(partitions)
+        self.generation = self.gen
+        return self.gen, created
+
+
+async def test_a_lost_view_is_noticed_adopted_and_read_back_from_the_start():
+    view = FakeView()
+    log = FakeLog({0: range(0, 12)})
+    g = ResumeGuard(None, log.fetch_range, view=view)
+    g.all_partitions = [f"{T}:0", f"{T}:1"]
+    assert offsets(await admitted(g, [r(10)])) == [(0, 10)]
+    assert view.generation == "g1" and g.generations == 0
+    view.gen, view.wm = None, {}  # FLUSHALL
+    got = await admitted(g, [r(11)])
+    assert [(x.offset, x.after) for x in got] == [(o, o - 1) for o in range(0, 12)]
+    assert view.generation == "g2" and g.generations == 1 and view.marked == [f"{T}:0", f"{T}:1"]
+
+
+async def test_catch_up_reads_a_partition_without_new_records_to_its_end():
+    g, _ = guard({f"{T}:0": 2}, FakeLog({0: range(0, 6), 1: range(0, 3)}))
+    parts = [p async for p in g.catch_up([(T, 0), (T, 1)], {(T, 0): 6, (T, 1): 3})]
+    assert [offsets(p) for p in parts] == [[(0, 3), (0, 4), (0, 5)], [(1, 0), (1, 1), (1, 2)]]

@@ -304,3 +304,50 @@ async def test_a_policy_bug_rejects_the_request_and_the_worker_goes_on() -> None
     router.policy = good
     key, out = await router.handle(encode(req), b"boom")
     assert isinstance(out, RoutingDecision) and key == "p0"
+
+
+class RebuildingView:
+    """The in-memory view behind a health flag: lost or rebuilt from the log until told otherwise."""
+
+    def __init__(self, store: InMemoryViewStore) -> None:
+        self.store, self.health = store, (True, "")
+
+    async def snapshot(self, chain, *, now_ms=None):
+        return await self.store.snapshot(chain, now_ms=now_ms)
+
+    async def view_health(self):
+        return self.health
+
+
+async def test_a_lost_or_rebuilding_view_is_not_the_truth() -> None:
+    """An empty view after Redis came back empty is not "no live instance": the router answers
+    from its last snapshot, degraded with the reason, and says view_rebuilding without one."""
+    router, store, _ = make_router()
+    clock = [0.0]
+    router.clock = lambda: clock[0]
+    view = RebuildingView(store)
+    router.view = view
+    view.health = (False, "view_lost: the view has no generation")
+    out = await router.route(token_request("r0"))
+    assert isinstance(out, RoutingRejection) and out.reason == "view_rebuilding"
+    assert "view_lost" in out.message
+    view.health = (True, "")
+    clock[0] += 1
+    heartbeat(store, "p0")
+    heartbeat(store, "d0", "decode")
+    ok = await router.route(token_request("r1"))
+    assert isinstance(ok, RoutingDecision) and not ok.degraded and ok.view_now_ms is not None
+    store.clear_sync()  # Redis flushed: empty, and the workers are reading it back from the log
+    view.health = (False, "view_rebuilding: 4 partitions are being read back from the log")
+    clock[0] += 1
+    out = await router.route(token_request("r2"))
+    assert isinstance(out, RoutingDecision) and out.degraded and out.prefill_instance == "p0"
+    assert out.degraded_reason.startswith("view_rebuilding")
+
+
+async def test_a_request_of_a_million_token_ids_at_block_size_1_is_refused() -> None:
+    settings = load_settings(block_size=1, seed=7)
+    router = Router(settings, InMemoryViewStore(), InMemoryReservations(settings.reservation_ttl_s))
+    tokens = list(range(1_048_576))
+    out = await router.route(RoutingRequest(request_id="huge", token_ids=tokens, prompt_tokens=len(tokens)))
+    assert isinstance(out, RoutingRejection) and out.reason == "invalid_request" and "at most" in out.message

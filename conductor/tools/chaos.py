@@ -1,0 +1,378 @@
+"""Fault scenarios against a real stream worker, checked pair by pair against an independent truth.
+
+``conductor chaos --scenario NAME --json`` and the fault suite (``tests/faults``) run the same
+scenarios. Each run starts a Valkey of its own (so it can be flushed, killed and restarted on
+the same port without touching anyone else's data) beside a Kafka-compatible broker, a
+``conductor worker`` subprocess, and :class:`TruthEngines`: engines that store and evict
+random blocks and know, independently of Conductor, which (node, block) pairs must be in the
+view. The fault is injected while the stream is being published; the run then waits until the
+view holds exactly the true pairs and says it is healthy (``ns|gen`` present, nothing left in
+``ns|rebuild``).
+
+Reported per run: ``pairs_lost`` (true pairs missing from the view), ``pairs_extra`` (pairs in
+the view that are not true), ``recovery_s`` (seconds from the fault to the view equal to the
+truth and healthy; the rest of the stream is published meanwhile), ``converged``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from conductor.settings import load_settings
+from conductor.tools.bench.ingest import start_worker_process, stop_worker_process
+from conductor.tools.devstack import free_port, redis_binary, redis_ready
+from schemas import (
+    BlocksRemoved,
+    BlocksStored,
+    DecodeError,
+    Envelope,
+    Heartbeat,
+    decode,
+    encode,
+    envelope,
+)
+from state.redis_view import RedisViewStore
+from streams.kafka import ensure_topics, producer
+from streams.topics import topics
+
+
+class OwnValkey:
+    """A Valkey server of this run's own: flushed, killed and restarted empty on the same port."""
+
+    def __init__(self, data_dir: Path, host: str = "127.0.0.1") -> None:
+        self.host, self.port = host, free_port(host)
+        self.dir = data_dir
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+    async def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [redis_binary(), "--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "no",
+             "--dir", str(self.dir.resolve()), "--protected-mode", "no", "--daemonize", "no"],
+            stdout=open(self.dir / "valkey.log", "ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        await redis_ready(self.url, 10.0)
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+    async def restart_empty(self, down_s: float = 1.0) -> None:
+        """SIGKILL, stay down ``down_s``, start again on the same port with nothing in it."""
+        self.kill()
+        await asyncio.sleep(down_s)
+        await self.start()
+
+    async def flushall(self) -> None:
+        c = aioredis.from_url(self.url)
+        try:
+            await c.flushall()
+        finally:
+            await c.aclose()
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+class TruthEngines:
+    """Engines storing random blocks and evicting their oldest, each node's sequence in order;
+    :meth:`pairs` is what the view must hold, known without Conductor."""
+
+    def __init__(self, seed: int, *, nodes: int = 6, max_store: int = 24, max_remove: int = 12) -> None:
+        self.rng = random.Random(seed)
+        self.held: dict[str, list[int]] = {f"node-{i}": [] for i in range(nodes)}
+        self.seq = dict.fromkeys(self.held, 0)
+        self.max_store, self.max_remove = max_store, max_remove
+
+    def take(self, n: int) -> list[Envelope]:
+        rng, out = self.rng, []
+        for _ in range(n):
+            node = rng.choice(sorted(self.held))
+            held = self.held[node]
+            if held and rng.random() < 0.3:
+                body: Any = BlocksRemoved(block_keys=[held.pop(0) for _ in range(min(len(held), rng.randint(1, self.max_remove)))])
+            else:
+                keys = [rng.getrandbits(63) for _ in range(rng.randint(1, self.max_store))]
+                held += keys
+                body = BlocksStored(block_keys=keys)
+            out.append(envelope(body, producer_id=node, producer_seq=self.seq[node], ts_ms=int(time.time() * 1000)))
+            self.seq[node] += 1
+        return out
+
+    def pairs(self) -> set[tuple[str, int]]:
+        return {(node, k) for node, keys in self.held.items() for k in keys}
+
+
+async def view_pairs(store: RedisViewStore) -> set[tuple[str, int]]:
+    """Every (node, block) pair the view holds, in any tier."""
+    dump = await store.dump()
+    return {(node, int(k, 16)) for k, holders in dump["blocks"].items() for node in holders}
+
+
+@dataclass
+class RunResult:
+    scenario: str
+    pairs_lost: int = 0
+    pairs_extra: int = 0
+    recovery_s: float | None = None
+    converged: bool = False
+    records: int = 0
+    true_pairs: int = 0
+    generations: int = 0
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+Fault = Callable[["Run"], Awaitable[None]]
+
+
+@dataclass
+class Run:
+    valkey: OwnValkey
+    settings: Any
+    worker: subprocess.Popen[bytes]
+    work_dir: Path
+    prod: Any = None
+    sent: list[tuple[str, bytes, bytes]] = field(default_factory=list)
+    """(topic, key, value) of every good record sent so far (the duplicates scenario re-sends them)."""
+    bad: int = 0
+    """Bad records injected (the bad-records scenario)."""
+    others: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    """Further workers of the same group (the two-workers scenario)."""
+    silent: set[str] = field(default_factory=set)
+    """Nodes that stopped heartbeating (the silent-node scenario)."""
+    skew_ms: dict[str, int] = field(default_factory=dict)
+    """Node → how far ahead its heartbeats are stamped (the skewed-clock scenario)."""
+
+
+CORPUS = Path(__file__).resolve().parents[2] / "tests" / "faults" / "corpus" / "bad_records.jsonl"
+"""The checked-in corpus of hostile and broken records (``tests/faults/corpus/make_corpus.py``)."""
+OVERSIZED_BYTES = 1_200_000
+
+
+def bad_records(corpus: Path = CORPUS, seed: int = 0) -> list[tuple[str, bytes]]:
+    """(``kv`` | ``hb``, bytes): the corpus, plus oversized records (> 1 MB: one that does not
+    decode, one valid envelope padded past the limit) and fuzzed copies of valid ones."""
+    rng = random.Random(seed)
+    out = [(d["topic"], bytes.fromhex(d["hex"])) for d in map(json.loads, corpus.read_text().splitlines())]
+    out.append(("kv", b"\x92" + rng.randbytes(OVERSIZED_BYTES)))
+    pad = encode(envelope(BlocksStored(block_keys=[1]), producer_id="node-0", producer_seq=0, ts_ms=1))
+    out.append(("kv", pad + b"\x00" * OVERSIZED_BYTES))
+    good = encode(envelope(BlocksStored(block_keys=[7, 8, 9]), producer_id="node-1", producer_seq=1, ts_ms=1))
+    fuzzed = 0
+    while fuzzed < 50:  # bit flips of a valid record; a flip that still decodes is a valid record, not a bad one
+        b = bytearray(good)
+        for _ in range(rng.randint(1, 4)):
+            b[rng.randrange(len(b))] ^= 1 << rng.randrange(8)
+        try:
+            decode(bytes(b))
+        except DecodeError:
+            out.append(("kv", bytes(b)))
+            fuzzed += 1
+    return out
+
+
+async def _flushall(run: Run) -> None:
+    await run.valkey.flushall()
+
+
+async def _restart_empty(run: Run) -> None:
+    await run.valkey.restart_empty()
+
+
+async def _sigkill_worker(run: Run) -> None:
+    run.worker.send_signal(signal.SIGKILL)
+    run.worker.wait()
+    run.worker = start_worker_process(run.settings, run.work_dir / "worker2.log")
+
+
+async def _bad_records(run: Run) -> None:
+    t = topics(run.settings)
+    big = producer(run.settings, max_request_size=4 << 20)
+    await big.start()
+    try:
+        for i, (topic, raw) in enumerate(bad_records()):
+            name = t.kv_events.name if topic == "kv" else t.heartbeats.name
+            await big.send(name, raw, key=f"node-{i % 6}".encode())
+            run.bad += 1
+        await big.flush()
+    finally:
+        await big.stop()
+
+
+async def _duplicates(run: Run) -> None:
+    for topic, key, value in list(run.sent):  # everything so far, once more
+        await run.prod.send(topic, value, key=key)
+    await run.prod.flush()
+
+
+async def _kill_one_of_two(run: Run) -> None:
+    run.worker.send_signal(signal.SIGKILL)  # its partitions go to the other worker at the rebalance
+    run.worker.wait()
+    run.worker = run.others.pop()
+
+
+async def _silent_node(run: Run) -> None:
+    run.silent.add("node-4")
+
+
+async def _skewed_clock(run: Run) -> None:
+    run.skew_ms["node-5"] = 3_600_000  # an hour ahead: it must not keep node-5 live
+
+
+EXPECT_DEAD = {"silent-node": "node-4", "skewed-clock": "node-5"}
+"""Scenarios after which a node must stop being live within the heartbeat TTL."""
+
+
+SCENARIOS: dict[str, tuple[Fault, bool]] = {
+    # name → (fault, injected while the stream is published (True) or after it was all applied (False))
+    "redis-flushall": (_flushall, True),
+    "redis-flushall-quiet": (_flushall, False),
+    "redis-restart-empty": (_restart_empty, True),
+    "worker-sigkill": (_sigkill_worker, True),
+    "bad-records": (_bad_records, True),
+    "duplicates": (_duplicates, True),
+    "two-workers-one-killed": (_kill_one_of_two, True),
+    "silent-node": (_silent_node, True),
+    "skewed-clock": (_skewed_clock, True),
+}
+HEARTBEAT_TTL_S = 3.0
+
+
+async def run_scenario(
+    name: str, kafka_url: str, work_dir: Path, *, records: int = 3000, seed: int = 1, timeout_s: float = 120.0,
+) -> RunResult:
+    """One run of scenario ``name`` against the broker at ``kafka_url``; see the module docstring."""
+    fault, mid_stream = SCENARIOS[name]
+    tag = uuid.uuid4().hex[:8]
+    valkey = OwnValkey(work_dir / "valkey")
+    await valkey.start()
+    s = load_settings(kafka_url=kafka_url, redis_url=valkey.url, profile="embedded", topic_prefix=f"c{tag}.",
+                      view_namespace=f"c{tag}", partitions=2, web_port=free_port(), data_dir=work_dir / "d",
+                      heartbeat_ttl_s=HEARTBEAT_TTL_S)
+    t = topics(s)
+    await ensure_topics(s, t.all())
+    truth = TruthEngines(seed)
+    res = RunResult(name, records=records)
+    store = RedisViewStore.from_settings(s)
+    prod = producer(s)
+    await prod.start()
+    run = Run(valkey, s, start_worker_process(s, work_dir / "worker.log"), work_dir, prod)
+    if name == "two-workers-one-killed":
+        run.others.append(start_worker_process(s.model_copy(update={"web_port": free_port()}), work_dir / "worker-b.log"))
+    try:
+        hb_seq: dict[str, int] = {}
+
+        async def publish(n: int, chunk: int = 100) -> None:
+            for i in range(0, n, chunk):
+                for e in truth.take(min(chunk, n - i)):
+                    raw, key = encode(e), e.producer_id.encode()
+                    run.sent.append((t.kv_events.name, key, raw))
+                    await prod.send(t.kv_events.name, raw, key=key)
+                now = int(time.time() * 1000)
+                for node in sorted(truth.held):  # every engine heartbeats once per chunk
+                    if node not in run.silent:
+                        hb_seq[node] = hb_seq.get(node, -1) + 1
+                        hb = envelope(Heartbeat(role="prefill"), producer_id=node, producer_seq=hb_seq[node],
+                                      ts_ms=now + run.skew_ms.get(node, 0))
+                        await prod.send(t.heartbeats.name, encode(hb), key=node.encode())
+                await prod.flush()
+                await asyncio.sleep(0.01)
+
+        first = records // 2 if mid_stream else records
+        await publish(first)
+        # the fault lands once the worker is busy applying (mid-batch) or, quiet, once all is applied
+        want_applied = first // 3 if mid_stream else first
+        deadline = time.monotonic() + timeout_s
+        while await _applied(store, t.kv_events.name) < want_applied:
+            if time.monotonic() > deadline or run.worker.poll() is not None:
+                raise RuntimeError(f"the worker never applied {want_applied} records (see {work_dir / 'worker.log'})")
+            await asyncio.sleep(0.02)
+        t_fault = time.monotonic()
+        await fault(run)
+        if mid_stream:
+            await publish(records - first)
+        want = truth.pairs()
+        res.true_pairs = len(want)
+        got: set[tuple[str, int]] = set()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                healthy, why = await store.view_health()
+                got = await view_pairs(store)
+            except Exception as e:  # Redis still coming back
+                healthy, why = False, str(e)
+            if healthy and got == want:
+                res.converged = True
+                res.recovery_s = round(time.monotonic() - t_fault, 2)
+                break
+            res.detail["last_health"] = why
+            await asyncio.sleep(0.2)
+        dead = EXPECT_DEAD.get(name)
+        if dead is not None:  # must stop being live within the TTL of the fault (plus apply time)
+            res.detail["still_live_after_s"] = None
+            limit = time.monotonic() + HEARTBEAT_TTL_S + 10
+            while time.monotonic() < limit:
+                snap = await store.snapshot([])
+                if dead not in {n.node_id for n in snap.live_nodes(HEARTBEAT_TTL_S)}:
+                    res.detail["still_live_after_s"] = round(time.monotonic() - t_fault, 2)
+                    break
+                await asyncio.sleep(0.2)
+            else:
+                res.converged = False
+                res.detail["immortal_node"] = dead
+        res.pairs_lost = len(want - got)
+        res.pairs_extra = len(got - want)
+        res.generations = _log_count(work_dir, "the view's generation is")
+        res.detail["dead_letters"] = _log_count(work_dir, "dead-letter ")
+        res.detail["bad_records"] = run.bad
+        ghosts = [n.node_id for n in await store.nodes() if not n.node_id.startswith("node-")]
+        res.detail["unknown_nodes"] = ghosts
+        if ghosts:  # a hostile record made a node appear: count it as extra
+            res.pairs_extra += len(ghosts)
+    finally:
+        for w in [run.worker, *run.others]:
+            stop_worker_process(w)
+        await prod.stop()
+        try:
+            await store.close()
+        finally:
+            valkey.stop()
+    return res
+
+
+async def _applied(store: RedisViewStore, topic: str) -> int:
+    """Records of ``topic`` the view has applied (offsets from 0)."""
+    try:
+        wm = await store.watermark()
+    except Exception:
+        return 0
+    return sum(v + 1 for k, v in wm.items() if k.rpartition(":")[0] == topic)
+
+
+def _log_count(work_dir: Path, words: str) -> int:
+    return sum(
+        p.read_text(errors="replace").count(words) for p in work_dir.glob("worker*.log") if p.exists()
+    )
