@@ -103,6 +103,11 @@ def register(groups: dict[str, typer.Typer]) -> None:
         json_out: bool = typer.Option(False, "--json", help="print one JSON line"),
         decisions: int = typer.Option(5000, min=1, help="timed decisions"),
         blocks: int = typer.Option(1_000_000, min=1000, help="distinct blocks to load into the view"),
+        instances: int = typer.Option(32, min=3, help="instances in the synthetic cluster (1/2 prefill, 3/8 decode, "
+                                                       "the rest store; a rack per 8)"),
+        heartbeat_rate: float = typer.Option(
+            None, min=0.0, help="node heartbeats per second written during the run by a separate process "
+                                "[default: INSTANCES, every node once a second; 0: none]"),
         seed: int = typer.Option(1, help="seed of the synthetic cluster and prompts"),
         concurrency: int = typer.Option(
             None, min=1, max=64,
@@ -110,13 +115,13 @@ def register(groups: dict[str, typer.Typer]) -> None:
         ),
         policy: str = typer.Option(None, help="policy to time [default: CONDUCTOR_POLICY]"),
     ) -> None:
-        """Time the routing decision against a Redis view of 32 instances and ~1M blocks.
+        """Time the routing decision against a Redis view of INSTANCES instances and ~BLOCKS blocks.
 
-        Builds 16 prefill, 12 decode and 4 store instances in 4 racks and fills the view with served-request history (tenant system prompts → shared documents → own questions, Zipf-popular).
+        Builds the cluster (32: 16 prefill, 12 decode and 4 store instances in 4 racks) and fills the view with served-request history (tenant system prompts → shared documents → own questions, Zipf-popular).
 
-        Then times DECISIONS decisions of 128-block prompts in one process: view read + reservations + policy + reservation record. Heartbeats refresh every 0.5 s as engines would.
+        Then times DECISIONS decisions of 128-block prompts in one process: view read + reservations + policy + reservation record, while a separate process writes HEARTBEAT_RATE node heartbeats per second. Beside each decision it times one pipelined 128-key MGET on the same kind of connection, the baseline that makes the figures comparable across machines.
 
-        Uses CONDUCTOR_REDIS_URL, else starts the embedded servers for the run. Prints decision_ms_p50, decision_ms_p99 and decisions_per_s (and the policy's own share).
+        Uses CONDUCTOR_REDIS_URL, else starts the embedded servers for the run. Prints decision_ms_p50, decision_ms_p99, decisions_per_s, mget128_ms_p50, mget128_ms_p99, decision_over_mget_p50 and view_bytes_per_block (used_memory growth per block: meaningful on a Redis of its own).
         """
 
         s = settings_or_exit()
@@ -132,8 +137,8 @@ def register(groups: dict[str, typer.Typer]) -> None:
                                  "policy": policy or s.policy})
         try:
             out = asyncio.run(run_route_bench(
-                s, decisions=decisions, target_blocks=blocks, seed=seed,
-                concurrency=concurrency or s.router_concurrency,
+                s, decisions=decisions, target_blocks=blocks, seed=seed, instances=instances,
+                heartbeat_rate=heartbeat_rate, concurrency=concurrency or s.router_concurrency,
                 progress=None if json_out else (lambda m: err.print(m)),
             ))
         finally:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import multiprocessing
 import random
 import statistics
 import time
@@ -20,6 +21,8 @@ from conductor.routing.router import Router, redis_stores
 from conductor.tools.bench import percentile
 from schemas import Heartbeat, RoutingDecision, RoutingRequest, envelope
 from state.fold import AddBlocks
+from state.reader import RawSnapshotReader
+from state.redis_view import RedisViewStore, connection_url
 
 # --- the benchmark's synthetic cluster ------------------------------------------------------
 
@@ -61,6 +64,17 @@ def _zipf_cum(n: int, s: float) -> list[float]:
     return out
 
 
+def cluster_shape(instances: int) -> tuple[int, int, int, int]:
+    """(prefill, decode, store, racks) of an ``instances``-node cluster in the proportions of
+    the 32-node default (16 prefill, 12 decode, 4 store in 4 racks; a rack per ~8 nodes)."""
+    if instances < 3:
+        raise ValueError("a cluster needs at least 3 instances (prefill, decode, store)")
+    prefill = max(1, instances // 2)
+    decode = max(1, instances * 3 // 8)
+    store = max(1, instances - prefill - decode)
+    return instances - decode - store, decode, store, max(1, instances // 8)
+
+
 def cluster_nodes(prefill: int, decode: int, store: int, racks: int) -> list[tuple[str, str, str]]:
     """(node id, role, rack) of a synthetic cluster, spread round-robin over racks."""
     nodes = [(f"prefill-{i:02d}", "prefill") for i in range(prefill)]
@@ -99,12 +113,13 @@ async def load_synthetic_view(store: Any, work: PrefixWorkload, nodes: list[tupl
     return len(distinct)
 
 
-async def publish_heartbeats(store: Any, nodes: list[tuple[str, str, str]], rng: random.Random, seq: int,
+async def publish_heartbeats(store: Any, nodes: list[tuple[str, str, str]], rng: random.Random, seq: int | dict[str, int],
                              now_ms: int) -> None:
-    """One heartbeat per node with a plausible load (producer seq ``seq``)."""
+    """One heartbeat per node with a plausible load (producer seq ``seq``, or per node)."""
 
     recs = []
     for node, role, rack in nodes:
+        q = seq if isinstance(seq, int) else seq[node]
         if role == "prefill":
             depth = rng.randint(0, 6)
             hb = Heartbeat(role=role, queue_depth=depth, queued_prefill_tokens=depth * rng.randint(500, 4000),
@@ -116,32 +131,77 @@ async def publish_heartbeats(store: Any, nodes: list[tuple[str, str, str]], rng:
                            total_kv_blocks=80_000, rack=rack)
         else:
             hb = Heartbeat(role=role, rack=rack)
-        recs.append((envelope(hb, producer_id=node, producer_seq=seq, ts_ms=now_ms), None))
+        recs.append((envelope(hb, producer_id=node, producer_seq=q, ts_ms=now_ms), None))
     await store.apply(recs)
 
 
-async def run_route_bench(settings: Any, *, decisions: int, target_blocks: int, seed: int,
-                          heartbeat_every_s: float = 0.5, concurrency: int = 1,
-                          progress: Any = None) -> dict[str, Any]:
-    """Build a 32-instance view in Redis, then time ``decisions`` full routing decisions."""
+def _heartbeat_process(settings: Any, nodes: list[tuple[str, str, str]], rate: float, seed: int,
+                       stop: Any) -> None:
+    """Engines reporting: ``rate`` node heartbeats per second, round-robin over ``nodes``,
+    written by a writer of its own (in its own process, as a stream worker would)."""
 
+    async def run() -> None:
+        store = RedisViewStore.from_settings(settings)
+        rng = random.Random(seed)
+        seqs = {n: 2 for n, _, _ in nodes}
+        tick, owed, at = 0.05, 0.0, 0
+        last = time.perf_counter()
+        try:
+            while not stop.is_set():
+                await asyncio.sleep(tick)
+                now = time.perf_counter()
+                owed += rate * (now - last)
+                last = now
+                k = int(owed)
+                if k <= 0:
+                    continue
+                owed -= k
+                batch = [nodes[(at + j) % len(nodes)] for j in range(k)]
+                at = (at + k) % len(nodes)
+                await publish_heartbeats(store, batch, rng, seqs, int(time.time() * 1000))
+                for n, _, _ in batch:
+                    seqs[n] += 1
+        finally:
+            await store.close()
+
+    asyncio.run(run())
+
+
+async def _view_memory(store: RedisViewStore) -> int:
+    info = await store.client.info("memory")
+    return int(info["used_memory"])
+
+
+async def run_route_bench(settings: Any, *, decisions: int, target_blocks: int, seed: int,
+                          instances: int = 32, heartbeat_rate: float | None = None, concurrency: int = 1,
+                          progress: Any = None) -> dict[str, Any]:
+    """Build an ``instances``-node view in Redis, then time ``decisions`` full routing
+    decisions while another process writes ``heartbeat_rate`` node heartbeats per second
+    (default: every node once a second); beside each decision, one pipelined MGET of the
+    request's 128 block keys on the same kind of connection (the baseline)."""
 
     rng = random.Random(seed)
-    nodes = cluster_nodes(16, 12, 4, racks=4)
+    nodes = cluster_nodes(*cluster_shape(instances))
+    rate = float(instances if heartbeat_rate is None else heartbeat_rate)
     view, resv = redis_stores(settings)
-    await view.clear()
+    # Bulk writes through a writer of their own: the router's client has 0.5 s timeouts.
+    writer = RedisViewStore.from_settings(settings)
+    await writer.clear()
     await resv.clear()
+    mem0 = await _view_memory(writer)
     work = PrefixWorkload(rng)
     t0 = time.perf_counter()
-    blocks = await load_synthetic_view(view, work, nodes, target_blocks, rng)
-    hb_seq = 1
-    await publish_heartbeats(view, nodes, rng, hb_seq, int(time.time() * 1000))
+    blocks = await load_synthetic_view(writer, work, nodes, target_blocks, rng)
+    bytes_per_block = (await _view_memory(writer) - mem0) / max(blocks, 1)
+    await publish_heartbeats(writer, nodes, rng, 1, int(time.time() * 1000))
     load_s = time.perf_counter() - t0
     if progress:
-        progress(f"view loaded: {len(nodes)} instances, {blocks} blocks in {load_s:.1f}s")
+        progress(f"view loaded: {len(nodes)} instances, {blocks} blocks in {load_s:.1f}s "
+                 f"({bytes_per_block:.1f} B per block)")
 
     router = Router(settings, view, resv)
     await router.start()
+    baseline = RawSnapshotReader(connection_url(settings), settings.view_namespace)
     gc.collect()
     gc.freeze()  # the synthetic workload's millions of keys are not garbage: keep GC off them
     policy_ms: list[float] = []
@@ -164,42 +224,66 @@ async def run_route_bench(settings: Any, *, decisions: int, target_blocks: int, 
         return RoutingRequest(request_id=f"bench-{i}", block_keys=chain, prompt_tokens=len(chain) * bs,
                               expected_output_tokens=rng.randint(64, 512))
 
-    for i in range(min(200, decisions)):  # warm-up: connections, script loads, caches
-        await router.route(make(-i - 1))
-    policy_ms.clear()
-    reqs = [make(i) for i in range(decisions)]
-    lat: list[float] = []
-    reuse: list[float] = []
-    outcomes: Counter[str] = Counter()
-    queue = list(reversed(reqs))
-    hb = {"seq": hb_seq, "next": time.perf_counter() + heartbeat_every_s, "paused": 0.0}
+    async def mget(chain: list[int]) -> float:
+        t = time.perf_counter()
+        await baseline._call(("MGET", *baseline.keys.blocks(chain)))
+        return (time.perf_counter() - t) * 1000.0
 
-    async def lane() -> None:
-        while queue:
-            now = time.perf_counter()
-            if now >= hb["next"]:  # engines report: reservations of the past interval are released
-                hb["next"] = now + heartbeat_every_s
-                hb["seq"] += 1
-                await publish_heartbeats(view, nodes, rng, hb["seq"], int(time.time() * 1000))
-                hb["paused"] += time.perf_counter() - now
-            req = queue.pop()
-            t = time.perf_counter()
-            out = await router.route(req)
-            lat.append((time.perf_counter() - t) * 1000.0)
-            if isinstance(out, RoutingDecision):
-                outcomes["placed"] += 1
-                reuse.append(out.reused_tokens / req.prompt_tokens)
-            else:
-                outcomes[out.reason] += 1
+    stop = None
+    beater = None
+    if rate > 0:
+        ctx = multiprocessing.get_context("spawn")
+        stop = ctx.Event()
+        beater = ctx.Process(target=_heartbeat_process, args=(settings, nodes, rate, seed + 1, stop), daemon=True)
+        beater.start()
+    try:
+        for i in range(min(200, decisions)):  # warm-up: connections, script loads, caches
+            req = make(-i - 1)
+            await router.route(req)
+            await mget(list(req.block_keys or ()))
+        policy_ms.clear()
+        reqs = [make(i) for i in range(decisions)]
+        lat: list[float] = []
+        base: list[float] = []
+        reuse: list[float] = []
+        outcomes: Counter[str] = Counter()
+        queue = list(reversed(reqs))
+        paused = 0.0
 
-    t_run = time.perf_counter()
-    await asyncio.gather(*(lane() for _ in range(concurrency)))
-    busy = time.perf_counter() - t_run - hb["paused"]
-    await router.close()
-    gc.unfreeze()
-    await view.clear()
+        async def lane() -> None:
+            nonlocal paused
+            while queue:
+                req = queue.pop()
+                t = time.perf_counter()
+                out = await router.route(req)
+                lat.append((time.perf_counter() - t) * 1000.0)
+                ms = await mget(list(req.block_keys or ()))  # the baseline, interleaved: same noise
+                base.append(ms)
+                paused += ms / 1000.0
+                if isinstance(out, RoutingDecision):
+                    outcomes["placed"] += 1
+                    reuse.append(out.reused_tokens / req.prompt_tokens)
+                else:
+                    outcomes[out.reason] += 1
+
+        t_run = time.perf_counter()
+        await asyncio.gather(*(lane() for _ in range(concurrency)))
+        busy = time.perf_counter() - t_run - paused / concurrency
+    finally:
+        if beater is not None:
+            stop.set()
+            beater.join(10)
+            if beater.is_alive():
+                beater.terminate()
+        await router.close()
+        await baseline.close()
+        gc.unfreeze()
+    await writer.clear()
     await resv.clear()
+    await writer.close()
     await view.close()
+    d50, m50 = percentile(lat, 0.50), percentile(base, 0.50)
+    d99, m99 = percentile(lat, 0.99), percentile(base, 0.99)
     return {
         "bench": "route",
         "policy": inner.name,
@@ -208,15 +292,23 @@ async def run_route_bench(settings: Any, *, decisions: int, target_blocks: int, 
         "chain_blocks": work.chain_blocks,
         "decisions": decisions,
         "concurrency": concurrency,
-        "decision_ms_p50": round(percentile(lat, 0.50), 4),
-        "decision_ms_p99": round(percentile(lat, 0.99), 4),
+        "heartbeat_rate": rate,
+        "decision_ms_p50": round(d50, 4),
+        "decision_ms_p99": round(d99, 4),
         "decision_ms_max": round(max(lat), 4),
         "policy_ms_p50": round(percentile(policy_ms, 0.50), 4),
         "policy_ms_p99": round(percentile(policy_ms, 0.99), 4),
         "decisions_per_s": round(decisions / busy, 1),
+        "mget128_ms_p50": round(m50, 4),
+        "mget128_ms_p99": round(m99, 4),
+        "decision_over_mget_p50": round(d50 / m50, 3) if m50 else None,
+        "decision_over_mget_p99": round(d99 / m99, 3) if m99 else None,
+        "view_bytes_per_block": round(bytes_per_block, 1),
         "reused_prefix_ratio_mean": round(statistics.fmean(reuse), 4) if reuse else 0.0,
         "outcomes": dict(outcomes),
         "view_load_s": round(load_s, 2),
         "note": "decision = view read + reservation read + policy + reservation record; one process; "
-                "decisions_per_s = decisions / wall time with CONCURRENCY requests in flight",
+                "decisions_per_s = decisions / wall time (without the baseline MGETs) with CONCURRENCY "
+                "requests in flight; heartbeats written by a separate process at HEARTBEAT_RATE nodes/s; "
+                "view_bytes_per_block = Redis used_memory growth over the bulk load / blocks",
     }
