@@ -21,6 +21,10 @@ Keys (``ns`` = the view namespace; ``|`` cannot occur in it):
 ``ns|rebuild``  hash, ``topic:partition`` → offset the partition must reach: partitions
     still being read back from the log after a new generation (routers answer degraded
     while it is not empty).
+``ns|chg``    sorted set, node → the ``ns|ver`` of the last write that touched it: a reader
+    holding version v fetches only the nodes scored above v (:data:`NODE_ATTRS` of each).
+``ns|base``   a random value set when the view is cleared: a reader whose base differs
+    re-reads the whole node hash (versions of a cleared view mean nothing to it).
 """
 
 from __future__ import annotations
@@ -66,6 +70,8 @@ def blocks_field(tier: int) -> str:
 
 
 BLOCKS_FIELDS = tuple(blocks_field(i) for i in range(len(TIERS)))
+NODE_ATTRS = (SLOT_FIELD, HEARTBEAT_FIELD, STREAM_FIELD["kv"], STREAM_FIELD["hb"], *BLOCKS_FIELDS)
+"""Every attribute a node may have in the node hash, in the order a delta read returns them."""
 
 
 def node_field(node: str, attr: str) -> str:
@@ -94,7 +100,7 @@ class ViewKeys:
     """The key names of one view namespace (computed once: the router builds keys per read)."""
 
     __slots__ = ("ns", "block_prefix", "block_pattern", "all_pattern", "nodes", "slots", "meta",
-                 "watermark", "version", "retired", "free", "generation", "rebuild")
+                 "watermark", "version", "changes", "base", "retired", "free", "generation", "rebuild")
 
     def __init__(self, ns: str) -> None:
         if "|" in ns:
@@ -109,6 +115,8 @@ class ViewKeys:
         self.meta = f"{ns}|meta"
         self.watermark = f"{ns}|wm"
         self.version = f"{ns}|ver"
+        self.changes = f"{ns}|chg"
+        self.base = f"{ns}|base"
         self.retired = f"{ns}|retired"
         self.free = f"{ns}|free"
         self.generation = f"{ns}|gen"
@@ -130,52 +138,92 @@ class ViewKeys:
 
 
 class NodeHashDecoder:
-    """Decodes the ``ns|nodes`` hash into node states, reusing the previous state of a node
-    whose fields did not change (most of them, read after read)."""
+    """Decodes the ``ns|nodes`` hash into node states, whole (:meth:`decode`) or node by node
+    (:meth:`update`, for a delta read), reusing the previous state of a node whose fields did
+    not change."""
 
     def __init__(self) -> None:
         self._cache: dict[str, tuple[tuple[Any, ...], NodeState]] = {}
+        self._attrs: dict[str, dict[str, bytes]] = {}
+        self._states: dict[str, NodeState] = {}
+        self._order: list[str] = []
+        self._slots: dict[int, str] = {}
+        self._out: tuple[tuple[NodeState, ...], dict[int, str]] = ((), {})
 
     def clear(self) -> None:
         self._cache.clear()
+        self._attrs.clear()
+        self._states.clear()
+        self._order = []
+        self._slots = {}
+        self._out = ((), {})
 
     def decode(self, raw: Mapping[bytes, bytes]) -> tuple[tuple[NodeState, ...], dict[int, str]]:
-        """(node states sorted by id, slot → node for nodes holding a slot)."""
+        """(node states sorted by id, slot → node for nodes holding a slot), from the whole hash."""
         per: dict[str, dict[str, bytes]] = {}
         for f, v in raw.items():
             node, attr = split_node_field(f)
             per.setdefault(node, {})[attr] = v
-        states = []
-        slot_nodes: dict[int, str] = {}
+        self._attrs = per
+        self._states = {node: self._state(node, a) for node, a in per.items()}
+        self._order = sorted(per)
+        self._slots = {int(a[SLOT_FIELD]): node for node, a in per.items() if SLOT_FIELD in a}
+        self._out = (tuple(self._states[n] for n in self._order), dict(self._slots))
+        return self._out
+
+    def update(self, changed: Mapping[str, Mapping[str, bytes]]) -> tuple[tuple[NodeState, ...], dict[int, str]]:
+        """The picture after ``changed`` (node → all its attributes now; empty: the node is
+        gone) replaced those nodes' entries: work in proportion to the nodes that changed."""
+        if not changed:
+            return self._out
+        names_moved = False
+        slots_moved = False
+        for node, a in changed.items():
+            old = self._attrs.get(node)
+            if old is not None and old.get(SLOT_FIELD) != a.get(SLOT_FIELD):
+                slots_moved = True
+            if a:
+                if old is None:
+                    names_moved = True
+                    slots_moved = slots_moved or SLOT_FIELD in a
+                self._attrs[node] = dict(a)
+                self._states[node] = self._state(node, a)
+            elif old is not None:
+                names_moved = True
+                del self._attrs[node]
+                del self._states[node]
+        if names_moved:
+            self._order = sorted(self._attrs)
+        if slots_moved:
+            self._slots = {int(a[SLOT_FIELD]): n for n, a in self._attrs.items() if SLOT_FIELD in a}
+        states = self._states
+        self._out = (tuple(states[n] for n in self._order), dict(self._slots) if slots_moved else self._out[1])
+        return self._out
+
+    def _state(self, node: str, a: Mapping[str, bytes]) -> NodeState:
         kv, hbs = STREAM_FIELD["kv"], STREAM_FIELD["hb"]
-        for node in sorted(per):
-            a = per[node]
-            if SLOT_FIELD in a:
-                slot_nodes[int(a[SLOT_FIELD])] = node
-            sig = (a.get(HEARTBEAT_FIELD), a.get(kv), *(a.get(f) for f in BLOCKS_FIELDS))
-            hit = self._cache.get(node)
-            if hit is not None and hit[0] == sig:
-                states.append(hit[1])
-                continue
-            st = parse_stream(a.get(kv), a.get(hbs))
-            hb = json.loads(a[HEARTBEAT_FIELD]) if HEARTBEAT_FIELD in a else {}
-            blocks = {}
-            for t, f in zip(TIERS, BLOCKS_FIELDS):
-                n = int(a.get(f, 0) or 0)
-                if n > 0:
-                    blocks[t] = n
-            state = NodeState(
-                node_id=node,
-                role=hb.pop("role", "prefill"),
-                epoch=max(st.epoch, 0),
-                last_seq=st.seq,
-                seq_gaps=st.gaps,
-                blocks=blocks,
-                **hb,
-            )
-            self._cache[node] = (sig, state)
-            states.append(state)
-        return tuple(states), slot_nodes
+        sig = (a.get(HEARTBEAT_FIELD), a.get(kv), *(a.get(f) for f in BLOCKS_FIELDS))
+        hit = self._cache.get(node)
+        if hit is not None and hit[0] == sig:
+            return hit[1]
+        st = parse_stream(a.get(kv), a.get(hbs))
+        hb = json.loads(a[HEARTBEAT_FIELD]) if HEARTBEAT_FIELD in a else {}
+        blocks = {}
+        for t, f in zip(TIERS, BLOCKS_FIELDS):
+            n = int(a.get(f, 0) or 0)
+            if n > 0:
+                blocks[t] = n
+        state = NodeState(
+            node_id=node,
+            role=hb.pop("role", "prefill"),
+            epoch=max(st.epoch, 0),
+            last_seq=st.seq,
+            seq_gaps=st.gaps,
+            blocks=blocks,
+            **hb,
+        )
+        self._cache[node] = (sig, state)
+        return state
 
 
 def node_streams(raw: Mapping[bytes, bytes]) -> dict[str, NodeStream]:

@@ -25,18 +25,37 @@ from redis.asyncio.connection import Connection
 
 from schemas.errors import ViewStoreError
 
-from .keys import NodeHashDecoder, ViewKeys, dump_from_replies, snapshot_from_replies
+from .keys import NODE_ATTRS, NodeHashDecoder, ViewKeys, dump_from_replies, snapshot_from_replies
 from .view import NodeState, ViewSnapshot
 
-# KEYS: version, node hash; ARGV: the version the reader holds. Returns {version} when it
-# still holds the current one, else {version, HGETALL}. A namespace never written has no
-# version (false), which never matches, so its (empty) hash is always sent.
-_NODES_IF_CHANGED_LUA = """
+# KEYS: version, changes, node hash, base; ARGV: the version and base the reader holds, the
+# most changed nodes worth a delta, then the node attributes (state.keys.NODE_ATTRS).
+# Returns {version, base} when the reader is current; {version, base, changed nodes, their
+# attributes' values (HMGET, node by node)} when a few nodes moved; else {version, base,
+# HGETALL}. A namespace never written has no version (false), which never matches.
+_NODES_SINCE_LUA = """
 local v = redis.call('GET', KEYS[1])
-if v and v == ARGV[1] then return {v} end
-return {v, redis.call('HGETALL', KEYS[2])}
+local b = redis.call('GET', KEYS[4]) or ''
+if v and ARGV[1] ~= '' and b == ARGV[2] then
+  if v == ARGV[1] then return {v, b} end
+  local most = tonumber(ARGV[3])
+  if tonumber(v) > tonumber(ARGV[1]) then
+    local names = redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. ARGV[1], '+inf', 'LIMIT', 0, most + 1)
+    if #names <= most then
+      local fields = {}
+      for _, n in ipairs(names) do
+        for i = 4, #ARGV do fields[#fields + 1] = n .. '\\31' .. ARGV[i] end
+      end
+      if #fields == 0 then return {v, b, names, {}} end
+      return {v, b, names, redis.call('HMGET', KEYS[3], unpack(fields))}
+    end
+  end
+end
+return {v, b, redis.call('HGETALL', KEYS[3])}
 """
-_NODES_SHA = hashlib.sha1(_NODES_IF_CHANGED_LUA.encode()).hexdigest()
+_NODES_SHA = hashlib.sha1(_NODES_SINCE_LUA.encode()).hexdigest()
+DELTA_MAX_NODES = 64
+"""More nodes changed than this since the last read: read the whole node hash instead."""
 
 _IO_ERRORS = (OSError, asyncio.TimeoutError, ConnectionError, hiredis.ProtocolError)
 
@@ -71,7 +90,11 @@ class RawSnapshotReader:
         self._reader_task: asyncio.Future[None] | None = None
         self._decoder = NodeHashDecoder()
         self._last_version: bytes | None = None
+        self._last_base: bytes = b""
+        self.node_reads = {"unchanged": 0, "delta": 0, "whole": 0}
+        """How each read's node picture came (for tests and benchmarks)."""
         self._last_nodes: tuple[tuple[NodeState, ...], dict[int, str]] = ((), {})
+        self._nodes_args = (self.keys.version, self.keys.changes, self.keys.nodes, self.keys.base)
         self._wm_cmd = hiredis.pack_command(("HGETALL", self.keys.watermark))
 
     def __getattr__(self, name: str) -> Any:
@@ -90,7 +113,7 @@ class RawSnapshotReader:
             setup.append(("AUTH", self.username, self.password) if self.username else ("AUTH", self.password))
         if self.db:
             setup.append(("SELECT", self.db))
-        setup.append(("SCRIPT", "LOAD", _NODES_IF_CHANGED_LUA))
+        setup.append(("SCRIPT", "LOAD", _NODES_SINCE_LUA))
         return setup
 
     async def _connect(self) -> None:
@@ -198,8 +221,10 @@ class RawSnapshotReader:
         packed = pack(("MULTI",)) + pack(("TIME",))
         if chain:
             packed += pack(("MGET", *self.keys.blocks(chain)))
-        # The node hash (~tens of KB for a large cluster) travels only when its version moved.
-        packed += pack(("EVALSHA", _NODES_SHA, 2, self.keys.version, self.keys.nodes, self._last_version or b""))
+        # The node hash (~100 KB for a large cluster) travels only when its version moved,
+        # and then only the nodes that moved (usually one or two heartbeats).
+        packed += pack(("EVALSHA", _NODES_SHA, 4, *self._nodes_args, self._last_version or b"", self._last_base,
+                        DELTA_MAX_NODES, *NODE_ATTRS))
         packed += self._wm_cmd + pack(("EXEC",))
         n = 4 if chain else 3
         res = (await self._request(packed, n + 2))[-1]
@@ -215,18 +240,34 @@ class RawSnapshotReader:
         else:
             time_reply, flat_nodes, flat_wm = res
             values = []
-        version, flat_nodes = flat_nodes[0], flat_nodes[1] if len(flat_nodes) > 1 else None
-        if flat_nodes is None:  # unchanged since the last read
-            nodes, slot_nodes = self._last_nodes
-        else:
-            nodes, slot_nodes = self._decoder.decode(dict(_pairs(flat_nodes)))
-            self._last_nodes = (nodes, slot_nodes)
-            self._last_version = version  # None for a namespace never written: always re-read
+        nodes, slot_nodes = self._nodes_from(flat_nodes)
         return snapshot_from_replies(time_reply, values, nodes, slot_nodes, _pairs(flat_wm), now_ms)
+
+    def _nodes_from(self, reply: list[Any]) -> tuple[tuple[NodeState, ...], dict[int, str]]:
+        """The node picture after the node script's reply: unchanged, a delta, or whole."""
+        if len(reply) == 2:  # unchanged since the last read
+            self.node_reads["unchanged"] += 1
+            return self._last_nodes
+        version, base = reply[0], reply[1]
+        if len(reply) == 4:
+            names, values = reply[2], reply[3]
+            w = len(NODE_ATTRS)
+            changed = {}
+            for i, name in enumerate(names):
+                row = values[i * w:(i + 1) * w]
+                changed[name.decode()] = {a: v for a, v in zip(NODE_ATTRS, row) if v is not None}
+            self._last_nodes = self._decoder.update(changed)
+            self.node_reads["delta"] += 1
+        else:
+            self.node_reads["whole"] += 1
+            self._last_nodes = self._decoder.decode(dict(_pairs(reply[2])))
+        self._last_version = version  # None for a namespace never written: always re-read
+        self._last_base = base
+        return self._last_nodes
 
     async def nodes(self) -> list[NodeState]:
         (flat,) = await self._call(("HGETALL", self.keys.nodes))
-        return list(self._decoder.decode(dict(_pairs(flat)))[0])
+        return list(NodeHashDecoder().decode(dict(_pairs(flat)))[0])
 
     async def watermark(self) -> dict[str, int]:
         (flat,) = await self._call(("HGETALL", self.keys.watermark))

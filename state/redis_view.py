@@ -93,7 +93,7 @@ local function slot_of(node, create)
   return s
 end
 local function bitoff(p) return math.floor(p / 8) * 8 + 7 - (p % 8) end
-local out, fence, halted = {}, {}, false
+local out, fence, halted, touched = {}, {}, false, {}
 for gi = 1, #groups do
   local g = groups[gi]
   local fk, off, ops, conds = g[1], g[2], g[3], g[4]
@@ -129,6 +129,7 @@ for gi = 1, #groups do
     for oi = 1, #ops do
       local op = ops[oi]
       local code, node = op[1], op[2]
+      touched[node] = true
       if code == 1 or code == 2 then
         local tier, keys = op[3], op[4]
         local s = slot_of(node, code == 1)
@@ -166,7 +167,9 @@ for gi = 1, #groups do
   end
 end
 for fk, off in pairs(fence) do redis.call('HSET', wmkey, fk, off) end
-redis.call('INCR', ns .. '|ver')  -- readers re-read the node hash only when this moved
+-- Readers re-read the node hash only when this moved, and then only the nodes scored above their version.
+local ver = redis.call('INCR', ns .. '|ver')
+for node in pairs(touched) do redis.call('ZADD', ns .. '|chg', ver, node) end
 return out
 """
 
@@ -449,8 +452,9 @@ class RedisViewStore:
         try:
             async for batch in _scan_batches(self.client, self.keys.all_pattern):
                 await self.client.unlink(*batch)
-            # A fresh random version, so no reader mistakes the new node hash for one it cached.
-            await self.client.set(self.keys.version, secrets.randbits(62))
+            # A fresh random version and base, so no reader mistakes the new node hash for one it cached.
+            await self.client.set(self.keys.version, secrets.randbits(48))  # exact as a sorted-set score
+            await self.client.set(self.keys.base, secrets.token_hex(8))
             # A new generation: writers folded on the old view are refused from now on.
             gen = secrets.token_hex(8)
             await self.client.set(self.keys.generation, gen)

@@ -352,6 +352,31 @@ class TestRawSnapshotReader(ViewStoreContract):
         await s.view.clear()
         await s.close()
 
+    async def test_a_heartbeat_is_read_as_a_delta(self, store, settings):
+        hb = [envelope(Heartbeat(role="decode", batch_size=i), producer_id=f"n{i}", producer_seq=0, ts_ms=1)
+              for i in range(6)]
+        await self.feed(store, hb + [stored("n1", 0, [1, 2])])
+        chain = [1, 2, 3]
+        await store.snapshot(chain, now_ms=5)
+        assert store.node_reads["whole"] == 1
+        await store.apply([(envelope(Heartbeat(role="decode", batch_size=40), producer_id="n3", producer_seq=1,
+                                     ts_ms=2), None)])
+        await store.apply([(stored("n5", 1, [1]), None)])  # a new slot
+        got = await store.snapshot(chain, now_ms=5)
+        assert store.node_reads == {"unchanged": 0, "delta": 1, "whole": 1}
+        assert got == await store.snapshot(chain, now_ms=5)
+        assert store.node_reads["unchanged"] == 1
+        fresh = RawSnapshotReader(settings.redis_url, settings.view_namespace)
+        try:
+            assert got == await fresh.snapshot(chain, now_ms=5)
+        finally:
+            await fresh.close()
+        assert {n.node_id: n.batch_size for n in got.nodes}["n3"] == 40 and got.prefix["n5"] == (1, 1, 1)
+        await store.view.clear()  # a cleared view is read whole again, not as a delta of the old one
+        await self.feed(store, [stored("n9", 0, [1])])
+        again = await store.snapshot(chain, now_ms=5)
+        assert [n.node_id for n in again.nodes] == ["n9"] and store.node_reads["whole"] == 2
+
     async def test_reads_do_not_go_through_the_store(self, store):
         assert type(store).snapshot is RawSnapshotReader.snapshot and type(store).dump is RawSnapshotReader.dump
         assert type(store).nodes is RawSnapshotReader.nodes and type(store).watermark is RawSnapshotReader.watermark
