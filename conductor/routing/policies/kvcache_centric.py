@@ -30,7 +30,7 @@ from conductor.routing.policies.base import (
 )
 from conductor.routing.policies.cpp import STAGES, plan_pipeline
 from conductor.routing.policies.parts import RoleSplitPolicy, pick_lowest, placement
-from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
+from conductor.routing.snapshot import NO_PREFIX, ClusterSnapshot, Instance, PolicyRequest
 from conductor.topology import Link
 
 
@@ -87,6 +87,8 @@ class KvCacheCentric(RoleSplitPolicy):
     name = "kvcache-centric"
     summary = "Mooncake's policy: lowest predicted TTFT over local and remote prefixes, SLO-aware decode, early rejection"
     Params = KvCacheCentricParams
+    prune_candidates = True
+    """Evaluate only the prefill instances that can win (:meth:`_candidates`); False: all."""
 
     def place(self, request: PolicyRequest, snapshot: ClusterSnapshot, prefills: tuple[Instance, ...],
               decodes: tuple[Instance, ...], rng: random.Random) -> Decision:
@@ -126,31 +128,42 @@ class KvCacheCentric(RoleSplitPolicy):
                     by_link.append((li, opts))
         table = costs.path_table
         threshold = p.kvcache_balancing_threshold
+        every_wait = [costs.queue_wait_s(inst) for inst in prefills]  # cheap arithmetic, per instance
+        # Candidates: the holders and, per place, the shortest queues; with CPP every
+        # instance may join a group, so all stay.
+        pool = (list(zip(prefills, every_wait)) if p.cpp or not self.prune_candidates
+                else self._candidates(prefills, every_wait, p))
         ttfts: list[float] = []
         reuses: list[Reuse] = []
         waits: list[float] = []
-        for inst in prefills:
-            best = costs.local_reuse(inst, request, bs)
-            floor = best.blocks * threshold
-            node = inst.node_id
+        # Instances holding no prefix of the chain at the same place have the same options.
+        by_place: dict[tuple, Reuse] = {}
+        for inst, wait in pool:
             ik = costs.place_key(inst) if by_link else None
-            for li, opts in by_link:
-                for cost, holder, r, hk in opts:
-                    if cost >= best.cost_s:
-                        break
-                    if holder.node_id == node or r.blocks <= floor:
-                        continue
-                    found = table.get((hk, ik))
-                    if found is None:
-                        found = costs.link_index(holder, inst, (hk, ik))
-                    if found == li:
-                        best = r
-                        break
-            wait = costs.queue_wait_s(inst)
+            bare = inst.prefix_blocks == NO_PREFIX
+            best = by_place.get(ik) if bare else None
+            if best is None:
+                best = costs.local_reuse(inst, request, bs)
+                floor = best.blocks * threshold
+                node = inst.node_id
+                for li, opts in by_link:
+                    for cost, holder, r, hk in opts:
+                        if cost >= best.cost_s:
+                            break
+                        if holder.node_id == node or r.blocks <= floor:
+                            continue
+                        found = table.get((hk, ik))
+                        if found is None:
+                            found = costs.link_index(holder, inst, (hk, ik))
+                        if found == li:
+                            best = r
+                            break
+                if bare:
+                    by_place[ik] = best
             waits.append(wait)
             reuses.append(best)
             ttfts.append(wait + best.cost_s)
-        chosen = pick_lowest(range(len(prefills)), ttfts, rng, tol=p.prefill_tie_s, node_id=lambda i: prefills[i].node_id)
+        chosen = pick_lowest(range(len(pool)), ttfts, rng, tol=p.prefill_tie_s, node_id=lambda i: pool[i][0].node_id)
         ttft = ttfts[chosen]
         ttft_budget = request.ttft_slo_s * p.slo_margin
         # Admitting work whose TTFT lands just under the SLO by an optimistic wait estimate
@@ -159,35 +172,60 @@ class KvCacheCentric(RoleSplitPolicy):
         extra = p.queue_wait_safety - 1.0
         if p.early_rejection and ttft + extra * waits[chosen] > ttft_budget:
             # The fastest instance fails the guarded check; one with a shorter queue may pass it.
-            safe = [i for i in range(len(prefills)) if ttfts[i] + extra * waits[i] <= ttft_budget]
+            safe = [i for i in range(len(pool)) if ttfts[i] + extra * waits[i] <= ttft_budget]
             if safe:
                 chosen = pick_lowest(safe, [ttfts[i] for i in safe], rng, tol=p.prefill_tie_s,
-                                     node_id=lambda i: prefills[i].node_id)
+                                     node_id=lambda i: pool[i][0].node_id)
                 ttft = ttfts[chosen]
         guarded = ttft + extra * waits[chosen]
         single_fits = guarded <= ttft_budget if p.early_rejection else ttft <= ttft_budget
         if not single_fits and p.cpp and request.prompt_tokens >= p.cpp_min_tokens and len(prefills) > 1:
             # Only a request no single instance can serve in time pays for a pipeline.
-            group = self._pipeline(request, prefills, reuses, waits, ttfts, bs)
+            group = self._pipeline(request, prefills, reuses, waits, ttfts, bs)  # pool == prefills with CPP
             if group is not None:
                 g_guarded = group.finish_s + extra * max(waits[i] for i in group.members)
                 if (g_guarded <= ttft_budget) if p.early_rejection else (group.finish_s < ttft):
                     return PrefillPlan(prefills[group.members[0]], reuses[group.members[0]], group.finish_s,
                                        tuple(prefills[i].node_id for i in group.members), group.boundaries)
         if p.early_rejection and guarded > ttft_budget:
-            if min(waits) > ttft_budget:
+            if min(every_wait) > ttft_budget:
                 return Rejection(
                     "overloaded",
                     f"every prefill queue alone exceeds the TTFT SLO {request.ttft_slo_s:g}s "
-                    f"(shortest wait {min(waits):.3f}s over {len(prefills)} instances)",
+                    f"(shortest wait {min(every_wait):.3f}s over {len(prefills)} instances)",
                 )
             return Rejection(
                 "ttft_slo",
-                f"best predicted TTFT {ttft:.3f}s on {prefills[chosen].node_id}, {guarded:.3f}s with its queue wait "
+                f"best predicted TTFT {ttft:.3f}s on {pool[chosen][0].node_id}, {guarded:.3f}s with its queue wait "
                 f"{waits[chosen]:.3f}s counted x{p.queue_wait_safety:g}, exceeds the SLO {request.ttft_slo_s:g}s "
                 f"on every one of {len(prefills)} prefill instances" + (" and every CPP group" if p.cpp else ""),
             )
-        return PrefillPlan(prefills[chosen], reuses[chosen], ttft)
+        return PrefillPlan(pool[chosen][0], reuses[chosen], ttft)
+
+    def _candidates(self, prefills: tuple[Instance, ...], waits: list[float],
+                    p: KvCacheCentricParams) -> list[tuple[Instance, float]]:
+        """The prefill instances that can win, with their waits: every holder of a prefix of
+        the chain, and of the others, per place (rack, zone: what their reuse options depend
+        on), those whose wait is within the tie tolerance of the place's shortest.
+
+        Exact: instances without a prefix at one place have the same reuse plan, so their
+        predicted TTFT (and guarded TTFT) grows with the wait alone; one whose wait exceeds the
+        place's shortest by more than the tie tolerance can never be lowest, nor tie with the
+        lowest, nor be the lowest safe one (property-tested against the full policy)."""
+        costs = self.costs
+        margin = 2 * p.prefill_tie_s + 1e-9  # generous: keeping one too many is harmless
+        shortest: dict[tuple, float] = {}
+        keys: list[tuple | None] = []
+        for inst, w in zip(prefills, waits):
+            if inst.prefix_blocks != NO_PREFIX:
+                keys.append(None)
+                continue
+            k = costs.place_key(inst)
+            keys.append(k)
+            b = shortest.get(k)
+            if b is None or w < b:
+                shortest[k] = w
+        return [(inst, w) for inst, w, k in zip(prefills, waits, keys) if k is None or w <= shortest[k] + margin]
 
     def _pipeline(self, request: PolicyRequest, prefills: tuple[Instance, ...], reuses: list[Reuse],
                   waits: list[float], ttfts: list[float], bs: int) -> _Group | None:
