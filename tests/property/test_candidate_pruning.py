@@ -16,11 +16,12 @@ PROFILE = load_profile(DEFAULT_PROFILE)
 
 # Few distinct queue lengths and prefixes, so ties (the seeded pick among equals) are common.
 prefill = st.builds(
-    lambda i, q, nq, pre, rack: Instance(f"p{i:03d}", "prefill", prefix_blocks=pre, queued_prefill_tokens=q,
-                                         queued_requests=nq if q else 0, rack=rack),
+    lambda i, q, nq, pre, rack, role: Instance(f"p{i:03d}", role, prefix_blocks=pre, queued_prefill_tokens=q,
+                                               queued_requests=nq if q else 0, rack=rack[0], zone=rack[1]),
     st.integers(0, 999), st.sampled_from([0, 0, 512, 4_000, 4_000, 30_000, 120_000]), st.integers(1, 4),
     st.sampled_from([(0, 0, 0)] * 4 + [(16, 16, 16), (0, 8, 8), (2, 2, 40), (64, 64, 64), (0, 0, 3)]),
-    st.sampled_from(["r0", "r1", "r2", None]),
+    st.sampled_from([("r0", "z0"), ("r1", "z0"), ("r2", "z1"), (None, None), ("r3", None)]),
+    st.sampled_from(["prefill", "prefill", "store"]),  # stores hold prefixes and never prefill
 )
 decode = st.builds(
     lambda i, b, ctx, free, rack: Instance(f"d{i:03d}", "decode", batch_size=b, decode_context_tokens=ctx,
@@ -47,6 +48,7 @@ def test_pruned_policy_decides_as_the_exhaustive_one(prefills, decodes, p, token
     pruned = make_policy("kvcache-centric", p, PROFILE)
     full = make_policy("kvcache-centric", p, PROFILE)
     full.prune_candidates = False
+    full._same_rack_index = lambda by_link: (-1, {})  # the exhaustive scan
     snap = ClusterSnapshot(tuple(prefills) + tuple(decodes), 512)
     chain = tokens // 512
     req = PolicyRequest("r", tokens, chain, ttft_slo_s=slo)
@@ -63,6 +65,7 @@ def test_candidates_are_the_holders_and_each_places_shortest_queues() -> None:
         Instance("e", "prefill", queued_prefill_tokens=60_000, queued_requests=2, rack="r1"),
     )
     waits = [policy.costs.queue_wait_s(i) for i in insts]
+    assert policy._same_rack_index([]) == (-1, {})
     got = [i.node_id for i, _ in policy._candidates(insts, waits, policy.p)]
     assert got == ["a", "b", "c", "e"]
 

@@ -138,6 +138,10 @@ class KvCacheCentric(RoleSplitPolicy):
         waits: list[float] = []
         # Instances holding no prefix of the chain at the same place have the same options.
         by_place: dict[tuple, Reuse] = {}
+        # Where "same rack" is a link class of its own (no rack pairs or node places in the
+        # topology), a bare instance's same-rack copy is the first option of a holder in its
+        # rack: a lookup instead of a scan over every holder.
+        same_li, first_in_rack = self._same_rack_index(by_link)
         for inst, wait in pool:
             ik = costs.place_key(inst) if by_link else None
             bare = inst.prefix_blocks == NO_PREFIX
@@ -147,6 +151,11 @@ class KvCacheCentric(RoleSplitPolicy):
                 floor = best.blocks * threshold
                 node = inst.node_id
                 for li, opts in by_link:
+                    if bare and li == same_li:
+                        hit = first_in_rack.get(inst.rack)
+                        if hit is not None and hit[0] < best.cost_s:
+                            best = hit[2]
+                        continue
                     for cost, holder, r, hk in opts:
                         if cost >= best.cost_s:
                             break
@@ -201,6 +210,21 @@ class KvCacheCentric(RoleSplitPolicy):
                 f"on every one of {len(prefills)} prefill instances" + (" and every CPP group" if p.cpp else ""),
             )
         return PrefillPlan(pool[chosen][0], reuses[chosen], ttft)
+
+    def _same_rack_index(self, by_link: list) -> tuple[int, dict]:
+        """(index of the same-rack link class, rack → its first option in that class's
+        cheapest-first list), or (-1, {}) when same-rack is not a class of its own."""
+        topo = self.costs.topology
+        links = topo.links
+        if not by_link or topo.nodes or topo.rack_pairs or links.same_rack in (links.cross_rack, links.cross_zone):
+            return -1, {}
+        li = self.costs.links.index(links.same_rack)
+        first: dict = {}
+        for li_, opts in by_link:
+            if li_ == li:
+                for o in opts:
+                    first.setdefault(o[1].rack, o)
+        return li, first
 
     def _candidates(self, prefills: tuple[Instance, ...], waits: list[float],
                     p: KvCacheCentricParams) -> list[tuple[Instance, float]]:
