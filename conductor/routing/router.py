@@ -49,7 +49,6 @@ from conductor.routing.decision import (
 from conductor.routing.policies import Policy, make_policy
 from conductor.routing.snapshot import (
     ClusterSnapshot,
-    ClusterBase,
     InstanceMemo,
     PolicyRequest,
     build_cluster,
@@ -77,7 +76,7 @@ from state.redis_view import (
     tls_options,
 )
 from state.reservations import Load, RedisReservations, ReservationStore
-from state.view import NodeState, ViewReader, ViewSnapshot
+from state.view import ViewReader, ViewSnapshot
 from streams.kafka import consumer, end_offsets, ensure_topics, producer
 from streams.topics import topics
 
@@ -152,8 +151,6 @@ class Router:
         self._since: dict[str, int] = {}  # node → last heartbeat seen: the reservation cut-off
         self._memo: InstanceMemo = {}
         self._health: tuple[float, bool, str] | None = None  # (clock, healthy, reason) of the last check
-        self._base = ClusterBase()
-        self._since_of: tuple[NodeState, ...] | None = None
         self.ttl_s = settings.heartbeat_ttl_s
         self.control = ControlState()
 
@@ -229,9 +226,7 @@ class Router:
     async def read(self, chain: Sequence[int]) -> tuple[ViewSnapshot, dict[str, Load]]:
         snap = await self.view.snapshot(chain)
         # A reservation counts until the node's heartbeat is newer than it.
-        if snap.nodes is not self._since_of:  # the reader hands out one node tuple until a node changes
-            self._since = {n.node_id: n.last_heartbeat_ms for n in snap.nodes}
-            self._since_of = snap.nodes
+        self._since = {n.node_id: n.last_heartbeat_ms for n in snap.nodes}
         return snap, await self.reservations.pending(self._since, snap.now_ms)
 
     # --- deciding -------------------------------------------------------------------
@@ -241,7 +236,7 @@ class Router:
         """The policy's picture of one read (:func:`~conductor.routing.snapshot.build_cluster`),
         without the instances in ``exclude`` (a gateway's retry after one of them failed)."""
         return build_cluster(snap, pending, block_size=self.settings.block_size, ttl_s=self.ttl_s, model=model,
-                             age_ms=age_ms, memo=self._memo, exclude=exclude, base=self._base)
+                             age_ms=age_ms, memo=self._memo, exclude=exclude)
 
     async def route(self, req: RoutingRequest, ordinal: int = 0) -> RoutingDecision | RoutingRejection:
         """Place one request (or reject it with a reason); records the reservation.

@@ -123,40 +123,6 @@ def instance(node: NodeState, prefix: tuple[int, int, int], pending: PendingLoad
     )
 
 
-class ClusterBase:
-    """Every live node of one node picture as an instance with no prefix and nothing
-    reserved, in picture order: what :func:`build_cluster` starts from when the same picture
-    comes back (the router's reader hands out the same node tuple until a node changes), so
-    a request only rebuilds the instances its prefix and its reservations touch."""
-
-    __slots__ = ("nodes", "key", "built_ms", "until_ms", "states", "insts", "pos")
-
-    def __init__(self) -> None:
-        self.nodes: tuple[NodeState, ...] | None = None
-        self.key: tuple = ()
-        self.built_ms = 0
-        self.until_ms = -1
-        self.states: list[NodeState] = []
-        self.insts: list[Instance] = []
-        self.pos: dict[str, int] = {}
-
-    def holds(self, view: ViewSnapshot, key: tuple) -> bool:
-        """Whether it is the base of ``view`` (same picture, same filters, no node's liveness
-        changed since it was built)."""
-        return (view.nodes is self.nodes and key == self.key
-                and self.built_ms <= view.now_ms <= self.until_ms)
-
-    def rebuild(self, view: ViewSnapshot, key: tuple, nodes: list[NodeState], ttl_s: float) -> None:
-        self.nodes, self.key, self.built_ms = view.nodes, key, view.now_ms
-        ttl_ms = ttl_s * 1000
-        # The first live node to fall silent ends this base; a silent one only comes back
-        # with a heartbeat, which is a new picture.
-        self.until_ms = min((n.last_heartbeat_ms + ttl_ms for n in nodes), default=float("inf"))
-        self.states = nodes
-        self.insts = [instance(n, NO_PREFIX, None) for n in nodes]
-        self.pos = {n.node_id: i for i, n in enumerate(nodes)}
-
-
 def build_cluster(
     view: ViewSnapshot,
     pending: Mapping[str, PendingLoad],
@@ -167,38 +133,11 @@ def build_cluster(
     age_ms: float = 0.0,
     memo: InstanceMemo | None = None,
     exclude: Collection[str] = (),
-    base: ClusterBase | None = None,
 ) -> ClusterSnapshot:
     """The policy's picture of ``view``: live nodes serving ``model`` (stores serve every
     model; ``None`` = no filter) and not named in ``exclude``, each with its prefix of the
     chain and its ``pending`` reservations added. Pure; ``memo`` only saves rebuilding
-    unchanged instances, ``base`` (kept by the caller from request to request) rebuilding
-    the cluster: with it the work follows the prefix holders and the reserved nodes."""
-    if base is not None:
-        key = (model, ttl_s, tuple(sorted(exclude)) if exclude else ())
-        if not base.holds(view, key):
-            kept = [n for n in view.live_nodes(ttl_s)
-                    if not ((model is not None and n.model != model and n.role != "store") or n.node_id in exclude)]
-            base.rebuild(view, key, kept, ttl_s)
-        out = base.insts.copy()
-        pos, states = base.pos, base.states
-        for nid in view.prefix.keys() | pending.keys():
-            i = pos.get(nid)
-            if i is None:
-                continue
-            n = states[i]
-            prefix = view.prefix.get(nid, NO_PREFIX)
-            extra = pending.get(nid)
-            if memo is not None:
-                hit = memo.get(nid)
-                if hit is not None and hit[0] is n and hit[1] == prefix and hit[2] == extra:
-                    out[i] = hit[3]
-                    continue
-            inst = instance(n, prefix, extra)
-            if memo is not None:
-                memo[nid] = (n, prefix, extra, inst)
-            out[i] = inst
-        return ClusterSnapshot(tuple(out), block_size, dict(view.watermark), age_ms)
+    unchanged instances."""
     insts = []
     for n in view.live_nodes(ttl_s):
         if (model is not None and n.model != model and n.role != "store") or n.node_id in exclude:

@@ -68,29 +68,3 @@ def test_candidates_are_the_holders_and_each_places_shortest_queues() -> None:
     assert policy._same_rack_index([]) == (-1, {})
     got = [i.node_id for i, _ in policy._candidates(insts, waits, policy.p)]
     assert got == ["a", "b", "c", "e"]
-
-
-@settings(max_examples=150, deadline=None)
-@given(st.lists(st.tuples(
-    st.integers(0, 6_000),  # now
-    st.dictionaries(st.sampled_from([f"n{i}" for i in range(8)]), st.sampled_from([(1, 1, 1), (0, 2, 4)]), max_size=3),
-    st.dictionaries(st.sampled_from([f"n{i}" for i in range(8)]), st.integers(1, 5), max_size=3),
-    st.sampled_from([(), ("n1",), ("n2", "n5")]),
-    st.booleans(),  # a new node picture (a heartbeat arrived)
-), min_size=1, max_size=12))
-def test_the_kept_base_builds_the_same_cluster(steps) -> None:
-    from state.reservations import Load
-    from state.view import NodeState, ViewSnapshot
-
-    from conductor.routing.snapshot import ClusterBase, build_cluster
-
-    nodes = tuple(NodeState(f"n{i}", "prefill" if i % 2 else "decode", model="m" if i != 3 else "x",
-                            last_heartbeat_ms=1000 * i, queue_depth=i) for i in range(8))
-    base, memo = ClusterBase(), {}
-    for now, prefix, pend, exclude, renew in steps:
-        if renew:
-            nodes = tuple(nodes)[:-1] + (NodeState("n7", "decode", last_heartbeat_ms=now),)
-        view = ViewSnapshot(now, nodes, prefix, {"t:0": 1})
-        pending = {n: Load(prefill_tokens=k * 100, prefill_requests=k) for n, k in pend.items()}
-        kw = dict(block_size=16, ttl_s=2.0, model="m", exclude=exclude)
-        assert build_cluster(view, pending, base=base, memo=memo, **kw) == build_cluster(view, pending, **kw)
