@@ -1,13 +1,6 @@
 """Records, the wire codec and block keys. Imports nothing else of Conductor."""
 
-from .blocks import (
-    ROOT_KEY,
-    chain_from_precomputed,
-    chain_keys,
-    chain_keys_per_block,
-    request_keys,
-    vllm_block_extras,
-)
+from .blocks import ROOT_KEY, chain_from_precomputed, chain_keys, chain_keys_per_block, request_keys, vllm_block_extras
 from .codec import CONTENT_TYPE, DecodeError, decode, encode, headers
 from .records import (
     BODY_TYPES,

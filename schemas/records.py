@@ -427,44 +427,15 @@ class DeadLetter(Record):
     original: bytes = Field(max_length=MAX_ORIGINAL_BYTES)
 
 
-Body = Annotated[
-    Union[
-        BlocksStored,
-        BlocksRemoved,
-        AllBlocksCleared,
-        BlocksMigrated,
-        Heartbeat,
-        RoutingRequest,
-        RoutingDecision,
-        RoutingRejection,
-        RequestOutcome,
-        KvCommand,
-        KvCommandResult,
-        DeadLetter,
-        ControlCommand,
-    ],
-    Field(discriminator="kind"),
-]
+BODIES: tuple[type[Record], ...] = (
+    BlocksStored, BlocksRemoved, AllBlocksCleared, BlocksMigrated, Heartbeat, RoutingRequest, RoutingDecision,
+    RoutingRejection, RequestOutcome, KvCommand, KvCommandResult, DeadLetter, ControlCommand,
+)
+"""Every record body, declared once: the envelope's union and the codec's table come from it."""
+Body = Annotated[Union[BODIES], Field(discriminator="kind")]  # type: ignore[valid-type]
 KvEvent = BlocksStored | BlocksRemoved | AllBlocksCleared | BlocksMigrated
 
-BODY_TYPES: dict[str, type[Record]] = {
-    t.model_fields["kind"].default: t
-    for t in (
-        BlocksStored,
-        BlocksRemoved,
-        AllBlocksCleared,
-        BlocksMigrated,
-        Heartbeat,
-        RoutingRequest,
-        RoutingDecision,
-        RoutingRejection,
-        RequestOutcome,
-        KvCommand,
-        KvCommandResult,
-        DeadLetter,
-        ControlCommand,
-    )
-}
+BODY_TYPES: dict[str, type[Record]] = {t.model_fields["kind"].default: t for t in BODIES}
 
 # Current schema version per kind. Bump it and register an upcaster in
 # ``schemas.codec`` whenever a body changes incompatibly.

@@ -11,14 +11,7 @@
 
 from .fold import NodeStream, fold
 from .memory import InMemoryViewStore
-from .view import (
-    NodeState,
-    Outcome,
-    SourcePosition,
-    ViewReader,
-    ViewSnapshot,
-    ViewStore,
-)
+from .view import NodeState, Outcome, SourcePosition, ViewReader, ViewSnapshot, ViewStore
 
 __all__ = [
     "InMemoryViewStore",

@@ -24,15 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from schemas import (
-    AllBlocksCleared,
-    BlocksMigrated,
-    BlocksRemoved,
-    BlocksStored,
-    Envelope,
-    Heartbeat,
-    chain_keys,
-)
+from schemas import AllBlocksCleared, BlocksMigrated, BlocksRemoved, BlocksStored, Envelope, Heartbeat, chain_keys
 
 from .view import TIER_INDEX, Outcome
 

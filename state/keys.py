@@ -36,13 +36,7 @@ from typing import Any
 from schemas import TIERS
 
 from .fold import NodeStream
-from .view import (
-    NodeState,
-    ViewSnapshot,
-    canonical_dump,
-    longest_prefixes,
-    mask_holders,
-)
+from .view import NodeState, ViewSnapshot, canonical_dump, longest_prefixes, mask_holders
 
 SEP = "\x1f"
 """Between a node id and its attribute in a ``ns|nodes`` field."""

@@ -29,24 +29,8 @@ from typing import Any
 
 from schemas import TIERS, Envelope
 
-from .fold import (
-    AddBlocks,
-    ClearNode,
-    NodeStream,
-    Op,
-    RemoveBlocks,
-    SetHeartbeat,
-    SetStream,
-)
-from .view import (
-    NodeState,
-    Outcome,
-    SourcePosition,
-    ViewSnapshot,
-    canonical_dump,
-    longest_prefixes,
-    mask_holders,
-)
+from .fold import AddBlocks, ClearNode, NodeStream, Op, RemoveBlocks, SetHeartbeat, SetStream
+from .view import NodeState, Outcome, SourcePosition, ViewSnapshot, canonical_dump, longest_prefixes, mask_holders
 from .write import Group, Record, fold_and_write_sync
 
 

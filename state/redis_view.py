@@ -33,15 +33,7 @@ from redis.exceptions import RedisError
 from schemas.codec import pack_script_args
 from schemas.errors import ViewStoreError
 
-from .fold import (
-    AddBlocks,
-    ClearNode,
-    NodeStream,
-    Op,
-    RemoveBlocks,
-    SetHeartbeat,
-    SetStream,
-)
+from .fold import AddBlocks, ClearNode, NodeStream, Op, RemoveBlocks, SetHeartbeat, SetStream
 from .keys import (
     HEARTBEAT_FIELD,
     STREAM_FIELD,

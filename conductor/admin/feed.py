@@ -21,15 +21,7 @@ from aiokafka import TopicPartition
 from conductor.routing.control import ControlState, apply_control
 from conductor.routing.control_log import policy_check
 from conductor.settings import Settings
-from schemas import (
-    ControlCommand,
-    DeadLetter,
-    DecodeError,
-    RoutingDecision,
-    RoutingRejection,
-    RoutingRequest,
-    decode,
-)
+from schemas import ControlCommand, DeadLetter, DecodeError, RoutingDecision, RoutingRejection, RoutingRequest, decode
 from streams.kafka import consumer, end_offsets, ensure_topics
 from streams.topics import topics
 

@@ -22,15 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from schemas import (
-    BlocksMigrated,
-    BlocksRemoved,
-    BlocksStored,
-    KvCommand,
-    KvCommandResult,
-    KvEvent,
-    Tier,
-)
+from schemas import BlocksMigrated, BlocksRemoved, BlocksStored, KvCommand, KvCommandResult, KvEvent, Tier
 
 MAX_REMEMBERED = 10_000
 

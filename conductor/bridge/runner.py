@@ -49,15 +49,7 @@ from zmq.utils.monitor import parse_monitor_message
 from conductor.bridge.scrape import MetricsScraper, heartbeat_of
 from conductor.bridge.translate import NodeTranslator
 from conductor.bridge.wire import WireError, decode_batch, parse_seq, seq_frame
-from schemas import (
-    AllBlocksCleared,
-    Envelope,
-    Heartbeat,
-    Role,
-    encode,
-    envelope,
-    headers,
-)
+from schemas import AllBlocksCleared, Envelope, Heartbeat, Role, encode, envelope, headers
 from schemas.records import Record
 
 log = logging.getLogger(__name__)

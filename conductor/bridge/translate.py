@@ -37,13 +37,7 @@ from conductor.bridge.wire import (
     EngineHash,
     UnknownEvent,
 )
-from schemas import (
-    AllBlocksCleared,
-    BlocksRemoved,
-    BlocksStored,
-    Tier,
-    chain_keys_per_block,
-)
+from schemas import AllBlocksCleared, BlocksRemoved, BlocksStored, Tier, chain_keys_per_block
 from schemas.records import MAX_BLOCKS, Record
 
 MAX_TRACKED_BLOCKS = 4_000_000

@@ -8,19 +8,7 @@ from __future__ import annotations
 
 import sys
 
-from conductor.cli import (
-    admin,
-    audit,
-    balance,
-    chaos,
-    control,
-    dev,
-    engines,
-    gateway,
-    pipeline,
-    routing,
-    simulate,
-)
+from conductor.cli import admin, audit, balance, chaos, control, dev, engines, gateway, pipeline, routing, simulate
 from conductor.cli.common import GROUPS, app, err
 from conductor.errors import ConductorError
 

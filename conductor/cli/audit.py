@@ -7,13 +7,7 @@ import asyncio
 import typer
 from rich.table import Table
 
-from conductor.cli.common import (
-    err,
-    print_json,
-    require_servers,
-    settings_or_exit,
-    table_console,
-)
+from conductor.cli.common import err, print_json, require_servers, settings_or_exit, table_console
 from conductor.routing.explain import explain
 
 

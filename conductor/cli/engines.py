@@ -18,13 +18,7 @@ from prometheus_client import start_http_server
 from conductor import web
 from conductor.bridge.publisher import EventPublisher
 from conductor.bridge.runner import Bridge, Sink, kafka_sink, rank_configs
-from conductor.cli.common import (
-    err,
-    print_json,
-    print_result,
-    settings_or_exit,
-    stop_on_signals,
-)
+from conductor.cli.common import err, print_json, print_result, settings_or_exit, stop_on_signals
 from conductor.engine.emulated import EmulatedEngine, EngineConfig
 from conductor.engine.executor import EngineCommandExecutor, commands_for
 from conductor.engine.http import engine_app

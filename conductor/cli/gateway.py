@@ -10,13 +10,7 @@ from typing import Any
 import typer
 
 from conductor import web
-from conductor.cli.common import (
-    err,
-    print_json,
-    print_result,
-    settings_or_exit,
-    stop_on_signals,
-)
+from conductor.cli.common import err, print_json, print_result, settings_or_exit, stop_on_signals
 from conductor.gateway.app import run_gateway
 from conductor.gateway.protocol import ENGINE_PROTOCOLS, parse_engine_map
 from conductor.gateway.service import GatewayConfig

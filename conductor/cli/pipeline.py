@@ -8,24 +8,11 @@ from typing import Any
 
 import faust
 import typer
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-)
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 from rich.table import Table
 
 from conductor.admin.cluster import view_summary
-from conductor.cli.common import (
-    err,
-    print_json,
-    print_result,
-    require_servers,
-    settings_or_exit,
-    table_console,
-)
+from conductor.cli.common import err, print_json, print_result, require_servers, settings_or_exit, table_console
 from conductor.telemetry import setup_metrics
 from conductor.tools.bench.ingest import IngestBenchConfig, run_ingest_bench
 from conductor.tools.bench.view_read import run_view_read_bench

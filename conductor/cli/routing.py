@@ -10,28 +10,11 @@ from pathlib import Path
 
 import typer
 
-from conductor.cli.common import (
-    err,
-    print_json,
-    print_result,
-    require_servers,
-    settings_or_exit,
-    stop_on_signals,
-)
+from conductor.cli.common import err, print_json, print_result, require_servers, settings_or_exit, stop_on_signals
 from conductor.errors import ConductorError
-from conductor.profiles import (
-    fit_profile,
-    list_profiles,
-    load_profile,
-    read_timings_csv,
-)
+from conductor.profiles import fit_profile, list_profiles, load_profile, read_timings_csv
 from conductor.routing.policies import list_policies
-from conductor.routing.router import (
-    Router,
-    RouterWorker,
-    default_router_id,
-    redis_stores,
-)
+from conductor.routing.router import Router, RouterWorker, default_router_id, redis_stores
 from conductor.telemetry import setup_metrics
 from conductor.tools.bench.route import run_route_bench
 from conductor.tools.devstack import EmbeddedStack

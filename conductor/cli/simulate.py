@@ -24,13 +24,7 @@ from conductor.settings import Settings
 from conductor.sim.capacity import find_capacity
 from conductor.sim.cluster import ClusterProfile, load_cluster
 from conductor.sim.engine import SimResult
-from conductor.sim.recorded import (
-    Calibration,
-    RecordedTraffic,
-    calibrate,
-    parse_time,
-    recorded_traffic,
-)
+from conductor.sim.recorded import Calibration, RecordedTraffic, calibrate, parse_time, recorded_traffic
 from conductor.sim.report import PolicyRun, write_report
 from conductor.sim.session import Bench
 from conductor.topology import load_topology

@@ -26,16 +26,7 @@ from typing import Any
 
 from conductor.balance.executor import CommandMemory, execute
 from conductor.engine.emulated import EmulatedEngine, engine_hashes
-from schemas import (
-    DecodeError,
-    Envelope,
-    KvCommand,
-    KvCommandResult,
-    Tier,
-    chain_keys,
-    decode,
-    envelope,
-)
+from schemas import DecodeError, Envelope, KvCommand, KvCommandResult, Tier, chain_keys, decode, envelope
 from streams.kafka import consumer
 from streams.topics import topics
 

@@ -53,15 +53,7 @@ from conductor.gateway.protocol import (
 from conductor.gateway.replies import ReplyInbox
 from conductor.gateway.tokenizer import PromptTokenizer, TokenizeError
 from conductor.settings import Settings
-from schemas import (
-    RequestOutcome,
-    RoutingDecision,
-    RoutingRejection,
-    RoutingRequest,
-    encode,
-    envelope,
-    headers,
-)
+from schemas import RequestOutcome, RoutingDecision, RoutingRejection, RoutingRequest, encode, envelope, headers
 from streams.topics import topics
 
 log = logging.getLogger(__name__)

@@ -23,13 +23,7 @@ from typing import Any
 from aiokafka import TopicPartition
 
 from conductor.settings import Settings
-from schemas import (
-    DecodeError,
-    RoutingDecision,
-    RoutingRejection,
-    RoutingRequest,
-    decode,
-)
+from schemas import DecodeError, RoutingDecision, RoutingRejection, RoutingRequest, decode
 from streams.kafka import consumer, ensure_topics
 from streams.topics import topics
 

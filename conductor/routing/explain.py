@@ -28,14 +28,7 @@ from conductor.routing.decision import decision_reservations
 from conductor.routing.router import Router
 from conductor.routing.snapshot import ClusterSnapshot
 from conductor.settings import Settings
-from schemas import (
-    DecodeError,
-    Envelope,
-    RoutingDecision,
-    RoutingRejection,
-    RoutingRequest,
-    decode,
-)
+from schemas import DecodeError, Envelope, RoutingDecision, RoutingRejection, RoutingRequest, decode
 from schemas.errors import ConductorError
 from state.memory import InMemoryViewStore
 from state.reservations import InMemoryReservations

@@ -41,18 +41,9 @@ from opentelemetry import metrics
 from conductor.errors import ViewStoreError
 from conductor.profiles import ModelProfile, load_profile
 from conductor.routing.control import ControlState, apply_control
-from conductor.routing.decision import (
-    decision_record,
-    decision_reservations,
-    rejection_record,
-)
+from conductor.routing.decision import decision_record, decision_reservations, rejection_record
 from conductor.routing.policies import Policy, make_policy
-from conductor.routing.snapshot import (
-    ClusterSnapshot,
-    InstanceMemo,
-    PolicyRequest,
-    build_cluster,
-)
+from conductor.routing.snapshot import ClusterSnapshot, InstanceMemo, PolicyRequest, build_cluster
 from conductor.settings import Settings
 from schemas import (
     ControlCommand,
@@ -70,11 +61,7 @@ from schemas import (
 )
 from schemas.records import MAX_BLOCKS
 from state.reader import HiredisPackedConnection, RawSnapshotReader
-from state.redis_view import (
-    RedisViewStore,
-    connection_url,
-    tls_options,
-)
+from state.redis_view import RedisViewStore, connection_url, tls_options
 from state.reservations import Load, RedisReservations, ReservationStore
 from state.view import ViewReader, ViewSnapshot
 from streams.kafka import consumer, end_offsets, ensure_topics, producer

@@ -18,13 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conductor.balance.executor import CommandMemory, Step, execute
-from conductor.balance.planner import (
-    BalanceCosts,
-    BalanceParams,
-    Cooldown,
-    HeatTracker,
-    plan,
-)
+from conductor.balance.planner import BalanceCosts, BalanceParams, Cooldown, HeatTracker, plan
 from conductor.sim.cache import LruBlockCache
 from schemas import BlocksMigrated, KvCommand, Tier
 

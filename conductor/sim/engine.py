@@ -11,12 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from conductor.routing.policies.cpp import STAGES
-from conductor.routing.snapshot import (
-    ClusterSnapshot,
-    InstanceMemo,
-    PolicyRequest,
-    build_cluster,
-)
+from conductor.routing.snapshot import ClusterSnapshot, InstanceMemo, PolicyRequest, build_cluster
 from conductor.sim.balance import BalanceLoop, CacheTiers, execute, replicate_arrival
 from conductor.sim.cache import LruBlockCache, TieredPool
 from conductor.sim.cluster import ClusterProfile

@@ -32,14 +32,7 @@ from conductor.sim.cluster import ClusterProfile
 from conductor.sim.engine import SimResult
 from conductor.sim.errors import SimulationError
 from conductor.sim.trace import TraceRecord
-from schemas import (
-    Envelope,
-    Heartbeat,
-    RequestOutcome,
-    RoutingDecision,
-    RoutingRejection,
-    RoutingRequest,
-)
+from schemas import Envelope, Heartbeat, RequestOutcome, RoutingDecision, RoutingRejection, RoutingRequest
 from schemas.records import request_chain_keys
 
 _RELATIVE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(s|m|h|d)\s*$")

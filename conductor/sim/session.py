@@ -16,14 +16,7 @@ from conductor.sim.cluster import ClusterProfile
 from conductor.sim.engine import SimResult, Simulation
 from conductor.sim.errors import SimulationError
 from conductor.sim.summary import summarize
-from conductor.sim.trace import (
-    TraceRecord,
-    TraceRequest,
-    long_context,
-    read_trace,
-    reuse_upper_bound,
-    schedule,
-)
+from conductor.sim.trace import TraceRecord, TraceRequest, long_context, read_trace, reuse_upper_bound, schedule
 from conductor.topology import Topology
 
 Progress = Callable[[str, int, int], None]

@@ -33,16 +33,7 @@ import redis.asyncio as aioredis
 from conductor.settings import load_settings
 from conductor.tools.bench.ingest import start_worker_process, stop_worker_process
 from conductor.tools.devstack import free_port, redis_binary, redis_ready
-from schemas import (
-    BlocksRemoved,
-    BlocksStored,
-    DecodeError,
-    Envelope,
-    Heartbeat,
-    decode,
-    encode,
-    envelope,
-)
+from schemas import BlocksRemoved, BlocksStored, DecodeError, Envelope, Heartbeat, decode, encode, envelope
 from state.redis_view import RedisViewStore
 from streams.kafka import ensure_topics, producer
 from streams.topics import topics
@@ -101,11 +92,13 @@ class TruthEngines:
     """Engines storing random blocks and evicting their oldest, each node's sequence in order;
     :meth:`pairs` is what the view must hold, known without Conductor."""
 
-    def __init__(self, seed: int, *, nodes: int = 6, max_store: int = 24, max_remove: int = 12) -> None:
+    def __init__(self, seed: int, *, nodes: int = 6, max_store: int = 24, max_remove: int = 12,
+                 node_prefix: str = "node-", clock_ms: Callable[[], int] = lambda: int(time.time() * 1000)) -> None:
         self.rng = random.Random(seed)
-        self.held: dict[str, list[int]] = {f"node-{i}": [] for i in range(nodes)}
+        self.held: dict[str, list[int]] = {f"{node_prefix}{i}": [] for i in range(nodes)}
         self.seq = dict.fromkeys(self.held, 0)
         self.max_store, self.max_remove = max_store, max_remove
+        self.clock_ms = clock_ms
 
     def take(self, n: int) -> list[Envelope]:
         rng, out = self.rng, []
@@ -118,7 +111,7 @@ class TruthEngines:
                 keys = [rng.getrandbits(63) for _ in range(rng.randint(1, self.max_store))]
                 held += keys
                 body = BlocksStored(block_keys=keys)
-            out.append(envelope(body, producer_id=node, producer_seq=self.seq[node], ts_ms=int(time.time() * 1000)))
+            out.append(envelope(body, producer_id=node, producer_seq=self.seq[node], ts_ms=self.clock_ms()))
             self.seq[node] += 1
         return out
 

@@ -44,15 +44,7 @@ from conductor.errors import ConductorError
 from conductor.settings import Settings, child_environment
 from conductor.sim.trace import read_trace, schedule
 from conductor.tools.devstack import EmbeddedStack, free_port
-from schemas import (
-    RoutingDecision,
-    RoutingRejection,
-    RoutingRequest,
-    decode,
-    encode,
-    envelope,
-    headers,
-)
+from schemas import RoutingDecision, RoutingRejection, RoutingRequest, decode, encode, envelope, headers
 from state.redis_view import RedisViewStore
 from streams.kafka import consumer, ensure_topics, producer
 from streams.topics import topics

@@ -11,15 +11,7 @@ import random
 
 import pytest
 
-from schemas import (
-    AllBlocksCleared,
-    BlocksMigrated,
-    BlocksRemoved,
-    BlocksStored,
-    Heartbeat,
-    chain_keys,
-    envelope,
-)
+from schemas import AllBlocksCleared, BlocksMigrated, BlocksRemoved, BlocksStored, Heartbeat, chain_keys, envelope
 from state.fold import AddBlocks, SetHeartbeat, fold
 from state.memory import InMemoryViewStore
 from state.reader import RawSnapshotReader

@@ -1,40 +1,25 @@
-"""Test helpers shared by the pipeline tests: a random KV-event stream and a catch-up wait."""
+"""Helpers shared by the integration tests: a random KV-event stream, a catch-up wait, a topic reader."""
 
 from __future__ import annotations
 
 import asyncio
-import random
 import time
 
-from schemas import BlocksRemoved, BlocksStored, Envelope, envelope
+from conductor.tools.chaos import TruthEngines
+from schemas import decode
+from streams.kafka import consumer
 
 
-class KvStream:
-    """Engines storing random blocks and evicting their oldest, each node's sequence in order.
+class KvStream(TruthEngines):
+    """Engines storing random blocks and evicting their oldest, each node's sequence in order
+    (nodes ``n0``, ``n1``...; a fixed stamp, so runs are byte for byte the same).
 
     Every ``take`` goes on where the last one stopped, so a stream can be published in parts.
     """
 
     def __init__(self, seed: int, *, nodes: int = 4, max_store: int = 40, max_remove: int = 20) -> None:
-        self.rng = random.Random(seed)
-        self.held: dict[str, list[int]] = {f"n{i}": [] for i in range(nodes)}
-        self.seq = dict.fromkeys(self.held, 0)
-        self.max_store, self.max_remove = max_store, max_remove
-
-    def take(self, n: int) -> list[Envelope]:
-        rng, out = self.rng, []
-        for _ in range(n):
-            node = rng.choice(sorted(self.held))
-            held = self.held[node]
-            if held and rng.random() < 0.3:
-                body = BlocksRemoved(block_keys=[held.pop(0) for _ in range(min(len(held), rng.randint(1, self.max_remove)))])
-            else:
-                keys = [rng.getrandbits(63) for _ in range(rng.randint(1, self.max_store))]
-                held += keys
-                body = BlocksStored(block_keys=keys)
-            out.append(envelope(body, producer_id=node, producer_seq=self.seq[node], ts_ms=1))
-            self.seq[node] += 1
-        return out
+        super().__init__(seed, nodes=nodes, max_store=max_store, max_remove=max_remove, node_prefix="n",
+                         clock_ms=lambda: 1)
 
 
 async def caught_up(store, worker, sent: int, timeout_s: float = 90) -> None:
@@ -47,3 +32,18 @@ async def caught_up(store, worker, sent: int, timeout_s: float = 90) -> None:
         assert worker.poll() is None, "the worker died"
         assert time.monotonic() < deadline, f"not caught up: {wm}"
         await asyncio.sleep(0.05)
+
+
+async def read_all(settings, topic: str, want: int = 1, wait_s: float = 10.0) -> list:  # type: ignore[no-untyped-def,type-arg]
+    """The bodies of ``topic`` from its start, until ``want`` of them or ``wait_s``."""
+    cons = consumer(settings, topic, group_id=None, fetch_max_wait_ms=50)
+    await cons.start()
+    out: list = []  # type: ignore[type-arg]
+    try:
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and len(out) < want:
+            for recs in (await cons.getmany(timeout_ms=200)).values():
+                out += [decode(r.value).body for r in recs]
+    finally:
+        await cons.stop()
+    return out

@@ -9,16 +9,7 @@ import pytest
 
 from conductor.routing.explain import AuditError, explain
 from conductor.routing.router import Router, RouterWorker, redis_stores
-from schemas import (
-    BlocksStored,
-    Heartbeat,
-    RoutingDecision,
-    RoutingRequest,
-    chain_keys,
-    decode,
-    encode,
-    envelope,
-)
+from schemas import BlocksStored, Heartbeat, RoutingDecision, RoutingRequest, chain_keys, decode, encode, envelope
 from state.redis_view import RedisViewStore
 from streams import kafka
 from streams.replay import replay_into

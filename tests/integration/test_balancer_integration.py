@@ -16,15 +16,7 @@ from aiokafka import TopicPartition
 from conductor.balance.planner import BalanceParams
 from conductor.balance.worker import Balancer
 from conductor.settings import Settings, inherited_environment, settings_env
-from schemas import (
-    BlocksStored,
-    Heartbeat,
-    KvCommand,
-    RoutingRequest,
-    decode,
-    encode,
-    envelope,
-)
+from schemas import BlocksStored, Heartbeat, KvCommand, RoutingRequest, decode, encode, envelope
 from state.redis_view import RedisViewStore
 from streams import kafka
 from streams.topics import topics

@@ -28,15 +28,7 @@ from conductor.profiles import load_profile
 from conductor.routing.dispatch import decisions_for
 from conductor.settings import Settings, settings_env
 from conductor.tools.devstack import free_port
-from schemas import (
-    RoutingDecision,
-    RoutingRequest,
-    chain_keys,
-    decode,
-    encode,
-    envelope,
-    headers,
-)
+from schemas import RoutingDecision, RoutingRequest, chain_keys, decode, encode, envelope, headers
 from state.redis_view import RedisViewStore
 from streams.kafka import consumer, ensure_topics, producer
 from streams.topics import topics

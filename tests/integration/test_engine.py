@@ -11,12 +11,7 @@ import pytest
 
 from conductor.bridge.publisher import EventPublisher
 from conductor.bridge.runner import Bridge, BridgeConfig, kafka_sink
-from conductor.engine.emulated import (
-    EmulatedEngine,
-    EngineConfig,
-    PrefixCache,
-    engine_hashes,
-)
+from conductor.engine.emulated import EmulatedEngine, EngineConfig, PrefixCache, engine_hashes
 from conductor.profiles import load_profile
 from conductor.routing.dispatch import decisions_for
 from conductor.settings import Settings
@@ -158,11 +153,7 @@ async def _run_engine(eng: EmulatedEngine, assignments: list, until_rows: int, r
 
 
 async def test_an_evicting_prefill_engine_reports_stored_then_removed_blocks_in_vllm_form() -> None:
-    from conductor.bridge.wire import (
-        EngineBlockRemoved,
-        EngineBlockStored,
-        decode_batch,
-    )
+    from conductor.bridge.wire import EngineBlockRemoved, EngineBlockStored, decode_batch
 
     report = io.StringIO()
     pub = EventPublisher("tcp://127.0.0.1:0", None)

@@ -9,28 +9,16 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from kvstream import read_all
 
 from conductor.settings import Settings
 from conductor.tools.gateway_cluster import GatewayCluster
-from schemas import RequestOutcome, RoutingRequest, decode
-from streams.kafka import consumer
+from schemas import RequestOutcome, RoutingRequest
 from streams.topics import topics
 
 pytestmark = pytest.mark.timeout(240)
 
 
-async def read_all(settings: Settings, topic: str, want: int = 1, wait_s: float = 10.0) -> list:  # type: ignore[type-arg]
-    cons = consumer(settings, topic, group_id=None, fetch_max_wait_ms=50)
-    await cons.start()
-    out = []
-    try:
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline and len(out) < want:
-            for recs in (await cons.getmany(timeout_ms=200)).values():
-                out += [decode(r.value).body for r in recs]
-    finally:
-        await cons.stop()
-    return out
 
 
 @pytest.fixture

@@ -10,11 +10,11 @@ from pathlib import Path
 
 import openai
 import pytest
+from kvstream import read_all
 
 from conductor.settings import Settings
 from conductor.tools.gateway_cluster import GatewayCluster
-from schemas import RequestOutcome, RoutingDecision, decode
-from streams.kafka import consumer
+from schemas import RequestOutcome, RoutingDecision
 from streams.topics import topics
 
 pytestmark = pytest.mark.timeout(240)
@@ -23,18 +23,6 @@ PROMPT_TOKENS = 16_384
 """The default profile prefills 16k tokens in ~2.6 s on one instance, ~1.4 s on a group of two."""
 
 
-async def read_all(settings: Settings, topic: str, want: int, wait_s: float = 10.0) -> list:  # type: ignore[type-arg]
-    cons = consumer(settings, topic, group_id=None, fetch_max_wait_ms=50)
-    await cons.start()
-    out = []
-    try:
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline and len(out) < want:
-            for recs in (await cons.getmany(timeout_ms=200)).values():
-                out += [decode(r.value).body for r in recs]
-    finally:
-        await cons.stop()
-    return out
 
 
 async def test_a_long_prompt_runs_as_a_cpp_group_and_the_decode_gets_the_whole_kv(

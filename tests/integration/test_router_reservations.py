@@ -9,12 +9,7 @@ import pytest
 import redis.asyncio as aioredis
 
 from conductor.settings import Settings
-from state.reservations import (
-    InMemoryReservations,
-    Load,
-    RedisReservations,
-    Reservation,
-)
+from state.reservations import InMemoryReservations, Load, RedisReservations, Reservation
 
 TTL_S = 1.0
 

@@ -13,14 +13,7 @@ from pathlib import Path
 import pytest
 
 from conductor.settings import Settings, settings_env
-from schemas import (
-    Heartbeat,
-    RequestOutcome,
-    RoutingDecision,
-    RoutingRequest,
-    encode,
-    envelope,
-)
+from schemas import Heartbeat, RequestOutcome, RoutingDecision, RoutingRequest, encode, envelope
 from streams import kafka
 from streams.topics import topics
 

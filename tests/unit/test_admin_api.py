@@ -13,14 +13,7 @@ from conductor.admin.feed import LogFeed
 from conductor.errors import ConfigError
 from conductor.routing.control import apply_control
 from conductor.settings import load_settings
-from schemas import (
-    BlocksStored,
-    ControlCommand,
-    Heartbeat,
-    RoutingDecision,
-    RoutingRejection,
-    envelope,
-)
+from schemas import BlocksStored, ControlCommand, Heartbeat, RoutingDecision, RoutingRejection, envelope
 from state.memory import InMemoryViewStore
 
 ADMIN, READ = "admin-token-0123456789", "read-token-0123456789"

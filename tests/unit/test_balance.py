@@ -4,14 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conductor.balance.planner import (
-    BalanceParams,
-    Cooldown,
-    HeatTracker,
-    hot_and_cold,
-    plan,
-    sliding_heat,
-)
+from conductor.balance.planner import BalanceParams, Cooldown, HeatTracker, hot_and_cold, plan, sliding_heat
 from state.view import NodeState, ViewSnapshot
 
 NOW_MS = 1_000_000

@@ -5,15 +5,7 @@ from __future__ import annotations
 import pytest
 
 from conductor.balance.executor import CommandMemory, execute
-from schemas import (
-    BlocksMigrated,
-    BlocksRemoved,
-    BlocksStored,
-    KvCommand,
-    decode,
-    encode,
-    envelope,
-)
+from schemas import BlocksMigrated, BlocksRemoved, BlocksStored, KvCommand, decode, encode, envelope
 from schemas.codec import pack_foreign
 
 

@@ -6,14 +6,7 @@ import pytest
 
 from conductor.routing.control import ControlState, apply_control, fold_control
 from schemas import ControlCommand, RoutingDecision, RoutingRejection, chain_keys
-from tests.unit.test_router import (
-    BS,
-    TOKENS,
-    heartbeat,
-    make_router,
-    stored,
-    token_request,
-)
+from tests.unit.test_router import BS, TOKENS, heartbeat, make_router, stored, token_request
 
 
 def cmd(action: str, **kw) -> ControlCommand:

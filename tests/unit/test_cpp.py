@@ -11,11 +11,7 @@ import pytest
 from conductor.profiles import DEFAULT_PROFILE, ModelProfile, load_profile
 from conductor.routing.decision import decision_record, decision_reservations
 from conductor.routing.policies import Placement, Rejection, make_policy
-from conductor.routing.policies.cpp import (
-    chunk_boundaries,
-    pipeline_finish,
-    plan_pipeline,
-)
+from conductor.routing.policies.cpp import chunk_boundaries, pipeline_finish, plan_pipeline
 from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
 from conductor.sim.cluster import ClusterProfile
 from conductor.sim.engine import Simulation

@@ -17,16 +17,7 @@ from schemas import (
     chain_keys,
     envelope,
 )
-from state.fold import (
-    AddBlocks,
-    ClearNode,
-    NodeStream,
-    RemoveBlocks,
-    SetHeartbeat,
-    SetStream,
-    UnfoldableRecord,
-    fold,
-)
+from state.fold import AddBlocks, ClearNode, NodeStream, RemoveBlocks, SetHeartbeat, SetStream, UnfoldableRecord, fold
 from state.memory import InMemoryViewStore
 from state.view import Outcome
 

@@ -10,13 +10,7 @@ from hypothesis import strategies as st
 
 from conductor.errors import ConfigError
 from conductor.profiles import DEFAULT_PROFILE, load_profile
-from conductor.routing.policies import (
-    POLICIES,
-    Placement,
-    Rejection,
-    list_policies,
-    make_policy,
-)
+from conductor.routing.policies import POLICIES, Placement, Rejection, list_policies, make_policy
 from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
 
 PROFILE = load_profile(DEFAULT_PROFILE)

@@ -8,14 +8,7 @@ from pathlib import Path
 import pytest
 
 from conductor.errors import ConfigError
-from conductor.profiles import (
-    DEFAULT_PROFILE,
-    ModelProfile,
-    fit_profile,
-    list_profiles,
-    load_profile,
-    read_timings_csv,
-)
+from conductor.profiles import DEFAULT_PROFILE, ModelProfile, fit_profile, list_profiles, load_profile, read_timings_csv
 
 
 @pytest.fixture(scope="module")

@@ -22,12 +22,7 @@ from schemas import (
     envelope,
 )
 from state.memory import InMemoryViewStore
-from state.reservations import (
-    InMemoryReservations,
-    Load,
-    Reservation,
-    placement_reservations,
-)
+from state.reservations import InMemoryReservations, Load, Reservation, placement_reservations
 
 BS = 16
 _seq = itertools.count()

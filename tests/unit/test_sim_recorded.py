@@ -11,12 +11,7 @@ from conductor.errors import ConfigError
 from conductor.profiles import load_profile
 from conductor.sim.cluster import load_cluster
 from conductor.sim.errors import SimulationError
-from conductor.sim.recorded import (
-    calibrate,
-    parse_time,
-    recorded_traffic,
-    scale_compute,
-)
+from conductor.sim.recorded import calibrate, parse_time, recorded_traffic, scale_compute
 from conductor.sim.session import Bench
 from schemas import Heartbeat, RequestOutcome, RoutingDecision, RoutingRequest, envelope
 from schemas.records import request_chain_keys

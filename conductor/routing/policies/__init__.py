@@ -30,12 +30,7 @@ from conductor.routing.policies.kvcache_centric import KvCacheCentric
 from conductor.routing.policies.least_loaded import LeastLoaded
 from conductor.routing.policies.llm_d_style import LlmDStyle
 from conductor.routing.policies.local_cache_aware import LocalCacheAware
-from conductor.routing.policies.parts import (
-    PickEachPolicy,
-    RoleSplitPolicy,
-    pick_lowest,
-    split_roles,
-)
+from conductor.routing.policies.parts import PickEachPolicy, RoleSplitPolicy, pick_lowest, split_roles
 from conductor.routing.policies.random_pick import RandomPick
 from conductor.routing.policies.round_robin import RoundRobin
 from conductor.routing.policies.sglang_style import SglangStyle

@@ -16,12 +16,7 @@ from collections.abc import Sequence
 from pydantic import Field
 
 from conductor.routing.policies.base import PolicyParams
-from conductor.routing.policies.parts import (
-    PickEachPolicy,
-    by_node,
-    kv_used_blocks,
-    pick_lowest,
-)
+from conductor.routing.policies.parts import PickEachPolicy, by_node, kv_used_blocks, pick_lowest
 from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
 
 

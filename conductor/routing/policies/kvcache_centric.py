@@ -22,12 +22,7 @@ from dataclasses import dataclass
 
 from pydantic import Field
 
-from conductor.routing.policies.base import (
-    Decision,
-    PolicyParams,
-    Rejection,
-    Reuse,
-)
+from conductor.routing.policies.base import Decision, PolicyParams, Rejection, Reuse
 from conductor.routing.policies.cpp import STAGES, plan_pipeline
 from conductor.routing.policies.parts import RoleSplitPolicy, pick_lowest, placement
 from conductor.routing.snapshot import NO_PREFIX, ClusterSnapshot, Instance, PolicyRequest

@@ -20,14 +20,7 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from conductor.routing.policies.base import (
-    BasePolicy,
-    Costs,
-    Decision,
-    Placement,
-    Rejection,
-    Reuse,
-)
+from conductor.routing.policies.base import BasePolicy, Costs, Decision, Placement, Rejection, Reuse
 from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
 
 T = TypeVar("T")

@@ -15,12 +15,7 @@ from collections.abc import Sequence
 from pydantic import Field
 
 from conductor.routing.policies.base import PolicyParams
-from conductor.routing.policies.parts import (
-    PickEachPolicy,
-    lowest,
-    pick_lowest,
-    prefix_share,
-)
+from conductor.routing.policies.parts import PickEachPolicy, lowest, pick_lowest, prefix_share
 from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
 
 

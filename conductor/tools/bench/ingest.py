@@ -32,15 +32,7 @@ from typing import Any
 from conductor.settings import child_environment
 from conductor.tools.bench import percentile
 from conductor.tools.devstack import EmbeddedStack, free_port
-from schemas import (
-    BlocksRemoved,
-    BlocksStored,
-    Heartbeat,
-    chain_from_precomputed,
-    encode,
-    envelope,
-    headers,
-)
+from schemas import BlocksRemoved, BlocksStored, Heartbeat, chain_from_precomputed, encode, envelope, headers
 from state.redis_view import RedisViewStore
 from streams.kafka import ensure_topics, producer
 from streams.topics import topics
