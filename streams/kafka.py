@@ -193,3 +193,22 @@ async def end_offsets(c: AIOKafkaConsumer, tps: list[Any], *, probe_timeout_s: f
                 pending.discard(tp)
     # a partition whose last record is a control marker yields nothing: its report stands
     return out
+
+
+async def acknowledged(producer: AIOKafkaProducer, sends: list[Any], *, warn_after_s: float,
+                       what: str = "record(s)") -> None:
+    """Wait until the broker acknowledged every send (``producer.send``'s delivery futures).
+
+    If that takes longer than ``warn_after_s``, say so and refresh the producer's metadata,
+    then keep waiting: a batch whose partition leader the producer lost track of (a new
+    topic's metadata fetch that ran while it waited) otherwise waits for the next periodic
+    refresh, minutes away by default, and everything behind it stalls. Used by the router
+    (dispatch) and the gateway (routing requests)."""
+    done = asyncio.gather(*sends)
+    try:
+        await asyncio.wait_for(asyncio.shield(done), warn_after_s)
+    except asyncio.TimeoutError:
+        log.warning("%d %s not acknowledged after %.1fs; refreshing the producer's metadata",
+                    len(sends), what, warn_after_s)
+        producer.client.force_metadata_update()
+        await done

@@ -54,6 +54,7 @@ from conductor.gateway.replies import ReplyInbox
 from conductor.gateway.tokenizer import PromptTokenizer, TokenizeError
 from conductor.settings import Settings
 from schemas import RequestOutcome, RoutingDecision, RoutingRejection, RoutingRequest, encode, envelope, headers
+from streams.kafka import acknowledged
 from streams.topics import topics
 
 log = logging.getLogger(__name__)
@@ -251,16 +252,11 @@ class Gateway:
         finally:
             self.inbox.forget(arid)
 
-    async def _watch_delivery(self, delivery: asyncio.Future[Any], arid: str, after_s: float = 1.0) -> None:
-        """A routing request not acknowledged within ``after_s``: say so and refresh the producer's
-        metadata (the stranded-batch hazard the router hit: a batch whose partition leader the
-        producer lost track of waits for the next metadata refresh, minutes away by default)."""
+    async def _watch_delivery(self, delivery: asyncio.Future[Any], arid: str) -> None:
+        """The routing request's acknowledgement (``streams.kafka.acknowledged``, warning after 1 s);
+        a send that failed is logged: the decision timeout answers the client."""
         try:
-            await asyncio.wait_for(asyncio.shield(delivery), after_s)
-        except asyncio.TimeoutError:
-            log.warning("routing request %s not acknowledged after %.1fs; refreshing the producer's metadata",
-                        arid, after_s)
-            self.producer.client.force_metadata_update()
+            await acknowledged(self.producer, [delivery], warn_after_s=1.0, what=f"routing request {arid}")
         except Exception as e:  # noqa: BLE001 - the decision timeout answers the client
             log.warning("routing request %s not published: %s", arid, e)
 

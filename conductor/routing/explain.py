@@ -242,8 +242,7 @@ async def explain(settings: Settings, request_id: str) -> Explanation:
                              f"(read up to {router.control.offset})")
     chain = router.chain_of(req)
     snap, pending = await router.read(chain)
-    exclude = router.control.excluded.union(req.exclude) if router.control.excluded else req.exclude
-    cluster = router.cluster(snap, pending, req.model, 0.0, exclude)
+    cluster = router.cluster(snap, pending, req.model, 0.0, req.exclude)
     prefill_rows, decode_rows = _estimates(router, cluster, req, len(chain))
     again = await router.route(req, ordinal)
     if again.seed != rec.seed:

@@ -30,7 +30,7 @@ import os
 import random
 import socket
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,7 +64,7 @@ from state.reader import HiredisPackedConnection, RawSnapshotReader
 from state.redis_view import RedisViewStore, connection_url, tls_options
 from state.reservations import Load, RedisReservations, ReservationStore
 from state.view import ViewReader, ViewSnapshot
-from streams.kafka import consumer, end_offsets, ensure_topics, producer
+from streams.kafka import acknowledged, consumer, end_offsets, ensure_topics, producer
 from streams.topics import topics
 
 log = logging.getLogger(__name__)
@@ -219,9 +219,12 @@ class Router:
     # --- deciding -------------------------------------------------------------------
 
     def cluster(self, snap: ViewSnapshot, pending: dict[str, Load], model: str, age_ms: float,
-                exclude: Sequence[str] = ()) -> ClusterSnapshot:
+                exclude: Collection[str] = ()) -> ClusterSnapshot:
         """The policy's picture of one read (:func:`~conductor.routing.snapshot.build_cluster`),
-        without the instances in ``exclude`` (a gateway's retry after one of them failed)."""
+        without the cordoned and draining nodes (control) and the instances in ``exclude`` (a
+        gateway's retry after one of them failed)."""
+        if self.control.excluded:
+            exclude = self.control.excluded.union(exclude)
         return build_cluster(snap, pending, block_size=self.settings.block_size, ttl_s=self.ttl_s, model=model,
                              age_ms=age_ms, memo=self._memo, exclude=exclude)
 
@@ -262,8 +265,7 @@ class Router:
             snap = last.snapshot  # node states only: prefixes of this chain are unknown
             pending = await self.reservations.pending(self._since, snap.now_ms + int(age_ms))
         # Cordoned and draining nodes take no new requests; a retry names the instances that failed it.
-        exclude = self.control.excluded.union(req.exclude) if self.control.excluded else req.exclude
-        cluster = self.cluster(snap, pending, req.model, age_ms, exclude)
+        cluster = self.cluster(snap, pending, req.model, age_ms, req.exclude)
         answer = self.policy.decide(preq, cluster, random.Random(seed))
         self.metrics.latency.record((time.perf_counter() - t0) * 1000.0)
         out = decision_record(req, answer, block_size=self.settings.block_size, policy=self.policy.name,
@@ -452,27 +454,13 @@ class RouterWorker:
                                 sends.append(await prod.send(reply.name, raw, key=out.request_id.encode(),
                                                              headers=hdrs))
                         self.routed += 1
-                await _delivered(prod, sends)
+                await acknowledged(prod, sends, warn_after_s=10.0, what="dispatch record(s)")
                 await cons.commit()
         finally:
             await self.router.close()
             await cons.stop()
             await control.stop()
             await prod.stop()
-
-
-async def _delivered(prod: Any, sends: list[Any], warn_after_s: float = 10.0) -> None:
-    """Wait until the broker acknowledged every send; if that takes longer than
-    ``warn_after_s``, say so and refresh the producer's metadata (a batch whose partition
-    leader the producer lost track of waits for the next refresh, minutes away by default)."""
-    done = asyncio.gather(*sends)
-    try:
-        await asyncio.wait_for(asyncio.shield(done), warn_after_s)
-    except asyncio.TimeoutError:
-        log.error("%d dispatch record(s) not acknowledged after %.0fs; refreshing the producer's metadata",
-                  len(sends), warn_after_s)
-        prod.client.force_metadata_update()
-        await done
 
 
 class ControlFollower:
