@@ -219,12 +219,13 @@ async def explain(settings: Settings, request_id: str) -> Explanation:
     n_resv = 0
     for env in dispatched:
         d = env.body
-        # Decisions made before this one: by time across routers, by sequence within one
-        # router (several can share a millisecond). Partitions interleave, so not by position.
-        earlier = _read_at(env) < at_ms or (
-            env.producer_id == target.producer_id and env.epoch == target.epoch
-            and env.producer_seq < target.producer_seq
-        )
+        # Decisions made before this one: by sequence within one router (it decides in the
+        # order it numbers, though its reads may come back in another), by time across
+        # routers. Partitions interleave, so not by position.
+        if env.producer_id == target.producer_id and env.epoch == target.epoch:
+            earlier = env.producer_seq < target.producer_seq
+        else:
+            earlier = _read_at(env) < at_ms
         if not earlier or not isinstance(d, RoutingDecision) or _read_at(env) < at_ms - settings.reservation_ttl_s * 1000:
             continue
         r = requests.get(d.request_id)

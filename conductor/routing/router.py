@@ -30,7 +30,7 @@ import os
 import random
 import socket
 import time
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -210,8 +210,13 @@ class Router:
 
     # --- the view -------------------------------------------------------------------
 
-    async def read(self, chain: Sequence[int]) -> tuple[ViewSnapshot, dict[str, Load]]:
+    async def read(self, chain: Sequence[int], after: Awaitable[Any] | None = None,
+                   ) -> tuple[ViewSnapshot, dict[str, Load]]:
+        """One view read and the reservations pending against it; with ``after``, the
+        reservations are taken once ``after`` is done (the decision before this one has reserved)."""
         snap = await self.view.snapshot(chain)
+        if after is not None:
+            await after
         # A reservation counts until the node's heartbeat is newer than it.
         self._since = {n.node_id: n.last_heartbeat_ms for n in snap.nodes}
         return snap, await self.reservations.pending(self._since, snap.now_ms)
@@ -228,11 +233,15 @@ class Router:
         return build_cluster(snap, pending, block_size=self.settings.block_size, ttl_s=self.ttl_s, model=model,
                              age_ms=age_ms, memo=self._memo, exclude=exclude)
 
-    async def route(self, req: RoutingRequest, ordinal: int = 0) -> RoutingDecision | RoutingRejection:
+    async def route(self, req: RoutingRequest, ordinal: int = 0,
+                    after: Awaitable[Any] | None = None) -> RoutingDecision | RoutingRejection:
         """Place one request (or reject it with a reason); records the reservation.
 
         ``ordinal`` is the request's position in the log (its ``requests`` offset), which
-        order-based policies rotate by."""
+        order-based policies rotate by. ``after``: when several reads are in flight at once,
+        what this decision waits for between its read and its decision (the previous
+        request's decision), so decisions happen, and reserve, in the log's order whatever
+        order the reads come back in: the order `explain` re-derives them in."""
         t0 = time.perf_counter()
         seed = request_seed(self.settings.seed, req.request_id)
         try:
@@ -247,7 +256,7 @@ class Router:
             healthy, why = await self.view_health()
             if not healthy:  # lost or being rebuilt: an empty or partial view is not the truth
                 raise _Unhealthy(why)
-            snap, pending = await self.read(chain)
+            snap, pending = await self.read(chain, after)
             self._last = _LastView(ViewSnapshot(snap.now_ms, snap.nodes, {}, snap.watermark), self.clock())
         except (ViewStoreError, OSError, asyncio.TimeoutError, _Unhealthy) as e:
             last = self._last
@@ -262,6 +271,8 @@ class Router:
                     seed=seed,
                 )
             degraded = True
+            if after is not None:
+                await after
             snap = last.snapshot  # node states only: prefixes of this chain are unknown
             pending = await self.reservations.pending(self._since, snap.now_ms + int(age_ms))
         # Cordoned and draining nodes take no new requests; a retry names the instances that failed it.
@@ -325,9 +336,10 @@ class Router:
         key_out, out, _ = await self.handle_with_reply(value, key, offset)
         return key_out, out
 
-    async def handle_with_reply(self, value: bytes | None, key: bytes | None,
-                                offset: int = 0) -> tuple[str, Any, str | None]:
-        """:meth:`handle`, plus the gateway id the answer also goes to (the request's ``reply_to``)."""
+    async def handle_with_reply(self, value: bytes | None, key: bytes | None, offset: int = 0,
+                                after: Awaitable[Any] | None = None) -> tuple[str, Any, str | None]:
+        """:meth:`handle`, plus the gateway id the answer also goes to (the request's ``reply_to``);
+        ``after`` as in :meth:`route`."""
         key_id = _key_text(key)
         try:
             env = decode(value or b"")
@@ -339,7 +351,7 @@ class Router:
                 return "", e, None
             return key_id, self.reject(key_id, "invalid_request", str(e)), None
         try:
-            out = await self.route(body, offset)
+            out = await self.route(body, offset, after)
         except Exception as e:  # a bug must not turn one request into a crash loop of every replica
             log.exception("routing %s failed", body.request_id)
             out = self.reject(body.request_id, "invalid_request", f"router error: {type(e).__name__}: {e}")
@@ -388,6 +400,27 @@ class RouterWorker:
         self._seq += 1
         return envelope(body, producer_id=self.router_id, producer_seq=self._seq, ts_ms=int(time.time() * 1000))
 
+    def _in_order(self, records: Sequence[Any]) -> list[Awaitable[tuple[str, Any, str | None]]]:
+        """One handling per record, each deciding only after the one before it is done."""
+        loop = asyncio.get_running_loop()
+        out = []
+        before: asyncio.Future[None] | None = None
+        for rec in records:
+            done: asyncio.Future[None] = loop.create_future()
+            out.append(self._handle_then(rec, before, done))
+            before = done
+        return out
+
+    async def _handle_then(self, rec: Any, after: asyncio.Future[None] | None,
+                           done: asyncio.Future[None]) -> tuple[str, Any, str | None]:
+        try:
+            return await self.router.handle_with_reply(rec.value, rec.key, rec.offset, after)
+        finally:
+            if after is not None:
+                await after  # a rejection may return early: the next decision still waits for the earlier ones
+            if not done.done():
+                done.set_result(None)
+
     async def run(self, stop: asyncio.Event, ready: asyncio.Event | None = None) -> None:
 
         t = self.topics
@@ -416,14 +449,13 @@ class RouterWorker:
                     hw = cons.highwater(tp)
                     if hw is not None:
                         self.lag[tp.partition] = max(0, hw - records[-1].offset - 1)
-                    # Up to n view reads in flight at once; decisions still run one after another
-                    # (nothing between a read's reply and its reservation yields), so each one
-                    # sees the reservations of those before it. Outputs keep the input order.
+                    # Up to n view reads in flight at once; the decisions still happen one after
+                    # another in offset order (each waits for the one before it between its read
+                    # and its decision), so each sees the reservations of those before it, and
+                    # the order of dispatch is the order they were made in.
                     handled = []
                     for i in range(0, len(records), n):
-                        window = records[i : i + n]
-                        handled += await asyncio.gather(
-                            *(self.router.handle_with_reply(r.value, r.key, r.offset) for r in window))
+                        handled += await asyncio.gather(*self._in_order(records[i : i + n]))
                     # Metadata of every reply topic first, before this batch's first send: a new
                     # topic's metadata fetch that ran while a dispatch batch waited in the producer was
                     # seen to strand that batch (its delivery never came, the loop stalled for good).

@@ -346,3 +346,52 @@ async def test_a_request_of_a_million_token_ids_at_block_size_1_is_refused() -> 
     tokens = list(range(1_048_576))
     out = await router.route(RoutingRequest(request_id="huge", token_ids=tokens, prompt_tokens=len(tokens)))
     assert isinstance(out, RoutingRejection) and out.reason == "invalid_request" and "at most" in out.message
+
+
+async def test_reads_that_come_back_out_of_order_still_decide_in_log_order() -> None:
+    """The worker keeps several reads in flight; the first request's read is the slowest here.
+    Each decision must still see the reservations of every request before it in the log (what
+    `explain` re-derives), not of whichever read happened to return first."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from conductor.routing.router import RouterWorker
+
+    router, view, resv = make_router("least-loaded")
+    before = now_ms() - 1000
+    for n in ("p0", "p1", "p2"):
+        heartbeat(view, n, ts=before)
+    heartbeat(view, "d0", "decode", ts=before)
+    real = view.snapshot
+    delays = iter([0.06, 0.04, 0.02, 0.0])
+
+    async def slow_snapshot(chain, **kw):
+        snap = await real(chain, **kw)
+        await asyncio.sleep(next(delays))  # later requests' reads come back first
+        return snap
+
+    view.snapshot = slow_snapshot
+    seen: list[int] = []
+    decided: list[tuple[str, int]] = []
+    pending, decide = resv.pending_sync, router.policy.decide
+
+    def record(since, now):
+        out = pending(since, now)
+        seen.append(sum(v.prefill_requests for v in out.values()))
+        return out
+
+    def record_decide(preq, cluster, rng):
+        decided.append((preq.request_id, seen[-1]))
+        return decide(preq, cluster, rng)
+
+    resv.pending_sync = record
+    router.policy.decide = record_decide
+    worker = RouterWorker(router.settings, router, router_id="t")
+    recs = [SimpleNamespace(value=encode(envelope(token_request(f"o{i}"), producer_id="gw", producer_seq=i,
+                                                  ts_ms=now_ms())), key=f"o{i}".encode(), offset=i)
+            for i in range(4)]
+    outs = await asyncio.gather(*worker._in_order(recs))
+    # the i-th request of the log was decided i-th and saw the i reservations before it
+    assert decided == [("o0", 0), ("o1", 1), ("o2", 2), ("o3", 3)]
+    assert [o[1].request_id for o in outs] == ["o0", "o1", "o2", "o3"]
+    assert Counter(o[1].prefill_instance for o in outs[:3]) == {"p0": 1, "p1": 1, "p2": 1}
