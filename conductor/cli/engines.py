@@ -349,10 +349,13 @@ def register(groups: dict[str, typer.Typer]) -> None:
         console_port: int = typer.Option(
             None, min=0, max=65535,
             help="port of the live web console on bind_host (0 = none) [default: CONDUCTOR_ADMIN_PORT]"),
+        gateway_port: int = typer.Option(
+            0, min=0, max=65535,
+            help="port of the gateway the demo's clients send to on bind_host, the same for both runs (0 = a free one)"),
     ) -> None:
         """The whole system on one machine: broker, Redis, stream worker, router, bridges and emulated engines.
 
-        Replays a slice of the Mooncake conversation trace through Conductor's policy, then through the baseline on the same slice, with a live dashboard on stderr, and prints a comparison.
+        Replays a slice of the Mooncake conversation trace through Conductor's policy, then through the baseline on the same slice, with a live dashboard on stderr, and prints a comparison. Every request goes through `conductor gateway` with the openai client; the gateway's URL is printed at the start, so you can curl it while the demo runs.
 
         Uses the servers named by CONDUCTOR_KAFKA_URL / CONDUCTOR_REDIS_URL, or starts the embedded ones. Every process it starts is stopped at the end (also on Ctrl-C).
         """
@@ -367,7 +370,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
             duration_s=duration, speed=speed, policy=policy or s.policy, baseline=baseline, trace=trace,
             prefill=prefill, decode=decode, json_out=json_out, sample=sample, block_size=block_size,
             kv_blocks=kv_blocks, dram_blocks=dram_blocks,
-            admin_port=s.admin_port if console_port is None else console_port,
+            admin_port=s.admin_port if console_port is None else console_port, gateway_port=gateway_port,
         )
         result = run_demo(s, opts)
         if json_out:

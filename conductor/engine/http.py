@@ -178,14 +178,16 @@ class EngineHttp:
             del self.kv[k]
         return self.kv.setdefault(key, _Kv())
 
-    async def _send_kv(self, key: str, wait_s: float) -> int:
-        """Hand one prefill's KV to its decode peer: wait until it is ready, take the transfer time."""
+    async def _send_kv(self, key: str, wait_s: float) -> dict[str, Any]:
+        """Hand one prefill's KV to its decode peer: wait until it is ready, take the transfer time.
+        The answer: the tokens handed over, this engine's id and the transfer's model time."""
         slot = self._slot(key)
         await asyncio.wait_for(slot.ready.wait(), wait_s)
         self.kv.pop(key, None)
         e = self.engine
-        await asyncio.sleep(e.profile.transfer_seconds(slot.tokens, "hbm", remote=True) / e.config.time_scale)
-        return slot.tokens
+        model_s = e.profile.transfer_seconds(slot.tokens, "hbm", remote=True)
+        await asyncio.sleep(model_s / e.config.time_scale)
+        return {"tokens": slot.tokens, "engine_id": e.config.node_id, "transfer_model_s": round(model_s, 6)}
 
     async def _pull(self, kvp: dict[str, Any]) -> dict[str, Any]:
         """Pull the KV a peer holds for us (vLLM-style ``kv_transfer_params``); its JSON answer."""
@@ -204,12 +206,11 @@ class EngineHttp:
         key = str(body.get("remote_request_id", ""))
         if key not in self.kv:
             return error(404, f"no KV held for {key!r}", "kv_not_found")
-        return JSONResponse({"tokens": await self._send_kv(key, 1.0), "engine_id": self.engine.config.node_id})
+        return JSONResponse(await self._send_kv(key, 1.0))
 
     async def bootstrap(self, room: str) -> Response:
         try:
-            return JSONResponse({"tokens": await self._send_kv(f"room:{room}", BOOTSTRAP_WAIT_S),
-                                 "engine_id": self.engine.config.node_id})
+            return JSONResponse(await self._send_kv(f"room:{room}", BOOTSTRAP_WAIT_S))
         except asyncio.TimeoutError:
             return error(504, f"bootstrap room {room} saw no prefill in {BOOTSTRAP_WAIT_S:.0f}s", "kv_not_found")
 
@@ -287,7 +288,7 @@ class EngineHttp:
                              "kv_transfer_failed", kind="server_error")
             e.report_row({"event": "kv_received", "request_id": rid, "node": e.config.node_id,
                           "received_tokens": received, "received_from": got.get("engine_id"),
-                          "prompt_tokens": len(tokens)})
+                          "transfer_model_s": got.get("transfer_model_s"), "prompt_tokens": len(tokens)})
             if received < len(tokens):  # a decode needs the whole prompt's KV
                 return error(502, f"the prefill peer handed over the KV of {received} of {len(tokens)} prompt tokens",
                              "kv_transfer_failed", kind="server_error")

@@ -7,9 +7,19 @@ own vLLM-format ZMQ publisher), one bridge per engine (ZMQ → kv-events, run in
 this process), and the trace replayed onto ``requests``. Each run has its own
 topic prefix and view namespace, so the baseline starts as cold as Conductor did.
 
+Requests enter as a user's would: each run starts ``conductor gateway`` in front
+of the engines (engines serve vLLM's HTTP API with the P/D KV hand-off), and the
+demo sends every trace request through it with the official ``openai`` client
+(a streamed completion, prompt as token ids). The gateway's address is printed
+at the start (the same port for both runs), so a person can ``curl`` it.
+
 Time: the trace's arrivals and the engines' timing model both run ``speed``
-times faster than real time. TTFT is reported in model time: the real routing
-latency (publish → the engine has the decision) plus queueing and prefill.
+times faster than real time. TTFT is what the client observes (first streamed
+token: routing, prefill, KV hand-off, first decode step), reported in model time:
+what the engines emulated (prefill queue and compute, KV transfer; they report it
+in model seconds) scaled back by ``speed``, everything else (the gateway's parse
+and route, the HTTP hops, the relay) as it really took; the wall-clock value is
+reported too.
 
 The trace only has block ids (``hash_ids``, 512-token blocks), so each id is
 given deterministic token ids; requests carry them and Conductor hashes them
@@ -35,6 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import openai
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
@@ -44,7 +55,7 @@ from conductor.errors import ConductorError
 from conductor.settings import Settings, child_environment
 from conductor.sim.trace import read_trace, schedule
 from conductor.tools.devstack import EmbeddedStack, free_port
-from schemas import RoutingDecision, RoutingRejection, RoutingRequest, decode, encode, envelope, headers
+from schemas import RoutingDecision, RoutingRejection, decode
 from state.redis_view import RedisViewStore
 from streams.kafka import consumer, ensure_topics, producer
 from streams.topics import topics
@@ -94,6 +105,8 @@ class DemoOptions:
     partitions: int = 2
     admin_port: int = 0
     """Port of the live console (`conductor admin`) each run serves; 0: no console."""
+    gateway_port: int = 0
+    """Port of the gateway (`conductor gateway`) each run's clients send to; 0: a free one, the same for both runs."""
 
 
 # --- the trace -------------------------------------------------------------------
@@ -155,6 +168,8 @@ def percentile(xs: list[float], p: float) -> float | None:
 @dataclass
 class RunStats:
     policy: str
+    speed: float = 1.0
+    """How many times faster than the model the engines run."""
     sent: int = 0
     decisions: int = 0
     rejected: Counter[str] = field(default_factory=Counter)
@@ -163,9 +178,14 @@ class RunStats:
     prefills: int = 0
     prompt_tokens: int = 0
     cached_tokens: int = 0
-    ttft: list[float] = field(default_factory=list)
-    ttft_error: list[float] = field(default_factory=list)
-    """|predicted - observed| / observed TTFT of every prefill."""
+    client_ttft: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """Request id → (TTFT the client observed, the gateway's routing time), wall-clock seconds."""
+    emulated_s: Counter[str] = field(default_factory=Counter)
+    """Request id → model seconds the engines emulated before its first token (prefill queue and
+    compute, KV transfer to the decode instance), from their reports."""
+    predicted: dict[str, float] = field(default_factory=dict)
+    client_errors: Counter[str] = field(default_factory=Counter)
+    """Requests the client got no completion for, by HTTP status (rejections: 429/503) or error."""
     tbt: list[float] = field(default_factory=list)
     decodes: int = 0
     per_node: dict[str, Counter[str]] = field(default_factory=lambda: defaultdict(Counter))
@@ -184,9 +204,45 @@ class RunStats:
     def reuse_ratio(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
+    @property
+    def observed(self) -> dict[str, float]:
+        """Request id → TTFT the client observed, in model time.
+
+        The engines run ``speed`` times faster than the model; the gateway, the log and the HTTP
+        hops in real time. So the engines' emulated part (prefill queue and compute, KV transfer,
+        reported in model seconds) counts at model time and the rest (parse, route, hand-off,
+        relay) as it really took. A request without engine reports (a retry under another id)
+        counts everything but its routing as emulated, which overstates it.
+        """
+        out = {}
+        for rid, (wall, routing) in self.client_ttft.items():
+            model = self.emulated_s.get(rid)
+            if model is None:
+                routing = min(max(routing, 0.0), wall)
+                out[rid] = routing + (wall - routing) * self.speed
+            else:
+                out[rid] = max(wall - model / self.speed, 0.0) + model
+        return out
+
+    @property
+    def ttft(self) -> list[float]:
+        """TTFT the client observed, model time (see :attr:`observed`)."""
+        return list(self.observed.values())
+
+    @property
+    def ttft_error(self) -> list[float]:
+        """|predicted - observed| / observed TTFT of every request the client saw a token of."""
+        return [abs(self.predicted[rid] - obs) / obs for rid, obs in self.observed.items()
+                if rid in self.predicted and obs > 0]
+
+    def on_client(self, request_id: str, wall_ttft_s: float, routing_s: float) -> None:
+        """One streamed completion's first token as the client saw it (wall-clock seconds)."""
+        self.client_ttft[request_id] = (wall_ttft_s, routing_s)
+
     def on_dispatch(self, body: Any) -> None:
         if isinstance(body, RoutingDecision):
             self.decisions += 1
+            self.predicted[body.request_id] = body.predicted_ttft_s
             if len(self.example_ids) < 3 and body.reused_tokens:
                 self.example_ids.append(body.request_id)
             self.routed_reuse_tokens += body.reused_tokens
@@ -200,15 +256,13 @@ class RunStats:
 
     def on_report(self, row: dict[str, Any]) -> None:
         node = str(row.get("node"))
-        if row.get("event") == "prefill_done":
+        if row.get("event") == "kv_received":
+            self.emulated_s[str(row.get("request_id"))] += float(row.get("transfer_model_s") or 0.0)
+        elif row.get("event") == "prefill_done":
+            self.emulated_s[str(row.get("request_id"))] += float(row.get("engine_s") or 0.0)
             self.prefills += 1
             self.prompt_tokens += int(row["prompt_tokens"])
             self.cached_tokens += int(row["cached_tokens"])
-            if row.get("ttft_s") is not None:
-                self.ttft.append(float(row["ttft_s"]))
-                observed, predicted = float(row["ttft_s"]), row.get("predicted_ttft_s")
-                if predicted is not None and observed > 0:
-                    self.ttft_error.append(abs(float(predicted) - observed) / observed)
             self.per_node[node]["done"] += 1
             self.per_node[node]["cached_tokens"] += int(row["cached_tokens"])
             self.per_node[node]["prompt_tokens"] += int(row["prompt_tokens"])
@@ -238,6 +292,10 @@ class RunStats:
             "ttft_prediction_error_p50": r(percentile(self.ttft_error, 0.5)),
             "tbt_p50_ms": r(percentile(self.tbt, 0.5), 2),
             "tbt_p90_ms": r(percentile(self.tbt, 0.9), 2),
+            "client_ttft_wall_p50_s": r(percentile([w for w, _ in self.client_ttft.values()], 0.5), 4),
+            "gateway_routing_ms_p50": r(percentile([g * 1000.0 for _, g in self.client_ttft.values()], 0.5), 2),
+            "gateway_routing_ms_p99": r(percentile([g * 1000.0 for _, g in self.client_ttft.values()], 0.99), 2),
+            "client_errors": dict(self.client_errors),
         }
 
 
@@ -330,8 +388,6 @@ async def _run_once(
     base: Settings, opts: DemoOptions, policy: str, requests: list[DemoRequest], budget_s: float,
     stats: RunStats, log_dir: Path, refresh: Any, *, exact: bool = False, pids: list[int] | None = None,
 ) -> None:
-
-
     t_start = time.monotonic()
     tag = f"{os.getpid():x}{time.time_ns() // 1_000_000 % 0xFFFFFF:06x}"  # unique per run, not random
     s = base.model_copy(update={
@@ -353,6 +409,8 @@ async def _run_once(
     prod = producer(s)
     stop = asyncio.Event()
     view = RedisViewStore.from_settings(s)
+    client: openai.AsyncOpenAI | None = None
+    clients: set[asyncio.Task[None]] = set()
     try:
         await prod.start()
         await procs.start("worker", ["worker"], env)
@@ -364,8 +422,11 @@ async def _run_once(
             for i in range(n):
                 node = f"{role}-{i}"
                 # Load reaches the view the way it does from a real vLLM: the bridge scrapes /metrics.
+                # vLLM's HTTP API (with the P/D hand-off); /metrics on a port of its own (a thread), so
+                # a busy event loop never makes the bridge's scrape time out and the node look dead.
                 args = ["engine", "--role", role, "--node-id", node, "--kv-blocks", str(opts.kv_blocks),
-                        "--time-scale", str(opts.speed), "--report", "--metrics-port", "0", "--no-self-heartbeat"]
+                        "--time-scale", str(opts.speed), "--report", "--http-port", "0", "--metrics-port", "0",
+                        "--no-self-heartbeat"]
                 if role == "prefill" and opts.dram_blocks:
                     args += ["--dram-blocks", str(opts.dram_blocks)]
                 engines[node] = (role, await procs.start(node, args, env, stdout_pipe=True))
@@ -383,6 +444,7 @@ async def _run_once(
                     stats.on_report(row)
 
         readies: dict[str, asyncio.Future[dict[str, Any]]] = {}
+        urls: dict[str, str] = {}
         bridge_tasks: dict[str, asyncio.Task[None]] = {}
 
         def check_alive() -> None:
@@ -401,6 +463,7 @@ async def _run_once(
             except asyncio.TimeoutError:
                 raise DemoError(f"engine {node} did not start:\n{procs.log_tail(node)}") from None
             role = engines[node][0]
+            urls[node] = info["http"]
             bridge = Bridge(
                 BridgeConfig(node_id=node, role=role, zmq_endpoint=info["zmq"], replay_endpoint=info["replay"],  # type: ignore[arg-type]
                              block_size=opts.block_size, heartbeat_s=SCRAPE_INTERVAL_S, metrics_url=info["metrics"]),
@@ -426,6 +489,18 @@ async def _run_once(
                                 f"worker log:\n{procs.log_tail('worker')}")
             refresh()
             await asyncio.sleep(0.3)
+
+        # The gateway: the only way requests enter, as for a user.
+        gateway_id = f"demo-{tag}"
+        gw_args = ["gateway", "--port", str(opts.gateway_port), "--gateway-id", gateway_id,
+                   "--decision-timeout-s", "10", *[a for n, u in urls.items() for a in ("--engine", f"{n}={u}")]]
+        gw = await procs.start("gateway", gw_args, env, stdout_pipe=True)
+        gw_ready = await _ready_line(gw, 60.0)
+        if gw_ready is None:
+            raise DemoError(f"the gateway did not start:\n{procs.log_tail('gateway')}")
+        tasks.append(asyncio.create_task(_drain(gw)))
+        client = openai.AsyncOpenAI(base_url=gw_ready["openai_base_url"], api_key="demo", max_retries=0,
+                                    timeout=300.0)
 
         async def follow_dispatch() -> None:
             cons = consumer(s, tps.dispatch.name, group_id=None, fetch_max_wait_ms=100)
@@ -458,7 +533,6 @@ async def _run_once(
         t0 = time.monotonic()
         # A slow start (a busy machine) eats into the budget, but never leaves nothing to replay.
         replay_until = max(t_start + budget_s - drain_s, t0 + MIN_REPLAY_S)
-        seq = 0
         for r in requests:
             at = t0 + r.arrival_s
             if at > replay_until and not exact:
@@ -468,12 +542,10 @@ async def _run_once(
                 refresh()
             check_alive()
             toks = request_tokens(r.hash_ids, r.input_length, r.index, base.seed)
-            req = RoutingRequest(request_id=f"{policy}-{r.index}", token_ids=toks, prompt_tokens=len(toks),
-                                 expected_output_tokens=r.output_length)
-            stats.prompt_of[req.request_id] = len(toks)
-            seq += 1
-            env_ = envelope(req, producer_id="demo-gateway", producer_seq=seq, ts_ms=time.time_ns() // 1_000_000)
-            await prod.send(tps.requests.name, encode(env_), key=req.request_id.encode(), headers=headers(env_))
+            client_id = f"{policy}-{r.index}"
+            stats.prompt_of[f"{gateway_id}-{client_id}"] = len(toks)
+            clients.add(asyncio.create_task(_ask(client, stats, f"{gateway_id}-{client_id}", client_id, toks,
+                                                 r.output_length)))
             stats.sent += 1
 
         # Drain: wait for what was decided to finish its prefill (and decode), within the budget.
@@ -481,12 +553,17 @@ async def _run_once(
         end = max(time.monotonic() + (drain_s if exact else 2.0), t_start + budget_s)
         while time.monotonic() < end:
             if stats.decisions + sum(stats.rejected.values()) >= stats.sent and stats.prefills >= stats.decisions \
-                    and stats.decodes >= stats.decisions:
+                    and stats.decodes >= stats.decisions and all(t.done() for t in clients):
                 break
             refresh()
             await asyncio.sleep(0.25)
         stats.phase = "done"
     finally:
+        for t in clients:
+            t.cancel()
+        await asyncio.gather(*clients, return_exceptions=True)
+        if client is not None:
+            await client.close()
         stop.set()
         await procs.stop()
         for t in tasks:
@@ -497,6 +574,57 @@ async def _run_once(
         with contextlib.suppress(Exception):
             await view.close()
         refresh()
+
+
+async def _ask(client: openai.AsyncOpenAI, stats: RunStats, request_id: str, client_id: str, tokens: list[int],
+               max_tokens: int) -> None:
+    """One user request through the gateway: a streamed completion of the trace's prompt (as token ids)."""
+    t0 = time.perf_counter()
+    try:
+        # The token ids ride in ``extra_body``, which the SDK sends as is: given as ``prompt``, the SDK
+        # type-checks the list element by element before sending (0.5-1.5 s of this event loop for a
+        # trace prompt of ~12k tokens, on this machine), and that blocked the bridges' scrapes (nodes
+        # looked dead: no_live_instance) and every other client's stream (TTFTs of seconds, requests
+        # that reached the gateway only late or never).
+        raw = await client.completions.with_raw_response.create(
+            model="default", prompt=[], max_tokens=max(1, max_tokens), stream=True,
+            extra_body={"prompt": tokens}, extra_headers={"x-request-id": client_id})
+        routing_s = float(raw.headers.get("x-conductor-routing-ms") or 0.0) / 1000.0
+        first = None
+        async for chunk in raw.parse():
+            if first is None and chunk.choices and chunk.choices[0].text:
+                first = time.perf_counter() - t0
+        if first is not None:
+            stats.on_client(raw.headers.get("x-conductor-request-id") or request_id, first, routing_s)
+    except openai.APIStatusError as e:
+        stats.client_errors[str(e.status_code)] += 1  # a rejection: 429/503 with its reason (also on dispatch)
+    except (openai.APIError, ValueError) as e:
+        stats.client_errors[type(e).__name__] += 1
+
+
+async def _ready_line(proc: asyncio.subprocess.Process, timeout_s: float) -> dict[str, Any] | None:
+    """The process's ``{"event": "ready", ...}`` stdout line (None if it exits or times out first)."""
+    assert proc.stdout is not None
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            line = await asyncio.wait_for(proc.stdout.readline(), max(0.1, deadline - time.monotonic()))
+        except asyncio.TimeoutError:
+            return None
+        if not line:
+            return None
+        with contextlib.suppress(ValueError):
+            row = json.loads(line)
+            if isinstance(row, dict) and row.get("event") == "ready":
+                return row
+    return None
+
+
+async def _drain(proc: asyncio.subprocess.Process) -> None:
+    """Keep reading a child's stdout so it never blocks on a full pipe."""
+    assert proc.stdout is not None
+    while await proc.stdout.readline():
+        pass
 
 
 async def _collect_counts(bridge: Any, into: Counter[str], stop: asyncio.Event) -> None:
@@ -521,7 +649,7 @@ def run_demo(settings: Settings, opts: DemoOptions) -> dict[str, Any]:
     if not console.is_terminal:
         console = Console(stderr=True, width=max(console.width, 120))  # a log file, not a window
     # The dashboard is the demo's output; per-record logs go to the processes' log files.
-    for name in ("conductor.bridge", "aiokafka", "conductor.dispatch"):
+    for name in ("conductor.bridge", "aiokafka", "conductor.dispatch", "httpx", "httpx2", "openai"):
         logging.getLogger(name).setLevel(logging.WARNING)
     trace = opts.trace or default_trace()
     if not trace.exists():
@@ -550,6 +678,12 @@ def run_demo(settings: Settings, opts: DemoOptions) -> dict[str, Any]:
         if opts.admin_port:
             console.print(f"live console: http://{settings.bind_host}:{opts.admin_port}/ (while the demo runs)",
                           soft_wrap=True, highlight=False)
+        if not opts.gateway_port or not _port_free(settings.bind_host, opts.gateway_port):
+            opts = dataclasses.replace(opts, gateway_port=free_port(settings.bind_host))  # the same for both runs
+        gw_url = f"http://{settings.bind_host}:{opts.gateway_port}"
+        console.print(f"gateway (OpenAI API, while the demo runs): {gw_url}/v1  e.g.\n  curl -s {gw_url}/v1/completions "
+                      "-H 'content-type: application/json' -d '{\"model\": \"default\", \"prompt\": \"hello there\", "
+                      "\"max_tokens\": 8}'", soft_wrap=True, highlight=False, markup=False)
         budget = opts.duration_s / 2
         requests = load_slice(trace, opts.speed, opts.sample, budget)
         with Live(render(runs, opts), console=console, refresh_per_second=2, transient=False) as live:
@@ -557,7 +691,7 @@ def run_demo(settings: Settings, opts: DemoOptions) -> dict[str, Any]:
                 live.update(render(runs, opts))
 
             for i, policy in enumerate((opts.policy, opts.baseline)):
-                stats = RunStats(policy)
+                stats = RunStats(policy, opts.speed)
                 runs.append(stats)
                 asyncio.run(_run_once(base, opts, policy, requests, budget, stats, log_dir, refresh,
                                       exact=i == 1, pids=pids))
@@ -579,6 +713,12 @@ def run_demo(settings: Settings, opts: DemoOptions) -> dict[str, Any]:
             "baseline_tbt_p90_ms": other["tbt_p90_ms"],
             "baseline_ttft_prediction_error_p50": other["ttft_prediction_error_p50"],
             "speed": opts.speed,
+            "gateway_url": gw_url,
+            "client_ttft_wall_p50_s": main["client_ttft_wall_p50_s"],
+            "gateway_routing_ms_p50": main["gateway_routing_ms_p50"],
+            "gateway_routing_ms_p99": main["gateway_routing_ms_p99"],
+            "client_errors": main["client_errors"],
+            "baseline_client_errors": other["client_errors"],
             "instances": {"prefill": opts.prefill, "decode": opts.decode},
             "bridge": {k: v for k, v in runs[-1].bridge_counts.items() if v},
             "wall_s": round(time.monotonic() - t_all, 1),

@@ -38,7 +38,11 @@ def test_demo_completes_and_compares_with_the_baseline(stack: StackState, settin
     assert r["decisions"] == 0 or r["ttft_p50_s"] is not None
     assert 0.0 <= r["reuse_ratio"] <= 1.0
     assert "Summary" in proc.stderr.decode()
-    assert len(r["pids"]) == 2 * (1 + 1 + 1 + 2 + 2)  # worker, router, admin console, 2 prefill, 2 decode, per run
+    # worker, router, admin console, gateway, 2 prefill, 2 decode, per run
+    assert len(r["pids"]) == 2 * (1 + 1 + 1 + 1 + 2 + 2)
+    # The traffic went through the gateway: the client saw the first tokens, the gateway routed them.
+    assert r["gateway_url"].startswith("http://") and "gateway (OpenAI API" in proc.stderr.decode()
+    assert r["decisions"] == 0 or (r["client_ttft_wall_p50_s"] is not None and r["gateway_routing_ms_p50"] > 0)
     for pid in r["pids"]:
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split(") ")[1][:1]
 
