@@ -99,6 +99,12 @@ class Settings(BaseSettings):
     router_concurrency: int = Field(
         default=2, ge=1, le=64, description="view reads a router keeps in flight (pipelined on one connection)"
     )
+    embedded_fetch_wait_ms: int = Field(
+        default=5, ge=1, le=500,
+        description="embedded profile: how long the broker holds a router's fetch of requests and a gateway's "
+        "fetch of its replies (Tansu answers only when the wait runs out); lower = faster decisions, more "
+        "CPU while idle (conductor/gateway/README.md)",
+    )
     topology_file: Path | None = Field(
         default=None,
         description="cluster topology (JSON: racks, zones, per-link bandwidth/latency, RDMA or TCP; "

@@ -78,7 +78,8 @@ class ReplyInbox:
 
         await ensure_topics(self.settings, (self.topic,))
         # A short fetch wait: an idle gateway's first decision must not sit in the broker.
-        cons = consumer(self.settings, group_id=None, fetch_max_wait_ms=5)
+        wait_ms = self.settings.embedded_fetch_wait_ms if self.settings.embedded else 5
+        cons = consumer(self.settings, group_id=None, fetch_max_wait_ms=wait_ms)
         await cons.start()
         try:
             tp = TopicPartition(self.topic.name, 0)

@@ -425,11 +425,11 @@ class RouterWorker:
 
         t = self.topics
         await ensure_topics(self.settings, (t.requests, t.dispatch, t.dead_letter, t.control))
-        prod = producer(self.settings)
+        prod = producer(self.settings, linger_ms=0)  # a waiting gateway's reply goes out at once
         # The embedded broker answers a fetch only when its wait runs out, new records or not:
         # a short wait keeps a waiting gateway's decision from sitting there (Kafka returns early).
         cons = consumer(self.settings, t.requests.name, group_id=self.settings.topic_prefix + self.GROUP,
-                        **({"fetch_max_wait_ms": 5} if self.settings.embedded else {}))
+                        **({"fetch_max_wait_ms": self.settings.embedded_fetch_wait_ms} if self.settings.embedded else {}))
         control = ControlFollower(self.settings, self.router)
         await prod.start()
         await control.start()  # caught up with every control record before the first decision
