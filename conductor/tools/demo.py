@@ -491,11 +491,13 @@ async def _run_once(
         while True:
             check_alive()
             live = {n.node_id for n in await view.nodes() if n.is_live(time.time_ns() // 1_000_000, base.heartbeat_ttl_s)}
-            if want <= live:
+            # ... and no partition still being read back (routers answer 503 view_rebuilding meanwhile).
+            rebuilding = await view.rebuild_pending() if want <= live else {}
+            if want <= live and not rebuilding:
                 break
             if time.monotonic() > deadline:
-                raise DemoError(f"the view never showed every engine live (live: {sorted(live)}); "
-                                f"worker log:\n{procs.log_tail('worker')}")
+                raise DemoError(f"the view never showed every engine live (live: {sorted(live)}, partitions "
+                                f"rebuilding: {sorted(rebuilding)}); worker log:\n{procs.log_tail('worker')}")
             refresh()
             await asyncio.sleep(0.3)
 
