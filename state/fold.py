@@ -216,7 +216,7 @@ def fold(env: Envelope, stream: NodeStream | None = None) -> Folded:
             ops.append(AddBlocks(node, TIER_INDEX[body.tier], keys))
     elif isinstance(body, BlocksRemoved):
         if body.block_keys:
-            ops.append(RemoveBlocks(node, TIER_INDEX[body.tier], tuple(body.block_keys)))
+            ops.append(RemoveBlocks(body.node or node, TIER_INDEX[body.tier], tuple(body.block_keys)))
     elif isinstance(body, AllBlocksCleared):
         ops.append(ClearNode(node))
     else:  # BlocksMigrated
