@@ -22,8 +22,8 @@ from conductor.cli.common import err, print_json, print_result, settings_or_exit
 from conductor.engine.emulated import EmulatedEngine, EngineConfig
 from conductor.engine.executor import EngineCommandExecutor, commands_for
 from conductor.engine.http import engine_app
-from conductor.engine.pool import POOL_NODE, MooncakePool, PoolError, PoolIndex, PoolLink
 from conductor.engine.metrics import engine_registry
+from conductor.engine.pool import POOL_NODE, LocalMaster, MooncakePool, PoolError, PoolIndex, PoolLink, measure_latency
 from conductor.errors import ConfigError
 from conductor.profiles import load_profile
 from conductor.routing.dispatch import decisions_for
@@ -340,18 +340,23 @@ def register(groups: dict[str, typer.Typer]) -> None:
         """Put/get latency of the shared KV pool (Mooncake Store, conductor[mooncake]) through Conductor's client.
 
         Mounts a segment large enough for COUNT objects of SIZE bytes, puts them one by one, gets them back,
-        removes them, and reports the p50/p99 milliseconds of each call.
+        removes them, and reports the p50/p99 milliseconds of each call; then the same through a second client
+        that mounts no memory (remote_*: the bytes cross the transfer engine over TCP).
         """
-        from conductor.engine.pool import LocalMaster, measure_latency
-
         own = LocalMaster() if master is None else None
         try:
             address = own.start() if own is not None else master
             pool = MooncakePool.connect(address, block_size_bytes=size, segment_bytes=max(64 << 20, 2 * size * count))
+            # A client that mounts no memory: its objects live in the first one's segment, so its
+            # puts and gets cross the transfer engine (TCP), as between two engines' processes.
+            remote = MooncakePool.connect(address, block_size_bytes=size, segment_bytes=0)
             try:
-                out: dict[str, object] = {"bench": "pool", "master": address, **measure_latency(pool, size=size,
-                                                                                                 count=count)}
+                out: dict[str, object] = {"bench": "pool", "master": address,
+                                          **measure_latency(pool, size=size, count=count)}
+                out.update({f"remote_{k}": v for k, v in measure_latency(remote, size=size, count=count).items()
+                            if k not in ("size_bytes", "count")})
             finally:
+                remote.close()
                 pool.close()
         except PoolError as e:
             err.print(f"[red]error:[/red] {e}")

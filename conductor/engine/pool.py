@@ -114,6 +114,13 @@ class MooncakePool:
         """Join the pool whose master listens on ``master`` (``host:port``), mounting a segment of
         ``segment_bytes`` of this process's memory into it."""
         _package_dir()
+        host, _, port = master.rpartition(":")
+        if not host or not port.isdigit():
+            raise PoolError(f"the master's address must be HOST:PORT, not {master!r}")
+        try:  # the client retries an absent master for ever: ask first
+            socket.create_connection((host, int(port)), timeout=3).close()
+        except OSError as e:
+            raise PoolError(f"no Mooncake master answers at {master} ({e})") from None
         try:
             from mooncake.store import MooncakeDistributedStore
         except ImportError as e:  # typically libibverbs.so.1 missing
@@ -291,7 +298,7 @@ class PoolLink:
             if self.heartbeats is not None:
                 try:
                     await self.heartbeats([self.index.heartbeat(self.clock_ms())])
-                except Exception as e:  # a broker hiccup must not stop the engine
+                except Exception as e:  # noqa: BLE001  (a broker hiccup must not stop the engine)
                     log.warning("pool heartbeat not published: %s", e)
             await asyncio.sleep(self.index.heartbeat_s)
 

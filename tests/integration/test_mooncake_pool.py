@@ -27,7 +27,6 @@ from schemas import RoutingDecision, RoutingRejection, RoutingRequest, chain_key
 from state.redis_view import RedisViewStore
 from streams.kafka import consumer, ensure_topics, producer
 from streams.topics import topics
-
 from tests.integration.test_balance_loop import _stop
 from tests.integration.test_e2e import _start
 
@@ -39,7 +38,7 @@ MB = 1 << 20
 def _client_loads() -> str | None:
     try:
         import mooncake.store  # noqa: F401
-    except Exception as e:  # ImportError, or OSError for a missing libibverbs.so.1
+    except Exception as e:  # noqa: BLE001  (ImportError, or OSError for a missing libibverbs.so.1)
         return f"the Mooncake Store client does not load ({e}): pip install '.[mooncake]'; apt-get install libibverbs1"
     return None
 
