@@ -190,8 +190,9 @@ async def test_a_hot_prefix_on_an_overloaded_engine_is_replicated_and_routed_to_
         async def all_live() -> bool:
             now = time.time_ns() // 1_000_000
             live = {n.node_id for n in await view.nodes() if n.is_live(now, settings.heartbeat_ttl_s)}
-            return live >= {"p0", "p1", "d0"}
+            return live >= {"p0", "p1", "d0"} and (await view.view_health())[0]
 
+        # (and the view healthy: a worker still reading partitions back makes routers reject)
         await wait_for("every engine live in the view", all_live)
         await watch.start()
 

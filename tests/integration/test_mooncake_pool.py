@@ -151,7 +151,8 @@ async def test_an_offloaded_prefix_is_indexed_in_the_view_and_read_back_from_the
 
         async def live() -> bool:
             now = time.time_ns() // 1_000_000
-            return {n.node_id for n in await view.nodes() if n.is_live(now, s.heartbeat_ttl_s)} >= {"p0", "d0", POOL_NODE}
+            live = {n.node_id for n in await view.nodes() if n.is_live(now, s.heartbeat_ttl_s)}
+            return live >= {"p0", "d0", POOL_NODE} and (await view.view_health())[0]
 
         await wait_for("p0, d0 and the pool live in the view", live)
         a = [(13 * i + 1) % 30_000 for i in range(8 * bs)]
