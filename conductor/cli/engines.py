@@ -226,7 +226,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
                                          "and answer them on kv-command-results"),
         mooncake_master: str = typer.Option(
             None, "--mooncake-master", metavar="HOST:PORT",
-            help="join this Mooncake Store as the shared KV pool (needs conductor[mooncake]): blocks leaving the "
+            help="join this Mooncake Store as the shared KV pool (needs the mooncake extra): blocks leaving the "
             "last local tier are put there, prefixes the router reads from the pool are read back from it, a "
             "demote to DRAM without --dram-blocks goes there; the pool is the view's store node --pool-node-id",
         ),
@@ -337,7 +337,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
         count: int = typer.Option(50, "--count", min=1, help="objects put, read back and removed"),
         json_out: bool = typer.Option(False, "--json", help="print one JSON line"),
     ) -> None:
-        """Put/get latency of the shared KV pool (Mooncake Store, conductor[mooncake]) through Conductor's client.
+        """Put/get latency of the shared KV pool (Mooncake Store; needs the mooncake extra) through Conductor's client.
 
         Mounts a segment large enough for COUNT objects of SIZE bytes, puts them one by one, gets them back,
         removes them, and reports the p50/p99 milliseconds of each call; then the same through a second client

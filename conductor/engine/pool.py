@@ -254,8 +254,9 @@ class PoolLink:
     heartbeats: Callable[[list[Envelope]], Awaitable[Any]] | None = None
     clock_ms: Callable[[], int] = field(default=lambda: time.time_ns() // 1_000_000)
     counts: Counter[str] = field(default_factory=Counter)
-    held: set[int] = field(default_factory=set)
-    """Keys this engine put and has not found missing since (what its executor counts as in the pool)."""
+    held: dict[int, None] = field(default_factory=dict)
+    """Keys this engine put and has not found missing since (what its executor counts as in the
+    pool), oldest first, at most ``4 x capacity_blocks`` of them."""
 
     @property
     def node(self) -> str:
@@ -270,7 +271,11 @@ class PoolLink:
         if full:
             self.counts["pool_full"] += 1
             log.warning("the KV pool is full: %d of %d blocks not written", len(keys) - len(done), len(keys))
-        self.held.update(done)
+        for k in done:
+            self.held.pop(k, None)
+            self.held[k] = None
+        for k in list(self.held)[: max(0, len(self.held) - 4 * self.client.capacity_blocks)]:
+            del self.held[k]
         if done and self.events is not None:
             now = self.clock_ms()
             await self.events([self.index.moved(done, from_tier, now) if move else self.index.stored(done, from_tier, now)])
@@ -287,7 +292,8 @@ class PoolLink:
             rest = list(keys[n:])
             there = await asyncio.to_thread(self.client.holds, rest)
             gone = [k for k, h in zip(rest, there) if not h]
-            self.held.difference_update(gone)
+            for k in gone:
+                self.held.pop(k, None)
             self.counts["blocks_missing"] += len(gone)
             if gone and self.events is not None:
                 await self.events([self.index.missing(gone, self.clock_ms())])
