@@ -123,9 +123,11 @@ async def test_an_engines_events_make_the_next_request_reuse_its_prefix(
 
         async def all_live() -> bool:
             now = time.time_ns() // 1_000_000
-            return {n.node_id for n in await view.nodes() if n.is_live(now, settings.heartbeat_ttl_s)} >= {"p0", "p1", "d0"}
+            live = {n.node_id for n in await view.nodes() if n.is_live(now, settings.heartbeat_ttl_s)}
+            # and the view healthy: while the worker reads partitions back, routers answer view_rebuilding
+            return live >= {"p0", "p1", "d0"} and (await view.view_health())[0]
 
-        await wait_for("every engine live in the view", all_live)
+        await wait_for("every engine live in the view and the view healthy", all_live)
 
         await cons.start()
         decisions: dict[str, RoutingDecision] = {}
