@@ -212,8 +212,10 @@ async def test_the_bridge_command_brings_an_engine_that_does_not_heartbeat_into_
         deadline = time.monotonic() + 40
         while True:
             assert all(p.poll() is None for p in procs), (tmp_path / "bridge.log").read_text()[-2000:]
-            out = subprocess.run([sys.executable, "-c", "from conductor.cli import main; main()", "view", "show", "--json"],
-                                 env=conductor_env(settings), capture_output=True, timeout=30)
+            # In a thread: the in-process "engine" must keep answering the bridge's probes and replay meanwhile.
+            out = await asyncio.to_thread(
+                subprocess.run, [sys.executable, "-c", "from conductor.cli import main; main()", "view", "show", "--json"],
+                env=conductor_env(settings), capture_output=True, timeout=30)
             assert out.returncode == 0, out.stderr.decode()[-2000:]
             nodes = {n["node_id"]: n for n in json.loads(out.stdout)["nodes"]}
             node = nodes.get("vllm-0")
