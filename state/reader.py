@@ -21,10 +21,10 @@ from typing import Any
 from urllib.parse import unquote, urlparse
 
 import hiredis
-from redis.asyncio.connection import Connection
 
 from schemas.errors import ViewStoreError
 
+from .connect import HiredisPackedConnection
 from .keys import NODE_ATTRS, NodeHashDecoder, ViewKeys, dump_from_replies, snapshot_from_replies
 from .view import NodeState, ViewSnapshot
 
@@ -289,16 +289,4 @@ class RawSnapshotReader:
         return dump_from_replies(self.keys, dict(_pairs(flat_nodes)), blocks, _pairs(flat_wm))
 
 
-class HiredisPackedConnection(Connection):
-    """An asyncio redis-py connection that packs commands with hiredis (C) instead of Python.
-
-    The routing read sends a 128-key MGET per request; redis-py's asyncio client packs it
-    argument by argument in Python, which was the largest single cost of a decision. (The
-    router's other Redis traffic, reservations, uses this through ``connection_class``.)
-    """
-
-    def pack_command(self, *args: Any) -> list[bytes]:
-        first = args[0]
-        if isinstance(first, str) and " " in first:  # e.g. "SCRIPT LOAD": separate words
-            args = (*first.split(), *args[1:])
-        return [hiredis.pack_command(args)]
+__all__ = ["DELTA_MAX_NODES", "HiredisPackedConnection", "RawSnapshotReader"]
