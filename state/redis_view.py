@@ -345,11 +345,13 @@ class RedisViewStore:
     async def close(self) -> None:
         await self.client.aclose()
 
-    def _target(self) -> dict[str, Any]:
+    async def _target(self) -> dict[str, Any]:
         """On a cluster, the primary serving the namespace's slot (keyless and per-node
-        commands, and scripts, are sent there); nothing on a single server."""
+        commands, and scripts, are sent there); nothing on a single server. The client's slot
+        map is (re)loaded first when it is new or an error marked it stale (a failover)."""
         if not self.cluster:
             return {}
+        await self.client.initialize()
         return {"target_nodes": self.client.get_node_from_key(self.keys.generation)}
 
     async def _eval(self, script: Any, keys: Sequence[Any], args: Sequence[Any]) -> Any:
@@ -358,15 +360,16 @@ class RedisViewStore:
         they all share the namespace's slot)."""
         if not self.cluster:
             return await script(keys=keys, args=args)
-        target = self._target()
+        target = await self._target()
         try:
             return await self.client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args, **target)
         except NoScriptError:
             await self.client.execute_command("SCRIPT LOAD", script.script, **target)
             return await self.client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args, **target)
 
-    def _scan(self, pattern: str, count: int = 2000):
-        return _scan_batches(self.client, pattern, count, **self._target())
+    async def _scan(self, pattern: str, count: int = 2000):
+        async for keys in _scan_batches(self.client, pattern, count, **await self._target()):
+            yield keys
 
     def block_key(self, key: int) -> bytes:
         return self.keys.block(key)
@@ -544,7 +547,7 @@ class RedisViewStore:
             async with self.client.pipeline(transaction=True) as p:  # one instant: blocks, nodes, fences
                 p.eval(_TIME_LUA, 1, self.keys.generation)
                 if chain:
-                    p.mget(self.keys.blocks(chain))
+                    p.execute_command("MGET", *self.keys.blocks(chain))  # (a cluster pipeline refuses p.mget)
                 p.hgetall(self.keys.nodes)
                 p.hgetall(self.keys.watermark)
                 res = await p.execute()
@@ -594,7 +597,7 @@ class RedisViewStore:
 
     async def memory_bytes(self) -> int:
         """Redis ``used_memory`` (the whole server; for benchmarks on a dedicated instance)."""
-        info = await self.client.info("memory", **self._target())
+        info = await self.client.info("memory", **await self._target())
         return int(info["used_memory"])
 
 
@@ -624,7 +627,10 @@ def _split(enc: list[list[Any]]) -> list[list[list[Any]]]:
 async def _scan_batches(client: Any, pattern: str, count: int = 2000, **target: Any):
     cursor = 0
     while True:
-        cursor, keys = await client.scan(cursor=cursor, match=pattern, count=count, **target)
+        cursor, keys = await client.execute_command("SCAN", cursor, "MATCH", pattern, "COUNT", count, **target)
+        if isinstance(cursor, dict):  # a cluster client answers {node: cursor}
+            (cursor,) = cursor.values()
+        cursor = int(cursor)
         if keys:
             yield keys
         if cursor == 0:
