@@ -551,10 +551,11 @@ def redis_stores(settings: Settings, producer_id: str | None = None) -> tuple[An
         health_check_interval=0, connection_class=HiredisPackedConnection,
     )
     view = RedisViewStore(client, settings.view_namespace)
-    # The raw reader speaks plain RESP (with AUTH user password); TLS (rediss://), unix
-    # sockets and a Redis Cluster (redis+cluster://: redis-py follows the slot map, and the
-    # snapshot's MULTI/EXEC goes to the one primary of the namespace's slot) read through redis-py.
-    reader = RawSnapshotReader(url, settings.view_namespace, store=view) if url.startswith("redis://") else view
+    # The raw reader speaks plain RESP (with AUTH user password), to one server or to the
+    # primary of the namespace's one slot of a Redis Cluster; TLS (rediss://) and unix sockets
+    # read through redis-py.
+    raw = url.startswith(("redis://", "redis+cluster://"))
+    reader = RawSnapshotReader(url, settings.view_namespace, store=view) if raw else view
     return (reader,
             RedisReservations(client, settings.view_namespace, settings.reservation_ttl_s,
                               producer_id=producer_id or default_router_id()))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 
 import pytest
 
@@ -24,16 +25,38 @@ from streams.topics import topics
 pytestmark = pytest.mark.integration
 
 
+def _on_cluster(stack, valkey_cluster, tmp_path):
+    tag = uuid.uuid4().hex[:8]
+    return load_settings(kafka_url=stack.kafka_url, redis_url=valkey_cluster.url, profile="embedded",
+                         topic_prefix=f"t{tag}.", view_namespace=f"t{tag}", partitions=2, data_dir=tmp_path / "data")
+
+
 class TestClusterViewStore(contract.TestRedisViewStore):
     """The whole view contract (writes, fences, generations, compaction, reads) on the cluster."""
 
     @pytest.fixture
-    async def store(self, cluster_settings):
-        s = RedisViewStore.from_settings(cluster_settings)
-        assert s.cluster
-        yield s
-        await s.clear()
-        await s.close()
+    def settings(self, stack, valkey_cluster, tmp_path):
+        return _on_cluster(stack, valkey_cluster, tmp_path)
+
+
+class TestClusterRawReader(contract.TestRawSnapshotReader):
+    """The router's raw reader, connected to the primary of the namespace's slot."""
+
+    @pytest.fixture
+    def settings(self, stack, valkey_cluster, tmp_path):
+        return _on_cluster(stack, valkey_cluster, tmp_path)
+
+    async def test_it_reads_from_the_slots_primary_found_from_any_seed(self, store, valkey_cluster):
+        await self.feed(store, [contract.stored("a", 0, [1, 2])])
+        assert (await store.snapshot([1, 2], now_ms=0)).prefix == {"a": (2, 2, 2)}
+        owner = valkey_cluster.owner_of(store.keys.generation)
+        assert (store.host, store.port) == (owner.host, owner.port)
+        other = next(n for n in valkey_cluster.nodes if n is not owner)
+        await store._drop()
+        store.host, store.port = other.host, other.port  # as if the slot had moved away from where it read
+        store.seeds = [(other.host, other.port)]
+        assert (await store.snapshot([1, 2], now_ms=0)).prefix == {"a": (2, 2, 2)}  # asked the slot map again
+        assert store.port == owner.port
 
 
 async def test_a_namespace_lives_in_one_slot_on_one_primary(cluster_settings, valkey_cluster):
@@ -77,7 +100,7 @@ async def test_worker_folds_into_the_cluster_and_the_router_routes_from_it(clust
     worker = start_worker_process(s, tmp_path / "worker.log")
     view = RedisViewStore.from_settings(s)
     reader, resv = redis_stores(s, producer_id="cluster-test")
-    assert not isinstance(reader, RawSnapshotReader)  # a cluster is read through redis-py's cluster client
+    assert isinstance(reader, RawSnapshotReader) and reader.seeds  # the fast reader, on the slot's primary
     stop = asyncio.Event()
     task = None
     try:
