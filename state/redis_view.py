@@ -595,10 +595,16 @@ class RedisViewStore:
             raise ViewStoreError(f"view read failed: {e}") from e
         return dump_from_replies(self.keys, raw_nodes, blocks, raw_wm.items())
 
+    async def server_info(self, section: str) -> dict[str, Any]:
+        """``INFO section`` of the server holding the view (on a cluster: the slot's primary)."""
+        info = await self.client.info(section, **await self._target())
+        if self.cluster and isinstance(info, dict) and len(info) == 1 and isinstance(next(iter(info.values())), dict):
+            (info,) = info.values()  # a cluster client may answer {node: info}
+        return info
+
     async def memory_bytes(self) -> int:
         """Redis ``used_memory`` (the whole server; for benchmarks on a dedicated instance)."""
-        info = await self.client.info("memory", **await self._target())
-        return int(info["used_memory"])
+        return int((await self.server_info("memory"))["used_memory"])
 
 
 def _split(enc: list[list[Any]]) -> list[list[list[Any]]]:
