@@ -16,7 +16,6 @@ from conductor.routing.router import RawSnapshotReader, Router, RouterWorker, re
 from conductor.settings import load_settings
 from conductor.tools.bench.ingest import start_worker_process, stop_worker_process
 from conductor.tools.devstack import free_port
-from conductor.errors import ConfigError
 from schemas import BlocksStored, Heartbeat, RoutingDecision, RoutingRequest, chain_keys, decode, encode, envelope
 from state.redis_view import RedisViewStore
 from streams import kafka
@@ -78,14 +77,6 @@ async def test_a_namespace_lives_in_one_slot_on_one_primary(cluster_settings, va
     finally:
         await store.clear()
         await store.close()
-
-
-def test_a_bad_cluster_url_fails_at_start_up_naming_the_field():
-    for bad in ("redis+cluster://", "redis+cluster://h:notaport", "redis+cluster://h:7000/3"):
-        with pytest.raises(ConfigError, match="redis_url"):
-            load_settings(redis_url=bad)
-    ok = load_settings(redis_url="redis+cluster://u:pw@h1:7000,h2:7001", redis_password="other")
-    assert ok.redis_connection_url == "redis+cluster://u:other@h1:7000,h2:7001"
 
 
 async def test_worker_folds_into_the_cluster_and_the_router_routes_from_it(cluster_settings, tmp_path):
