@@ -13,6 +13,7 @@ import sys
 from urllib.parse import urlsplit, urlunsplit
 
 import redis as redis_sync
+from redis.exceptions import RedisClusterException
 import typer
 from rich.console import Console
 
@@ -94,12 +95,12 @@ def redis_unreachable(s: Settings, timeout_s: float) -> str | None:
         client = open_sync_client(
             connection_url(s), socket_connect_timeout=timeout_s, socket_timeout=timeout_s, **tls_options(s)
         )
-    except redis_sync.RedisError as e:  # a cluster client asks its seeds for the slot map at once
+    except (redis_sync.RedisError, RedisClusterException) as e:  # a cluster client asks its seeds at once
         return str(e) or type(e).__name__
     try:
         client.ping()
         return None
-    except redis_sync.RedisError as e:
+    except (redis_sync.RedisError, RedisClusterException) as e:
         return str(e) or type(e).__name__
     finally:
         client.close()
