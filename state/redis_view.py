@@ -34,6 +34,7 @@ from redis.exceptions import NoScriptError, RedisError
 from schemas.codec import pack_script_args
 from schemas.errors import ViewStoreError
 
+from .connect import HiredisPackedConnection, open_client
 from .fold import AddBlocks, ClearNode, NodeStream, Op, RemoveBlocks, SetHeartbeat, SetStream
 from .keys import (
     HEARTBEAT_FIELD,
@@ -46,7 +47,6 @@ from .keys import (
     snapshot_from_replies,
     stream_text,
 )
-from .connect import HiredisPackedConnection, open_client
 from .view import NodeState, Outcome, ViewSnapshot
 from .write import Group, Record, fold_and_write
 
@@ -335,7 +335,7 @@ class RedisViewStore:
         """The generation this store's writes are folded on (adopted by :meth:`adopt_generation`)."""
 
     @classmethod
-    def from_settings(cls, settings: Any) -> "RedisViewStore":
+    def from_settings(cls, settings: Any) -> RedisViewStore:
         if not settings.redis_url:
             raise ViewStoreError("redis_url is not set (start the embedded stack with `conductor dev up`)")
         client = open_client(connection_url(settings), decode_responses=False, socket_timeout=5.0,

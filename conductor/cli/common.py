@@ -13,8 +13,8 @@ import sys
 from urllib.parse import urlsplit, urlunsplit
 
 import redis as redis_sync
-from redis.exceptions import RedisClusterException
 import typer
+from redis.exceptions import RedisClusterException
 from rich.console import Console
 
 from conductor.errors import ConductorError

@@ -92,7 +92,7 @@ class ValkeyCluster:
         """``redis+cluster://`` with every node as a seed."""
         return "redis+cluster://" + ",".join(f"{n.host}:{n.port}" for n in self.nodes)
 
-    def start(self, timeout_s: float = 30.0) -> "ValkeyCluster":
+    def start(self, timeout_s: float = 30.0) -> ValkeyCluster:
         try:
             for n in self.nodes:
                 n.start()
