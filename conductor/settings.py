@@ -18,6 +18,7 @@ from pydantic import Field, SecretStr, ValidationError, field_validator, model_v
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from conductor.errors import ConfigError
+from state.connect import cluster_seeds, is_cluster_url
 from conductor.topology import Topology, load_topology
 
 Profile = Literal["embedded", "production"]
@@ -34,7 +35,9 @@ class Settings(BaseSettings):
         description="Kafka bootstrap servers (host:port[,host:port]); unset = the embedded broker",
     )
     redis_url: str | None = Field(
-        default=None, description="Redis URL (redis://host:port/db); unset = the embedded server"
+        default=None,
+        description="Redis URL (redis://host:port/db), or a Redis Cluster by its seed nodes "
+        "(redis+cluster://host:port[,host:port]); unset = the embedded server",
     )
     profile: Profile | None = Field(
         default=None,
@@ -133,8 +136,13 @@ class Settings(BaseSettings):
     @field_validator("redis_url")
     @classmethod
     def _redis_scheme(cls, v: str | None) -> str | None:
-        if v is not None and not v.startswith(("redis://", "rediss://", "unix://")):
-            raise ValueError("must start with redis://, rediss:// or unix://")
+        if v is None:
+            return v
+        if is_cluster_url(v):
+            cluster_seeds(v)  # its ValueError names what is wrong
+            return v
+        if not v.startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("must start with redis://, rediss://, unix:// or (a Redis Cluster) redis+cluster://")
         return v
 
     @field_validator("topology_file")
@@ -187,12 +195,11 @@ class Settings(BaseSettings):
         if url is None or (self.redis_username is None and self.redis_password is None):
             return url
         u = urlsplit(url)
-        user = quote(self.redis_username if self.redis_username is not None else (u.username or ""), safe="")
-        pw = self.redis_password.get_secret_value() if self.redis_password else unquote(u.password or "")
-        host = u.hostname or ""
-        if ":" in host:
-            host = f"[{host}]"
-        netloc = f"{user}:{quote(pw, safe='')}@{host}" + (f":{u.port}" if u.port else "")
+        userinfo, _, hosts = u.netloc.rpartition("@")  # hosts: host[:port], or a cluster's list of them
+        old_user, _, old_pw = userinfo.partition(":")
+        user = quote(self.redis_username if self.redis_username is not None else unquote(old_user), safe="")
+        pw = self.redis_password.get_secret_value() if self.redis_password else unquote(old_pw)
+        netloc = f"{user}:{quote(pw, safe='')}@{hosts}"
         return urlunsplit(u._replace(netloc=netloc))
 
 

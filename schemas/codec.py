@@ -73,6 +73,12 @@ def _heartbeat_v1_to_v2(body: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
+@upcaster("blocks_removed", 1)
+def _blocks_removed_v1(body: dict[str, Any]) -> dict[str, Any]:
+    # v2 added ``node``: absent = the producer's own blocks, as every v1 record meant.
+    return dict(body)
+
+
 @upcaster("routing_request", 1)
 def _routing_request_v1(body: dict[str, Any]) -> dict[str, Any]:
     # v2 added cache_salt, exclude and retry_of, all with defaults: nothing to fill in.

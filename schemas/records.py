@@ -86,6 +86,9 @@ class BlocksRemoved(Record):
     kind: Literal["blocks_removed"] = "blocks_removed"
     block_keys: Annotated[list[U64], Field(max_length=MAX_BLOCKS)]
     tier: Tier = "hbm"
+    node: OptName = None
+    """Whose blocks left, when not the producer's own: a shared pool (a ``store`` node) is written
+    and found missing by many engines, each publishing on its own stream (v2)."""
 
 
 class AllBlocksCleared(Record):
@@ -445,6 +448,7 @@ SCHEMA_VERSIONS["routing_request"] = 2  # v2 added cache_salt, exclude and retry
 SCHEMA_VERSIONS["routing_decision"] = 2  # v2 added control_offset, block_size, model_profile, prefill_group, chunk_boundaries
 SCHEMA_VERSIONS["routing_rejection"] = 2  # v2 added control_offset, block_size, model_profile
 SCHEMA_VERSIONS["kv_command"] = 2  # v2 added command_id (required), deadline_ms, token_ids, block_size
+SCHEMA_VERSIONS["blocks_removed"] = 2  # v2 added node (a shared pool's blocks removed by another producer)
 
 
 class Envelope(Record):

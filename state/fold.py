@@ -11,6 +11,9 @@ What it decides, per producer (node):
   *gap*: counted on the node (the record is still applied). A higher epoch means the
   engine restarted: the node's blocks leave the view (:class:`ClearNode`) before the
   record applies. A lower epoch is a straggler from before the restart and is skipped.
+  Blocks go to the producer, except where the event names another node: ``blocks_migrated``
+  adds to its ``to_node``, and ``blocks_removed`` with ``node`` removes that node's (a shared
+  pool written by many engines, each on its own stream).
 * **Heartbeats** (``heartbeats``): their own ``(epoch, producer_seq)`` order; an older
   heartbeat never overwrites a newer one. The heartbeat's ``ts_ms`` (the producer's
   clock) is the node's ``last_heartbeat_ms``, so a replay rebuilds the same view.
@@ -216,7 +219,7 @@ def fold(env: Envelope, stream: NodeStream | None = None) -> Folded:
             ops.append(AddBlocks(node, TIER_INDEX[body.tier], keys))
     elif isinstance(body, BlocksRemoved):
         if body.block_keys:
-            ops.append(RemoveBlocks(node, TIER_INDEX[body.tier], tuple(body.block_keys)))
+            ops.append(RemoveBlocks(body.node or node, TIER_INDEX[body.tier], tuple(body.block_keys)))
     elif isinstance(body, AllBlocksCleared):
         ops.append(ClearNode(node))
     else:  # BlocksMigrated

@@ -4,7 +4,12 @@ the store (:mod:`state.redis_view`), the fast reader (:mod:`state.reader`) and t
 all build and parse keys here. (The Lua scripts of ``state.redis_view`` follow the same
 layout on the server side.)
 
-Keys (``ns`` = the view namespace; ``|`` cannot occur in it):
+Keys (``ns`` = the view namespace; ``|``, ``{`` and ``}`` cannot occur in it). Every key of a
+namespace starts with the hash tag ``{ns}|`` (written ``ns|`` below), so on a Redis Cluster
+the whole view of one namespace lives in one slot: every script and MULTI/EXEC touches keys
+of one slot, on one primary, and the routing read stays one round trip. The price: one
+namespace is served by one primary (its memory and CPU); a view does not spread over
+several primaries, several namespaces (models, clusters) do.
 
 ``ns|b<8-byte block key>``  string: bit ``3*slot + tier`` set when the node in ``slot`` holds
     the block in ``tier`` (:data:`state.view.TIER_INDEX`), read little-endian.
@@ -25,6 +30,7 @@ Keys (``ns`` = the view namespace; ``|`` cannot occur in it):
     holding version v fetches only the nodes scored above v (:data:`NODE_ATTRS` of each).
 ``ns|base``   a random value set when the view is cleared: a reader whose base differs
     re-reads the whole node hash (versions of a cleared view mean nothing to it).
+``ns|resv-log``  stream of the routers' in-flight reservations (:mod:`state.reservations`).
 """
 
 from __future__ import annotations
@@ -93,28 +99,32 @@ def parse_stream(kv: bytes | None, hbs: bytes | None) -> NodeStream:
 class ViewKeys:
     """The key names of one view namespace (computed once: the router builds keys per read)."""
 
-    __slots__ = ("ns", "block_prefix", "block_pattern", "all_pattern", "nodes", "slots", "meta",
-                 "watermark", "version", "changes", "base", "retired", "free", "generation", "rebuild")
+    __slots__ = ("ns", "prefix", "block_prefix", "block_pattern", "all_pattern", "nodes", "slots", "meta",
+                 "watermark", "version", "changes", "base", "retired", "free", "generation", "rebuild",
+                 "reservations")
 
     def __init__(self, ns: str) -> None:
-        if "|" in ns:
-            raise ValueError("a view namespace cannot contain '|'")
+        if any(c in ns for c in "|{}"):
+            raise ValueError("a view namespace cannot contain '|', '{' or '}'")
         self.ns = ns
-        self.block_prefix = f"{ns}|b".encode()
-        self.block_pattern = f"{ns}|b*"
+        p = self.prefix = f"{{{ns}}}|"
+        """What every key of the namespace starts with: the hash tag ``{ns}`` puts them all in one cluster slot."""
+        self.block_prefix = f"{p}b".encode()
+        self.block_pattern = f"{p}b*"
         """SCAN pattern of the block keys (filter the matches with :meth:`block_of`)."""
-        self.all_pattern = f"{ns}|*"
-        self.nodes = f"{ns}|nodes"
-        self.slots = f"{ns}|slots"
-        self.meta = f"{ns}|meta"
-        self.watermark = f"{ns}|wm"
-        self.version = f"{ns}|ver"
-        self.changes = f"{ns}|chg"
-        self.base = f"{ns}|base"
-        self.retired = f"{ns}|retired"
-        self.free = f"{ns}|free"
-        self.generation = f"{ns}|gen"
-        self.rebuild = f"{ns}|rebuild"
+        self.all_pattern = f"{p}*"
+        self.nodes = f"{p}nodes"
+        self.slots = f"{p}slots"
+        self.meta = f"{p}meta"
+        self.watermark = f"{p}wm"
+        self.version = f"{p}ver"
+        self.changes = f"{p}chg"
+        self.base = f"{p}base"
+        self.retired = f"{p}retired"
+        self.free = f"{p}free"
+        self.generation = f"{p}gen"
+        self.rebuild = f"{p}rebuild"
+        self.reservations = f"{p}resv-log"
 
     def block(self, key: int) -> bytes:
         return self.block_prefix + key.to_bytes(BLOCK_KEY_BYTES, "big")

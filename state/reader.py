@@ -21,10 +21,11 @@ from typing import Any
 from urllib.parse import unquote, urlparse
 
 import hiredis
-from redis.asyncio.connection import Connection
+from redis.crc import key_slot
 
 from schemas.errors import ViewStoreError
 
+from .connect import HiredisPackedConnection, cluster_seeds
 from .keys import NODE_ATTRS, NodeHashDecoder, ViewKeys, dump_from_replies, snapshot_from_replies
 from .view import NodeState, ViewSnapshot
 
@@ -58,6 +59,9 @@ DELTA_MAX_NODES = 64
 """More nodes changed than this since the last read: read the whole node hash instead."""
 
 _IO_ERRORS = (OSError, asyncio.TimeoutError, ConnectionError, hiredis.ProtocolError)
+_RECONNECT_ON = ("NOSCRIPT", "MOVED", "ASK", "CLUSTERDOWN", "READONLY")
+"""Replies after which the reader connects afresh: the script cache was flushed (restart,
+failover), or on a cluster the slot moved or its primary changed."""
 
 
 def _pairs(flat: Sequence[Any]) -> zip:
@@ -75,14 +79,22 @@ class RawSnapshotReader:
 
     def __init__(self, url: str, namespace: str, *, timeout_s: float = 0.5, store: Any = None) -> None:
         u = urlparse(url)
-        if u.scheme not in ("redis", ""):
-            raise ViewStoreError(f"the raw snapshot reader speaks plain redis:// only, not {u.scheme}://")
+        if u.scheme not in ("redis", "", "redis+cluster"):
+            raise ViewStoreError(f"the raw snapshot reader speaks plain redis:// (or redis+cluster://) only, not {u.scheme}://")
         self.keys = ViewKeys(namespace)
         self.view = store
-        self.host, self.port = u.hostname or "127.0.0.1", u.port or 6379
-        self.db = int((u.path or "/0").lstrip("/") or 0)
-        self.username = unquote(u.username) if u.username else None
-        self.password = unquote(u.password) if u.password else None
+        self.seeds: list[tuple[str, int]] = []
+        """A cluster's seed nodes (``redis+cluster://``): the reader connects to the primary of
+        the namespace's one slot, found from them, and again after a MOVED or a lost connection."""
+        if u.scheme == "redis+cluster":
+            self.seeds, self.username, self.password = cluster_seeds(url)
+            (self.host, self.port), self.db = self.seeds[0], 0
+            self._slot = key_slot(self.keys.generation.encode())
+        else:
+            self.host, self.port = u.hostname or "127.0.0.1", u.port or 6379
+            self.db = int((u.path or "/0").lstrip("/") or 0)
+            self.username = unquote(u.username) if u.username else None
+            self.password = unquote(u.password) if u.password else None
         self.timeout_s = timeout_s
         self._io: tuple[asyncio.StreamReader, asyncio.StreamWriter] | None = None
         self._lock = asyncio.Lock()
@@ -108,16 +120,51 @@ class RawSnapshotReader:
     def setup_commands(self) -> list[tuple[Any, ...]]:
         """What a new connection sends first: AUTH (user and password, or password alone),
         SELECT, and loading the node-hash script."""
-        setup: list[tuple[Any, ...]] = []
-        if self.password is not None:
-            setup.append(("AUTH", self.username, self.password) if self.username else ("AUTH", self.password))
+        setup: list[tuple[Any, ...]] = self._auth()
         if self.db:
             setup.append(("SELECT", self.db))
         setup.append(("SCRIPT", "LOAD", _NODES_SINCE_LUA))
         return setup
 
+    def _auth(self) -> list[tuple[Any, ...]]:
+        if self.password is None:
+            return []
+        return [("AUTH", self.username, self.password) if self.username else ("AUTH", self.password)]
+
+    async def _slot_primary(self) -> tuple[str, int]:
+        """The primary serving the namespace's slot, asked of the last one used, then each seed."""
+        last: BaseException | None = None
+        for host, port in dict.fromkeys([(self.host, self.port), *self.seeds]):
+            try:
+                r, w = await asyncio.wait_for(asyncio.open_connection(host, port), self.timeout_s)
+            except _IO_ERRORS as e:
+                last = e
+                continue
+            try:
+                cmds = [*self._auth(), ("CLUSTER", "SLOTS")]
+                w.write(b"".join(hiredis.pack_command(c) for c in cmds))
+                parser, replies = hiredis.Reader(), []
+                while len(replies) < len(cmds):
+                    data = await asyncio.wait_for(r.read(1 << 16), self.timeout_s)
+                    if not data:
+                        raise ConnectionError("connection closed by the server")
+                    parser.feed(data)
+                    while (rep := parser.gets()) is not False:
+                        replies.append(rep)
+                for lo, hi, primary, *_ in replies[-1] if isinstance(replies[-1], list) else ():
+                    if lo <= self._slot <= hi:
+                        return (primary[0].decode() or host), int(primary[1])
+                last = ViewStoreError(f"{host}:{port} knows no primary of slot {self._slot}: {replies[-1]!r}")
+            except _IO_ERRORS as e:
+                last = e
+            finally:
+                w.close()
+        raise ViewStoreError(f"view read failed: no cluster seed answered with the slot's primary ({last})")
+
     async def _connect(self) -> None:
         """Open the connection, start its reply reader, and set it up (called under the lock)."""
+        if self.seeds:
+            self.host, self.port = await self._slot_primary()
         reader, writer = await asyncio.wait_for(asyncio.open_connection(self.host, self.port), self.timeout_s)
         self._io = (reader, writer)
         self._reader_task = asyncio.ensure_future(self._read_replies(reader, writer))
@@ -189,8 +236,8 @@ class RawSnapshotReader:
             raise ViewStoreError(f"view read failed: {type(e).__name__}: {e}") from e
         for r in res:
             if isinstance(r, hiredis.ReplyError):
-                if str(r).startswith("NOSCRIPT"):  # script cache flushed (restart, failover)
-                    await self._drop()  # the next connection loads it again
+                if str(r).startswith(_RECONNECT_ON):  # the next connection loads the script / finds the slot's primary
+                    await self._drop()
                 raise ViewStoreError(f"view read failed: {r}")
         return res
 
@@ -232,8 +279,8 @@ class RawSnapshotReader:
             raise ViewStoreError(f"view read failed: the transaction answered {res!r}")
         for r in res:
             if isinstance(r, hiredis.ReplyError):
-                if str(r).startswith("NOSCRIPT"):  # script cache flushed (restart, failover)
-                    await self._drop()  # the next connection loads it again
+                if str(r).startswith(_RECONNECT_ON):
+                    await self._drop()
                 raise ViewStoreError(f"view read failed: {r}")
         if chain:
             time_reply, values, flat_nodes, flat_wm = res
@@ -289,16 +336,4 @@ class RawSnapshotReader:
         return dump_from_replies(self.keys, dict(_pairs(flat_nodes)), blocks, _pairs(flat_wm))
 
 
-class HiredisPackedConnection(Connection):
-    """An asyncio redis-py connection that packs commands with hiredis (C) instead of Python.
-
-    The routing read sends a 128-key MGET per request; redis-py's asyncio client packs it
-    argument by argument in Python, which was the largest single cost of a decision. (The
-    router's other Redis traffic, reservations, uses this through ``connection_class``.)
-    """
-
-    def pack_command(self, *args: Any) -> list[bytes]:
-        first = args[0]
-        if isinstance(first, str) and " " in first:  # e.g. "SCRIPT LOAD": separate words
-            args = (*first.split(), *args[1:])
-        return [hiredis.pack_command(args)]
+__all__ = ["DELTA_MAX_NODES", "HiredisPackedConnection", "RawSnapshotReader"]

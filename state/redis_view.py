@@ -28,11 +28,13 @@ from collections.abc import Sequence
 from typing import Any
 
 import redis.asyncio as aioredis
-from redis.exceptions import RedisError
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import NoScriptError, RedisError
 
 from schemas.codec import pack_script_args
 from schemas.errors import ViewStoreError
 
+from .connect import HiredisPackedConnection, open_client
 from .fold import AddBlocks, ClearNode, NodeStream, Op, RemoveBlocks, SetHeartbeat, SetStream
 from .keys import (
     HEARTBEAT_FIELD,
@@ -41,7 +43,6 @@ from .keys import (
     ViewKeys,
     dump_from_replies,
     node_field,
-    pack_block_keys,
     parse_stream,
     snapshot_from_replies,
     stream_text,
@@ -51,16 +52,21 @@ from .write import Group, Record, fold_and_write
 
 _CHUNK_KEYS = 20_000  # block keys per script call: keeps each call well under ~20 ms
 
+# Every script declares every key it touches (KEYS), all of one namespace and so of one
+# cluster slot (state.keys: the {ns} hash tag).
+
+# KEYS: 1 gen, 2 nodes, 3 wm, 4 slots, 5 meta, 6 free, 7 retired, 8 ver, 9 chg, then the block keys
+# the operations name; ARGV: 1 the groups (msgpack), 2 the generation the write was folded on.
+# A block operation is {code, node, tier, index of its first block key in KEYS, count}.
 _APPLY_LUA = r"""
-local ns = ARGV[1]
-local groups = cmsgpack.unpack(ARGV[2])
+local groups = cmsgpack.unpack(ARGV[1])
 -- generation check: a write folded on another generation of the view (lost, replaced) is refused whole
-if ARGV[3] ~= redis.call('GET', ns .. '|gen') then
+if ARGV[2] ~= redis.call('GET', KEYS[1]) then
   local lost = {}
   for gi = 1, #groups do lost[gi] = 4 end
   return lost
 end
-local nodes, wmkey, bpre = ns .. '|nodes', ns .. '|wm', ns .. '|b'
+local nodes, wmkey, slotkey, metakey, freekey, retiredkey = KEYS[2], KEYS[3], KEYS[4], KEYS[5], KEYS[6], KEYS[7]
 local SEP = '\31'
 local slots = {}
 local function slot_of(node, create)
@@ -70,14 +76,14 @@ local function slot_of(node, create)
   if s then
     s = tonumber(s)
   elseif create then
-    local free = redis.call('ZPOPMIN', ns .. '|free')
+    local free = redis.call('ZPOPMIN', freekey)
     if free[1] then
       s = tonumber(free[1])
     else
-      s = redis.call('HINCRBY', ns .. '|meta', 'next_slot', 1) - 1
+      s = redis.call('HINCRBY', metakey, 'next_slot', 1) - 1
     end
     redis.call('HSET', nodes, node .. SEP .. 'slot', s)
-    redis.call('HSET', ns .. '|slots', s, node)
+    redis.call('HSET', slotkey, s, node)
   else
     return nil
   end
@@ -123,18 +129,18 @@ for gi = 1, #groups do
       local code, node = op[1], op[2]
       touched[node] = true
       if code == 1 or code == 2 then
-        local tier, keys = op[3], op[4]
+        local tier, first, last = op[3], op[4], op[4] + op[5] - 1
         local s = slot_of(node, code == 1)
         if s then
           local o = bitoff(3 * s + tier)
           local delta = 0
           if code == 1 then
-            for i = 1, #keys, 8 do
-              if redis.call('SETBIT', bpre .. string.sub(keys, i, i + 7), o, 1) == 0 then delta = delta + 1 end
+            for i = first, last do
+              if redis.call('SETBIT', KEYS[i], o, 1) == 0 then delta = delta + 1 end
             end
           else
-            for i = 1, #keys, 8 do
-              local k = bpre .. string.sub(keys, i, i + 7)
+            for i = first, last do
+              local k = KEYS[i]
               if redis.call('GETBIT', k, o) == 1 then
                 redis.call('SETBIT', k, o, 0)
                 delta = delta - 1
@@ -148,7 +154,7 @@ for gi = 1, #groups do
         local s = slot_of(node, false)
         if s then
           redis.call('HDEL', nodes, node .. SEP .. 'slot')
-          redis.call('SADD', ns .. '|retired', s)
+          redis.call('SADD', retiredkey, s)
           slots[node] = nil
         end
         redis.call('HDEL', nodes, node .. SEP .. 'b0', node .. SEP .. 'b1', node .. SEP .. 'b2')
@@ -160,24 +166,24 @@ for gi = 1, #groups do
 end
 for fk, off in pairs(fence) do redis.call('HSET', wmkey, fk, off) end
 -- Readers re-read the node hash only when this moved, and then only the nodes scored above their version.
-local ver = redis.call('INCR', ns .. '|ver')
-for node in pairs(touched) do redis.call('ZADD', ns .. '|chg', ver, node) end
+local ver = redis.call('INCR', KEYS[8])
+for node in pairs(touched) do redis.call('ZADD', KEYS[9], ver, node) end
 return out
 """
 
 
 # Clear the bits of retired slots in a batch of block keys. Only slots still retired are
 # touched: a slot freed (and maybe reused) since the caller listed it is left alone.
+# KEYS: 1 retired, then the block keys; ARGV: 1 the listed slots, comma-separated.
 _COMPACT_LUA = r"""
-local ns = ARGV[1]
 local slots = {}
-for s in string.gmatch(ARGV[2], '[^,]+') do
-  if redis.call('SISMEMBER', ns .. '|retired', s) == 1 then slots[#slots + 1] = tonumber(s) end
+for s in string.gmatch(ARGV[1], '[^,]+') do
+  if redis.call('SISMEMBER', KEYS[1], s) == 1 then slots[#slots + 1] = tonumber(s) end
 end
 local cleared, deleted = 0, 0
 if #slots == 0 then return {0, 0} end
-for i = 3, #ARGV do
-  local k = ARGV[i]
+for i = 2, #KEYS do
+  local k = KEYS[i]
   local touched = false
   for _, s in ipairs(slots) do
     for tier = 0, 2 do
@@ -199,33 +205,37 @@ return {cleared, deleted}
 """
 
 # After a full pass: the listed slots that are still retired become free for reuse.
+# KEYS: 1 retired, 2 free, 3 ver; ARGV: 1 the listed slots.
 _FREE_LUA = r"""
-local ns = ARGV[1]
 local n = 0
-for s in string.gmatch(ARGV[2], '[^,]+') do
-  if redis.call('SREM', ns .. '|retired', s) == 1 then
-    redis.call('ZADD', ns .. '|free', tonumber(s), s)
+for s in string.gmatch(ARGV[1], '[^,]+') do
+  if redis.call('SREM', KEYS[1], s) == 1 then
+    redis.call('ZADD', KEYS[2], tonumber(s), s)
     n = n + 1
   end
 end
-if n > 0 then redis.call('INCR', ns .. '|ver') end
+if n > 0 then redis.call('INCR', KEYS[3]) end
 return n
 """
 
 
-# Partitions being rebuilt under generation ARGV[2]: pairs (topic:partition, end offset);
+# Partitions being rebuilt under generation ARGV[1]: pairs (topic:partition, end offset);
 # a partition whose fence has reached end - 1 (or end <= 0) is done and leaves the hash.
+# KEYS: 1 gen, 2 wm, 3 rebuild.
 _REBUILD_LUA = r"""
-local ns = ARGV[1]
-if redis.call('GET', ns .. '|gen') ~= ARGV[2] then return -1 end
-for i = 3, #ARGV, 2 do
+if redis.call('GET', KEYS[1]) ~= ARGV[1] then return -1 end
+for i = 2, #ARGV, 2 do
   local tp, target = ARGV[i], tonumber(ARGV[i + 1])
-  local cur = tonumber(redis.call('HGET', ns .. '|wm', tp) or '-1')
-  if cur >= target - 1 then redis.call('HDEL', ns .. '|rebuild', tp)
-  else redis.call('HSET', ns .. '|rebuild', tp, target) end
+  local cur = tonumber(redis.call('HGET', KEYS[2], tp) or '-1')
+  if cur >= target - 1 then redis.call('HDEL', KEYS[3], tp)
+  else redis.call('HSET', KEYS[3], tp, target) end
 end
-return redis.call('HLEN', ns .. '|rebuild')
+return redis.call('HLEN', KEYS[3])
 """
+
+# The server's clock inside the snapshot's MULTI/EXEC: a keyless TIME cannot be routed in a
+# cluster transaction, a script declaring a key of the namespace can. KEYS: 1 gen (unused).
+_TIME_LUA = "return redis.call('TIME')"
 
 _FLAGS = (Outcome.FENCED, Outcome.APPLIED, Outcome.CONFLICT, Outcome.HOLE, Outcome.LOST)
 """The apply script's per-group reply (0 to 4) → outcome."""
@@ -233,13 +243,13 @@ _FLAGS = (Outcome.FENCED, Outcome.APPLIED, Outcome.CONFLICT, Outcome.HOLE, Outco
 # Adopt the view's generation, creating it when absent (a new view, or one lost): the
 # partitions named (ARGV[2..]) are then marked as being rebuilt from the log, with the
 # creation, atomically. Returns {generation, 1 if created here else 0}.
+# KEYS: 1 gen, 2 rebuild; ARGV: 1 the new generation, 2.. the partitions.
 _GENERATION_LUA = r"""
-local ns = ARGV[1]
-local g = redis.call('GET', ns .. '|gen')
+local g = redis.call('GET', KEYS[1])
 if g then return {g, 0} end
-g = ARGV[2]
-redis.call('SET', ns .. '|gen', g)
-for i = 3, #ARGV do redis.call('HSET', ns .. '|rebuild', ARGV[i], -1) end
+g = ARGV[1]
+redis.call('SET', KEYS[1], g)
+for i = 2, #ARGV do redis.call('HSET', KEYS[2], ARGV[i], -1) end
 return {g, 1}
 """
 
@@ -254,12 +264,13 @@ def _conditions(ops: Sequence[Op]) -> list[list[str]]:
 
 
 def encode_ops(ops: Sequence[Op]) -> list[list[Any]]:
-    """Operations in the script's compact form (block keys packed by ``state.keys``)."""
+    """Operations in the script's compact form; a block operation still carries its block keys
+    (``[code, node, tier, keys]``), which :func:`script_call` moves into the script's KEYS."""
     out: list[list[Any]] = []
     for op in ops:
         if isinstance(op, (AddBlocks, RemoveBlocks)):
             if op.keys:
-                out.append([1 if isinstance(op, AddBlocks) else 2, op.node, op.tier, pack_block_keys(op.keys)])
+                out.append([1 if isinstance(op, AddBlocks) else 2, op.node, op.tier, op.keys])
         elif isinstance(op, ClearNode):
             out.append([3, op.node])
         elif isinstance(op, SetHeartbeat):
@@ -271,6 +282,27 @@ def encode_ops(ops: Sequence[Op]) -> list[list[Any]]:
     return out
 
 
+def script_call(keys: ViewKeys, groups: list[list[Any]]) -> tuple[list[Any], list[list[Any]]]:
+    """The apply script's KEYS (the namespace's fixed keys, then every block key an operation
+    names, in order) and its groups with each block operation's keys replaced by
+    ``first index in KEYS, count``: the script touches no key it was not given."""
+    declared: list[Any] = [keys.generation, keys.nodes, keys.watermark, keys.slots, keys.meta, keys.free,
+                           keys.retired, keys.version, keys.changes]
+    pre = keys.block_prefix
+    out = []
+    for fk, off, ops, conds, after in groups:
+        enc = []
+        for o in ops:
+            if o[0] in (1, 2):
+                first = len(declared) + 1
+                declared += [pre + k.to_bytes(8, "big") for k in o[3]]  # 8 = BLOCK_KEY_BYTES (hot loop)
+                enc.append([o[0], o[1], o[2], first, len(o[3])])
+            else:
+                enc.append(o)
+        out.append([fk, off, enc, conds, after])
+    return declared, out
+
+
 def connection_url(settings: Any) -> str:
     """The URL to connect with: the settings' (with any separately set ACL user and password)."""
     return getattr(settings, "redis_connection_url", None) or settings.redis_url
@@ -279,7 +311,7 @@ def connection_url(settings: Any) -> str:
 def tls_options(settings: Any) -> dict[str, Any]:
     """redis-py options for a ``rediss://`` server verified against ``redis_ssl_ca_certs``."""
     ca = getattr(settings, "redis_ssl_ca_certs", None)
-    if ca is None or not str(settings.redis_url).startswith("rediss://"):
+    if ca is None or not str(settings.redis_url).startswith(("rediss://", "rediss+cluster://")):
         return {}
     return {"ssl_ca_certs": str(ca)}
 
@@ -288,8 +320,10 @@ class RedisViewStore:
     """A :class:`state.view.ViewStore` in Redis; see the module docstring and :mod:`state.keys`."""
 
     def __init__(self, client: aioredis.Redis, namespace: str) -> None:
-        self.keys = ViewKeys(namespace)  # refuses a namespace with '|'
+        self.keys = ViewKeys(namespace)  # refuses a namespace with '|', '{' or '}'
         self.client = client
+        self.cluster = isinstance(client, RedisCluster)
+        """A Redis Cluster client: the namespace's keys all live in one slot (``state.keys``)."""
         self.ns = namespace
         self._script = client.register_script(_APPLY_LUA)
         self._compact = client.register_script(_COMPACT_LUA)
@@ -301,15 +335,41 @@ class RedisViewStore:
         """The generation this store's writes are folded on (adopted by :meth:`adopt_generation`)."""
 
     @classmethod
-    def from_settings(cls, settings: Any) -> "RedisViewStore":
+    def from_settings(cls, settings: Any) -> RedisViewStore:
         if not settings.redis_url:
             raise ViewStoreError("redis_url is not set (start the embedded stack with `conductor dev up`)")
-        client = aioredis.from_url(connection_url(settings), decode_responses=False, socket_timeout=5.0,
-                                   **tls_options(settings))
+        client = open_client(connection_url(settings), decode_responses=False, socket_timeout=5.0,
+                             connection_class=HiredisPackedConnection, **tls_options(settings))
         return cls(client, settings.view_namespace)
 
     async def close(self) -> None:
         await self.client.aclose()
+
+    async def _target(self) -> dict[str, Any]:
+        """On a cluster, the primary serving the namespace's slot (keyless and per-node
+        commands, and scripts, are sent there); nothing on a single server. The client's slot
+        map is (re)loaded first when it is new or an error marked it stale (a failover)."""
+        if not self.cluster:
+            return {}
+        await self.client.initialize()
+        return {"target_nodes": self.client.get_node_from_key(self.keys.generation)}
+
+    async def _eval(self, script: Any, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+        """Run ``script`` with every key it touches declared. On a cluster it goes straight to the
+        slot's primary (redis-py would hash every one of up to ~20k block keys to find it;
+        they all share the namespace's slot)."""
+        if not self.cluster:
+            return await script(keys=keys, args=args)
+        target = await self._target()
+        try:
+            return await self.client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args, **target)
+        except NoScriptError:
+            await self.client.execute_command("SCRIPT LOAD", script.script, **target)
+            return await self.client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args, **target)
+
+    async def _scan(self, pattern: str, count: int = 2000):
+        async for keys in _scan_batches(self.client, pattern, count, **await self._target()):
+            yield keys
 
     def block_key(self, key: int) -> bytes:
         return self.keys.block(key)
@@ -352,7 +412,7 @@ class RedisViewStore:
                 after = -2 if pos is None or pos.after is None else pos.after
                 chunk.append([fk, off, piece, conds if i == 0 else [], after])
                 owners.append(gi if i == 0 else -1)
-                weight += sum(len(o[3]) // 8 if o[0] in (1, 2) else 1 for o in piece) + 1
+                weight += sum(len(o[3]) if o[0] in (1, 2) else 1 for o in piece) + 1
                 if weight >= _CHUNK_KEYS and await flush():
                     return flags + [Outcome.CONFLICT] * (len(batch) - len(flags))
         if chunk:
@@ -364,7 +424,8 @@ class RedisViewStore:
         absent (a new or lost view), and then ``partitions`` (``topic:partition``) are marked
         as being rebuilt (``ns|rebuild``) in the same step. Returns (generation, created)."""
         try:
-            g, created = await self._gen_script(args=[self.ns, secrets.token_hex(8), *partitions])
+            g, created = await self._eval(self._gen_script, [self.keys.generation, self.keys.rebuild],
+                                          [secrets.token_hex(8), *partitions])
         except RedisError as e:
             raise ViewStoreError(f"view read failed: {e}") from e
         self.generation = g.decode() if isinstance(g, bytes) else str(g)
@@ -395,7 +456,8 @@ class RedisViewStore:
         if not targets:
             return
         try:
-            await self._rebuild_script(args=[self.ns, generation, *[x for kv in targets.items() for x in (kv[0], kv[1])]])
+            await self._eval(self._rebuild_script, [self.keys.generation, self.keys.watermark, self.keys.rebuild],
+                             [generation, *[x for kv in targets.items() for x in (kv[0], kv[1])]])
         except RedisError as e:
             raise ViewStoreError(f"view write failed: {e}") from e
 
@@ -419,7 +481,8 @@ class RedisViewStore:
         if self.generation is None:
             await self.adopt_generation()
         try:
-            res = await self._script(args=[self.ns, pack_script_args(groups), self.generation])
+            declared, groups = script_call(self.keys, groups)
+            res = await self._eval(self._script, declared, [pack_script_args(groups), self.generation])
         except RedisError as e:
             raise ViewStoreError(f"view write failed: {e}") from e
         return [_FLAGS[int(x)] for x in res]
@@ -442,7 +505,7 @@ class RedisViewStore:
 
     async def clear(self) -> None:
         try:
-            async for batch in _scan_batches(self.client, self.keys.all_pattern):
+            async for batch in self._scan(self.keys.all_pattern):
                 await self.client.unlink(*batch)
             # A fresh random version and base, so no reader mistakes the new node hash for one it cached.
             await self.client.set(self.keys.version, secrets.randbits(48))  # exact as a sorted-set score
@@ -465,13 +528,13 @@ class RedisViewStore:
                 return {"slots_freed": 0, "bits_cleared": 0, "keys_deleted": 0}
             listed = ",".join(map(str, retired))
             cleared = deleted = 0
-            async for keys in _scan_batches(self.client, self.keys.block_pattern, count=batch):
+            async for keys in self._scan(self.keys.block_pattern, count=batch):
                 keys = [k for k in keys if self.keys.block_of(k) is not None]
                 if keys:
-                    c, d = await self._compact(args=[self.ns, listed, *keys])
+                    c, d = await self._eval(self._compact, [self.keys.retired, *keys], [listed])
                     cleared += int(c)
                     deleted += int(d)
-            freed = int(await self._free(args=[self.ns, listed]))
+            freed = int(await self._eval(self._free, [self.keys.retired, self.keys.free, self.keys.version], [listed]))
         except RedisError as e:
             raise ViewStoreError(f"view compaction failed: {e}") from e
         return {"slots_freed": freed, "bits_cleared": cleared, "keys_deleted": deleted}
@@ -482,9 +545,12 @@ class RedisViewStore:
         """Every node's state and its longest prefix of ``chain``: one round trip."""
         try:
             async with self.client.pipeline(transaction=True) as p:  # one instant: blocks, nodes, fences
-                p.time()
+                if self.cluster:  # ~10 us of Lua on the server, so on a cluster only
+                    p.eval(_TIME_LUA, 1, self.keys.generation)
+                else:
+                    p.time()
                 if chain:
-                    p.mget(self.keys.blocks(chain))
+                    p.execute_command("MGET", *self.keys.blocks(chain))  # (a cluster pipeline refuses p.mget)
                 p.hgetall(self.keys.nodes)
                 p.hgetall(self.keys.watermark)
                 res = await p.execute()
@@ -515,7 +581,7 @@ class RedisViewStore:
     async def block_count(self) -> int:
         """Block keys stored (a scan: for tools and benchmarks, not for the hot path)."""
         n = 0
-        async for batch in _scan_batches(self.client, self.keys.block_pattern):
+        async for batch in self._scan(self.keys.block_pattern):
             n += sum(1 for k in batch if self.keys.block_of(k) is not None)
         return n
 
@@ -523,7 +589,7 @@ class RedisViewStore:
         try:
             raw_nodes = await self.client.hgetall(self.keys.nodes)
             blocks: list[tuple[bytes, bytes | None]] = []
-            async for batch in _scan_batches(self.client, self.keys.block_pattern):
+            async for batch in self._scan(self.keys.block_pattern):
                 batch = [k for k in batch if self.keys.block_of(k) is not None]
                 if batch:
                     blocks += zip(batch, await self.client.mget(batch))
@@ -532,10 +598,16 @@ class RedisViewStore:
             raise ViewStoreError(f"view read failed: {e}") from e
         return dump_from_replies(self.keys, raw_nodes, blocks, raw_wm.items())
 
+    async def server_info(self, section: str) -> dict[str, Any]:
+        """``INFO section`` of the server holding the view (on a cluster: the slot's primary)."""
+        info = await self.client.info(section, **await self._target())
+        if self.cluster and isinstance(info, dict) and len(info) == 1 and isinstance(next(iter(info.values())), dict):
+            (info,) = info.values()  # a cluster client may answer {node: info}
+        return info
+
     async def memory_bytes(self) -> int:
         """Redis ``used_memory`` (the whole server; for benchmarks on a dedicated instance)."""
-        info = await self.client.info("memory")
-        return int(info["used_memory"])
+        return int((await self.server_info("memory"))["used_memory"])
 
 
 def _split(enc: list[list[Any]]) -> list[list[list[Any]]]:
@@ -544,13 +616,13 @@ def _split(enc: list[list[Any]]) -> list[list[list[Any]]]:
     cur: list[list[Any]] = []
     weight = 0
     for o in enc:
-        if o[0] in (1, 2) and len(o[3]) // 8 > _CHUNK_KEYS:
-            step = _CHUNK_KEYS * 8
+        if o[0] in (1, 2) and len(o[3]) > _CHUNK_KEYS:
+            step = _CHUNK_KEYS
             parts = [[o[0], o[1], o[2], o[3][i : i + step]] for i in range(0, len(o[3]), step)]
         else:
             parts = [o]
         for part in parts:
-            w = len(part[3]) // 8 if part[0] in (1, 2) else 1
+            w = len(part[3]) if part[0] in (1, 2) else 1
             if cur and weight + w > _CHUNK_KEYS:
                 pieces.append(cur)
                 cur, weight = [], 0
@@ -561,10 +633,13 @@ def _split(enc: list[list[Any]]) -> list[list[list[Any]]]:
     return pieces
 
 
-async def _scan_batches(client: aioredis.Redis, pattern: str, count: int = 2000):
+async def _scan_batches(client: Any, pattern: str, count: int = 2000, **target: Any):
     cursor = 0
     while True:
-        cursor, keys = await client.scan(cursor=cursor, match=pattern, count=count)
+        cursor, keys = await client.execute_command("SCAN", cursor, "MATCH", pattern, "COUNT", count, **target)
+        if isinstance(cursor, dict):  # a cluster client answers {node: cursor}
+            (cursor,) = cursor.values()
+        cursor = int(cursor)
         if keys:
             yield keys
         if cursor == 0:

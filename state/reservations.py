@@ -29,6 +29,8 @@ from typing import Protocol
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
+from .keys import ViewKeys
+
 FIELDS = 5
 MAX_BUFFERED = 100_000
 log = logging.getLogger(__name__)
@@ -153,7 +155,7 @@ class RedisReservations:
     def __init__(self, client: aioredis.Redis, namespace: str, ttl_s: float, *, producer_id: str,
                  flush_after_s: float = 0.01, block_ms: int = 100) -> None:
         self.client = client
-        self.key = f"{namespace}|resv-log"
+        self.key = ViewKeys(namespace).reservations
         self.ttl_ms = int(ttl_s * 1000)
         self.producer_id = producer_id
         self.flush_after_s = flush_after_s

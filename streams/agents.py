@@ -102,20 +102,38 @@ def build_worker(settings: Any, store: Any, *, metrics: bool = True, **app_overr
             if topic in guards:
                 await guards.pop(topic)[1].close()
 
+    # The highest fence seen per partition under one generation. Fences never move back under
+    # the same generation, unless the view lost its last writes: a replica promoted while it
+    # lagged its primary, or a restore of an older copy. Then the partition is read back too.
+    seen: dict[str, Any] = {"gen": None, "high": {}}
+
     async def watch_generation() -> None:
         """A lost or replaced view is rebuilt at once, traffic or not: every assigned partition
-        is read from the log up to its end, and ``ns|rebuild`` tells routers when it is done."""
+        is read from the log up to its end, and ``ns|rebuild`` tells routers when it is done.
+        So is a view whose fences moved back (it lost its last writes, same generation)."""
         if not hasattr(store, "fences"):
             return
         try:
-            gen, _ = await store.fences()
+            gen, wm = await store.fences()
             pending = await store.rebuild_pending()
             assigned = [(tp.topic, tp.partition) for tp in app.consumer.assignment()]
         except Exception as e:  # Redis down or not assigned yet: the next tick tries again
             log.debug("generation check skipped: %s", e)
             return
         mine = [tp for tp in assigned if f"{tp[0]}:{tp[1]}" in pending]
-        if gen is not None and gen == store.generation and not mine:
+        if seen["gen"] != gen:
+            seen["gen"], seen["high"] = gen, {}
+        high = seen["high"]
+        rolled_back = {k: (high[k], v) for k, v in wm.items() if v < high.get(k, -1)}
+        rolled_back.update({k: (h, -1) for k, h in high.items() if k not in wm})
+        seen["high"] = dict(wm)
+        if rolled_back:
+            log.warning(
+                "the view's fences moved back (%s): it lost its last writes (a lagging replica promoted?); "
+                "reading those partitions back from the log",
+                ", ".join(f"{k} {was} -> {now}" for k, (was, now) in sorted(rolled_back.items())),
+            )
+        if gen is not None and gen == store.generation and not mine and not rolled_back:
             return
         for name in (t.kv_events.name, t.heartbeats.name):
             tps = [tp for tp in assigned if tp[0] == name]

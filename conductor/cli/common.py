@@ -14,10 +14,12 @@ from urllib.parse import urlsplit, urlunsplit
 
 import redis as redis_sync
 import typer
+from redis.exceptions import RedisClusterException
 from rich.console import Console
 
 from conductor.errors import ConductorError
 from conductor.settings import Settings, load_settings
+from state.connect import open_sync_client
 from state.redis_view import connection_url, tls_options
 
 app = typer.Typer(
@@ -89,13 +91,16 @@ def kafka_unreachable(bootstrap: str, timeout_s: float) -> str | None:
 
 def redis_unreachable(s: Settings, timeout_s: float) -> str | None:
     """``None`` when Redis answers PING with these settings' credentials, else why not."""
-    client = redis_sync.Redis.from_url(
-        connection_url(s), socket_connect_timeout=timeout_s, socket_timeout=timeout_s, **tls_options(s)
-    )
+    try:
+        client = open_sync_client(
+            connection_url(s), socket_connect_timeout=timeout_s, socket_timeout=timeout_s, **tls_options(s)
+        )
+    except (redis_sync.RedisError, RedisClusterException) as e:  # a cluster client asks its seeds at once
+        return str(e) or type(e).__name__
     try:
         client.ping()
         return None
-    except redis_sync.RedisError as e:
+    except (redis_sync.RedisError, RedisClusterException) as e:
         return str(e) or type(e).__name__
     finally:
         client.close()
@@ -104,10 +109,11 @@ def redis_unreachable(s: Settings, timeout_s: float) -> str | None:
 def redacted_url(url: str) -> str:
     """``url`` without its password (for messages and logs)."""
     u = urlsplit(url)
-    if u.password is None:
+    userinfo, at, hosts = u.netloc.rpartition("@")  # hosts: host[:port], or a cluster's list of them
+    user, colon, _ = userinfo.partition(":")
+    if not at or not colon:
         return url
-    netloc = (f"{u.username}:***@" if u.username else ":***@") + (u.hostname or "") + (f":{u.port}" if u.port else "")
-    return urlunsplit(u._replace(netloc=netloc))
+    return urlunsplit(u._replace(netloc=f"{user}:***@{hosts}"))
 
 
 def table_console() -> Console:

@@ -23,6 +23,7 @@ from conductor.engine.emulated import EmulatedEngine, EngineConfig
 from conductor.engine.executor import EngineCommandExecutor, commands_for
 from conductor.engine.http import engine_app
 from conductor.engine.metrics import engine_registry
+from conductor.engine.pool import POOL_NODE, LocalMaster, MooncakePool, PoolError, PoolIndex, PoolLink, measure_latency
 from conductor.errors import ConfigError
 from conductor.profiles import load_profile
 from conductor.routing.dispatch import decisions_for
@@ -223,6 +224,18 @@ def register(groups: dict[str, typer.Typer]) -> None:
         kv_commands: bool = typer.Option(True, "--kv-commands/--no-kv-commands",
                                          help="carry out this node's KV commands (replicate, migrate, demote, evict) "
                                          "and answer them on kv-command-results"),
+        mooncake_master: str = typer.Option(
+            None, "--mooncake-master", metavar="HOST:PORT",
+            help="join this Mooncake Store as the shared KV pool (needs the mooncake extra): blocks leaving the "
+            "last local tier are put there, prefixes the router reads from the pool are read back from it, a "
+            "demote to DRAM without --dram-blocks goes there; the pool is the view's store node --pool-node-id",
+        ),
+        pool_node_id: str = typer.Option(POOL_NODE, "--pool-node-id", help="the shared pool's node id in the view"),
+        pool_segment_mb: int = typer.Option(256, "--pool-segment-mb", min=1,
+                                            help="memory this engine mounts into the pool (MB)"),
+        pool_block_bytes: int = typer.Option(
+            None, "--pool-block-bytes", min=8,
+            help="bytes per block object (default: the profile's KV bytes per token x CONDUCTOR_BLOCK_SIZE)"),
     ) -> None:
         """Run an emulated prefill/decode instance that speaks vLLM's KV-event protocol.
 
@@ -260,9 +273,26 @@ def register(groups: dict[str, typer.Typer]) -> None:
                 model=model,
             )
             hb_sink = kafka_sink(prod, tps.heartbeats.name) if self_heartbeat else None
+            pool = None
+            if mooncake_master is not None:
+                size = pool_block_bytes or s.block_size * profile.kv_bytes_per_token
+                try:
+                    client = await asyncio.to_thread(MooncakePool.connect, mooncake_master, block_size_bytes=size,
+                                                     segment_bytes=pool_segment_mb << 20, local_host=s.bind_host,
+                                                     model=model)
+                except PoolError as e:
+                    await prod.stop()
+                    err.print(f"[red]error:[/red] --mooncake-master: {e}")
+                    raise typer.Exit(2) from None
+                index = PoolIndex(node_id, pool_node_id, epoch=started_ms, capacity_blocks=client.capacity_blocks,
+                                  heartbeat_s=heartbeat_s)
+                pool = PoolLink(client, index, events=kafka_sink(prod, tps.kv_events.name),
+                                heartbeats=kafka_sink(prod, tps.heartbeats.name))
+                log.info("engine %s joined the KV pool at %s as %s (%d blocks of %d bytes)", node_id, mooncake_master,
+                         pool_node_id, client.capacity_blocks, size)
             eng = EmulatedEngine(cfg, profile, pub,
                                  heartbeat_sink=placed_heartbeats(hb_sink, rack, zone) if hb_sink else None,
-                                 report=sys.stdout if report else None)
+                                 report=sys.stdout if report else None, pool=pool)
             metrics_server = None
             metrics_url = None
             if metrics_port is not None:
@@ -292,10 +322,49 @@ def register(groups: dict[str, typer.Typer]) -> None:
             finally:
                 if metrics_server is not None:
                     metrics_server.shutdown()
+                if pool is not None:
+                    pool.close()
                 await pub.close()
                 await prod.stop()
 
         asyncio.run(main())
+
+    @groups["bench"].command("pool")
+    def bench_pool(
+        master: str = typer.Option(None, "--master", metavar="HOST:PORT",
+                                   help="a running mooncake_master (default: start one of our own on loopback)"),
+        size: int = typer.Option(1 << 20, "--size", min=8, help="bytes per object"),
+        count: int = typer.Option(50, "--count", min=1, help="objects put, read back and removed"),
+        json_out: bool = typer.Option(False, "--json", help="print one JSON line"),
+    ) -> None:
+        """Put/get latency of the shared KV pool (Mooncake Store; needs the mooncake extra) through Conductor's client.
+
+        Mounts a segment large enough for COUNT objects of SIZE bytes, puts them one by one, gets them back,
+        removes them, and reports the p50/p99 milliseconds of each call; then the same through a second client
+        that mounts no memory (remote_*: the bytes cross the transfer engine over TCP).
+        """
+        own = LocalMaster() if master is None else None
+        try:
+            address = own.start() if own is not None else master
+            pool = MooncakePool.connect(address, block_size_bytes=size, segment_bytes=max(64 << 20, 2 * size * count))
+            # A client that mounts no memory: its objects live in the first one's segment, so its
+            # puts and gets cross the transfer engine (TCP), as between two engines' processes.
+            remote = MooncakePool.connect(address, block_size_bytes=size, segment_bytes=0)
+            try:
+                out: dict[str, object] = {"bench": "pool", "master": address,
+                                          **measure_latency(pool, size=size, count=count)}
+                out.update({f"remote_{k}": v for k, v in measure_latency(remote, size=size, count=count).items()
+                            if k not in ("size_bytes", "count")})
+            finally:
+                remote.close()
+                pool.close()
+        except PoolError as e:
+            err.print(f"[red]error:[/red] {e}")
+            raise typer.Exit(2) from None
+        finally:
+            if own is not None:
+                own.stop()
+        print_result(out, json_out)
 
     @groups["bench"].command("bridge")
     def bench_bridge(

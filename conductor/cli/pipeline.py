@@ -192,6 +192,8 @@ def register(groups: dict[str, typer.Typer]) -> None:
         blocks_per_node: int = typer.Option(200_000, min=1000, help="blocks each node holds"),
         chain_len: int = typer.Option(512, min=1, help="blocks in the chain read (all held by one node)"),
         reads: int = typer.Option(300, min=10, help="reads per option"),
+        cluster: bool = typer.Option(False, "--cluster", help="on a 3-primary Valkey Cluster (redis+cluster://) "
+                                     "instead of one server"),
     ) -> None:
         """Compare the two routing-read layouts on a dedicated Valkey: the store's pipelined MGET
         (+ client-side prefix walk) against a server-side Lua walk; latency, Redis server time
@@ -201,7 +203,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
         s = settings_or_exit()
         out = asyncio.run(
             run_view_read_bench(nodes, blocks_per_node, chain_len, reads, host=s.bind_host,
-                                log=None if json_out else err.print)
+                                log=None if json_out else err.print, cluster=cluster)
         )
         print_result(out, json_out)
 

@@ -36,9 +36,10 @@ from typing import Any, TextIO
 
 from conductor.bridge.publisher import EventPublisher
 from conductor.bridge.wire import EngineBlockRemoved, EngineBlockStored
+from conductor.engine.pool import PoolLink
 from conductor.profiles import ModelProfile
 from conductor.routing.dispatch import Assignment
-from schemas import Heartbeat, Role, RoutingDecision, RoutingRequest, envelope
+from schemas import Heartbeat, Role, RoutingDecision, RoutingRequest, chain_keys, envelope
 
 log = logging.getLogger(__name__)
 
@@ -169,8 +170,15 @@ class EmulatedEngine:
         heartbeat_sink: Callable[[list[Any]], Any] | None = None,
         report: TextIO | None = None,
         clock_ms: Callable[[], int] = lambda: time.time_ns() // 1_000_000,
+        pool: PoolLink | None = None,
     ) -> None:
         self.config = config
+        self.pool = pool
+        """The shared KV pool (Mooncake Store): blocks leaving the last local tier are written there,
+        and a prefix the router reads from the pool is read back from it."""
+        self._keys: dict[int, int] = {}
+        """Engine hash → Conductor block key of every block held (kept only with a pool: its objects
+        are named by Conductor keys, which every engine derives alike)."""
         self.profile = profile
         self.publisher = publisher
         self.heartbeat_sink = heartbeat_sink
@@ -272,7 +280,17 @@ class EmulatedEngine:
         cached_tokens = (local + in_dram) * self.config.block_size
         received = self._received.pop(d.request_id, 0)
         transfer_s = self.profile.transfer_seconds(in_dram * self.config.block_size, "dram", remote=False)
-        if d.reused_tokens > cached_tokens and d.reuse_source and d.reuse_source != self.config.node_id:
+        pool_blocks = 0
+        if self.pool is not None and d.reuse_source == self.pool.node and tokens is not None:
+            # The router chose the shared pool: read the blocks back for real; what is missing is recomputed.
+            bs = self.config.block_size
+            want = min(d.reused_tokens, prompt) // bs
+            start = local + in_dram
+            if want > start:
+                pool_blocks = await self.pool.read(chain_keys(tokens[: want * bs], bs)[start:])
+                transfer_s += self.profile.transfer_seconds(pool_blocks * bs, "dram", remote=True)
+                cached_tokens += pool_blocks * bs
+        elif d.reused_tokens > cached_tokens and d.reuse_source and d.reuse_source != self.config.node_id:
             # The router chose to read the rest of the prefix from another node.
             extra = min(d.reused_tokens, prompt) - cached_tokens
             transfer_s = self.profile.transfer_seconds(extra, d.reuse_tier or "hbm", remote=True)
@@ -300,6 +318,7 @@ class EmulatedEngine:
                 "cached_tokens": min(cached_tokens, prompt),
                 "local_cached_tokens": (local + in_dram) * self.config.block_size,
                 "dram_cached_tokens": in_dram * self.config.block_size,
+                "pool_cached_tokens": pool_blocks * self.config.block_size,
                 "routed_reuse_tokens": d.reused_tokens,
                 "prefill_model_s": round(model_s, 6),
                 "routing_s": round(routing_s, 6) if routing_s is not None else None,
@@ -331,6 +350,8 @@ class EmulatedEngine:
         ]
         for i in range(first, len(chain)):
             self._blocks[chain[i]] = (chain[i - 1] if i > 0 else None, tuple(tokens[i * bs : (i + 1) * bs]))
+        if self.pool is not None:
+            self._keys.update(zip(chain[first:], chain_keys(tokens[: len(chain) * bs], bs)[first:]))
         dropped: list[int] = []
         if evicted and self.dram is not None:
             # Offload: evicted blocks are stored in host memory before they leave HBM, so their
@@ -349,10 +370,16 @@ class EmulatedEngine:
             events.append(EngineBlockRemoved(tuple(evicted), "hbm"))
         if dropped:
             events.append(EngineBlockRemoved(tuple(dropped), "dram"))
+        # Blocks leaving the last local tier go to the shared pool (when there is one).
+        leaving = dropped if self.dram is not None else evicted
+        to_pool = [self._keys[h] for h in leaving if h in self._keys] if self.pool is not None else []
         for h in (*evicted, *dropped):
             if h not in self.cache and (self.dram is None or h not in self.dram):
                 self._blocks.pop(h, None)
+                self._keys.pop(h, None)
         await self.publisher.publish(time.time(), events)  # type: ignore[arg-type]
+        if to_pool and self.pool is not None:
+            await self.pool.offload(to_pool, "dram" if self.dram is not None else "hbm")
 
     # --- hook for the KV command executor (conductor.engine.executor) ----------------
     # The executor decides (conductor.balance.executor); these carry its steps out on this
@@ -373,6 +400,9 @@ class EmulatedEngine:
     async def move_blocks(self, hashes: list[int], from_tier: str, to_tier: str) -> None:
         """Move held blocks between two tiers; published as stored on ``to_tier``, then removed."""
         src, dst = self.tier_cache(from_tier), self.tier_cache(to_tier)
+        if src is not None and dst is None and self.pool is not None and to_tier == "dram":
+            await self._demote_to_pool(hashes, from_tier)
+            return
         if src is None or dst is None:
             return
         moved = [h for h in hashes if h in src and h in self._blocks]
@@ -395,12 +425,23 @@ class EmulatedEngine:
             events.append(EngineBlockRemoved(tuple(dropped), to_tier))  # type: ignore[arg-type]
         await self.publisher.publish(time.time(), events)  # type: ignore[arg-type]
 
+    async def _demote_to_pool(self, hashes: list[int], from_tier: str) -> None:
+        """An engine without host memory of its own demotes into the shared pool: real puts, then
+        the blocks leave ``from_tier`` (published as the pool's and this engine's events)."""
+        assert self.pool is not None
+        held = [h for h in hashes if h in self._keys and (c := self.tier_cache(from_tier)) is not None and h in c]
+        done = set(await self.pool.offload([self._keys[h] for h in held], from_tier, move=True))  # type: ignore[arg-type]
+        moved = [h for h in held if self._keys[h] in done]
+        if moved:
+            await self.drop_blocks(moved, from_tier)
+
     async def drop_blocks(self, hashes: list[int], tier: str) -> None:
         cache = self.tier_cache(tier)
         gone = cache.discard(hashes) if cache is not None else []
         for h in gone:
             if h not in self.cache and (self.dram is None or h not in self.dram):
                 self._blocks.pop(h, None)
+                self._keys.pop(h, None)
         if gone:
             await self.publisher.publish(time.time(), [EngineBlockRemoved(tuple(gone), tier)])  # type: ignore[arg-type]
 
@@ -521,6 +562,8 @@ class EmulatedEngine:
         # request sent to a decode instance without a KV hand-off is prefilled there.
         tasks = [asyncio.create_task(self.run_heartbeats()), asyncio.create_task(self.run_prefill()),
                  asyncio.create_task(self.run_decode())]
+        if self.pool is not None:
+            tasks.append(asyncio.create_task(self.pool.run_heartbeats()))
         try:
             async for a in assignments:
                 self.submit(a)

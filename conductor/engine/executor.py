@@ -40,15 +40,24 @@ class _EngineTiers:
         self.engine = engine
         self.by_key = by_key
 
+    def _pool_is_dram(self, tier: Tier) -> bool:
+        # An engine without host memory of its own, given the shared pool, demotes into it.
+        return tier == "dram" and self.engine.dram is None and self.engine.pool is not None
+
     def tiers(self) -> Sequence[Tier]:
-        return ("hbm", "dram") if self.engine.dram is not None else ("hbm",)
+        has_dram = self.engine.dram is not None or self.engine.pool is not None
+        return ("hbm", "dram") if has_dram else ("hbm",)
 
     def holds(self, key: int, tier: Tier) -> bool:
+        if self._pool_is_dram(tier):
+            return key in self.engine.pool.held  # type: ignore[union-attr]
         cache = self.engine.tier_cache(tier)
         h = self.by_key.get(key)
         return cache is not None and h is not None and h in cache
 
     def capacity(self, tier: Tier) -> int:
+        if self._pool_is_dram(tier):
+            return self.engine.pool.client.capacity_blocks  # type: ignore[union-attr]
         cache = self.engine.tier_cache(tier)
         return cache.capacity if cache is not None else 0
 

@@ -34,7 +34,6 @@ from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import redis.asyncio as aioredis
 from aiokafka import TopicPartition
 from opentelemetry import metrics
 
@@ -60,7 +59,8 @@ from schemas import (
     request_chain_keys,
 )
 from schemas.records import MAX_BLOCKS
-from state.reader import HiredisPackedConnection, RawSnapshotReader
+from state.connect import HiredisPackedConnection, open_client
+from state.reader import RawSnapshotReader
 from state.redis_view import RedisViewStore, connection_url, tls_options
 from state.reservations import Load, RedisReservations, ReservationStore
 from state.view import ViewReader, ViewSnapshot
@@ -546,14 +546,16 @@ def redis_stores(settings: Settings, producer_id: str | None = None) -> tuple[An
     if not settings.redis_url:
         raise ViewStoreError("redis_url is not set (start the embedded stack with `conductor dev up`)")
     url = connection_url(settings)
-    client = aioredis.from_url(
+    client = open_client(
         url, decode_responses=False, **tls_options(settings), socket_timeout=0.5, socket_connect_timeout=0.5,
         health_check_interval=0, connection_class=HiredisPackedConnection,
     )
     view = RedisViewStore(client, settings.view_namespace)
-    # The raw reader speaks plain RESP (with AUTH user password); TLS (rediss://) and unix
-    # sockets read through redis-py.
-    reader = RawSnapshotReader(url, settings.view_namespace, store=view) if url.startswith("redis://") else view
+    # The raw reader speaks plain RESP (with AUTH user password), to one server or to the
+    # primary of the namespace's one slot of a Redis Cluster; TLS (rediss://) and unix sockets
+    # read through redis-py.
+    raw = url.startswith(("redis://", "redis+cluster://"))
+    reader = RawSnapshotReader(url, settings.view_namespace, store=view) if raw else view
     return (reader,
             RedisReservations(client, settings.view_namespace, settings.reservation_ttl_s,
                               producer_id=producer_id or default_router_id()))

@@ -88,6 +88,168 @@ class OwnValkey:
                 self.kill()
 
 
+class Relay:
+    """A TCP relay on a port of its own to a Valkey port: what a virtual IP or a Sentinel-managed
+    name is to clients (:meth:`switch` points it elsewhere and drops the open connections), and a
+    replication link that can be made to lag (:meth:`hold`: what the upstream sends is no longer
+    passed on; a primary killed meanwhile takes it with it)."""
+
+    def __init__(self, upstream_port: int, host: str = "127.0.0.1") -> None:
+        self.host, self.port, self.upstream = host, free_port(host), upstream_port
+        self._flowing = asyncio.Event()
+        self._flowing.set()
+        self._conns: set[asyncio.StreamWriter] = set()
+        self._server: asyncio.Server | None = None
+        self._dropped = False
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._serve, self.host, self.port)
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_r, up_w = await asyncio.open_connection(self.host, self.upstream)
+        except OSError:
+            writer.close()
+            return
+        self._conns |= {writer, up_w}
+        try:
+            await asyncio.gather(self._pipe(reader, up_w, held=False), self._pipe(up_r, writer, held=True))
+        except asyncio.CancelledError:  # the run's loop is ending
+            pass
+        finally:
+            for w in (writer, up_w):
+                self._conns.discard(w)
+                w.close()
+
+    async def _pipe(self, src: asyncio.StreamReader, dst: asyncio.StreamWriter, *, held: bool) -> None:
+        try:
+            while data := await src.read(1 << 16):
+                if held:
+                    await self._flowing.wait()
+                    if self._dropped:  # what was held back is never delivered
+                        return
+                dst.write(data)
+                await dst.drain()
+        except (OSError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            dst.close()
+
+    def hold(self) -> None:
+        self._flowing.clear()
+
+    def switch(self, upstream_port: int) -> None:
+        self.upstream = upstream_port
+        self._flowing.set()
+        for w in list(self._conns):
+            w.close()
+
+    def stop(self) -> None:
+        self._dropped = True
+        for w in list(self._conns):
+            w.close()
+        self._flowing.set()
+        if self._server is not None:
+            self._server.close()
+
+
+class FailoverPair:
+    """A primary and its replica (``REPLICAOF`` through a :class:`Relay` that can make it lag),
+    and the one address clients use (another relay, on the primary until :meth:`fail_over`)."""
+
+    def __init__(self, data_dir: Path, host: str = "127.0.0.1") -> None:
+        self.primary = OwnValkey(data_dir / "primary", host)
+        self.replica = OwnValkey(data_dir / "replica", host)
+        self.host = host
+        self.link: Relay | None = None
+        self.vip: Relay | None = None
+
+    @property
+    def url(self) -> str:
+        assert self.vip is not None
+        return self.vip.url
+
+    async def start(self) -> None:
+        await self.primary.start()
+        await self.replica.start()
+        self.link, self.vip = Relay(self.primary.port, self.host), Relay(self.primary.port, self.host)
+        await self.link.start()
+        await self.vip.start()
+        r = aioredis.from_url(self.replica.url)
+        try:
+            await r.execute_command("REPLICAOF", self.host, self.link.port)
+            deadline = time.monotonic() + 10
+            while (await r.info("replication")).get("master_link_status") != "up":
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the replica never synced with its primary")
+                await asyncio.sleep(0.05)
+        finally:
+            await r.aclose()
+
+    async def wait_rebuilt(self, timeout_s: float = 60.0) -> None:
+        """Until no view on the primary lists partitions being rebuilt."""
+        p = aioredis.from_url(self.primary.url)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while [k async for k in p.scan_iter(match="*|rebuild")]:
+                if time.monotonic() > deadline:
+                    raise RuntimeError("the view was still being rebuilt from the log")
+                await asyncio.sleep(0.1)
+        finally:
+            await p.aclose()
+
+    async def fail_over(self, lag_s: float = 0.5) -> dict[str, Any]:
+        """Make the replica lag (the link held), let the primary take ``lag_s`` of writes, kill it,
+        promote the replica (``REPLICAOF NO ONE``) and point the clients' address at it. Returns
+        what the replica did not get: ``wait_acked`` (``WAIT 1 100`` on the primary: replicas that
+        had everything) and ``fence_records_lost`` (fenced records the promoted view lacks)."""
+        assert self.link is not None and self.vip is not None
+        self.link.hold()
+        await asyncio.sleep(lag_s)
+        p = aioredis.from_url(self.primary.url, single_connection_client=True)
+        try:
+            await p.set("chaos|probe", 1)  # WAIT counts the replicas that have this client's last write
+            acked = int(await p.execute_command("WAIT", 1, 100))
+            before = _fence_total(await _all_fences(p))
+        finally:
+            await p.aclose()
+        self.primary.kill()
+        self.link.stop()
+        r = aioredis.from_url(self.replica.url)
+        try:
+            await r.execute_command("REPLICAOF", "NO", "ONE")
+            after = _fence_total(await _all_fences(r))
+            rebuilding = [k async for k in r.scan_iter(match="*|rebuild")]
+        finally:
+            await r.aclose()
+        self.vip.switch(self.replica.port)
+        return {"wait_acked": acked, "fence_records_lost": before - after, "rebuild_marked": len(rebuilding)}
+
+    def stop(self) -> None:
+        for relay in (self.vip, self.link):
+            if relay is not None:
+                relay.stop()
+        self.primary.stop()
+        self.replica.stop()
+
+
+async def _all_fences(client: Any) -> dict[str, int]:
+    """Every fence of every view namespace on one server."""
+    out: dict[str, int] = {}
+    async for key in client.scan_iter(match="*|wm"):
+        for k, v in (await client.hgetall(key)).items():
+            out[f"{key!r}:{k!r}"] = int(v)
+    return out
+
+
+def _fence_total(fences: dict[str, int]) -> int:
+    return sum(v + 1 for v in fences.values())
+
+
 class TruthEngines:
     """Engines storing random blocks and evicting their oldest, each node's sequence in order;
     :meth:`pairs` is what the view must hold, known without Conductor."""
@@ -158,6 +320,10 @@ class Run:
     """Nodes that stopped heartbeating (the silent-node scenario)."""
     skew_ms: dict[str, int] = field(default_factory=dict)
     """Node → how far ahead its heartbeats are stamped (the skewed-clock scenario)."""
+    publish: Callable[[int], Awaitable[None]] | None = None
+    """Publish n more records of the truth (the failover scenarios write during the lag)."""
+    detail: dict[str, Any] = field(default_factory=dict)
+    """What the fault reports (into the result's detail)."""
 
 
 CORPUS = Path(__file__).resolve().parents[2] / "tests" / "faults" / "corpus" / "bad_records.jsonl"
@@ -235,6 +401,19 @@ async def _skewed_clock(run: Run) -> None:
     run.skew_ms["node-5"] = 3_600_000  # an hour ahead: it must not keep node-5 live
 
 
+async def _failover(run: Run) -> None:
+    """The replica lags while a burst is applied on the primary, which is then killed; the rest
+    of the stream follows (``failover``: the first write after it does not continue from the
+    promoted view's fence) or nothing more comes (``failover-quiet``: only the fences, moved
+    back under the same generation, say the view lost that burst)."""
+    assert isinstance(run.valkey, FailoverPair) and run.publish is not None
+    assert run.valkey.link is not None
+    await run.valkey.wait_rebuilt()  # else the replica would carry the start-up's own rebuild marks
+    run.valkey.link.hold()
+    await run.publish(300)
+    run.detail.update(await run.valkey.fail_over(lag_s=1.5))
+
+
 EXPECT_DEAD = {"silent-node": "node-4", "skewed-clock": "node-5"}
 """Scenarios after which a node must stop being live within the heartbeat TTL."""
 
@@ -250,6 +429,8 @@ SCENARIOS: dict[str, tuple[Fault, bool]] = {
     "two-workers-one-killed": (_kill_one_of_two, True),
     "silent-node": (_silent_node, True),
     "skewed-clock": (_skewed_clock, True),
+    "failover": (_failover, True),
+    "failover-quiet": (_failover, False),
 }
 HEARTBEAT_TTL_S = 3.0
 
@@ -260,7 +441,7 @@ async def run_scenario(
     """One run of scenario ``name`` against the broker at ``kafka_url``; see the module docstring."""
     fault, mid_stream = SCENARIOS[name]
     tag = uuid.uuid4().hex[:8]
-    valkey = OwnValkey(work_dir / "valkey")
+    valkey: Any = FailoverPair(work_dir / "valkey") if name.startswith("failover") else OwnValkey(work_dir / "valkey")
     await valkey.start()
     s = load_settings(kafka_url=kafka_url, redis_url=valkey.url, profile="embedded", topic_prefix=f"c{tag}.",
                       view_namespace=f"c{tag}", partitions=2, web_port=free_port(), data_dir=work_dir / "d",
@@ -294,6 +475,7 @@ async def run_scenario(
                 await prod.flush()
                 await asyncio.sleep(0.01)
 
+        run.publish = publish
         first = records // 2 if mid_stream else records
         await publish(first)
         # the fault lands once the worker is busy applying (mid-batch) or, quiet, once all is applied
@@ -340,7 +522,9 @@ async def run_scenario(
         res.pairs_extra = len(got - want)
         res.generations = _log_count(work_dir, "the view's generation is")
         res.detail["dead_letters"] = _log_count(work_dir, "dead-letter ")
+        res.detail["fences_moved_back"] = _log_count(work_dir, "the view's fences moved back")
         res.detail["bad_records"] = run.bad
+        res.detail.update(run.detail)
         ghosts = [n.node_id for n in await store.nodes() if not n.node_id.startswith("node-")]
         res.detail["unknown_nodes"] = ghosts
         if ghosts:  # a hostile record made a node appear: count it as extra

@@ -105,7 +105,8 @@ class GatewayCluster:
             while True:
                 now = time.time_ns() // 1_000_000
                 live = {n.node_id for n in await view.nodes() if n.is_live(now, self.settings.heartbeat_ttl_s)}
-                if want <= live:
+                # Ready means routable: while the worker reads partitions back, routers answer view_rebuilding.
+                if want <= live and (await view.view_health())[0]:
                     return
                 dead = self.procs.dead()
                 if dead or time.monotonic() > deadline:

@@ -297,7 +297,7 @@ class TestRedisViewStore(ViewStoreContract):
         await self.feed(store, [stored("a", 0, [1])])
         old = store.generation
         assert old is not None
-        await store.client.delete(*[k async for k in store.client.scan_iter(match=f"{store.ns}|*")])  # FLUSH
+        await store.client.delete(*[k async for k in store.client.scan_iter(match=store.keys.all_pattern)])  # FLUSH
         assert (await store.view_health())[0] is False
         out = await store.apply_groups([(SourcePosition(KV, 0, 0, -1), fold(stored("a", 0, [1])).ops)])
         assert out == [Outcome.LOST]
@@ -327,7 +327,7 @@ class TestRedisViewStore(ViewStoreContract):
         assert await store.dump() == {**await ref.dump(), "watermark": await store.watermark()}
         # the freed slots are given to the next nodes to arrive, lowest first
         await self.feed(store, [stored("c", 0, [1, 9])], start=10)
-        slots = {int(k): v.decode() for k, v in (await store.client.hgetall(f"{store.ns}|slots")).items()}
+        slots = {int(k): v.decode() for k, v in (await store.client.hgetall(store.keys.slots)).items()}
         assert slots == {0: "c", 1: "b", 2: "a"}
         assert (await store.snapshot([9], now_ms=0)).prefix == {"a": (1, 1, 1), "c": (1, 1, 1)}
         assert await store.compact() == {"slots_freed": 0, "bits_cleared": 0, "keys_deleted": 0}

@@ -123,9 +123,11 @@ async def test_an_engines_events_make_the_next_request_reuse_its_prefix(
 
         async def all_live() -> bool:
             now = time.time_ns() // 1_000_000
-            return {n.node_id for n in await view.nodes() if n.is_live(now, settings.heartbeat_ttl_s)} >= {"p0", "p1", "d0"}
+            live = {n.node_id for n in await view.nodes() if n.is_live(now, settings.heartbeat_ttl_s)}
+            # and the view healthy: while the worker reads partitions back, routers answer view_rebuilding
+            return live >= {"p0", "p1", "d0"} and (await view.view_health())[0]
 
-        await wait_for("every engine live in the view", all_live)
+        await wait_for("every engine live in the view and the view healthy", all_live)
 
         await cons.start()
         decisions: dict[str, RoutingDecision] = {}
@@ -210,8 +212,10 @@ async def test_the_bridge_command_brings_an_engine_that_does_not_heartbeat_into_
         deadline = time.monotonic() + 40
         while True:
             assert all(p.poll() is None for p in procs), (tmp_path / "bridge.log").read_text()[-2000:]
-            out = subprocess.run([sys.executable, "-c", "from conductor.cli import main; main()", "view", "show", "--json"],
-                                 env=conductor_env(settings), capture_output=True, timeout=30)
+            # In a thread: the in-process "engine" must keep answering the bridge's probes and replay meanwhile.
+            out = await asyncio.to_thread(
+                subprocess.run, [sys.executable, "-c", "from conductor.cli import main; main()", "view", "show", "--json"],
+                env=conductor_env(settings), capture_output=True, timeout=30)
             assert out.returncode == 0, out.stderr.decode()[-2000:]
             nodes = {n["node_id"]: n for n in json.loads(out.stdout)["nodes"]}
             node = nodes.get("vllm-0")

@@ -23,7 +23,7 @@ async def test_view_through_an_acl_user(settings):
     user, pw = f"conductor-{uuid.uuid4().hex[:6]}", uuid.uuid4().hex
     root = aioredis.from_url(settings.redis_url)
     # Only its own namespace's keys, only the commands the view needs; never the default user.
-    await root.execute_command("ACL", "SETUSER", user, "on", f">{pw}", f"~{settings.view_namespace}*", "+@all")
+    await root.execute_command("ACL", "SETUSER", user, "on", f">{pw}", f"~{{{settings.view_namespace}}}|*", "+@all")
     try:
         s = settings.model_copy(update={"redis_username": user, "redis_password": SecretStr(pw)})
         view = RedisViewStore.from_settings(s)

@@ -274,6 +274,32 @@ async def test_a_future_stamped_heartbeat_never_keeps_a_node_live():
     assert [n.last_heartbeat_ms for n in snap.nodes] == [6_000]
 
 
+async def test_an_epoch_from_the_future_is_a_fault_not_a_muted_node():
+    """Epochs are restart times: a record whose epoch is far past its Kafka timestamp is
+    dead-lettered (``future_epoch``) instead of making every later record of the node stale."""
+    letters = []
+
+    async def dl(d):
+        letters.append(d)
+
+    store = InMemoryViewStore()
+    ing = Ingestor(T, store, dead_letter=dl)
+    now = 1_700_000_000_000
+
+    def kv(seq, epoch, keys):
+        return encode(envelope(BlocksStored(block_keys=keys), producer_id="a", producer_seq=seq, epoch=epoch, ts_ms=now))
+
+    res = await ing.process([RawRecord(KV, 0, 0, b"a", kv(0, now - 5, [1]), now),
+                             RawRecord(KV, 0, 1, b"a", kv(0, 2**63 - 1, [2]), now),
+                             RawRecord(KV, 0, 2, b"a", kv(1, now - 5, [3]), now + 1)])
+    assert res.applied == 2 and res.dead == {"future_epoch": 1} and letters[0].offset == 1
+    assert "epoch" in letters[0].error
+    assert (await store.snapshot([1, 3], now_ms=now)).prefix == {"a": (2, 2, 2)}
+    # A restart's new epoch (its clock, a little ahead of the broker's) is still taken.
+    res = await ing.process([RawRecord(KV, 0, 3, b"a", kv(0, now + 10_000, [7]), now + 2)])
+    assert res.applied == 1 and (await store.snapshot([1], now_ms=now)).prefix == {}
+
+
 async def test_an_implausible_sequence_jump_is_a_fault_not_a_muted_node():
     letters = []
 

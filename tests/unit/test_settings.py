@@ -77,3 +77,18 @@ def test_a_stale_stack_file_is_ignored(monkeypatch, tmp_path):
     _write_stack(tmp_path, p.pid)
     s = load_settings()
     assert s.kafka_url is None and s.redis_url is None
+
+
+@pytest.mark.parametrize("bad", ["redis+cluster://", "redis+cluster://h:notaport", "redis+cluster://h:7000/3",
+                                 "redis+cluster://h:70000", "redis+cluster://h:7000?x=1"])
+def test_a_bad_cluster_url_fails_at_start_up_naming_the_field(bad):
+    with pytest.raises(ConfigError, match="redis_url"):
+        load_settings(redis_url=bad)
+
+
+def test_a_cluster_url_takes_several_seeds_and_separate_credentials():
+    from state.connect import cluster_seeds
+
+    s = load_settings(redis_url="redis+cluster://u:pw@h1:7000,[::1]:7001,h3", redis_password="other")
+    assert s.redis_connection_url == "redis+cluster://u:other@h1:7000,[::1]:7001,h3"
+    assert cluster_seeds(s.redis_connection_url) == ([("h1", 7000), ("::1", 7001), ("h3", 6379)], "u", "other")

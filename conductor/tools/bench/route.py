@@ -170,7 +170,7 @@ def _heartbeat_process(settings: Any, nodes: list[tuple[str, str, str]], rate: f
 async def _view_memory(store: RedisViewStore) -> int:
     """Redis ``used_memory`` once keys unlinked by an earlier clear are freed."""
     for _ in range(600):
-        info = await store.client.info("memory")
+        info = await store.server_info("memory")
         if not int(info.get("lazyfree_pending_objects", 0)):
             break
         await asyncio.sleep(0.05)

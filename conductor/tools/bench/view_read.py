@@ -10,23 +10,25 @@ from __future__ import annotations
 import asyncio
 import random
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import redis.asyncio as aioredis
 
 from conductor.tools.bench import percentile
 from conductor.tools.devstack import free_port, redis_binary
+from conductor.tools.valkey_cluster import ValkeyCluster
+from state.connect import open_client
 from state.fold import AddBlocks
-from state.keys import block_key_bytes
 from state.redis_view import RedisViewStore
 
 _LUA_WALK = r"""
-local pre = ARGV[1]
 local out = {}
-for i = 2, #ARGV do
-  local v = redis.call('GET', pre .. ARGV[i])
+for i = 1, #KEYS do
+  local v = redis.call('GET', KEYS[i])
   if not v then break end
   out[#out + 1] = v
 end
@@ -36,7 +38,7 @@ return out
 
 async def run_view_read_bench(
     nodes: int = 16, blocks_per_node: int = 200_000, chain_len: int = 512, reads: int = 300, seed: int = 0,
-    host: str = "127.0.0.1", log: Callable[[str], None] | None = None,
+    host: str = "127.0.0.1", log: Callable[[str], None] | None = None, cluster: bool = False,
 ) -> dict[str, Any]:
     """Load a synthetic view into a dedicated Valkey and time the two ways to read a chain.
 
@@ -44,14 +46,25 @@ async def run_view_read_bench(
     watermark; the prefix walk runs client-side). ``lua_walk``: a script GETs the chain
     server-side and stops at the first block nobody holds. Server time per read comes from
     Redis ``commandstats``. Memory is ``used_memory`` growth per block key.
+
+    ``cluster``: the same on a 3-primary Valkey Cluster (``redis+cluster://``, redis-py's
+    cluster client); server figures are of the primary holding the namespace's slot.
     """
     say = log or (lambda _m: None)
-    port = free_port(host)
-    proc = subprocess.Popen(
-        [redis_binary(), "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    client = aioredis.from_url(f"redis://{host}:{port}")
+    tmp = tempfile.TemporaryDirectory(prefix="conductor-view-read-")
+    proc: subprocess.Popen[bytes] | None = None
+    vc: ValkeyCluster | None = None
+    if cluster:
+        vc = ValkeyCluster(Path(tmp.name), host=host).start()
+        client: Any = open_client(vc.url)
+    else:
+        port = free_port(host)
+        proc = subprocess.Popen(
+            [redis_binary(), "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        client = aioredis.from_url(f"redis://{host}:{port}")
+    admin = client
     try:
         deadline = time.monotonic() + 10
         while True:
@@ -63,7 +76,9 @@ async def run_view_read_bench(
                     raise
                 await asyncio.sleep(0.05)
         store = RedisViewStore(client, "cv")
-        mem0 = int((await client.info("memory"))["used_memory"])
+        if vc is not None:  # server figures from the one primary of the namespace's slot
+            admin = aioredis.from_url(vc.owner_of(store.keys.generation).url)
+        mem0 = int((await admin.info("memory"))["used_memory"])
         rng = random.Random(seed)
         universe = [rng.getrandbits(64) for _ in range(max(blocks_per_node * 4, chain_len))]
         t0 = time.monotonic()
@@ -76,16 +91,17 @@ async def run_view_read_bench(
         batch.append((None, [AddBlocks("prefill-0", 0, tuple(chain))]))
         await store.apply_groups(batch)
         load_s = time.monotonic() - t0
-        used = int((await client.info("memory"))["used_memory"]) - mem0
-        keys_n = await client.dbsize()
+        used = int((await admin.info("memory"))["used_memory"]) - mem0
+        keys_n = await admin.dbsize()
         say(f"loaded {nodes * blocks_per_node} (node, block) entries into {keys_n} keys in {load_s:.1f}s")
         walk = client.register_script(_LUA_WALK)
-        packed = [block_key_bytes(k) for k in chain]
+        chain_keys = store.keys.blocks(chain)
         options = {
             "mget": lambda: store.snapshot(chain),
-            "lua_walk": lambda: walk(args=[store.keys.block_prefix, *packed]),
+            "lua_walk": lambda: walk(keys=chain_keys),
         }
         out: dict[str, Any] = {
+            "redis": "cluster (3 primaries)" if cluster else "one server",
             "nodes": nodes, "blocks_per_node": blocks_per_node, "chain_len": chain_len,
             "load_entries_per_s": round(nodes * blocks_per_node / load_s, 1),
             "view_bytes_per_block": round(used / keys_n, 1),
@@ -93,13 +109,13 @@ async def run_view_read_bench(
         }
         for name, fn in options.items():
             await fn()  # load the script / warm the connection
-            await client.config_resetstat()
+            await admin.config_resetstat()
             lat = []
             for _ in range(reads):
                 t1 = time.perf_counter()
                 await fn()
                 lat.append((time.perf_counter() - t1) * 1000)
-            stats = await client.info("commandstats")
+            stats = await admin.info("commandstats")
             server_us = sum(v["usec"] for k, v in stats.items() if k != "cmdstat_config") / reads
             out[f"{name}_ms_p50"] = round(percentile(lat, 0.5), 3)
             out[f"{name}_ms_p99"] = round(percentile(lat, 0.99), 3)
@@ -107,5 +123,11 @@ async def run_view_read_bench(
         return out
     finally:
         await client.aclose()
-        proc.terminate()
-        proc.wait()
+        if admin is not client:
+            await admin.aclose()
+        if proc is not None:
+            proc.terminate()
+            proc.wait()
+        if vc is not None:
+            vc.stop()
+        tmp.cleanup()

@@ -1,0 +1,109 @@
+"""Which Redis client a URL means: one server, or a Redis Cluster.
+
+``redis://`` / ``rediss://`` / ``unix://`` name one server (a primary, or whatever a proxy or
+Sentinel-managed address points at). ``redis+cluster://[user:password@]host:port[,host:port...]``
+(``rediss+cluster://`` with TLS) names a Redis Cluster by one or more seed nodes: the client
+learns the slot map from them and follows MOVED redirects and failovers. The scheme, not a
+separate flag, says "cluster", so the one URL every process and tool already takes cannot
+disagree with a second setting.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from urllib.parse import unquote, urlsplit
+
+import hiredis
+import redis
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import ClusterNode, RedisCluster
+from redis.asyncio.connection import Connection
+from redis.cluster import ClusterNode as SyncClusterNode
+from redis.cluster import RedisCluster as SyncRedisCluster
+
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+
+
+def is_cluster_url(url: str) -> bool:
+    return urlsplit(url).scheme in CLUSTER_SCHEMES
+
+
+def cluster_seeds(url: str) -> tuple[list[tuple[str, int]], str | None, str | None]:
+    """(seed nodes, username, password) of a ``redis+cluster://`` URL; ``ValueError`` names
+    what is wrong (no host, a bad port, a database other than 0)."""
+    u = urlsplit(url)
+    if u.scheme not in CLUSTER_SCHEMES:
+        raise ValueError(f"not a cluster URL: {u.scheme}://")
+    userinfo, _, hosts = u.netloc.rpartition("@")
+    user, _, password = userinfo.partition(":") if userinfo else ("", "", "")
+    seeds = []
+    for part in hosts.split(","):
+        part = part.strip()
+        if part.startswith("["):  # [v6]:port
+            host, _, rest = part[1:].partition("]")
+            port_s = rest.lstrip(":")
+        else:
+            host, _, port_s = part.partition(":")
+        if not host:
+            raise ValueError("a cluster URL needs host:port of at least one node (redis+cluster://host:port[,host:port])")
+        try:
+            port = int(port_s) if port_s else 6379
+        except ValueError:
+            raise ValueError(f"bad port {port_s!r} in the cluster URL") from None
+        if not 0 < port < 65536:
+            raise ValueError(f"bad port {port} in the cluster URL")
+        seeds.append((host, port))
+    if u.path.strip("/") not in ("", "0"):
+        raise ValueError("a Redis Cluster has only database 0 (drop the /db from the URL)")
+    if u.query:
+        raise ValueError("query options are not taken in a cluster URL")
+    return seeds, (unquote(user) or None), (unquote(password) if userinfo and ":" in userinfo else None)
+
+
+_CLUSTER_DROPS = ("connection_class", "db")
+"""Options of a one-server client a cluster client does not take."""
+
+
+def _cluster_kwargs(url: str, options: dict[str, Any]) -> tuple[list[tuple[str, int]], dict[str, Any]]:
+    seeds, user, password = cluster_seeds(url)
+    kw = {k: v for k, v in options.items() if k not in _CLUSTER_DROPS}
+    if user:
+        kw.setdefault("username", user)
+    if password is not None:
+        kw.setdefault("password", password)
+    if urlsplit(url).scheme == "rediss+cluster":
+        kw["ssl"] = True
+    return seeds, kw
+
+
+def open_client(url: str, **options: Any) -> aioredis.Redis | RedisCluster:
+    """An asyncio client of ``url``: :class:`redis.asyncio.RedisCluster` for a cluster URL
+    (``connection_class`` is then ignored), else ``redis.asyncio.Redis.from_url``."""
+    if is_cluster_url(url):
+        seeds, kw = _cluster_kwargs(url, options)
+        return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in seeds], **kw)
+    return aioredis.from_url(url, **options)
+
+
+def open_sync_client(url: str, **options: Any) -> redis.Redis | SyncRedisCluster:
+    """The blocking client of ``url`` (command-line checks)."""
+    if is_cluster_url(url):
+        seeds, kw = _cluster_kwargs(url, options)
+        return SyncRedisCluster(startup_nodes=[SyncClusterNode(h, p) for h, p in seeds], **kw)
+    return redis.Redis.from_url(url, **options)
+
+
+class HiredisPackedConnection(Connection):
+    """An asyncio redis-py connection that packs commands with hiredis (C) instead of Python.
+
+    The routing read sends a 128-key MGET per request and a view write declares every block
+    key it touches; redis-py's asyncio client packs them argument by argument in Python, which
+    was the largest single cost of a decision. (One server only: a cluster client makes its
+    own connections.)
+    """
+
+    def pack_command(self, *args: Any) -> list[bytes]:
+        first = args[0]
+        if isinstance(first, str) and " " in first:  # e.g. "SCRIPT LOAD": separate words
+            args = (*first.split(), *args[1:])
+        return [hiredis.pack_command(args)]

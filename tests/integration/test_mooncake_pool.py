@@ -1,0 +1,206 @@
+"""The shared KV pool on a real Mooncake Store (marker ``mooncake``: `scripts/test -m mooncake`).
+
+Needs ``pip install '.[mooncake]'`` (the non-CUDA wheel) and Debian's ``libibverbs1``; every
+test here is skipped, with the reason, when the client does not load. The same engine paths
+with a dict in place of the store: tests/unit/test_pool.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from conductor.bridge.publisher import EventPublisher
+from conductor.bridge.runner import Bridge, BridgeConfig, kafka_sink
+from conductor.engine.emulated import EmulatedEngine, EngineConfig
+from conductor.engine.pool import POOL_NODE, LocalMaster, MooncakePool, PoolIndex, PoolLink, object_key
+from conductor.profiles import load_profile
+from conductor.routing.dispatch import Assignment, decisions_for
+from conductor.settings import Settings
+from schemas import RoutingDecision, RoutingRejection, RoutingRequest, chain_keys, decode, encode, envelope, headers
+from state.redis_view import RedisViewStore
+from streams.kafka import consumer, ensure_topics, producer
+from streams.topics import topics
+from tests.integration.test_balance_loop import _stop
+from tests.integration.test_e2e import _start
+
+pytestmark = [pytest.mark.mooncake]
+
+MB = 1 << 20
+
+
+def _client_loads() -> str | None:
+    try:
+        import mooncake.store  # noqa: F401
+    except Exception as e:  # noqa: BLE001  (ImportError, or OSError for a missing libibverbs.so.1)
+        return f"the Mooncake Store client does not load ({e}): pip install '.[mooncake]'; apt-get install libibverbs1"
+    return None
+
+
+@pytest.fixture
+def master(tmp_path: Path) -> Iterator[str]:
+    """A mooncake_master on free loopback ports, leases of 200 ms (so a test can watch one end)."""
+    why = _client_loads()
+    if why is not None:
+        pytest.skip(why)
+    m = LocalMaster(lease_ms=200, log_path=tmp_path / "master.log")
+    try:
+        yield m.start()
+    finally:
+        m.stop()
+
+
+def test_the_client_puts_reads_and_removes_real_blocks(master: str) -> None:
+    pool = MooncakePool.connect(master, block_size_bytes=MB, segment_bytes=16 * MB)
+    try:
+        keys = [0x1000 + i for i in range(4)]
+        assert pool.put_blocks(keys) == (keys, False)
+        assert pool.read_prefix(keys) == 4 and pool.holds(keys) == [True] * 4
+        assert pool.read_prefix([keys[0], 0xDEAD, keys[2]]) == 1  # a prefix stops at the first block missing
+        assert pool.store.get_size(object_key(keys[0])) == MB
+        assert pool.remove_blocks(keys[:2]) == keys[:2]  # forced: the fresh objects' lease would refuse
+        assert pool.holds(keys) == [False, False, True, True]
+        # More than the segment holds: the pool answers -200 and the client stops there.
+        many = [0x2000 + i for i in range(40)]
+        done, full = pool.put_blocks(many)
+        assert full and 0 < len(done) < len(many) and done == many[: len(done)]
+    finally:
+        pool.close()
+
+
+def test_two_clients_share_the_pool(master: str) -> None:
+    """What one engine puts, another reads back (objects are named by Conductor's block keys)."""
+    a = MooncakePool.connect(master, block_size_bytes=MB, segment_bytes=16 * MB)
+    b = MooncakePool.connect(master, block_size_bytes=MB, segment_bytes=16 * MB)
+    try:
+        keys = [0x3000 + i for i in range(3)]
+        a.put_blocks(keys)
+        assert b.read_prefix(keys) == 3
+    finally:
+        a.close()
+        b.close()
+
+
+@pytest.mark.integration
+async def test_an_offloaded_prefix_is_indexed_in_the_view_and_read_back_from_the_pool(
+    master: str, settings: Settings, tmp_path: Path
+) -> None:
+    """p0 (8 HBM blocks, no host memory) computes prefix A, then B evicts A into the pool: the
+    view shows A on the store node; the next request for A is routed to read it from the pool
+    and the engine reads its bytes back (the model's real block size)."""
+    s = settings.model_copy(update={"policy": "kvcache-centric"})
+    procs = _start(s, tmp_path, ["worker"], ["router"])
+    tps = topics(s)
+    await ensure_topics(s, tps.all())
+    prod = producer(s)
+    await prod.start()
+    profile = load_profile(s.model_profile)
+    bs = s.block_size
+    block = bs * profile.kv_bytes_per_token
+    stop = asyncio.Event()
+    tasks: list[asyncio.Task[object]] = []
+    pubs: list[EventPublisher] = []
+    reports = {n: io.StringIO() for n in ("p0", "d0")}
+    view = RedisViewStore.from_settings(s)
+    client = MooncakePool.connect(master, block_size_bytes=block, segment_bytes=256 * MB)
+    link = PoolLink(client, PoolIndex("p0", epoch=int(time.time() * 1000), capacity_blocks=client.capacity_blocks,
+                                      heartbeat_s=0.3),
+                    events=kafka_sink(prod, tps.kv_events.name), heartbeats=kafka_sink(prod, tps.heartbeats.name))
+    watch = consumer(s, tps.dispatch.name, group_id=None, fetch_max_wait_ms=50)
+    engines: dict[str, EmulatedEngine] = {}
+
+    async def wait_for(what: str, probe, timeout: float = 40.0):  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + timeout
+        while True:
+            for p in procs:
+                assert p.poll() is None, (tmp_path / "worker.log").read_text()[-2000:]
+            got = await probe()
+            if got:
+                return got
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            await asyncio.sleep(0.1)
+
+    def done(node: str, rid: str) -> dict | None:  # type: ignore[type-arg]
+        for line in reports[node].getvalue().splitlines():
+            row = json.loads(line)
+            if row["event"] == "prefill_done" and row["request_id"] == rid:
+                return row  # type: ignore[no-any-return]
+        return None
+
+    try:
+        for node, role in (("p0", "prefill"), ("d0", "decode")):
+            pub = EventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+            pubs.append(pub)
+            eng = engines[node] = EmulatedEngine(
+                EngineConfig(node_id=node, role=role, block_size=bs, kv_blocks=8 if node == "p0" else 4096,  # type: ignore[arg-type]
+                             time_scale=100.0, heartbeat_s=0.3, max_output_tokens=2),
+                profile, pub, heartbeat_sink=kafka_sink(prod, tps.heartbeats.name), report=reports[node],
+                pool=link if node == "p0" else None,
+            )
+            bridge = Bridge(BridgeConfig(node_id=node, role=role, zmq_endpoint=pub.endpoint,  # type: ignore[arg-type]
+                                         replay_endpoint=pub.replay_endpoint, block_size=bs, heartbeat_s=None),
+                            kafka_sink(prod, tps.kv_events.name))
+            tasks.append(asyncio.create_task(eng.run(decisions_for(s, node, stop=stop))))
+            tasks.append(asyncio.create_task(bridge.run(stop)))
+
+        async def live() -> bool:
+            now = time.time_ns() // 1_000_000
+            live = {n.node_id for n in await view.nodes() if n.is_live(now, s.heartbeat_ttl_s)}
+            return live >= {"p0", "d0", POOL_NODE} and (await view.view_health())[0]
+
+        await wait_for("p0, d0 and the pool live in the view", live)
+        a = [(13 * i + 1) % 30_000 for i in range(8 * bs)]
+        b = [(17 * i + 3) % 30_000 for i in range(8 * bs)]
+        for rid, toks in (("a", a), ("b", b)):  # accepted work: B pushes A out of HBM, into the pool
+            req = RoutingRequest(request_id=rid, token_ids=toks, prompt_tokens=len(toks))
+            d = RoutingDecision(request_id=rid, prefill_instance="p0", decode_instance="d0", reused_tokens=0,
+                                predicted_ttft_s=0.0, predicted_tbt_ms=20, policy="test")
+            engines["p0"].submit(Assignment(d, req, 0, 0, prefill=True, decode=False))
+        keys = chain_keys(a, bs)
+
+        async def in_pool() -> bool:
+            snap = await view.snapshot(keys)
+            return snap.prefix.get(POOL_NODE, (0, 0, 0))[1] == len(keys) and snap.prefix.get("p0", (0, 0, 0))[1] == 0
+
+        await wait_for("A in the pool (and no longer on p0) in the view", in_pool)
+        assert client.holds(keys) == [True] * len(keys) and link.counts["blocks_put"] == len(keys)
+
+        await watch.start()
+        req = RoutingRequest(request_id="again", token_ids=a + [5, 5], prompt_tokens=len(a) + 2,
+                             expected_output_tokens=2)
+        env = envelope(req, producer_id="pool-test", producer_seq=0, ts_ms=time.time_ns() // 1_000_000)
+        await prod.send_and_wait(tps.requests.name, encode(env), key=b"again", headers=headers(env))
+        decisions: dict[str, RoutingDecision] = {}
+
+        async def decided() -> RoutingDecision | None:
+            for recs in (await watch.getmany(timeout_ms=100)).values():
+                for rec in recs:
+                    body = decode(rec.value).body
+                    assert not isinstance(body, RoutingRejection), body
+                    if isinstance(body, RoutingDecision):
+                        decisions[body.request_id] = body
+            return decisions.get("again")
+
+        dec = await wait_for("the decision", decided)
+        assert (dec.prefill_instance, dec.reuse_source, dec.reused_tokens) == ("p0", POOL_NODE, len(a)), dec
+        row = await wait_for("the prefill", lambda: asyncio.sleep(0, done("p0", "again")))
+        assert row["pool_cached_tokens"] == len(a) and row["cached_tokens"] == len(a)
+        assert link.counts["blocks_read"] == len(keys) and link.counts["blocks_missing"] == 0
+    finally:
+        stop.set()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await watch.stop()
+        for p in pubs:
+            await p.close()
+        await prod.stop()
+        await view.close()
+        client.close()
+        _stop({str(i): p for i, p in enumerate(procs)})
