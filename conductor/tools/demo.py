@@ -65,7 +65,7 @@ log = logging.getLogger(__name__)
 TRACE_BLOCK_TOKENS = 512
 VOCAB = 32_000
 TRACE_NAME = Path("shared") / "traces" / "mooncake_conversation_trace.jsonl"
-DEFAULT_TRACE = Path(__file__).resolve().parent.parent.parent / TRACE_NAME
+DEFAULT_TRACE = Path(__file__).resolve().parents[3] / TRACE_NAME
 """``../shared/traces/`` next to the repository this package runs from."""
 
 
