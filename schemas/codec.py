@@ -95,6 +95,12 @@ def _kv_command_v1_to_v2(body: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
+@upcaster("kv_command", 2)
+def _kv_command_v2(body: dict[str, Any]) -> dict[str, Any]:
+    # v3 added ``by_node``: absent = the default executor (the target of a replicate, else the holder).
+    return body
+
+
 def encode(record: Envelope) -> bytes:
     """Serialise an envelope (at its current schema version)."""
     if not isinstance(record, Envelope):

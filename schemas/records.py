@@ -351,6 +351,11 @@ class KvCommand(Record):
     being worth doing; an executor that reads it later answers ``expired``. ``token_ids``
     (with ``block_size``) are the prefix's tokens when the producer knows them, so that an
     engine that names blocks by its own hashes can materialise them.
+
+    ``by_node`` names the executor when it is not the default one: a shared KV pool (a
+    ``store`` node) has no process of its own, so a ``replicate`` into it is pushed by the
+    holder (``by_node == from_node``), and an ``evict`` from it is carried out by an engine
+    joined to the pool.
     """
 
     kind: Literal["kv_command"] = "kv_command"
@@ -365,6 +370,7 @@ class KvCommand(Record):
     token_ids: Annotated[list[TokenId], Field(max_length=MAX_TOKENS)] | None = None
     block_size: int | None = Field(default=None, ge=1, le=4096)
     reason: Text = ""
+    by_node: OptName = None
 
     @model_validator(mode="after")
     def _consistent(self) -> "KvCommand":
@@ -381,11 +387,15 @@ class KvCommand(Record):
             raise ValueError("evict names no destination")
         if self.token_ids is not None and self.block_size is None:
             raise ValueError("token_ids need block_size")
+        if a == "replicate" and self.by_node not in (None, self.from_node, self.to_node):
+            raise ValueError("a replicate is carried out by its target (pull) or its source (push into a pool)")
         return self
 
     @property
     def executor(self) -> str:
         """The node that carries the command out (and the key it travels under)."""
+        if self.by_node:
+            return self.by_node
         return self.to_node if self.action == "replicate" and self.to_node else self.from_node
 
 
@@ -447,7 +457,7 @@ SCHEMA_VERSIONS["heartbeat"] = 2  # v2 added decode_context_tokens and zone
 SCHEMA_VERSIONS["routing_request"] = 2  # v2 added cache_salt, exclude and retry_of
 SCHEMA_VERSIONS["routing_decision"] = 2  # v2 added control_offset, block_size, model_profile, prefill_group, chunk_boundaries
 SCHEMA_VERSIONS["routing_rejection"] = 2  # v2 added control_offset, block_size, model_profile
-SCHEMA_VERSIONS["kv_command"] = 2  # v2 added command_id (required), deadline_ms, token_ids, block_size
+SCHEMA_VERSIONS["kv_command"] = 3  # v2 added command_id (required), deadline_ms, token_ids, block_size; v3 by_node
 SCHEMA_VERSIONS["blocks_removed"] = 2  # v2 added node (a shared pool's blocks removed by another producer)
 
 

@@ -18,6 +18,17 @@ idea): copy the prefix to the least-loaded instance when the queue it lets a req
 skip (the holders' shortest wait minus the target's) exceeds ``balancing_threshold``
 times the transfer, and the transfer is cheaper than recomputing the prefix there.
 
+With a shared KV pool in the view (a live ``store`` node: Mooncake Store), a hot prefix is
+copied into the pool, pushed by a holder, instead of to one more instance: every prefill
+instance can then read it at the pool's speed. The rule (``pool_copies``): the pool is live,
+does not hold the whole prefix yet and has room for it, and either the prefix is held by
+``pool_min_holders`` instances or more (its demand has spread: one shared copy serves every
+other instance), or every holder is overloaded by the same trigger as an instance replica
+(with a cost model: the queue avoided exceeds ``balancing_threshold`` times loading the prefix
+from the pool, and loading is cheaper than recomputing). A cooled prefix is evicted from
+the pool (a forced remove, by a live prefill instance, which must be joined to the pool)
+once the pool is ``pool_pressure`` full.
+
 Every command gets a deterministic ``command_id`` (a replay of the same requests plans
 the same ids) and a deadline ``command_ttl_s`` after the planning time.
 """
@@ -27,7 +38,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -58,6 +69,12 @@ class BalanceParams(BaseModel):
     balancing_threshold: float = Field(default=1.0, gt=0, description="with a cost model: replicate when the queue "
                                        "avoided exceeds this times the transfer time")
     min_avoided_s: float = Field(default=0.5, ge=0, description="with a cost model: ignore queues shorter than this")
+    pool_copies: bool = Field(default=True, description="copy hot prefixes into a live shared pool (a store node) "
+                              "and evict cooled ones from it")
+    pool_min_holders: int = Field(default=2, ge=1, description="a hot prefix held by this many instances is copied "
+                                  "into the pool even when no holder is overloaded")
+    pool_pressure: float = Field(default=0.8, gt=0, le=1, description="pool use above which cooled prefixes are "
+                                 "evicted from it")
     heat_window_s: float = Field(default=60.0, ge=1, description="the balance worker's heat: accesses in the last "
                                  "this many seconds (tumbling windows in Faust tables; the simulator decays instead)")
 
@@ -218,6 +235,17 @@ def _prefill_capable(n: NodeState) -> bool:
     return n.role in ("prefill", "both")
 
 
+def _pool_tier(n: NodeState) -> Tier:
+    """The tier a shared pool holds blocks on (its heartbeat's one tier; DRAM by default)."""
+    return next(iter(n.tier_capacity), "dram")
+
+
+def _pool_room(n: NodeState) -> tuple[int, int]:
+    """(capacity, blocks indexed) of a shared pool's tier; capacity 0 when it reports none."""
+    tier = _pool_tier(n)
+    return n.tier_capacity.get(tier) or n.total_kv_blocks, n.blocks.get(tier, 0)
+
+
 def plan(
     hot: Sequence[tuple[tuple[int, ...], float]],
     cold: Sequence[tuple[int, ...]],
@@ -258,7 +286,16 @@ def plan(
             continue
         need = len(chain)
         holders = [n for n in live if snap.prefix.get(n.node_id, (0, 0, 0))[1] >= need]
-        if not holders or len(holders) >= params.max_replicas:
+        if not holders:
+            continue
+        if params.pool_copies:
+            cmd = _pool_copy(chain, h, snap, live, holders, ttl_s=ttl_s, now_s=now_s, params=params,
+                             cooldown=cooldown, costs=costs, block_size=block_size, queued=queued,
+                             deadline_ms=deadline_ms)
+            if cmd is not None:
+                commands.append(cmd)
+                continue  # one shared copy serves every instance: no instance replica this round
+        if len(holders) >= params.max_replicas:
             continue
         held = {n.node_id for n in holders}
         source = min(holders, key=lambda n: (queued(n), n.node_id))
@@ -335,4 +372,101 @@ def plan(
                 )
             )
             cooldown.mark(key, now_s)
+        if params.pool_copies and len(commands) < params.max_commands:
+            cmd = _pool_evict(chain, snap, ttl_s=ttl_s, now_s=now_s, params=params, cooldown=cooldown,
+                              queued=queued, deadline_ms=deadline_ms)
+            if cmd is not None:
+                commands.append(cmd)
     return commands
+
+
+def _pool_copy(
+    chain: tuple[int, ...], heat: float, snap: ViewSnapshot, live: Sequence[NodeState], holders: Sequence[NodeState],
+    *, ttl_s: float, now_s: float, params: BalanceParams, cooldown: Cooldown, costs: BalanceCosts | None,
+    block_size: int, queued: Callable[[NodeState], int], deadline_ms: int,
+) -> KvCommand | None:
+    """A ``replicate`` of ``chain`` into a live shared pool, pushed by its least loaded holder,
+    when the module's pool rule says so; ``None`` otherwise."""
+    need = len(chain)
+    pools = []
+    for n in snap.live_nodes(ttl_s):
+        if n.role != "store" or snap.prefix.get(n.node_id, (0, 0, 0))[1] >= need:
+            continue
+        cap, used = _pool_room(n)
+        if cap - used >= need - snap.prefix.get(n.node_id, (0, 0, 0))[1]:
+            pools.append((cap - used, n))
+    if not pools:
+        return None
+    pool = max(pools, key=lambda x: (x[0], x[1].node_id))[1]  # the roomiest
+    source = min(holders, key=lambda n: (queued(n), n.node_id))
+    src_tier: Tier = "hbm" if snap.prefix[source.node_id][0] >= need else "dram"
+    pool_tier = _pool_tier(pool)
+    held = {n.node_id for n in holders}
+    others = [n for n in live if n.node_id not in held]
+    target = min(others, key=lambda n: (queued(n), n.node_id)) if others else None
+    if len(holders) >= params.pool_min_holders:
+        why = f"held by {len(holders)} instances"
+    elif target is None:
+        return None
+    elif costs is None:
+        mean = sum(queued(n) for n in live) / len(live)
+        bar = max(params.overload_tokens, params.overload_factor * mean)
+        if min(queued(n) for n in holders) < bar or queued(target) >= bar:
+            return None
+        why = f"all {len(holders)} holder(s) have >= {bar:.0f} queued prefill tokens"
+    else:
+        tokens = need * block_size
+        avoided = costs.prefill_seconds(queued(source)) - costs.prefill_seconds(queued(target))
+        load = costs.transfer_seconds(tokens, pool_tier, remote=True)
+        recompute = costs.prefill_seconds(tokens)
+        if avoided < params.min_avoided_s or avoided <= params.balancing_threshold * load or load >= recompute:
+            return None
+        why = f"loading from the pool {load:.3f} s < queue avoided {avoided:.2f} s and < recompute {recompute:.2f} s"
+    key = (chain[-1], "replicate", pool.node_id)
+    if not cooldown.ready(key, now_s, params.cooldown_s):
+        return None
+    cooldown.mark(key, now_s)
+    return KvCommand(
+        command_id=command_id("replicate", chain[-1], need, source.node_id, pool.node_id, now_s),
+        action="replicate",
+        block_keys=list(chain),
+        from_node=source.node_id,
+        from_tier=src_tier,
+        to_node=pool.node_id,
+        to_tier=pool_tier,
+        by_node=source.node_id,
+        deadline_ms=deadline_ms,
+        reason=f"hot prefix (heat {heat:.1f}) into the shared pool; {why}",
+    )
+
+
+def _pool_evict(
+    chain: tuple[int, ...], snap: ViewSnapshot, *, ttl_s: float, now_s: float, params: BalanceParams,
+    cooldown: Cooldown, queued: Callable[[NodeState], int], deadline_ms: int,
+) -> KvCommand | None:
+    """An ``evict`` of a cooled ``chain`` from a shared pool that is ``pool_pressure`` full,
+    carried out by the least loaded live prefill instance; ``None`` otherwise."""
+    live = snap.live_nodes(ttl_s)
+    engines = [n for n in live if _prefill_capable(n)]
+    for pool in live:
+        if pool.role != "store" or snap.prefix.get(pool.node_id, (0, 0, 0))[1] <= 0 or not engines:
+            continue
+        cap, used = _pool_room(pool)
+        if cap <= 0 or used / cap < params.pool_pressure:
+            continue
+        key = (chain[-1], "evict", pool.node_id)
+        if not cooldown.ready(key, now_s, params.cooldown_s):
+            continue
+        cooldown.mark(key, now_s)
+        by = min(engines, key=lambda n: (queued(n), n.node_id))
+        return KvCommand(
+            command_id=command_id("evict", chain[-1], len(chain), pool.node_id, by.node_id, now_s),
+            action="evict",
+            block_keys=list(chain),
+            from_node=pool.node_id,
+            from_tier=_pool_tier(pool),
+            by_node=by.node_id,
+            deadline_ms=deadline_ms,
+            reason=f"cold prefix; the shared pool is {100 * used / cap:.0f}% full",
+        )
+    return None

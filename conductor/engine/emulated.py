@@ -388,6 +388,11 @@ class EmulatedEngine:
     def tier_cache(self, tier: str) -> PrefixCache | None:
         return self.cache if tier == "hbm" else self.dram if tier == "dram" else None
 
+    def hashes_by_key(self) -> dict[int, int]:
+        """Conductor block key → this engine's hash, of every block held (known only with a
+        pool: a command acting on the pool names blocks by key and may carry no tokens)."""
+        return {k: h for h, k in self._keys.items()}
+
     async def write_prefix(self, chain: list[int], tokens: list[int]) -> None:
         """Hold ``chain`` (this instance's hashes of ``tokens``) in HBM, as if it had computed it."""
         local = 0

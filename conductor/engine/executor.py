@@ -12,6 +12,14 @@ The engine names blocks by its own salted hashes, so a command must carry the pr
 ``token_ids`` (the balance worker adds them when the requests carry tokens); one without
 them is answered ``failed``/``unsupported``.
 
+An engine joined to the shared pool (``--mooncake-master``) also carries out the commands
+that act on the pool, which has no process of its own: a ``replicate`` into it that names
+this engine as the pushing holder (real ``put``s of the blocks it holds, proven by the pool
+node's ``blocks_migrated``) and an ``evict`` from it (a forced ``remove``, proven by
+``blocks_removed`` with ``node`` = the pool). What the pool holds is asked of the store
+itself, so a block another engine put is not put twice. These need no ``token_ids``: the
+pool names objects by Conductor block key.
+
 :func:`commands_for` reads the node's commands from Kafka (its own consumer group,
 offsets committed after the results are handed over: at-least-once, made safe by the ids).
 """
@@ -22,10 +30,12 @@ import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from conductor.balance.executor import CommandMemory, execute
 from conductor.engine.emulated import EmulatedEngine, engine_hashes
+from conductor.engine.pool import POOL_TIER
 from schemas import DecodeError, Envelope, KvCommand, KvCommandResult, Tier, chain_keys, decode, envelope
 from streams.kafka import consumer
 from streams.topics import topics
@@ -62,6 +72,26 @@ class _EngineTiers:
         return cache.capacity if cache is not None else 0
 
 
+@dataclass(frozen=True)
+class _PoolNow:
+    """The shared pool as the store answered for one command's keys."""
+
+    node: str
+    tier: Tier
+    present: frozenset[int]
+    room: int
+
+    def holds(self, key: int) -> bool:
+        return key in self.present
+
+    def capacity(self) -> int:
+        return self.room
+
+
+def _acts_on_pool(cmd: KvCommand, node: str) -> bool:
+    return (cmd.to_node != node) if cmd.action == "replicate" else (cmd.from_node != node)
+
+
 class EngineCommandExecutor:
     def __init__(
         self,
@@ -87,7 +117,9 @@ class EngineCommandExecutor:
         started = time.perf_counter()
         eng = self.engine
         bs = eng.config.block_size
-        if cmd.token_ids is None or cmd.block_size != bs:
+        if _acts_on_pool(cmd, self.node_id):
+            result = await self._on_pool(cmd)
+        elif cmd.token_ids is None or cmd.block_size != bs:
             result = self._failed(cmd, "unsupported", "the command carries no token ids of this engine's block size")
         else:
             tokens = list(cmd.token_ids)
@@ -127,6 +159,43 @@ class EngineCommandExecutor:
             self.seq += 1
             await self.results([env])
         log.debug("command %s took %.3f s", cmd.command_id, time.perf_counter() - started)
+        return result
+
+    async def _on_pool(self, cmd: KvCommand) -> KvCommandResult:
+        """A command acting on the shared pool: puts of held blocks, or a forced remove."""
+        old = self.memory.get(cmd.command_id)
+        if old is not None:
+            log.info("command %s already answered: %s", cmd.command_id, old.status)
+            return old
+        eng, link = self.engine, self.engine.pool
+        pool = None
+        if link is not None and link.node in (cmd.to_node, cmd.from_node):
+            present = await link.present(list(dict.fromkeys(cmd.block_keys)))
+            pool = _PoolNow(link.node, POOL_TIER, frozenset(present), link.client.capacity_blocks)
+        by_key = eng.hashes_by_key()
+        block = link.client.block_size_bytes if link is not None else 0
+        ex = execute(cmd, node=self.node_id, cache=_EngineTiers(eng, by_key), now_ms=self.clock_ms(),
+                     memory=self.memory, bytes_per_block=block, pool=pool)
+        assert ex is not None
+        if not ex.steps or link is None:
+            return ex.result
+        t0 = time.perf_counter()
+        result = ex.result
+        for step in ex.steps:
+            if step.op == "push":
+                done = await link.offload(list(step.keys), step.from_tier or cmd.from_tier)
+                if not done:
+                    result = KvCommandResult(command_id=cmd.command_id, action=cmd.action, node=self.node_id,
+                                             status="failed", error="no_room", reason=f"the pool {link.node} is full")
+                elif len(done) < len(step.keys):
+                    result = result.model_copy(update={
+                        "blocks": len(done), "bytes_moved": len(done) * block,
+                        "reason": f"the pool {link.node} took {len(done)} of {len(step.keys)} blocks (full)"})
+            elif step.op == "remove":
+                gone = await link.remove(list(step.keys))
+                result = result.model_copy(update={"blocks": len(gone)})
+        result = result.model_copy(update={"duration_ms": round(1000 * (time.perf_counter() - t0), 3)})
+        self.memory.remember(result)
         return result
 
     def _failed(self, cmd: KvCommand, error: str, reason: str) -> KvCommandResult:

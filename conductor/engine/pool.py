@@ -201,6 +201,10 @@ class PoolIndex:
         return self._env(BlocksMigrated(mode="migrate", block_keys=list(keys), from_node=self.engine_node,
                                         from_tier=from_tier, to_node=self.pool_node, to_tier=POOL_TIER), ts_ms)
 
+    def removed(self, keys: Sequence[int], ts_ms: int) -> Envelope:
+        """``keys`` this writer removed from the pool (an ``evict`` of a cooled prefix)."""
+        return self._env(BlocksRemoved(block_keys=list(keys), tier=POOL_TIER, node=self.pool_node), ts_ms)
+
     def missing(self, keys: Sequence[int], ts_ms: int) -> Envelope:
         """``keys`` the view placed in the pool that a read did not find (evicted by the master)."""
         return self._env(BlocksRemoved(block_keys=list(keys), tier=POOL_TIER, node=self.pool_node), ts_ms)
@@ -280,6 +284,26 @@ class PoolLink:
             now = self.clock_ms()
             await self.events([self.index.moved(done, from_tier, now) if move else self.index.stored(done, from_tier, now)])
         return done
+
+    async def present(self, keys: Sequence[int]) -> set[int]:
+        """Which of ``keys`` the pool holds now (asked of the store: whoever put them)."""
+        if not keys:
+            return set()
+        there = await asyncio.to_thread(self.client.holds, list(keys))
+        return {k for k, h in zip(keys, there) if h}
+
+    async def remove(self, keys: Sequence[int]) -> list[int]:
+        """Remove ``keys``' blocks from the pool (forced: a lease does not keep a cooled prefix);
+        publish those removed as the pool node's."""
+        if not keys:
+            return []
+        gone = await asyncio.to_thread(self.client.remove_blocks, list(keys))
+        self.counts["blocks_removed"] += len(gone)
+        for k in gone:
+            self.held.pop(k, None)
+        if gone and self.events is not None:
+            await self.events([self.index.removed(gone, self.clock_ms())])
+        return gone
 
     async def read(self, keys: Sequence[int]) -> int:
         """Read ``keys``' blocks back; return how many leading ones were there. Blocks the pool

@@ -71,7 +71,10 @@ class Bench:
     def balance_loop(self) -> BalanceLoop:
         """A fresh balance loop for one run: the planner's parameters, with replicas written to
         the tier the simulated prefill caches live in."""
-        params = (self.balance or BalanceParams()).model_copy(update={"replica_tier": self.cluster.prefill_cache_tier})
+        # The simulated pool executes no commands yet (its puts come from evictions only), so the
+        # planner does not name it as a replica target here.
+        params = (self.balance or BalanceParams()).model_copy(
+            update={"replica_tier": self.cluster.prefill_cache_tier, "pool_copies": False})
         return BalanceLoop(params, self.profile, self.cluster.block_size)
 
     def run(self, policy: str, speed: float, progress: Progress | None = None,

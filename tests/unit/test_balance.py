@@ -161,3 +161,93 @@ def test_hot_and_cold_from_window_heat_name_prefixes_by_their_deepest_block():
     hot, cold = hot_and_cold({**heat, 3: 0.1}, parents, params)
     assert hot == [((1, 2), 20.0)]
     assert sorted(cold) == [(1, 2, 3), (1, 4, 5)]
+
+
+# --- the shared pool (a store node) --------------------------------------------------
+
+
+def pool_node(nid="kv-pool", capacity=100, used=0, heartbeat_ms=NOW_MS):
+    return NodeState(node_id=nid, role="store", last_heartbeat_ms=heartbeat_ms, total_kv_blocks=capacity,
+                     tier_capacity={"dram": capacity}, blocks={"dram": used})
+
+
+def test_a_prefix_hot_on_several_instances_is_pushed_into_the_pool_by_its_least_loaded_holder():
+    chain = (11, 12, 13)
+    s = snap([node("a", 300), node("b", 100), node("c", 0), pool_node()], {"a": (3, 3, 3), "b": (0, 3, 3)})
+    [c] = plan([(chain, 20.0)], [], {chain: s}, ttl_s=5, now_s=0, params=P, cooldown=Cooldown())
+    assert (c.action, c.from_node, c.from_tier, c.to_node, c.to_tier) == ("replicate", "b", "dram", "kv-pool", "dram")
+    assert c.executor == "b" and c.by_node == "b" and c.block_keys == [11, 12, 13]
+    assert "held by 2 instances" in c.reason
+
+
+def test_one_overloaded_holder_gets_a_pool_copy_instead_of_an_instance_replica():
+    chain = (11, 12, 13)
+    nodes = [node("a", 9000), node("b", 100), node("c", 50)]
+    with_pool = plan([(chain, 20.0)], [], {chain: snap([*nodes, pool_node()], {"a": (3, 3, 3)})}, ttl_s=5, now_s=0,
+                     params=P, cooldown=Cooldown())
+    assert [(c.to_node, c.executor) for c in with_pool] == [("kv-pool", "a")]
+    calm = plan([(chain, 20.0)], [], {chain: snap([node("a", 10), node("b", 0), pool_node()], {"a": (3, 3, 3)})},
+                ttl_s=5, now_s=0, params=P, cooldown=Cooldown())
+    assert calm == []  # one holder with room: nothing to copy anywhere
+
+
+@pytest.mark.parametrize(("pool", "why"), [
+    (pool_node(capacity=2), "no room for 3 blocks"),
+    (pool_node(capacity=10, used=8), "2 free blocks"),
+    (pool_node(capacity=0), "reports no capacity"),
+])
+def test_a_pool_without_room_leaves_the_instance_replica(pool, why):
+    chain = (11, 12, 13)
+    s = snap([node("a", 9000), node("b", 100), node("c", 50), pool], {"a": (3, 3, 3)})
+    [c] = plan([(chain, 20.0)], [], {chain: s}, ttl_s=5, now_s=0, params=P, cooldown=Cooldown())
+    assert (c.to_node, c.executor, c.by_node) == ("c", "c", None), why
+
+
+def test_a_prefix_the_pool_holds_whole_is_not_copied_again_and_the_rule_can_be_switched_off():
+    chain = (11, 12, 13)
+    nodes = [node("a", 9000), node("b", 100), node("c", 50), pool_node(used=3)]
+    s = snap(nodes, {"a": (3, 3, 3), "kv-pool": (0, 3, 3)})
+    assert [c.to_node for c in plan([(chain, 20.0)], [], {chain: s}, ttl_s=5, now_s=0, params=P,
+                                     cooldown=Cooldown())] == ["c"]
+    partly = snap(nodes, {"a": (3, 3, 3), "kv-pool": (0, 1, 1)})
+    assert [c.to_node for c in plan([(chain, 20.0)], [], {chain: partly}, ttl_s=5, now_s=0, params=P,
+                                     cooldown=Cooldown())] == ["kv-pool"]
+    off = P.model_copy(update={"pool_copies": False})
+    assert [c.to_node for c in plan([(chain, 20.0)], [], {chain: partly}, ttl_s=5, now_s=0, params=off,
+                                     cooldown=Cooldown())] == ["c"]
+
+
+def test_a_dead_pool_is_no_target():
+    chain = (11, 12)
+    dead = pool_node(heartbeat_ms=NOW_MS - 60_000)
+    s = snap([node("a", 1), node("b", 1), dead], {"a": (2, 2, 2), "b": (2, 2, 2)})
+    assert plan([(chain, 20.0)], [], {chain: s}, ttl_s=5, now_s=0, params=P, cooldown=Cooldown()) == []
+
+
+@pytest.mark.parametrize(("holder_queue", "copied"), [
+    (5_000, True),   # 5 s avoided > 0.1 s loading from the pool (dram, remote)
+    (400, False),    # 0.4 s avoided: below min_avoided_s
+])
+def test_cost_rule_for_the_pool_weighs_the_queue_against_loading_from_the_pool(holder_queue, copied):
+    chain = tuple(range(10))
+    s = snap([node("a", holder_queue), node("b", 0), pool_node()], {"a": (10, 10, 10)})
+    cmds = plan([(chain, 9.0)], [], {chain: s}, ttl_s=5, now_s=0, params=BalanceParams(), cooldown=Cooldown(),
+                costs=LinearCosts(), block_size=100)
+    assert [c.to_node for c in cmds] == (["kv-pool"] if copied else [])
+    if copied:
+        assert "loading from the pool" in cmds[0].reason
+
+
+def test_a_cold_prefix_is_evicted_from_a_full_pool_by_the_least_loaded_prefill_instance():
+    chain = (21, 22)
+    cool = Cooldown()
+    full = snap([node("a", 500), node("b", 20), node("d", 0, role="decode"), pool_node(used=90)],
+                {"kv-pool": (0, 2, 2)})
+    [c] = plan([], [chain], {chain: full}, ttl_s=5, now_s=0, params=P, cooldown=cool)
+    assert (c.action, c.from_node, c.from_tier, c.executor, c.block_keys) == ("evict", "kv-pool", "dram", "b",
+                                                                               [21, 22])
+    assert plan([], [chain], {chain: full}, ttl_s=5, now_s=1, params=P, cooldown=cool) == []  # cooldown
+    roomy = snap(full.nodes[:3] + (pool_node(used=50),), {"kv-pool": (0, 2, 2)})
+    assert plan([], [chain], {chain: roomy}, ttl_s=5, now_s=0, params=P, cooldown=Cooldown()) == []
+    elsewhere = snap(full.nodes, {"a": (0, 2, 2)})
+    assert plan([], [chain], {chain: elsewhere}, ttl_s=5, now_s=0, params=P, cooldown=Cooldown()) == []

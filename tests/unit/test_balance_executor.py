@@ -131,3 +131,102 @@ def test_v1_commands_decode_with_a_stable_id():
     a, b = decode(raw).body, decode(raw).body
     assert a.command_id == b.command_id and a.command_id.startswith("v1-") and a.deadline_ms is None
     assert decode(encode(envelope(a, producer_id="x", producer_seq=0, ts_ms=1))).body == a
+
+
+# --- commands that act on a shared pool (a store node with no process of its own) ------------
+
+
+class Pool:
+    """A shared pool as a set of keys (what a joined engine reads of the store)."""
+
+    node = "kv-pool"
+    tier = "dram"
+
+    def __init__(self, keys=(), room=100):
+        self.keys = set(keys)
+        self.room = room
+
+    def holds(self, key):
+        return key in self.keys
+
+    def capacity(self):
+        return self.room
+
+    def apply(self, steps):
+        for s in steps:
+            (self.keys.difference_update if s.op == "remove" else self.keys.update)(s.keys)
+
+
+def to_pool(**kw):
+    return cmd("replicate", to_node="kv-pool", to_tier="dram", by_node="a", command_id="c-pool", **kw)
+
+
+def test_a_replicate_into_the_pool_is_pushed_by_the_holder_and_proven_on_the_pool_node():
+    c = to_pool()
+    assert c.executor == "a"
+    pool = Pool({1})
+    ex = execute(c, node="a", cache=Cache(hbm={1, 2, 3}), now_ms=0, memory=CommandMemory(), pool=pool,
+                 bytes_per_block=10)
+    assert (ex.result.status, ex.result.blocks, ex.result.bytes_moved) == ("done", 2, 20)
+    assert [(s.op, s.keys, s.from_tier, s.to_node) for s in ex.steps] == [("push", (2, 3), "hbm", "kv-pool")]
+    assert ex.events == (BlocksMigrated(mode="replicate", block_keys=[2, 3], from_node="a", from_tier="hbm",
+                                        to_node="kv-pool", to_tier="dram"),)
+
+
+def test_pushing_into_the_pool_twice_puts_once():
+    pool, memory, c = Pool(), CommandMemory(), to_pool()
+    first = execute(c, node="a", cache=Cache(hbm={1, 2, 3}), now_ms=0, memory=memory, pool=pool)
+    pool.apply(first.steps)
+    again = execute(c, node="a", cache=Cache(hbm={1, 2, 3}), now_ms=0, memory=memory, pool=pool)
+    assert again.repeat and again.steps == () and again.result == first.result
+    # A new id (or an executor that forgot its ids) finds the blocks there: nothing is put.
+    fresh = execute(c.model_copy(update={"command_id": "c-pool-2"}), node="a", cache=Cache(hbm={1, 2, 3}),
+                    now_ms=0, memory=CommandMemory(), pool=pool)
+    assert (fresh.result.status, fresh.result.blocks, fresh.steps) == ("done", 0, ())
+
+
+@pytest.mark.parametrize(("cache", "pool", "status", "error", "pushed"), [
+    (Cache(hbm={1, 3}), Pool(), "done", None, (1,)),           # only the leading run held here
+    (Cache(hbm={2, 3}), Pool(), "failed", "not_held", None),   # not the first block
+    (Cache(hbm={1, 2, 3}), Pool(room=2), "failed", "no_room", None),
+    (Cache(hbm={1, 2, 3}), None, "failed", "unsupported", None),  # not joined to a pool
+])
+def test_pushing_into_the_pool_takes_a_held_leading_run_and_fails_with_a_code(cache, pool, status, error, pushed):
+    ex = execute(to_pool(), node="a", cache=cache, now_ms=0, memory=CommandMemory(), pool=pool)
+    assert (ex.result.status, ex.result.error) == (status, error), ex.result.reason
+    assert [s.keys for s in ex.steps] == ([pushed] if pushed else [])
+
+
+def test_a_pool_command_past_its_deadline_expires():
+    ex = execute(to_pool(), node="a", cache=Cache(hbm={1, 2, 3}), now_ms=20_000, memory=CommandMemory(), pool=Pool())
+    assert (ex.result.status, ex.steps) == ("expired", ())
+
+
+def test_an_evict_from_the_pool_is_a_remove_there_by_a_joined_engine():
+    c = cmd("evict", from_node="kv-pool", from_tier="dram", by_node="e1", command_id="c-ev")
+    assert c.executor == "e1"
+    pool = Pool({1, 3, 9})
+    ex = execute(c, node="e1", cache=Cache(hbm=set()), now_ms=0, memory=CommandMemory(), pool=pool)
+    assert (ex.result.status, ex.result.blocks) == ("done", 2)
+    assert [(s.op, s.tier, s.keys, s.to_node) for s in ex.steps] == [("remove", "dram", (1, 3), "kv-pool")]
+    assert ex.events == (BlocksRemoved(block_keys=[1, 3], tier="dram", node="kv-pool"),)
+    pool.apply(ex.steps)
+    assert pool.keys == {9}
+    gone = execute(c.model_copy(update={"command_id": "c-ev2"}), node="e1", cache=Cache(hbm=set()), now_ms=0,
+                   memory=CommandMemory(), pool=pool)
+    assert (gone.result.status, gone.result.blocks, gone.steps) == ("done", 0, ())
+    demote = cmd("demote", from_node="kv-pool", from_tier="dram", to_tier="ssd", by_node="e1")
+    ex = execute(demote, node="e1", cache=Cache(hbm=set()), now_ms=0, memory=CommandMemory(), pool=pool)
+    assert (ex.result.status, ex.result.error) == ("failed", "unsupported")  # the pool's tier is its last
+
+
+def test_a_replicate_is_carried_out_by_its_source_or_its_target_only():
+    with pytest.raises(ValueError):
+        cmd("replicate", by_node="third")
+
+
+def test_v2_commands_decode_with_the_default_executor():
+    body = {"kind": "kv_command", "command_id": "x", "action": "replicate", "block_keys": [1], "from_node": "a",
+            "to_node": "b", "to_tier": "hbm"}
+    c = decode(pack_foreign({"s": "kv_command", "v": 2, "id": "e1", "p": "bal", "q": 0, "t": 5, "b": body})).body
+    assert c.by_node is None and c.executor == "b"

@@ -41,6 +41,7 @@ class DictPool:
         self.capacity_blocks = capacity_blocks
         self.block_size_bytes = block_size_bytes
         self.objects: dict[str, bytes] = {}
+        self.puts = 0
 
     def put_blocks(self, keys: Sequence[int]) -> tuple[list[int], bool]:
         done = []
@@ -48,6 +49,7 @@ class DictPool:
             if len(self.objects) >= self.capacity_blocks:
                 return done, True
             self.objects[object_key(k)] = block_bytes(k, self.block_size_bytes)
+            self.puts += 1
             done.append(k)
         return done, False
 
@@ -59,6 +61,9 @@ class DictPool:
 
     def holds(self, keys: Sequence[int]) -> list[bool]:
         return [object_key(k) in self.objects for k in keys]
+
+    def remove_blocks(self, keys: Sequence[int]) -> list[int]:
+        return [k for k in keys if self.objects.pop(object_key(k), None) is not None]
 
     def close(self) -> None: ...
 
@@ -194,3 +199,80 @@ def test_block_bytes_are_sized_and_keyed() -> None:
     data = block_bytes(0xABCDEF, 5 * 1024 * 1024 + 3)
     assert len(data) == 5 * 1024 * 1024 + 3 and data[:8] == (0xABCDEF).to_bytes(8, "big")
     assert object_key(1, "m") == "conductor/m/0000000000000001" != object_key(2, "m")
+
+
+def pool_command(cid: str, keys: list[int], **kw: object) -> KvCommand:
+    return KvCommand(command_id=cid, action="replicate", block_keys=keys, from_node="p0", to_node=POOL_NODE,
+                     to_tier="dram", by_node="p0", deadline_ms=5_000, **kw)  # type: ignore[arg-type]
+
+
+async def test_a_replicate_into_the_pool_is_carried_out_by_the_holder_with_real_puts_once() -> None:
+    pool = DictPool()
+    eng, sent, report = engine(pool=pool, kv_blocks=16)
+    await run(eng, report, assignment("a", A))
+    keys = chain_keys(A, BS)
+    results: list[object] = []
+
+    async def answers(envs: list[Envelope]) -> None:
+        results.extend(e.body for e in envs)
+
+    ex = EngineCommandExecutor(eng, answers, clock_ms=lambda: 1_000)
+    cmd = pool_command("rep-pool-1", keys)  # no token ids: the pool names blocks by Conductor key
+    r = await ex.handle(cmd)
+    assert (r.status, r.blocks, r.bytes_moved) == ("done", 4, 4 * 64), r  # type: ignore[union-attr]
+    assert set(pool.objects) == {object_key(k) for k in keys} and pool.puts == 4
+    assert len(eng.cache) == 4  # a replica: the holder keeps its copy
+    [stored] = sent
+    assert stored.producer_id == f"p0@{POOL_NODE}" and isinstance(stored.body, BlocksMigrated)
+    assert (stored.body.mode, stored.body.from_node, stored.body.to_node, stored.body.block_keys) == (
+        "replicate", "p0", POOL_NODE, keys)
+    snap = fold([*sent, eng.pool.index.heartbeat(1_000)]).snapshot_sync(keys, now_ms=1_000)  # type: ignore[union-attr]
+    assert snap.prefix[POOL_NODE] == (0, 4, 4)
+    # Delivered twice: the same answer, nothing put again; a new id finds the blocks there.
+    assert await ex.handle(cmd) == r and pool.puts == 4 and len(sent) == 1
+    r2 = await ex.handle(pool_command("rep-pool-2", keys))
+    assert (r2.status, r2.blocks) == ("done", 0) and pool.puts == 4 and len(sent) == 1  # type: ignore[union-attr]
+    assert [x.command_id for x in results] == ["rep-pool-1", "rep-pool-1", "rep-pool-2"]  # type: ignore[attr-defined]
+
+
+async def test_a_replicate_into_another_pool_or_of_blocks_not_held_fails_with_a_code() -> None:
+    eng, sent, _ = engine(pool=DictPool(), kv_blocks=16)
+    ex = EngineCommandExecutor(eng, clock_ms=lambda: 1_000)
+    other = KvCommand(command_id="x", action="replicate", block_keys=[1, 2], from_node="p0", to_node="pool-b",
+                      to_tier="dram", by_node="p0")
+    assert (await ex.handle(other)).error == "unsupported"  # type: ignore[union-attr]
+    missing = await ex.handle(pool_command("y", chain_keys(B, BS)))
+    assert (missing.status, missing.error) == ("failed", "not_held") and sent == []  # type: ignore[union-attr]
+
+
+async def test_a_full_pool_answers_no_room_or_the_part_it_took() -> None:
+    pool = DictPool(capacity_blocks=100)
+    eng, _, report = engine(pool=pool, kv_blocks=16)
+    await run(eng, report, assignment("a", A))
+    pool.put_blocks(list(range(1, 99)))  # other writers filled it meanwhile: room for 2 more
+    ex = EngineCommandExecutor(eng, clock_ms=lambda: 1_000)
+    r = await ex.handle(pool_command("part", chain_keys(A, BS)))
+    assert (r.status, r.blocks) == ("done", 2) and "took 2 of 4" in r.reason  # type: ignore[union-attr]
+    pool.objects.clear()
+    pool.put_blocks(list(range(1, 101)))  # full
+    r = await ex.handle(pool_command("none", chain_keys(A, BS)))
+    assert (r.status, r.error) == ("failed", "no_room")  # type: ignore[union-attr]
+
+
+async def test_an_evict_from_the_pool_is_a_forced_remove_by_a_joined_engine() -> None:
+    pool = DictPool()
+    keys = chain_keys(A, BS)
+    put = PoolIndex("p0", epoch=1).stored(keys, "hbm", 900)  # p0 put them
+    pool.put_blocks(keys)
+    eng, sent, _ = engine("p1", pool=pool)
+    ex = EngineCommandExecutor(eng, clock_ms=lambda: 1_000)
+    cmd = KvCommand(command_id="evi-1", action="evict", block_keys=keys, from_node=POOL_NODE, from_tier="dram",
+                    by_node="p1", deadline_ms=5_000)
+    r = await ex.handle(cmd)
+    assert (r.status, r.blocks) == ("done", 4) and pool.objects == {}  # type: ignore[union-attr]
+    [removed] = sent
+    assert removed.producer_id == f"p1@{POOL_NODE}" and isinstance(removed.body, BlocksRemoved)
+    assert (removed.body.node, removed.body.tier, removed.body.block_keys) == (POOL_NODE, "dram", keys)
+    snap = fold([put, *sent]).snapshot_sync(keys, now_ms=1_000)
+    assert snap.prefix.get(POOL_NODE, (0, 0, 0)) == (0, 0, 0)
+    assert await ex.handle(cmd) == r and len(sent) == 1
