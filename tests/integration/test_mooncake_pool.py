@@ -19,11 +19,23 @@ import pytest
 from conductor.bridge.publisher import EventPublisher
 from conductor.bridge.runner import Bridge, BridgeConfig, kafka_sink
 from conductor.engine.emulated import EmulatedEngine, EngineConfig
+from conductor.engine.executor import EngineCommandExecutor, commands_for
 from conductor.engine.pool import POOL_NODE, LocalMaster, MooncakePool, PoolIndex, PoolLink, object_key
 from conductor.profiles import load_profile
 from conductor.routing.dispatch import Assignment, decisions_for
 from conductor.settings import Settings
-from schemas import RoutingDecision, RoutingRejection, RoutingRequest, chain_keys, decode, encode, envelope, headers
+from schemas import (
+    KvCommand,
+    KvCommandResult,
+    RoutingDecision,
+    RoutingRejection,
+    RoutingRequest,
+    chain_keys,
+    decode,
+    encode,
+    envelope,
+    headers,
+)
 from state.redis_view import RedisViewStore
 from streams.kafka import consumer, ensure_topics, producer
 from streams.topics import topics
@@ -203,4 +215,162 @@ async def test_an_offloaded_prefix_is_indexed_in_the_view_and_read_back_from_the
         await prod.stop()
         await view.close()
         client.close()
+        _stop({str(i): p for i, p in enumerate(procs)})
+
+
+@pytest.mark.integration
+async def test_a_replicate_into_the_pool_is_pushed_by_the_holder_and_read_by_another_instance(
+    master: str, settings: Settings, tmp_path: Path
+) -> None:
+    """The balance executor's replicate to the pool is real puts: p0 computes prefix A; a
+    ``replicate`` A → the pool (by p0, its holder) on ``kv-commands`` is carried out by p0's
+    executor (puts into the Mooncake Store), answered ``done`` on ``kv-command-results``; the
+    view shows A on the pool node (p0 keeps its copy); a request that must not go to p0 (its
+    ``exclude``, so p0's HBM is no source either) is decided on p1 reading A from the pool, and
+    p1 reads the bytes back. Delivered again, the command changes nothing."""
+    s = settings.model_copy(update={"policy": "kvcache-centric"})
+    procs = _start(s, tmp_path, ["worker"], ["router"])
+    tps = topics(s)
+    await ensure_topics(s, tps.all())
+    prod = producer(s)
+    await prod.start()
+    profile = load_profile(s.model_profile)
+    bs = s.block_size
+    block = bs * profile.kv_bytes_per_token
+    stop = asyncio.Event()
+    tasks: list[asyncio.Task[object]] = []
+    pubs: list[EventPublisher] = []
+    reports = {n: io.StringIO() for n in ("p0", "p1", "d0")}
+    view = RedisViewStore.from_settings(s)
+    clients: dict[str, MooncakePool] = {}
+    links: dict[str, PoolLink] = {}
+    watch = consumer(s, tps.dispatch.name, tps.kv_command_results.name, group_id=None, fetch_max_wait_ms=50)
+    engines: dict[str, EmulatedEngine] = {}
+    seen: dict[str, object] = {}
+
+    async def wait_for(what: str, probe, timeout: float = 40.0):  # type: ignore[no-untyped-def]
+        deadline = time.monotonic() + timeout
+        while True:
+            for p in procs:
+                assert p.poll() is None, (tmp_path / "worker.log").read_text()[-2000:]
+            got = await probe()
+            if got:
+                return got
+            assert time.monotonic() < deadline, f"timed out waiting for {what}"
+            await asyncio.sleep(0.1)
+
+    async def read_watch() -> None:
+        for recs in (await watch.getmany(timeout_ms=100)).values():
+            for rec in recs:
+                body = decode(rec.value).body
+                assert not isinstance(body, RoutingRejection), body
+                if isinstance(body, RoutingDecision):
+                    seen[body.request_id] = body
+                elif isinstance(body, KvCommandResult):
+                    seen.setdefault(f"result:{body.command_id}", [])
+                    seen[f"result:{body.command_id}"].append(body)  # type: ignore[attr-defined]
+
+    def done(node: str, rid: str) -> dict | None:  # type: ignore[type-arg]
+        for line in reports[node].getvalue().splitlines():
+            row = json.loads(line)
+            if row["event"] == "prefill_done" and row["request_id"] == rid:
+                return row  # type: ignore[no-any-return]
+        return None
+
+    try:
+        epoch = int(time.time() * 1000)
+        for node, role in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode")):
+            pool = None
+            if role == "prefill":  # both prefill instances are joined to the pool, each with its own segment
+                client = clients[node] = MooncakePool.connect(master, block_size_bytes=block, segment_bytes=128 * MB)
+                pool = links[node] = PoolLink(
+                    client, PoolIndex(node, epoch=epoch, capacity_blocks=client.capacity_blocks, heartbeat_s=0.3),
+                    events=kafka_sink(prod, tps.kv_events.name), heartbeats=kafka_sink(prod, tps.heartbeats.name))
+            pub = EventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+            pubs.append(pub)
+            eng = engines[node] = EmulatedEngine(
+                EngineConfig(node_id=node, role=role, block_size=bs, kv_blocks=4096,  # type: ignore[arg-type]
+                             time_scale=100.0, heartbeat_s=0.3, max_output_tokens=2),
+                profile, pub, heartbeat_sink=kafka_sink(prod, tps.heartbeats.name), report=reports[node], pool=pool,
+            )
+            bridge = Bridge(BridgeConfig(node_id=node, role=role, zmq_endpoint=pub.endpoint,  # type: ignore[arg-type]
+                                         replay_endpoint=pub.replay_endpoint, block_size=bs, heartbeat_s=None),
+                            kafka_sink(prod, tps.kv_events.name))
+            tasks.append(asyncio.create_task(eng.run(decisions_for(s, node, stop=stop))))
+            tasks.append(asyncio.create_task(bridge.run(stop)))
+            if role == "prefill":
+                executor = EngineCommandExecutor(eng, kafka_sink(prod, tps.kv_command_results.name))
+                tasks.append(asyncio.create_task(executor.run(commands_for(s, node, stop=stop))))
+
+        async def live() -> bool:
+            now = time.time_ns() // 1_000_000
+            live = {n.node_id for n in await view.nodes() if n.is_live(now, s.heartbeat_ttl_s)}
+            return live >= {"p0", "p1", "d0", POOL_NODE} and (await view.view_health())[0]
+
+        await wait_for("p0, p1, d0 and the pool live in the view", live)
+        a = [(13 * i + 1) % 30_000 for i in range(8 * bs)]
+        keys = chain_keys(a, bs)
+        req = RoutingRequest(request_id="a", token_ids=a, prompt_tokens=len(a))
+        d = RoutingDecision(request_id="a", prefill_instance="p0", decode_instance="d0", reused_tokens=0,
+                            predicted_ttft_s=0.0, predicted_tbt_ms=20, policy="test")
+        engines["p0"].submit(Assignment(d, req, 0, 0, prefill=True, decode=False))
+
+        async def on_p0() -> bool:
+            return (await view.snapshot(keys)).prefix.get("p0", (0, 0, 0))[0] == len(keys)
+
+        await wait_for("A in p0's HBM in the view", on_p0)
+        await watch.start()
+        cmd = KvCommand(command_id="rep-pool-it", action="replicate", block_keys=keys, from_node="p0", from_tier="hbm",
+                        to_node=POOL_NODE, to_tier="dram", by_node="p0",
+                        deadline_ms=time.time_ns() // 1_000_000 + 30_000, reason="integration test")
+        for i in range(2):  # delivered twice: carried out once
+            env = envelope(cmd, producer_id="balance-test", producer_seq=i, ts_ms=time.time_ns() // 1_000_000)
+            await prod.send_and_wait(tps.kv_commands.name, encode(env), key=cmd.executor.encode(),
+                                     headers=headers(env))
+
+        async def answered() -> list[KvCommandResult] | None:
+            await read_watch()
+            got = seen.get("result:rep-pool-it")
+            return got if got is not None and len(got) >= 2 else None  # type: ignore[return-value, arg-type]
+
+        first, second = await wait_for("two kv-command-results for the command", answered)
+        assert (first.node, first.status, first.blocks, first.bytes_moved) == ("p0", "done", len(keys),
+                                                                               len(keys) * block), first
+        assert second == first  # the repeat got the first answer
+        assert clients["p0"].holds(keys) == [True] * len(keys)
+        assert links["p0"].counts["blocks_put"] == len(keys)  # put once
+
+        async def in_pool() -> bool:
+            snap = await view.snapshot(keys)
+            return snap.prefix.get(POOL_NODE, (0, 0, 0))[1] == len(keys) and snap.prefix["p0"][0] == len(keys)
+
+        await wait_for("A on the pool node (and still on p0) in the view", in_pool)
+
+        again = RoutingRequest(request_id="elsewhere", token_ids=a + [5, 5], prompt_tokens=len(a) + 2,
+                               expected_output_tokens=2, exclude=["p0"])
+        env = envelope(again, producer_id="pool-test", producer_seq=0, ts_ms=time.time_ns() // 1_000_000)
+        await prod.send_and_wait(tps.requests.name, encode(env), key=b"elsewhere", headers=headers(env))
+
+        async def decided() -> RoutingDecision | None:
+            await read_watch()
+            return seen.get("elsewhere")  # type: ignore[return-value]
+
+        dec = await wait_for("the decision", decided)
+        assert (dec.prefill_instance, dec.reuse_source, dec.reuse_tier, dec.reused_tokens) == (
+            "p1", POOL_NODE, "dram", len(a)), dec
+        row = await wait_for("p1's prefill", lambda: asyncio.sleep(0, done("p1", "elsewhere")))
+        assert row["pool_cached_tokens"] == len(a) and row["cached_tokens"] == len(a)
+        assert links["p1"].counts["blocks_read"] == len(keys) and links["p1"].counts["blocks_missing"] == 0
+    finally:
+        stop.set()
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await watch.stop()
+        for p in pubs:
+            await p.close()
+        await prod.stop()
+        await view.close()
+        for c in clients.values():
+            c.close()
         _stop({str(i): p for i, p in enumerate(procs)})
