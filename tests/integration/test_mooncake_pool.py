@@ -218,159 +218,227 @@ async def test_an_offloaded_prefix_is_indexed_in_the_view_and_read_back_from_the
         _stop({str(i): p for i, p in enumerate(procs)})
 
 
-@pytest.mark.integration
-async def test_a_replicate_into_the_pool_is_pushed_by_the_holder_and_read_by_another_instance(
-    master: str, settings: Settings, tmp_path: Path
-) -> None:
-    """The balance executor's replicate to the pool is real puts: p0 computes prefix A; a
-    ``replicate`` A → the pool (by p0, its holder) on ``kv-commands`` is carried out by p0's
-    executor (puts into the Mooncake Store), answered ``done`` on ``kv-command-results``; the
-    view shows A on the pool node (p0 keeps its copy); a request that must not go to p0 (its
-    ``exclude``, so p0's HBM is no source either) is decided on p1 reading A from the pool, and
-    p1 reads the bytes back. Delivered again, the command changes nothing."""
-    s = settings.model_copy(update={"policy": "kvcache-centric"})
-    procs = _start(s, tmp_path, ["worker"], ["router"])
-    tps = topics(s)
-    await ensure_topics(s, tps.all())
-    prod = producer(s)
-    await prod.start()
-    profile = load_profile(s.model_profile)
-    bs = s.block_size
-    block = bs * profile.kv_bytes_per_token
-    stop = asyncio.Event()
-    tasks: list[asyncio.Task[object]] = []
-    pubs: list[EventPublisher] = []
-    reports = {n: io.StringIO() for n in ("p0", "p1", "d0")}
-    view = RedisViewStore.from_settings(s)
-    clients: dict[str, MooncakePool] = {}
-    links: dict[str, PoolLink] = {}
-    watch = consumer(s, tps.dispatch.name, tps.kv_command_results.name, group_id=None, fetch_max_wait_ms=50)
-    engines: dict[str, EmulatedEngine] = {}
-    seen: dict[str, object] = {}
+class PoolCluster:
+    """The stream worker and router (and whatever else ``commands`` names) as real commands,
+    prefill engines p0 and p1 both joined to the pool (each with its own segment, bridge and
+    KV command executor) and decode engine d0, all in this process; and a watch on
+    ``dispatch``, ``kv-commands`` and ``kv-command-results``."""
 
-    async def wait_for(what: str, probe, timeout: float = 40.0):  # type: ignore[no-untyped-def]
+    def __init__(self, master: str, s: Settings, tmp_path: Path, *commands: list[str]) -> None:
+        self.master, self.s, self.tmp_path = master, s, tmp_path
+        self.procs = _start(s, tmp_path, ["worker"], ["router"], *commands)
+        self.names = ["worker", "router", *(c[0] for c in commands)]
+        self.tps = topics(s)
+        self.prod = producer(s)
+        self.profile = load_profile(s.model_profile)
+        self.block = s.block_size * self.profile.kv_bytes_per_token
+        self.stop = asyncio.Event()
+        self.tasks: list[asyncio.Task[object]] = []
+        self.pubs: list[EventPublisher] = []
+        self.reports = {n: io.StringIO() for n in ("p0", "p1", "d0")}
+        self.view = RedisViewStore.from_settings(s)
+        self.clients: dict[str, MooncakePool] = {}
+        self.links: dict[str, PoolLink] = {}
+        self.engines: dict[str, EmulatedEngine] = {}
+        self.watch = consumer(s, self.tps.dispatch.name, self.tps.kv_commands.name, self.tps.kv_command_results.name,
+                              group_id=None, fetch_max_wait_ms=50)
+        self.decisions: dict[str, RoutingDecision] = {}
+        self.commands: list[KvCommand] = []
+        self.results: list[KvCommandResult] = []
+
+    async def start(self) -> None:
+        s, tps = self.s, self.tps
+        await ensure_topics(s, tps.all())
+        await self.prod.start()
+        await self.watch.start()
+        epoch = int(time.time() * 1000)
+        for node, role in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode")):
+            pool = None
+            if role == "prefill":
+                client = self.clients[node] = MooncakePool.connect(self.master, block_size_bytes=self.block,
+                                                                   segment_bytes=128 * MB)
+                pool = self.links[node] = PoolLink(
+                    client, PoolIndex(node, epoch=epoch, capacity_blocks=client.capacity_blocks, heartbeat_s=0.3),
+                    events=kafka_sink(self.prod, tps.kv_events.name),
+                    heartbeats=kafka_sink(self.prod, tps.heartbeats.name))
+            pub = EventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
+            self.pubs.append(pub)
+            eng = self.engines[node] = EmulatedEngine(
+                EngineConfig(node_id=node, role=role, block_size=s.block_size, kv_blocks=4096,  # type: ignore[arg-type]
+                             time_scale=100.0, heartbeat_s=0.3, max_output_tokens=2),
+                self.profile, pub, heartbeat_sink=kafka_sink(self.prod, tps.heartbeats.name),
+                report=self.reports[node], pool=pool,
+            )
+            bridge = Bridge(BridgeConfig(node_id=node, role=role, zmq_endpoint=pub.endpoint,  # type: ignore[arg-type]
+                                         replay_endpoint=pub.replay_endpoint, block_size=s.block_size,
+                                         heartbeat_s=None),
+                            kafka_sink(self.prod, tps.kv_events.name))
+            self.tasks.append(asyncio.create_task(eng.run(decisions_for(s, node, stop=self.stop))))
+            self.tasks.append(asyncio.create_task(bridge.run(self.stop)))
+            if role == "prefill":
+                executor = EngineCommandExecutor(eng, kafka_sink(self.prod, tps.kv_command_results.name))
+                self.tasks.append(asyncio.create_task(executor.run(commands_for(s, node, stop=self.stop))))
+
+        async def live() -> bool:
+            now = time.time_ns() // 1_000_000
+            live = {n.node_id for n in await self.view.nodes() if n.is_live(now, s.heartbeat_ttl_s)}
+            return live >= {"p0", "p1", "d0", POOL_NODE} and (await self.view.view_health())[0]
+
+        await self.wait_for("p0, p1, d0 and the pool live in the view", live)
+
+    async def close(self) -> None:
+        self.stop.set()
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        await self.watch.stop()
+        for p in self.pubs:
+            await p.close()
+        await self.prod.stop()
+        await self.view.close()
+        for c in self.clients.values():
+            c.close()
+        _stop({str(i): p for i, p in enumerate(self.procs)})
+
+    async def wait_for(self, what: str, probe, timeout: float = 40.0):  # type: ignore[no-untyped-def]
         deadline = time.monotonic() + timeout
         while True:
-            for p in procs:
-                assert p.poll() is None, (tmp_path / "worker.log").read_text()[-2000:]
+            for name, p in zip(self.names, self.procs):
+                assert p.poll() is None, f"conductor {name} exited\n" + (self.tmp_path / f"{name}.log").read_text()[-2000:]
+            await self.read_watch()
             got = await probe()
             if got:
                 return got
             assert time.monotonic() < deadline, f"timed out waiting for {what}"
             await asyncio.sleep(0.1)
 
-    async def read_watch() -> None:
-        for recs in (await watch.getmany(timeout_ms=100)).values():
+    async def read_watch(self) -> None:
+        for recs in (await self.watch.getmany(timeout_ms=50)).values():
             for rec in recs:
                 body = decode(rec.value).body
                 assert not isinstance(body, RoutingRejection), body
                 if isinstance(body, RoutingDecision):
-                    seen[body.request_id] = body
+                    self.decisions[body.request_id] = body
+                elif isinstance(body, KvCommand):
+                    self.commands.append(body)
                 elif isinstance(body, KvCommandResult):
-                    seen.setdefault(f"result:{body.command_id}", [])
-                    seen[f"result:{body.command_id}"].append(body)  # type: ignore[attr-defined]
+                    self.results.append(body)
 
-    def done(node: str, rid: str) -> dict | None:  # type: ignore[type-arg]
-        for line in reports[node].getvalue().splitlines():
+    def prefill_done(self, node: str, rid: str) -> dict | None:  # type: ignore[type-arg]
+        for line in self.reports[node].getvalue().splitlines():
             row = json.loads(line)
             if row["event"] == "prefill_done" and row["request_id"] == rid:
                 return row  # type: ignore[no-any-return]
         return None
 
+    async def compute(self, node: str, rid: str, tokens: list[int]) -> None:
+        """``node`` prefills ``tokens`` (work it accepted, not routed); wait until the view has them."""
+        req = RoutingRequest(request_id=rid, token_ids=tokens, prompt_tokens=len(tokens))
+        d = RoutingDecision(request_id=rid, prefill_instance=node, decode_instance="d0", reused_tokens=0,
+                            predicted_ttft_s=0.0, predicted_tbt_ms=20, policy="test")
+        self.engines[node].submit(Assignment(d, req, 0, 0, prefill=True, decode=False))
+        keys = chain_keys(tokens, self.s.block_size)
+
+        async def there() -> bool:
+            return (await self.view.snapshot(keys)).prefix.get(node, (0, 0, 0))[0] == len(keys)
+
+        await self.wait_for(f"{rid} in {node}'s HBM in the view", there)
+
+    async def send(self, topic: str, body: object, key: bytes, seq: int = 0) -> None:
+        env = envelope(body, producer_id="pool-test", producer_seq=seq, ts_ms=time.time_ns() // 1_000_000)
+        await self.prod.send_and_wait(topic, encode(env), key=key, headers=headers(env))
+
+    async def in_pool(self, keys: list[int]) -> bool:
+        return (await self.view.snapshot(keys)).prefix.get(POOL_NODE, (0, 0, 0))[1] == len(keys)
+
+
+@pytest.mark.integration
+async def test_a_replicate_into_the_pool_is_pushed_by_the_holder_and_read_by_another_instance(
+    master: str, settings: Settings, tmp_path: Path
+) -> None:
+    """The balance executor's replicate to the pool is real puts: p0 computes prefix A; a
+    ``replicate`` A → the pool (by p0, its holder) on ``kv-commands``, delivered twice, is
+    carried out once by p0's executor (puts into the Mooncake Store) and answered ``done``
+    twice on ``kv-command-results``; the view shows A on the pool node (p0 keeps its copy); a
+    request that must not go to p0 (its ``exclude``, so p0's HBM is no source either) is
+    decided on p1 reading A from the pool, and p1 reads the bytes back."""
+    c = PoolCluster(master, settings.model_copy(update={"policy": "kvcache-centric"}), tmp_path)
     try:
-        epoch = int(time.time() * 1000)
-        for node, role in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode")):
-            pool = None
-            if role == "prefill":  # both prefill instances are joined to the pool, each with its own segment
-                client = clients[node] = MooncakePool.connect(master, block_size_bytes=block, segment_bytes=128 * MB)
-                pool = links[node] = PoolLink(
-                    client, PoolIndex(node, epoch=epoch, capacity_blocks=client.capacity_blocks, heartbeat_s=0.3),
-                    events=kafka_sink(prod, tps.kv_events.name), heartbeats=kafka_sink(prod, tps.heartbeats.name))
-            pub = EventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
-            pubs.append(pub)
-            eng = engines[node] = EmulatedEngine(
-                EngineConfig(node_id=node, role=role, block_size=bs, kv_blocks=4096,  # type: ignore[arg-type]
-                             time_scale=100.0, heartbeat_s=0.3, max_output_tokens=2),
-                profile, pub, heartbeat_sink=kafka_sink(prod, tps.heartbeats.name), report=reports[node], pool=pool,
-            )
-            bridge = Bridge(BridgeConfig(node_id=node, role=role, zmq_endpoint=pub.endpoint,  # type: ignore[arg-type]
-                                         replay_endpoint=pub.replay_endpoint, block_size=bs, heartbeat_s=None),
-                            kafka_sink(prod, tps.kv_events.name))
-            tasks.append(asyncio.create_task(eng.run(decisions_for(s, node, stop=stop))))
-            tasks.append(asyncio.create_task(bridge.run(stop)))
-            if role == "prefill":
-                executor = EngineCommandExecutor(eng, kafka_sink(prod, tps.kv_command_results.name))
-                tasks.append(asyncio.create_task(executor.run(commands_for(s, node, stop=stop))))
-
-        async def live() -> bool:
-            now = time.time_ns() // 1_000_000
-            live = {n.node_id for n in await view.nodes() if n.is_live(now, s.heartbeat_ttl_s)}
-            return live >= {"p0", "p1", "d0", POOL_NODE} and (await view.view_health())[0]
-
-        await wait_for("p0, p1, d0 and the pool live in the view", live)
+        await c.start()
+        bs = settings.block_size
         a = [(13 * i + 1) % 30_000 for i in range(8 * bs)]
         keys = chain_keys(a, bs)
-        req = RoutingRequest(request_id="a", token_ids=a, prompt_tokens=len(a))
-        d = RoutingDecision(request_id="a", prefill_instance="p0", decode_instance="d0", reused_tokens=0,
-                            predicted_ttft_s=0.0, predicted_tbt_ms=20, policy="test")
-        engines["p0"].submit(Assignment(d, req, 0, 0, prefill=True, decode=False))
-
-        async def on_p0() -> bool:
-            return (await view.snapshot(keys)).prefix.get("p0", (0, 0, 0))[0] == len(keys)
-
-        await wait_for("A in p0's HBM in the view", on_p0)
-        await watch.start()
+        await c.compute("p0", "a", a)
         cmd = KvCommand(command_id="rep-pool-it", action="replicate", block_keys=keys, from_node="p0", from_tier="hbm",
                         to_node=POOL_NODE, to_tier="dram", by_node="p0",
                         deadline_ms=time.time_ns() // 1_000_000 + 30_000, reason="integration test")
         for i in range(2):  # delivered twice: carried out once
-            env = envelope(cmd, producer_id="balance-test", producer_seq=i, ts_ms=time.time_ns() // 1_000_000)
-            await prod.send_and_wait(tps.kv_commands.name, encode(env), key=cmd.executor.encode(),
-                                     headers=headers(env))
+            await c.send(c.tps.kv_commands.name, cmd, cmd.executor.encode(), seq=i)
 
         async def answered() -> list[KvCommandResult] | None:
-            await read_watch()
-            got = seen.get("result:rep-pool-it")
-            return got if got is not None and len(got) >= 2 else None  # type: ignore[return-value, arg-type]
+            got = [r for r in c.results if r.command_id == cmd.command_id]
+            return got if len(got) >= 2 else None
 
-        first, second = await wait_for("two kv-command-results for the command", answered)
+        first, second = await c.wait_for("two kv-command-results for the command", answered)
         assert (first.node, first.status, first.blocks, first.bytes_moved) == ("p0", "done", len(keys),
-                                                                               len(keys) * block), first
+                                                                               len(keys) * c.block), first
         assert second == first  # the repeat got the first answer
-        assert clients["p0"].holds(keys) == [True] * len(keys)
-        assert links["p0"].counts["blocks_put"] == len(keys)  # put once
+        assert c.clients["p0"].holds(keys) == [True] * len(keys)
+        assert c.links["p0"].counts["blocks_put"] == len(keys)  # put once
 
-        async def in_pool() -> bool:
-            snap = await view.snapshot(keys)
-            return snap.prefix.get(POOL_NODE, (0, 0, 0))[1] == len(keys) and snap.prefix["p0"][0] == len(keys)
+        async def in_pool_and_on_p0() -> bool:
+            return await c.in_pool(keys) and (await c.view.snapshot(keys)).prefix["p0"][0] == len(keys)
 
-        await wait_for("A on the pool node (and still on p0) in the view", in_pool)
+        await c.wait_for("A on the pool node (and still on p0) in the view", in_pool_and_on_p0)
 
         again = RoutingRequest(request_id="elsewhere", token_ids=a + [5, 5], prompt_tokens=len(a) + 2,
                                expected_output_tokens=2, exclude=["p0"])
-        env = envelope(again, producer_id="pool-test", producer_seq=0, ts_ms=time.time_ns() // 1_000_000)
-        await prod.send_and_wait(tps.requests.name, encode(env), key=b"elsewhere", headers=headers(env))
-
-        async def decided() -> RoutingDecision | None:
-            await read_watch()
-            return seen.get("elsewhere")  # type: ignore[return-value]
-
-        dec = await wait_for("the decision", decided)
+        await c.send(c.tps.requests.name, again, b"elsewhere")
+        dec = await c.wait_for("the decision", lambda: asyncio.sleep(0, c.decisions.get("elsewhere")))
         assert (dec.prefill_instance, dec.reuse_source, dec.reuse_tier, dec.reused_tokens) == (
             "p1", POOL_NODE, "dram", len(a)), dec
-        row = await wait_for("p1's prefill", lambda: asyncio.sleep(0, done("p1", "elsewhere")))
+        row = await c.wait_for("p1's prefill", lambda: asyncio.sleep(0, c.prefill_done("p1", "elsewhere")))
         assert row["pool_cached_tokens"] == len(a) and row["cached_tokens"] == len(a)
-        assert links["p1"].counts["blocks_read"] == len(keys) and links["p1"].counts["blocks_missing"] == 0
+        assert c.links["p1"].counts["blocks_read"] == len(keys) and c.links["p1"].counts["blocks_missing"] == 0
     finally:
-        stop.set()
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        await watch.stop()
-        for p in pubs:
-            await p.close()
-        await prod.stop()
-        await view.close()
-        for c in clients.values():
-            c.close()
-        _stop({str(i): p for i, p in enumerate(procs)})
+        await c.close()
+
+
+@pytest.mark.integration
+async def test_the_balance_worker_copies_a_prefix_hot_on_two_instances_into_the_pool(
+    master: str, settings: Settings, tmp_path: Path
+) -> None:
+    """The closed loop with the real ``conductor balance``: A is held whole by p0 and p1 and
+    requested four times (the hot threshold); the planner's pool rule (held by two instances)
+    publishes a ``replicate`` into the pool keyed by the least loaded holder, which pushes it
+    (real puts), answers ``done``, and the view shows A on the pool node."""
+    s = settings.model_copy(update={"policy": "kvcache-centric",
+                                    "balance_params": {"hot_threshold": 4, "cooldown_s": 120}})
+    c = PoolCluster(master, s, tmp_path, ["balance", "--interval", "0.3"])
+    try:
+        await c.start()
+        bs = settings.block_size
+        a = [(7 * i + 5) % 30_000 for i in range(8 * bs)]
+        keys = chain_keys(a, bs)
+        await c.compute("p0", "a0", a)
+        await c.compute("p1", "a1", a)
+        for i in range(4):
+            req = RoutingRequest(request_id=f"hot-{i}", token_ids=a + [i, i], prompt_tokens=len(a) + 2,
+                                 expected_output_tokens=2)
+            await c.send(c.tps.requests.name, req, req.request_id.encode(), seq=i)
+
+        async def copied() -> KvCommandResult | None:
+            cmds = [x for x in c.commands if x.to_node == POOL_NODE]
+            ids = {x.command_id for x in cmds}
+            return next((r for r in c.results if r.command_id in ids), None)
+
+        result = await c.wait_for("a replicate into the pool, answered", copied)
+        [cmd] = [x for x in c.commands if x.command_id == result.command_id]
+        assert (cmd.action, cmd.block_keys, cmd.to_tier) == ("replicate", keys, "dram")
+        assert cmd.by_node in ("p0", "p1") and cmd.executor == cmd.by_node == cmd.from_node
+        assert "held by 2 instances" in cmd.reason
+        assert (result.node, result.status, result.blocks) == (cmd.by_node, "done", len(keys)), result
+        assert c.clients[cmd.by_node].holds(keys) == [True] * len(keys)
+        await c.wait_for("A on the pool node in the view", lambda: c.in_pool(keys))
+    finally:
+        await c.close()
