@@ -228,7 +228,9 @@ def register(groups: dict[str, typer.Typer]) -> None:
             None, "--mooncake-master", metavar="HOST:PORT",
             help="join this Mooncake Store as the shared KV pool (needs the mooncake extra): blocks leaving the "
             "last local tier are put there, prefixes the router reads from the pool are read back from it, a "
-            "demote to DRAM without --dram-blocks goes there; the pool is the view's store node --pool-node-id",
+            "demote to DRAM without --dram-blocks goes there, and this engine carries out the balance worker's "
+            "replicate into the pool (puts of blocks it holds) and evict from it (forced removes); the pool is "
+            "the view's store node --pool-node-id",
         ),
         pool_node_id: str = typer.Option(POOL_NODE, "--pool-node-id", help="the shared pool's node id in the view"),
         pool_segment_mb: int = typer.Option(256, "--pool-segment-mb", min=1,
