@@ -32,39 +32,21 @@ import redis.asyncio as aioredis
 
 from conductor.settings import load_settings
 from conductor.tools.bench.ingest import start_worker_process, stop_worker_process
-from conductor.tools.devstack import free_port, redis_binary, redis_ready
+from conductor.tools.devstack import free_port, redis_ready
+from conductor.tools.valkey_cluster import ValkeyProcess
 from schemas import BlocksRemoved, BlocksStored, DecodeError, Envelope, Heartbeat, decode, encode, envelope
 from state.redis_view import RedisViewStore
 from streams.kafka import ensure_topics, producer
 from streams.topics import topics
 
 
-class OwnValkey:
-    """A Valkey server of this run's own: flushed, killed and restarted empty on the same port."""
+class OwnValkey(ValkeyProcess):
+    """A Valkey server of this run's own, started without blocking the loop: flushed, killed and
+    restarted empty on the same port."""
 
-    def __init__(self, data_dir: Path, host: str = "127.0.0.1") -> None:
-        self.host, self.port = host, free_port(host)
-        self.dir = data_dir
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.proc: subprocess.Popen[bytes] | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
-
-    async def start(self) -> None:
-        self.proc = subprocess.Popen(
-            [redis_binary(), "--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "no",
-             "--dir", str(self.dir.resolve()), "--protected-mode", "no", "--daemonize", "no"],
-            stdout=open(self.dir / "valkey.log", "ab"), stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True,
-        )
+    async def start(self) -> None:  # type: ignore[override]
+        self.spawn()
         await redis_ready(self.url, 10.0)
-
-    def kill(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait()
 
     async def restart_empty(self, down_s: float = 1.0) -> None:
         """SIGKILL, stay down ``down_s``, start again on the same port with nothing in it."""
@@ -78,14 +60,6 @@ class OwnValkey:
             await c.flushall()
         finally:
             await c.aclose()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.kill()
 
 
 class Relay:
@@ -162,8 +136,8 @@ class FailoverPair:
     and the one address clients use (another relay, on the primary until :meth:`fail_over`)."""
 
     def __init__(self, data_dir: Path, host: str = "127.0.0.1") -> None:
-        self.primary = OwnValkey(data_dir / "primary", host)
-        self.replica = OwnValkey(data_dir / "replica", host)
+        self.primary = OwnValkey(data_dir / "primary", host=host)
+        self.replica = OwnValkey(data_dir / "replica", host=host)
         self.host = host
         self.link: Relay | None = None
         self.vip: Relay | None = None

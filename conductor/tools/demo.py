@@ -501,7 +501,7 @@ async def _run_once(
             refresh()
             await asyncio.sleep(0.3)
 
-        gw_ready = await _ready_line(gw, 60.0)
+        gw_ready = await ready_line(gw, 60.0)
         if gw_ready is None:
             raise DemoError(f"the gateway did not start:\n{procs.log_tail('gateway')}")
         tasks.append(asyncio.create_task(_drain(gw)))
@@ -608,7 +608,7 @@ async def _ask(client: openai.AsyncOpenAI, stats: RunStats, request_id: str, cli
         stats.client_errors[type(e).__name__] += 1
 
 
-async def _ready_line(proc: asyncio.subprocess.Process, timeout_s: float) -> dict[str, Any] | None:
+async def ready_line(proc: asyncio.subprocess.Process, timeout_s: float) -> dict[str, Any] | None:
     """The process's ``{"event": "ready", ...}`` stdout line (None if it exits or times out first)."""
     assert proc.stdout is not None
     deadline = time.monotonic() + timeout_s

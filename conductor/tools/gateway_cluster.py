@@ -16,7 +16,7 @@ from typing import Any
 
 from conductor.errors import ConductorError
 from conductor.settings import Settings, child_environment
-from conductor.tools.demo import Processes
+from conductor.tools.demo import Processes, ready_line
 from state.redis_view import RedisViewStore
 from streams.kafka import ensure_topics
 from streams.topics import topics
@@ -79,23 +79,11 @@ class GatewayCluster:
         await self.procs.stop()
 
     async def _ready_line(self, name: str, proc: Any, timeout_s: float = 60.0) -> dict[str, Any]:
-        assert proc.stdout is not None
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                line = await asyncio.wait_for(proc.stdout.readline(), max(0.1, deadline - time.monotonic()))
-            except asyncio.TimeoutError:
-                break
-            if not line:
-                break
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue
-            if row.get("event") == "ready":
-                # Keep draining stdout so the process never blocks on a full pipe.
-                asyncio.ensure_future(_drain(proc, self.reports))
-                return row
+        row = await ready_line(proc, timeout_s)
+        if row is not None:
+            # Keep draining stdout so the process never blocks on a full pipe.
+            asyncio.ensure_future(_drain(proc, self.reports))
+            return row
         raise ClusterError(f"{name} did not start:\n{self.procs.log_tail(name)}")
 
     async def _wait_live(self, want: set[str], timeout_s: float = 60.0) -> None:

@@ -40,13 +40,7 @@ class ValkeyProcess:
         return redis.Redis(host=self.host, port=self.port, socket_timeout=5, **kw)  # type: ignore[arg-type]
 
     def start(self, timeout_s: float = 10.0) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(
-            [redis_binary(), "--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "no",
-             "--dir", str(self.dir.resolve()), "--protected-mode", "no", "--daemonize", "no", *self.extra],
-            stdout=open(self.dir / f"valkey-{self.port}.log", "ab"), stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
-        )
+        self.spawn()
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -54,9 +48,19 @@ class ValkeyProcess:
                     c.ping()
                 return
             except redis.RedisError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:
+                if self.proc.poll() is not None or time.monotonic() > deadline:  # type: ignore[union-attr]
                     raise ConductorError(f"valkey on port {self.port} did not start (see {self.dir})") from None
                 time.sleep(0.05)
+
+    def spawn(self) -> None:
+        """Start the server process without waiting for it to answer."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.proc = subprocess.Popen(
+            [redis_binary(), "--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "no",
+             "--dir", str(self.dir.resolve()), "--protected-mode", "no", "--daemonize", "no", *self.extra],
+            stdout=open(self.dir / f"valkey-{self.port}.log", "ab"), stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL, start_new_session=True,
+        )
 
     def kill(self) -> None:
         """SIGKILL: what it had not yet sent to a replica is gone."""

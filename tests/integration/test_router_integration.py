@@ -30,6 +30,8 @@ TOKENS = list(range(5000, 5000 + 32 * 16))
 
 
 async def test_requests_become_decisions_on_dispatch(settings) -> None:
+    # The heartbeats are written once: a long TTL keeps the nodes live however slow the start (a busy machine).
+    settings = settings.model_copy(update={"heartbeat_ttl_s": 3600.0})
     now = int(time.time() * 1000)
     view, resv = redis_stores(settings, producer_id="router-test")
     hb = [("p-cold", "prefill"), ("p-warm", "prefill"), ("d-0", "decode"), ("d-1", "decode")]
