@@ -2,23 +2,35 @@
 
 Starts a stream worker, a router, prefill and decode engines serving HTTP, and one gateway
 (``conductor gateway``), waits until the view shows every engine live and the gateway
-answers, and stops exactly the processes it started.
+answers, and stops exactly the processes it started. With ``bridges`` the engines' KV
+events reach the view as in the demo (a bridge per engine in this process, scraping its
+``/metrics`` for heartbeats), so the router sees where the KV is.
+
+:class:`SglangRouterCluster` puts the SGLang router (``sglang-router``, the ``peer`` extra)
+in front of the same emulated engines instead, in P/D mode: the peer of ``conductor bench live``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import importlib.util
 import json
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
+
+from conductor.bridge.runner import Bridge, BridgeConfig, kafka_sink
 from conductor.errors import ConductorError
 from conductor.settings import Settings, child_environment
-from conductor.tools.demo import Processes
+from conductor.tools.demo import SCRAPE_INTERVAL_S, Processes
+from conductor.tools.devstack import free_port
 from state.redis_view import RedisViewStore
-from streams.kafka import ensure_topics
+from streams.kafka import ensure_topics, producer
 from streams.topics import topics
 
 
@@ -43,27 +55,26 @@ class GatewayCluster:
     engine_procs: dict[str, Any] = field(default_factory=dict)
     gateway_url: str = ""
     gateway_id: str = ""
+    engine_args: list[str] = field(default_factory=list)
+    """More ``conductor engine`` options, the same for every engine (e.g. ``--kv-blocks``)."""
+    bridges: bool = False
+    """Carry each engine's KV events into ``kv-events`` (and its ``/metrics`` into heartbeats), as the demo."""
+    ready_info: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     async def __aenter__(self) -> "GatewayCluster":
         s = self.settings
         await ensure_topics(s, topics(s).all())
         env = child_environment(s)
         self.procs = Processes(self.log_dir, cwd=None)
+        self._stop = asyncio.Event()
+        self._tasks: list[asyncio.Task[Any]] = []
+        self._producer: Any = None
         try:
             await self.procs.start("worker", ["worker"], env)
             await self.procs.start("router", ["-v", "router"], env)
-            for role, n in (("prefill", self.prefill), ("decode", self.decode)):
-                for i in range(n):
-                    node = f"{role}-{i}"
-                    args = ["engine", "--role", role, "--node-id", node, "--http-port", "0",
-                            "--time-scale", str(self.time_scale), "--heartbeat-s", "0.3"]
-                    if self.report:
-                        args.append("--report")
-                    if self.max_output_tokens:
-                        args += ["--max-output-tokens", str(self.max_output_tokens)]
-                    self.engine_procs[node] = await self.procs.start(node, args, env, stdout_pipe=True)
-            for node, proc in self.engine_procs.items():
-                self.engine_urls[node] = (await self._ready_line(node, proc))["http"]
+            await self._start_engines(env)
+            if self.bridges:
+                await self._start_bridges()
             await self._wait_live(set(self.engine_procs))
             self.gateway_id = f"gw-test-{time.time_ns() % 10**9}"
             args = ["gateway", "--port", "0", "--gateway-id", self.gateway_id, "--engine-protocol", self.protocol,
@@ -71,12 +82,53 @@ class GatewayCluster:
             gw = await self.procs.start("gateway", args, env, stdout_pipe=True)
             self.gateway_url = (await self._ready_line("gateway", gw))["url"]
         except BaseException:
-            await self.procs.stop()
+            await self._stop_all()
             raise
         return self
 
-    async def __aexit__(self, *exc: Any) -> None:
+    async def _start_engines(self, env: dict[str, str]) -> None:
+        """Every prefill and decode engine, serving HTTP; their URLs in ``engine_urls``."""
+        for role, n in (("prefill", self.prefill), ("decode", self.decode)):
+            for i in range(n):
+                node = f"{role}-{i}"
+                args = ["engine", "--role", role, "--node-id", node, "--http-port", "0",
+                        "--time-scale", str(self.time_scale), *self.engine_args]
+                # With bridges, load reaches the view as from a real vLLM: its /metrics, scraped.
+                args += ["--metrics-port", "0", "--no-self-heartbeat"] if self.bridges else ["--heartbeat-s", "0.3"]
+                if self.report:
+                    args.append("--report")
+                if self.max_output_tokens:
+                    args += ["--max-output-tokens", str(self.max_output_tokens)]
+                self.engine_procs[node] = await self.procs.start(node, args, env, stdout_pipe=True)
+        for node, proc in self.engine_procs.items():
+            self.ready_info[node] = await self._ready_line(node, proc)
+            self.engine_urls[node] = self.ready_info[node]["http"]
+
+    async def _start_bridges(self) -> None:
+        s = self.settings
+        tps = topics(s)
+        self._producer = producer(s)
+        await self._producer.start()
+        for node, info in self.ready_info.items():
+            cfg = BridgeConfig(node_id=node, role="prefill" if node.startswith("prefill") else "decode",
+                               zmq_endpoint=info["zmq"], replay_endpoint=info["replay"], block_size=s.block_size,
+                               heartbeat_s=SCRAPE_INTERVAL_S, metrics_url=info["metrics"])
+            bridge = Bridge(cfg, kafka_sink(self._producer, tps.kv_events.name),
+                            kafka_sink(self._producer, tps.heartbeats.name))
+            self._tasks.append(asyncio.create_task(bridge.run(self._stop)))
+
+    async def _stop_all(self) -> None:
+        self._stop.set()
         await self.procs.stop()
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._producer is not None:
+            with contextlib.suppress(Exception):
+                await self._producer.stop()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self._stop_all()
 
     async def _ready_line(self, name: str, proc: Any, timeout_s: float = 60.0) -> dict[str, Any]:
         assert proc.stdout is not None
@@ -130,3 +182,77 @@ async def _drain(proc: Any, into: list[dict[str, Any]]) -> None:
             continue
         if isinstance(row, dict):
             into.append(row)
+
+
+SGLANG_ROUTER_VERSION = "0.3.2"
+
+
+def sglang_router_missing() -> str | None:
+    """Why the SGLang router cannot run here (None when it can)."""
+    if importlib.util.find_spec("sglang_router") is None:
+        return (f"sglang-router is not installed: pip install -e '.[peer]' (sglang-router=={SGLANG_ROUTER_VERSION}), "
+                "or .venv/bin/pip install sglang-router")
+    return None
+
+
+@dataclass
+class SglangRouterCluster(GatewayCluster):
+    """The SGLang router (``python -m sglang_router.launch_router``) in front of emulated engines, in P/D mode.
+
+    The engines are started exactly as :class:`GatewayCluster` starts them (a fresh topic
+    prefix: nothing reads their events); the router gets ``--pd-disaggregation``, each prefill
+    as ``--prefill URL BOOTSTRAP_PORT`` (the emulated engine serves its bootstrap on its HTTP
+    port) and each decode as ``--decode URL``, and ``policy`` for both. ``gateway_url`` is the
+    router's. Ready when its ``/workers`` lists every engine healthy.
+    """
+
+    policy: str = "cache_aware"
+
+    async def __aenter__(self) -> "SglangRouterCluster":
+        why = sglang_router_missing()
+        if why:
+            raise ClusterError(why)
+        s = self.settings
+        await ensure_topics(s, topics(s).all())
+        env = child_environment(s)
+        self.procs = Processes(self.log_dir, cwd=None)
+        self._stop = asyncio.Event()
+        self._tasks = []
+        self._producer = None
+        try:
+            await self._start_engines(env)
+            port = free_port(s.bind_host)
+            args = ["--host", s.bind_host, "--port", str(port), "--pd-disaggregation", "--policy", self.policy,
+                    "--prometheus-host", s.bind_host, "--prometheus-port", str(free_port(s.bind_host)),
+                    "--log-level", "warn"]
+            for node, url in self.engine_urls.items():
+                if node.startswith("prefill"):
+                    args += ["--prefill", url, url.rsplit(":", 1)[1]]
+                else:
+                    args += ["--decode", url]
+            self.gateway_id = "sglang-router"
+            await self.procs.start("sglang-router", args, env,
+                                   program=[sys.executable, "-m", "sglang_router.launch_router"])
+            self.gateway_url = f"http://{s.bind_host}:{port}"
+            await self._wait_workers()
+        except BaseException:
+            await self._stop_all()
+            raise
+        return self
+
+    async def _wait_workers(self, timeout_s: float = 60.0) -> None:
+        want = len(self.engine_urls)
+        deadline = time.monotonic() + timeout_s
+        seen: Any = None
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                if self.procs.dead():
+                    break
+                with contextlib.suppress(httpx.HTTPError, ValueError):
+                    seen = (await client.get(self.gateway_url + "/workers")).json()
+                    healthy = [w for w in seen.get("workers", []) if w.get("is_healthy")]
+                    if len(healthy) >= want:
+                        return
+                await asyncio.sleep(0.3)
+        raise ClusterError(f"the SGLang router did not list {want} healthy workers (last: {str(seen)[:300]}):\n"
+                           f"{self.procs.log_tail('sglang-router')}")
