@@ -3,8 +3,8 @@
 Starts a stream worker, a router, prefill and decode engines serving HTTP, and one gateway
 (``conductor gateway``), waits until the view shows every engine live and the gateway
 answers, and stops exactly the processes it started. With ``bridges`` the engines' KV
-events reach the view as in the demo (a bridge per engine in this process, scraping its
-``/metrics`` for heartbeats), so the router sees where the KV is.
+events reach the view as in the demo (a bridge per engine in this process), so the router
+sees where the KV is; heartbeats are the engines' own.
 
 :class:`SglangRouterCluster` puts the SGLang router (``sglang-router``, the ``peer`` extra)
 in front of the same emulated engines instead, in P/D mode: the peer of ``conductor bench live``.
@@ -27,7 +27,7 @@ import httpx
 from conductor.bridge.runner import Bridge, BridgeConfig, kafka_sink
 from conductor.errors import ConductorError
 from conductor.settings import Settings, child_environment
-from conductor.tools.demo import SCRAPE_INTERVAL_S, Processes
+from conductor.tools.demo import Processes
 from conductor.tools.devstack import free_port
 from state.redis_view import RedisViewStore
 from streams.kafka import ensure_topics, producer
@@ -58,7 +58,9 @@ class GatewayCluster:
     engine_args: list[str] = field(default_factory=list)
     """More ``conductor engine`` options, the same for every engine (e.g. ``--kv-blocks``)."""
     bridges: bool = False
-    """Carry each engine's KV events into ``kv-events`` (and its ``/metrics`` into heartbeats), as the demo."""
+    """Carry each engine's KV events into ``kv-events`` (a bridge per engine, in this process), as the demo.
+    Heartbeats stay the engines' own: a bridge scraping ``/metrics`` from a busy client process (the live
+    bench's) missed scrapes, and its engines looked dead (``no_live_instance``)."""
     ready_info: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     async def __aenter__(self) -> "GatewayCluster":
@@ -93,8 +95,7 @@ class GatewayCluster:
                 node = f"{role}-{i}"
                 args = ["engine", "--role", role, "--node-id", node, "--http-port", "0",
                         "--time-scale", str(self.time_scale), *self.engine_args]
-                # With bridges, load reaches the view as from a real vLLM: its /metrics, scraped.
-                args += ["--metrics-port", "0", "--no-self-heartbeat"] if self.bridges else ["--heartbeat-s", "0.3"]
+                args += ["--heartbeat-s", "0.3"]
                 if self.report:
                     args.append("--report")
                 if self.max_output_tokens:
@@ -112,7 +113,7 @@ class GatewayCluster:
         for node, info in self.ready_info.items():
             cfg = BridgeConfig(node_id=node, role="prefill" if node.startswith("prefill") else "decode",
                                zmq_endpoint=info["zmq"], replay_endpoint=info["replay"], block_size=s.block_size,
-                               heartbeat_s=SCRAPE_INTERVAL_S, metrics_url=info["metrics"])
+                               heartbeat_s=None)
             bridge = Bridge(cfg, kafka_sink(self._producer, tps.kv_events.name),
                             kafka_sink(self._producer, tps.heartbeats.name))
             self._tasks.append(asyncio.create_task(bridge.run(self._stop)))

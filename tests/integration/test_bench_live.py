@@ -60,6 +60,7 @@ def test_the_same_slice_is_served_by_both_routers(peer_installed: None, settings
                 "conductor_errors", "peer_ttft_p50_s", "peer_ttft_p90_s", "peer_reuse_ratio", "peer_rejected",
                 "peer_errors"):
         assert key in out
+    assert 0 < out["both_served"] <= len(rows) and out["conductor_ttft_p50_s_both_served"] is not None
 
 
 def test_the_command_names_the_missing_peer_or_the_bad_one(settings: Settings) -> None:

@@ -31,6 +31,7 @@ import dataclasses
 import hashlib
 import logging
 import os
+import re
 import time
 from dataclasses import dataclass
 from functools import lru_cache
@@ -41,8 +42,16 @@ import openai
 
 from conductor.errors import ConductorError
 from conductor.settings import Settings
-from conductor.tools.demo import TRACE_BLOCK_TOKENS, DemoRequest, RunStats, ask_completion, default_trace, load_slice
-from conductor.tools.devstack import EmbeddedStack
+from conductor.tools.demo import (
+    TRACE_BLOCK_TOKENS,
+    DemoRequest,
+    RunStats,
+    ask_completion,
+    default_trace,
+    load_slice,
+    percentile,
+)
+from conductor.tools.devstack import EmbeddedStack, free_port
 from conductor.tools.gateway_cluster import GatewayCluster, SglangRouterCluster, sglang_router_missing
 
 log = logging.getLogger(__name__)
@@ -50,6 +59,8 @@ log = logging.getLogger(__name__)
 PEERS = ("sglang-router",)
 REJECTION_STATUSES = ("429", "503")
 LETTERS = "abcdefghijklmnopqrstuvwxyz"
+TRAILING_INDEX = re.compile(r"-(\d+)(?:\.r\d+)?$")
+"""The trace index at the end of a request id (``...-conductor-17``, ``peer-17``; a retry's ``.r1``)."""
 
 
 class LiveBenchError(ConductorError):
@@ -163,12 +174,33 @@ def side_summary(stats: RunStats, reports: list[dict[str, Any]], wall_s: float) 
         "ttft_p90_s": sm["ttft_p90_s"],
         "ttft_mean_s": sm["ttft_mean_s"],
         "client_ttft_wall_p50_s": sm["client_ttft_wall_p50_s"],
+        "client_ttft_not_emulated_p50_s": sm["client_ttft_not_emulated_p50_s"],
+        "gateway_routing_ms_p50": sm["gateway_routing_ms_p50"] if sm["gateway_routing_ms_p50"] else None,
         "tbt_p90_ms": sm["tbt_p90_ms"],
         "prefills_done": stats.prefills,
         "decodes_done": stats.decodes,
         "done_per_instance": per_instance,
         "wall_s": round(wall_s, 2),
+        "_ttft_by_index": {int(m.group(1)): t for rid, t in stats.observed.items()
+                           if (m := TRAILING_INDEX.search(rid)) is not None},
     }
+
+
+def both_served(conductor: dict[str, Any], peer: dict[str, Any]) -> dict[str, Any]:
+    """TTFT p50/p90 of each side over the requests both sides served (a rejection is no TTFT)."""
+    a, b = conductor.pop("_ttft_by_index"), peer.pop("_ttft_by_index")
+    common = sorted(set(a) & set(b))
+
+    def pct(xs: list[float], p: float) -> float | None:
+        v = percentile(xs, p)
+        return None if v is None else round(v, 3)
+
+    out: dict[str, Any] = {"both_served": len(common)}
+    for name, side in (("conductor", a), ("peer", b)):
+        xs = [side[i] for i in common]
+        out[f"{name}_ttft_p50_s_both_served"] = pct(xs, 0.5)
+        out[f"{name}_ttft_p90_s_both_served"] = pct(xs, 0.9)
+    return out
 
 
 async def _conductor_side(s: Settings, opts: LiveOptions, requests: list[DemoRequest], log_dir: Path) -> dict[str, Any]:
@@ -209,7 +241,8 @@ async def _settle(c: GatewayCluster) -> None:
 def _side_settings(base: Settings, opts: LiveOptions, side: str) -> Settings:
     tag = f"{os.getpid():x}{time.time_ns() // 1_000_000 % 0xFFFFFF:06x}"
     return base.model_copy(update={"topic_prefix": f"live-{side}-{tag}.", "view_namespace": f"live-{side}-{tag}",
-                                   "block_size": opts.block_size, "seed": opts.seed, "metrics_port": 0})
+                                   "block_size": opts.block_size, "seed": opts.seed, "metrics_port": 0,
+                                   "web_port": free_port(base.bind_host)})  # the stream worker's (Faust's) own
 
 
 def run_live_bench(settings: Settings, opts: LiveOptions) -> dict[str, Any]:
@@ -246,6 +279,7 @@ def run_live_bench(settings: Settings, opts: LiveOptions) -> dict[str, Any]:
     finally:
         if stack is not None:
             stack.down()
+    common = both_served(conductor, peer)
     return {
         "bench": "live",
         "peer": opts.peer,
@@ -259,6 +293,7 @@ def run_live_bench(settings: Settings, opts: LiveOptions) -> dict[str, Any]:
         "peer_side": peer,
         **{f"conductor_{k}": conductor[k] for k in ("ttft_p50_s", "ttft_p90_s", "reuse_ratio", "rejected", "errors")},
         **{f"peer_{k}": peer[k] for k in ("ttft_p50_s", "ttft_p90_s", "reuse_ratio", "rejected", "errors")},
+        **common,
         "options": {k: str(v) if isinstance(v, Path) else v for k, v in dataclasses.asdict(opts).items()},
         "logs": str(log_dir),
         "wall_s": round(time.monotonic() - t_all, 1),
