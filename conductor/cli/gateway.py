@@ -123,6 +123,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
         max_output_tokens: int = typer.Option(None, min=1, help="cap each request's output tokens"),
         peer_policy: str = typer.Option("cache_aware", help="the SGLang router's policy (prefill and decode)"),
         drain_s: float = typer.Option(60.0, min=1.0, help="after the last arrival, wait this long for answers"),
+        peer_first: bool = typer.Option(False, "--peer-first", help="run the peer's side before Conductor's"),
         json_out: bool = typer.Option(False, "--json", help="print one JSON line"),
     ) -> None:
         """The same trace slice through Conductor's gateway and through the SGLang router, on identical emulated engines.
@@ -132,7 +133,8 @@ def register(groups: dict[str, typer.Typer]) -> None:
         s = settings_or_exit()
         opts = LiveOptions(duration_s=duration, speed=speed, sample=sample, trace=trace, prefill=prefill,
                            decode=decode, block_size=block_size, kv_blocks=kv_blocks, max_requests=max_requests,
-                           max_output_tokens=max_output_tokens, drain_s=drain_s, peer=peer, peer_policy=peer_policy)
+                           max_output_tokens=max_output_tokens, drain_s=drain_s, peer=peer, peer_policy=peer_policy,
+                           peer_first=peer_first)
         try:
             out = run_live_bench(s, opts)
         except LiveBenchError as e:

@@ -3,8 +3,8 @@
 Starts a stream worker, a router, prefill and decode engines serving HTTP, and one gateway
 (``conductor gateway``), waits until the view shows every engine live and the gateway
 answers, and stops exactly the processes it started. With ``bridges`` the engines' KV
-events reach the view as in the demo (a bridge per engine in this process), so the router
-sees where the KV is; heartbeats are the engines' own.
+events reach the view through a ``conductor bridge`` process per engine, so the router sees
+where the KV is; heartbeats are the engines' own.
 
 :class:`SglangRouterCluster` puts the SGLang router (``sglang-router``, the ``peer`` extra)
 in front of the same emulated engines instead, in P/D mode: the peer of ``conductor bench live``.
@@ -24,13 +24,12 @@ from typing import Any
 
 import httpx
 
-from conductor.bridge.runner import Bridge, BridgeConfig, kafka_sink
 from conductor.errors import ConductorError
 from conductor.settings import Settings, child_environment
 from conductor.tools.demo import Processes
 from conductor.tools.devstack import free_port
 from state.redis_view import RedisViewStore
-from streams.kafka import ensure_topics, producer
+from streams.kafka import ensure_topics
 from streams.topics import topics
 
 
@@ -58,9 +57,9 @@ class GatewayCluster:
     engine_args: list[str] = field(default_factory=list)
     """More ``conductor engine`` options, the same for every engine (e.g. ``--kv-blocks``)."""
     bridges: bool = False
-    """Carry each engine's KV events into ``kv-events`` (a bridge per engine, in this process), as the demo.
-    Heartbeats stay the engines' own: a bridge scraping ``/metrics`` from a busy client process (the live
-    bench's) missed scrapes, and its engines looked dead (``no_live_instance``)."""
+    """Carry each engine's KV events into ``kv-events`` (``conductor bridge`` per engine, a process each).
+    Heartbeats stay the engines' own: bridges scraping ``/metrics`` from a busy process (the live bench's,
+    when they ran in it) missed scrapes, and the engines looked dead (``no_live_instance``)."""
     ready_info: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     async def __aenter__(self) -> "GatewayCluster":
@@ -68,15 +67,12 @@ class GatewayCluster:
         await ensure_topics(s, topics(s).all())
         env = child_environment(s)
         self.procs = Processes(self.log_dir, cwd=None)
-        self._stop = asyncio.Event()
-        self._tasks: list[asyncio.Task[Any]] = []
-        self._producer: Any = None
         try:
             await self.procs.start("worker", ["worker"], env)
             await self.procs.start("router", ["-v", "router"], env)
             await self._start_engines(env)
             if self.bridges:
-                await self._start_bridges()
+                await self._start_bridges(env)
             await self._wait_live(set(self.engine_procs))
             self.gateway_id = f"gw-test-{time.time_ns() % 10**9}"
             args = ["gateway", "--port", "0", "--gateway-id", self.gateway_id, "--engine-protocol", self.protocol,
@@ -105,28 +101,16 @@ class GatewayCluster:
             self.ready_info[node] = await self._ready_line(node, proc)
             self.engine_urls[node] = self.ready_info[node]["http"]
 
-    async def _start_bridges(self) -> None:
-        s = self.settings
-        tps = topics(s)
-        self._producer = producer(s)
-        await self._producer.start()
+    async def _start_bridges(self, env: dict[str, str]) -> None:
+        """``conductor bridge`` per engine, each its own process (as deployed): in the client's process,
+        four bridges' decoding and hashing delayed the clients' own reads by seconds under load."""
         for node, info in self.ready_info.items():
-            cfg = BridgeConfig(node_id=node, role="prefill" if node.startswith("prefill") else "decode",
-                               zmq_endpoint=info["zmq"], replay_endpoint=info["replay"], block_size=s.block_size,
-                               heartbeat_s=None)
-            bridge = Bridge(cfg, kafka_sink(self._producer, tps.kv_events.name),
-                            kafka_sink(self._producer, tps.heartbeats.name))
-            self._tasks.append(asyncio.create_task(bridge.run(self._stop)))
+            role = "prefill" if node.startswith("prefill") else "decode"
+            await self.procs.start(f"bridge-{node}", ["bridge", "--zmq", info["zmq"], "--replay", info["replay"],
+                                                      "--node-id", node, "--role", role, "--heartbeat-s", "0"], env)
 
     async def _stop_all(self) -> None:
-        self._stop.set()
         await self.procs.stop()
-        for t in self._tasks:
-            t.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        if self._producer is not None:
-            with contextlib.suppress(Exception):
-                await self._producer.stop()
 
     async def __aexit__(self, *exc: Any) -> None:
         await self._stop_all()
@@ -217,9 +201,6 @@ class SglangRouterCluster(GatewayCluster):
         await ensure_topics(s, topics(s).all())
         env = child_environment(s)
         self.procs = Processes(self.log_dir, cwd=None)
-        self._stop = asyncio.Event()
-        self._tasks = []
-        self._producer = None
         try:
             await self._start_engines(env)
             port = free_port(s.bind_host)

@@ -85,6 +85,8 @@ class LiveOptions:
     peer: str = "sglang-router"
     peer_policy: str = "cache_aware"
     seed: int = 0
+    peer_first: bool = False
+    """Run the peer's side first (to see whether the order, i.e. the machine's load drifting, matters)."""
 
 
 # --- the prompts ------------------------------------------------------------------------
@@ -274,8 +276,11 @@ def run_live_bench(settings: Settings, opts: LiveOptions) -> dict[str, Any]:
             base = settings.model_copy(update={"kafka_url": settings.kafka_url or st.kafka_url,
                                                "redis_url": settings.redis_url or st.redis_url,
                                                "profile": "embedded" if not settings.kafka_url else settings.profile})
-        conductor = asyncio.run(_conductor_side(_side_settings(base, opts, "conductor"), opts, requests, log_dir))
-        peer = asyncio.run(_peer_side(_side_settings(base, opts, "peer"), opts, requests, log_dir))
+        sides = {"conductor": lambda: _conductor_side(_side_settings(base, opts, "conductor"), opts, requests, log_dir),
+                 "peer": lambda: _peer_side(_side_settings(base, opts, "peer"), opts, requests, log_dir)}
+        done = {name: asyncio.run(sides[name]()) for name in (("peer", "conductor") if opts.peer_first
+                                                                else ("conductor", "peer"))}
+        conductor, peer = done["conductor"], done["peer"]
     finally:
         if stack is not None:
             stack.down()
@@ -284,6 +289,7 @@ def run_live_bench(settings: Settings, opts: LiveOptions) -> dict[str, Any]:
         "bench": "live",
         "peer": opts.peer,
         "peer_mode": "pd",
+        "order": "peer first" if opts.peer_first else "conductor first",
         "requests": len(requests),
         "speed": opts.speed,
         "sample": opts.sample,
