@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+from pathlib import Path
 from typing import Any
 
 import typer
@@ -16,6 +17,7 @@ from conductor.gateway.protocol import ENGINE_PROTOCOLS, parse_engine_map
 from conductor.gateway.service import GatewayConfig
 from conductor.telemetry import scrape, setup_metrics
 from conductor.tools.bench.gateway import run_gateway_bench
+from conductor.tools.bench.live import PEERS, LiveBenchError, LiveOptions, run_live_bench
 from streams.topics import topics
 
 
@@ -102,4 +104,40 @@ def register(groups: dict[str, typer.Typer]) -> None:
         s = settings_or_exit()
         out = run_gateway_bench(s, levels=tuple(clients), requests_per_client=requests_per_client,
                                 max_tokens=max_tokens)
+        print_result(out, json_out)
+
+    @groups["bench"].command("live")
+    def bench_live(
+        peer: str = typer.Option("sglang-router", "--peer", help=f"the router to compare with: {', '.join(PEERS)} "
+                                 "(needs the optional extra named peer)"),
+        duration: float = typer.Option(30.0, min=1.0, help="wall seconds of trace replayed on each side"),
+        speed: float = typer.Option(10.0, min=0.1, help="trace arrivals and engines run this many times faster "
+                                    "than real time"),
+        sample: int = typer.Option(6, min=1, help="keep one conversation in N of the trace (as conductor demo)"),
+        trace: Path = typer.Option(None, help="Mooncake-format JSONL trace [default: the bundled conversation trace]"),
+        prefill: int = typer.Option(2, min=1, max=16, help="emulated prefill instances on each side"),
+        decode: int = typer.Option(2, min=1, max=16, help="emulated decode instances on each side"),
+        block_size: int = typer.Option(64, min=1, max=4096, help="tokens per KV block of the emulated engines"),
+        kv_blocks: int = typer.Option(16_384, min=1, help="prefix-cache capacity of each engine, in blocks"),
+        max_requests: int = typer.Option(None, min=1, help="send at most this many requests of the slice"),
+        max_output_tokens: int = typer.Option(None, min=1, help="cap each request's output tokens"),
+        peer_policy: str = typer.Option("cache_aware", help="the SGLang router's policy (prefill and decode)"),
+        drain_s: float = typer.Option(60.0, min=1.0, help="after the last arrival, wait this long for answers"),
+        peer_first: bool = typer.Option(False, "--peer-first", help="run the peer's side before Conductor's"),
+        json_out: bool = typer.Option(False, "--json", help="print one JSON line"),
+    ) -> None:
+        """The same trace slice through Conductor's gateway and through the SGLang router, on identical emulated engines.
+
+        Conductor side: stream worker, router (CONDUCTOR_POLICY) and gateway (SGLang bootstrap hand-off) in front of fresh emulated engines whose KV events reach the view through bridges. Peer side: `python -m sglang_router.launch_router --pd-disaggregation --policy cache_aware` in front of fresh, identical engines. Each request is a streamed completion sent by the openai client at its trace arrival time, its prompt a text in which each trace block is a fixed run of pseudo-words (the SGLang router matches text). Prints per side: ttft_p50_s, ttft_p90_s (model time, as conductor demo), reuse_ratio (cached / prompt tokens the engines reported), rejected (429/503), errors.
+        """
+        s = settings_or_exit()
+        opts = LiveOptions(duration_s=duration, speed=speed, sample=sample, trace=trace, prefill=prefill,
+                           decode=decode, block_size=block_size, kv_blocks=kv_blocks, max_requests=max_requests,
+                           max_output_tokens=max_output_tokens, drain_s=drain_s, peer=peer, peer_policy=peer_policy,
+                           peer_first=peer_first)
+        try:
+            out = run_live_bench(s, opts)
+        except LiveBenchError as e:
+            err.print(f"[red]error:[/red] {e}")
+            raise typer.Exit(2) from None
         print_result(out, json_out)

@@ -13,6 +13,8 @@
   ``bootstrap_host`` / ``bootstrap_port`` / ``bootstrap_room``; the prefill instance
   marks the room ready when its prefill ends; the decode instance waits on
   ``GET /kv/bootstrap/{room}`` at the prefill's bootstrap address before decoding.
+  ``GET /server_info`` / ``/model_info`` (and their ``/get_*`` names) answer what the
+  SGLang router reads when a worker registers, so ``sglang-router`` can front these engines.
 
 The decode side really waits for its peer: a dead or unknown peer makes the decode
 request fail (502, code ``kv_transfer_failed``), never hang.
@@ -329,6 +331,20 @@ class EngineHttp:
             return error(400, str(x), "invalid_value", param=x.param)
         return JSONResponse({"count": len(tokens), "max_model_len": MAX_MODEL_LEN, "tokens": tokens})
 
+    async def model_info(self) -> Response:
+        # SGLang's /model_info (/get_model_info): what its router reads when a worker registers.
+        return JSONResponse({"model_path": self.model, "tokenizer_path": None, "is_generation": True,
+                             "preferred_sampling_params": None, "weight_version": "emulated"})
+
+    async def server_info(self) -> Response:
+        # SGLang's /server_info (/get_server_info): the role in P/D serving, parallelism, capacity.
+        c = self.engine.config
+        mode = {"prefill": "prefill", "decode": "decode"}.get(c.role, "null")
+        return JSONResponse({"model_path": self.model, "served_model_name": self.model, "disaggregation_mode": mode,
+                             "disaggregation_bootstrap_port": self.port, "dp_size": 1, "tp_size": 1,
+                             "page_size": c.block_size, "max_total_num_tokens": c.kv_blocks * c.block_size,
+                             "context_length": MAX_MODEL_LEN, "version": "conductor-emulated"})
+
     async def models(self) -> Response:
         return JSONResponse({"object": "list", "data": [
             {"id": self.model, "object": "model", "created": 0, "owned_by": "conductor-emulated",
@@ -353,6 +369,10 @@ def engine_app(engine: EmulatedEngine, host: str, port: int) -> FastAPI:
     app.add_api_route("/tokenize", h.tokenize, methods=["POST"])
     app.add_api_route("/v1/models", h.models, methods=["GET"])
     app.add_api_route("/health", health, methods=["GET"])
+    for path in ("/model_info", "/get_model_info"):  # SGLang's names, read by its router
+        app.add_api_route(path, h.model_info, methods=["GET"])
+    for path in ("/server_info", "/get_server_info"):
+        app.add_api_route(path, h.server_info, methods=["GET"])
     app.add_api_route("/kv/pull", h.pull, methods=["POST"])
     app.add_api_route("/kv/bootstrap/{room}", h.bootstrap, methods=["GET"])
     app.mount("/metrics", make_asgi_app(registry=engine_registry(engine)))  # vLLM's names, on the API port as vLLM

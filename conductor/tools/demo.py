@@ -345,11 +345,13 @@ class Processes:
         self.started = started if started is not None else []
         """Pids of every process started (kept after ``stop()``, for the record)."""
 
-    async def start(self, name: str, args: list[str], env: dict[str, str], *, stdout_pipe: bool = False) -> asyncio.subprocess.Process:
+    async def start(self, name: str, args: list[str], env: dict[str, str], *, stdout_pipe: bool = False,
+                    program: list[str] | None = None) -> asyncio.subprocess.Process:
+        """Start ``conductor ARGS`` (or ``PROGRAM ARGS``), its stderr (and stdout unless piped) in ``NAME.log``."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
         logf = open(self.log_dir / f"{name}.log", "ab")
         proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-c", "from conductor.cli import main; main()", *args,
+            *(program or [sys.executable, "-c", "from conductor.cli import main; main()"]), *args,
             stdout=asyncio.subprocess.PIPE if stdout_pipe else logf, stderr=logf, stdin=asyncio.subprocess.DEVNULL,
             env=env, start_new_session=True,  # Ctrl-C reaches the demo only; it stops them in order
             cwd=self.cwd,  # whatever a process writes next to itself stays in the run's directory
@@ -550,7 +552,7 @@ async def _run_once(
             toks = request_tokens(r.hash_ids, r.input_length, r.index, base.seed)
             client_id = f"{policy}-{r.index}"
             stats.prompt_of[f"{gateway_id}-{client_id}"] = len(toks)
-            clients.add(asyncio.create_task(_ask(client, stats, f"{gateway_id}-{client_id}", client_id, toks,
+            clients.add(asyncio.create_task(ask_completion(client, stats, f"{gateway_id}-{client_id}", client_id, toks,
                                                  r.output_length)))
             stats.sent += 1
 
@@ -582,9 +584,12 @@ async def _run_once(
         refresh()
 
 
-async def _ask(client: openai.AsyncOpenAI, stats: RunStats, request_id: str, client_id: str, tokens: list[int],
-               max_tokens: int) -> None:
-    """One user request through the gateway: a streamed completion of the trace's prompt (as token ids)."""
+async def ask_completion(client: openai.AsyncOpenAI, stats: RunStats, request_id: str, client_id: str,
+               tokens: list[int] | str, max_tokens: int) -> None:
+    """One user request through the gateway: a streamed completion of the trace's prompt (token ids or a text).
+
+    ``request_id`` is the id the engines see (their reports' key) unless the gateway names it in
+    ``x-conductor-request-id``; ``client_id`` goes out as ``x-request-id``."""
     t0 = time.perf_counter()
     try:
         # The token ids ride in ``extra_body``, which the SDK sends as is: given as ``prompt``, the SDK

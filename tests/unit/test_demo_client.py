@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from conductor.tools.demo import RunStats, _ask
+from conductor.tools.demo import RunStats, ask_completion
 
 SSE = (b'data: {"id":"c","object":"text_completion","created":0,"model":"m",'
        b'"choices":[{"index":0,"text":"hi","finish_reason":null}]}\n\n'
@@ -31,7 +31,7 @@ def test_a_trace_request_sends_its_token_ids_as_the_prompt_and_records_the_first
     async def main() -> None:
         client = openai.AsyncOpenAI(base_url="http://gw/v1", api_key="k", max_retries=0,
                                     http_client=httpx.AsyncClient(transport=httpx.MockTransport(engine)))
-        await _ask(client, stats, "gw-kvcache-centric-3", "kvcache-centric-3", tokens, 5)
+        await ask_completion(client, stats, "gw-kvcache-centric-3", "kvcache-centric-3", tokens, 5)
         await client.close()
 
     asyncio.run(main())
@@ -54,7 +54,7 @@ def test_a_rejection_counts_as_a_client_error_by_status() -> None:
     async def main() -> None:
         client = openai.AsyncOpenAI(base_url="http://gw/v1", api_key="k", max_retries=0,
                                     http_client=httpx.AsyncClient(transport=httpx.MockTransport(gateway)))
-        await _ask(client, stats, "gw-1", "1", [1, 2, 3], 4)
+        await ask_completion(client, stats, "gw-1", "1", [1, 2, 3], 4)
         await client.close()
 
     asyncio.run(main())
