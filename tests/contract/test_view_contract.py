@@ -369,6 +369,24 @@ class TestRawSnapshotReader(ViewStoreContract):
         again = await store.snapshot(chain, now_ms=5)
         assert [n.node_id for n in again.nodes] == ["n9"] and store.node_reads["whole"] == 2
 
+    async def test_many_changed_nodes_are_still_a_delta(self, store, settings):
+        # 1,010 nodes x 8 attributes: more than one unpack() may take, so the script fetches them in parts.
+        n = 1010
+        await self.feed(store, [envelope(Heartbeat(role="prefill", queue_depth=1), producer_id=f"n{i:03d}",
+                                         producer_seq=0, ts_ms=1) for i in range(n)] + [stored("n007", 0, [1])])
+        await store.snapshot([1], now_ms=5)
+        assert store.node_reads["whole"] == 1
+        await store.apply([(envelope(Heartbeat(role="prefill", queue_depth=i % 7), producer_id=f"n{i:03d}",
+                                     producer_seq=1, ts_ms=2), None) for i in range(n)])
+        got = await store.snapshot([1], now_ms=5)
+        assert store.node_reads == {"unchanged": 0, "delta": 1, "whole": 1}
+        assert {x.node_id: x.queue_depth for x in got.nodes} == {f"n{i:03d}": i % 7 for i in range(n)}
+        fresh = RawSnapshotReader(settings.redis_url, settings.view_namespace)
+        try:
+            assert got == await fresh.snapshot([1], now_ms=5)
+        finally:
+            await fresh.close()
+
     async def test_reads_do_not_go_through_the_store(self, store):
         assert type(store).snapshot is RawSnapshotReader.snapshot and type(store).dump is RawSnapshotReader.dump
         assert type(store).nodes is RawSnapshotReader.nodes and type(store).watermark is RawSnapshotReader.watermark

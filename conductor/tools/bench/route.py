@@ -287,6 +287,7 @@ async def run_route_bench(settings: Any, *, decisions: int, target_blocks: int, 
     await resv.clear()
     await writer.close()
     await view.close()
+    node_reads = dict(getattr(view, "node_reads", {}))
     d50, m50 = percentile(lat, 0.50), percentile(base, 0.50)
     d99, m99 = percentile(lat, 0.99), percentile(base, 0.99)
     return {
@@ -311,9 +312,11 @@ async def run_route_bench(settings: Any, *, decisions: int, target_blocks: int, 
         "view_bytes_per_block": round(bytes_per_block, 1),
         "reused_prefix_ratio_mean": round(statistics.fmean(reuse), 4) if reuse else 0.0,
         "outcomes": dict(outcomes),
+        "node_reads": node_reads,
         "view_load_s": round(load_s, 2),
         "note": "decision = view read + reservation read + policy + reservation record; one process; "
                 "decisions_per_s = decisions / wall time (without the baseline MGETs) with CONCURRENCY "
                 "requests in flight; heartbeats written by a separate process at HEARTBEAT_RATE nodes/s; "
-                "view_bytes_per_block = Redis used_memory growth over the bulk load / blocks",
+                "view_bytes_per_block = Redis used_memory growth over the bulk load / blocks; node_reads = how "
+                "the view reads got the node states (unchanged, only the changed nodes, the whole hash)",
     }
