@@ -444,8 +444,12 @@ class RedisViewStore:
 
     async def rebuild_pending(self) -> dict[str, int]:
         """Partitions still being rebuilt after a new generation → the offset each must reach (-1: not yet known)."""
+        return await self._offsets(self.keys.rebuild)
+
+    async def _offsets(self, key: str) -> dict[str, int]:
+        """A hash of ``name → offset`` (the watermark, the partitions being rebuilt)."""
         try:
-            raw = await self.client.hgetall(self.keys.rebuild)
+            raw = await self.client.hgetall(key)
         except RedisError as e:
             raise ViewStoreError(f"view read failed: {e}") from e
         return {k.decode(): int(v) for k, v in raw.items()}
@@ -572,11 +576,7 @@ class RedisViewStore:
         return list(self._decoder.decode(raw)[0])
 
     async def watermark(self) -> dict[str, int]:
-        try:
-            raw = await self.client.hgetall(self.keys.watermark)
-        except RedisError as e:
-            raise ViewStoreError(f"view read failed: {e}") from e
-        return {k.decode(): int(v) for k, v in raw.items()}
+        return await self._offsets(self.keys.watermark)
 
     async def block_count(self) -> int:
         """Block keys stored (a scan: for tools and benchmarks, not for the hot path)."""

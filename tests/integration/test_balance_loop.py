@@ -48,6 +48,7 @@ from schemas import (
 from state.redis_view import RedisViewStore
 from streams.kafka import consumer, ensure_topics, producer
 from streams.topics import topics
+from tests.integration import waiting
 
 pytestmark = pytest.mark.integration
 
@@ -118,19 +119,8 @@ async def test_a_hot_prefix_on_an_overloaded_engine_is_replicated_and_routed_to_
     commands: list[KvCommand] = []
     results: list[KvCommandResult] = []
 
-    def logs() -> str:
-        return "\n".join(f"--- {name}.log\n{(tmp_path / f'{name}.log').read_text()[-1500:]}" for name in services)
-
     async def wait_for(what: str, probe: Callable[[], Awaitable[T | None]]) -> T:
-        deadline = time.monotonic() + TIMEOUT_S
-        while True:
-            for name, p in services.items():
-                assert p.poll() is None, f"conductor {name} exited\n{logs()}"
-            got = await probe()
-            if got:
-                return got
-            assert time.monotonic() < deadline, f"timed out waiting for {what}\n{logs()}"
-            await asyncio.sleep(0.1)
+        return await waiting.wait_for(what, probe, services, tmp_path, timeout=TIMEOUT_S)
 
     async def read_topics() -> None:
         for recs in (await watch.getmany(timeout_ms=100)).values():

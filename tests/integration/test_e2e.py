@@ -32,6 +32,7 @@ from schemas import RoutingDecision, RoutingRequest, chain_keys, decode, encode,
 from state.redis_view import RedisViewStore
 from streams.kafka import consumer, ensure_topics, producer
 from streams.topics import topics
+from tests.integration import waiting
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -111,15 +112,8 @@ async def test_an_engines_events_make_the_next_request_reuse_its_prefix(
             tasks.append(asyncio.create_task(bridge.run(stop)))
 
         async def wait_for(what: str, pred, timeout: float = 40.0):  # type: ignore[no-untyped-def]
-            deadline = time.monotonic() + timeout
-            while True:
-                for p in services:
-                    assert p.poll() is None, f"a service died: {(tmp_path / 'worker.log').read_text()[-2000:]}"
-                got = await pred()
-                if got:
-                    return got
-                assert time.monotonic() < deadline, f"timed out waiting for {what}"
-                await asyncio.sleep(0.2)
+            return await waiting.wait_for(what, pred, dict(zip(("worker", "router"), services)), tmp_path,
+                                          timeout=timeout, every=0.2)
 
         async def all_live() -> bool:
             now = time.time_ns() // 1_000_000

@@ -39,6 +39,7 @@ from schemas import (
 from state.redis_view import RedisViewStore
 from streams.kafka import consumer, ensure_topics, producer
 from streams.topics import topics
+from tests.integration import waiting
 from tests.integration.test_balance_loop import _stop
 from tests.integration.test_e2e import _start
 
@@ -128,15 +129,7 @@ async def test_an_offloaded_prefix_is_indexed_in_the_view_and_read_back_from_the
     engines: dict[str, EmulatedEngine] = {}
 
     async def wait_for(what: str, probe, timeout: float = 40.0):  # type: ignore[no-untyped-def]
-        deadline = time.monotonic() + timeout
-        while True:
-            for p in procs:
-                assert p.poll() is None, (tmp_path / "worker.log").read_text()[-2000:]
-            got = await probe()
-            if got:
-                return got
-            assert time.monotonic() < deadline, f"timed out waiting for {what}"
-            await asyncio.sleep(0.1)
+        return await waiting.wait_for(what, probe, dict(zip(("worker", "router"), procs)), tmp_path, timeout=timeout)
 
     def done(node: str, rid: str) -> dict | None:  # type: ignore[type-arg]
         for line in reports[node].getvalue().splitlines():
@@ -301,16 +294,12 @@ class PoolCluster:
         _stop({str(i): p for i, p in enumerate(self.procs)})
 
     async def wait_for(self, what: str, probe, timeout: float = 40.0):  # type: ignore[no-untyped-def]
-        deadline = time.monotonic() + timeout
-        while True:
-            for name, p in zip(self.names, self.procs):
-                assert p.poll() is None, f"conductor {name} exited\n" + (self.tmp_path / f"{name}.log").read_text()[-2000:]
+        async def read_then_probe():  # type: ignore[no-untyped-def]
             await self.read_watch()
-            got = await probe()
-            if got:
-                return got
-            assert time.monotonic() < deadline, f"timed out waiting for {what}"
-            await asyncio.sleep(0.1)
+            return await probe()
+
+        return await waiting.wait_for(what, read_then_probe, dict(zip(self.names, self.procs)), self.tmp_path,
+                                      timeout=timeout)
 
     async def read_watch(self) -> None:
         for recs in (await self.watch.getmany(timeout_ms=50)).values():
