@@ -94,6 +94,8 @@ class InMemoryReservations:
         self.ttl_ms = int(ttl_s * 1000)
         self._ts: dict[str, list[int]] = {}
         self._cum: dict[str, list[tuple[int, ...]]] = {}
+        self.touched: set[str] = set()
+        """Nodes reserved on since the last :meth:`take_touched`."""
 
     async def reserve(self, reservations: Sequence[Reservation], now_ms: int) -> None:
         self.reserve_sync(reservations, now_ms)
@@ -104,6 +106,7 @@ class InMemoryReservations:
 
     def add(self, node: str, ts_ms: int, amounts: tuple[int, ...]) -> None:
         """Record one reservation made at ``ts_ms`` (late arrivals are put in time order)."""
+        self.touched.add(node)
         ts = self._ts.setdefault(node, [])
         cum = self._cum.setdefault(node, [])
         i = len(ts)
@@ -122,24 +125,37 @@ class InMemoryReservations:
     async def pending(self, since_ms: Mapping[str, int], now_ms: int) -> dict[str, Load]:
         return self.pending_sync(since_ms, now_ms)
 
+    def take_touched(self) -> set[str]:
+        """The nodes that got a reservation since the last call (for callers that keep their
+        own per-node picture up to date, ``conductor.routing.index``)."""
+        out, self.touched = self.touched, set()
+        return out
+
+    def pending_one(self, node: str, since_ms: int, now_ms: int) -> tuple[Load | None, int | None]:
+        """What :meth:`pending_sync` gives ``node``, and the time at which that changes next
+        without a new reservation (its oldest counted one expiring), or None."""
+        ts = self._ts.get(node)
+        if not ts:
+            return None, None
+        floor = now_ms - self.ttl_ms
+        i = bisect.bisect_right(ts, since_ms if since_ms > floor else floor)
+        if i >= len(ts):
+            return None, None
+        cum = self._cum[node]
+        last = cum[-1]
+        changes_at = ts[i] + self.ttl_ms
+        if i:
+            base = cum[i - 1]
+            return Load(last[0] - base[0], last[1] - base[1], last[2] - base[2], last[3] - base[3],
+                        last[4] - base[4]), changes_at
+        return Load(*last), changes_at
+
     def pending_sync(self, since_ms: Mapping[str, int], now_ms: int) -> dict[str, Load]:
         out = {}
-        floor = now_ms - self.ttl_ms
         for node, since in since_ms.items():
-            ts = self._ts.get(node)
-            if not ts:
-                continue
-            i = bisect.bisect_right(ts, since if since > floor else floor)
-            if i >= len(ts):
-                continue
-            cum = self._cum[node]
-            last = cum[-1]
-            if i:
-                base = cum[i - 1]
-                out[node] = Load(last[0] - base[0], last[1] - base[1], last[2] - base[2], last[3] - base[3],
-                                 last[4] - base[4])
-            else:
-                out[node] = Load(*last)
+            load = self.pending_one(node, since, now_ms)[0]
+            if load is not None:
+                out[node] = load
         return out
 
 

@@ -233,7 +233,7 @@ async def explain(settings: Settings, request_id: str) -> Explanation:
             continue
         reservations.reserve_sync(decision_reservations(r[1], d, s.block_size), _read_at(env))
         n_resv += 1
-    router = Router(s, _ViewAt(store, at_ms), reservations)
+    router = Router(s, _ViewAt(store, at_ms), reservations, incremental=False)  # every instance, afresh
     # The control state the decision was made under: the same fold, up to the recorded offset.
     if rec.control_offset >= 0:
         for offset, cmd in await control_records(settings, rec.control_offset):

@@ -41,6 +41,7 @@ from conductor.errors import ViewStoreError
 from conductor.profiles import ModelProfile, load_profile
 from conductor.routing.control import ControlState, apply_control
 from conductor.routing.decision import decision_record, decision_reservations, rejection_record
+from conductor.routing.index import ClusterIndex
 from conductor.routing.policies import Policy, make_policy
 from conductor.routing.snapshot import ClusterSnapshot, InstanceMemo, PolicyRequest, build_cluster
 from conductor.settings import Settings
@@ -62,7 +63,7 @@ from schemas.records import MAX_BLOCKS
 from state.connect import HiredisPackedConnection, open_client
 from state.reader import RawSnapshotReader
 from state.redis_view import RedisViewStore, connection_url, tls_options
-from state.reservations import Load, RedisReservations, ReservationStore
+from state.reservations import InMemoryReservations, Load, RedisReservations, ReservationStore
 from state.view import ViewReader, ViewSnapshot
 from streams.kafka import acknowledged, consumer, end_offsets, ensure_topics, producer
 from streams.topics import topics
@@ -78,6 +79,15 @@ def request_seed(base_seed: int, request_id: str) -> int:
 
 HEALTH_EVERY_S = 0.25
 """How often a router asks whether the view is lost or being rebuilt (``Router.view_health``)."""
+
+
+MAX_INDEXES = 16
+"""Cluster indexes one router keeps (one per model and set of excluded nodes)."""
+
+
+def _since(snap: ViewSnapshot) -> dict[str, int]:
+    """Per node, the reservation cut-off: a reservation counts until the node's heartbeat is newer."""
+    return {n.node_id: n.last_heartbeat_ms for n in snap.nodes}
 
 
 class _Unhealthy(Exception):
@@ -123,7 +133,11 @@ class Router:
         policy: Policy | None = None,
         profile: ModelProfile | None = None,
         clock: Callable[[], float] = time.monotonic,
+        incremental: bool = True,
     ) -> None:
+        """``incremental``: keep the cluster picture from read to read (a
+        :class:`~conductor.routing.index.ClusterIndex` per model, when the reservations are
+        held in memory); False rebuilds it from every read (``explain`` does, as the check)."""
         self.settings = settings
         self.view = view
         self.reservations = reservations
@@ -135,8 +149,10 @@ class Router:
         self.clock = clock
         self.metrics = RouterMetrics()
         self._last: _LastView | None = None
-        self._since: dict[str, int] = {}  # node → last heartbeat seen: the reservation cut-off
         self._memo: InstanceMemo = {}
+        local = getattr(reservations, "local", reservations)
+        self._local = local if incremental and isinstance(local, InMemoryReservations) else None
+        self._indexes: dict[tuple[str | None, frozenset[str]], ClusterIndex] = {}
         self._health: tuple[float, bool, str] | None = None  # (clock, healthy, reason) of the last check
         self.ttl_s = settings.heartbeat_ttl_s
         self.control = ControlState()
@@ -211,23 +227,43 @@ class Router:
     # --- the view -------------------------------------------------------------------
 
     async def read(self, chain: Sequence[int], after: Awaitable[Any] | None = None,
-                   ) -> tuple[ViewSnapshot, dict[str, Load]]:
-        """One view read and the reservations pending against it; with ``after``, the
-        reservations are taken once ``after`` is done (the decision before this one has reserved)."""
+                   ) -> tuple[ViewSnapshot, dict[str, Load] | None]:
+        """One view read and the reservations pending against it (None: kept by the cluster
+        index, taken in :meth:`cluster`); with ``after``, the reservations are taken once
+        ``after`` is done (the decision before this one has reserved)."""
         snap = await self.view.snapshot(chain)
         if after is not None:
             await after
-        # A reservation counts until the node's heartbeat is newer than it.
-        self._since = {n.node_id: n.last_heartbeat_ms for n in snap.nodes}
-        return snap, await self.reservations.pending(self._since, snap.now_ms)
+        if self._local is not None:
+            return snap, None
+        return snap, await self.reservations.pending(_since(snap), snap.now_ms)
 
     # --- deciding -------------------------------------------------------------------
 
-    def cluster(self, snap: ViewSnapshot, pending: dict[str, Load], model: str, age_ms: float,
+    def cluster(self, snap: ViewSnapshot, pending: dict[str, Load] | None, model: str, age_ms: float,
                 exclude: Collection[str] = ()) -> ClusterSnapshot:
         """The policy's picture of one read (:func:`~conductor.routing.snapshot.build_cluster`),
         without the cordoned and draining nodes (control) and the instances in ``exclude`` (a
-        gateway's retry after one of them failed)."""
+        gateway's retry after one of them failed). ``pending`` None: the reservations are
+        the in-memory ones, and the picture is the model's :class:`ClusterIndex` brought up
+        to this read (the same instances, redone only where something changed)."""
+        if pending is None:
+            local = self._local
+            assert local is not None
+            touched = local.take_touched()
+            for ix in self._indexes.values():
+                ix.touch(touched)
+            if not exclude:
+                key = (model, self.control.excluded)
+                ix = self._indexes.get(key)
+                if ix is None:
+                    if len(self._indexes) >= MAX_INDEXES:
+                        self._indexes.clear()
+                    ix = self._indexes[key] = ClusterIndex(self.profile, block_size=self.settings.block_size,
+                                                           ttl_s=self.ttl_s, model=model, exclude=key[1])
+                ix.update(snap, local.pending_one)
+                return ix.snapshot(snap, age_ms)
+            pending = local.pending_sync(_since(snap), snap.now_ms)
         if self.control.excluded:
             exclude = self.control.excluded.union(exclude)
         return build_cluster(snap, pending, block_size=self.settings.block_size, ttl_s=self.ttl_s, model=model,
@@ -274,7 +310,7 @@ class Router:
             if after is not None:
                 await after
             snap = last.snapshot  # node states only: prefixes of this chain are unknown
-            pending = await self.reservations.pending(self._since, snap.now_ms + int(age_ms))
+            pending = await self.reservations.pending(_since(snap), snap.now_ms + int(age_ms))
         # Cordoned and draining nodes take no new requests; a retry names the instances that failed it.
         cluster = self.cluster(snap, pending, req.model, age_ms, req.exclude)
         answer = self.policy.decide(preq, cluster, random.Random(seed))

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from schemas import TIERS, Role, Tier
 from state.view import NodeState, ViewSnapshot
+
+if TYPE_CHECKING:
+    from conductor.routing.index import IndexView
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +64,10 @@ class ClusterSnapshot:
     watermark: dict[str, int] = field(default_factory=dict)
     """Applied source offsets (``topic:partition`` → offset) the view reflected."""
     age_ms: float = 0.0
+    index: IndexView | None = field(default=None, compare=False, repr=False)
+    """The same instances kept in order of queue wait and decode load, when the snapshot came
+    from a :class:`~conductor.routing.index.ClusterIndex` (policies may look at the few that
+    can win instead of at all of them; ``build_cluster`` leaves it out)."""
 
     def by_role(self, *roles: str) -> tuple[Instance, ...]:
         return tuple(i for i in self.instances if i.role in roles)

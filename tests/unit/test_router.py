@@ -10,6 +10,7 @@ import pytest
 
 from conductor.errors import ConfigError, ViewStoreError
 from conductor.routing.router import Router, request_seed
+from conductor.routing.snapshot import Instance
 from conductor.settings import load_settings
 from schemas import (
     BlocksStored,
@@ -104,15 +105,17 @@ async def test_a_newer_heartbeat_releases_the_reservations() -> None:
     heartbeat(view, "d0", "decode", ts=now_ms() - 1000)
     await router.route(token_request("x"))
     await router.route(token_request("y"))  # the second read already counts the first
-    snap_nodes = {n.node_id: n for n in view.nodes_sync()}
-    assert resv.pending_sync({"p0": snap_nodes["p0"].last_heartbeat_ms}, now_ms())["p0"].prefill_requests == 2
-    heartbeat(view, "p0", ts=now_ms() + 5)  # the engine now reports its queue itself
-    heartbeat(view, "d0", "decode", ts=now_ms() + 5)
-    cluster_before = router._since.copy()
+
+    async def picture() -> dict[str, Instance]:
+        snap, pending = await router.read([])
+        return {i.node_id: i for i in router.cluster(snap, pending, token_request("q").model, 0.0).instances}
+
+    assert (await picture())["p0"].queued_requests == 2
+    heartbeat(view, "p0", ts=now_ms() + 1000)  # the engine now reports its queue itself
+    heartbeat(view, "d0", "decode", ts=now_ms() + 1000)
     await router.route(token_request("z"))
-    assert router._since["p0"] > cluster_before["p0"]
-    later = resv.pending_sync({"p0": router._since["p0"]}, now_ms() + 10)
-    assert "p0" not in later or later["p0"].prefill_requests == 0
+    after = await picture()
+    assert after["p0"].queued_requests == 0 and after["d0"].batch_size == 0
 
 
 def test_reservations_expire_after_the_ttl() -> None:
@@ -371,20 +374,13 @@ async def test_reads_that_come_back_out_of_order_still_decide_in_log_order() -> 
         return snap
 
     view.snapshot = slow_snapshot
-    seen: list[int] = []
     decided: list[tuple[str, int]] = []
-    pending, decide = resv.pending_sync, router.policy.decide
+    decide = router.policy.decide
 
-    def record(since, now):
-        out = pending(since, now)
-        seen.append(sum(v.prefill_requests for v in out.values()))
-        return out
-
-    def record_decide(preq, cluster, rng):
-        decided.append((preq.request_id, seen[-1]))
+    def record_decide(preq, cluster, rng):  # the heartbeats queue nothing: what is queued is reserved
+        decided.append((preq.request_id, sum(i.queued_requests for i in cluster.instances)))
         return decide(preq, cluster, rng)
 
-    resv.pending_sync = record
     router.policy.decide = record_decide
     worker = RouterWorker(router.settings, router, router_id="t")
     recs = [SimpleNamespace(value=encode(envelope(token_request(f"o{i}"), producer_id="gw", producer_seq=i,

@@ -78,10 +78,16 @@ def test_router_and_explain_and_simulator_call_the_one_builder(monkeypatch) -> N
     settings = load_settings(block_size=BS, seed=1)
     now = 10_000
     store = view_with(now)
-    router = Router(settings, explain._ViewAt(store, now), InMemoryReservations(settings.reservation_ttl_s))
+    router = Router(settings, explain._ViewAt(store, now), InMemoryReservations(settings.reservation_ttl_s),
+                    incremental=False)
     snap, pending = asyncio.run(router.read([1, 2, 3]))
     assert router.cluster(snap, pending, "default", 0.0) == real(
         snap, pending, block_size=BS, ttl_s=settings.heartbeat_ttl_s, model="default")
+    # A live router keeps the same picture incrementally (conductor.routing.index): equal to the builder's.
+    live = Router(settings, explain._ViewAt(store, now), InMemoryReservations(settings.reservation_ttl_s))
+    snap2, none = asyncio.run(live.read([1, 2, 3]))
+    assert none is None and live.cluster(snap2, none, "default", 0.0) == real(
+        snap2, {}, block_size=BS, ttl_s=settings.heartbeat_ttl_s, model="default")
 
     # ... and the simulator, on a view its nodes fed through the fold.
     monkeypatch.setattr(engine, "build_cluster", spy("sim"))

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pydantic import Field
 
@@ -28,9 +30,16 @@ from conductor.routing.policies.parts import RoleSplitPolicy, pick_lowest, place
 from conductor.routing.snapshot import NO_PREFIX, ClusterSnapshot, Instance, PolicyRequest
 from conductor.topology import Link
 
+if TYPE_CHECKING:
+    from conductor.routing.index import IndexView
+
 
 def _first(item: tuple) -> float:
     return item[0]
+
+
+_BARE = Instance("", "prefill")
+"""An instance holding no prefix (its local plan is the whole prompt's compute)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +94,111 @@ class KvCacheCentric(RoleSplitPolicy):
     prune_candidates = True
     """Evaluate only the prefill instances that can win (:meth:`_candidates`); False: all."""
 
+    def decide(self, request: PolicyRequest, snapshot: ClusterSnapshot, rng: random.Random) -> Decision:
+        """With an index (the router's :class:`~conductor.routing.index.ClusterIndex`), only the
+        instances that can win are looked at: the prefix holders and the shortest queues, the
+        least-loaded decode instances. Whatever that cannot settle exactly (CPP, a guarded
+        check that fails, a rejection) is decided over every instance, with the generator as
+        it was, so the answer is always the exhaustive one (``tests/property/test_cluster_index.py``)."""
+        ix = snapshot.index
+        if (ix is None or self.p.cpp or not self.prune_candidates  # type: ignore[attr-defined]
+                or not ix.prefill_count or not ix.decode_count
+                or (ix.profile is not self.profile and ix.profile != self.profile)):
+            return super().decide(request, snapshot, rng)
+        state = rng.getstate()
+        pre = self._prefill_fast(request, snapshot, ix, rng)
+        if pre is None:
+            rng.setstate(state)
+            return super().decide(request, snapshot, rng)
+        dec = self._decode_fast(request, ix, snapshot.block_size, rng)
+        if dec is None:
+            decodes = tuple(i for i in snapshot.instances if i.role == "decode" or i.role == "both")
+            dec = self._decode(request, snapshot, decodes, rng)
+            if isinstance(dec, Rejection):
+                return dec
+        return placement(pre.instance, dec[0], pre.reuse, pre.ttft_s, dec[1])
+
+    def _prefill_fast(self, request: PolicyRequest, snapshot: ClusterSnapshot, ix: IndexView,
+                      rng: random.Random) -> PrefillPlan | None:
+        """:meth:`_prefill` over the holders and the shortest queues in order of wait, stopping
+        once no wait left can reach the lowest TTFT so far; None when the lowest fails the
+        guarded check (the safe ones and the rejection need every instance)."""
+        p: KvCacheCentricParams = self.p  # type: ignore[assignment]
+        best_reuse, bare_floor = self._reuse_planner(request, ix.holders, snapshot.block_size)
+        margin = 2 * p.prefill_tie_s + 1e-9  # as _candidates: keeping one too many is harmless
+        pool: list[Instance] = []
+        reuses: list[Reuse] = []
+        waits: list[float] = []
+        ttfts: list[float] = []
+        lo = float("inf")
+        wait_of = ix.wait_of
+        for inst in ix.holders:
+            w = wait_of.get(inst.node_id)
+            if w is None:  # not prefill-capable
+                continue
+            r = best_reuse(inst)
+            pool.append(inst)
+            reuses.append(r)
+            waits.append(w)
+            ttfts.append(w + r.cost_s)
+            lo = min(lo, w + r.cost_s)
+        held, base = ix.held, ix.base
+        shortest: dict[tuple, float] = {}
+        place_key = self.costs.place_key
+        for w, node in ix.waits:  # ascending: a place's first is its shortest queue
+            if w + bare_floor > lo + margin:
+                break  # no instance without a prefix from here on can reach (or tie) the lowest
+            if node in held:
+                continue
+            inst = base[node]
+            k = place_key(inst)
+            s = shortest.get(k)
+            if s is None:
+                shortest[k] = w
+            elif w > s + margin:
+                continue
+            r = best_reuse(inst)
+            pool.append(inst)
+            reuses.append(r)
+            waits.append(w)
+            ttfts.append(w + r.cost_s)
+            lo = min(lo, w + r.cost_s)
+        chosen = pick_lowest(range(len(pool)), ttfts, rng, tol=p.prefill_tie_s, node_id=lambda i: pool[i].node_id)
+        if p.early_rejection and ttfts[chosen] + (p.queue_wait_safety - 1.0) * waits[chosen] > (
+                request.ttft_slo_s * p.slo_margin):
+            return None
+        return PrefillPlan(pool[chosen], reuses[chosen], ttfts[chosen])
+
+    def _decode_fast(self, request: PolicyRequest, ix: IndexView, bs: int,
+                     rng: random.Random) -> tuple[Instance, float] | None:
+        """:meth:`_decode` over the decode instances in order of load, stopping past the
+        low-load band of the first that fits; None when that one misses the TBT SLO or none
+        fits (the rejection, or the fallback without early rejection, needs every instance)."""
+        p: KvCacheCentricParams = self.p  # type: ignore[assignment]
+        costs = self.costs
+        budget = request.tbt_slo_ms * p.slo_margin
+        found: list[tuple[Instance, float]] = []
+        limit = None
+        for _, node in ix.decode_loads:
+            d = ix.instance(node)
+            if not costs.decode_fits(d, request, bs):
+                continue
+            t = costs.tbt_ms(d, request)
+            if limit is None:
+                if t > budget:
+                    return None
+                # TBT grows with the load; 1e-6 ms covers rounding between the two orders.
+                limit = t * (1.0 + p.decode_low_load_band) + 1e-9 + 1e-6
+            elif t > limit:
+                break
+            found.append((d, t))
+        if limit is None:
+            return None
+        ok = [x for x in found if x[1] <= budget]
+        lo = min(t for _, t in ok)
+        band = [x for x in ok if x[1] <= lo * (1.0 + p.decode_low_load_band) + 1e-9]
+        return pick_lowest(band, [0.0] * len(band), rng, node_id=lambda x: x[0].node_id)
+
     def place(self, request: PolicyRequest, snapshot: ClusterSnapshot, prefills: tuple[Instance, ...],
               decodes: tuple[Instance, ...], rng: random.Random) -> Decision:
         pre = self._prefill(request, snapshot, prefills, rng)
@@ -106,67 +220,15 @@ class KvCacheCentric(RoleSplitPolicy):
         p: KvCacheCentricParams = self.p  # type: ignore[assignment]
         costs = self.costs
         bs = snapshot.block_size
-        # Per link class, every holder's cheapest remote plan over that link, cheapest first:
-        # each prefill instance stops at its first usable copy on each class.
-        by_link: list[tuple[int, list[tuple[float, Instance, Reuse, tuple]]]] = []
-        if p.remote_reuse:
-            holders = [h for h in snapshot.instances if h.prefix_blocks[2] > 0]
-            if holders:
-                keys = [costs.place_key(h) for h in holders]
-                for li in range(len(costs.links)):
-                    opts = []
-                    for h, hk in zip(holders, keys):
-                        r = costs.remote_reuse(h, request, bs, li)
-                        if r is not None:
-                            opts.append((r.cost_s, h, r, hk))
-                    opts.sort(key=_first)
-                    by_link.append((li, opts))
-        table = costs.path_table
-        threshold = p.kvcache_balancing_threshold
+        best_reuse, _ = self._reuse_planner(request, [h for h in snapshot.instances if h.prefix_blocks[2] > 0], bs)
         every_wait = [costs.queue_wait_s(inst) for inst in prefills]  # cheap arithmetic, per instance
         # Candidates: the holders and, per place, the shortest queues; with CPP every
         # instance may join a group, so all stay.
         pool = (list(zip(prefills, every_wait)) if p.cpp or not self.prune_candidates
                 else self._candidates(prefills, every_wait, p))
-        ttfts: list[float] = []
-        reuses: list[Reuse] = []
-        waits: list[float] = []
-        # Instances holding no prefix of the chain at the same place have the same options.
-        by_place: dict[tuple, Reuse] = {}
-        # Where "same rack" is a link class of its own (no rack pairs or node places in the
-        # topology), a bare instance's same-rack copy is the first option of a holder in its
-        # rack: a lookup instead of a scan over every holder.
-        same_li, first_in_rack = self._same_rack_index(by_link)
-        for inst, wait in pool:
-            ik = costs.place_key(inst) if by_link else None
-            bare = inst.prefix_blocks == NO_PREFIX
-            best = by_place.get(ik) if bare else None
-            if best is None:
-                best = costs.local_reuse(inst, request, bs)
-                floor = best.blocks * threshold
-                node = inst.node_id
-                for li, opts in by_link:
-                    if bare and li == same_li:
-                        hit = first_in_rack.get(inst.rack)
-                        if hit is not None and hit[0] < best.cost_s:
-                            best = hit[2]
-                        continue
-                    for cost, holder, r, hk in opts:
-                        if cost >= best.cost_s:
-                            break
-                        if holder.node_id == node or r.blocks <= floor:
-                            continue
-                        found = table.get((hk, ik))
-                        if found is None:
-                            found = costs.link_index(holder, inst, (hk, ik))
-                        if found == li:
-                            best = r
-                            break
-                if bare:
-                    by_place[ik] = best
-            waits.append(wait)
-            reuses.append(best)
-            ttfts.append(wait + best.cost_s)
+        reuses = [best_reuse(inst) for inst, _ in pool]
+        waits = [w for _, w in pool]
+        ttfts = [w + r.cost_s for w, r in zip(waits, reuses)]
         chosen = pick_lowest(range(len(pool)), ttfts, rng, tol=p.prefill_tie_s, node_id=lambda i: pool[i][0].node_id)
         ttft = ttfts[chosen]
         ttft_budget = request.ttft_slo_s * p.slo_margin
@@ -206,20 +268,90 @@ class KvCacheCentric(RoleSplitPolicy):
             )
         return PrefillPlan(pool[chosen][0], reuses[chosen], ttft)
 
+    def _reuse_planner(self, request: PolicyRequest, holders: list[Instance] | tuple[Instance, ...],
+                       bs: int) -> tuple[Callable[[Instance], Reuse], float]:
+        """(instance → its cheapest reuse plan: its own cache or a holder's copy over a link,
+        the lowest cost any instance holding no prefix can have). ``holders``: the instances
+        holding a prefix of the chain, in snapshot order (ties between copies go to the first)."""
+        p: KvCacheCentricParams = self.p  # type: ignore[assignment]
+        costs = self.costs
+        # Per link class, every holder's cheapest remote plan over that link, cheapest first:
+        # each prefill instance stops at its first usable copy on each class.
+        by_link: list[tuple[int, list[tuple[float, Instance, Reuse, tuple]]]] = []
+        if p.remote_reuse and holders:
+            keys = [costs.place_key(h) for h in holders]
+            for li in range(len(costs.links)):
+                opts = []
+                for h, hk in zip(holders, keys):
+                    r = costs.remote_reuse(h, request, bs, li)
+                    if r is not None:
+                        opts.append((r.cost_s, h, r, hk))
+                opts.sort(key=_first)
+                by_link.append((li, opts))
+        table = costs.path_table
+        threshold = p.kvcache_balancing_threshold
+        # Instances holding no prefix of the chain at the same place have the same options.
+        by_place: dict[tuple, Reuse] = {}
+        # Where "same rack" is a link class of its own (no rack pairs or node places in the
+        # topology), an instance's same-rack copies are the options of the holders in its
+        # rack: a lookup instead of a scan over every holder.
+        same_li, in_rack = self._same_rack_index(by_link)
+        placed = bool(by_link)
+
+        def best_reuse(inst: Instance) -> Reuse:
+            ik = costs.place_key(inst) if placed else None
+            bare = inst.prefix_blocks == NO_PREFIX
+            best = by_place.get(ik) if bare else None
+            if best is not None:
+                return best
+            best = costs.local_reuse(inst, request, bs)
+            floor = best.blocks * threshold
+            node = inst.node_id
+            for li, opts in by_link:
+                if li == same_li:
+                    for cost, holder, r, _ in in_rack.get(inst.rack, ()):
+                        if cost >= best.cost_s:
+                            break
+                        if holder.node_id != node and r.blocks > floor:
+                            best = r
+                            break
+                    continue
+                for cost, holder, r, hk in opts:
+                    if cost >= best.cost_s:
+                        break
+                    if holder.node_id == node or r.blocks <= floor:
+                        continue
+                    found = table.get((hk, ik))
+                    if found is None:
+                        found = costs.link_index(holder, inst, (hk, ik))
+                    if found == li:
+                        best = r
+                        break
+            if bare:
+                by_place[ik] = best
+            return best
+
+        bare_floor = costs.local_reuse(_BARE, request, bs).cost_s
+        for _, opts in by_link:
+            if opts and opts[0][0] < bare_floor:
+                bare_floor = opts[0][0]
+        return best_reuse, bare_floor
+
     def _same_rack_index(self, by_link: list) -> tuple[int, dict]:
-        """(index of the same-rack link class, rack → its first option in that class's
-        cheapest-first list), or (-1, {}) when same-rack is not a class of its own."""
+        """(index of the same-rack link class, rack → the options of that class's
+        cheapest-first list held in the rack, in order), or (-1, {}) when same-rack is not a
+        class of its own."""
         topo = self.costs.topology
         links = topo.links
         if not by_link or topo.nodes or topo.rack_pairs or links.same_rack in (links.cross_rack, links.cross_zone):
             return -1, {}
         li = self.costs.links.index(links.same_rack)
-        first: dict = {}
+        by_rack: dict = {}
         for li_, opts in by_link:
             if li_ == li:
                 for o in opts:
-                    first.setdefault(o[1].rack, o)
-        return li, first
+                    by_rack.setdefault(o[1].rack, []).append(o)
+        return li, by_rack
 
     def _candidates(self, prefills: tuple[Instance, ...], waits: list[float],
                     p: KvCacheCentricParams) -> list[tuple[Instance, float]]:

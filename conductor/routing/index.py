@@ -1,0 +1,278 @@
+"""The router's cluster picture kept from read to read, so a decision costs what changed.
+
+:func:`~conductor.routing.snapshot.build_cluster` turns one view read into every live
+instance, reservations added: work in proportion to the cluster, on every request. A
+:class:`ClusterIndex` keeps that picture between reads and redoes only the nodes that moved
+since the last one:
+
+- nodes whose state the read hands out anew (the reader gives back the same ``NodeState``
+  object for a node nothing was written to, so "changed" is an identity test);
+- nodes with reservations made since (``touch``: this router's and the other replicas');
+- nodes whose heartbeat has just aged past the TTL (a heap of deadlines), and nodes whose
+  oldest counted reservation has just expired (the deadline ``pending_one`` returns).
+
+Beside every live instance (its prefix empty) it keeps the prefill-capable ones in order of
+queue wait and the decode-capable ones in order of decode load, which is what lets
+``kvcache-centric`` look at the holders of the request's prefix and the few shortest queues
+instead of at every instance (:class:`IndexView`, ``KvCacheCentric.decide``). Per request
+:meth:`ClusterIndex.snapshot` adds the request's prefix holders, so the snapshot equals
+``build_cluster`` of the same read and reservations, instance for instance
+(``tests/property/test_cluster_index.py`` checks it over random sequences of reads).
+
+Pure: no I/O and no clock (time is the read's ``now_ms``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import heapq
+from collections.abc import Callable, Collection, Iterable
+from dataclasses import dataclass
+
+from conductor.profiles import ModelProfile
+from conductor.routing.snapshot import NO_PREFIX, ClusterSnapshot, Instance, PendingLoad, instance
+from state.view import NodeState, ViewSnapshot
+
+PendingOne = Callable[[str, int, int], tuple["PendingLoad | None", "int | None"]]
+"""``(node, since_ms, now_ms) -> (what is reserved on it after max(since, now - ttl), the
+time at which that next changes without a new reservation or None)``:
+``state.reservations.InMemoryReservations.pending_one``."""
+
+PREFILL_ROLES = ("prefill", "both")
+DECODE_ROLES = ("decode", "both")
+
+
+def queue_wait_s(profile: ModelProfile, inst: Instance) -> float:
+    """The policies' queue-wait estimate (``Costs.queue_wait_s``), without the memo."""
+    q = inst.queued_prefill_tokens
+    if q <= 0:
+        return 0.0
+    k = inst.queued_requests
+    if k <= 1:
+        return profile.prefill_seconds(q, 0)
+    return k * profile.prefill_seconds(q / k, 0)  # type: ignore[arg-type]
+
+
+def decode_load(profile: ModelProfile, inst: Instance) -> float:
+    """The part of a decode step's predicted time that differs between instances: the
+    predicted TBT of any request is an increasing function of it (``decode_step_seconds`` is
+    linear in the batch and the context)."""
+    return inst.batch_size * profile.per_sequence_s + inst.decode_context_tokens * (
+        profile.kv_bytes_per_token / profile.hbm_bandwidth)
+
+
+@dataclass(frozen=True, slots=True)
+class IndexView:
+    """What a policy may use beside ``ClusterSnapshot.instances``, valid for one decision."""
+
+    profile: ModelProfile
+    """The profile the waits and loads were computed with (a policy of another ignores them)."""
+    holders: tuple[Instance, ...]
+    """The instances holding a prefix of the chain, in the order of ``instances``."""
+    held: dict[str, Instance]
+    """node → its instance with its prefix, for the holders."""
+    base: dict[str, Instance]
+    """node → its instance without prefix, for every instance."""
+    waits: list[tuple[float, str]]
+    """(queue wait, node) of every prefill-capable instance, ascending."""
+    wait_of: dict[str, float]
+    decode_loads: list[tuple[float, str]]
+    """(:func:`decode_load`, node) of every decode-capable instance, ascending."""
+    prefill_count: int
+    decode_count: int
+
+    def instance(self, node: str) -> Instance:
+        held = self.held.get(node)
+        return held if held is not None else self.base[node]
+
+
+class ClusterIndex:
+    """Every live instance of one filter (model, excluded nodes), kept up to date read by read."""
+
+    def __init__(self, profile: ModelProfile, *, block_size: int, ttl_s: float, model: str | None = None,
+                 exclude: Collection[str] = ()) -> None:
+        self.profile = profile
+        self.block_size = block_size
+        self.ttl_ms = ttl_s * 1000
+        self.ttl_s = ttl_s
+        self.model = model
+        self.exclude = frozenset(exclude)
+        self._nodes: tuple[NodeState, ...] | None = None
+        self._now = 0
+        self._state: dict[str, NodeState] = {}
+        self._inst: dict[str, Instance] = {}  # live and eligible nodes only
+        self._order: list[str] = []
+        self._pos: dict[str, int] = {}
+        self._base: list[Instance] = []
+        self._waits: list[tuple[float, str]] = []
+        self._wait_of: dict[str, float] = {}
+        self._loads: list[tuple[float, str]] = []
+        self._load_of: dict[str, float] = {}
+        self._deaths: list[tuple[int, str]] = []
+        """(last heartbeat, node) of live nodes, oldest first: a node dies once now passes it by the TTL."""
+        self._deadline: dict[str, int] = {}
+        self._expiries: list[tuple[int, str]] = []
+        """(time, node): when a node's counted reservations next change by expiring."""
+        self._expiry: dict[str, int] = {}
+        self._touched: set[str] = set()
+        self._with_prefix: dict[tuple[str, tuple[int, int, int]], tuple[Instance, Instance]] = {}
+        self.rebuilds = 0
+        """Whole rebuilds so far (the first read, the node set changing, the clock going back)."""
+        self.refreshed = 0
+        """Single nodes redone so far."""
+
+    def touch(self, nodes: Iterable[str]) -> None:
+        """Nodes whose reservations changed; redone at the next :meth:`update`."""
+        self._touched.update(nodes)
+
+    def eligible(self, n: NodeState) -> bool:
+        return (self.model is None or n.model == self.model or n.role == "store") and n.node_id not in self.exclude
+
+    # --- keeping it up to date ------------------------------------------------------
+
+    def update(self, view: ViewSnapshot, pending_one: PendingOne) -> None:
+        """Bring the index to ``view`` (and the reservations ``pending_one`` answers for)."""
+        nodes, now = view.nodes, view.now_ms
+        old = self._nodes
+        if old is None or now < self._now or len(nodes) != len(old):
+            self._rebuild(view, pending_one)
+            return
+        redo: set[str] = set(self._touched)
+        self._touched.clear()
+        if nodes is not old:
+            for n, o in zip(nodes, old):
+                if n is not o:
+                    if n.node_id != o.node_id:  # the node set changed
+                        self._rebuild(view, pending_one)
+                        return
+                    self._state[n.node_id] = n
+                    redo.add(n.node_id)
+            self._nodes = nodes
+        self._now = now
+        deaths, ttl_ms = self._deaths, self.ttl_ms
+        while deaths and now - deaths[0][0] > ttl_ms:  # heartbeats aged past the TTL
+            redo.add(heapq.heappop(deaths)[1])
+        expiries = self._expiries
+        while expiries and expiries[0][0] <= now:  # a reservation expired
+            redo.add(heapq.heappop(expiries)[1])
+        order_moved = False
+        for node in redo:
+            st = self._state.get(node)
+            if st is not None:
+                order_moved |= self._redo(st, now, pending_one)
+        if order_moved:
+            self._reorder()
+
+    def _rebuild(self, view: ViewSnapshot, pending_one: PendingOne) -> None:
+        self.rebuilds += 1
+        self._nodes, self._now = view.nodes, view.now_ms
+        self._state = {n.node_id: n for n in view.nodes}
+        self._inst.clear()
+        self._waits.clear()
+        self._wait_of.clear()
+        self._loads.clear()
+        self._load_of.clear()
+        self._deaths.clear()
+        self._deadline.clear()
+        self._expiries.clear()
+        self._expiry.clear()
+        self._touched.clear()
+        for n in view.nodes:
+            self._redo(n, view.now_ms, pending_one)
+        self._reorder()
+
+    def _redo(self, st: NodeState, now: int, pending_one: PendingOne) -> bool:
+        """Recompute one node; True when it joined or left the live set."""
+        self.refreshed += 1
+        node = st.node_id
+        was = node in self._inst
+        if not (st.is_live(now, self.ttl_s) and self.eligible(st)):
+            if was:
+                self._drop(node)
+            return was
+        hb = st.last_heartbeat_ms
+        if self._deadline.get(node) != hb:  # one entry per heartbeat seen, checked against now
+            self._deadline[node] = hb
+            heapq.heappush(self._deaths, (hb, node))
+        load, changes_at = pending_one(node, hb, now)
+        if changes_at is not None and self._expiry.get(node) != changes_at:
+            self._expiry[node] = changes_at
+            heapq.heappush(self._expiries, (changes_at, node))
+        inst = instance(st, NO_PREFIX, load)
+        prev = self._inst.get(node)
+        if prev == inst:
+            return False
+        if was:
+            self._drop(node)
+        self._inst[node] = inst
+        if inst.role in PREFILL_ROLES:
+            w = queue_wait_s(self.profile, inst)
+            self._wait_of[node] = w
+            bisect.insort(self._waits, (w, node))
+        if inst.role in DECODE_ROLES:
+            k = decode_load(self.profile, inst)
+            self._load_of[node] = k
+            bisect.insort(self._loads, (k, node))
+        pos = self._pos.get(node)
+        if pos is not None and was:
+            self._base[pos] = inst
+            return False
+        return True
+
+    def _drop(self, node: str) -> None:
+        del self._inst[node]
+        w = self._wait_of.pop(node, None)
+        if w is not None:
+            del self._waits[bisect.bisect_left(self._waits, (w, node))]
+        k = self._load_of.pop(node, None)
+        if k is not None:
+            del self._loads[bisect.bisect_left(self._loads, (k, node))]
+
+    def _reorder(self) -> None:
+        """The live instances in the read's node order (what ``build_cluster`` lists)."""
+        assert self._nodes is not None
+        inst = self._inst
+        self._order = [n.node_id for n in self._nodes if n.node_id in inst]
+        self._pos = {node: i for i, node in enumerate(self._order)}
+        self._base = [inst[node] for node in self._order]
+
+    # --- one request --------------------------------------------------------------------
+
+    def snapshot(self, view: ViewSnapshot, age_ms: float = 0.0) -> ClusterSnapshot:
+        """The policy's picture of ``view`` (after :meth:`update` with it): ``build_cluster``'s
+        instances, plus an :class:`IndexView` for policies that can use one."""
+        insts = self._base.copy()
+        pos = self._pos
+        held: dict[str, Instance] = {}
+        at: list[int] = []
+        memo = self._with_prefix
+        for node, prefix in view.prefix.items():
+            i = pos.get(node)
+            if i is None or prefix == NO_PREFIX:
+                continue
+            base = insts[i]
+            hit = memo.get((node, prefix))
+            if hit is not None and hit[0] is base:
+                inst = hit[1]
+            else:
+                if len(memo) > 65_536:
+                    memo.clear()
+                inst = dataclasses.replace(base, prefix_blocks=prefix)
+                memo[(node, prefix)] = (base, inst)
+            insts[i] = inst
+            held[node] = inst
+            at.append(i)
+        at.sort()
+        ix = IndexView(
+            profile=self.profile,
+            holders=tuple(insts[i] for i in at),
+            held=held,
+            base=self._inst,
+            waits=self._waits,
+            wait_of=self._wait_of,
+            decode_loads=self._loads,
+            prefill_count=len(self._waits),
+            decode_count=len(self._loads),
+        )
+        return ClusterSnapshot(tuple(insts), self.block_size, dict(view.watermark), age_ms, index=ix)

@@ -1,0 +1,91 @@
+"""The router's incremental cluster picture (``conductor.routing.index``) against the builder.
+
+Over random sequences of reads (node states changing, heartbeats aging past the TTL, nodes
+joining and leaving, reservations made and expiring, the clock moving), the index's snapshot
+is ``build_cluster``'s of the same read and reservations, instance for instance; and
+``kvcache-centric`` deciding with the index (holders and shortest queues only) decides exactly
+as it does over every instance, seed for seed."""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conductor.profiles import DEFAULT_PROFILE, load_profile
+from conductor.routing.index import ClusterIndex
+from conductor.routing.policies import make_policy
+from conductor.routing.snapshot import PolicyRequest, build_cluster
+from state.reservations import InMemoryReservations, Load, Reservation
+from state.view import NodeState, ViewSnapshot
+
+PROFILE = load_profile(DEFAULT_PROFILE)
+BS = 512
+TTL_S = 2.0
+ROLES = ["prefill", "prefill", "prefill", "decode", "decode", "store", "both"]
+PLACES = [("r0", "z0"), ("r1", "z0"), ("r2", "z1"), (None, None), ("r3", None)]
+
+
+def node_state(rng: random.Random, node: str, role: str, now: int) -> NodeState:
+    rack, zone = rng.choice(PLACES) if not node.endswith("x") else PLACES[0]
+    depth = rng.choice([0, 0, 1, 3])
+    return NodeState(
+        node_id=node, role=role,  # type: ignore[arg-type]
+        model=rng.choice(["m", "m", "m", "other"]),
+        last_heartbeat_ms=now - rng.choice([0, 0, 500, 1500, 2500]),
+        queue_depth=depth, queued_prefill_tokens=depth * rng.choice([0, 512, 4000, 30_000]),
+        batch_size=rng.choice([0, 8, 8, 32]), decode_context_tokens=rng.choice([0, 50_000, 400_000]),
+        free_kv_blocks=rng.choice([10, 20_000, 60_000]), total_kv_blocks=rng.choice([0, 80_000]),
+        rack=rack, zone=zone,
+    )
+
+
+def prefix(rng: random.Random) -> tuple[int, int, int]:
+    return rng.choice([(0, 0, 0), (16, 16, 16), (0, 8, 8), (2, 2, 40), (64, 64, 64), (0, 0, 3)])
+
+
+@settings(max_examples=120, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(3, 40))
+def test_the_index_is_the_builders_picture_read_after_read(seed: int, size: int) -> None:
+    rng = random.Random(seed)
+    now = 1_000_000
+    names = [f"n{i:02d}" for i in range(size)]
+    states = {n: node_state(rng, n, rng.choice(ROLES), now) for n in names}
+    nodes = tuple(states[n] for n in sorted(states))
+    resv = InMemoryReservations(ttl_s=1.5)
+    ix = ClusterIndex(PROFILE, block_size=BS, ttl_s=TTL_S, model="m", exclude={"n01"})
+    policy = make_policy("kvcache-centric", {"prefill_tie_s": rng.choice([0.0, 1e-6, 0.05]),
+                                             "early_rejection": rng.random() < 0.8,
+                                             "queue_wait_safety": rng.choice([1.0, 2.0])}, PROFILE)
+    for _ in range(25):
+        step = rng.random()
+        if step < 0.4:  # some nodes report (new state objects); the others are handed out as they were
+            for n in rng.sample(sorted(states), k=min(rng.randint(1, 3), len(states))):
+                states[n] = node_state(rng, n, states[n].role, now)
+            nodes = tuple(states[n] for n in sorted(states))
+        elif step < 0.5:  # a node joins or leaves
+            if rng.random() < 0.5 and len(states) > 2:
+                del states[rng.choice(sorted(states))]
+            else:
+                n = f"n{rng.randint(0, 99):02d}x"
+                states[n] = node_state(rng, n, rng.choice(ROLES), now)
+            nodes = tuple(states[n] for n in sorted(states))
+        for n in rng.sample(sorted(states), k=min(rng.randint(0, 2), len(states))):  # decisions reserve
+            resv.reserve_sync([Reservation(n, Load(rng.choice([512, 9000]), 1, 1, 4000, 20))],
+                              now - rng.choice([0, 0, 300]))
+        now += rng.choice([0, 1, 200, 700, 1600])
+        view = ViewSnapshot(now, nodes, {n: prefix(rng) for n in rng.sample(sorted(states), k=min(4, len(states)))},
+                            {"kv-events:0": now})
+        ix.touch(resv.take_touched())
+        ix.update(view, resv.pending_one)
+        got = ix.snapshot(view)
+        pending = resv.pending_sync({n.node_id: n.last_heartbeat_ms for n in nodes}, now)
+        want = build_cluster(view, pending, block_size=BS, ttl_s=TTL_S, model="m", exclude={"n01"})
+        assert got == want
+        tokens = rng.choice([600, 9000, 40_000, 70_000])
+        req = PolicyRequest("r", tokens, min(tokens // BS, 80), ttft_slo_s=rng.choice([0.5, 2.0, 30.0]),
+                            tbt_slo_ms=rng.choice([40.0, 100.0]))
+        s = rng.getrandbits(32)
+        assert policy.decide(req, got, random.Random(s)) == policy.decide(req, want, random.Random(s))
+    assert ix.rebuilds >= 1
