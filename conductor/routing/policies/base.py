@@ -190,6 +190,17 @@ class Costs:
             return None
         return Reuse(opt[0], holder.node_id, opt[1], opt[2])
 
+    def local_plan(self, prefix: tuple[int, int, int], request: PolicyRequest,
+                   block_size: int) -> tuple[int, str | None, float]:
+        """(blocks, slowest tier, cost) of :meth:`local_reuse` for any instance holding ``prefix``."""
+        return self._local_cost(prefix, request.chain_len, request.prompt_tokens, block_size)
+
+    def remote_plan(self, prefix: tuple[int, int, int], request: PolicyRequest, block_size: int,
+                    link: int) -> tuple[int, str, float] | None:
+        """(blocks, slowest tier, cost) of :meth:`remote_reuse` for any holder of ``prefix``
+        (it depends on the shape only), or None."""
+        return self._remote_cost(prefix, request.chain_len, request.prompt_tokens, block_size, link)
+
     # The costs depend on the prefix shape and the request only, and many instances share
     # a shape (no prefix, the same system prompt...): memoised per shape.
 

@@ -131,32 +131,27 @@ class KvCacheCentric(RoleSplitPolicy):
         waits: list[float] = []
         ttfts: list[float] = []
         lo = float("inf")
-        wait_of = ix.wait_of
-        for inst in ix.holders:
-            w = wait_of.get(inst.node_id)
-            if w is None:  # not prefill-capable
-                continue
-            r = best_reuse(inst)
-            pool.append(inst)
-            reuses.append(r)
-            waits.append(w)
-            ttfts.append(w + r.cost_s)
-            lo = min(lo, w + r.cost_s)
         held, base = ix.held, ix.base
+        # No instance can do better than its wait plus the cheapest plan of any shape it may
+        # have: the whole compute, a copy from anywhere, its own prefix.
+        floor = bare_floor
+        costs = self.costs
+        for shape in {h.prefix_blocks for h in ix.holders if h.node_id in ix.wait_of}:
+            floor = min(floor, costs.local_plan(shape, request, snapshot.block_size)[2])
         shortest: dict[tuple, float] = {}
-        place_key = self.costs.place_key
-        for w, node in ix.waits:  # ascending: a place's first is its shortest queue
-            if w + bare_floor > lo + margin:
-                break  # no instance without a prefix from here on can reach (or tie) the lowest
-            if node in held:
-                continue
-            inst = base[node]
-            k = place_key(inst)
-            s = shortest.get(k)
-            if s is None:
-                shortest[k] = w
-            elif w > s + margin:
-                continue
+        place_key = costs.place_key
+        for w, node in ix.waits:  # ascending: a place's first bare instance is its shortest queue
+            if w + floor > lo + margin:
+                break  # no instance from here on can reach (or tie) the lowest TTFT so far
+            inst = held.get(node)
+            if inst is None:  # holds no prefix: only the shortest queues of its place can win
+                inst = base[node]
+                k = place_key(inst)
+                s = shortest.get(k)
+                if s is None:
+                    shortest[k] = w
+                elif w > s + margin:
+                    continue
             r = best_reuse(inst)
             pool.append(inst)
             reuses.append(r)
@@ -277,15 +272,19 @@ class KvCacheCentric(RoleSplitPolicy):
         costs = self.costs
         # Per link class, every holder's cheapest remote plan over that link, cheapest first:
         # each prefill instance stops at its first usable copy on each class.
-        by_link: list[tuple[int, list[tuple[float, Instance, Reuse, tuple]]]] = []
+        # An option is (cost, holder, (blocks, tier, cost), holder's place); its Reuse is made
+        # only for the copy chosen. Holders of one prefix shape share their plan.
+        by_link: list[tuple[int, list[tuple[float, Instance, tuple[int, str, float], tuple]]]] = []
         if p.remote_reuse and holders:
             keys = [costs.place_key(h) for h in holders]
+            shapes = {h.prefix_blocks for h in holders}
             for li in range(len(costs.links)):
+                plan = {shape: costs.remote_plan(shape, request, bs, li) for shape in shapes}
                 opts = []
                 for h, hk in zip(holders, keys):
-                    r = costs.remote_reuse(h, request, bs, li)
-                    if r is not None:
-                        opts.append((r.cost_s, h, r, hk))
+                    o = plan[h.prefix_blocks]
+                    if o is not None:
+                        opts.append((o[2], h, o, hk))
                 opts.sort(key=_first)
                 by_link.append((li, opts))
         table = costs.path_table
@@ -309,23 +308,23 @@ class KvCacheCentric(RoleSplitPolicy):
             node = inst.node_id
             for li, opts in by_link:
                 if li == same_li:
-                    for cost, holder, r, _ in in_rack.get(inst.rack, ()):
+                    for cost, holder, o, _ in in_rack.get(inst.rack, ()):
                         if cost >= best.cost_s:
                             break
-                        if holder.node_id != node and r.blocks > floor:
-                            best = r
+                        if holder.node_id != node and o[0] > floor:
+                            best = Reuse(o[0], holder.node_id, o[1], cost)
                             break
                     continue
-                for cost, holder, r, hk in opts:
+                for cost, holder, o, hk in opts:
                     if cost >= best.cost_s:
                         break
-                    if holder.node_id == node or r.blocks <= floor:
+                    if holder.node_id == node or o[0] <= floor:
                         continue
                     found = table.get((hk, ik))
                     if found is None:
                         found = costs.link_index(holder, inst, (hk, ik))
                     if found == li:
-                        best = r
+                        best = Reuse(o[0], holder.node_id, o[1], cost)
                         break
             if bare:
                 by_place[ik] = best
