@@ -25,7 +25,6 @@ Pure: no I/O and no clock (time is the read's ``now_ms``).
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import heapq
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
@@ -258,7 +257,9 @@ class ClusterIndex:
             else:
                 if len(memo) > 65_536:
                     memo.clear()
-                inst = dataclasses.replace(base, prefix_blocks=prefix)
+                inst = Instance(base.node_id, base.role, prefix, base.queued_prefill_tokens, base.queued_requests,
+                                base.running_requests, base.batch_size, base.decode_context_tokens,
+                                base.free_kv_blocks, base.total_kv_blocks, base.rack, base.zone)
                 memo[(node, prefix)] = (base, inst)
             insts[i] = inst
             held[node] = inst
