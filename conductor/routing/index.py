@@ -30,7 +30,7 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 from conductor.profiles import ModelProfile
-from conductor.routing.snapshot import NO_PREFIX, ClusterSnapshot, Instance, PendingLoad, instance
+from conductor.routing.snapshot import NO_PREFIX, ClusterSnapshot, Instance, LazyInstances, PendingLoad, instance
 from state.view import NodeState, ViewSnapshot
 
 PendingOne = Callable[[str, int, int], tuple["PendingLoad | None", "int | None"]]
@@ -68,9 +68,11 @@ class IndexView:
     profile: ModelProfile
     """The profile the waits and loads were computed with (a policy of another ignores them)."""
     holders: tuple[Instance, ...]
-    """The instances holding a prefix of the chain, in the order of ``instances``."""
-    held: dict[str, Instance]
-    """node → its instance with its prefix, for the holders."""
+    """The instances holding a prefix of the chain, in the order of ``instances``, as they are
+    without it (their prefixes are ``shapes``)."""
+    shapes: tuple[tuple[int, int, int], ...]
+    prefix: dict[str, tuple[int, int, int]]
+    """node → its prefix of the chain, for the holders."""
     base: dict[str, Instance]
     """node → its instance without prefix, for every instance."""
     waits: list[tuple[float, str]]
@@ -80,10 +82,13 @@ class IndexView:
     """(:func:`decode_load`, node) of every decode-capable instance, ascending."""
     prefill_count: int
     decode_count: int
+    with_prefix: Callable[[str, tuple[int, int, int]], Instance]
+    """(node, prefix) → the node's instance as ``instances`` has it."""
 
     def instance(self, node: str) -> Instance:
-        held = self.held.get(node)
-        return held if held is not None else self.base[node]
+        """``node`` as ``instances`` has it."""
+        p = self.prefix.get(node)
+        return self.base[node] if p is None else self.with_prefix(node, p)
 
 
 class ClusterIndex:
@@ -240,40 +245,46 @@ class ClusterIndex:
 
     def snapshot(self, view: ViewSnapshot, age_ms: float = 0.0) -> ClusterSnapshot:
         """The policy's picture of ``view`` (after :meth:`update` with it): ``build_cluster``'s
-        instances, plus an :class:`IndexView` for policies that can use one."""
-        insts = self._base.copy()
+        instances (made only if a policy asks for them), plus an :class:`IndexView`."""
         pos = self._pos
-        held: dict[str, Instance] = {}
-        at: list[int] = []
-        memo = self._with_prefix
-        for node, prefix in view.prefix.items():
-            i = pos.get(node)
-            if i is None or prefix == NO_PREFIX:
-                continue
-            base = insts[i]
-            hit = memo.get((node, prefix))
-            if hit is not None and hit[0] is base:
-                inst = hit[1]
-            else:
-                if len(memo) > 65_536:
-                    memo.clear()
-                inst = Instance(base.node_id, base.role, prefix, base.queued_prefill_tokens, base.queued_requests,
-                                base.running_requests, base.batch_size, base.decode_context_tokens,
-                                base.free_kv_blocks, base.total_kv_blocks, base.rack, base.zone)
-                memo[(node, prefix)] = (base, inst)
-            insts[i] = inst
-            held[node] = inst
-            at.append(i)
-        at.sort()
+        prefix = {node: p for node, p in view.prefix.items() if node in pos and p != NO_PREFIX}
+        order = sorted(prefix, key=pos.__getitem__)
+        base = self._inst
         ix = IndexView(
             profile=self.profile,
-            holders=tuple(insts[i] for i in at),
-            held=held,
-            base=self._inst,
+            holders=tuple(base[node] for node in order),
+            shapes=tuple(prefix[node] for node in order),
+            prefix=prefix,
+            base=base,
             waits=self._waits,
             wait_of=self._wait_of,
             decode_loads=self._loads,
             prefill_count=len(self._waits),
             decode_count=len(self._loads),
+            with_prefix=self._holder,
         )
-        return ClusterSnapshot(tuple(insts), self.block_size, dict(view.watermark), age_ms, index=ix)
+        every = self._base
+
+        def instances() -> tuple[Instance, ...]:
+            insts = every.copy()
+            for node, p in prefix.items():
+                insts[pos[node]] = self._holder(node, p)
+            return tuple(insts)
+
+        return ClusterSnapshot(LazyInstances(instances), self.block_size, dict(view.watermark), age_ms,  # type: ignore[arg-type]
+                               index=ix)
+
+    def _holder(self, node: str, prefix: tuple[int, int, int]) -> Instance:
+        """``node``'s instance holding ``prefix`` of the chain."""
+        base = self._inst[node]
+        memo = self._with_prefix
+        hit = memo.get((node, prefix))
+        if hit is not None and hit[0] is base:
+            return hit[1]
+        if len(memo) > 65_536:
+            memo.clear()
+        inst = Instance(base.node_id, base.role, prefix, base.queued_prefill_tokens, base.queued_requests,
+                        base.running_requests, base.batch_size, base.decode_context_tokens,
+                        base.free_kv_blocks, base.total_kv_blocks, base.rack, base.zone)
+        memo[(node, prefix)] = (base, inst)
+        return inst

@@ -7,7 +7,7 @@ simulator all call it. Policies are pure functions of (request, snapshot, params
 
 from __future__ import annotations
 
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -54,6 +54,40 @@ class Instance:
             if blocks <= n:
                 return tier  # type: ignore[return-value]
         return None
+
+
+class LazyInstances(Sequence[Instance]):
+    """A tuple of instances made on first use (a policy deciding from the index never asks);
+    compares equal to the tuple it stands for."""
+
+    __slots__ = ("_items", "_make")
+
+    def __init__(self, make: Callable[[], tuple[Instance, ...]]) -> None:
+        self._make: Callable[[], tuple[Instance, ...]] | None = make
+        self._items: tuple[Instance, ...] | None = None
+
+    def items(self) -> tuple[Instance, ...]:
+        if self._items is None:
+            assert self._make is not None
+            self._items, self._make = self._make(), None
+        return self._items
+
+    def __getitem__(self, i):  # type: ignore[no-untyped-def, override]
+        return self.items()[i]
+
+    def __len__(self) -> int:
+        return len(self.items())
+
+    def __iter__(self) -> Iterator[Instance]:
+        return iter(self.items())
+
+    def __eq__(self, other: object) -> bool:
+        return self.items() == (other.items() if isinstance(other, LazyInstances) else other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return repr(self.items())
 
 
 @dataclass(frozen=True, slots=True)

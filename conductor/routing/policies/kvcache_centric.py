@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -124,27 +124,29 @@ class KvCacheCentric(RoleSplitPolicy):
         once no wait left can reach the lowest TTFT so far; None when the lowest fails the
         guarded check (the safe ones and the rejection need every instance)."""
         p: KvCacheCentricParams = self.p  # type: ignore[assignment]
-        best_reuse, bare_floor = self._reuse_planner(request, ix.holders, snapshot.block_size)
+        best_reuse, bare_floor = self._reuse_planner(request, ix.holders, snapshot.block_size, ix.shapes)
         margin = 2 * p.prefill_tie_s + 1e-9  # as _candidates: keeping one too many is harmless
         pool: list[Instance] = []
         reuses: list[Reuse] = []
         waits: list[float] = []
         ttfts: list[float] = []
         lo = float("inf")
-        held, base = ix.held, ix.base
+        prefix, base, wait_of = ix.prefix, ix.base, ix.wait_of
         # No instance can do better than its wait plus the cheapest plan of any shape it may
         # have: the whole compute, a copy from anywhere, its own prefix.
         floor = bare_floor
         costs = self.costs
-        for shape in {h.prefix_blocks for h in ix.holders if h.node_id in ix.wait_of}:
+        for shape in {shape for node, shape in prefix.items() if node in wait_of}:
             floor = min(floor, costs.local_plan(shape, request, snapshot.block_size)[2])
         shortest: dict[tuple, float] = {}
         place_key = costs.place_key
         for w, node in ix.waits:  # ascending: a place's first bare instance is its shortest queue
             if w + floor > lo + margin:
                 break  # no instance from here on can reach (or tie) the lowest TTFT so far
-            inst = held.get(node)
-            if inst is None:  # holds no prefix: only the shortest queues of its place can win
+            shape = prefix.get(node)
+            if shape is not None:
+                inst = ix.with_prefix(node, shape)
+            else:  # holds no prefix: only the shortest queues of its place can win
                 inst = base[node]
                 k = place_key(inst)
                 s = shortest.get(k)
@@ -174,8 +176,9 @@ class KvCacheCentric(RoleSplitPolicy):
         budget = request.tbt_slo_ms * p.slo_margin
         found: list[tuple[Instance, float]] = []
         limit = None
+        base = ix.base
         for _, node in ix.decode_loads:
-            d = ix.instance(node)
+            d = base[node]  # as it is without its prefix: decode does not look at it
             if not costs.decode_fits(d, request, bs):
                 continue
             t = costs.tbt_ms(d, request)
@@ -263,11 +266,13 @@ class KvCacheCentric(RoleSplitPolicy):
             )
         return PrefillPlan(pool[chosen][0], reuses[chosen], ttft)
 
-    def _reuse_planner(self, request: PolicyRequest, holders: list[Instance] | tuple[Instance, ...],
-                       bs: int) -> tuple[Callable[[Instance], Reuse], float]:
+    def _reuse_planner(self, request: PolicyRequest, holders: Sequence[Instance], bs: int,
+                       shapes: Sequence[tuple[int, int, int]] | None = None,
+                       ) -> tuple[Callable[[Instance], Reuse], float]:
         """(instance → its cheapest reuse plan: its own cache or a holder's copy over a link,
         the lowest cost any instance holding no prefix can have). ``holders``: the instances
-        holding a prefix of the chain, in snapshot order (ties between copies go to the first)."""
+        holding a prefix of the chain, in snapshot order (ties between copies go to the first);
+        ``shapes``: their prefixes, when not their ``prefix_blocks``."""
         p: KvCacheCentricParams = self.p  # type: ignore[assignment]
         costs = self.costs
         # Per link class, every holder's cheapest remote plan over that link, cheapest first:
@@ -277,12 +282,13 @@ class KvCacheCentric(RoleSplitPolicy):
         by_link: list[tuple[int, list[tuple[float, Instance, tuple[int, str, float], tuple]]]] = []
         if p.remote_reuse and holders:
             keys = [costs.place_key(h) for h in holders]
-            shapes = {h.prefix_blocks for h in holders}
+            if shapes is None:
+                shapes = [h.prefix_blocks for h in holders]
             for li in range(len(costs.links)):
-                plan = {shape: costs.remote_plan(shape, request, bs, li) for shape in shapes}
+                plan = {shape: costs.remote_plan(shape, request, bs, li) for shape in set(shapes)}
                 opts = []
-                for h, hk in zip(holders, keys):
-                    o = plan[h.prefix_blocks]
+                for h, hk, shape in zip(holders, keys, shapes):
+                    o = plan[shape]
                     if o is not None:
                         opts.append((o[2], h, o, hk))
                 opts.sort(key=_first)
