@@ -189,6 +189,7 @@ class Router:
             self.params = {k: v for k, v in self.policy.params.items() if isinstance(v, (bool, int, float, str))}
             log.info("control offset %d: policy %s %s", offset, self.policy.name, self.params)
         if after.excluded != before.excluded:
+            self._indexes.clear()  # kept per set of excluded nodes: the old ones are of no more use
             log.info("control offset %d: not routing to %s", offset, sorted(after.excluded) or "-")
 
     # --- the request --------------------------------------------------------------
