@@ -178,8 +178,9 @@ for gi = 1, #groups do
           local delta = 0
           if code == 1 then
             -- Most added blocks are new keys: APPEND first (one call; its reply, 2, says the key
-            -- was new). Once a block turns out to be held by this node already (a prefix stored
-            -- again), read first until a block is new again.
+            -- was new). A block held already (a shared prefix) is read first from then on, until
+            -- a block is new again, and rewritten whole with SET: APPEND grows a string with
+            -- room to spare (up to twice its length), SET stores it at its size.
             local entry = string.char(lo + bit, hi)
             local fresh = true
             for i = first, last do
@@ -189,19 +190,19 @@ for gi = 1, #groups do
                 if n == 2 then
                   delta = delta + 1
                 else
+                  fresh = false
                   local v = redis.call('GET', k)
                   local at, t = find(v, n - 2, hi, lo)
                   if not at then
                     delta = delta + 1
                   else  -- held already: take the appended entry back, merge the tier
-                    fresh = false
-                    local kept = string.sub(v, 1, n - 2)
+                    v = string.sub(v, 1, n - 2)
                     if not has(t, bit) then
-                      kept = string.sub(kept, 1, at - 1) .. string.char(lo + t + bit, hi) .. string.sub(kept, at + 2)
+                      v = string.sub(v, 1, at - 1) .. string.char(lo + t + bit, hi) .. string.sub(v, at + 2)
                       delta = delta + 1
                     end
-                    redis.call('SET', k, kept)
                   end
+                  redis.call('SET', k, v)
                 end
               else
                 local v = redis.call('GET', k)
@@ -212,7 +213,7 @@ for gi = 1, #groups do
                 else
                   local at, t = find(v, #v, hi, lo)
                   if not at then
-                    redis.call('APPEND', k, entry)
+                    redis.call('SET', k, v .. entry)
                     delta = delta + 1
                   elseif not has(t, bit) then
                     redis.call('SETRANGE', k, at - 1, string.char(lo + t + bit))
