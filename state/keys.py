@@ -5,14 +5,18 @@ all build and parse keys here. (The Lua scripts of ``state.redis_view`` follow t
 layout on the server side.)
 
 Keys (``ns`` = the view namespace; ``|``, ``{`` and ``}`` cannot occur in it). Every key of a
-namespace starts with the hash tag ``{ns}|`` (written ``ns|`` below), so on a Redis Cluster
+namespace starts with the hash tag ``{ns}|`` and the layout, ``2|`` (``{ns}|2|x`` is written
+``ns|x`` below; layout 1, before issue 16, had block keys holding bitmaps and no ``2|``: a view
+written in it is simply not found and is rebuilt from the log), so on a Redis Cluster
 the whole view of one namespace lives in one slot: every script and MULTI/EXEC touches keys
 of one slot, on one primary, and the routing read stays one round trip. The price: one
 namespace is served by one primary (its memory and CPU); a view does not spread over
 several primaries, several namespaces (models, clusters) do.
 
-``ns|b<8-byte block key>``  string: bit ``3*slot + tier`` set when the node in ``slot`` holds
-    the block in ``tier`` (:data:`state.view.TIER_INDEX`), read little-endian.
+``ns|b<8-byte block key>``  string: the block's holders, one 2-byte little-endian entry per node,
+    ``slot * 8 + tiers`` (bit ``t`` of ``tiers``: held in tier ``t``, :data:`state.view.TIER_INDEX`;
+    never 0), in no particular order (:func:`holder_entries`). Its length follows the holders,
+    not the cluster; a slot must be below :data:`MAX_SLOTS`.
 ``ns|nodes``  hash, one field per node attribute, ``<node>\\x1f<attr>``: ``slot``, ``hb``
     (heartbeat state, JSON), ``kv`` / ``hbs`` (stream state, :func:`stream_text`),
     ``b0`` ``b1`` ``b2`` (blocks indexed per tier).
@@ -36,22 +40,113 @@ several primaries, several namespaces (models, clusters) do.
 from __future__ import annotations
 
 import json
+import sys
+from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 from schemas import TIERS
 
 from .fold import NodeStream
-from .view import NodeState, ViewSnapshot, canonical_dump, longest_prefixes, mask_holders
+from .view import NodeState, ViewSnapshot, canonical_dump
 
 SEP = "\x1f"
 """Between a node id and its attribute in a ``ns|nodes`` field."""
 BLOCK_KEY_BYTES = 8
+LAYOUT = "2"
+"""The key layout's version, in every key name (``{ns}|2|...``): 2 = holder entries."""
+ENTRY_BYTES = 2
+MAX_SLOTS = 1 << 13
+"""Node slots a 2-byte holder entry can name (``slot * 8 + tiers`` < 65536). Slots of cleared
+nodes are reused after compaction; the apply script refuses a node beyond this."""
 
 SLOT_FIELD = "slot"
 HEARTBEAT_FIELD = "hb"
 STREAM_FIELD = {"kv": "kv", "hb": "hbs"}
 """Stream part (``NodeStream.part``) → its attribute in the node hash."""
+
+
+def holder_entry(slot: int, tiers: int) -> bytes:
+    """One holder entry as stored: ``slot * 8 + tiers``, 2 bytes little-endian."""
+    if not 0 <= slot < MAX_SLOTS or not 0 < tiers < 8:
+        raise ValueError(f"no holder entry for slot {slot}, tiers {tiers}")
+    return (slot * 8 + tiers).to_bytes(ENTRY_BYTES, "little")
+
+
+_SWAP = sys.byteorder != "little"
+
+
+def holder_entries(value: bytes) -> dict[int, int]:
+    """A block key's value → slot → tier bits (bit ``t``: held in tier ``t``)."""
+    a = array("H")
+    a.frombytes(value)
+    if _SWAP:
+        a.byteswap()
+    return {e >> 3: e & 7 for e in a}
+
+
+def entry_prefixes(values: Sequence[bytes | None], slot_nodes: dict[int, str]) -> dict[str, tuple[int, int, int]]:
+    """Per node, the longest contiguous prefix of a chain it holds, counting HBM only / HBM+DRAM /
+    any tier (what :func:`state.view.longest_prefixes` answers from masks), from the chain's
+    stored values (holder entries; None: no holder). Only slots named in ``slot_nodes`` count.
+
+    The work follows the holders, not the cluster: the first block's holders are the only
+    candidates, each later block is looked at only for those still holding the whole prefix,
+    and a block whose value equals the one before it (the same holders, written in the same
+    order: a shared prefix stored by the same records) changes nothing and costs a compare.
+    """
+    if not values or not values[0] or not slot_nodes:
+        return {}
+    first = holder_entries(values[0])
+    a3 = {s: t for s, t in first.items() if t and s in slot_nodes}  # slot -> tiers, holding the prefix in some tier
+    a2 = {s for s, t in a3.items() if t & 3}
+    a1 = {s for s, t in a3.items() if t & 1}
+    ends: dict[int, list[int]] = {s: [0 if s not in a1 else -1, 0 if s not in a2 else -1, -1] for s in a3}
+    alive = set(a3)
+    prev = values[0]
+    i = 1
+    n = len(values)
+    while i < n and alive:
+        v = values[i]
+        if v != prev:
+            if not v:
+                break
+            d = holder_entries(v)
+            for s in list(alive):
+                t = d.get(s, 0)
+                e = ends[s]
+                if not t:
+                    alive.discard(s)
+                    e[2] = i
+                    if s in a2:
+                        e[1] = i
+                        a2.discard(s)
+                    if s in a1:
+                        e[0] = i
+                        a1.discard(s)
+                    continue
+                if s in a2 and not t & 3:
+                    e[1] = i
+                    a2.discard(s)
+                if s in a1 and not t & 1:
+                    e[0] = i
+                    a1.discard(s)
+            prev = v
+        i += 1
+    out: dict[str, tuple[int, int, int]] = {}
+    for s, e in ends.items():
+        out[slot_nodes[s]] = (i if e[0] < 0 else e[0], i if e[1] < 0 else e[1], i if e[2] < 0 else e[2])
+    return out
+
+
+def entry_holders(value: bytes, slot_nodes: dict[int, str]) -> dict[str, tuple[str, ...]]:
+    """Which nodes a block's value names, in which tiers (names from ``schemas.TIERS``)."""
+    out: dict[str, tuple[str, ...]] = {}
+    for slot, tiers in holder_entries(value).items():
+        node = slot_nodes.get(slot)
+        if node is not None and tiers:
+            out[node] = tuple(t for i, t in enumerate(TIERS) if tiers >> i & 1)
+    return out
 
 
 def block_key_bytes(key: int) -> bytes:
@@ -107,8 +202,9 @@ class ViewKeys:
         if any(c in ns for c in "|{}"):
             raise ValueError("a view namespace cannot contain '|', '{' or '}'")
         self.ns = ns
-        p = self.prefix = f"{{{ns}}}|"
-        """What every key of the namespace starts with: the hash tag ``{ns}`` puts them all in one cluster slot."""
+        p = self.prefix = f"{{{ns}}}|{LAYOUT}|"
+        """What every key of the namespace starts with: the hash tag ``{ns}`` puts them all in one
+        cluster slot; the layout version keeps a view written in another layout out of sight."""
         self.block_prefix = f"{p}b".encode()
         self.block_pattern = f"{p}b*"
         """SCAN pattern of the block keys (filter the matches with :meth:`block_of`)."""
@@ -257,8 +353,7 @@ def snapshot_from_replies(
     if now_ms is None:
         sec, usec = time_reply
         now_ms = int(sec) * 1000 + int(usec) // 1000
-    frm = int.from_bytes
-    prefix = longest_prefixes((frm(v, "little") if v else 0 for v in values), slot_nodes) if values else {}
+    prefix = entry_prefixes(values, slot_nodes)
     return ViewSnapshot(now_ms=now_ms, nodes=nodes, prefix=prefix,
                         watermark={k.decode(): int(v) for k, v in watermark})
 
@@ -276,6 +371,6 @@ def dump_from_replies(
     for k, v in blocks:
         block = keys.block_of(k)
         if block is not None and v:
-            held.append((block, mask_holders(int.from_bytes(v, "little"), slot_nodes)))
+            held.append((block, entry_holders(v, slot_nodes)))
     wm = {k.decode(): int(v) for k, v in watermark}
     return canonical_dump(nodes, node_streams(raw_nodes), held, wm)

@@ -4,7 +4,7 @@ Key layout: :mod:`state.keys` (the one place it is written down, beside these sc
 
 The routing read (:meth:`RedisViewStore.snapshot`) is ONE pipelined round trip: ``TIME``,
 ``MGET`` of the chain's block keys, ``HGETALL`` of the nodes and of the watermark; the
-prefix walk runs client-side on integer masks (``state.view.longest_prefixes``). The
+prefix walk runs client-side on the blocks' holder entries (``state.keys.entry_prefixes``). The
 router reads the same way with less client CPU through :class:`state.reader.RawSnapshotReader`.
 
 Writes go through one Lua script per batch: per record, skip it if its offset is at or
@@ -13,8 +13,9 @@ node's stream field no longer holds the state the record was folded from (anothe
 got there first: the caller folds again); else apply its operations and raise the fence,
 all atomically. Clearing a node (restart, all-blocks-cleared) retires its slot instead of
 touching its blocks: O(1), and reads ignore retired slots (``ns|retired``). :meth:`RedisViewStore.compact`
-(run periodically by the stream worker) later clears their stale bits in one SCAN pass and
-frees the slots (``ns|free``) for new nodes, so masks stay as narrow as the cluster.
+(run periodically by the stream worker) later drops their stale holder entries in one SCAN
+pass and frees the slots (``ns|free``) for new nodes (a slot must stay below
+``state.keys.MAX_SLOTS``: a 2-byte entry names it).
 
 Bulk load (synthetic views, benchmarks): ``await store.apply_groups([(None, [AddBlocks(node,
 tier, keys), ...]), ...])`` — no fence, chunked so that no single script runs long.
@@ -38,6 +39,7 @@ from .connect import HiredisPackedConnection, open_client
 from .fold import AddBlocks, ClearNode, NodeStream, Op, RemoveBlocks, SetHeartbeat, SetStream
 from .keys import (
     HEARTBEAT_FIELD,
+    MAX_SLOTS,
     STREAM_FIELD,
     NodeHashDecoder,
     ViewKeys,
@@ -90,7 +92,41 @@ local function slot_of(node, create)
   slots[node] = s
   return s
 end
-local function bitoff(p) return math.floor(p / 8) * 8 + 7 - (p % 8) end
+-- A block key's value: its holders, one 2-byte little-endian entry slot * 8 + tiers per node
+-- (bit t of tiers: held in tier t; state.keys). find(v, lim, hi, lo) is the 1-based position
+-- of the entry of the slot whose entry bytes are (lo + tiers, hi) among the first lim bytes of
+-- v, and its tiers; nil when the slot holds none. It jumps between the slot's high byte
+-- (string.find, in C) and checks alignment and the low byte.
+local function find(v, lim, hi, lo)
+  local c = string.char(hi)
+  local p = 2
+  while true do
+    p = string.find(v, c, p, true)
+    if not p or p > lim then return nil end
+    if p % 2 == 0 then
+      local b = string.byte(v, p - 1)
+      if b >= lo and b < lo + 8 then return p - 1, b - lo end
+      p = p + 2
+    else
+      p = p + 1
+    end
+  end
+end
+local function has(t, bit) return t % (2 * bit) >= bit end
+-- Can every node this group adds blocks for have a slot? (A slot must fit a holder entry.)
+local function room(ops)
+  local need, seen = 0, {}
+  for oi = 1, #ops do
+    local node = ops[oi][2]
+    if ops[oi][1] == 1 and not seen[node] then
+      seen[node] = true
+      if not slot_of(node, false) then need = need + 1 end
+    end
+  end
+  if need == 0 then return true end
+  local taken = tonumber(redis.call('HGET', metakey, 'next_slot') or '0')
+  return need <= MAX_SLOTS - taken + redis.call('ZCARD', freekey)
+end
 local out, fence, halted, touched = {}, {}, false, {}
 for gi = 1, #groups do
   local g = groups[gi]
@@ -120,6 +156,11 @@ for gi = 1, #groups do
         end
       end
     end
+    -- no slot left for a new node: refuse the group (and the rest of the call) before it writes
+    if ok == 1 and not room(ops) then
+      ok = 5
+      halted = true
+    end
     if ok == 1 and fk ~= '' then fence[fk] = off end
   end
   out[gi] = ok
@@ -132,19 +173,71 @@ for gi = 1, #groups do
         local tier, first, last = op[3], op[4], op[4] + op[5] - 1
         local s = slot_of(node, code == 1)
         if s then
-          local o = bitoff(3 * s + tier)
+          local bit = 2 ^ tier
+          local hi, lo = math.floor(s / 32), (s % 32) * 8
           local delta = 0
           if code == 1 then
+            -- Most added blocks are new keys: APPEND first (one call; its reply, 2, says the key
+            -- was new). A block held already (a shared prefix) is read first from then on, until
+            -- a block is new again, and rewritten whole with SET: APPEND grows a string with
+            -- room to spare (up to twice its length), SET stores it at its size.
+            local entry = string.char(lo + bit, hi)
+            local fresh = true
             for i = first, last do
-              if redis.call('SETBIT', KEYS[i], o, 1) == 0 then delta = delta + 1 end
+              local k = KEYS[i]
+              if fresh then
+                local n = redis.call('APPEND', k, entry)
+                if n == 2 then
+                  delta = delta + 1
+                else
+                  fresh = false
+                  local v = redis.call('GET', k)
+                  local at, t = find(v, n - 2, hi, lo)
+                  if not at then
+                    delta = delta + 1
+                  else  -- held already: take the appended entry back, merge the tier
+                    v = string.sub(v, 1, n - 2)
+                    if not has(t, bit) then
+                      v = string.sub(v, 1, at - 1) .. string.char(lo + t + bit, hi) .. string.sub(v, at + 2)
+                      delta = delta + 1
+                    end
+                  end
+                  redis.call('SET', k, v)
+                end
+              else
+                local v = redis.call('GET', k)
+                if not v then
+                  redis.call('SET', k, entry)
+                  delta = delta + 1
+                  fresh = true
+                else
+                  local at, t = find(v, #v, hi, lo)
+                  if not at then
+                    redis.call('SET', k, v .. entry)
+                    delta = delta + 1
+                  elseif not has(t, bit) then
+                    redis.call('SETRANGE', k, at - 1, string.char(lo + t + bit))
+                    delta = delta + 1
+                  end
+                end
+              end
             end
           else
             for i = first, last do
               local k = KEYS[i]
-              if redis.call('GETBIT', k, o) == 1 then
-                redis.call('SETBIT', k, o, 0)
-                delta = delta - 1
-                if redis.call('BITCOUNT', k) == 0 then redis.call('DEL', k) end
+              local v = redis.call('GET', k)
+              if v then
+                local at, t = find(v, #v, hi, lo)
+                if at and has(t, bit) then
+                  delta = delta - 1
+                  if t ~= bit then
+                    redis.call('SETRANGE', k, at - 1, string.char(lo + t - bit))
+                  elseif #v == 2 then
+                    redis.call('DEL', k)
+                  else
+                    redis.call('SET', k, string.sub(v, 1, at - 1) .. string.sub(v, at + 2))
+                  end
+                end
               end
             end
           end
@@ -169,36 +262,43 @@ for fk, off in pairs(fence) do redis.call('HSET', wmkey, fk, off) end
 local ver = redis.call('INCR', KEYS[8])
 for node in pairs(touched) do redis.call('ZADD', KEYS[9], ver, node) end
 return out
-"""
+""".replace("MAX_SLOTS", str(MAX_SLOTS))
 
 
-# Clear the bits of retired slots in a batch of block keys. Only slots still retired are
-# touched: a slot freed (and maybe reused) since the caller listed it is left alone.
+# Drop the holder entries of retired slots from a batch of block keys (a key left with none is
+# deleted); returns {tier marks cleared, keys deleted}. Only slots still retired are touched: a
+# slot freed (and maybe reused) since the caller listed it is left alone.
 # KEYS: 1 retired, then the block keys; ARGV: 1 the listed slots, comma-separated.
 _COMPACT_LUA = r"""
-local slots = {}
+local retired, any = {}, false
 for s in string.gmatch(ARGV[1], '[^,]+') do
-  if redis.call('SISMEMBER', KEYS[1], s) == 1 then slots[#slots + 1] = tonumber(s) end
+  if redis.call('SISMEMBER', KEYS[1], s) == 1 then retired[tonumber(s)] = true; any = true end
 end
+if not any then return {0, 0} end
 local cleared, deleted = 0, 0
-if #slots == 0 then return {0, 0} end
 for i = 2, #KEYS do
   local k = KEYS[i]
-  local touched = false
-  for _, s in ipairs(slots) do
-    for tier = 0, 2 do
-      local p = 3 * s + tier
-      local o = math.floor(p / 8) * 8 + 7 - (p % 8)
-      if redis.call('GETBIT', k, o) == 1 then
-        redis.call('SETBIT', k, o, 0)
-        cleared = cleared + 1
-        touched = true
+  local v = redis.call('GET', k)
+  if v then
+    local keep, dropped = {}, false
+    for j = 1, #v, 2 do
+      local lo, hi = string.byte(v, j, j + 1)
+      if retired[hi * 32 + math.floor(lo / 8)] then
+        local t = lo % 8
+        cleared = cleared + (t % 2) + (math.floor(t / 2) % 2) + math.floor(t / 4)
+        dropped = true
+      else
+        keep[#keep + 1] = string.sub(v, j, j + 1)
       end
     end
-  end
-  if touched and redis.call('BITCOUNT', k) == 0 then
-    redis.call('DEL', k)
-    deleted = deleted + 1
+    if dropped then
+      if #keep == 0 then
+        redis.call('DEL', k)
+        deleted = deleted + 1
+      else
+        redis.call('SET', k, table.concat(keep))
+      end
+    end
   end
 end
 return {cleared, deleted}
@@ -238,7 +338,8 @@ return redis.call('HLEN', KEYS[3])
 _TIME_LUA = "return redis.call('TIME')"
 
 _FLAGS = (Outcome.FENCED, Outcome.APPLIED, Outcome.CONFLICT, Outcome.HOLE, Outcome.LOST)
-"""The apply script's per-group reply (0 to 4) → outcome."""
+"""The apply script's per-group reply (0 to 4) → outcome; 5: no node slot left (:meth:`RedisViewStore._run` raises)."""
+_NO_SLOT = 5
 
 # Adopt the view's generation, creating it when absent (a new view, or one lost): the
 # partitions named (ARGV[2..]) are then marked as being rebuilt from the log, with the
@@ -489,6 +590,12 @@ class RedisViewStore:
             res = await self._eval(self._script, declared, [pack_script_args(groups), self.generation])
         except RedisError as e:
             raise ViewStoreError(f"view write failed: {e}") from e
+        if any(int(x) == _NO_SLOT for x in res):
+            # The groups before it were applied with their fences (re-delivery finds them fenced).
+            raise ViewStoreError(
+                f"view write refused: no node slot left for a new node (a holder entry names at most {MAX_SLOTS} "
+                "slots; a cleared or restarted node's slot is reused after compaction, `RedisViewStore.compact`)"
+            )
         return [_FLAGS[int(x)] for x in res]
 
     async def streams(self, node_ids: Sequence[str]) -> dict[str, NodeStream]:
@@ -523,7 +630,7 @@ class RedisViewStore:
         self._decoder.clear()
 
     async def compact(self, batch: int = 1000) -> dict[str, int]:
-        """Clear the bits of retired slots (nodes cleared or restarted) from every block key,
+        """Drop the holder entries of retired slots (nodes cleared or restarted) from every block key,
         then free those slots for reuse. Safe to run beside live writes and other compactions
         (the script skips any slot no longer retired); one SCAN pass over the block keys."""
         try:

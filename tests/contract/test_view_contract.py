@@ -13,6 +13,8 @@ import pytest
 
 from schemas import AllBlocksCleared, BlocksMigrated, BlocksRemoved, BlocksStored, Heartbeat, chain_keys, envelope
 from state.fold import AddBlocks, SetHeartbeat, fold
+from schemas.errors import ViewStoreError
+from state.keys import MAX_SLOTS, holder_entries
 from state.memory import InMemoryViewStore
 from state.reader import RawSnapshotReader
 from state.redis_view import RedisViewStore
@@ -277,6 +279,36 @@ class ViewStoreContract:
             assert (await store.snapshot(chain, now_ms=0)).prefix == (await ref.snapshot(chain, now_ms=0)).prefix
 
 
+    async def test_many_holders_same_view_as_the_reference_store(self, store):
+        """Blocks held by many nodes (slots past 32 and 64: Redis's holder entries then differ in
+        both bytes), stored again, in other tiers, removed tier by tier, prefixes stored over
+        and over: the same view as the in-memory reference."""
+        rng = random.Random(11)
+        ref = InMemoryViewStore()
+        names = [f"n{i}" for i in range(90)]
+        seqs = dict.fromkeys(names, 0)
+        envs = [stored(n, 0, [0, 1, 2, 3]) for n in names]  # every node holds the shared prefix
+        for n in names:
+            seqs[n] = 1
+        for _ in range(600):
+            node = rng.choice(names)
+            tier = rng.choice(["hbm", "hbm", "dram", "ssd"])
+            start = rng.choice([0, 0, rng.randrange(12)])
+            keys = list(range(start, start + rng.randint(1, 8)))
+            body = (BlocksStored(block_keys=keys, tier=tier) if rng.random() < 0.7
+                    else BlocksRemoved(block_keys=keys, tier=tier))
+            envs.append(envelope(body, producer_id=node, producer_seq=seqs[node], ts_ms=1))
+            seqs[node] += 1
+        positions = [(e, SourcePosition(KV, 0, i)) for i, e in enumerate(envs)]
+        for i in range(0, len(positions), 50):
+            await store.apply(positions[i : i + 50])
+        await ref.apply(positions)
+        assert await store.dump() == await ref.dump()
+        for start in range(12):
+            chain = list(range(start, 20))
+            assert (await store.snapshot(chain, now_ms=0)).prefix == (await ref.snapshot(chain, now_ms=0)).prefix
+
+
 class TestInMemoryViewStore(ViewStoreContract):
     @pytest.fixture
     def store(self):
@@ -311,6 +343,17 @@ class TestRedisViewStore(ViewStoreContract):
         assert await store.rebuild_pending() == {}
         assert await store.view_health() == (True, "")
 
+    async def test_no_node_beyond_the_last_slot(self, store):
+        """A holder entry names at most MAX_SLOTS slots: a new node beyond them is refused with a
+        clear error before its record writes anything; nodes with slots keep being written."""
+        await self.feed(store, [stored("a", 0, [1])])
+        await store.client.hset(store.keys.meta, "next_slot", MAX_SLOTS)
+        with pytest.raises(ViewStoreError, match="no node slot left"):
+            await self.feed(store, [stored("a", 1, [2]), stored("z", 0, [1, 3])], start=1)
+        assert await store.watermark() == {f"{KV}:0": 1}  # a's record went in, z's did not
+        assert (await store.snapshot([1, 2, 3], now_ms=0)).prefix == {"a": (2, 2, 2)}
+        assert [n.node_id for n in await store.nodes()] == ["a"]
+
     async def test_compaction_clears_retired_slots_and_reuses_them(self, store):
         ref = InMemoryViewStore()
         envs = [
@@ -321,7 +364,7 @@ class TestRedisViewStore(ViewStoreContract):
         await self.feed(store, envs)
         await ref.apply([(e, None) for e in envs])
         raw = await store.client.get(store.block_key(3))
-        assert raw and int.from_bytes(raw, "little") != 0  # stale bits of a's old slot
+        assert raw and holder_entries(raw)  # the stale entry of a's old slot
         assert await store.compact(batch=1) == {"slots_freed": 2, "bits_cleared": 5, "keys_deleted": 3}
         assert await store.client.get(store.block_key(3)) is None
         assert await store.dump() == {**await ref.dump(), "watermark": await store.watermark()}
