@@ -52,7 +52,7 @@ _ABSENT = object()
 class _InFlight:
     """One snapshot read on the wire: the cached keys it used, the keys it fetched."""
 
-    __slots__ = ("hits", "fetched", "stale")
+    __slots__ = ("fetched", "hits", "stale")
 
     def __init__(self, hits: set[bytes], fetched: list[bytes]) -> None:
         self.hits = hits
