@@ -296,6 +296,7 @@ async def run_route_bench(settings: Any, *, decisions: int, target_blocks: int, 
         await router.close()
         await baseline.close()
         gc.unfreeze()
+    tracked = int((await writer.server_info("stats")).get("tracking_total_keys", 0))
     await writer.clear()
     await resv.clear()
     await writer.close()
@@ -333,11 +334,13 @@ async def run_route_bench(settings: Any, *, decisions: int, target_blocks: int, 
         "cache_hit_ratio": round(cache["hits"] / max(1, cache["hits"] + cache["misses"]), 4) if cache else None,
         "keys_fetched_per_read": round(cache["misses"] / max(1, cache["reads"]), 1) if cache else float(work.chain_blocks),
         "cache_reads_redone": cache.get("retries", 0),
+        "server_tracked_keys": tracked,
         "note": "decision = view read + reservation read + policy + reservation record; one process; "
                 "decisions_per_s = decisions / wall time (without the baseline MGETs) with CONCURRENCY "
                 "requests in flight; heartbeats written by a separate process at HEARTBEAT_RATE nodes/s; "
                 "view_bytes_per_block = Redis used_memory growth over the bulk load / blocks; node_reads = how "
                 "the view reads got the node states (unchanged, only the changed nodes, the whole hash); reader = raw (the router's) or tracking (client-side cache, "
                 "CLIENT TRACKING): cache_hit_ratio = chain keys served from the cache / keys looked up, "
-                "keys_fetched_per_read = keys in the read's MGET",
+                "keys_fetched_per_read = keys in the read's MGET; "
+                "server_tracked_keys = keys Redis tracks for clients (INFO tracking_total_keys) at the end",
     }
