@@ -97,6 +97,9 @@ def register(groups: dict[str, typer.Typer]) -> None:
             help="requests in flight at once in the process [default: CONDUCTOR_ROUTER_CONCURRENCY, as the router]",
         ),
         policy: str = typer.Option(None, help="policy to time [default: CONDUCTOR_POLICY]"),
+        reader: str = typer.Option("raw", help="view reader: raw (the router's) or tracking (client-side cache of "
+                                               "block entries, RESP3 CLIENT TRACKING; state/tracking.py)"),
+        cache_keys: int = typer.Option(200_000, min=1, help="block entries the tracking reader keeps"),
     ) -> None:
         """Time the routing decision against a Redis view of INSTANCES instances and ~BLOCKS blocks.
 
@@ -104,9 +107,12 @@ def register(groups: dict[str, typer.Typer]) -> None:
 
         Then times DECISIONS decisions of 128-block prompts in one process: view read + reservations + policy + reservation record, while a separate process writes HEARTBEAT_RATE node heartbeats per second. Beside each decision it times one pipelined 128-key MGET on the same kind of connection, the baseline that makes the figures comparable across machines.
 
-        Uses CONDUCTOR_REDIS_URL, else starts the embedded servers for the run. Prints decision_ms_p50, decision_ms_p99, decisions_per_s, mget128_ms_p50, mget128_ms_p99, decision_over_mget_p50 and view_bytes_per_block (used_memory growth per block: meaningful on a Redis of its own).
+        Uses CONDUCTOR_REDIS_URL, else starts the embedded servers for the run. Prints decision_ms_p50, decision_ms_p99, decisions_per_s, mget128_ms_p50, mget128_ms_p99, decision_over_mget_p50 and view_bytes_per_block (used_memory growth per block: meaningful on a Redis of its own); with --reader tracking also cache_hit_ratio and keys_fetched_per_read.
         """
 
+        if reader not in ("raw", "tracking"):
+            err.print(f"[red]error:[/red] --reader must be raw or tracking, not {reader!r}")
+            raise typer.Exit(2)
         s = settings_or_exit()
         stack = None
         tmp = None
@@ -122,7 +128,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
             out = asyncio.run(run_route_bench(
                 s, decisions=decisions, target_blocks=blocks, seed=seed, instances=instances,
                 heartbeat_rate=heartbeat_rate, concurrency=concurrency or s.router_concurrency,
-                progress=None if json_out else (lambda m: err.print(m)),
+                progress=None if json_out else (lambda m: err.print(m)), reader=reader, cache_keys=cache_keys,
             ))
         finally:
             if stack is not None:

@@ -23,6 +23,7 @@ from schemas import Heartbeat, RoutingDecision, RoutingRequest, envelope
 from state.fold import AddBlocks
 from state.reader import RawSnapshotReader
 from state.redis_view import RedisViewStore, connection_url
+from state.tracking import DEFAULT_CACHE_KEYS, TrackingSnapshotReader
 
 # --- the benchmark's synthetic cluster ------------------------------------------------------
 
@@ -179,16 +180,25 @@ async def _view_memory(store: RedisViewStore) -> int:
 
 async def run_route_bench(settings: Any, *, decisions: int, target_blocks: int, seed: int,
                           instances: int = 32, heartbeat_rate: float | None = None, concurrency: int = 1,
-                          progress: Any = None) -> dict[str, Any]:
+                          progress: Any = None, reader: str = "raw",
+                          cache_keys: int = DEFAULT_CACHE_KEYS) -> dict[str, Any]:
     """Build an ``instances``-node view in Redis, then time ``decisions`` full routing
     decisions while another process writes ``heartbeat_rate`` node heartbeats per second
     (default: every node once a second); beside each decision, one pipelined MGET of the
-    request's 128 block keys on the same kind of connection (the baseline)."""
+    request's 128 block keys on the same kind of connection (the baseline).
+
+    ``reader``: ``raw`` (the router's reader) or ``tracking`` (the client-side caching
+    reader of :mod:`state.tracking`, ``cache_keys`` block entries)."""
 
     rng = random.Random(seed)
     nodes = cluster_nodes(*cluster_shape(instances))
     rate = float(instances if heartbeat_rate is None else heartbeat_rate)
+    if reader not in ("raw", "tracking"):
+        raise ValueError(f"reader must be raw or tracking, not {reader!r}")
     view, resv = redis_stores(settings)
+    if reader == "tracking":
+        view = TrackingSnapshotReader(connection_url(settings), settings.view_namespace, cache_keys=cache_keys,
+                                      store=view.view if isinstance(view, RawSnapshotReader) else view)
     # Bulk writes through a writer of their own: the router's client has 0.5 s timeouts.
     writer = RedisViewStore.from_settings(settings)
     await writer.clear()
@@ -247,6 +257,9 @@ async def run_route_bench(settings: Any, *, decisions: int, target_blocks: int, 
             await router.route(req)
             await mget(list(req.block_keys or ()))
         policy_ms.clear()
+        stats = getattr(view, "stats", None)
+        if stats is not None:  # count the timed reads only
+            stats.update(dict.fromkeys(stats, 0))
         reqs = [make(i) for i in range(decisions)]
         lat: list[float] = []
         base: list[float] = []
@@ -283,11 +296,13 @@ async def run_route_bench(settings: Any, *, decisions: int, target_blocks: int, 
         await router.close()
         await baseline.close()
         gc.unfreeze()
+    tracked = int((await writer.server_info("stats")).get("tracking_total_keys", 0))
     await writer.clear()
     await resv.clear()
     await writer.close()
     await view.close()
     node_reads = dict(getattr(view, "node_reads", {}))
+    cache = dict(getattr(view, "stats", {}))
     d50, m50 = percentile(lat, 0.50), percentile(base, 0.50)
     d99, m99 = percentile(lat, 0.99), percentile(base, 0.99)
     return {
@@ -314,9 +329,18 @@ async def run_route_bench(settings: Any, *, decisions: int, target_blocks: int, 
         "outcomes": dict(outcomes),
         "node_reads": node_reads,
         "view_load_s": round(load_s, 2),
+        "reader": reader,
+        "cache_keys": cache_keys if reader == "tracking" else 0,
+        "cache_hit_ratio": round(cache["hits"] / max(1, cache["hits"] + cache["misses"]), 4) if cache else None,
+        "keys_fetched_per_read": round(cache["misses"] / max(1, cache["reads"]), 1) if cache else float(work.chain_blocks),
+        "cache_reads_redone": cache.get("retries", 0),
+        "server_tracked_keys": tracked,
         "note": "decision = view read + reservation read + policy + reservation record; one process; "
                 "decisions_per_s = decisions / wall time (without the baseline MGETs) with CONCURRENCY "
                 "requests in flight; heartbeats written by a separate process at HEARTBEAT_RATE nodes/s; "
                 "view_bytes_per_block = Redis used_memory growth over the bulk load / blocks; node_reads = how "
-                "the view reads got the node states (unchanged, only the changed nodes, the whole hash)",
+                "the view reads got the node states (unchanged, only the changed nodes, the whole hash); reader = raw (the router's) or tracking (client-side cache, "
+                "CLIENT TRACKING): cache_hit_ratio = chain keys served from the cache / keys looked up, "
+                "keys_fetched_per_read = keys in the read's MGET; "
+                "server_tracked_keys = keys Redis tracks for clients (INFO tracking_total_keys) at the end",
     }

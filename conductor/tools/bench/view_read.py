@@ -1,8 +1,9 @@
 """``conductor bench view-read``: the routing read's two possible layouts on a dedicated Valkey.
 
 The store's pipelined ``MGET`` with the prefix walk client-side, against a server-side Lua
-walk that stops at the first block nobody holds; latency, Redis server time per read
-(``commandstats``) and view memory per block.
+walk that stops at the first block nobody holds, and the router's readers (plain, and with
+a warm client-side cache); latency, Redis server time per read (``commandstats``) and view
+memory per block.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from conductor.tools.devstack import free_port, redis_binary
 from conductor.tools.valkey_cluster import ValkeyCluster
 from state.connect import open_client
 from state.fold import AddBlocks
+from state.reader import RawSnapshotReader
 from state.redis_view import RedisViewStore
+from state.tracking import TrackingSnapshotReader
 
 _LUA_WALK = r"""
 local out = {}
@@ -47,6 +50,11 @@ async def run_view_read_bench(
     server-side and stops at the first block nobody holds. Server time per read comes from
     Redis ``commandstats``. Memory is ``used_memory`` growth per block key.
 
+    ``raw_reader``: the router's reader (``state.reader``: one MULTI/EXEC of TIME, the MGET,
+    the node delta, the watermark, on a raw connection). ``tracking_warm``: the client-side
+    caching reader (``state.tracking``) reading the same chain again, so every block entry
+    comes from its cache and the transaction carries TIME, the node delta and the watermark.
+
     ``cluster``: the same on a 3-primary Valkey Cluster (``redis+cluster://``, redis-py's
     cluster client); server figures are of the primary holding the namespace's slot.
     """
@@ -65,6 +73,7 @@ async def run_view_read_bench(
         )
         client = aioredis.from_url(f"redis://{host}:{port}")
     admin = client
+    readers: list[Any] = []
     try:
         deadline = time.monotonic() + 10
         while True:
@@ -96,9 +105,15 @@ async def run_view_read_bench(
         say(f"loaded {nodes * blocks_per_node} (node, block) entries into {keys_n} keys in {load_s:.1f}s")
         walk = client.register_script(_LUA_WALK)
         chain_keys = store.keys.blocks(chain)
+        url = vc.url if vc is not None else f"redis://{host}:{port}"
+        raw = RawSnapshotReader(url, "cv")
+        tracking = TrackingSnapshotReader(url, "cv", cache_keys=max(chain_len, 1000))
+        readers += [raw, tracking]
         options = {
             "mget": lambda: store.snapshot(chain),
             "lua_walk": lambda: walk(keys=chain_keys),
+            "raw_reader": lambda: raw.snapshot(chain),
+            "tracking_warm": lambda: tracking.snapshot(chain),
         }
         out: dict[str, Any] = {
             "redis": "cluster (3 primaries)" if cluster else "one server",
@@ -120,8 +135,11 @@ async def run_view_read_bench(
             out[f"{name}_ms_p50"] = round(percentile(lat, 0.5), 3)
             out[f"{name}_ms_p99"] = round(percentile(lat, 0.99), 3)
             out[f"{name}_server_us"] = round(server_us, 1)
+        out["tracking_warm_cache_hit_ratio"] = round(tracking.cache_hit_ratio(), 4)
         return out
     finally:
+        for r in readers:
+            await r.close()
         await client.aclose()
         if admin is not client:
             await admin.aclose()

@@ -1,0 +1,275 @@
+"""A router's view reader that keeps block entries in process, told of changes by Redis
+(server-assisted client-side caching, ``CLIENT TRACKING``): a prototype, measured against
+:class:`state.reader.RawSnapshotReader` (``conductor bench route --reader tracking``; the
+numbers and the decision are in state/README.md, "Client-side caching").
+
+The connection speaks RESP3 (``HELLO 3``) with ``CLIENT TRACKING on`` (default mode): the
+server remembers every key this connection read and, when another client changes one,
+pushes ``["invalidate", [key, ...]]`` on this same connection (once; the key is tracked
+again when read again). hiredis hands pushes out in stream order as ``PushNotification``.
+
+Why a read stays one instant. A snapshot is still one MULTI/EXEC (``TIME``, ``MGET`` of the
+chain's keys not in the cache, the node delta, the watermark); the cached values stand in
+for the rest. Redis runs one command at a time and writes a push to our connection when
+the write that causes it runs, so a write that ran before our EXEC has its push *before* the
+EXEC's reply in the stream, and one that ran after has it after. Hence: a cached value not
+invalidated by the time the EXEC reply is parsed is the key's value at the EXEC instant. A
+read whose hit was invalidated while it was in flight is redone (its fetched values are
+cached all the same, the node delta kept); after :data:`MAX_RETRIES` it reads every key.
+Values read are cached when their reply is *parsed* (in the reply loop, in stream order with
+the pushes), never later, so a push that follows a reply always wins over it. A new
+connection has no tracking: the cache is emptied and reads in flight are redone.
+
+What it cannot save: the round trip. ``TIME``, the node delta and the watermark (what
+``conductor explain`` replays a decision to) are read with the blocks, so a warm cache makes
+the request smaller, not fewer.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+import hiredis
+
+from schemas.errors import ViewStoreError
+
+from .keys import snapshot_from_replies
+from .reader import _IO_ERRORS, _NODES_SHA, _RECONNECT_ON, DELTA_MAX_NODES, NODE_ATTRS, RawSnapshotReader
+from .view import ViewSnapshot
+
+DEFAULT_CACHE_KEYS = 200_000
+"""Block entries kept in process by default (least recently used go first)."""
+MAX_RETRIES = 2
+"""Reads redone because a cached entry changed while they were in flight, before one read
+that takes nothing from the cache."""
+
+_ABSENT = object()
+
+
+class _InFlight:
+    """One snapshot read on the wire: the chain's keys, what the cache gave for each
+    (:data:`_ABSENT` where it had nothing), the keys it fetched."""
+
+    __slots__ = ("fetched", "got", "keys", "stale")
+
+    def __init__(self, keys: list[bytes], got: list[Any], fetched: list[bytes]) -> None:
+        self.keys = keys
+        self.got = got
+        self.fetched = fetched
+        self.stale = False
+
+    def hits(self) -> list[bytes]:
+        """The keys it took from the cache (built only when a push needs them: pushes are rare)."""
+        return [k for k, v in zip(self.keys, self.got) if v is not _ABSENT]
+
+
+class TrackingSnapshotReader(RawSnapshotReader):
+    """:class:`RawSnapshotReader` with a bounded in-process cache of block entries kept
+    current by RESP3 invalidation pushes (``cache_keys`` entries, least recently used
+    evicted). Same ``snapshot(chain)`` answer, same errors."""
+
+    def __init__(self, url: str, namespace: str, *, cache_keys: int = DEFAULT_CACHE_KEYS, timeout_s: float = 0.5,
+                 store: Any = None) -> None:
+        super().__init__(url, namespace, timeout_s=timeout_s, store=store)
+        if cache_keys < 1:
+            raise ValueError("cache_keys must be at least 1")
+        self.cache_keys = cache_keys
+        self._cache: dict[bytes, bytes | None] = {}
+        """Redis key → its value (None: no such key), oldest first; when it outgrows
+        ``cache_keys`` the older half is dropped (one C-speed copy, amortised over
+        ``cache_keys / 2`` insertions: cheaper per read than keeping an exact LRU)."""
+        self._flying: dict[int, _InFlight] = {}
+        """Reads that took values from the cache and have not had their reply parsed, from the
+        moment they looked (a push parsed while one waits for the connection counts too)."""
+        self._by_reply: dict[asyncio.Future[list[Any]], _InFlight] = {}
+        self.stats = {"reads": 0, "hits": 0, "misses": 0, "retries": 0, "uncached_reads": 0, "invalidated": 0,
+                      "flushes": 0}
+        """Counters for tests and benchmarks: keys served from the cache / fetched, reads
+        redone, keys invalidated by pushes, whole-cache flushes (new connection, FLUSHDB)."""
+
+    def cache_hit_ratio(self) -> float:
+        n = self.stats["hits"] + self.stats["misses"]
+        return self.stats["hits"] / n if n else 0.0
+
+    # --- the connection: RESP3, tracking, pushes in the reply loop ---------------------
+
+    def setup_commands(self) -> list[tuple[Any, ...]]:
+        setup = super().setup_commands()
+        return [*setup, ("HELLO", 3), ("CLIENT", "TRACKING", "on")]
+
+    async def _connect(self) -> None:
+        self._flush()  # the old connection's tracking is gone with it
+        await super()._connect()
+
+    async def _drop(self) -> None:
+        self._flush()
+        await super()._drop()
+
+    def _flush(self) -> None:
+        self._cache.clear()
+        for rec in self._flying.values():
+            if rec.fetched is not rec.keys:  # it took something from the cache
+                rec.stale = True
+        self.stats["flushes"] += 1
+
+    def _invalidate(self, keys: list[bytes] | None) -> None:
+        if keys is None:  # FLUSHDB / FLUSHALL, or the server dropped its tracking table
+            self._flush()
+            return
+        cache = self._cache
+        for k in keys:
+            cache.pop(k, None)
+        self.stats["invalidated"] += len(keys)
+        if self._flying:
+            gone = set(keys)
+            for rec in self._flying.values():
+                if not rec.stale and not gone.isdisjoint(rec.hits()):
+                    rec.stale = True
+
+    def _filled(self, fut: asyncio.Future[list[Any]], got: list[Any]) -> None:
+        """A snapshot's replies were parsed: cache what it fetched, now, before any later push."""
+        rec = self._by_reply.pop(fut, None)
+        if rec is None:
+            return
+        self._flying.pop(id(rec), None)
+        if not rec.fetched:
+            return
+        res = got[-1]
+        if not isinstance(res, list) or len(res) < 2 or not isinstance(res[1], list):
+            return
+        cache = self._cache
+        cache.update(zip(rec.fetched, res[1]))
+        if len(cache) > self.cache_keys:
+            keep = self.cache_keys // 2
+            self._cache = dict(itertools.islice(cache.items(), len(cache) - keep, None))
+
+    async def _read_replies(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        parser = hiredis.Reader()
+        waiting = self._waiting
+        push = hiredis.PushNotification
+        try:
+            while True:
+                data = await reader.read(1 << 16)
+                if not data:
+                    raise ConnectionError("connection closed by the server")
+                parser.feed(data)
+                while (r := parser.gets()) is not False:
+                    if type(r) is push:
+                        if len(r) >= 2 and r[0] == b"invalidate":
+                            self._invalidate(r[1])
+                        continue
+                    if not waiting:
+                        raise hiredis.ProtocolError(f"a reply nobody asked for: {r!r}")
+                    fut, n, got = waiting[0]
+                    got.append(r)
+                    if len(got) == n:
+                        waiting.popleft()
+                        if fut in self._by_reply:
+                            self._filled(fut, got)
+                        if not fut.done():
+                            fut.set_result(got)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - every waiter must learn the connection is gone
+            if self._io is not None and self._io[1] is writer:
+                self._fail_waiting(e)
+                self._flush()
+                self._io = None
+                writer.close()
+
+    async def _call(self, *commands: tuple[Any, ...]) -> list[Any]:
+        # RESP3 answers HGETALL with a map; the reader's other reads expect RESP2's flat list.
+        return [_flat(r) for r in await super()._call(*commands)]
+
+    # --- ViewReader -----------------------------------------------------------------
+
+    async def snapshot(self, chain: Sequence[int], *, now_ms: int | None = None) -> ViewSnapshot:
+        self.stats["reads"] += 1
+        keys = self.keys.blocks(chain)
+        for attempt in range(MAX_RETRIES + 2):
+            if attempt <= MAX_RETRIES:
+                got, at = self._from_cache(keys)
+                fetched = keys if len(at) == len(keys) else [keys[i] for i in at]
+            else:
+                self.stats["uncached_reads"] += 1
+                got, at, fetched = [_ABSENT] * len(keys), range(len(keys)), keys
+            rec = _InFlight(keys, got, fetched)
+            self._flying[id(rec)] = rec  # from now on a push for one of its hits marks it stale
+            try:
+                res = await self._exec(rec, fetched)
+            finally:
+                self._flying.pop(id(rec), None)
+            if fetched:
+                time_reply, values, flat_nodes, wm = res
+                if fetched is not keys:
+                    values, fresh = got, values
+                    for i, v in zip(at, fresh):
+                        values[i] = v
+            else:
+                time_reply, flat_nodes, wm = res
+                values = got
+            nodes, slot_nodes = self._nodes_from(flat_nodes)  # always: the node picture moves on
+            if rec.stale:
+                self.stats["retries"] += 1
+                continue
+            self.stats["hits"] += len(got) - len(fetched)
+            self.stats["misses"] += len(fetched)
+            pairs = wm.items() if isinstance(wm, dict) else zip(wm[::2], wm[1::2])
+            return snapshot_from_replies(time_reply, values, nodes, slot_nodes, pairs, now_ms)
+        raise AssertionError("unreachable: the last attempt reads without the cache")
+
+    def _from_cache(self, keys: list[bytes]) -> tuple[list[Any], list[int]]:
+        """(what the cache holds for each key, :data:`_ABSENT` where nothing; positions to
+        fetch). A cached block no node holds (no such key) ends every prefix, so the chain is
+        cut there: nothing after it matters to the prefix walk."""
+        get = self._cache.get
+        got = [get(k, _ABSENT) for k in keys]
+        if None in got:
+            del got[got.index(None) + 1:]
+        return got, [i for i, v in enumerate(got) if v is _ABSENT]
+
+    async def _exec(self, rec: _InFlight, fetched: list[bytes]) -> list[Any]:
+        """Send one snapshot transaction; its fetched values are cached as its reply is parsed."""
+        pack = hiredis.pack_command
+        packed = pack(("MULTI",)) + pack(("TIME",))
+        if fetched:
+            packed += pack(("MGET", *fetched))
+        packed += pack(("EVALSHA", _NODES_SHA, 4, *self._nodes_args, self._last_version or b"", self._last_base,
+                        DELTA_MAX_NODES, *NODE_ATTRS))
+        packed += self._wm_cmd + pack(("EXEC",))
+        n = 4 if fetched else 3
+        fut: asyncio.Future[list[Any]] | None = None
+        try:
+            async with self._lock:
+                if self._io is None:
+                    await self._connect()
+                fut = self._send(packed, n + 2)
+                self._by_reply[fut] = rec
+            got = await asyncio.wait_for(fut, self.timeout_s)
+        except _IO_ERRORS as e:
+            await self._drop()
+            raise ViewStoreError(f"view read failed: {type(e).__name__}: {e}") from e
+        finally:
+            if fut is not None:
+                self._by_reply.pop(fut, None)
+        res = got[-1]
+        if not isinstance(res, list) or len(res) != n:
+            raise ViewStoreError(f"view read failed: the transaction answered {res!r}")
+        for r in (*got, *res):
+            if isinstance(r, hiredis.ReplyError):
+                if str(r).startswith(_RECONNECT_ON):
+                    await self._drop()
+                raise ViewStoreError(f"view read failed: {r}")
+        return res
+
+
+def _flat(reply: Any) -> Any:
+    if isinstance(reply, dict):
+        return [x for kv in reply.items() for x in kv]
+    return reply
+
+
+__all__ = ["DEFAULT_CACHE_KEYS", "MAX_RETRIES", "TrackingSnapshotReader"]
