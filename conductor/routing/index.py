@@ -30,6 +30,7 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 from conductor.profiles import ModelProfile
+from conductor.routing.policies.base import Costs
 from conductor.routing.snapshot import NO_PREFIX, ClusterSnapshot, Instance, LazyInstances, PendingLoad, instance
 from state.view import NodeState, ViewSnapshot
 
@@ -40,17 +41,6 @@ time at which that next changes without a new reservation or None)``:
 
 PREFILL_ROLES = ("prefill", "both")
 DECODE_ROLES = ("decode", "both")
-
-
-def queue_wait_s(profile: ModelProfile, inst: Instance) -> float:
-    """The policies' queue-wait estimate (``Costs.queue_wait_s``), without the memo."""
-    q = inst.queued_prefill_tokens
-    if q <= 0:
-        return 0.0
-    k = inst.queued_requests
-    if k <= 1:
-        return profile.prefill_seconds(q, 0)
-    return k * profile.prefill_seconds(q / k, 0)  # type: ignore[arg-type]
 
 
 def decode_load(profile: ModelProfile, inst: Instance) -> float:
@@ -97,6 +87,8 @@ class ClusterIndex:
     def __init__(self, profile: ModelProfile, *, block_size: int, ttl_s: float, model: str | None = None,
                  exclude: Collection[str] = ()) -> None:
         self.profile = profile
+        self._costs = Costs(profile)
+        """The policies' estimates (queue wait), so the waits kept here are the ones they compute."""
         self.block_size = block_size
         self.ttl_ms = ttl_s * 1000
         self.ttl_s = ttl_s
@@ -211,7 +203,7 @@ class ClusterIndex:
             self._drop(node)
         self._inst[node] = inst
         if inst.role in PREFILL_ROLES:
-            w = queue_wait_s(self.profile, inst)
+            w = self._costs.queue_wait_s(inst)
             self._wait_of[node] = w
             bisect.insort(self._waits, (w, node))
         if inst.role in DECODE_ROLES:
