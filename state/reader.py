@@ -196,23 +196,37 @@ class RawSnapshotReader:
         self._io[1].write(packed)
         return fut
 
+    _push_type: type | None = None
+    """The parser's type for out-of-band frames (RESP3 pushes), handed to :meth:`_pushed`;
+    None on this RESP2 connection, which has none."""
+
+    def _pushed(self, frame: Any) -> None:
+        """An out-of-band frame arrived (in stream order, between replies)."""
+
+    def _replied(self, fut: asyncio.Future[list[Any]], got: list[Any]) -> None:
+        """A request's replies are all parsed (before any frame after them is)."""
+
     async def _read_replies(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         parser = hiredis.Reader()
         waiting = self._waiting
+        push = self._push_type
         try:
             while True:
                 data = await reader.read(1 << 16)
                 if not data:
                     raise ConnectionError("connection closed by the server")
                 parser.feed(data)
-                while waiting:
-                    r = parser.gets()
-                    if r is False:
-                        break
+                while (r := parser.gets()) is not False:
+                    if push is not None and type(r) is push:
+                        self._pushed(r)
+                        continue
+                    if not waiting:
+                        raise hiredis.ProtocolError(f"a reply nobody asked for: {r!r}")
                     fut, n, got = waiting[0]
                     got.append(r)
                     if len(got) == n:
                         waiting.popleft()
+                        self._replied(fut, got)
                         if not fut.done():
                             fut.set_result(got)
         except asyncio.CancelledError:

@@ -104,10 +104,6 @@ class TrackingSnapshotReader(RawSnapshotReader):
         self._flush()  # the old connection's tracking is gone with it
         await super()._connect()
 
-    async def _drop(self) -> None:
-        self._flush()
-        await super()._drop()
-
     def _flush(self) -> None:
         self._cache.clear()
         for rec in self._flying.values():
@@ -146,39 +142,19 @@ class TrackingSnapshotReader(RawSnapshotReader):
             keep = self.cache_keys // 2
             self._cache = dict(itertools.islice(cache.items(), len(cache) - keep, None))
 
-    async def _read_replies(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        parser = hiredis.Reader()
-        waiting = self._waiting
-        push = hiredis.PushNotification
-        try:
-            while True:
-                data = await reader.read(1 << 16)
-                if not data:
-                    raise ConnectionError("connection closed by the server")
-                parser.feed(data)
-                while (r := parser.gets()) is not False:
-                    if type(r) is push:
-                        if len(r) >= 2 and r[0] == b"invalidate":
-                            self._invalidate(r[1])
-                        continue
-                    if not waiting:
-                        raise hiredis.ProtocolError(f"a reply nobody asked for: {r!r}")
-                    fut, n, got = waiting[0]
-                    got.append(r)
-                    if len(got) == n:
-                        waiting.popleft()
-                        if fut in self._by_reply:
-                            self._filled(fut, got)
-                        if not fut.done():
-                            fut.set_result(got)
-        except asyncio.CancelledError:
-            raise
-        except Exception as e:  # noqa: BLE001 - every waiter must learn the connection is gone
-            if self._io is not None and self._io[1] is writer:
-                self._fail_waiting(e)
-                self._flush()
-                self._io = None
-                writer.close()
+    _push_type = hiredis.PushNotification
+
+    def _pushed(self, frame: Any) -> None:
+        if len(frame) >= 2 and frame[0] == b"invalidate":
+            self._invalidate(frame[1])
+
+    def _replied(self, fut: asyncio.Future[list[Any]], got: list[Any]) -> None:
+        if fut in self._by_reply:
+            self._filled(fut, got)
+
+    def _fail_waiting(self, e: BaseException) -> None:
+        super()._fail_waiting(e)
+        self._flush()  # the connection and its tracking are gone
 
     async def _call(self, *commands: tuple[Any, ...]) -> list[Any]:
         # RESP3 answers HGETALL with a map; the reader's other reads expect RESP2's flat list.

@@ -154,7 +154,7 @@ class Costs:
 
     def local_reuse(self, inst: Instance, request: PolicyRequest, block_size: int) -> Reuse:
         """Cheapest way to prefill on ``inst`` using only its own cache (possibly none of it)."""
-        blocks, tier, cost = self._local_cost(inst.prefix_blocks, request.chain_len, request.prompt_tokens, block_size)
+        blocks, tier, cost = self.local_plan(inst.prefix_blocks, request, block_size)
         return Reuse(blocks, inst.node_id if blocks else None, tier, cost)
 
     def link(self, a: Instance, b: Instance) -> Link:
@@ -185,7 +185,7 @@ class Costs:
 
     def remote_reuse(self, holder: Instance, request: PolicyRequest, block_size: int, link: int) -> Reuse | None:
         """Cheapest prefill on another node reading ``holder``'s prefix over ``links[link]``."""
-        opt = self._remote_cost(holder.prefix_blocks, request.chain_len, request.prompt_tokens, block_size, link)
+        opt = self.remote_plan(holder.prefix_blocks, request, block_size, link)
         if opt is None:
             return None
         return Reuse(opt[0], holder.node_id, opt[1], opt[2])

@@ -38,8 +38,10 @@ def _first(item: tuple) -> float:
     return item[0]
 
 
-_BARE = Instance("", "prefill")
-"""An instance holding no prefix (its local plan is the whole prompt's compute)."""
+def _tie_margin(p: KvCacheCentricParams) -> float:
+    """How far above the shortest wait (or the lowest TTFT) an instance is still kept as a
+    candidate: generous, since keeping one too many is harmless."""
+    return 2 * p.prefill_tie_s + 1e-9
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,8 +114,7 @@ class KvCacheCentric(RoleSplitPolicy):
             return super().decide(request, snapshot, rng)
         dec = self._decode_fast(request, ix, snapshot.block_size, rng)
         if dec is None:
-            decodes = tuple(i for i in snapshot.instances if i.role == "decode" or i.role == "both")
-            dec = self._decode(request, snapshot, decodes, rng)
+            dec = self._decode(request, snapshot, snapshot.by_role("decode", "both"), rng)
             if isinstance(dec, Rejection):
                 return dec
         return placement(pre.instance, dec[0], pre.reuse, pre.ttft_s, dec[1])
@@ -125,7 +126,7 @@ class KvCacheCentric(RoleSplitPolicy):
         guarded check (the safe ones and the rejection need every instance)."""
         p: KvCacheCentricParams = self.p  # type: ignore[assignment]
         best_reuse, bare_floor = self._reuse_planner(request, ix.holders, snapshot.block_size, ix.shapes)
-        margin = 2 * p.prefill_tie_s + 1e-9  # as _candidates: keeping one too many is harmless
+        margin = _tie_margin(p)
         pool: list[Instance] = []
         reuses: list[Reuse] = []
         waits: list[float] = []
@@ -336,7 +337,7 @@ class KvCacheCentric(RoleSplitPolicy):
                 by_place[ik] = best
             return best
 
-        bare_floor = costs.local_reuse(_BARE, request, bs).cost_s
+        bare_floor = costs.local_plan(NO_PREFIX, request, bs)[2]
         for _, opts in by_link:
             if opts and opts[0][0] < bare_floor:
                 bare_floor = opts[0][0]
@@ -369,7 +370,7 @@ class KvCacheCentric(RoleSplitPolicy):
         place's shortest by more than the tie tolerance can never be lowest, nor tie with the
         lowest, nor be the lowest safe one (property-tested against the full policy)."""
         costs = self.costs
-        margin = 2 * p.prefill_tie_s + 1e-9  # generous: keeping one too many is harmless
+        margin = _tie_margin(p)
         shortest: dict[tuple, float] = {}
         keys: list[tuple | None] = []
         for inst, w in zip(prefills, waits):
