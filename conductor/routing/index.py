@@ -74,6 +74,8 @@ class IndexView:
     decode_count: int
     with_prefix: Callable[[str, tuple[int, int, int]], Instance]
     """(node, prefix) → the node's instance as ``instances`` has it."""
+    rack_holders: Callable[[str | None], list[int]]
+    """rack → the indexes in ``holders`` of the holders in that rack, ascending."""
 
     def instance(self, node: str) -> Instance:
         """``node`` as ``instances`` has it."""
@@ -105,6 +107,8 @@ class ClusterIndex:
         self._wait_of: dict[str, float] = {}
         self._loads: list[tuple[float, str]] = []
         self._load_of: dict[str, float] = {}
+        self._racks: dict[str | None, set[str]] = {}
+        """rack → its live instances."""
         self._deaths: list[tuple[int, str]] = []
         """(last heartbeat, node) of live nodes, oldest first: a node dies once now passes it by the TTL."""
         self._deadline: dict[str, int] = {}
@@ -169,6 +173,7 @@ class ClusterIndex:
         self._wait_of.clear()
         self._loads.clear()
         self._load_of.clear()
+        self._racks.clear()
         self._deaths.clear()
         self._deadline.clear()
         self._expiries.clear()
@@ -202,6 +207,7 @@ class ClusterIndex:
         if was:
             self._drop(node)
         self._inst[node] = inst
+        self._racks.setdefault(inst.rack, set()).add(node)
         if inst.role in PREFILL_ROLES:
             w = self._costs.queue_wait_s(inst)
             self._wait_of[node] = w
@@ -217,7 +223,11 @@ class ClusterIndex:
         return True
 
     def _drop(self, node: str) -> None:
-        del self._inst[node]
+        rack = self._inst.pop(node).rack
+        members = self._racks[rack]
+        members.discard(node)
+        if not members:
+            del self._racks[rack]
         w = self._wait_of.pop(node, None)
         if w is not None:
             del self._waits[bisect.bisect_left(self._waits, (w, node))]
@@ -254,6 +264,7 @@ class ClusterIndex:
             prefill_count=len(self._waits),
             decode_count=len(self._loads),
             with_prefix=self._holder,
+            rack_holders=self._rack_holders(order),
         )
         every = self._base
 
@@ -265,6 +276,18 @@ class ClusterIndex:
 
         return ClusterSnapshot(LazyInstances(instances), self.block_size, dict(view.watermark), age_ms,  # type: ignore[arg-type]
                                index=ix)
+
+    def _rack_holders(self, order: list[str]) -> Callable[[str | None], list[int]]:
+        """rack → the indexes in ``order`` (the holders) of the holders in that rack, ascending."""
+        racks = self._racks
+        at: dict[str, int] = {}
+
+        def rack_holders(rack: str | None) -> list[int]:
+            if not at:
+                at.update(zip(order, range(len(order))))
+            return sorted([at[n] for n in racks.get(rack, ()) if n in at])
+
+        return rack_holders
 
     def _holder(self, node: str, prefix: tuple[int, int, int]) -> Instance:
         """``node``'s instance holding ``prefix`` of the chain."""

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from conductor.profiles import DEFAULT_PROFILE, load_profile
 from conductor.routing.policies import make_policy
+from conductor.routing.policies.base import Reuse
 from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
 
 PROFILE = load_profile(DEFAULT_PROFILE)
@@ -48,7 +49,7 @@ def test_pruned_policy_decides_as_the_exhaustive_one(prefills, decodes, p, token
     pruned = make_policy("kvcache-centric", p, PROFILE)
     full = make_policy("kvcache-centric", p, PROFILE)
     full.prune_candidates = False
-    full._same_rack_index = lambda by_link: (-1, {})  # the exhaustive scan
+    full._same_rack_class = lambda: -1  # every copy walked, no same-rack lookup
     snap = ClusterSnapshot(tuple(prefills) + tuple(decodes), 512)
     chain = tokens // 512
     req = PolicyRequest("r", tokens, chain, ttft_slo_s=slo)
@@ -65,6 +66,42 @@ def test_candidates_are_the_holders_and_each_places_shortest_queues() -> None:
         Instance("e", "prefill", queued_prefill_tokens=60_000, queued_requests=2, rack="r1"),
     )
     waits = [policy.costs.queue_wait_s(i) for i in insts]
-    assert policy._same_rack_index([]) == (-1, {})
+    assert policy._same_rack_class() == 0  # the default topology: same rack is a link class
     got = [i.node_id for i, _ in policy._candidates(insts, waits, policy.p)]
     assert got == ["a", "b", "c", "e"]
+
+
+def _cheapest_copy(policy, inst: Instance, holders: list[Instance], req: PolicyRequest) -> Reuse:
+    """The reuse plan by its definition: the instance's own cache, or, link class by link
+    class, the cheapest usable copy (ties to the first holder) if it is cheaper still."""
+    costs = policy.costs
+    best = costs.local_reuse(inst, req, 512)
+    floor = best.blocks * policy.p.kvcache_balancing_threshold
+    if not policy.p.remote_reuse:
+        return best
+    for li in range(len(costs.links)):
+        usable = []
+        for h in holders:
+            o = costs.remote_plan(h.prefix_blocks, req, 512, li)
+            if o is not None and h.node_id != inst.node_id and o[0] > floor and costs.link_index(h, inst) == li:
+                usable.append((o[2], h, o))
+        if usable:
+            cost, h, o = min(usable, key=lambda u: u[0])  # min keeps the first of equals
+            if cost < best.cost_s:
+                best = Reuse(o[0], h.node_id, o[1], cost)
+    return best
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.lists(prefill, min_size=1, max_size=40, unique_by=lambda i: i.node_id), params,
+       st.one_of(st.integers(512, 2_048), st.integers(512, 100_000)))  # short chains: shapes cut to equal plans
+def test_reuse_planner_finds_the_cheapest_copy(insts, p, tokens) -> None:
+    """The planner walks copies as runs of equal cost per prefix shape and looks same-rack
+    copies up by rack; it finds what scanning every holder finds."""
+    policy = make_policy("kvcache-centric", p, PROFILE)
+    req = PolicyRequest("r", tokens, tokens // 512)
+    holders = [h for h in insts if h.prefix_blocks[2] > 0]
+    best_reuse, _, groups = policy._reuse_planner(req, holders, 512)
+    assert sorted(i for idx in groups.values() for i in idx) == list(range(len(holders)))
+    for inst in insts:
+        assert best_reuse(inst) == _cheapest_copy(policy, inst, holders, req)

@@ -83,6 +83,9 @@ def test_the_index_is_the_builders_picture_read_after_read(seed: int, size: int)
         pending = resv.pending_sync({n.node_id: n.last_heartbeat_ms for n in nodes}, now)
         want = build_cluster(view, pending, block_size=BS, ttl_s=TTL_S, model="m", exclude={"n01"})
         assert got == want
+        holders = got.index.holders
+        for rack, _ in PLACES:
+            assert got.index.rack_holders(rack) == [i for i, h in enumerate(holders) if h.rack == rack]
         tokens = rng.choice([600, 9000, 40_000, 70_000])
         req = PolicyRequest("r", tokens, min(tokens // BS, 80), ttft_slo_s=rng.choice([0.5, 2.0, 30.0]),
                             tbt_slo_ms=rng.choice([40.0, 100.0]))

@@ -125,7 +125,9 @@ class KvCacheCentric(RoleSplitPolicy):
         once no wait left can reach the lowest TTFT so far; None when the lowest fails the
         guarded check (the safe ones and the rejection need every instance)."""
         p: KvCacheCentricParams = self.p  # type: ignore[assignment]
-        best_reuse, bare_floor = self._reuse_planner(request, ix.holders, snapshot.block_size, ix.shapes)
+        holders = ix.holders
+        best_reuse, bare_floor, groups = self._reuse_planner(request, holders, snapshot.block_size, ix.shapes,
+                                                             ix.rack_holders)
         margin = _tie_margin(p)
         pool: list[Instance] = []
         reuses: list[Reuse] = []
@@ -137,8 +139,9 @@ class KvCacheCentric(RoleSplitPolicy):
         # have: the whole compute, a copy from anywhere, its own prefix.
         floor = bare_floor
         costs = self.costs
-        for shape in {shape for node, shape in prefix.items() if node in wait_of}:
-            floor = min(floor, costs.local_plan(shape, request, snapshot.block_size)[2])
+        for shape, idx in groups.items():
+            if any(holders[i].node_id in wait_of for i in idx):
+                floor = min(floor, costs.local_plan(shape, request, snapshot.block_size)[2])
         shortest: dict[tuple, float] = {}
         place_key = costs.place_key
         for w, node in ix.waits:  # ascending: a place's first bare instance is its shortest queue
@@ -178,11 +181,16 @@ class KvCacheCentric(RoleSplitPolicy):
         found: list[tuple[Instance, float]] = []
         limit = None
         base = ix.base
+        # Costs.decode_fits and Costs.tbt_ms, their arithmetic inline (the loop passes every
+        # instance of the low-load band): the same operations, so the same floats.
+        need = costs.decode_blocks_needed(request, bs)
+        step = costs.profile.decode_step_seconds
+        prompt = request.prompt_tokens
         for _, node in ix.decode_loads:
             d = base[node]  # as it is without its prefix: decode does not look at it
-            if not costs.decode_fits(d, request, bs):
+            if d.total_kv_blocks > 0 and d.free_kv_blocks < need:
                 continue
-            t = costs.tbt_ms(d, request)
+            t = 1000.0 * step(d.batch_size + 1, d.decode_context_tokens + prompt)
             if limit is None:
                 if t > budget:
                     return None
@@ -219,7 +227,7 @@ class KvCacheCentric(RoleSplitPolicy):
         p: KvCacheCentricParams = self.p  # type: ignore[assignment]
         costs = self.costs
         bs = snapshot.block_size
-        best_reuse, _ = self._reuse_planner(request, [h for h in snapshot.instances if h.prefix_blocks[2] > 0], bs)
+        best_reuse, _, _ = self._reuse_planner(request, [h for h in snapshot.instances if h.prefix_blocks[2] > 0], bs)
         every_wait = [costs.queue_wait_s(inst) for inst in prefills]  # cheap arithmetic, per instance
         # Candidates: the holders and, per place, the shortest queues; with CPP every
         # instance may join a group, so all stay.
@@ -269,43 +277,76 @@ class KvCacheCentric(RoleSplitPolicy):
 
     def _reuse_planner(self, request: PolicyRequest, holders: Sequence[Instance], bs: int,
                        shapes: Sequence[tuple[int, int, int]] | None = None,
-                       ) -> tuple[Callable[[Instance], Reuse], float]:
+                       rack_holders: Callable[[str | None], Sequence[int]] | None = None,
+                       ) -> tuple[Callable[[Instance], Reuse], float, dict[tuple[int, int, int], list[int]]]:
         """(instance → its cheapest reuse plan: its own cache or a holder's copy over a link,
-        the lowest cost any instance holding no prefix can have). ``holders``: the instances
-        holding a prefix of the chain, in snapshot order (ties between copies go to the first);
-        ``shapes``: their prefixes, when not their ``prefix_blocks``."""
+        the lowest cost any instance holding no prefix can have, prefix shape → the indexes
+        of its holders). ``holders``: the instances holding a prefix of the chain, in snapshot
+        order (ties between copies go to the first); ``shapes``: their prefixes, when not
+        their ``prefix_blocks``; ``rack_holders``: rack → indexes of its holders, in order
+        (found by a scan of the holders when not given).
+
+        The work per request follows the prefix shapes, not the holders: holders of one
+        shape have the same copy plan, so each link class's copies are walked as runs of
+        equal cost (a shape, or the shapes whose plans cost the same, holders in snapshot
+        order: what a stable sort of the holders by cost gives), and an instance stops at
+        its first usable copy."""
         p: KvCacheCentricParams = self.p  # type: ignore[assignment]
         costs = self.costs
-        # Per link class, every holder's cheapest remote plan over that link, cheapest first:
-        # each prefill instance stops at its first usable copy on each class.
-        # An option is (cost, holder, (blocks, tier, cost), holder's place); its Reuse is made
-        # only for the copy chosen. Holders of one prefix shape share their plan.
-        by_link: list[tuple[int, list[tuple[float, Instance, tuple[int, str, float], tuple]]]] = []
+        if shapes is None:
+            shapes = [h.prefix_blocks for h in holders]
+        groups: dict[tuple[int, int, int], list[int]] = {}
+        for i, shape in enumerate(shapes):
+            g = groups.get(shape)
+            if g is None:
+                groups[shape] = [i]
+            else:
+                g.append(i)
+        # Per link class: (index, runs of (cost, holder indexes), shape → plan).
+        by_link: list[tuple[int, list[tuple[float, list[int]]], dict]] = []
         if p.remote_reuse and holders:
-            keys = [costs.place_key(h) for h in holders]
-            if shapes is None:
-                shapes = [h.prefix_blocks for h in holders]
             for li in range(len(costs.links)):
-                plan = {shape: costs.remote_plan(shape, request, bs, li) for shape in set(shapes)}
-                opts = []
-                for h, hk, shape in zip(holders, keys, shapes):
-                    o = plan[shape]
-                    if o is not None:
-                        opts.append((o[2], h, o, hk))
-                opts.sort(key=_first)
-                by_link.append((li, opts))
+                plan = {shape: costs.remote_plan(shape, request, bs, li) for shape in groups}
+                runs = sorted(((o[2], groups[shape]) for shape, o in plan.items() if o is not None), key=_first)
+                merged: list[tuple[float, list[int]]] = []
+                for cost, idx in runs:
+                    if merged and merged[-1][0] == cost:  # equal costs: one run, holders in order
+                        merged[-1] = (cost, sorted(merged[-1][1] + idx))
+                    else:
+                        merged.append((cost, idx))
+                by_link.append((li, merged, plan))
         table = costs.path_table
+        place_key = costs.place_key
         threshold = p.kvcache_balancing_threshold
         # Instances holding no prefix of the chain at the same place have the same options.
         by_place: dict[tuple, Reuse] = {}
         # Where "same rack" is a link class of its own (no rack pairs or node places in the
-        # topology), an instance's same-rack copies are the options of the holders in its
-        # rack: a lookup instead of a scan over every holder.
-        same_li, in_rack = self._same_rack_index(by_link)
-        placed = bool(by_link)
+        # topology), an instance's same-rack copies are those of the holders in its rack:
+        # a lookup instead of a walk over the holders of other racks.
+        same_li = self._same_rack_class() if by_link else -1
+        in_rack: dict[str | None, list[tuple[float, int]]] = {}
+        if same_li >= 0 and rack_holders is None:
+            racks: dict[str | None, list[int]] = {}
+            for i, h in enumerate(holders):
+                racks.setdefault(h.rack, []).append(i)
+            rack_holders = lambda rack: racks.get(rack, ())  # noqa: E731
+        same_plan = by_link[same_li][2] if same_li >= 0 else {}
+        keys: list[tuple | None] = [None] * len(holders)  # holders' place keys, made when needed
+
+        def rack_options(rack: str | None) -> list[tuple[float, int]]:
+            opts = in_rack.get(rack)
+            if opts is None:
+                opts = []
+                for i in rack_holders(rack):  # type: ignore[misc]
+                    o = same_plan[shapes[i]]
+                    if o is not None:
+                        opts.append((o[2], i))
+                opts.sort()  # cost, then snapshot order
+                in_rack[rack] = opts
+            return opts
 
         def best_reuse(inst: Instance) -> Reuse:
-            ik = costs.place_key(inst) if placed else None
+            ik = place_key(inst) if by_link else None
             bare = inst.prefix_blocks == NO_PREFIX
             best = by_place.get(ik) if bare else None
             if best is not None:
@@ -313,51 +354,55 @@ class KvCacheCentric(RoleSplitPolicy):
             best = costs.local_reuse(inst, request, bs)
             floor = best.blocks * threshold
             node = inst.node_id
-            for li, opts in by_link:
+            for li, runs, plan in by_link:
                 if li == same_li:
-                    for cost, holder, o, _ in in_rack.get(inst.rack, ()):
+                    for cost, i in rack_options(inst.rack):
                         if cost >= best.cost_s:
                             break
-                        if holder.node_id != node and o[0] > floor:
-                            best = Reuse(o[0], holder.node_id, o[1], cost)
+                        o = plan[shapes[i]]
+                        if holders[i].node_id != node and o[0] > floor:
+                            best = Reuse(o[0], holders[i].node_id, o[1], cost)
                             break
                     continue
-                for cost, holder, o, hk in opts:
+                found_one = False
+                for cost, idx in runs:
                     if cost >= best.cost_s:
                         break
-                    if holder.node_id == node or o[0] <= floor:
-                        continue
-                    found = table.get((hk, ik))
-                    if found is None:
-                        found = costs.link_index(holder, inst, (hk, ik))
-                    if found == li:
-                        best = Reuse(o[0], holder.node_id, o[1], cost)
+                    for i in idx:
+                        holder = holders[i]
+                        o = plan[shapes[i]]
+                        if holder.node_id == node or o[0] <= floor:
+                            continue
+                        hk = keys[i]
+                        if hk is None:
+                            hk = keys[i] = place_key(holder)
+                        found = table.get((hk, ik))
+                        if found is None:
+                            found = costs.link_index(holder, inst, (hk, ik))
+                        if found == li:
+                            best = Reuse(o[0], holder.node_id, o[1], cost)
+                            found_one = True
+                            break
+                    if found_one:
                         break
             if bare:
                 by_place[ik] = best
             return best
 
         bare_floor = costs.local_plan(NO_PREFIX, request, bs)[2]
-        for _, opts in by_link:
-            if opts and opts[0][0] < bare_floor:
-                bare_floor = opts[0][0]
-        return best_reuse, bare_floor
+        for _, runs, _ in by_link:
+            if runs and runs[0][0] < bare_floor:
+                bare_floor = runs[0][0]
+        return best_reuse, bare_floor, groups
 
-    def _same_rack_index(self, by_link: list) -> tuple[int, dict]:
-        """(index of the same-rack link class, rack → the options of that class's
-        cheapest-first list held in the rack, in order), or (-1, {}) when same-rack is not a
-        class of its own."""
+    def _same_rack_class(self) -> int:
+        """Index of the same-rack link class when "same rack" is a class of its own (no rack
+        pairs or node places in the topology), else -1."""
         topo = self.costs.topology
         links = topo.links
-        if not by_link or topo.nodes or topo.rack_pairs or links.same_rack in (links.cross_rack, links.cross_zone):
-            return -1, {}
-        li = self.costs.links.index(links.same_rack)
-        by_rack: dict = {}
-        for li_, opts in by_link:
-            if li_ == li:
-                for o in opts:
-                    by_rack.setdefault(o[1].rack, []).append(o)
-        return li, by_rack
+        if topo.nodes or topo.rack_pairs or links.same_rack in (links.cross_rack, links.cross_zone):
+            return -1
+        return self.costs.links.index(links.same_rack)
 
     def _candidates(self, prefills: tuple[Instance, ...], waits: list[float],
                     p: KvCacheCentricParams) -> list[tuple[Instance, float]]:
