@@ -97,46 +97,101 @@ def entry_prefixes(values: Sequence[bytes | None], slot_nodes: dict[int, str]) -
     """
     if not values or not values[0] or not slot_nodes:
         return {}
-    first = holder_entries(values[0])
+    return _prefixes_of_runs(*_runs(values), slot_nodes)
+
+
+def _runs(values: Sequence[bytes | None]) -> tuple[tuple[bytes, ...], tuple[int, ...], int]:
+    """(the distinct values of a chain in order, the block each starts at, the block the
+    walk stops at: the first without holders, or the chain's end); ``values[0]`` is set."""
+    prev = values[0]
+    runs = [prev]
+    starts = [0]
+    i = 1
+    n = len(values)
+    while i < n:
+        v = values[i]
+        if v != prev:
+            if not v:
+                break
+            runs.append(v)
+            starts.append(i)
+            prev = v
+        i += 1
+    return tuple(runs), tuple(starts), i  # type: ignore[arg-type]
+
+
+def _prefixes_of_runs(runs: Sequence[bytes], starts: Sequence[int], stop: int,
+                      slot_nodes: dict[int, str]) -> dict[str, tuple[int, int, int]]:
+    first = holder_entries(runs[0])
     a3 = {s: t for s, t in first.items() if t and s in slot_nodes}  # slot -> tiers, holding the prefix in some tier
     a2 = {s for s, t in a3.items() if t & 3}
     a1 = {s for s, t in a3.items() if t & 1}
     ends: dict[int, list[int]] = {s: [0 if s not in a1 else -1, 0 if s not in a2 else -1, -1] for s in a3}
     alive = set(a3)
-    prev = values[0]
-    i = 1
-    n = len(values)
-    while i < n and alive:
-        v = values[i]
-        if v != prev:
-            if not v:
-                break
-            d = holder_entries(v)
-            for s in list(alive):
-                t = d.get(s, 0)
-                e = ends[s]
-                if not t:
-                    alive.discard(s)
-                    e[2] = i
-                    if s in a2:
-                        e[1] = i
-                        a2.discard(s)
-                    if s in a1:
-                        e[0] = i
-                        a1.discard(s)
-                    continue
-                if s in a2 and not t & 3:
+    for v, i in zip(runs[1:], starts[1:]):
+        if not alive:
+            break
+        d = holder_entries(v)
+        for s in list(alive):
+            t = d.get(s, 0)
+            e = ends[s]
+            if not t:
+                alive.discard(s)
+                e[2] = i
+                if s in a2:
                     e[1] = i
                     a2.discard(s)
-                if s in a1 and not t & 1:
+                if s in a1:
                     e[0] = i
                     a1.discard(s)
-            prev = v
-        i += 1
+                continue
+            if s in a2 and not t & 3:
+                e[1] = i
+                a2.discard(s)
+            if s in a1 and not t & 1:
+                e[0] = i
+                a1.discard(s)
     out: dict[str, tuple[int, int, int]] = {}
     for s, e in ends.items():
-        out[slot_nodes[s]] = (i if e[0] < 0 else e[0], i if e[1] < 0 else e[1], i if e[2] < 0 else e[2])
+        out[slot_nodes[s]] = (stop if e[0] < 0 else e[0], stop if e[1] < 0 else e[1], stop if e[2] < 0 else e[2])
     return out
+
+
+class PrefixWalk:
+    """:func:`entry_prefixes` for one reader, remembering the answers for the last ``size``
+    distinct holder patterns.
+
+    A hot prefix (a system prompt, a popular document) is read again and again with the same
+    holders, so its blocks come back with the same values: a chain whose distinct values,
+    their starting blocks and its stopping block equal an earlier one's (and whose slot names
+    are the same mapping object: the node decoder hands out a new one when a slot moves) has
+    the same answer, found for the cost of one pass of compares over the chain instead of one
+    per holder. The answer is shared between reads: callers must not change it. A changed
+    holder set changes the values, so nothing stale is ever answered."""
+
+    def __init__(self, size: int = 512) -> None:
+        self.size = size
+        self.hits = 0
+        self.misses = 0
+        self._memo: dict[tuple[Any, ...], tuple[dict[int, str], dict[str, tuple[int, int, int]]]] = {}
+
+    def __call__(self, values: Sequence[bytes | None], slot_nodes: dict[int, str]) -> dict[str, tuple[int, int, int]]:
+        if not values or not values[0] or not slot_nodes:
+            return {}
+        key = _runs(values)
+        memo = self._memo
+        hit = memo.pop(key, None)
+        if hit is not None and hit[0] is slot_nodes:
+            memo[key] = hit  # most recently used last
+            self.hits += 1
+            return hit[1]
+        self.misses += 1
+        out = _prefixes_of_runs(*key, slot_nodes)
+        if len(memo) >= self.size:
+            for old in list(memo)[: max(1, self.size // 4)]:  # the least recently used quarter
+                del memo[old]
+        memo[key] = (slot_nodes, out)
+        return out
 
 
 def entry_holders(value: bytes, slot_nodes: dict[int, str]) -> dict[str, tuple[str, ...]]:
@@ -347,13 +402,15 @@ def snapshot_from_replies(
     slot_nodes: dict[int, str],
     watermark: Iterable[tuple[bytes, bytes]],
     now_ms: int | None = None,
+    walk: Any = entry_prefixes,
 ) -> ViewSnapshot:
     """A :class:`ViewSnapshot` from the replies of the one-round-trip read: ``TIME``, the
-    ``MGET`` of the chain's block keys, the decoded node hash, the watermark's pairs."""
+    ``MGET`` of the chain's block keys, the decoded node hash, the watermark's pairs
+    (``walk``: :func:`entry_prefixes`, or a reader's :class:`PrefixWalk`)."""
     if now_ms is None:
         sec, usec = time_reply
         now_ms = int(sec) * 1000 + int(usec) // 1000
-    prefix = entry_prefixes(values, slot_nodes)
+    prefix = walk(values, slot_nodes)
     return ViewSnapshot(now_ms=now_ms, nodes=nodes, prefix=prefix,
                         watermark={k.decode(): int(v) for k, v in watermark})
 

@@ -26,7 +26,7 @@ from redis.crc import key_slot
 from schemas.errors import ViewStoreError
 
 from .connect import HiredisPackedConnection, cluster_seeds
-from .keys import NODE_ATTRS, NodeHashDecoder, ViewKeys, dump_from_replies, snapshot_from_replies
+from .keys import NODE_ATTRS, NodeHashDecoder, PrefixWalk, ViewKeys, dump_from_replies, snapshot_from_replies
 from .view import NodeState, ViewSnapshot
 
 # KEYS: version, changes, node hash, base; ARGV: the version and base the reader holds, the
@@ -108,6 +108,8 @@ class RawSnapshotReader:
         self._waiting: collections.deque[tuple[asyncio.Future[list[Any]], int, list[Any]]] = collections.deque()
         self._reader_task: asyncio.Future[None] | None = None
         self._decoder = NodeHashDecoder()
+        self.walk = PrefixWalk()
+        """The prefix walk, remembering hot chains' answers (:class:`state.keys.PrefixWalk`)."""
         self._last_version: bytes | None = None
         self._last_base: bytes = b""
         self.node_reads = {"unchanged": 0, "delta": 0, "whole": 0}
@@ -309,7 +311,7 @@ class RawSnapshotReader:
             time_reply, flat_nodes, flat_wm = res
             values = []
         nodes, slot_nodes = self._nodes_from(flat_nodes)
-        return snapshot_from_replies(time_reply, values, nodes, slot_nodes, _pairs(flat_wm), now_ms)
+        return snapshot_from_replies(time_reply, values, nodes, slot_nodes, _pairs(flat_wm), now_ms, self.walk)
 
     def _nodes_from(self, reply: list[Any]) -> tuple[tuple[NodeState, ...], dict[int, str]]:
         """The node picture after the node script's reply: unchanged, a delta, or whole."""

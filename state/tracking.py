@@ -194,7 +194,7 @@ class TrackingSnapshotReader(RawSnapshotReader):
             self.stats["hits"] += len(got) - len(fetched)
             self.stats["misses"] += len(fetched)
             pairs = wm.items() if isinstance(wm, dict) else zip(wm[::2], wm[1::2])
-            return snapshot_from_replies(time_reply, values, nodes, slot_nodes, pairs, now_ms)
+            return snapshot_from_replies(time_reply, values, nodes, slot_nodes, pairs, now_ms, self.walk)
         raise AssertionError("unreachable: the last attempt reads without the cache")
 
     def _from_cache(self, keys: list[bytes]) -> tuple[list[Any], list[int]]:

@@ -39,6 +39,12 @@ PendingOne = Callable[[str, int, int], tuple["PendingLoad | None", "int | None"]
 time at which that next changes without a new reservation or None)``:
 ``state.reservations.InMemoryReservations.pending_one``."""
 
+Shape = tuple[int, int, int]
+_Holders = tuple[dict[str, Shape], list[str], tuple[Shape, ...], dict[Shape, list[int]], dict[str, int]]
+MEMO_SIZE = 512
+"""Prefix answers whose holders a :class:`ClusterIndex` remembers (as many as a reader's
+:class:`state.keys.PrefixWalk` does)."""
+
 PREFILL_ROLES = ("prefill", "both")
 DECODE_ROLES = ("decode", "both")
 
@@ -61,6 +67,8 @@ class IndexView:
     """The instances holding a prefix of the chain, in the order of ``instances``, as they are
     without it (their prefixes are ``shapes``)."""
     shapes: tuple[tuple[int, int, int], ...]
+    groups: dict[tuple[int, int, int], list[int]]
+    """prefix → the indexes in ``holders`` of its holders, ascending."""
     prefix: dict[str, tuple[int, int, int]]
     """node → its prefix of the chain, for the holders."""
     base: dict[str, Instance]
@@ -117,6 +125,7 @@ class ClusterIndex:
         self._expiry: dict[str, int] = {}
         self._touched: set[str] = set()
         self._with_prefix: dict[tuple[str, tuple[int, int, int]], tuple[Instance, Instance]] = {}
+        self._holders_memo: dict[int, tuple[dict, dict, _Holders]] = {}
         self.rebuilds = 0
         """Whole rebuilds so far (the first read, the node set changing, the clock going back)."""
         self.refreshed = 0
@@ -249,13 +258,13 @@ class ClusterIndex:
         """The policy's picture of ``view`` (after :meth:`update` with it): ``build_cluster``'s
         instances (made only if a policy asks for them), plus an :class:`IndexView`."""
         pos = self._pos
-        prefix = {node: p for node, p in view.prefix.items() if node in pos and p != NO_PREFIX}
-        order = sorted(prefix, key=pos.__getitem__)
+        prefix, order, shapes, groups, at = self._holders_of(view.prefix)
         base = self._inst
         ix = IndexView(
             profile=self.profile,
-            holders=tuple(base[node] for node in order),
-            shapes=tuple(prefix[node] for node in order),
+            holders=tuple(map(base.__getitem__, order)),
+            shapes=shapes,
+            groups=groups,
             prefix=prefix,
             base=base,
             waits=self._waits,
@@ -264,7 +273,7 @@ class ClusterIndex:
             prefill_count=len(self._waits),
             decode_count=len(self._loads),
             with_prefix=self._holder,
-            rack_holders=self._rack_holders(order),
+            rack_holders=self._rack_holders(at),
         )
         every = self._base
 
@@ -277,14 +286,39 @@ class ClusterIndex:
         return ClusterSnapshot(LazyInstances(instances), self.block_size, dict(view.watermark), age_ms,  # type: ignore[arg-type]
                                index=ix)
 
-    def _rack_holders(self, order: list[str]) -> Callable[[str | None], list[int]]:
-        """rack → the indexes in ``order`` (the holders) of the holders in that rack, ascending."""
+    def _holders_of(self, found: dict[str, tuple[int, int, int]]) -> _Holders:
+        """The live holders of a read's prefix answer, in node order: (node → prefix, the
+        nodes, their prefixes, prefix → indexes of its holders, node → index). Remembered per
+        answer object while the node order stands: a reader's :class:`state.keys.PrefixWalk`
+        hands out the same answer for a hot chain read again, so its holders are sorted once."""
+        pos = self._pos
+        memo = self._holders_memo
+        hit = memo.get(id(found))
+        if hit is not None and hit[0] is found and hit[1] is pos:
+            return hit[2]
+        prefix = {node: p for node, p in found.items() if node in pos and p != NO_PREFIX}
+        order = sorted(prefix, key=pos.__getitem__)
+        shapes = tuple(map(prefix.__getitem__, order))
+        groups: dict[tuple[int, int, int], list[int]] = {}
+        for i, shape in enumerate(shapes):
+            g = groups.get(shape)
+            if g is None:
+                groups[shape] = [i]
+            else:
+                g.append(i)
+        out = (prefix, order, shapes, groups, dict(zip(order, range(len(order)))))
+        if len(memo) >= MEMO_SIZE:
+            for old in list(memo)[: MEMO_SIZE // 4]:
+                del memo[old]
+        memo[id(found)] = (found, pos, out)
+        return out
+
+    def _rack_holders(self, at: dict[str, int]) -> Callable[[str | None], list[int]]:
+        """rack → the indexes in ``holders`` of the holders in that rack, ascending (``at``:
+        holder node → its index)."""
         racks = self._racks
-        at: dict[str, int] = {}
 
         def rack_holders(rack: str | None) -> list[int]:
-            if not at:
-                at.update(zip(order, range(len(order))))
             return sorted([at[n] for n in racks.get(rack, ()) if n in at])
 
         return rack_holders

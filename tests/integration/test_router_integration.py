@@ -117,6 +117,7 @@ async def test_bench_route_runs_small(settings) -> None:
     assert sum(out["outcomes"].values()) == 150
     assert 0 < out["decision_ms_p50"] <= out["decision_ms_p99"] and out["decisions_per_s"] > 0
     assert 0 < out["reused_prefix_ratio_mean"] < 1  # shared prefixes are found, questions are new
+    assert 1 <= out["prefix_holders_mean"] <= 32  # the stores hold every other tenant's documents
 
 
 async def test_raw_snapshot_reader_matches_the_view_store(settings) -> None:

@@ -127,7 +127,7 @@ class KvCacheCentric(RoleSplitPolicy):
         p: KvCacheCentricParams = self.p  # type: ignore[assignment]
         holders = ix.holders
         best_reuse, bare_floor, groups = self._reuse_planner(request, holders, snapshot.block_size, ix.shapes,
-                                                             ix.rack_holders)
+                                                             ix.rack_holders, ix.groups)
         margin = _tie_margin(p)
         pool: list[Instance] = []
         reuses: list[Reuse] = []
@@ -181,16 +181,21 @@ class KvCacheCentric(RoleSplitPolicy):
         found: list[tuple[Instance, float]] = []
         limit = None
         base = ix.base
-        # Costs.decode_fits and Costs.tbt_ms, their arithmetic inline (the loop passes every
-        # instance of the low-load band): the same operations, so the same floats.
+        # Costs.decode_fits and Costs.tbt_ms (ModelProfile.decode_step_seconds), their
+        # arithmetic inline: the loop passes every instance of the low-load band, often a
+        # hundred or more. The same operations in the same order, so the same floats
+        # (tests/property/test_cluster_index.py compares with the exhaustive policy).
         need = costs.decode_blocks_needed(request, bs)
-        step = costs.profile.decode_step_seconds
+        prof = costs.profile
+        overhead, per_seq, weights = prof.step_overhead_s, prof.per_sequence_s, prof.weight_bytes
+        kv_bytes, bandwidth = prof.kv_bytes_per_token, prof.hbm_bandwidth
         prompt = request.prompt_tokens
         for _, node in ix.decode_loads:
             d = base[node]  # as it is without its prefix: decode does not look at it
             if d.total_kv_blocks > 0 and d.free_kv_blocks < need:
                 continue
-            t = 1000.0 * step(d.batch_size + 1, d.decode_context_tokens + prompt)
+            ctx = d.decode_context_tokens + prompt
+            t = 1000.0 * (overhead + (d.batch_size + 1) * per_seq + (weights + (ctx if ctx > 0 else 0) * kv_bytes) / bandwidth)
             if limit is None:
                 if t > budget:
                     return None
@@ -278,13 +283,15 @@ class KvCacheCentric(RoleSplitPolicy):
     def _reuse_planner(self, request: PolicyRequest, holders: Sequence[Instance], bs: int,
                        shapes: Sequence[tuple[int, int, int]] | None = None,
                        rack_holders: Callable[[str | None], Sequence[int]] | None = None,
+                       groups: dict[tuple[int, int, int], list[int]] | None = None,
                        ) -> tuple[Callable[[Instance], Reuse], float, dict[tuple[int, int, int], list[int]]]:
         """(instance → its cheapest reuse plan: its own cache or a holder's copy over a link,
         the lowest cost any instance holding no prefix can have, prefix shape → the indexes
         of its holders). ``holders``: the instances holding a prefix of the chain, in snapshot
         order (ties between copies go to the first); ``shapes``: their prefixes, when not
-        their ``prefix_blocks``; ``rack_holders``: rack → indexes of its holders, in order
-        (found by a scan of the holders when not given).
+        their ``prefix_blocks``; ``rack_holders``: rack → indexes of its holders, in order,
+        and ``groups``: prefix shape → indexes of its holders, in order (both found by a scan
+        of the holders when not given).
 
         The work per request follows the prefix shapes, not the holders: holders of one
         shape have the same copy plan, so each link class's copies are walked as runs of
@@ -295,13 +302,14 @@ class KvCacheCentric(RoleSplitPolicy):
         costs = self.costs
         if shapes is None:
             shapes = [h.prefix_blocks for h in holders]
-        groups: dict[tuple[int, int, int], list[int]] = {}
-        for i, shape in enumerate(shapes):
-            g = groups.get(shape)
-            if g is None:
-                groups[shape] = [i]
-            else:
-                g.append(i)
+        if groups is None:
+            groups = {}
+            for i, shape in enumerate(shapes):
+                g = groups.get(shape)
+                if g is None:
+                    groups[shape] = [i]
+                else:
+                    g.append(i)
         # Per link class: (index, runs of (cost, holder indexes), shape → plan).
         by_link: list[tuple[int, list[tuple[float, list[int]]], dict]] = []
         if p.remote_reuse and holders:

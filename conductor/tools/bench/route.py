@@ -220,6 +220,7 @@ async def run_route_bench(settings: Any, *, decisions: int, target_blocks: int, 
     gc.collect()
     gc.freeze()  # the synthetic workload's millions of keys are not garbage: keep GC off them
     policy_ms: list[float] = []
+    holders: list[int] = []
     inner = router.policy
 
     class Timed:  # times the pure part apart from the reads
@@ -229,6 +230,9 @@ async def run_route_bench(settings: Any, *, decisions: int, target_blocks: int, 
             t = time.perf_counter()
             out = inner.decide(req, snap, r)
             policy_ms.append((time.perf_counter() - t) * 1000.0)
+            ix = snap.index
+            holders.append(len(ix.holders) if ix is not None
+                           else sum(1 for i in snap.instances if i.prefix_blocks[2] > 0))
             return out
 
     router.policy = Timed()  # type: ignore[assignment]
@@ -257,6 +261,7 @@ async def run_route_bench(settings: Any, *, decisions: int, target_blocks: int, 
             await router.route(req)
             await mget(list(req.block_keys or ()))
         policy_ms.clear()
+        holders.clear()
         stats = getattr(view, "stats", None)
         if stats is not None:  # count the timed reads only
             stats.update(dict.fromkeys(stats, 0))
@@ -319,6 +324,7 @@ async def run_route_bench(settings: Any, *, decisions: int, target_blocks: int, 
         "decision_ms_max": round(max(lat), 4),
         "policy_ms_p50": round(percentile(policy_ms, 0.50), 4),
         "policy_ms_p99": round(percentile(policy_ms, 0.99), 4),
+        "prefix_holders_mean": round(statistics.fmean(holders), 1) if holders else 0.0,
         "decisions_per_s": round(decisions / busy, 1),
         "mget128_ms_p50": round(m50, 4),
         "mget128_ms_p99": round(m99, 4),
@@ -338,6 +344,8 @@ async def run_route_bench(settings: Any, *, decisions: int, target_blocks: int, 
         "note": "decision = view read + reservation read + policy + reservation record; one process; "
                 "decisions_per_s = decisions / wall time (without the baseline MGETs) with CONCURRENCY "
                 "requests in flight; heartbeats written by a separate process at HEARTBEAT_RATE nodes/s; "
+                "prefix_holders_mean = instances holding a prefix of the request's chain, per decision (the "
+                "policy's work follows them); "
                 "view_bytes_per_block = Redis used_memory growth over the bulk load / blocks; node_reads = how "
                 "the view reads got the node states (unchanged, only the changed nodes, the whole hash); reader = raw (the router's) or tracking (client-side cache, "
                 "CLIENT TRACKING): cache_hit_ratio = chain keys served from the cache / keys looked up, "
