@@ -77,3 +77,39 @@ def test_holder_entries_round_trip(held):
     assert entry_holders(value, {s: f"n{s}" for s in held}) == {
         f"n{s}": tuple(name for i, name in enumerate(("hbm", "dram", "ssd")) if t >> i & 1) for s, t in held.items()
     }
+
+
+@given(
+    st.lists(st.lists(st.integers(0, 2**24 - 1), min_size=1, max_size=12), min_size=1, max_size=6),
+    st.lists(st.tuples(st.integers(0, 5), st.integers(0, 2)), min_size=1, max_size=30),
+)
+def test_the_remembering_walk_answers_as_the_walk(chains, reads):
+    """A reader's PrefixWalk gives entry_prefixes' answer read after read, whether the chain
+    was read before (the same values, fresh bytes objects as a reply brings them) or its
+    holders or slot names changed since; a small memo also forgets and re-learns."""
+    from state.keys import PrefixWalk
+
+    walk = PrefixWalk(size=3)
+    names = [{s: f"n{s}" for s in range(8)}, {s: f"n{s}" for s in range(1, 8)}, {s: f"m{s}" for s in range(8)}]
+    for which, names_at in reads:
+        masks = chains[which % len(chains)]
+        values = [bytes(v) if v else None for v in (as_entries(m, list(range(8))) for m in masks)]
+        slot_nodes = names[names_at]
+        assert walk(values, slot_nodes) == entry_prefixes(values, slot_nodes) == longest_prefixes(masks, slot_nodes)
+    assert walk.hits + walk.misses == sum(1 for which, _ in reads if as_entries(chains[which % len(chains)][0], list(range(8))))
+
+
+def test_the_remembering_walk_is_told_apart_by_holders_and_slot_names():
+    from state.keys import PrefixWalk
+
+    walk = PrefixWalk()
+    names = {0: "a", 1: "b"}
+    both = [holder_entry(0, 1) + holder_entry(1, 1)] * 3
+    assert walk(both, names) == {"a": (3, 3, 3), "b": (3, 3, 3)}
+    assert walk([bytes(v) for v in both], names) is walk(both, names)  # equal values: remembered
+    assert (walk.hits, walk.misses) == (2, 1)
+    moved = both[:2] + [holder_entry(1, 2)]  # node a dropped the third block, b moved it to DRAM
+    assert walk(moved, names) == {"a": (2, 2, 2), "b": (2, 3, 3)}
+    renamed = {0: "a", 1: "c"}  # a slot reused by another node: a new mapping object
+    assert walk(both, renamed) == {"a": (3, 3, 3), "c": (3, 3, 3)}
+    assert walk.misses == 3
