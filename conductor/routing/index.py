@@ -40,7 +40,8 @@ time at which that next changes without a new reservation or None)``:
 ``state.reservations.InMemoryReservations.pending_one``."""
 
 Shape = tuple[int, int, int]
-_Holders = tuple[dict[str, Shape], list[str], tuple[Shape, ...], dict[Shape, list[int]], dict[str, int]]
+_Holders = tuple[dict[str, Shape], list[str], tuple[Shape, ...], dict[Shape, list[int]],
+                 Callable[[str | None], list[int]]]
 MEMO_SIZE = 512
 """Prefix answers whose holders a :class:`ClusterIndex` remembers (as many as a reader's
 :class:`state.keys.PrefixWalk` does)."""
@@ -117,6 +118,9 @@ class ClusterIndex:
         self._load_of: dict[str, float] = {}
         self._racks: dict[str | None, set[str]] = {}
         """rack → its live instances."""
+        self._racks_moved = 0
+        """Counts live nodes seen moving to another rack (what the holders memo depends on
+        beside the node order)."""
         self._deaths: list[tuple[int, str]] = []
         """(last heartbeat, node) of live nodes, oldest first: a node dies once now passes it by the TTL."""
         self._deadline: dict[str, int] = {}
@@ -125,7 +129,7 @@ class ClusterIndex:
         self._expiry: dict[str, int] = {}
         self._touched: set[str] = set()
         self._with_prefix: dict[tuple[str, tuple[int, int, int]], tuple[Instance, Instance]] = {}
-        self._holders_memo: dict[int, tuple[dict, dict, _Holders]] = {}
+        self._holders_memo: dict[int, tuple[dict, dict, int, _Holders]] = {}
         self.rebuilds = 0
         """Whole rebuilds so far (the first read, the node set changing, the clock going back)."""
         self.refreshed = 0
@@ -217,6 +221,8 @@ class ClusterIndex:
             self._drop(node)
         self._inst[node] = inst
         self._racks.setdefault(inst.rack, set()).add(node)
+        if prev is not None and prev.rack != inst.rack:
+            self._racks_moved += 1
         if inst.role in PREFILL_ROLES:
             w = self._costs.queue_wait_s(inst)
             self._wait_of[node] = w
@@ -258,7 +264,7 @@ class ClusterIndex:
         """The policy's picture of ``view`` (after :meth:`update` with it): ``build_cluster``'s
         instances (made only if a policy asks for them), plus an :class:`IndexView`."""
         pos = self._pos
-        prefix, order, shapes, groups, at = self._holders_of(view.prefix)
+        prefix, order, shapes, groups, rack_holders = self._holders_of(view.prefix)
         base = self._inst
         ix = IndexView(
             profile=self.profile,
@@ -273,7 +279,7 @@ class ClusterIndex:
             prefill_count=len(self._waits),
             decode_count=len(self._loads),
             with_prefix=self._holder,
-            rack_holders=self._rack_holders(at),
+            rack_holders=rack_holders,
         )
         every = self._base
 
@@ -294,8 +300,8 @@ class ClusterIndex:
         pos = self._pos
         memo = self._holders_memo
         hit = memo.get(id(found))
-        if hit is not None and hit[0] is found and hit[1] is pos:
-            return hit[2]
+        if hit is not None and hit[0] is found and hit[1] is pos and hit[2] == self._racks_moved:
+            return hit[3]
         prefix = {node: p for node, p in found.items() if node in pos and p != NO_PREFIX}
         order = sorted(prefix, key=pos.__getitem__)
         shapes = tuple(map(prefix.__getitem__, order))
@@ -306,20 +312,24 @@ class ClusterIndex:
                 groups[shape] = [i]
             else:
                 g.append(i)
-        out = (prefix, order, shapes, groups, dict(zip(order, range(len(order)))))
+        out = (prefix, order, shapes, groups, self._rack_holders(dict(zip(order, range(len(order))))))
         if len(memo) >= MEMO_SIZE:
             for old in list(memo)[: MEMO_SIZE // 4]:
                 del memo[old]
-        memo[id(found)] = (found, pos, out)
+        memo[id(found)] = (found, pos, self._racks_moved, out)
         return out
 
     def _rack_holders(self, at: dict[str, int]) -> Callable[[str | None], list[int]]:
         """rack → the indexes in ``holders`` of the holders in that rack, ascending (``at``:
-        holder node → its index)."""
+        holder node → its index); remembered with the holders."""
         racks = self._racks
+        known: dict[str | None, list[int]] = {}
 
         def rack_holders(rack: str | None) -> list[int]:
-            return sorted([at[n] for n in racks.get(rack, ()) if n in at])
+            got = known.get(rack)
+            if got is None:
+                got = known[rack] = sorted([at[n] for n in racks.get(rack, ()) if n in at])
+            return got
 
         return rack_holders
 

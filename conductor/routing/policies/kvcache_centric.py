@@ -178,7 +178,8 @@ class KvCacheCentric(RoleSplitPolicy):
         p: KvCacheCentricParams = self.p  # type: ignore[assignment]
         costs = self.costs
         budget = request.tbt_slo_ms * p.slo_margin
-        found: list[tuple[Instance, float]] = []
+        names: list[str] = []
+        ts: list[float] = []
         limit = None
         base = ix.base
         # Costs.decode_fits and Costs.tbt_ms (ModelProfile.decode_step_seconds), their
@@ -203,13 +204,21 @@ class KvCacheCentric(RoleSplitPolicy):
                 limit = t * (1.0 + p.decode_low_load_band) + 1e-9 + 1e-6
             elif t > limit:
                 break
-            found.append((d, t))
+            names.append(node)
+            ts.append(t)
         if limit is None:
             return None
-        ok = [x for x in found if x[1] <= budget]
-        lo = min(t for _, t in ok)
-        band = [x for x in ok if x[1] <= lo * (1.0 + p.decode_low_load_band) + 1e-9]
-        return pick_lowest(band, [0.0] * len(band), rng, node_id=lambda x: x[0].node_id)
+        # The band of _decode: within the SLO and the low-load band of the lowest TBT; all
+        # tie, so (as pick_lowest does) the pick is by the generator in node-id order.
+        lo = min(filter(budget.__ge__, ts))
+        cut = min(budget, lo * (1.0 + p.decode_low_load_band) + 1e-9)
+        band = [i for i, t in enumerate(ts) if t <= cut]
+        if len(band) > 1:
+            band.sort(key=names.__getitem__)
+            i = band[rng.randrange(len(band))]
+        else:
+            i = band[0]
+        return base[names[i]], ts[i]
 
     def place(self, request: PolicyRequest, snapshot: ClusterSnapshot, prefills: tuple[Instance, ...],
               decodes: tuple[Instance, ...], rng: random.Random) -> Decision:
