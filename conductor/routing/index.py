@@ -30,7 +30,7 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass
 
 from conductor.profiles import ModelProfile
-from conductor.routing.policies.base import Costs
+from conductor.routing.policies.base import Costs, decode_load
 from conductor.routing.snapshot import NO_PREFIX, ClusterSnapshot, Instance, LazyInstances, PendingLoad, instance
 from state.view import NodeState, ViewSnapshot
 
@@ -41,21 +41,13 @@ time at which that next changes without a new reservation or None)``:
 
 Shape = tuple[int, int, int]
 _Holders = tuple[dict[str, Shape], list[str], tuple[Shape, ...], dict[Shape, list[int]],
-                 Callable[[str | None], list[int]]]
+                 dict[str | None, list[int]]]
 MEMO_SIZE = 512
 """Prefix answers whose holders a :class:`ClusterIndex` remembers (as many as a reader's
 :class:`state.keys.PrefixWalk` does)."""
 
 PREFILL_ROLES = ("prefill", "both")
 DECODE_ROLES = ("decode", "both")
-
-
-def decode_load(profile: ModelProfile, inst: Instance) -> float:
-    """The part of a decode step's predicted time that differs between instances: the
-    predicted TBT of any request is an increasing function of it (``decode_step_seconds`` is
-    linear in the batch and the context)."""
-    return inst.batch_size * profile.per_sequence_s + inst.decode_context_tokens * (
-        profile.kv_bytes_per_token / profile.hbm_bandwidth)
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,8 +75,9 @@ class IndexView:
     decode_count: int
     with_prefix: Callable[[str, tuple[int, int, int]], Instance]
     """(node, prefix) → the node's instance as ``instances`` has it."""
-    rack_holders: Callable[[str | None], list[int]]
-    """rack → the indexes in ``holders`` of the holders in that rack, ascending."""
+    rack_holders: dict[str | None, list[int]]
+    """rack → the indexes in ``holders`` of the holders in that rack, ascending (racks
+    without holders absent)."""
 
     def instance(self, node: str) -> Instance:
         """``node`` as ``instances`` has it."""
@@ -116,8 +109,6 @@ class ClusterIndex:
         self._wait_of: dict[str, float] = {}
         self._loads: list[tuple[float, str]] = []
         self._load_of: dict[str, float] = {}
-        self._racks: dict[str | None, set[str]] = {}
-        """rack → its live instances."""
         self._racks_moved = 0
         """Counts live nodes seen moving to another rack (what the holders memo depends on
         beside the node order)."""
@@ -186,7 +177,6 @@ class ClusterIndex:
         self._wait_of.clear()
         self._loads.clear()
         self._load_of.clear()
-        self._racks.clear()
         self._deaths.clear()
         self._deadline.clear()
         self._expiries.clear()
@@ -220,7 +210,6 @@ class ClusterIndex:
         if was:
             self._drop(node)
         self._inst[node] = inst
-        self._racks.setdefault(inst.rack, set()).add(node)
         if prev is not None and prev.rack != inst.rack:
             self._racks_moved += 1
         if inst.role in PREFILL_ROLES:
@@ -238,11 +227,7 @@ class ClusterIndex:
         return True
 
     def _drop(self, node: str) -> None:
-        rack = self._inst.pop(node).rack
-        members = self._racks[rack]
-        members.discard(node)
-        if not members:
-            del self._racks[rack]
+        del self._inst[node]
         w = self._wait_of.pop(node, None)
         if w is not None:
             del self._waits[bisect.bisect_left(self._waits, (w, node))]
@@ -264,7 +249,7 @@ class ClusterIndex:
         """The policy's picture of ``view`` (after :meth:`update` with it): ``build_cluster``'s
         instances (made only if a policy asks for them), plus an :class:`IndexView`."""
         pos = self._pos
-        prefix, order, shapes, groups, rack_holders = self._holders_of(view.prefix)
+        prefix, order, shapes, groups, racks = self._holders_of(view.prefix)
         base = self._inst
         ix = IndexView(
             profile=self.profile,
@@ -279,7 +264,7 @@ class ClusterIndex:
             prefill_count=len(self._waits),
             decode_count=len(self._loads),
             with_prefix=self._holder,
-            rack_holders=rack_holders,
+            rack_holders=racks,
         )
         every = self._base
 
@@ -312,26 +297,20 @@ class ClusterIndex:
                 groups[shape] = [i]
             else:
                 g.append(i)
-        out = (prefix, order, shapes, groups, self._rack_holders(dict(zip(order, range(len(order))))))
+        base = self._inst
+        racks: dict[str | None, list[int]] = {}
+        for i, node in enumerate(order):
+            g = racks.get(base[node].rack)
+            if g is None:
+                racks[base[node].rack] = [i]
+            else:
+                g.append(i)
+        out = (prefix, order, shapes, groups, racks)
         if len(memo) >= MEMO_SIZE:
             for old in list(memo)[: MEMO_SIZE // 4]:
                 del memo[old]
         memo[id(found)] = (found, pos, self._racks_moved, out)
         return out
-
-    def _rack_holders(self, at: dict[str, int]) -> Callable[[str | None], list[int]]:
-        """rack → the indexes in ``holders`` of the holders in that rack, ascending (``at``:
-        holder node → its index); remembered with the holders."""
-        racks = self._racks
-        known: dict[str | None, list[int]] = {}
-
-        def rack_holders(rack: str | None) -> list[int]:
-            got = known.get(rack)
-            if got is None:
-                got = known[rack] = sorted([at[n] for n in racks.get(rack, ()) if n in at])
-            return got
-
-        return rack_holders
 
     def _holder(self, node: str, prefix: tuple[int, int, int]) -> Instance:
         """``node``'s instance holding ``prefix`` of the chain."""

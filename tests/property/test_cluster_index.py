@@ -90,10 +90,48 @@ def test_the_index_is_the_builders_picture_read_after_read(seed: int, size: int)
         assert got == want
         holders = got.index.holders
         for rack, _ in PLACES:
-            assert got.index.rack_holders(rack) == [i for i, h in enumerate(holders) if h.rack == rack]
+            assert got.index.rack_holders.get(rack, []) == [i for i, h in enumerate(holders) if h.rack == rack]
         tokens = rng.choice([600, 9000, 40_000, 70_000])
         req = PolicyRequest("r", tokens, min(tokens // BS, 80), ttft_slo_s=rng.choice([0.5, 2.0, 30.0]),
                             tbt_slo_ms=rng.choice([40.0, 100.0]))
         s = rng.getrandbits(32)
         assert policy.decide(req, got, random.Random(s)) == policy.decide(req, want, random.Random(s))
     assert ix.rebuilds >= 1
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.integers(1, 160))
+def test_the_decode_band_from_the_index_is_the_exhaustive_one(seed: int, decodes: int) -> None:
+    """Many decode instances, loads drawn from few values (exact ties, and TBTs on the edge of
+    the low-load band), some without room: the pick from the index's load order, which
+    computes TBTs only near the band's edge, equals the exhaustive scan's, seed for seed."""
+    rng = random.Random(seed)
+    now = 1_000_000
+    band = rng.choice([0.0, 0.001, 0.05, 0.1, 0.5, 5.0])
+    policy = make_policy("kvcache-centric", {"decode_low_load_band": band,
+                                             "early_rejection": rng.random() < 0.8}, PROFILE)
+    full = make_policy("kvcache-centric", {"decode_low_load_band": band,
+                                           "early_rejection": policy.p.early_rejection}, PROFILE)
+    full.prune_candidates = False
+    batches = [rng.randint(0, 64) for _ in range(3)]
+    contexts = [rng.choice([0, 1, 4096, 50_000, 400_000]) for _ in range(3)]
+    nodes = [NodeState(node_id="p0", role="prefill", model="m", last_heartbeat_ms=now)]
+    for i in range(decodes):
+        nodes.append(NodeState(
+            node_id=f"d{rng.randint(0, 10**6):07d}-{i}", role=rng.choice(["decode", "decode", "both"]), model="m",
+            last_heartbeat_ms=now, batch_size=rng.choice(batches), decode_context_tokens=rng.choice(contexts),
+            free_kv_blocks=rng.choice([10, 60_000, 60_000]), total_kv_blocks=rng.choice([0, 80_000, 80_000]),
+        ))
+    nodes.sort(key=lambda n: n.node_id)
+    view = ViewSnapshot(now, tuple(nodes), {}, {"kv-events:0": now})
+    ix = ClusterIndex(PROFILE, block_size=BS, ttl_s=TTL_S, model="m")
+    resv = InMemoryReservations(ttl_s=1.5)
+    ix.update(view, resv.pending_one)
+    got = ix.snapshot(view)
+    want = build_cluster(view, resv.pending_sync({n.node_id: now for n in nodes}, now), block_size=BS, ttl_s=TTL_S,
+                         model="m")
+    for _ in range(5):
+        tokens = rng.choice([600, 9000, 40_000, 70_000])
+        req = PolicyRequest("r", tokens, tokens // BS, ttft_slo_s=30.0, tbt_slo_ms=rng.choice([20.0, 40.0, 100.0, 1e4]))
+        s = rng.getrandbits(32)
+        assert policy.decide(req, got, random.Random(s)) == full.decide(req, want, random.Random(s))

@@ -277,6 +277,23 @@ class Costs:
         )
 
 
+def decode_load(profile: ModelProfile, inst: Instance) -> float:
+    """The part of a decode step's predicted time that differs between instances: the
+    predicted TBT of any request is an increasing function of it (``decode_step_seconds`` is
+    linear in the batch and the context): :func:`tbt_of_load`."""
+    return inst.batch_size * profile.per_sequence_s + inst.decode_context_tokens * (
+        profile.kv_bytes_per_token / profile.hbm_bandwidth)
+
+
+def tbt_of_load(profile: ModelProfile, prompt_tokens: int, load: float) -> float:
+    """:meth:`Costs.tbt_ms` of a request of ``prompt_tokens`` on an instance of
+    :func:`decode_load` ``load``, up to rounding (for an instance whose context with the
+    prompt is not below zero)."""
+    return 1000.0 * (profile.step_overhead_s + profile.per_sequence_s
+                     + (profile.weight_bytes + prompt_tokens * profile.kv_bytes_per_token) / profile.hbm_bandwidth
+                     + load)
+
+
 def _segments(prefix_blocks: tuple[int, int, int], cap: int) -> tuple[int, int, int]:
     """Blocks read from HBM, DRAM and SSD for the longest prefix, capped at the chain length."""
     h, hd, hds = prefix_blocks

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field
 
-from conductor.routing.policies.base import Decision, PolicyParams, Rejection, Reuse
+from conductor.routing.policies.base import Decision, PolicyParams, Rejection, Reuse, tbt_of_load
 from conductor.routing.policies.cpp import STAGES, plan_pipeline
 from conductor.routing.policies.parts import RoleSplitPolicy, pick_lowest, placement
 from conductor.routing.snapshot import NO_PREFIX, ClusterSnapshot, Instance, PolicyRequest
@@ -172,53 +172,65 @@ class KvCacheCentric(RoleSplitPolicy):
 
     def _decode_fast(self, request: PolicyRequest, ix: IndexView, bs: int,
                      rng: random.Random) -> tuple[Instance, float] | None:
-        """:meth:`_decode` over the decode instances in order of load, stopping past the
+        """:meth:`_decode` over the decode instances in order of load, up to the end of the
         low-load band of the first that fits; None when that one misses the TBT SLO or none
-        fits (the rejection, or the fallback without early rejection, needs every instance)."""
+        fits (the rejection, or the fallback without early rejection, needs every instance).
+
+        The band is often a hundred instances or more, so TBTs are computed only where the
+        load alone cannot settle it: a request's TBT is ``tbt_of_load`` of the instance's
+        load up to rounding, so an instance whose load is below the band's edge by more than
+        a relative 1e-9 is in it, one above it by as much (and every later one) is out, and
+        only the lowest loads (for the lowest TBT) and those near the edge are computed with
+        Costs.tbt_ms: the answer is _decode's to the bit (tests/property/test_cluster_index.py)."""
         p: KvCacheCentricParams = self.p  # type: ignore[assignment]
         costs = self.costs
         budget = request.tbt_slo_ms * p.slo_margin
-        names: list[str] = []
-        ts: list[float] = []
-        limit = None
-        base = ix.base
-        # Costs.decode_fits and Costs.tbt_ms (ModelProfile.decode_step_seconds), their
-        # arithmetic inline: the loop passes every instance of the low-load band, often a
-        # hundred or more. The same operations in the same order, so the same floats
-        # (tests/property/test_cluster_index.py compares with the exhaustive policy).
         need = costs.decode_blocks_needed(request, bs)
-        prof = costs.profile
-        overhead, per_seq, weights = prof.step_overhead_s, prof.per_sequence_s, prof.weight_bytes
-        kv_bytes, bandwidth = prof.kv_bytes_per_token, prof.hbm_bandwidth
         prompt = request.prompt_tokens
-        for _, node in ix.decode_loads:
-            d = base[node]  # as it is without its prefix: decode does not look at it
+        loads, base = ix.decode_loads, ix.base
+        n = len(loads)
+        j = 0
+        while j < n:  # the first that fits: the lowest load
+            d = base[loads[j][1]]  # as it is without its prefix: decode does not look at it
+            if d.total_kv_blocks <= 0 or d.free_kv_blocks >= need:  # Costs.decode_fits
+                break
+            j += 1
+        else:
+            return None
+        lo = costs.tbt_ms(d, request)
+        if lo > budget:
+            return None
+        at0 = tbt_of_load(costs.profile, prompt, 0.0) / 1000.0  # the TBT of a zero load, in s
+        k0 = loads[j][0]
+        slack = 1e-9 * (at0 + abs(k0)) + 1e-18
+        m = j + 1
+        while m < n and loads[m][0] <= k0 + slack:  # equal loads: one may round lower
+            d = base[loads[m][1]]
+            if d.total_kv_blocks <= 0 or d.free_kv_blocks >= need:
+                lo = min(lo, costs.tbt_ms(d, request))
+            m += 1
+        # The band of _decode: within the SLO and the low-load band of the lowest TBT.
+        cut = min(budget, lo * (1.0 + p.decode_low_load_band) + 1e-9)
+        edge = cut / 1000.0 - at0
+        slack = 1e-9 * (at0 + abs(edge)) + 1e-18
+        inside, outside = edge - slack, edge + slack
+        names: list[str] = []
+        for k, node in loads[j:]:
+            if k > outside:
+                break
+            d = base[node]
             if d.total_kv_blocks > 0 and d.free_kv_blocks < need:
                 continue
-            ctx = d.decode_context_tokens + prompt
-            t = 1000.0 * (overhead + (d.batch_size + 1) * per_seq + (weights + (ctx if ctx > 0 else 0) * kv_bytes) / bandwidth)
-            if limit is None:
-                if t > budget:
-                    return None
-                # TBT grows with the load; 1e-6 ms covers rounding between the two orders.
-                limit = t * (1.0 + p.decode_low_load_band) + 1e-9 + 1e-6
-            elif t > limit:
-                break
-            names.append(node)
-            ts.append(t)
-        if limit is None:
-            return None
-        # The band of _decode: within the SLO and the low-load band of the lowest TBT; all
-        # tie, so (as pick_lowest does) the pick is by the generator in node-id order.
-        lo = min(filter(budget.__ge__, ts))
-        cut = min(budget, lo * (1.0 + p.decode_low_load_band) + 1e-9)
-        band = [i for i, t in enumerate(ts) if t <= cut]
-        if len(band) > 1:
-            band.sort(key=names.__getitem__)
-            i = band[rng.randrange(len(band))]
+            # A context below zero is counted as zero: not the load's TBT, so computed.
+            if (k <= inside and d.decode_context_tokens + prompt >= 0) or costs.tbt_ms(d, request) <= cut:
+                names.append(node)
+        # All in the band tie: the pick is pick_lowest's, by the generator in node-id order.
+        if len(names) > 1:
+            names.sort()
+            chosen = base[names[rng.randrange(len(names))]]
         else:
-            i = band[0]
-        return base[names[i]], ts[i]
+            chosen = base[names[0]]
+        return chosen, costs.tbt_ms(chosen, request)
 
     def place(self, request: PolicyRequest, snapshot: ClusterSnapshot, prefills: tuple[Instance, ...],
               decodes: tuple[Instance, ...], rng: random.Random) -> Decision:
@@ -291,7 +303,7 @@ class KvCacheCentric(RoleSplitPolicy):
 
     def _reuse_planner(self, request: PolicyRequest, holders: Sequence[Instance], bs: int,
                        shapes: Sequence[tuple[int, int, int]] | None = None,
-                       rack_holders: Callable[[str | None], Sequence[int]] | None = None,
+                       rack_holders: dict[str | None, list[int]] | None = None,
                        groups: dict[tuple[int, int, int], list[int]] | None = None,
                        ) -> tuple[Callable[[Instance], Reuse], float, dict[tuple[int, int, int], list[int]]]:
         """(instance → its cheapest reuse plan: its own cache or a holder's copy over a link,
@@ -343,10 +355,9 @@ class KvCacheCentric(RoleSplitPolicy):
         same_li = self._same_rack_class() if by_link else -1
         in_rack: dict[str | None, list[tuple[float, int]]] = {}
         if same_li >= 0 and rack_holders is None:
-            racks: dict[str | None, list[int]] = {}
+            rack_holders = {}
             for i, h in enumerate(holders):
-                racks.setdefault(h.rack, []).append(i)
-            rack_holders = lambda rack: racks.get(rack, ())  # noqa: E731
+                rack_holders.setdefault(h.rack, []).append(i)
         same_plan = by_link[same_li][2] if same_li >= 0 else {}
         keys: list[tuple | None] = [None] * len(holders)  # holders' place keys, made when needed
 
@@ -354,7 +365,7 @@ class KvCacheCentric(RoleSplitPolicy):
             opts = in_rack.get(rack)
             if opts is None:
                 opts = []
-                for i in rack_holders(rack):  # type: ignore[misc]
+                for i in rack_holders.get(rack, ()):  # type: ignore[union-attr]
                     o = same_plan[shapes[i]]
                     if o is not None:
                         opts.append((o[2], i))
