@@ -158,8 +158,9 @@ def _prefixes_of_runs(runs: Sequence[bytes], starts: Sequence[int], stop: int,
 
 
 class PrefixWalk:
-    """:func:`entry_prefixes` for one reader, remembering the answers for the last ``size``
-    distinct holder patterns.
+    """:func:`entry_prefixes` for one reader, remembering the answers for the ``size`` most
+    recently read distinct holder patterns, and no more than ``max_holders`` holders in all
+    (~120 bytes each: the bound on its memory).
 
     A hot prefix (a system prompt, a popular document) is read again and again with the same
     holders, so its blocks come back with the same values: a chain whose distinct values,
@@ -169,11 +170,13 @@ class PrefixWalk:
     per holder. The answer is shared between reads: callers must not change it. A changed
     holder set changes the values, so nothing stale is ever answered."""
 
-    def __init__(self, size: int = 512) -> None:
+    def __init__(self, size: int = 1024, max_holders: int = 200_000) -> None:
         self.size = size
+        self.max_holders = max_holders
         self.hits = 0
         self.misses = 0
         self._memo: dict[tuple[Any, ...], tuple[dict[int, str], dict[str, tuple[int, int, int]]]] = {}
+        self._held = 0
 
     def __call__(self, values: Sequence[bytes | None], slot_nodes: dict[int, str]) -> dict[str, tuple[int, int, int]]:
         if not values or not values[0] or not slot_nodes:
@@ -187,10 +190,13 @@ class PrefixWalk:
             return hit[1]
         self.misses += 1
         out = _prefixes_of_runs(*key, slot_nodes)
-        if len(memo) >= self.size:
-            for old in list(memo)[: max(1, self.size // 4)]:  # the least recently used quarter
-                del memo[old]
-        memo[key] = (slot_nodes, out)
+        if hit is not None:
+            self._held -= len(hit[1])
+        while memo and (len(memo) >= self.size or self._held + len(out) > self.max_holders):
+            self._held -= len(memo.pop(next(iter(memo)))[1])  # the least recently used
+        if len(out) <= self.max_holders:
+            memo[key] = (slot_nodes, out)
+            self._held += len(out)
         return out
 
 

@@ -40,9 +40,9 @@ time at which that next changes without a new reservation or None)``:
 ``state.reservations.InMemoryReservations.pending_one``."""
 
 Shape = tuple[int, int, int]
-_Holders = tuple[dict[str, Shape], list[str], tuple[Shape, ...], dict[Shape, list[int]],
-                 dict[str | None, list[int]]]
-MEMO_SIZE = 512
+_Holders = tuple[dict[str, Shape], tuple[str, ...], tuple[Shape, ...], dict[Shape, tuple[int, ...]],
+                 dict[str | None, tuple[int, ...]]]
+MEMO_SIZE = 1024
 """Prefix answers whose holders a :class:`ClusterIndex` remembers (as many as a reader's
 :class:`state.keys.PrefixWalk` does)."""
 
@@ -60,7 +60,7 @@ class IndexView:
     """The instances holding a prefix of the chain, in the order of ``instances``, as they are
     without it (their prefixes are ``shapes``)."""
     shapes: tuple[tuple[int, int, int], ...]
-    groups: dict[tuple[int, int, int], list[int]]
+    groups: dict[tuple[int, int, int], tuple[int, ...]]
     """prefix → the indexes in ``holders`` of its holders, ascending."""
     prefix: dict[str, tuple[int, int, int]]
     """node → its prefix of the chain, for the holders."""
@@ -69,13 +69,14 @@ class IndexView:
     waits: list[tuple[float, str]]
     """(queue wait, node) of every prefill-capable instance, ascending."""
     wait_of: dict[str, float]
-    decode_loads: list[tuple[float, str]]
-    """(:func:`decode_load`, node) of every decode-capable instance, ascending."""
+    decode_loads: list[tuple[float, str, int, int, int]]
+    """(:func:`decode_load`, node, free KV blocks, total KV blocks, decode context tokens) of
+    every decode-capable instance, ascending (what the decode band reads of each)."""
     prefill_count: int
     decode_count: int
     with_prefix: Callable[[str, tuple[int, int, int]], Instance]
     """(node, prefix) → the node's instance as ``instances`` has it."""
-    rack_holders: dict[str | None, list[int]]
+    rack_holders: dict[str | None, tuple[int, ...]]
     """rack → the indexes in ``holders`` of the holders in that rack, ascending (racks
     without holders absent)."""
 
@@ -107,7 +108,7 @@ class ClusterIndex:
         self._base: list[Instance] = []
         self._waits: list[tuple[float, str]] = []
         self._wait_of: dict[str, float] = {}
-        self._loads: list[tuple[float, str]] = []
+        self._loads: list[tuple[float, str, int, int, int]] = []
         self._load_of: dict[str, float] = {}
         self._racks_moved = 0
         """Counts live nodes seen moving to another rack (what the holders memo depends on
@@ -219,7 +220,7 @@ class ClusterIndex:
         if inst.role in DECODE_ROLES:
             k = decode_load(self.profile, inst)
             self._load_of[node] = k
-            bisect.insort(self._loads, (k, node))
+            bisect.insort(self._loads, (k, node, inst.free_kv_blocks, inst.total_kv_blocks, inst.decode_context_tokens))
         pos = self._pos.get(node)
         if pos is not None and was:
             self._base[pos] = inst
@@ -233,7 +234,7 @@ class ClusterIndex:
             del self._waits[bisect.bisect_left(self._waits, (w, node))]
         k = self._load_of.pop(node, None)
         if k is not None:
-            del self._loads[bisect.bisect_left(self._loads, (k, node))]
+            del self._loads[bisect.bisect_left(self._loads, (k, node))]  # (k, node) sorts just before its entry
 
     def _reorder(self) -> None:
         """The live instances in the read's node order (what ``build_cluster`` lists)."""
@@ -284,8 +285,9 @@ class ClusterIndex:
         hands out the same answer for a hot chain read again, so its holders are sorted once."""
         pos = self._pos
         memo = self._holders_memo
-        hit = memo.get(id(found))
+        hit = memo.pop(id(found), None)
         if hit is not None and hit[0] is found and hit[1] is pos and hit[2] == self._racks_moved:
+            memo[id(found)] = hit  # most recently used last
             return hit[3]
         prefix = {node: p for node, p in found.items() if node in pos and p != NO_PREFIX}
         order = sorted(prefix, key=pos.__getitem__)
@@ -305,10 +307,12 @@ class ClusterIndex:
                 racks[base[node].rack] = [i]
             else:
                 g.append(i)
-        out = (prefix, order, shapes, groups, racks)
-        if len(memo) >= MEMO_SIZE:
-            for old in list(memo)[: MEMO_SIZE // 4]:
-                del memo[old]
+        # Kept long: tuples of ints, which the garbage collector stops tracking (a full
+        # collection then does not walk every remembered holder list).
+        out = (prefix, tuple(order), shapes, {k: tuple(v) for k, v in groups.items()},
+               {k: tuple(v) for k, v in racks.items()})
+        while len(memo) >= MEMO_SIZE:
+            del memo[next(iter(memo))]  # the least recently used
         memo[id(found)] = (found, pos, self._racks_moved, out)
         return out
 

@@ -90,7 +90,7 @@ def test_the_index_is_the_builders_picture_read_after_read(seed: int, size: int)
         assert got == want
         holders = got.index.holders
         for rack, _ in PLACES:
-            assert got.index.rack_holders.get(rack, []) == [i for i, h in enumerate(holders) if h.rack == rack]
+            assert list(got.index.rack_holders.get(rack, ())) == [i for i, h in enumerate(holders) if h.rack == rack]
         tokens = rng.choice([600, 9000, 40_000, 70_000])
         req = PolicyRequest("r", tokens, min(tokens // BS, 80), ttft_slo_s=rng.choice([0.5, 2.0, 30.0]),
                             tbt_slo_ms=rng.choice([40.0, 100.0]))

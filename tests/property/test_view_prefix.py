@@ -113,3 +113,20 @@ def test_the_remembering_walk_is_told_apart_by_holders_and_slot_names():
     renamed = {0: "a", 1: "c"}  # a slot reused by another node: a new mapping object
     assert walk(both, renamed) == {"a": (3, 3, 3), "c": (3, 3, 3)}
     assert walk.misses == 3
+
+
+def test_the_remembering_walk_keeps_to_its_holder_budget():
+    from state.keys import PrefixWalk
+
+    walk = PrefixWalk(size=100, max_holders=5)
+    names = {s: f"n{s}" for s in range(8)}
+    three = [holder_entry(0, 1) + holder_entry(1, 1) + holder_entry(2, 1)]
+    two = [holder_entry(3, 1) + holder_entry(4, 1)]
+    one = [holder_entry(5, 1)]
+    for chain in (three, two, one):  # 3 + 2 holders fit; the third chain pushes out the first
+        walk(chain, names)
+    assert walk(two, names) is walk(two, names) and walk.hits == 2
+    walk(three, names)
+    assert walk.misses == 4 and walk._held <= 5
+    big = [b"".join(holder_entry(s, 1) for s in range(6))]  # six holders: answered, never kept
+    assert len(walk(big, names)) == 6 and walk._held <= 5

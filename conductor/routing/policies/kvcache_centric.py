@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -191,13 +191,13 @@ class KvCacheCentric(RoleSplitPolicy):
         n = len(loads)
         j = 0
         while j < n:  # the first that fits: the lowest load
-            d = base[loads[j][1]]  # as it is without its prefix: decode does not look at it
-            if d.total_kv_blocks <= 0 or d.free_kv_blocks >= need:  # Costs.decode_fits
+            _, _, free, total, _ = loads[j]
+            if total <= 0 or free >= need:  # Costs.decode_fits
                 break
             j += 1
         else:
             return None
-        lo = costs.tbt_ms(d, request)
+        lo = costs.tbt_ms(base[loads[j][1]], request)  # as it is without its prefix: decode does not look at it
         if lo > budget:
             return None
         at0 = tbt_of_load(costs.profile, prompt, 0.0) / 1000.0  # the TBT of a zero load, in s
@@ -205,9 +205,9 @@ class KvCacheCentric(RoleSplitPolicy):
         slack = 1e-9 * (at0 + abs(k0)) + 1e-18
         m = j + 1
         while m < n and loads[m][0] <= k0 + slack:  # equal loads: one may round lower
-            d = base[loads[m][1]]
-            if d.total_kv_blocks <= 0 or d.free_kv_blocks >= need:
-                lo = min(lo, costs.tbt_ms(d, request))
+            _, node, free, total, _ = loads[m]
+            if total <= 0 or free >= need:
+                lo = min(lo, costs.tbt_ms(base[node], request))
             m += 1
         # The band of _decode: within the SLO and the low-load band of the lowest TBT.
         cut = min(budget, lo * (1.0 + p.decode_low_load_band) + 1e-9)
@@ -215,14 +215,14 @@ class KvCacheCentric(RoleSplitPolicy):
         slack = 1e-9 * (at0 + abs(edge)) + 1e-18
         inside, outside = edge - slack, edge + slack
         names: list[str] = []
-        for k, node in loads[j:]:
+        for m in range(j, n):
+            k, node, free, total, ctx = loads[m]
             if k > outside:
                 break
-            d = base[node]
-            if d.total_kv_blocks > 0 and d.free_kv_blocks < need:
+            if total > 0 and free < need:
                 continue
             # A context below zero is counted as zero: not the load's TBT, so computed.
-            if (k <= inside and d.decode_context_tokens + prompt >= 0) or costs.tbt_ms(d, request) <= cut:
+            if (k <= inside and ctx + prompt >= 0) or costs.tbt_ms(base[node], request) <= cut:
                 names.append(node)
         # All in the band tie: the pick is pick_lowest's, by the generator in node-id order.
         if len(names) > 1:
@@ -303,9 +303,9 @@ class KvCacheCentric(RoleSplitPolicy):
 
     def _reuse_planner(self, request: PolicyRequest, holders: Sequence[Instance], bs: int,
                        shapes: Sequence[tuple[int, int, int]] | None = None,
-                       rack_holders: dict[str | None, list[int]] | None = None,
-                       groups: dict[tuple[int, int, int], list[int]] | None = None,
-                       ) -> tuple[Callable[[Instance], Reuse], float, dict[tuple[int, int, int], list[int]]]:
+                       rack_holders: Mapping[str | None, Sequence[int]] | None = None,
+                       groups: Mapping[tuple[int, int, int], Sequence[int]] | None = None,
+                       ) -> tuple[Callable[[Instance], Reuse], float, Mapping[tuple[int, int, int], Sequence[int]]]:
         """(instance → its cheapest reuse plan: its own cache or a holder's copy over a link,
         the lowest cost any instance holding no prefix can have, prefix shape → the indexes
         of its holders). ``holders``: the instances holding a prefix of the chain, in snapshot
@@ -324,23 +324,24 @@ class KvCacheCentric(RoleSplitPolicy):
         if shapes is None:
             shapes = [h.prefix_blocks for h in holders]
         if groups is None:
-            groups = {}
+            by_shape: dict[tuple[int, int, int], list[int]] = {}
             for i, shape in enumerate(shapes):
-                g = groups.get(shape)
+                g = by_shape.get(shape)
                 if g is None:
-                    groups[shape] = [i]
+                    by_shape[shape] = [i]
                 else:
                     g.append(i)
+            groups = by_shape
         # Per link class: (index, runs of (cost, holder indexes), shape → plan).
-        by_link: list[tuple[int, list[tuple[float, list[int]]], dict]] = []
+        by_link: list[tuple[int, list[tuple[float, Sequence[int]]], dict]] = []
         if p.remote_reuse and holders:
             for li in range(len(costs.links)):
                 plan = {shape: costs.remote_plan(shape, request, bs, li) for shape in groups}
                 runs = sorted(((o[2], groups[shape]) for shape, o in plan.items() if o is not None), key=_first)
-                merged: list[tuple[float, list[int]]] = []
+                merged: list[tuple[float, Sequence[int]]] = []
                 for cost, idx in runs:
                     if merged and merged[-1][0] == cost:  # equal costs: one run, holders in order
-                        merged[-1] = (cost, sorted(merged[-1][1] + idx))
+                        merged[-1] = (cost, sorted([*merged[-1][1], *idx]))
                     else:
                         merged.append((cost, idx))
                 by_link.append((li, merged, plan))
@@ -355,9 +356,10 @@ class KvCacheCentric(RoleSplitPolicy):
         same_li = self._same_rack_class() if by_link else -1
         in_rack: dict[str | None, list[tuple[float, int]]] = {}
         if same_li >= 0 and rack_holders is None:
-            rack_holders = {}
+            by_rack: dict[str | None, list[int]] = {}
             for i, h in enumerate(holders):
-                rack_holders.setdefault(h.rack, []).append(i)
+                by_rack.setdefault(h.rack, []).append(i)
+            rack_holders = by_rack
         same_plan = by_link[same_li][2] if same_li >= 0 else {}
         keys: list[tuple | None] = [None] * len(holders)  # holders' place keys, made when needed
 
@@ -376,25 +378,29 @@ class KvCacheCentric(RoleSplitPolicy):
         def best_reuse(inst: Instance) -> Reuse:
             ik = place_key(inst) if by_link else None
             bare = inst.prefix_blocks == NO_PREFIX
-            best = by_place.get(ik) if bare else None
-            if best is not None:
-                return best
-            best = costs.local_reuse(inst, request, bs)
-            floor = best.blocks * threshold
+            if bare:
+                known = by_place.get(ik)
+                if known is not None:
+                    return known
             node = inst.node_id
+            # Costs.local_reuse, and the copies that beat it, as (blocks, source, tier, cost):
+            # one Reuse is made, for the plan chosen.
+            blocks, tier, best = costs.local_plan(inst.prefix_blocks, request, bs)
+            source = node if blocks else None
+            floor = blocks * threshold
             for li, runs, plan in by_link:
                 if li == same_li:
                     for cost, i in rack_options(inst.rack):
-                        if cost >= best.cost_s:
+                        if cost >= best:
                             break
                         o = plan[shapes[i]]
                         if holders[i].node_id != node and o[0] > floor:
-                            best = Reuse(o[0], holders[i].node_id, o[1], cost)
+                            blocks, source, tier, best = o[0], holders[i].node_id, o[1], cost
                             break
                     continue
                 found_one = False
                 for cost, idx in runs:
-                    if cost >= best.cost_s:
+                    if cost >= best:
                         break
                     for i in idx:
                         holder = holders[i]
@@ -408,14 +414,15 @@ class KvCacheCentric(RoleSplitPolicy):
                         if found is None:
                             found = costs.link_index(holder, inst, (hk, ik))
                         if found == li:
-                            best = Reuse(o[0], holder.node_id, o[1], cost)
+                            blocks, source, tier, best = o[0], holder.node_id, o[1], cost
                             found_one = True
                             break
                     if found_one:
                         break
+            out = Reuse(blocks, source, tier, best)
             if bare:
-                by_place[ik] = best
-            return best
+                by_place[ik] = out
+            return out
 
         bare_floor = costs.local_plan(NO_PREFIX, request, bs)[2]
         for _, runs, _ in by_link:
