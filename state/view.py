@@ -76,7 +76,8 @@ class ViewSnapshot:
     nodes: tuple[NodeState, ...]
     prefix: dict[str, tuple[int, int, int]]
     """node id → longest contiguous prefix of the chain the node holds, in blocks, counting
-    HBM only / HBM+DRAM / HBM+DRAM+SSD. Nodes holding no prefix may be absent."""
+    HBM only / HBM+DRAM / HBM+DRAM+SSD. Nodes holding no prefix may be absent. Read-only: a
+    reader may hand out one answer for every read of a hot chain (``state.keys.PrefixWalk``)."""
     watermark: dict[str, int]
     """``topic:partition`` → highest applied offset."""
 
