@@ -139,9 +139,11 @@ class KvCacheCentric(RoleSplitPolicy):
         # have: the whole compute, a copy from anywhere, its own prefix.
         floor = bare_floor
         costs = self.costs
+        shape_floor: dict[tuple[int, int, int], float] = {}
         for shape, idx in groups.items():
             if any(holders[i].node_id in wait_of for i in idx):
-                floor = min(floor, costs.local_plan(shape, request, snapshot.block_size)[2])
+                shape_floor[shape] = min(bare_floor, costs.local_plan(shape, request, snapshot.block_size)[2])
+                floor = min(floor, shape_floor[shape])
         shortest: dict[tuple, float] = {}
         place_key = costs.place_key
         for w, node in ix.waits:  # ascending: a place's first bare instance is its shortest queue
@@ -149,8 +151,12 @@ class KvCacheCentric(RoleSplitPolicy):
                 break  # no instance from here on can reach (or tie) the lowest TTFT so far
             shape = prefix.get(node)
             if shape is not None:
+                if w + shape_floor[shape] > lo + margin:
+                    continue  # its wait and the cheapest plan of its prefix exceed the lowest
                 inst = ix.with_prefix(node, shape)
             else:  # holds no prefix: only the shortest queues of its place can win
+                if w + bare_floor > lo + margin:
+                    continue  # nor one whose wait and cheapest bare plan exceed the lowest
                 inst = base[node]
                 k = place_key(inst)
                 s = shortest.get(k)
