@@ -74,6 +74,8 @@ class IndexView:
     every decode-capable instance, ascending (what the decode band reads of each)."""
     prefill_count: int
     decode_count: int
+    decode_negative_contexts: int
+    """Decode entries with a context below zero (0 from any real heartbeat)."""
     with_prefix: Callable[[str, tuple[int, int, int]], Instance]
     """(node, prefix) → the node's instance as ``instances`` has it."""
     rack_holders: dict[str | None, tuple[int, ...]]
@@ -109,6 +111,9 @@ class ClusterIndex:
         self._waits: list[tuple[float, str]] = []
         self._wait_of: dict[str, float] = {}
         self._loads: list[tuple[float, str, int, int, int]] = []
+        self._negative_contexts = 0
+        """Decode entries whose context is below zero (never from a heartbeat; the band then
+        cannot be read off the loads)."""
         self._load_of: dict[str, float] = {}
         self._racks_moved = 0
         """Counts live nodes seen moving to another rack (what the holders memo depends on
@@ -177,6 +182,7 @@ class ClusterIndex:
         self._waits.clear()
         self._wait_of.clear()
         self._loads.clear()
+        self._negative_contexts = 0
         self._load_of.clear()
         self._deaths.clear()
         self._deadline.clear()
@@ -221,6 +227,7 @@ class ClusterIndex:
             k = decode_load(self.profile, inst)
             self._load_of[node] = k
             bisect.insort(self._loads, (k, node, inst.free_kv_blocks, inst.total_kv_blocks, inst.decode_context_tokens))
+            self._negative_contexts += inst.decode_context_tokens < 0
         pos = self._pos.get(node)
         if pos is not None and was:
             self._base[pos] = inst
@@ -234,7 +241,9 @@ class ClusterIndex:
             del self._waits[bisect.bisect_left(self._waits, (w, node))]
         k = self._load_of.pop(node, None)
         if k is not None:
-            del self._loads[bisect.bisect_left(self._loads, (k, node))]  # (k, node) sorts just before its entry
+            at = bisect.bisect_left(self._loads, (k, node))  # (k, node) sorts just before its entry
+            self._negative_contexts -= self._loads[at][4] < 0
+            del self._loads[at]
 
     def _reorder(self) -> None:
         """The live instances in the read's node order (what ``build_cluster`` lists)."""
@@ -264,6 +273,7 @@ class ClusterIndex:
             decode_loads=self._loads,
             prefill_count=len(self._waits),
             decode_count=len(self._loads),
+            decode_negative_contexts=self._negative_contexts,
             with_prefix=self._holder,
             rack_holders=racks,
         )

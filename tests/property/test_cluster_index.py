@@ -114,7 +114,7 @@ def test_the_decode_band_from_the_index_is_the_exhaustive_one(seed: int, decodes
                                            "early_rejection": policy.p.early_rejection}, PROFILE)
     full.prune_candidates = False
     batches = [rng.randint(0, 64) for _ in range(3)]
-    contexts = [rng.choice([0, 1, 4096, 50_000, 400_000]) for _ in range(3)]
+    contexts = [rng.choice([0, 1, 4096, 50_000, 400_000, 400_000, -100_000]) for _ in range(3)]  # < 0: not from heartbeats
     nodes = [NodeState(node_id="p0", role="prefill", model="m", last_heartbeat_ms=now)]
     for i in range(decodes):
         nodes.append(NodeState(

@@ -16,7 +16,9 @@ docs/simulation/ANALYSIS.md for the measurement behind the default.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import operator
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -36,6 +38,10 @@ if TYPE_CHECKING:
 
 def _first(item: tuple) -> float:
     return item[0]
+
+
+_load = operator.itemgetter(0)
+"""An index decode entry's load."""
 
 
 def _tie_margin(p: KvCacheCentricParams) -> float:
@@ -187,13 +193,17 @@ class KvCacheCentric(RoleSplitPolicy):
         load up to rounding, so an instance whose load is below the band's edge by more than
         a relative 1e-9 is in it, one above it by as much (and every later one) is out, and
         only the lowest loads (for the lowest TBT) and those near the edge are computed with
-        Costs.tbt_ms: the answer is _decode's to the bit (tests/property/test_cluster_index.py)."""
+        Costs.tbt_ms: the answer is _decode's to the bit (tests/property/test_cluster_index.py).
+        A context below zero (counted as zero by the TBT, never sent by an engine) leaves it
+        to _decode."""
         p: KvCacheCentricParams = self.p  # type: ignore[assignment]
         costs = self.costs
         budget = request.tbt_slo_ms * p.slo_margin
         need = costs.decode_blocks_needed(request, bs)
         prompt = request.prompt_tokens
         loads, base = ix.decode_loads, ix.base
+        if ix.decode_negative_contexts or prompt < 0:
+            return None  # a context below zero counts as zero: the loads do not order the TBTs
         n = len(loads)
         j = 0
         while j < n:  # the first that fits: the lowest load
@@ -219,17 +229,11 @@ class KvCacheCentric(RoleSplitPolicy):
         cut = min(budget, lo * (1.0 + p.decode_low_load_band) + 1e-9)
         edge = cut / 1000.0 - at0
         slack = 1e-9 * (at0 + abs(edge)) + 1e-18
-        inside, outside = edge - slack, edge + slack
-        names: list[str] = []
-        for m in range(j, n):
-            k, node, free, total, ctx = loads[m]
-            if k > outside:
-                break
-            if total > 0 and free < need:
-                continue
-            # A context below zero is counted as zero: not the load's TBT, so computed.
-            if (k <= inside and ctx + prompt >= 0) or costs.tbt_ms(base[node], request) <= cut:
-                names.append(node)
+        inside = max(j, bisect.bisect_right(loads, edge - slack, key=_load))  # below: in the band
+        outside = bisect.bisect_right(loads, edge + slack, key=_load)  # from here on: out of it
+        names = [node for _, node, free, total, _ in loads[j:inside] if total <= 0 or free >= need]
+        names += [node for _, node, free, total, _ in loads[inside:outside]
+                  if (total <= 0 or free >= need) and costs.tbt_ms(base[node], request) <= cut]
         # All in the band tie: the pick is pick_lowest's, by the generator in node-id order.
         if len(names) > 1:
             names.sort()
