@@ -41,7 +41,7 @@ time at which that next changes without a new reservation or None)``:
 
 Shape = tuple[int, int, int]
 _Holders = tuple[dict[str, Shape], tuple[str, ...], tuple[Shape, ...], dict[Shape, tuple[int, ...]],
-                 dict[str | None, tuple[int, ...]]]
+                 dict[str | None, tuple[int, ...]], frozenset[Shape]]
 MEMO_SIZE = 1024
 """Prefix answers whose holders a :class:`ClusterIndex` remembers (as many as a reader's
 :class:`state.keys.PrefixWalk` does)."""
@@ -81,6 +81,8 @@ class IndexView:
     rack_holders: dict[str | None, tuple[int, ...]]
     """rack → the indexes in ``holders`` of the holders in that rack, ascending (racks
     without holders absent)."""
+    prefill_shapes: frozenset[tuple[int, int, int]]
+    """The prefixes some prefill-capable holder has."""
 
     def instance(self, node: str) -> Instance:
         """``node`` as ``instances`` has it."""
@@ -115,8 +117,8 @@ class ClusterIndex:
         """Decode entries whose context is below zero (never from a heartbeat; the band then
         cannot be read off the loads)."""
         self._load_of: dict[str, float] = {}
-        self._racks_moved = 0
-        """Counts live nodes seen moving to another rack (what the holders memo depends on
+        self._moved = 0
+        """Counts live nodes seen changing rack or role (what the holders memo depends on
         beside the node order)."""
         self._deaths: list[tuple[int, str]] = []
         """(last heartbeat, node) of live nodes, oldest first: a node dies once now passes it by the TTL."""
@@ -217,8 +219,8 @@ class ClusterIndex:
         if was:
             self._drop(node)
         self._inst[node] = inst
-        if prev is not None and prev.rack != inst.rack:
-            self._racks_moved += 1
+        if prev is not None and (prev.rack != inst.rack or prev.role != inst.role):
+            self._moved += 1
         if inst.role in PREFILL_ROLES:
             w = self._costs.queue_wait_s(inst)
             self._wait_of[node] = w
@@ -259,7 +261,7 @@ class ClusterIndex:
         """The policy's picture of ``view`` (after :meth:`update` with it): ``build_cluster``'s
         instances (made only if a policy asks for them), plus an :class:`IndexView`."""
         pos = self._pos
-        prefix, order, shapes, groups, racks = self._holders_of(view.prefix)
+        prefix, order, shapes, groups, racks, prefill_shapes = self._holders_of(view.prefix)
         base = self._inst
         ix = IndexView(
             profile=self.profile,
@@ -276,6 +278,7 @@ class ClusterIndex:
             decode_negative_contexts=self._negative_contexts,
             with_prefix=self._holder,
             rack_holders=racks,
+            prefill_shapes=prefill_shapes,
         )
         every = self._base
 
@@ -296,7 +299,7 @@ class ClusterIndex:
         pos = self._pos
         memo = self._holders_memo
         hit = memo.pop(id(found), None)
-        if hit is not None and hit[0] is found and hit[1] is pos and hit[2] == self._racks_moved:
+        if hit is not None and hit[0] is found and hit[1] is pos and hit[2] == self._moved:
             memo[id(found)] = hit  # most recently used last
             return hit[3]
         prefix = {node: p for node, p in found.items() if node in pos and p != NO_PREFIX}
@@ -319,11 +322,13 @@ class ClusterIndex:
                 g.append(i)
         # Kept long: tuples of ints, which the garbage collector stops tracking (a full
         # collection then does not walk every remembered holder list).
+        prefill_shapes = frozenset(shape for shape, idx in groups.items()
+                                   if any(base[order[i]].role in PREFILL_ROLES for i in idx))
         out = (prefix, tuple(order), shapes, {k: tuple(v) for k, v in groups.items()},
-               {k: tuple(v) for k, v in racks.items()})
+               {k: tuple(v) for k, v in racks.items()}, prefill_shapes)
         while len(memo) >= MEMO_SIZE:
             del memo[next(iter(memo))]  # the least recently used
-        memo[id(found)] = (found, pos, self._racks_moved, out)
+        memo[id(found)] = (found, pos, self._moved, out)
         return out
 
     def _holder(self, node: str, prefix: tuple[int, int, int]) -> Instance:

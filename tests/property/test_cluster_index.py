@@ -63,7 +63,8 @@ def test_the_index_is_the_builders_picture_read_after_read(seed: int, size: int)
         step = rng.random()
         if step < 0.4:  # some nodes report (new state objects); the others are handed out as they were
             for n in rng.sample(sorted(states), k=min(rng.randint(1, 3), len(states))):
-                states[n] = node_state(rng, n, states[n].role, now)
+                role = states[n].role if rng.random() < 0.9 else rng.choice(ROLES)  # a restart in another role
+                states[n] = node_state(rng, n, role, now)
             nodes = tuple(states[n] for n in sorted(states))
         elif step < 0.5:  # a node joins or leaves
             if rng.random() < 0.5 and len(states) > 2:
@@ -91,6 +92,7 @@ def test_the_index_is_the_builders_picture_read_after_read(seed: int, size: int)
         holders = got.index.holders
         for rack, _ in PLACES:
             assert list(got.index.rack_holders.get(rack, ())) == [i for i, h in enumerate(holders) if h.rack == rack]
+        assert got.index.prefill_shapes == {s for h, s in zip(holders, got.index.shapes) if h.role in ("prefill", "both")}
         tokens = rng.choice([600, 9000, 40_000, 70_000])
         req = PolicyRequest("r", tokens, min(tokens // BS, 80), ttft_slo_s=rng.choice([0.5, 2.0, 30.0]),
                             tbt_slo_ms=rng.choice([40.0, 100.0]))
@@ -135,3 +137,29 @@ def test_the_decode_band_from_the_index_is_the_exhaustive_one(seed: int, decodes
         req = PolicyRequest("r", tokens, tokens // BS, ttft_slo_s=30.0, tbt_slo_ms=rng.choice([20.0, 40.0, 100.0, 1e4]))
         s = rng.getrandbits(32)
         assert policy.decide(req, got, random.Random(s)) == full.decide(req, want, random.Random(s))
+
+
+def test_a_remembered_holder_set_follows_a_holder_changing_rack_or_role() -> None:
+    """The index remembers a hot chain's holders (per answer object, while the node order
+    stands); a holder restarting in another rack or role is seen at the next read."""
+    now = 1_000_000
+    nodes = [NodeState(node_id="a", role="prefill", model="m", last_heartbeat_ms=now, rack="r0"),
+             NodeState(node_id="b", role="store", model="m", last_heartbeat_ms=now, rack="r1"),
+             NodeState(node_id="d", role="decode", model="m", last_heartbeat_ms=now, rack="r0")]
+    found = {"a": (4, 4, 4), "b": (0, 8, 8)}  # one answer object, read again and again
+    ix = ClusterIndex(PROFILE, block_size=BS, ttl_s=TTL_S, model="m")
+    resv = InMemoryReservations(ttl_s=1.5)
+
+    def read(states: list[NodeState]):
+        view = ViewSnapshot(now, tuple(states), found, {"kv-events:0": now})
+        ix.update(view, resv.pending_one)
+        return ix.snapshot(view).index
+
+    first = read(nodes)
+    assert first.prefill_shapes == {(4, 4, 4)} and dict(first.rack_holders) == {"r0": (0,), "r1": (1,)}
+    assert read(list(nodes)).groups is first.groups  # unchanged: remembered
+    role = [nodes[0], NodeState(node_id="b", role="prefill", model="m", last_heartbeat_ms=now, rack="r1"), nodes[2]]
+    again = read(role)
+    assert again.prefill_shapes == {(4, 4, 4), (0, 8, 8)} and dict(again.rack_holders) == {"r0": (0,), "r1": (1,)}
+    rack = [role[0], NodeState(node_id="b", role="prefill", model="m", last_heartbeat_ms=now, rack="r0"), nodes[2]]
+    assert dict(read(rack).rack_holders) == {"r0": (0, 1)}

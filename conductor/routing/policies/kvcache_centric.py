@@ -132,24 +132,23 @@ class KvCacheCentric(RoleSplitPolicy):
         guarded check (the safe ones and the rejection need every instance)."""
         p: KvCacheCentricParams = self.p  # type: ignore[assignment]
         holders = ix.holders
-        best_reuse, bare_floor, groups = self._reuse_planner(request, holders, snapshot.block_size, ix.shapes,
-                                                             ix.rack_holders, ix.groups)
+        best_reuse, bare_floor, _ = self._reuse_planner(request, holders, snapshot.block_size, ix.shapes,
+                                                        ix.rack_holders, ix.groups)
         margin = _tie_margin(p)
         pool: list[Instance] = []
         reuses: list[Reuse] = []
         waits: list[float] = []
         ttfts: list[float] = []
         lo = float("inf")
-        prefix, base, wait_of = ix.prefix, ix.base, ix.wait_of
+        prefix, base = ix.prefix, ix.base
         # No instance can do better than its wait plus the cheapest plan of any shape it may
         # have: the whole compute, a copy from anywhere, its own prefix.
         floor = bare_floor
         costs = self.costs
         shape_floor: dict[tuple[int, int, int], float] = {}
-        for shape, idx in groups.items():
-            if any(holders[i].node_id in wait_of for i in idx):
-                shape_floor[shape] = min(bare_floor, costs.local_plan(shape, request, snapshot.block_size)[2])
-                floor = min(floor, shape_floor[shape])
+        for shape in ix.prefill_shapes:
+            shape_floor[shape] = min(bare_floor, costs.local_plan(shape, request, snapshot.block_size)[2])
+            floor = min(floor, shape_floor[shape])
         shortest: dict[tuple, float] = {}
         place_key = costs.place_key
         for w, node in ix.waits:  # ascending: a place's first bare instance is its shortest queue
