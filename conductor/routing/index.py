@@ -31,6 +31,7 @@ from dataclasses import dataclass
 
 from conductor.profiles import ModelProfile
 from conductor.routing.policies.base import Costs, decode_load
+from conductor.routing.policies.parts import indexes_by
 from conductor.routing.snapshot import NO_PREFIX, ClusterSnapshot, Instance, LazyInstances, PendingLoad, instance
 from state.view import NodeState, ViewSnapshot
 
@@ -305,25 +306,13 @@ class ClusterIndex:
         prefix = {node: p for node, p in found.items() if node in pos and p != NO_PREFIX}
         order = sorted(prefix, key=pos.__getitem__)
         shapes = tuple(map(prefix.__getitem__, order))
-        groups: dict[tuple[int, int, int], list[int]] = {}
-        for i, shape in enumerate(shapes):
-            g = groups.get(shape)
-            if g is None:
-                groups[shape] = [i]
-            else:
-                g.append(i)
+        groups = indexes_by(shapes)
         base = self._inst
-        racks: dict[str | None, list[int]] = {}
-        for i, node in enumerate(order):
-            g = racks.get(base[node].rack)
-            if g is None:
-                racks[base[node].rack] = [i]
-            else:
-                g.append(i)
-        # Kept long: tuples of ints, which the garbage collector stops tracking (a full
-        # collection then does not walk every remembered holder list).
+        racks = indexes_by(base[node].rack for node in order)
         prefill_shapes = frozenset(shape for shape, idx in groups.items()
                                    if any(base[order[i]].role in PREFILL_ROLES for i in idx))
+        # Kept long: tuples of ints, which the garbage collector stops tracking (a full
+        # collection then does not walk every remembered holder list).
         out = (prefix, tuple(order), shapes, {k: tuple(v) for k, v in groups.items()},
                {k: tuple(v) for k, v in racks.items()}, prefill_shapes)
         while len(memo) >= MEMO_SIZE:

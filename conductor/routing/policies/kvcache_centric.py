@@ -28,7 +28,7 @@ from pydantic import Field
 
 from conductor.routing.policies.base import Decision, PolicyParams, Rejection, Reuse, tbt_of_load
 from conductor.routing.policies.cpp import STAGES, plan_pipeline
-from conductor.routing.policies.parts import RoleSplitPolicy, pick_lowest, placement
+from conductor.routing.policies.parts import RoleSplitPolicy, indexes_by, pick_lowest, placement
 from conductor.routing.snapshot import NO_PREFIX, ClusterSnapshot, Instance, PolicyRequest
 from conductor.topology import Link
 
@@ -333,14 +333,7 @@ class KvCacheCentric(RoleSplitPolicy):
         if shapes is None:
             shapes = [h.prefix_blocks for h in holders]
         if groups is None:
-            by_shape: dict[tuple[int, int, int], list[int]] = {}
-            for i, shape in enumerate(shapes):
-                g = by_shape.get(shape)
-                if g is None:
-                    by_shape[shape] = [i]
-                else:
-                    g.append(i)
-            groups = by_shape
+            groups = indexes_by(shapes)
         # Per link class: (index, runs of (cost, holder indexes), shape → plan).
         by_link: list[tuple[int, list[tuple[float, Sequence[int]]], dict]] = []
         if p.remote_reuse and holders:
@@ -365,10 +358,7 @@ class KvCacheCentric(RoleSplitPolicy):
         same_li = self._same_rack_class() if by_link else -1
         in_rack: dict[str | None, list[tuple[float, int]]] = {}
         if same_li >= 0 and rack_holders is None:
-            by_rack: dict[str | None, list[int]] = {}
-            for i, h in enumerate(holders):
-                by_rack.setdefault(h.rack, []).append(i)
-            rack_holders = by_rack
+            rack_holders = indexes_by(h.rack for h in holders)
         same_plan = by_link[same_li][2] if same_li >= 0 else {}
         keys: list[tuple | None] = [None] * len(holders)  # holders' place keys, made when needed
 
