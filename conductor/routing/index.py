@@ -79,6 +79,8 @@ class IndexView:
     """Decode entries with a context below zero (0 from any real heartbeat)."""
     with_prefix: Callable[[str, tuple[int, int, int]], Instance]
     """(node, prefix) → the node's instance as ``instances`` has it."""
+    id_rank: dict[str, int]
+    """node → its place among the instances in node-id order (sorting by it sorts by id)."""
     rack_holders: dict[str | None, tuple[int, ...]]
     """rack → the indexes in ``holders`` of the holders in that rack, ascending (racks
     without holders absent)."""
@@ -110,6 +112,8 @@ class ClusterIndex:
         self._inst: dict[str, Instance] = {}  # live and eligible nodes only
         self._order: list[str] = []
         self._pos: dict[str, int] = {}
+        self._rank: dict[str, int] = {}
+        """node → its place among the live nodes in node-id order (for ties picked in that order)."""
         self._base: list[Instance] = []
         self._waits: list[tuple[float, str]] = []
         self._wait_of: dict[str, float] = {}
@@ -254,6 +258,7 @@ class ClusterIndex:
         inst = self._inst
         self._order = [n.node_id for n in self._nodes if n.node_id in inst]
         self._pos = {node: i for i, node in enumerate(self._order)}
+        self._rank = {node: i for i, node in enumerate(sorted(self._order))}
         self._base = [inst[node] for node in self._order]
 
     # --- one request --------------------------------------------------------------------
@@ -278,6 +283,7 @@ class ClusterIndex:
             decode_count=len(self._loads),
             decode_negative_contexts=self._negative_contexts,
             with_prefix=self._holder,
+            id_rank=self._rank,
             rack_holders=racks,
             prefill_shapes=prefill_shapes,
         )

@@ -235,7 +235,7 @@ class KvCacheCentric(RoleSplitPolicy):
                   if (total <= 0 or free >= need) and costs.tbt_ms(base[node], request) <= cut]
         # All in the band tie: the pick is pick_lowest's, by the generator in node-id order.
         if len(names) > 1:
-            names.sort()
+            names.sort(key=ix.id_rank.__getitem__)  # node-id order, by integers
             chosen = base[names[rng.randrange(len(names))]]
         else:
             chosen = base[names[0]]
