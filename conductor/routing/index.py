@@ -300,9 +300,11 @@ class ClusterIndex:
 
     def _holders_of(self, found: dict[str, tuple[int, int, int]]) -> _Holders:
         """The live holders of a read's prefix answer, in node order: (node → prefix, the
-        nodes, their prefixes, prefix → indexes of its holders, node → index). Remembered per
-        answer object while the node order stands: a reader's :class:`state.keys.PrefixWalk`
-        hands out the same answer for a hot chain read again, so its holders are sorted once."""
+        nodes, their prefixes, prefix → indexes of its holders, rack → indexes of its holders,
+        the prefixes a prefill-capable holder has). Remembered per answer object while the node
+        order stands and no live node changes rack or role: a reader's
+        :class:`state.keys.PrefixWalk` hands out the same answer for a hot chain read again, so
+        its holders are sorted once."""
         pos = self._pos
         memo = self._holders_memo
         hit = memo.pop(id(found), None)

@@ -36,12 +36,8 @@ if TYPE_CHECKING:
     from conductor.routing.index import IndexView
 
 
-def _first(item: tuple) -> float:
-    return item[0]
-
-
-_load = operator.itemgetter(0)
-"""An index decode entry's load."""
+_first = operator.itemgetter(0)
+"""A tuple's first item: an option's cost, an index decode entry's load."""
 
 
 def _tie_margin(p: KvCacheCentricParams) -> float:
@@ -143,12 +139,10 @@ class KvCacheCentric(RoleSplitPolicy):
         prefix, base = ix.prefix, ix.base
         # No instance can do better than its wait plus the cheapest plan of any shape it may
         # have: the whole compute, a copy from anywhere, its own prefix.
-        floor = bare_floor
         costs = self.costs
-        shape_floor: dict[tuple[int, int, int], float] = {}
-        for shape in ix.prefill_shapes:
-            shape_floor[shape] = min(bare_floor, costs.local_plan(shape, request, snapshot.block_size)[2])
-            floor = min(floor, shape_floor[shape])
+        shape_floor = {shape: min(bare_floor, costs.local_plan(shape, request, snapshot.block_size)[2])
+                       for shape in ix.prefill_shapes}
+        floor = min(shape_floor.values(), default=bare_floor)
         shortest: dict[tuple, float] = {}
         place_key = costs.place_key
         for w, node in ix.waits:  # ascending: a place's first bare instance is its shortest queue
@@ -228,8 +222,8 @@ class KvCacheCentric(RoleSplitPolicy):
         cut = min(budget, lo * (1.0 + p.decode_low_load_band) + 1e-9)
         edge = cut / 1000.0 - at0
         slack = 1e-9 * (at0 + abs(edge)) + 1e-18
-        inside = max(j, bisect.bisect_right(loads, edge - slack, key=_load))  # below: in the band
-        outside = bisect.bisect_right(loads, edge + slack, key=_load)  # from here on: out of it
+        inside = max(j, bisect.bisect_right(loads, edge - slack, key=_first))  # below: in the band
+        outside = bisect.bisect_right(loads, edge + slack, key=_first)  # from here on: out of it
         names = [node for _, node, free, total, _ in loads[j:inside] if total <= 0 or free >= need]
         names += [node for _, node, free, total, _ in loads[inside:outside]
                   if (total <= 0 or free >= need) and costs.tbt_ms(base[node], request) <= cut]
