@@ -279,6 +279,25 @@ class ViewStoreContract:
             assert (await store.snapshot(chain, now_ms=0)).prefix == (await ref.snapshot(chain, now_ms=0)).prefix
 
 
+    async def test_long_chains_same_prefixes_as_the_reference_store(self, store):
+        """Chains of hundreds of blocks, holder sets that come back after a change (A, B, A),
+        the first unheld block at the start, in the middle and past the end of a holder's
+        run, prefixes cut in one tier only: the same prefixes as the in-memory reference."""
+        ref = InMemoryViewStore()
+        envs = [stored("a", 0, list(range(700))), stored("b", 0, list(range(300))),
+                stored("c", 0, list(range(256))), stored("b", 1, list(range(400, 520))),
+                stored("d", 0, list(range(1000, 1256))), stored("d", 1, list(range(1000, 1100)), tier="dram"),
+                removed("a", 1, [150, 151], tier="hbm"), stored("a", 2, [150], tier="ssd")]
+        positions = [(e, SourcePosition(KV, 0, i)) for i, e in enumerate(envs)]
+        await store.apply(positions)
+        await ref.apply(positions)
+        chains = [list(range(700)), list(range(900)), list(range(1000, 1300)), list(range(1000, 1256)),
+                  list(range(255, 700)), [5000, *range(10)], list(range(149, 160)), [1, 2, 1, 2, 3] * 60]
+        for chain in chains:
+            got = (await store.snapshot(chain, now_ms=0)).prefix
+            assert got == (await ref.snapshot(chain, now_ms=0)).prefix, chain[:3]
+        assert (await store.snapshot(list(range(900)), now_ms=0)).prefix["a"] == (150, 150, 151)  # 150 in ssd only, 151 gone
+
     async def test_many_holders_same_view_as_the_reference_store(self, store):
         """Blocks held by many nodes (slots past 32 and 64: Redis's holder entries then differ in
         both bytes), stored again, in other tiers, removed tier by tier, prefixes stored over
