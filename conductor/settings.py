@@ -89,6 +89,13 @@ class Settings(BaseSettings):
     block_size: int = Field(default=16, ge=1, le=4096, description="tokens per KV block")
     heartbeat_ttl_s: float = Field(default=5.0, gt=0, description="a node silent longer is not live")
     view_namespace: str = Field(default="cv", pattern=r"^[A-Za-z0-9:_-]{1,32}$")
+    view_reader: Literal["raw", "tracking"] = Field(
+        default="raw",
+        description="how routers read the view: raw (one round trip per decision) or tracking (block entries and "
+        "node states cached in process, kept current by Redis's CLIENT TRACKING pushes; a request whose chain "
+        "is all cached is decided with no round trip; state/README.md, \"Client-side caching\")",
+    )
+    view_cache_keys: int = Field(default=200_000, ge=1, description="block entries a tracking reader keeps")
 
     # --- routing ----------------------------------------------------------
     ttft_slo_s: float = Field(default=30.0, gt=0)

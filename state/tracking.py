@@ -20,15 +20,25 @@ Values read are cached when their reply is *parsed* (in the reply loop, in strea
 the pushes), never later, so a push that follows a reply always wins over it. A new
 connection has no tracking: the cache is emptied and reads in flight are redone.
 
-What it cannot save: the round trip. ``TIME``, the node delta and the watermark (what
-``conductor explain`` replays a decision to) are read with the blocks, so a warm cache makes
-the request smaller, not fewer.
+Reads with no round trip. Every snapshot reply parsed is a *point*: its ``TIME``, its
+watermark and its node picture, and every cached entry not invalidated since is the key's
+value at that instant (the pushes for writes before it came before it). So while no push
+has touched the node picture (``ns|ver``, ``ns|nodes``, ``ns|chg``, ``ns|base``: every
+heartbeat and every KV batch moves ``ns|ver``) and every block of a chain up to its first
+unheld one is cached, the chain's snapshot at the point is known without asking: the view's
+state at the point's watermark, read for these keys, is exactly what the cache holds, so
+the decision records that watermark and ``conductor explain`` replays to the same view. Its
+clock is the point's ``TIME`` moved on by the local monotonic clock (the decision records
+it). Such a read waits for no reply: a decision then costs what the policy costs. A point
+is used for at most :data:`CACHED_READ_MAX_AGE_S`, never while a read is in flight, and
+never across connections.
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,6 +52,9 @@ from .view import ViewSnapshot
 
 DEFAULT_CACHE_KEYS = 200_000
 """Block entries kept in process by default (least recently used go first)."""
+CACHED_READ_MAX_AGE_S = 1.0
+"""The longest a point (the last snapshot read's clock, watermark and node picture) answers
+reads with no round trip: past it the next read asks Redis, for a fresh ``TIME`` at least."""
 MAX_RETRIES = 2
 """Reads redone because a cached entry changed while they were in flight, before one read
 that takes nothing from the cache."""
@@ -53,13 +66,15 @@ class _InFlight:
     """One snapshot read on the wire: the chain's keys, what the cache gave for each
     (:data:`_ABSENT` where it had nothing), the keys it fetched."""
 
-    __slots__ = ("fetched", "got", "keys", "stale")
+    __slots__ = ("fetched", "frame", "got", "keys", "stale")
 
     def __init__(self, keys: list[bytes], got: list[Any], fetched: list[bytes]) -> None:
         self.keys = keys
         self.got = got
         self.fetched = fetched
         self.stale = False
+        self.frame = -1
+        """Where its reply stood in the connection's stream of frames (set when parsed)."""
 
     def hits(self) -> list[bytes]:
         """The keys it took from the cache (built only when a push needs them: pushes are rare)."""
@@ -72,7 +87,9 @@ class TrackingSnapshotReader(RawSnapshotReader):
     evicted). Same ``snapshot(chain)`` answer, same errors."""
 
     def __init__(self, url: str, namespace: str, *, cache_keys: int = DEFAULT_CACHE_KEYS, timeout_s: float = 0.5,
-                 store: Any = None) -> None:
+                 store: Any = None, point_max_age_s: float = CACHED_READ_MAX_AGE_S) -> None:
+        """``point_max_age_s``: how long the last read's point answers reads with no round trip
+        (0: never; every read asks Redis, as the plain reader does)."""
         super().__init__(url, namespace, timeout_s=timeout_s, store=store)
         if cache_keys < 1:
             raise ValueError("cache_keys must be at least 1")
@@ -85,10 +102,27 @@ class TrackingSnapshotReader(RawSnapshotReader):
         """Reads that took values from the cache and have not had their reply parsed, from the
         moment they looked (a push parsed while one waits for the connection counts too)."""
         self._by_reply: dict[asyncio.Future[list[Any]], _InFlight] = {}
+        self._frame = 0
+        """Snapshot replies and pushes parsed on this connection: their order in the stream."""
+        self._point: tuple[int, float, Any, int] | None = None
+        """The last snapshot reply parsed: (its TIME in ms, time.monotonic() when parsed, its
+        watermark reply, its frame); None after a flush."""
+        self._point_wm: dict[str, int] | None = None
+        self._nodes_frame = -1
+        """The frame of the read whose node reply the node picture was last brought to."""
+        self._nodes_pushed = 0
+        """The frame of the last push that touched the node picture's keys."""
+        self._node_keys = frozenset(k.encode() for k in (self.keys.version, self.keys.nodes, self.keys.changes,
+                                                        self.keys.base))
+        self._reading = 0
+        """Snapshot round trips started and not yet folded in."""
+        self._now_floor = 0
+        self.point_max_age_s = point_max_age_s
         self.stats = {"reads": 0, "hits": 0, "misses": 0, "retries": 0, "uncached_reads": 0, "invalidated": 0,
-                      "flushes": 0}
+                      "flushes": 0, "cached_reads": 0, "node_pushes": 0}
         """Counters for tests and benchmarks: keys served from the cache / fetched, reads
-        redone, keys invalidated by pushes, whole-cache flushes (new connection, FLUSHDB)."""
+        redone, keys invalidated by pushes, whole-cache flushes (new connection, FLUSHDB),
+        reads answered from the cache with no round trip, pushes that touched the node picture."""
 
     def cache_hit_ratio(self) -> float:
         n = self.stats["hits"] + self.stats["misses"]
@@ -106,6 +140,7 @@ class TrackingSnapshotReader(RawSnapshotReader):
 
     def _flush(self) -> None:
         self._cache.clear()
+        self._point = None
         for rec in self._flying.values():
             if rec.fetched is not rec.keys:  # it took something from the cache
                 rec.stale = True
@@ -119,6 +154,9 @@ class TrackingSnapshotReader(RawSnapshotReader):
         for k in keys:
             cache.pop(k, None)
         self.stats["invalidated"] += len(keys)
+        if not self._node_keys.isdisjoint(keys):
+            self._nodes_pushed = self._frame
+            self.stats["node_pushes"] += 1
         if self._flying:
             gone = set(keys)
             for rec in self._flying.values():
@@ -145,12 +183,22 @@ class TrackingSnapshotReader(RawSnapshotReader):
     _push_type = hiredis.PushNotification
 
     def _pushed(self, frame: Any) -> None:
+        self._frame += 1
         if len(frame) >= 2 and frame[0] == b"invalidate":
             self._invalidate(frame[1])
 
     def _replied(self, fut: asyncio.Future[list[Any]], got: list[Any]) -> None:
-        if fut in self._by_reply:
-            self._filled(fut, got)
+        rec = self._by_reply.get(fut)
+        if rec is None:
+            return
+        self._frame += 1
+        rec.frame = self._frame
+        res = got[-1]
+        if isinstance(res, list) and len(res) >= 3 and isinstance(res[0], list):
+            sec, usec = res[0]
+            self._point = (int(sec) * 1000 + int(usec) // 1000, time.monotonic(), res[-1], self._frame)
+            self._point_wm = None
+        self._filled(fut, got)
 
     def _fail_waiting(self, e: BaseException) -> None:
         super()._fail_waiting(e)
@@ -165,6 +213,42 @@ class TrackingSnapshotReader(RawSnapshotReader):
     async def snapshot(self, chain: Sequence[int], *, now_ms: int | None = None) -> ViewSnapshot:
         self.stats["reads"] += 1
         keys = self.keys.blocks(chain)
+        cached = self._from_point(keys, now_ms)
+        if cached is not None:
+            return cached
+        self._reading += 1
+        try:
+            return await self._read(keys, now_ms)
+        finally:
+            self._reading -= 1
+
+    def _from_point(self, keys: list[bytes], now_ms: int | None) -> ViewSnapshot | None:
+        """The chain's snapshot at the last point, when the cache can give it whole (see the
+        module's docstring); None when it must be read."""
+        pt = self._point
+        if (pt is None or self._reading or self._io is None or self._nodes_frame != pt[3]
+                or self._nodes_pushed > pt[3]):
+            return None
+        mono = time.monotonic()
+        if mono - pt[1] >= self.point_max_age_s:
+            return None
+        got, at = self._from_cache(keys)
+        if at:
+            return None
+        if now_ms is None:
+            now_ms = max(pt[0] + int((mono - pt[1]) * 1000.0), self._now_floor)
+        wm = self._point_wm
+        if wm is None:
+            flat = pt[2]
+            pairs = flat.items() if isinstance(flat, dict) else zip(flat[::2], flat[1::2])
+            wm = self._point_wm = {k.decode(): int(v) for k, v in pairs}
+        nodes, slot_nodes = self._last_nodes
+        self.stats["cached_reads"] += 1
+        self.stats["hits"] += len(got)
+        self._now_floor = now_ms
+        return ViewSnapshot(now_ms=now_ms, nodes=nodes, prefix=self.walk(got, slot_nodes), watermark=dict(wm))
+
+    async def _read(self, keys: list[bytes], now_ms: int | None) -> ViewSnapshot:
         for attempt in range(MAX_RETRIES + 2):
             if attempt <= MAX_RETRIES:
                 got, at = self._from_cache(keys)
@@ -188,13 +272,16 @@ class TrackingSnapshotReader(RawSnapshotReader):
                 time_reply, flat_nodes, wm = res
                 values = got
             nodes, slot_nodes = self._nodes_from(flat_nodes)  # always: the node picture moves on
+            self._nodes_frame = rec.frame
             if rec.stale:
                 self.stats["retries"] += 1
                 continue
             self.stats["hits"] += len(got) - len(fetched)
             self.stats["misses"] += len(fetched)
             pairs = wm.items() if isinstance(wm, dict) else zip(wm[::2], wm[1::2])
-            return snapshot_from_replies(time_reply, values, nodes, slot_nodes, pairs, now_ms, self.walk)
+            snap = snapshot_from_replies(time_reply, values, nodes, slot_nodes, pairs, now_ms, self.walk)
+            self._now_floor = max(self._now_floor, snap.now_ms)
+            return snap
         raise AssertionError("unreachable: the last attempt reads without the cache")
 
     def _from_cache(self, keys: list[bytes]) -> tuple[list[Any], list[int]]:
@@ -248,4 +335,4 @@ def _flat(reply: Any) -> Any:
     return reply
 
 
-__all__ = ["DEFAULT_CACHE_KEYS", "MAX_RETRIES", "TrackingSnapshotReader"]
+__all__ = ["CACHED_READ_MAX_AGE_S", "DEFAULT_CACHE_KEYS", "MAX_RETRIES", "TrackingSnapshotReader"]

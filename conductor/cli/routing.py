@@ -97,9 +97,14 @@ def register(groups: dict[str, typer.Typer]) -> None:
             help="requests in flight at once in the process [default: CONDUCTOR_ROUTER_CONCURRENCY, as the router]",
         ),
         policy: str = typer.Option(None, help="policy to time [default: CONDUCTOR_POLICY]"),
-        reader: str = typer.Option("raw", help="view reader: raw (the router's) or tracking (client-side cache of "
-                                               "block entries, RESP3 CLIENT TRACKING; state/tracking.py)"),
-        cache_keys: int = typer.Option(200_000, min=1, help="block entries the tracking reader keeps"),
+        reader: str = typer.Option(None, help="view reader: raw (one round trip per decision) or tracking "
+                                              "(client-side cache of block entries and node states, RESP3 CLIENT "
+                                              "TRACKING; state/tracking.py) [default: CONDUCTOR_VIEW_READER, raw]"),
+        cache_keys: int = typer.Option(None, min=1, help="block entries the tracking reader keeps "
+                                                         "[default: CONDUCTOR_VIEW_CACHE_KEYS, 200000]"),
+        distinct_prompts: int = typer.Option(
+            0, min=0, help="draw the timed prompts from this many, each decided once in the warm-up (a warm cache); "
+                           "0: every timed prompt is new"),
     ) -> None:
         """Time the routing decision against a Redis view of INSTANCES instances and ~BLOCKS blocks.
 
@@ -107,13 +112,15 @@ def register(groups: dict[str, typer.Typer]) -> None:
 
         Then times DECISIONS decisions of 128-block prompts in one process: view read + reservations + policy + reservation record, while a separate process writes HEARTBEAT_RATE node heartbeats per second. Beside each decision it times one pipelined 128-key MGET on the same kind of connection, the baseline that makes the figures comparable across machines.
 
-        Uses CONDUCTOR_REDIS_URL, else starts the embedded servers for the run. Prints decision_ms_p50, decision_ms_p99, decisions_per_s, mget128_ms_p50, mget128_ms_p99, decision_over_mget_p50 and view_bytes_per_block (used_memory growth per block: meaningful on a Redis of its own); with --reader tracking also cache_hit_ratio and keys_fetched_per_read.
+        Uses CONDUCTOR_REDIS_URL, else starts the embedded servers for the run. Prints decision_ms_p50, decision_ms_p99, decisions_per_s, mget128_ms_p50, mget128_ms_p99, decision_over_mget_p50 and view_bytes_per_block (used_memory growth per block: meaningful on a Redis of its own); with --reader tracking also cache_hit_ratio, keys_fetched_per_read and cached_reads_ratio (decisions made with no round trip: with --distinct-prompts, a warm cache).
         """
 
+        s = settings_or_exit()
+        reader = reader or s.view_reader
+        cache_keys = cache_keys or s.view_cache_keys
         if reader not in ("raw", "tracking"):
             err.print(f"[red]error:[/red] --reader must be raw or tracking, not {reader!r}")
             raise typer.Exit(2)
-        s = settings_or_exit()
         stack = None
         tmp = None
         if not s.redis_url:
@@ -129,6 +136,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
                 s, decisions=decisions, target_blocks=blocks, seed=seed, instances=instances,
                 heartbeat_rate=heartbeat_rate, concurrency=concurrency or s.router_concurrency,
                 progress=None if json_out else (lambda m: err.print(m)), reader=reader, cache_keys=cache_keys,
+                distinct_prompts=distinct_prompts,
             ))
         finally:
             if stack is not None:

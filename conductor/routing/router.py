@@ -37,7 +37,7 @@ from typing import Any
 from aiokafka import TopicPartition
 from opentelemetry import metrics
 
-from conductor.errors import ViewStoreError
+from conductor.errors import ConfigError, ViewStoreError
 from conductor.profiles import ModelProfile, load_profile
 from conductor.routing.control import ControlState, apply_control
 from conductor.routing.decision import decision_record, decision_reservations, rejection_record
@@ -64,6 +64,7 @@ from state.connect import HiredisPackedConnection, open_client
 from state.reader import RawSnapshotReader
 from state.redis_view import RedisViewStore, connection_url, tls_options
 from state.reservations import InMemoryReservations, Load, RedisReservations, ReservationStore
+from state.tracking import TrackingSnapshotReader
 from state.view import ViewReader, ViewSnapshot
 from streams.kafka import acknowledged, consumer, end_offsets, ensure_topics, producer
 from streams.topics import topics
@@ -592,7 +593,14 @@ def redis_stores(settings: Settings, producer_id: str | None = None) -> tuple[An
     # primary of the namespace's one slot of a Redis Cluster; TLS (rediss://) and unix sockets
     # read through redis-py.
     raw = url.startswith(("redis://", "redis+cluster://"))
-    reader = RawSnapshotReader(url, settings.view_namespace, store=view) if raw else view
+    if settings.view_reader == "tracking":
+        if not raw:
+            raise ConfigError("view_reader (CONDUCTOR_VIEW_READER) 'tracking' needs a redis:// or redis+cluster:// "
+                              f"URL (CONDUCTOR_REDIS_URL is {url.split('://')[0]}://); use 'raw'")
+        reader: Any = TrackingSnapshotReader(url, settings.view_namespace, cache_keys=settings.view_cache_keys,
+                                             store=view)
+    else:
+        reader = RawSnapshotReader(url, settings.view_namespace, store=view) if raw else view
     return (reader,
             RedisReservations(client, settings.view_namespace, settings.reservation_ttl_s,
                               producer_id=producer_id or default_router_id()))

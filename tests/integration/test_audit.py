@@ -107,13 +107,16 @@ async def test_a_past_decision_is_rederived_and_explained(settings):
     await view.close()
 
 
-async def test_every_decision_of_a_run_with_live_heartbeats_is_rederived(settings, tmp_path):
+@pytest.mark.parametrize("view_reader", ["raw", "tracking"])
+async def test_every_decision_of_a_run_with_live_heartbeats_is_rederived(settings, tmp_path, view_reader):
     """Heartbeats land between decisions (each one drops the reservations its node has seen):
-    every decision of the run, not a sample, re-derives exactly, at the view time it recorded."""
+    every decision of the run, not a sample, re-derives exactly, at the view time it recorded.
+    With the tracking reader every request repeats one prompt, so the decisions made between
+    two heartbeats are made from the cache with no round trip, at the last read's watermark."""
     from conductor.tools.bench.ingest import start_worker_process, stop_worker_process
     from conductor.tools.devstack import free_port
 
-    s = settings.model_copy(update={"web_port": free_port()})
+    s = settings.model_copy(update={"web_port": free_port(), "view_reader": view_reader})
     t = topics(s)
     await kafka.ensure_topics(s, t.all())
     keys = chain_keys(SHARED, s.block_size)
@@ -133,7 +136,7 @@ async def test_every_decision_of_a_run_with_live_heartbeats_is_rederived(setting
                 await prod.send(t.heartbeats.name, encode(envelope(hb, producer_id=n, producer_seq=i,
                                                                    ts_ms=int(time.time() * 1000))), key=n.encode())
             beats["n"] += 1
-            await asyncio.sleep(0.03)
+            await asyncio.sleep(0.03 if view_reader == "raw" else 0.05)
 
     beater = asyncio.create_task(beat())
     await _publish(prod, t.kv_events.name, [
@@ -147,8 +150,9 @@ async def test_every_decision_of_a_run_with_live_heartbeats_is_rederived(setting
     router_worker = RouterWorker(s, Router(s, reader, resv), router_id="audit-all")
     stop = asyncio.Event()
     task = asyncio.create_task(router_worker.run(stop))
-    reqs = [RoutingRequest(request_id=f"a{i}", token_ids=SHARED + list(range(100 * i, 100 * i + 64)),
-                           prompt_tokens=len(SHARED) + 64) for i in range(20)]
+    tail = (lambda i: list(range(64))) if view_reader == "tracking" else (lambda i: list(range(100 * i, 100 * i + 64)))
+    reqs = [RoutingRequest(request_id=f"a{i}", token_ids=SHARED + tail(i), prompt_tokens=len(SHARED) + 64)
+            for i in range(20 if view_reader == "raw" else 12)]
     cons = kafka.consumer(s, t.dispatch.name, group_id=None)
     await cons.start()
     got: dict[str, object] = {}
@@ -181,5 +185,7 @@ async def test_every_decision_of_a_run_with_live_heartbeats_is_rederived(setting
             mismatched[rid] = ex.differences
     assert mismatched == {}, mismatched
     assert beats["n"] > 10  # heartbeats really landed during the run
+    if view_reader == "tracking":
+        assert reader.stats["cached_reads"] > 0 and reader.stats["node_pushes"] > 0, reader.stats
     await view.clear()
     await view.close()

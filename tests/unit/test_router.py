@@ -391,3 +391,19 @@ async def test_reads_that_come_back_out_of_order_still_decide_in_log_order() -> 
     assert decided == [("o0", 0), ("o1", 1), ("o2", 2), ("o3", 3)]
     assert [o[1].request_id for o in outs] == ["o0", "o1", "o2", "o3"]
     assert Counter(o[1].prefill_instance for o in outs[:3]) == {"p0": 1, "p1": 1, "p2": 1}
+
+
+async def test_the_view_reader_is_chosen_by_settings_and_a_tracking_reader_needs_plain_resp():
+    from conductor.routing.router import redis_stores
+    from state.reader import RawSnapshotReader
+    from state.tracking import TrackingSnapshotReader
+
+    plain = load_settings(redis_url="redis://127.0.0.1:1/0")
+    for reader, kind in (("raw", RawSnapshotReader), ("tracking", TrackingSnapshotReader)):
+        view, resv = redis_stores(plain.model_copy(update={"view_reader": reader, "view_cache_keys": 10}))
+        assert type(view) is kind and getattr(view, "cache_keys", 10) == 10
+        await view.close()
+    with pytest.raises(ConfigError, match="CONDUCTOR_VIEW_READER"):
+        redis_stores(load_settings(redis_url="rediss://127.0.0.1:1/0", view_reader="tracking"))
+    with pytest.raises(ConfigError, match="view_reader"):
+        load_settings(view_reader="cached")

@@ -181,14 +181,17 @@ async def _view_memory(store: RedisViewStore) -> int:
 async def run_route_bench(settings: Any, *, decisions: int, target_blocks: int, seed: int,
                           instances: int = 32, heartbeat_rate: float | None = None, concurrency: int = 1,
                           progress: Any = None, reader: str = "raw",
-                          cache_keys: int = DEFAULT_CACHE_KEYS) -> dict[str, Any]:
+                          cache_keys: int = DEFAULT_CACHE_KEYS, distinct_prompts: int = 0) -> dict[str, Any]:
     """Build an ``instances``-node view in Redis, then time ``decisions`` full routing
     decisions while another process writes ``heartbeat_rate`` node heartbeats per second
     (default: every node once a second); beside each decision, one pipelined MGET of the
     request's 128 block keys on the same kind of connection (the baseline).
 
     ``reader``: ``raw`` (the router's reader) or ``tracking`` (the client-side caching
-    reader of :mod:`state.tracking`, ``cache_keys`` block entries)."""
+    reader of :mod:`state.tracking`, ``cache_keys`` block entries). ``distinct_prompts``: 0,
+    every timed prompt is new (its question part never read before); N, the timed prompts are
+    drawn from N prompts, each decided once in the warm-up (a warm cache: what a tracking
+    reader answers with no round trip)."""
 
     rng = random.Random(seed)
     nodes = cluster_nodes(*cluster_shape(instances))
@@ -238,8 +241,10 @@ async def run_route_bench(settings: Any, *, decisions: int, target_blocks: int, 
     router.policy = Timed()  # type: ignore[assignment]
     bs = settings.block_size
 
+    pool = [work.request()[1] for _ in range(distinct_prompts)]
+
     def make(i: int) -> RoutingRequest:
-        _, chain, _ = work.request()
+        chain = pool[rng.randrange(len(pool))] if pool else work.request()[1]
         return RoutingRequest(request_id=f"bench-{i}", block_keys=chain, prompt_tokens=len(chain) * bs,
                               expected_output_tokens=rng.randint(64, 512))
 
@@ -256,8 +261,10 @@ async def run_route_bench(settings: Any, *, decisions: int, target_blocks: int, 
         beater = ctx.Process(target=_heartbeat_process, args=(settings, nodes, rate, seed + 1, stop), daemon=True)
         beater.start()
     try:
-        for i in range(min(200, decisions)):  # warm-up: connections, script loads, caches
-            req = make(-i - 1)
+        warm = [make(-i - 1) for i in range(min(200, decisions))]  # connections, script loads, caches
+        warm += [RoutingRequest(request_id=f"bench-warm-{i}", block_keys=chain, prompt_tokens=len(chain) * bs,
+                                expected_output_tokens=64) for i, chain in enumerate(pool)]  # every prompt once
+        for req in warm:
             await router.route(req)
             await mget(list(req.block_keys or ()))
         policy_ms.clear()
@@ -340,6 +347,8 @@ async def run_route_bench(settings: Any, *, decisions: int, target_blocks: int, 
         "cache_hit_ratio": round(cache["hits"] / max(1, cache["hits"] + cache["misses"]), 4) if cache else None,
         "keys_fetched_per_read": round(cache["misses"] / max(1, cache["reads"]), 1) if cache else float(work.chain_blocks),
         "cache_reads_redone": cache.get("retries", 0),
+        "distinct_prompts": distinct_prompts,
+        "cached_reads_ratio": round(cache.get("cached_reads", 0) / max(1, cache["reads"]), 4) if cache else None,
         "server_tracked_keys": tracked,
         "note": "decision = view read + reservation read + policy + reservation record; one process; "
                 "decisions_per_s = decisions / wall time (without the baseline MGETs) with CONCURRENCY "
@@ -349,6 +358,8 @@ async def run_route_bench(settings: Any, *, decisions: int, target_blocks: int, 
                 "view_bytes_per_block = Redis used_memory growth over the bulk load / blocks; node_reads = how "
                 "the view reads got the node states (unchanged, only the changed nodes, the whole hash); reader = raw (the router's) or tracking (client-side cache, "
                 "CLIENT TRACKING): cache_hit_ratio = chain keys served from the cache / keys looked up, "
-                "keys_fetched_per_read = keys in the read's MGET; "
+                "keys_fetched_per_read = keys in the read's MGET; cached_reads_ratio = reads answered from "
+                "the cache with no round trip (at the last read's watermark); distinct_prompts = how many "
+                "prompts the timed ones are drawn from (0: every prompt new); "
                 "server_tracked_keys = keys Redis tracks for clients (INFO tracking_total_keys) at the end",
     }
