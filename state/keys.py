@@ -39,10 +39,11 @@ several primaries, several namespaces (models, clusters) do.
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 from array import array
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from schemas import TIERS
@@ -120,40 +121,56 @@ def _runs(values: Sequence[bytes | None]) -> tuple[tuple[bytes, ...], tuple[int,
     return tuple(runs), tuple(starts), i  # type: ignore[arg-type]
 
 
+HolderSets = tuple[frozenset[int], frozenset[int], frozenset[int]]
+"""A block value's holder slots: in any tier, in HBM or DRAM, in HBM."""
+
+
+def holder_sets(value: bytes) -> HolderSets:
+    """The slots a block's value names (:func:`holder_entries`), as the three sets the prefix
+    walk intersects: holding it in any tier, in HBM or DRAM, in HBM."""
+    d = holder_entries(value)
+    return (frozenset(s for s, t in d.items() if t), frozenset(s for s, t in d.items() if t & 3),
+            frozenset(s for s, t in d.items() if t & 1))
+
+
 def _prefixes_of_runs(runs: Sequence[bytes], starts: Sequence[int], stop: int,
-                      slot_nodes: dict[int, str]) -> dict[str, tuple[int, int, int]]:
-    first = holder_entries(runs[0])
-    a3 = {s: t for s, t in first.items() if t and s in slot_nodes}  # slot -> tiers, holding the prefix in some tier
-    a2 = {s for s, t in a3.items() if t & 3}
-    a1 = {s for s, t in a3.items() if t & 1}
-    ends: dict[int, list[int]] = {s: [0 if s not in a1 else -1, 0 if s not in a2 else -1, -1] for s in a3}
-    alive = set(a3)
+                      slot_nodes: dict[int, str],
+                      sets: Callable[[bytes], HolderSets] = holder_sets) -> dict[str, tuple[int, int, int]]:
+    """Per node, where its prefix ends in each tier count (HBM, +DRAM, any), from a chain's
+    runs: the first run's holders are the candidates, and each later run ends, with set
+    differences, the prefixes of those that do not hold it (in that tier count)."""
+    any0, mid0, hbm0 = sets(runs[0])
+    alive = any0 & slot_nodes.keys()  # slots holding the prefix in some tier
+    a2 = mid0 & alive
+    a1 = hbm0 & alive
+    e0 = dict.fromkeys(alive - a1, 0)  # slot -> where its HBM prefix ends (absent: at ``stop``)
+    e1 = dict.fromkeys(alive - a2, 0)
+    e2: dict[int, int] = {}
     for v, i in zip(runs[1:], starts[1:]):
         if not alive:
             break
-        d = holder_entries(v)
-        for s in list(alive):
-            t = d.get(s, 0)
-            e = ends[s]
-            if not t:
-                alive.discard(s)
-                e[2] = i
-                if s in a2:
-                    e[1] = i
-                    a2.discard(s)
-                if s in a1:
-                    e[0] = i
-                    a1.discard(s)
-                continue
-            if s in a2 and not t & 3:
-                e[1] = i
-                a2.discard(s)
-            if s in a1 and not t & 1:
-                e[0] = i
-                a1.discard(s)
-    out: dict[str, tuple[int, int, int]] = {}
-    for s, e in ends.items():
-        out[slot_nodes[s]] = (stop if e[0] < 0 else e[0], stop if e[1] < 0 else e[1], stop if e[2] < 0 else e[2])
+        any_, mid, hbm = sets(v)
+        gone = alive - any_
+        if gone:
+            alive = alive - gone
+            e2.update(dict.fromkeys(gone, i))
+        if a2:
+            gone = a2 - mid
+            if gone:
+                a2 = a2 - gone
+                e1.update(dict.fromkeys(gone, i))
+        if a1:
+            gone = a1 - hbm
+            if gone:
+                a1 = a1 - gone
+                e0.update(dict.fromkeys(gone, i))
+    # Those still in HBM at the stop hold the whole chain in every tier count; every other
+    # candidate's HBM prefix ended somewhere (e0).
+    name = slot_nodes.__getitem__
+    out = dict.fromkeys(map(name, a1), (stop, stop, stop))
+    g1, g2 = e1.get, e2.get
+    for s, x in e0.items():
+        out[name(s)] = (x, g1(s, stop), g2(s, stop))
     return out
 
 
@@ -170,13 +187,29 @@ class PrefixWalk:
     per holder. The answer is shared between reads: callers must not change it. A changed
     holder set changes the values, so nothing stale is ever answered."""
 
-    def __init__(self, size: int = 1024, max_holders: int = 200_000) -> None:
+    def __init__(self, size: int = 1024, max_holders: int = 200_000, values: int = 8192) -> None:
         self.size = size
         self.max_holders = max_holders
         self.hits = 0
         self.misses = 0
         self._memo: dict[tuple[Any, ...], tuple[dict[int, str], dict[str, tuple[int, int, int]]]] = {}
         self._held = 0
+        self._values = values
+        self._sets: dict[bytes, HolderSets] = {}
+        """Block value → its :func:`holder_sets`, for the ``values`` most recently decoded: the
+        same holder set comes back in many chains (a tenant's system prompt under every
+        document), so a chain read for the first time mostly decodes values seen before."""
+
+    def holder_sets(self, value: bytes) -> HolderSets:
+        """:func:`holder_sets`, remembered."""
+        cache = self._sets
+        got = cache.get(value)
+        if got is None:
+            if len(cache) >= self._values:
+                for k in list(itertools.islice(cache, self._values // 2)):  # the older half
+                    del cache[k]
+            got = cache[value] = holder_sets(value)
+        return got
 
     def __call__(self, values: Sequence[bytes | None], slot_nodes: dict[int, str]) -> dict[str, tuple[int, int, int]]:
         if not values or not values[0] or not slot_nodes:
@@ -189,7 +222,7 @@ class PrefixWalk:
             self.hits += 1
             return hit[1]
         self.misses += 1
-        out = _prefixes_of_runs(*key, slot_nodes)
+        out = _prefixes_of_runs(*key, slot_nodes, self.holder_sets)
         if hit is not None:
             self._held -= len(hit[1])
         while memo and (len(memo) >= self.size or self._held + len(out) > self.max_holders):

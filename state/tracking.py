@@ -1,7 +1,8 @@
 """A router's view reader that keeps block entries in process, told of changes by Redis
-(server-assisted client-side caching, ``CLIENT TRACKING``): a prototype, measured against
-:class:`state.reader.RawSnapshotReader` (``conductor bench route --reader tracking``; the
-numbers and the decision are in state/README.md, "Client-side caching").
+(server-assisted client-side caching, ``CLIENT TRACKING``), the router's reader with
+``CONDUCTOR_VIEW_READER=tracking`` (measured against :class:`state.reader.RawSnapshotReader`
+with ``conductor bench route --reader tracking``; the numbers and when it pays are in
+state/README.md, "Client-side caching").
 
 The connection speaks RESP3 (``HELLO 3``) with ``CLIENT TRACKING on`` (default mode): the
 server remembers every key this connection read and, when another client changes one,
