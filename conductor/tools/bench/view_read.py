@@ -52,8 +52,10 @@ async def run_view_read_bench(
 
     ``raw_reader``: the router's reader (``state.reader``: one MULTI/EXEC of TIME, the MGET,
     the node delta, the watermark, on a raw connection). ``tracking_warm``: the client-side
-    caching reader (``state.tracking``) reading the same chain again, so every block entry
-    comes from its cache and the transaction carries TIME, the node delta and the watermark.
+    caching reader (``state.tracking``) reading the same chain again with its points off, so
+    every block entry comes from its cache and the transaction carries TIME, the node delta
+    and the watermark. ``tracking_point``: the same reader as the router runs it, answering
+    the warm chain at its last read's point, with no round trip while nothing is written.
 
     ``cluster``: the same on a 3-primary Valkey Cluster (``redis+cluster://``, redis-py's
     cluster client); server figures are of the primary holding the namespace's slot.
@@ -107,13 +109,15 @@ async def run_view_read_bench(
         chain_keys = store.keys.blocks(chain)
         url = vc.url if vc is not None else f"redis://{host}:{port}"
         raw = RawSnapshotReader(url, "cv")
-        tracking = TrackingSnapshotReader(url, "cv", cache_keys=max(chain_len, 1000))
-        readers += [raw, tracking]
+        tracking = TrackingSnapshotReader(url, "cv", cache_keys=max(chain_len, 1000), point_max_age_s=0)
+        pointed = TrackingSnapshotReader(url, "cv", cache_keys=max(chain_len, 1000))
+        readers += [raw, tracking, pointed]
         options = {
             "mget": lambda: store.snapshot(chain),
             "lua_walk": lambda: walk(keys=chain_keys),
             "raw_reader": lambda: raw.snapshot(chain),
             "tracking_warm": lambda: tracking.snapshot(chain),
+            "tracking_point": lambda: pointed.snapshot(chain),
         }
         out: dict[str, Any] = {
             "redis": "cluster (3 primaries)" if cluster else "one server",
@@ -136,6 +140,7 @@ async def run_view_read_bench(
             out[f"{name}_ms_p99"] = round(percentile(lat, 0.99), 3)
             out[f"{name}_server_us"] = round(server_us, 1)
         out["tracking_warm_cache_hit_ratio"] = round(tracking.cache_hit_ratio(), 4)
+        out["tracking_point_reads_with_no_round_trip"] = round(pointed.stats["cached_reads"] / max(1, pointed.stats["reads"]), 4)
         return out
     finally:
         for r in readers:
