@@ -120,6 +120,17 @@ async def test_bench_route_runs_small(settings) -> None:
     assert 1 <= out["prefix_holders_mean"] <= 32  # the stores hold every other tenant's documents
 
 
+async def test_bench_route_with_a_warm_tracking_reader_decides_without_round_trips(settings) -> None:
+    from conductor.tools.bench.route import run_route_bench
+
+    s = settings.model_copy(update={"heartbeat_ttl_s": 3600.0})
+    out = await run_route_bench(s, decisions=150, target_blocks=5000, seed=3, heartbeat_rate=0.0, reader="tracking",
+                                distinct_prompts=20)
+    assert out["reader"] == "tracking" and out["distinct_prompts"] == 20 and sum(out["outcomes"].values()) == 150
+    # Nothing is written during the run and every prompt was decided once in the warm-up.
+    assert out["cached_reads_ratio"] > 0.9 and out["cache_hit_ratio"] == 1.0, out
+
+
 async def test_raw_snapshot_reader_matches_the_view_store(settings) -> None:
     from conductor.errors import ViewStoreError
     from conductor.routing.router import RawSnapshotReader
