@@ -12,6 +12,7 @@ from conductor.profiles import DEFAULT_PROFILE, load_profile
 from conductor.routing.policies import make_policy
 from conductor.routing.policies.base import Reuse
 from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
+from conductor.topology import Link, LinkClasses, RackSpec, Topology
 
 PROFILE = load_profile(DEFAULT_PROFILE)
 
@@ -103,5 +104,37 @@ def test_reuse_planner_finds_the_cheapest_copy(insts, p, tokens) -> None:
     holders = [h for h in insts if h.prefix_blocks[2] > 0]
     best_reuse, _, groups = policy._reuse_planner(req, holders, 512)
     assert sorted(i for idx in groups.values() for i in idx) == list(range(len(holders)))
+    for inst in insts:
+        assert best_reuse(inst) == _cheapest_copy(policy, inst, holders, req)
+
+
+# Twelve racks in three zones (the file's), links that differ by class: a bare instance's
+# copies then depend on whether its rack holds any, and else on its zone only.
+ZONED = Topology(
+    links=LinkClasses(same_rack=Link(bandwidth_gbps=400, latency_us=5), cross_rack=Link(bandwidth_gbps=100, latency_us=20),
+                      cross_zone=Link(bandwidth_gbps=10, latency_us=800)),
+    racks={f"r{i}": RackSpec(zone=f"z{i % 3}") for i in range(12)},
+)
+zoned = st.builds(
+    lambda i, pre, rack, zone, q: Instance(f"p{i:03d}", "prefill", prefix_blocks=pre, queued_prefill_tokens=q,
+                                           queued_requests=1 if q else 0, rack=rack, zone=zone),
+    st.integers(0, 999),
+    st.sampled_from([(0, 0, 0)] * 6 + [(16, 16, 16), (0, 8, 8), (2, 2, 40), (64, 64, 64)]),
+    st.sampled_from([f"r{i}" for i in range(12)] + [None]),
+    st.sampled_from([None, None, None, "z0", "z2"]),  # mostly the file's zone of its rack
+    st.sampled_from([0, 4_000]),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(zoned, min_size=1, max_size=60, unique_by=lambda i: i.node_id), params, st.integers(512, 100_000))
+def test_reuse_planner_finds_the_cheapest_copy_across_zones(insts, p, tokens) -> None:
+    """Bare instances of racks without holders share their plan per zone (the rack's zone from
+    the topology file when the heartbeat has none); still what scanning every holder finds."""
+    policy = make_policy("kvcache-centric", p, PROFILE, ZONED)
+    assert policy._same_rack_class() == 0
+    req = PolicyRequest("r", tokens, tokens // 512)
+    holders = [h for h in insts if h.prefix_blocks[2] > 0]
+    best_reuse, _, _ = policy._reuse_planner(req, holders, 512)
     for inst in insts:
         assert best_reuse(inst) == _cheapest_copy(policy, inst, holders, req)
