@@ -47,6 +47,7 @@ MEMO_SIZE = 1024
 """Prefix answers whose holders a :class:`ClusterIndex` remembers (as many as a reader's
 :class:`state.keys.PrefixWalk` does)."""
 
+_INF = float("inf")
 PREFILL_ROLES = ("prefill", "both")
 DECODE_ROLES = ("decode", "both")
 
@@ -73,6 +74,13 @@ class IndexView:
     decode_loads: list[tuple[float, str, int, int, int]]
     """(:func:`decode_load`, node, free KV blocks, total KV blocks, decode context tokens) of
     every decode-capable instance, ascending (what the decode band reads of each)."""
+    decode_ranks: list[int]
+    """Beside ``decode_loads``, entry for entry: the node's ``id_rank``."""
+    decode_room: list[float]
+    """Beside ``decode_loads``, entry for entry: the free KV blocks, infinite where the total is
+    not known (0: such an instance always fits), so ``min`` of a slice says whether all fit."""
+    by_rank: list[str]
+    """The instances in node-id order (``by_rank[id_rank[node]] == node``)."""
     prefill_count: int
     decode_count: int
     decode_negative_contexts: int
@@ -118,6 +126,9 @@ class ClusterIndex:
         self._waits: list[tuple[float, str]] = []
         self._wait_of: dict[str, float] = {}
         self._loads: list[tuple[float, str, int, int, int]] = []
+        self._load_ranks: list[int] = []  # beside _loads: each node's id rank
+        self._load_room: list[float] = []  # beside _loads: free KV blocks, inf when the total is unknown
+        self._by_rank: list[str] = []
         self._negative_contexts = 0
         """Decode entries whose context is below zero (never from a heartbeat; the band then
         cannot be read off the loads)."""
@@ -189,6 +200,8 @@ class ClusterIndex:
         self._waits.clear()
         self._wait_of.clear()
         self._loads.clear()
+        self._load_ranks.clear()
+        self._load_room.clear()
         self._negative_contexts = 0
         self._load_of.clear()
         self._deaths.clear()
@@ -233,7 +246,11 @@ class ClusterIndex:
         if inst.role in DECODE_ROLES:
             k = decode_load(self.profile, inst)
             self._load_of[node] = k
-            bisect.insort(self._loads, (k, node, inst.free_kv_blocks, inst.total_kv_blocks, inst.decode_context_tokens))
+            entry = (k, node, inst.free_kv_blocks, inst.total_kv_blocks, inst.decode_context_tokens)
+            at = bisect.bisect_left(self._loads, entry)
+            self._loads.insert(at, entry)
+            self._load_ranks.insert(at, self._rank.get(node, -1))  # a node joining: set by _reorder
+            self._load_room.insert(at, inst.free_kv_blocks if inst.total_kv_blocks > 0 else _INF)
             self._negative_contexts += inst.decode_context_tokens < 0
         pos = self._pos.get(node)
         if pos is not None and was:
@@ -251,6 +268,8 @@ class ClusterIndex:
             at = bisect.bisect_left(self._loads, (k, node))  # (k, node) sorts just before its entry
             self._negative_contexts -= self._loads[at][4] < 0
             del self._loads[at]
+            del self._load_ranks[at]
+            del self._load_room[at]
 
     def _reorder(self) -> None:
         """The live instances in the read's node order (what ``build_cluster`` lists)."""
@@ -258,7 +277,9 @@ class ClusterIndex:
         inst = self._inst
         self._order = [n.node_id for n in self._nodes if n.node_id in inst]
         self._pos = {node: i for i, node in enumerate(self._order)}
-        self._rank = {node: i for i, node in enumerate(sorted(self._order))}
+        self._by_rank = sorted(self._order)
+        rank = self._rank = {node: i for i, node in enumerate(self._by_rank)}
+        self._load_ranks = [rank[e[1]] for e in self._loads]
         self._base = [inst[node] for node in self._order]
 
     # --- one request --------------------------------------------------------------------
@@ -279,6 +300,9 @@ class ClusterIndex:
             waits=self._waits,
             wait_of=self._wait_of,
             decode_loads=self._loads,
+            decode_ranks=self._load_ranks,
+            decode_room=self._load_room,
+            by_rank=self._by_rank,
             prefill_count=len(self._waits),
             decode_count=len(self._loads),
             decode_negative_contexts=self._negative_contexts,

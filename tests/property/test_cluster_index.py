@@ -105,7 +105,7 @@ def test_the_index_is_the_builders_picture_read_after_read(seed: int, size: int)
 @given(st.integers(0, 2**32 - 1), st.integers(1, 160))
 def test_the_decode_band_from_the_index_is_the_exhaustive_one(seed: int, decodes: int) -> None:
     """Many decode instances, loads drawn from few values (exact ties, and TBTs on the edge of
-    the low-load band), some without room: the pick from the index's load order, which
+    the low-load band), some without room or all with it: the pick from the index's load order, which
     computes TBTs only near the band's edge, equals the exhaustive scan's, seed for seed."""
     rng = random.Random(seed)
     now = 1_000_000
@@ -116,13 +116,14 @@ def test_the_decode_band_from_the_index_is_the_exhaustive_one(seed: int, decodes
                                            "early_rejection": policy.p.early_rejection}, PROFILE)
     full.prune_candidates = False
     batches = [rng.randint(0, 64) for _ in range(3)]
+    frees = [10, 60_000, 60_000] if rng.random() < 0.5 else [60_000]  # or every instance has room
     contexts = [rng.choice([0, 1, 4096, 50_000, 400_000, 400_000, -100_000]) for _ in range(3)]  # < 0: not from heartbeats
     nodes = [NodeState(node_id="p0", role="prefill", model="m", last_heartbeat_ms=now)]
     for i in range(decodes):
         nodes.append(NodeState(
             node_id=f"d{rng.randint(0, 10**6):07d}-{i}", role=rng.choice(["decode", "decode", "both"]), model="m",
             last_heartbeat_ms=now, batch_size=rng.choice(batches), decode_context_tokens=rng.choice(contexts),
-            free_kv_blocks=rng.choice([10, 60_000, 60_000]), total_kv_blocks=rng.choice([0, 80_000, 80_000]),
+            free_kv_blocks=rng.choice(frees), total_kv_blocks=rng.choice([0, 80_000, 80_000]),
         ))
     rng.shuffle(nodes)  # a read's node order need not be the node-id order ties are picked in
     view = ViewSnapshot(now, tuple(nodes), {}, {"kv-events:0": now})
@@ -137,6 +138,39 @@ def test_the_decode_band_from_the_index_is_the_exhaustive_one(seed: int, decodes
         req = PolicyRequest("r", tokens, tokens // BS, ttft_slo_s=30.0, tbt_slo_ms=rng.choice([20.0, 40.0, 100.0, 1e4]))
         s = rng.getrandbits(32)
         assert policy.decide(req, got, random.Random(s)) == full.decide(req, want, random.Random(s))
+
+
+def test_decode_instances_exactly_on_the_bands_edge_are_in_it_when_all_have_room() -> None:
+    """Two load levels, the band as wide as the higher level's TBT over the lower one's (so the
+    higher instances sit on its edge) and room on every instance: the index's pick (the band's
+    inside read as id ranks, the edge computed) is the exhaustive one, and both levels win."""
+    now = 1_000_000
+    req = PolicyRequest("r", 9000, 9000 // BS, ttft_slo_s=30.0, tbt_slo_ms=1e4)
+    low = dict(batch_size=8, decode_context_tokens=20_000)
+    high = dict(batch_size=24, decode_context_tokens=90_000)
+    probe = make_policy("kvcache-centric", {}, PROFILE)
+    tbt = [probe.costs.tbt_ms(build_cluster(ViewSnapshot(now, (NodeState(node_id="x", role="decode", model="m",
+                                                                           last_heartbeat_ms=now, **kw),), {}, {}),
+                                            {}, block_size=BS, ttl_s=TTL_S, model="m").instances[0], req)
+           for kw in (low, high)]
+    band = tbt[1] / tbt[0] - 1.0
+    policy = make_policy("kvcache-centric", {"decode_low_load_band": band}, PROFILE)
+    full = make_policy("kvcache-centric", {"decode_low_load_band": band}, PROFILE)
+    full.prune_candidates = False
+    nodes = [NodeState(node_id="p0", role="prefill", model="m", last_heartbeat_ms=now)]
+    nodes += [NodeState(node_id=f"d{i}", role="decode", model="m", last_heartbeat_ms=now, free_kv_blocks=60_000,
+                        total_kv_blocks=80_000, **(low if i % 3 else high)) for i in range(12)]
+    view = ViewSnapshot(now, tuple(nodes), {}, {"kv-events:0": now})
+    ix = ClusterIndex(PROFILE, block_size=BS, ttl_s=TTL_S, model="m")
+    ix.update(view, InMemoryReservations(ttl_s=1.5).pending_one)
+    got = ix.snapshot(view)
+    want = build_cluster(view, {}, block_size=BS, ttl_s=TTL_S, model="m")
+    picked = set()
+    for s in range(60):
+        d = policy.decide(req, got, random.Random(s))
+        assert d == full.decide(req, want, random.Random(s))
+        picked.add(d.decode)
+    assert {"d0", "d3"} & picked and {"d1", "d2"} & picked  # the edge's instances and the inside's
 
 
 def test_a_remembered_holder_set_follows_a_holder_changing_rack_or_role() -> None:

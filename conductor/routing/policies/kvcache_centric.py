@@ -226,16 +226,32 @@ class KvCacheCentric(RoleSplitPolicy):
         slack = 1e-9 * (at0 + abs(edge)) + 1e-18
         inside = max(j, bisect.bisect_right(loads, edge - slack, key=_first))  # below: in the band
         outside = bisect.bisect_right(loads, edge + slack, key=_first)  # from here on: out of it
-        names = [node for _, node, free, total, _ in loads[j:inside] if total <= 0 or free >= need]
-        names += [node for _, node, free, total, _ in loads[inside:outside]
-                  if (total <= 0 or free >= need) and costs.tbt_ms(base[node], request) <= cut]
+        edge = [node for _, node, free, total, _ in loads[inside:outside]
+                if (total <= 0 or free >= need) and costs.tbt_ms(base[node], request) <= cut]
         # All in the band tie: the pick is pick_lowest's, by the generator in node-id order.
+        # The band's inside is usually most of the decode instances and all of them fit: then
+        # it is read as the id ranks kept beside the loads (an int sort in C, no per-entry
+        # Python), else entry by entry.
+        if j < inside and min(ix.decode_room[j:inside]) >= need:
+            ranks = ix.decode_ranks[j:inside]
+            if edge:
+                rank = ix.id_rank
+                ranks += [rank[node] for node in edge]
+            if len(ranks) > 1:
+                ranks.sort()
+                return self._decode_pick(base[ix.by_rank[ranks[rng.randrange(len(ranks))]]], request)
+            return self._decode_pick(base[ix.by_rank[ranks[0]]], request)
+        names = [node for _, node, free, total, _ in loads[j:inside] if total <= 0 or free >= need]
+        names += edge
         if len(names) > 1:
             names.sort(key=ix.id_rank.__getitem__)  # node-id order, by integers
             chosen = base[names[rng.randrange(len(names))]]
         else:
             chosen = base[names[0]]
-        return chosen, costs.tbt_ms(chosen, request)
+        return self._decode_pick(chosen, request)
+
+    def _decode_pick(self, chosen: Instance, request: PolicyRequest) -> tuple[Instance, float]:
+        return chosen, self.costs.tbt_ms(chosen, request)
 
     def place(self, request: PolicyRequest, snapshot: ClusterSnapshot, prefills: tuple[Instance, ...],
               decodes: tuple[Instance, ...], rng: random.Random) -> Decision:
