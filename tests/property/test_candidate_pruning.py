@@ -138,3 +138,26 @@ def test_reuse_planner_finds_the_cheapest_copy_across_zones(insts, p, tokens) ->
     best_reuse, _, _ = policy._reuse_planner(req, holders, 512)
     for inst in insts:
         assert best_reuse(inst) == _cheapest_copy(policy, inst, holders, req)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(prefill, min_size=1, max_size=30, unique_by=lambda i: i.node_id), params,
+       st.lists(st.integers(512, 100_000), min_size=2, max_size=5))
+def test_reuse_plans_remembered_per_holder_groups_follow_the_request(insts, p, lengths) -> None:
+    """The copy runs are remembered per holder-groups object (the index hands out one per hot
+    chain): requests of other lengths over the same object still get their own plans, even
+    with the same number of blocks."""
+    policy = make_policy("kvcache-centric", p, PROFILE)
+    holders = [h for h in insts if h.prefix_blocks[2] > 0]
+    shapes = [h.prefix_blocks for h in holders]
+    groups = {}
+    for i, s in enumerate(shapes):
+        groups.setdefault(s, []).append(i)
+    # Then as many blocks as the first with one token more, and the first's tokens with a chain
+    # of two blocks (prefixes cut there).
+    asks = [(t, t // 512) for t in lengths] + [(lengths[0] + 1, lengths[0] // 512), (lengths[0], 2)]
+    for tokens, blocks in asks:
+        req = PolicyRequest("r", tokens, blocks)
+        best_reuse, _, _ = policy._reuse_planner(req, holders, 512, shapes, None, groups)
+        for inst in insts:
+            assert best_reuse(inst) == _cheapest_copy(policy, inst, holders, req)

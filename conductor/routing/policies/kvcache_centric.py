@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import itertools
 import operator
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
@@ -37,6 +38,9 @@ if TYPE_CHECKING:
 
 
 _first = operator.itemgetter(0)
+RUNS_MEMO_SIZE = 1024
+"""Holder groups whose copy runs a policy remembers (as many as the cluster index remembers
+holder sets)."""
 _NO_HOLDERS = object()
 """Stands for "any rack holding no prefix of the chain" in the bare instances' memo."""
 """A tuple's first item: an option's cost, an index decode entry's load."""
@@ -99,6 +103,11 @@ class KvCacheCentric(RoleSplitPolicy):
     Params = KvCacheCentricParams
     prune_candidates = True
     """Evaluate only the prefill instances that can win (:meth:`_candidates`); False: all."""
+    _same_li: int | None = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._runs_memo: dict[tuple, tuple] = {}
 
     def decide(self, request: PolicyRequest, snapshot: ClusterSnapshot, rng: random.Random) -> Decision:
         """With an index (the router's :class:`~conductor.routing.index.ClusterIndex`), only the
@@ -346,19 +355,7 @@ class KvCacheCentric(RoleSplitPolicy):
             shapes = [h.prefix_blocks for h in holders]
         if groups is None:
             groups = indexes_by(shapes)
-        # Per link class: (index, runs of (cost, holder indexes), shape → plan).
-        by_link: list[tuple[int, list[tuple[float, Sequence[int]]], dict]] = []
-        if p.remote_reuse and holders:
-            for li in range(len(costs.links)):
-                plan = {shape: costs.remote_plan(shape, request, bs, li) for shape in groups}
-                runs = sorted(((o[2], groups[shape]) for shape, o in plan.items() if o is not None), key=_first)
-                merged: list[tuple[float, Sequence[int]]] = []
-                for cost, idx in runs:
-                    if merged and merged[-1][0] == cost:  # equal costs: one run, holders in order
-                        merged[-1] = (cost, sorted([*merged[-1][1], *idx]))
-                    else:
-                        merged.append((cost, idx))
-                by_link.append((li, merged, plan))
+        by_link = self._link_runs(request, bs, groups) if p.remote_reuse and holders else []
         table = costs.path_table
         place_key = costs.place_key
         threshold = p.kvcache_balancing_threshold
@@ -450,14 +447,46 @@ class KvCacheCentric(RoleSplitPolicy):
                 bare_floor = runs[0][0]
         return best_reuse, bare_floor, groups
 
+    def _link_runs(self, request: PolicyRequest, bs: int, groups: Mapping[tuple[int, int, int], Sequence[int]],
+                   ) -> list[tuple[int, list[tuple[float, Sequence[int]]], dict]]:
+        """Per link class: (its index, the runs of equal copy cost as (cost, holder indexes in
+        order), shape → its remote plan). They depend on the shapes' holder groups and the
+        request's length only, so they are remembered per groups object: the cluster index
+        hands out the same one for every read of a hot chain."""
+        key = (id(groups), request.chain_len, request.prompt_tokens, bs)
+        memo = self._runs_memo
+        hit = memo.get(key)
+        if hit is not None and hit[0] is groups:
+            return hit[1]
+        costs = self.costs
+        by_link = []
+        for li in range(len(costs.links)):
+            plan = {shape: costs.remote_plan(shape, request, bs, li) for shape in groups}
+            runs = sorted(((o[2], groups[shape]) for shape, o in plan.items() if o is not None), key=_first)
+            merged: list[tuple[float, Sequence[int]]] = []
+            for cost, idx in runs:
+                if merged and merged[-1][0] == cost:  # equal costs: one run, holders in order
+                    merged[-1] = (cost, sorted([*merged[-1][1], *idx]))
+                else:
+                    merged.append((cost, idx))
+            by_link.append((li, merged, plan))
+        if len(memo) >= RUNS_MEMO_SIZE:
+            for k in list(itertools.islice(memo, RUNS_MEMO_SIZE // 2)):  # the older half
+                del memo[k]
+        memo[key] = (groups, by_link)  # holding groups keeps its id from being reused
+        return by_link
+
     def _same_rack_class(self) -> int:
         """Index of the same-rack link class when "same rack" is a class of its own (no rack
-        pairs or node places in the topology), else -1."""
-        topo = self.costs.topology
-        links = topo.links
-        if topo.nodes or topo.rack_pairs or links.same_rack in (links.cross_rack, links.cross_zone):
-            return -1
-        return self.costs.links.index(links.same_rack)
+        pairs or node places in the topology), else -1 (found once: the topology is fixed)."""
+        if self._same_li is None:
+            topo = self.costs.topology
+            links = topo.links
+            if topo.nodes or topo.rack_pairs or links.same_rack in (links.cross_rack, links.cross_zone):
+                self._same_li = -1
+            else:
+                self._same_li = self.costs.links.index(links.same_rack)
+        return self._same_li
 
     def _candidates(self, prefills: tuple[Instance, ...], waits: list[float],
                     p: KvCacheCentricParams) -> list[tuple[Instance, float]]:
