@@ -71,8 +71,9 @@ _RECONNECT_ON = ("NOSCRIPT", "MOVED", "ASK", "CLUSTERDOWN", "READONLY")
 failover), or on a cluster the slot moved or its primary changed."""
 
 
-def _pairs(flat: Sequence[Any]) -> zip:
-    return zip(flat[::2], flat[1::2])
+def _pairs(reply: Any) -> Any:
+    """(field, value) pairs of a hash reply: RESP2's flat list, or a RESP3 map."""
+    return reply.items() if isinstance(reply, dict) else zip(reply[::2], reply[1::2])
 
 
 class RawSnapshotReader:

@@ -48,7 +48,7 @@ import hiredis
 from schemas.errors import ViewStoreError
 
 from .keys import snapshot_from_replies
-from .reader import _IO_ERRORS, _NODES_SHA, _RECONNECT_ON, DELTA_MAX_NODES, NODE_ATTRS, RawSnapshotReader
+from .reader import _IO_ERRORS, _NODES_SHA, _RECONNECT_ON, DELTA_MAX_NODES, NODE_ATTRS, RawSnapshotReader, _pairs
 from .view import ViewSnapshot
 
 DEFAULT_CACHE_KEYS = 200_000
@@ -214,18 +214,20 @@ class TrackingSnapshotReader(RawSnapshotReader):
     async def snapshot(self, chain: Sequence[int], *, now_ms: int | None = None) -> ViewSnapshot:
         self.stats["reads"] += 1
         keys = self.keys.blocks(chain)
-        cached = self._from_point(keys, now_ms)
-        if cached is not None:
-            return cached
+        looked = self._from_cache(keys)
+        if not looked[1]:  # the cache has the whole chain
+            cached = self._from_point(looked[0], now_ms)
+            if cached is not None:
+                return cached
         self._reading += 1
         try:
-            return await self._read(keys, now_ms)
+            return await self._read(keys, now_ms, looked)
         finally:
             self._reading -= 1
 
-    def _from_point(self, keys: list[bytes], now_ms: int | None) -> ViewSnapshot | None:
-        """The chain's snapshot at the last point, when the cache can give it whole (see the
-        module's docstring); None when it must be read."""
+    def _from_point(self, got: list[Any], now_ms: int | None) -> ViewSnapshot | None:
+        """The chain's snapshot at the last point from its cached values ``got``, when the
+        point still stands (see the module's docstring); None when it must be read."""
         pt = self._point
         if (pt is None or self._reading or self._io is None or self._nodes_frame != pt[3]
                 or self._nodes_pushed > pt[3]):
@@ -233,26 +235,24 @@ class TrackingSnapshotReader(RawSnapshotReader):
         mono = time.monotonic()
         if mono - pt[1] >= self.point_max_age_s:
             return None
-        got, at = self._from_cache(keys)
-        if at:
-            return None
         if now_ms is None:
             now_ms = max(pt[0] + int((mono - pt[1]) * 1000.0), self._now_floor)
         wm = self._point_wm
         if wm is None:
-            flat = pt[2]
-            pairs = flat.items() if isinstance(flat, dict) else zip(flat[::2], flat[1::2])
-            wm = self._point_wm = {k.decode(): int(v) for k, v in pairs}
+            wm = self._point_wm = {k.decode(): int(v) for k, v in _pairs(pt[2])}
         nodes, slot_nodes = self._last_nodes
         self.stats["cached_reads"] += 1
         self.stats["hits"] += len(got)
         self._now_floor = now_ms
         return ViewSnapshot(now_ms=now_ms, nodes=nodes, prefix=self.walk(got, slot_nodes), watermark=dict(wm))
 
-    async def _read(self, keys: list[bytes], now_ms: int | None) -> ViewSnapshot:
+    async def _read(self, keys: list[bytes], now_ms: int | None,
+                    looked: tuple[list[Any], list[int]]) -> ViewSnapshot:
+        """Read the chain in one transaction (``looked``: what the cache held for it just now,
+        taken by the first attempt)."""
         for attempt in range(MAX_RETRIES + 2):
             if attempt <= MAX_RETRIES:
-                got, at = self._from_cache(keys)
+                got, at = looked if attempt == 0 else self._from_cache(keys)
                 fetched = keys if len(at) == len(keys) else [keys[i] for i in at]
             else:
                 self.stats["uncached_reads"] += 1
@@ -279,8 +279,7 @@ class TrackingSnapshotReader(RawSnapshotReader):
                 continue
             self.stats["hits"] += len(got) - len(fetched)
             self.stats["misses"] += len(fetched)
-            pairs = wm.items() if isinstance(wm, dict) else zip(wm[::2], wm[1::2])
-            snap = snapshot_from_replies(time_reply, values, nodes, slot_nodes, pairs, now_ms, self.walk)
+            snap = snapshot_from_replies(time_reply, values, nodes, slot_nodes, _pairs(wm), now_ms, self.walk)
             self._now_floor = max(self._now_floor, snap.now_ms)
             return snap
         raise AssertionError("unreachable: the last attempt reads without the cache")

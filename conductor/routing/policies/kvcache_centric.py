@@ -38,12 +38,12 @@ if TYPE_CHECKING:
 
 
 _first = operator.itemgetter(0)
+"""A tuple's first item: an option's cost, an index decode entry's load."""
 RUNS_MEMO_SIZE = 1024
 """Holder groups whose copy runs a policy remembers (as many as the cluster index remembers
 holder sets)."""
 _NO_HOLDERS = object()
 """Stands for "any rack holding no prefix of the chain" in the bare instances' memo."""
-"""A tuple's first item: an option's cost, an index decode entry's load."""
 
 
 def _tie_margin(p: KvCacheCentricParams) -> float:
@@ -237,30 +237,22 @@ class KvCacheCentric(RoleSplitPolicy):
         outside = bisect.bisect_right(loads, edge + slack, key=_first)  # from here on: out of it
         edge = [node for _, node, free, total, _ in loads[inside:outside]
                 if (total <= 0 or free >= need) and costs.tbt_ms(base[node], request) <= cut]
-        # All in the band tie: the pick is pick_lowest's, by the generator in node-id order.
-        # The band's inside is usually most of the decode instances and all of them fit: then
-        # it is read as the id ranks kept beside the loads (an int sort in C, no per-entry
-        # Python), else entry by entry.
+        # All in the band tie: the pick is pick_lowest's, by the generator in node-id order
+        # (the id ranks, sorted as ints). The band's inside is usually most of the decode
+        # instances and all of them fit: then its ranks are a slice of those the index keeps
+        # beside the loads, with no Python per entry; else they are read entry by entry.
+        rank = ix.id_rank
         if j < inside and min(ix.decode_room[j:inside]) >= need:
             ranks = ix.decode_ranks[j:inside]
-            if edge:
-                rank = ix.id_rank
-                ranks += [rank[node] for node in edge]
-            if len(ranks) > 1:
-                ranks.sort()
-                return self._decode_pick(base[ix.by_rank[ranks[rng.randrange(len(ranks))]]], request)
-            return self._decode_pick(base[ix.by_rank[ranks[0]]], request)
-        names = [node for _, node, free, total, _ in loads[j:inside] if total <= 0 or free >= need]
-        names += edge
-        if len(names) > 1:
-            names.sort(key=ix.id_rank.__getitem__)  # node-id order, by integers
-            chosen = base[names[rng.randrange(len(names))]]
         else:
-            chosen = base[names[0]]
-        return self._decode_pick(chosen, request)
-
-    def _decode_pick(self, chosen: Instance, request: PolicyRequest) -> tuple[Instance, float]:
-        return chosen, self.costs.tbt_ms(chosen, request)
+            ranks = [rank[node] for _, node, free, total, _ in loads[j:inside] if total <= 0 or free >= need]
+        ranks += [rank[node] for node in edge]
+        if len(ranks) > 1:
+            ranks.sort()  # node-id order
+            chosen = base[ix.by_rank[ranks[rng.randrange(len(ranks))]]]
+        else:
+            chosen = base[ix.by_rank[ranks[0]]]
+        return chosen, costs.tbt_ms(chosen, request)
 
     def place(self, request: PolicyRequest, snapshot: ClusterSnapshot, prefills: tuple[Instance, ...],
               decodes: tuple[Instance, ...], rng: random.Random) -> Decision:
