@@ -787,11 +787,14 @@ def _print_summary(console: Console, r: dict[str, Any]) -> None:
               f(r["baseline_ttft_prediction_error_p50"], ".1%"))
     console.print(t)
     console.print(f"wall time {r['wall_s']}s; logs in {r['logs']}")
-    console.print("audit a decision (re-derived from the topics alone):")
-    for run in r["runs"]:
-        for rid in run["example_request_ids"]:
-            console.print(f"  CONDUCTOR_TOPIC_PREFIX={run['topic_prefix']} conductor explain {rid}",
-                          soft_wrap=True, highlight=False)
     if not r["stack_kept"]:
-        console.print("  (the demo stopped the broker it started: run `conductor dev up` before the demo to keep "
-                      "the topics for `explain`)", soft_wrap=True, highlight=False)
+        # The topics went with the broker the demo started and stopped: an explain line would fail.
+        console.print("to audit a decision with `conductor explain`, keep the topics: run `conductor dev up`, "
+                      "then this demo again (it uses that stack, leaves it running, and prints the commands)",
+                      soft_wrap=True, highlight=False)
+        return
+    examples = [(run["topic_prefix"], rid) for run in r["runs"] for rid in run["example_request_ids"]]
+    if examples:
+        console.print("audit a decision (re-derived from the topics alone):")
+    for prefix, rid in examples:
+        console.print(f"  CONDUCTOR_TOPIC_PREFIX={prefix} conductor explain {rid}", soft_wrap=True, highlight=False)
