@@ -13,6 +13,7 @@ from .records import (
     ControlAction,
     ControlCommand,
     DeadLetter,
+    Endpoint,
     Envelope,
     Heartbeat,
     KvAction,
@@ -22,6 +23,8 @@ from .records import (
     KvEvent,
     KvFailure,
     MmItem,
+    Mode,
+    ModeOption,
     RejectReason,
     RequestOutcome,
     Role,
@@ -29,6 +32,7 @@ from .records import (
     RoutingRejection,
     RoutingRequest,
     Tier,
+    can_hand_off,
     envelope,
     request_chain_keys,
 )
@@ -36,8 +40,8 @@ from .records import (
 __all__ = [
     "ROOT_KEY", "chain_from_precomputed", "chain_keys", "chain_keys_per_block", "request_keys", "vllm_block_extras", "CONTENT_TYPE", "DecodeError", "decode",
     "encode", "headers", "BODY_TYPES", "SCHEMA_VERSIONS", "TIERS", "AllBlocksCleared",
-    "BlocksMigrated", "BlocksRemoved", "BlocksStored", "ControlAction", "ControlCommand", "DeadLetter", "Envelope",
-    "Heartbeat", "KvAction", "KvCommand", "KvCommandResult", "KvCommandStatus", "KvEvent", "KvFailure", "MmItem",
+    "BlocksMigrated", "BlocksRemoved", "BlocksStored", "ControlAction", "ControlCommand", "DeadLetter", "Endpoint", "Envelope",
+    "Heartbeat", "KvAction", "KvCommand", "KvCommandResult", "KvCommandStatus", "KvEvent", "KvFailure", "MmItem", "Mode", "ModeOption",
     "RejectReason", "RequestOutcome", "Role", "RoutingDecision", "RoutingRejection", "RoutingRequest", "Tier",
-    "envelope", "request_chain_keys",
+    "can_hand_off", "envelope", "request_chain_keys",
 ]

@@ -73,6 +73,16 @@ def _heartbeat_v1_to_v2(body: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
+@upcaster("heartbeat", 2)
+@upcaster("routing_request", 2)
+@upcaster("routing_decision", 2)
+def _discovery_v3(body: dict[str, Any]) -> dict[str, Any]:
+    # v3 added optional fields with defaults (heartbeat: endpoint, dp_rank, bootstrap_port,
+    # kv_transfer; request: reachable; decision: mode (disaggregated, as every v2 decision
+    # was), options, endpoints): nothing to fill in.
+    return body
+
+
 @upcaster("blocks_removed", 1)
 def _blocks_removed_v1(body: dict[str, Any]) -> dict[str, Any]:
     # v2 added ``node``: absent = the producer's own blocks, as every v1 record meant.

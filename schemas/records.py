@@ -41,6 +41,20 @@ TIERS: tuple[Tier, ...] = ("hbm", "dram", "ssd")
 Role = Literal["prefill", "decode", "both", "store"]
 """``store`` is a shared KV pool node (the Mooncake Store): it holds blocks but runs no model."""
 
+MAX_DP_RANK = 1023
+Url = Annotated[str, StringConstraints(max_length=MAX_NAME, pattern=r"^https?://[^\s/?#]+(/[^\s?#]*)?$")]
+"""An engine's base URL: http(s), a host and port, optionally a path prefix; no query."""
+Mode = Literal["disaggregated", "aggregated"]
+"""How a request runs: prefill on one instance and decode on another (the KV handed off), or
+both on one instance in one call."""
+
+
+def can_hand_off(role: str, kv_transfer: bool | None) -> bool:
+    """Whether an instance takes part in P/D hand-offs: as its heartbeat says, else by role."""
+    if kv_transfer is not None:
+        return kv_transfer
+    return role in ("prefill", "decode")
+
 PolicyRejectReason = Literal["ttft_slo", "tbt_slo", "no_live_instance", "overloaded"]
 """Why a policy turns a request away (its prediction, or nothing to run it on)."""
 RejectReason = Literal[PolicyRejectReason, "invalid_request", "view_unavailable", "view_rebuilding"]
@@ -127,6 +141,21 @@ class Heartbeat(Record):
     rack: OptName = None
     zone: OptName = None
     interval_s: float = Field(default=1.0, gt=0, le=3600)
+    # v3: how to reach the engine (discovery) and whether it takes part in P/D hand-offs
+    endpoint: Url | None = None
+    """The engine's serving base URL (``http://host:port``, no path): gateways send to it."""
+    dp_rank: int | None = Field(default=None, ge=0, le=MAX_DP_RANK)
+    """The data-parallel rank this node is, when the engine runs several behind one URL: a
+    gateway pins the request to it (vLLM's ``X-data-parallel-rank`` header)."""
+    bootstrap_port: int | None = Field(default=None, ge=1, le=65535)
+    """SGLang: the prefill server's bootstrap port (P/D hand-off rendezvous)."""
+    kv_transfer: bool | None = None
+    """Whether the engine runs a KV connector and can hand a prefill's KV to a peer (or pull
+    one). None: by role (``prefill`` and ``decode`` can, an aggregated ``both`` cannot)."""
+
+    @property
+    def handoff(self) -> bool:
+        return can_hand_off(self.role, self.kv_transfer)
 
 
 # --- routing (topics requests and dispatch) -----------------------------------
@@ -172,6 +201,9 @@ class RoutingRequest(Record):
     """Instances the decision must not name (a retry after an instance failed mid-request)."""
     retry_of: OptName = None
     """The request id this one retries (the failed attempt's decision stays in the log)."""
+    reachable: Annotated[list[Name], Field(max_length=4096)] | None = None
+    """v3, from a gateway: the decision must name only engines it can reach, those whose
+    heartbeats announce an ``endpoint`` and these (its ``--engine`` overrides). None: any."""
 
     @model_validator(mode="after")
     def _tokens_or_chain(self) -> "RoutingRequest":
@@ -180,6 +212,26 @@ class RoutingRequest(Record):
         if self.token_ids is not None and len(self.token_ids) != self.prompt_tokens:
             raise ValueError("prompt_tokens must equal len(token_ids)")
         return self
+
+
+class Endpoint(Record):
+    """Where a gateway reaches one engine (from the node's heartbeats)."""
+
+    url: Url
+    dp_rank: int | None = Field(default=None, ge=0, le=MAX_DP_RANK)
+    bootstrap_port: int | None = Field(default=None, ge=1, le=65535)
+
+
+class ModeOption(Record):
+    """One way to run a request the router costed: the instances and the predictions."""
+
+    mode: Mode
+    prefill_instance: Name
+    decode_instance: Name
+    predicted_ttft_s: float = Field(ge=0)
+    predicted_tbt_ms: float = Field(ge=0)
+    fits: bool = True
+    """Whether it met the SLOs (and the decode had room)."""
 
 
 class RoutingDecision(Record):
@@ -219,6 +271,19 @@ class RoutingDecision(Record):
                                 Field(min_length=2, max_length=MAX_GROUP)] | None = None
     """With ``prefill_group``: the end token of each member's chunk, increasing, the last being
     the prompt length; the first chunk starts at ``reused_tokens``."""
+    # v3: the mode, the other mode's costs, and where the named instances are reached
+    mode: Mode = "disaggregated"
+    """``aggregated``: ``prefill_instance == decode_instance`` runs the whole request in one call."""
+    options: Annotated[list[ModeOption], Field(max_length=2)] = []
+    """Each mode the router costed for this request (the chosen one and the other, when
+    there was a choice): what ``explain`` shows."""
+    endpoints: Annotated[dict[Name, Endpoint], Field(max_length=MAX_GROUP + 1)] = {}
+    """How to reach each instance the decision names, as their heartbeats announced it
+    (absent when the engine announced none: a gateway's ``--engine`` then says)."""
+
+    @property
+    def aggregated(self) -> bool:
+        return self.mode == "aggregated"
 
     @model_validator(mode="after")
     def _group_and_chunks(self) -> "RoutingDecision":
@@ -233,6 +298,13 @@ class RoutingDecision(Record):
             raise ValueError("prefill_group names an instance twice")
         if b[0] <= self.reused_tokens or any(x >= y for x, y in zip(b, b[1:])):
             raise ValueError("chunk_boundaries must increase, starting past reused_tokens")
+        return self
+
+    @model_validator(mode="after")
+    def _mode_matches(self) -> "RoutingDecision":
+        if self.mode == "aggregated" and (self.prefill_instance != self.decode_instance or self.prefill_group):
+            raise ValueError("an aggregated decision names one instance as prefill_instance and decode_instance, "
+                             "and no prefill_group")
         return self
 
 
@@ -453,9 +525,9 @@ BODY_TYPES: dict[str, type[Record]] = {t.model_fields["kind"].default: t for t i
 # Current schema version per kind. Bump it and register an upcaster in
 # ``schemas.codec`` whenever a body changes incompatibly.
 SCHEMA_VERSIONS: dict[str, int] = {kind: 1 for kind in BODY_TYPES}
-SCHEMA_VERSIONS["heartbeat"] = 2  # v2 added decode_context_tokens and zone
-SCHEMA_VERSIONS["routing_request"] = 2  # v2 added cache_salt, exclude and retry_of
-SCHEMA_VERSIONS["routing_decision"] = 2  # v2 added control_offset, block_size, model_profile, prefill_group, chunk_boundaries
+SCHEMA_VERSIONS["heartbeat"] = 3  # v2 added decode_context_tokens and zone; v3 endpoint, dp_rank, bootstrap_port, kv_transfer
+SCHEMA_VERSIONS["routing_request"] = 3  # v2 added cache_salt, exclude and retry_of; v3 reachable
+SCHEMA_VERSIONS["routing_decision"] = 3  # v2 added control_offset, block_size, model_profile, prefill_group, chunk_boundaries; v3 mode, options, endpoints
 SCHEMA_VERSIONS["routing_rejection"] = 2  # v2 added control_offset, block_size, model_profile
 SCHEMA_VERSIONS["kv_command"] = 3  # v2 added command_id (required), deadline_ms, token_ids, block_size; v3 by_node
 SCHEMA_VERSIONS["blocks_removed"] = 2  # v2 added node (a shared pool's blocks removed by another producer)

@@ -143,6 +143,10 @@ def heartbeat_state(env: Envelope, hb: Heartbeat) -> dict[str, Any]:
         "tier_capacity": dict(hb.tier_capacity),
         "rack": hb.rack,
         "zone": hb.zone,
+        "endpoint": hb.endpoint,
+        "dp_rank": hb.dp_rank,
+        "bootstrap_port": hb.bootstrap_port,
+        "kv_transfer": hb.kv_transfer,
     }
 
 

@@ -59,6 +59,12 @@ class NodeState:
     tier_capacity: dict[Tier, int] = field(default_factory=dict)
     rack: str | None = None
     zone: str | None = None
+    endpoint: str | None = None
+    """The engine's serving base URL, as its heartbeats announce it (discovery)."""
+    dp_rank: int | None = None
+    bootstrap_port: int | None = None
+    kv_transfer: bool | None = None
+    """Whether it runs a KV connector (``schemas.can_hand_off``); None: by role."""
     blocks: dict[Tier, int] = field(default_factory=dict)
     """Blocks the view indexes for this node, per tier."""
     seq_gaps: int = 0

@@ -80,6 +80,28 @@ class BridgeConfig:
     rack: str | None = None
     """Where the engine is (carried in heartbeats; transfer costs follow the topology)."""
     zone: str | None = None
+    endpoint: str | None = None
+    """The engine's serving base URL, announced in heartbeats so gateways find it through the view
+    (None: the base of ``metrics_url``, when that is an ``http(s)://host:port/metrics`` URL)."""
+    bootstrap_port: int | None = None
+    """SGLang: the prefill server's bootstrap port, announced in heartbeats."""
+    kv_transfer: bool | None = None
+    """Whether the engine runs a KV connector (P/D hand-offs); None: by role (``both`` cannot)."""
+
+    def announced(self) -> dict[str, Any]:
+        """What every heartbeat of this node says besides the load: where it is and how to reach it."""
+        out: dict[str, Any] = {"rack": self.rack, "zone": self.zone, "dp_rank": self.dp_rank,
+                               "bootstrap_port": self.bootstrap_port, "kv_transfer": self.kv_transfer}
+        out["endpoint"] = self.endpoint or endpoint_of_metrics(self.metrics_url)
+        return out
+
+
+def endpoint_of_metrics(metrics_url: str | None) -> str | None:
+    """``http://h:p/metrics`` → ``http://h:p`` (vLLM and SGLang serve both from one server)."""
+    if not metrics_url or not metrics_url.startswith(("http://", "https://")):
+        return None
+    base, sep, _ = metrics_url.rstrip("/").rpartition("/metrics")
+    return base if sep and base.count("/") == 2 else None
 
 
 class Bridge:
@@ -121,6 +143,8 @@ class Bridge:
             MetricsScraper(config.metrics_url, rank=config.dp_rank) if config.metrics_url else None
         )
         self._engine_start: float | None = None
+        self._announced = Heartbeat(role=config.role, **config.announced()).model_dump(
+            include=set(config.announced()))  # validated once: a bad --engine-url fails at start-up
         self._restart_seen_s = 0.0
         self.ready = asyncio.Event()
         """Set once the start-up replay is done and live events are being followed."""
@@ -397,8 +421,8 @@ class Bridge:
                             self._last_engine_contact = time.monotonic()
                     alive = probe is None or time.monotonic() - self._last_engine_contact <= 3 * interval
                     hb = Heartbeat(role=self.config.role, model=self.config.model, interval_s=interval) if alive else None
-                if hb is not None and (self.config.rack or self.config.zone):
-                    hb = hb.model_copy(update={"rack": self.config.rack, "zone": self.config.zone})
+                if hb is not None:
+                    hb = hb.model_copy(update=self._announced)
                 if hb is not None and self.heartbeat_sink is not None:
                     self._hb_seq += 1
                     env = envelope(hb, producer_id=self.config.node_id, producer_seq=self._hb_seq,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import sys
 import time
 from collections import Counter
@@ -39,6 +40,7 @@ from streams.topics import topics
 log = logging.getLogger(__name__)
 
 ROLES = ("prefill", "decode", "both")
+_BASE_URL = re.compile(r"https?://[^\s/?#]+")
 CLOCK_SLACK_MS = 2_000
 
 
@@ -144,6 +146,18 @@ def register(groups: dict[str, typer.Typer]) -> None:
         rack: str = typer.Option(None, "--rack", help="the engine's rack, carried in heartbeats (transfer costs "
                                  "follow CONDUCTOR_TOPOLOGY_FILE's links)"),
         zone: str = typer.Option(None, "--zone", help="the engine's zone, carried in heartbeats"),
+        engine_url: str = typer.Option(
+            None, "--engine-url",
+            help="the engine's serving base URL (http://HOST:PORT), announced in heartbeats so gateways find it "
+            "through the view [default: the base of --metrics-url]",
+        ),
+        kv_transfer: bool = typer.Option(
+            None, "--kv-transfer/--no-kv-transfer",
+            help="whether the engine runs a KV connector (NIXL, Mooncake) and takes part in P/D hand-offs "
+            "[default: yes for prefill and decode, no for both: an aggregated engine serves whole requests]",
+        ),
+        bootstrap_port: int = typer.Option(None, "--bootstrap-port", min=1, max=65535,
+                                           help="SGLang: the prefill server's bootstrap port, announced in heartbeats"),
     ) -> None:
         """Carry one vLLM/SGLang engine's KV events onto the kv-events topic.
 
@@ -161,6 +175,9 @@ def register(groups: dict[str, typer.Typer]) -> None:
         if metrics_url and not heartbeat_s:
             err.print("[red]error:[/red] --metrics-url needs --heartbeat-s > 0 (the scrape interval)")
             raise typer.Exit(2)
+        if engine_url is not None and not _BASE_URL.fullmatch(engine_url.rstrip("/")):
+            err.print(f"[red]error:[/red] --engine-url must be http(s)://HOST:PORT, not {engine_url!r}")
+            raise typer.Exit(2)
         s = settings_or_exit()
         _need_kafka(s)
 
@@ -176,6 +193,8 @@ def register(groups: dict[str, typer.Typer]) -> None:
                 node_id=node_id, role=role, zmq_endpoint=zmq_endpoint, replay_endpoint=replay,
                 block_size=s.block_size, heartbeat_s=heartbeat_s or None, model=model, metrics_url=metrics_url,
                 dp_size=dp_size, default_prompt_tokens=default_prompt_tokens, rack=rack, zone=zone,
+                endpoint=engine_url.rstrip("/") if engine_url else None, kv_transfer=kv_transfer,
+                bootstrap_port=bootstrap_port,
             ):
                 bridges.append(Bridge(cfg, events, kafka_sink(prod, tps.heartbeats.name)))
             _bridge_metrics(s, bridges)

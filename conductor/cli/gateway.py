@@ -31,8 +31,10 @@ def register(groups: dict[str, typer.Typer]) -> None:
     @app.command("gateway")
     def gateway(
         port: int = typer.Option(8000, "--port", min=0, max=65535, help="HTTP port on CONDUCTOR_BIND_HOST (0 = a free one)"),
-        engine: list[str] = typer.Option(..., "--engine", help="NODE_ID=http://HOST:PORT of an engine the routers may "
-                                         "choose (repeat for each; the node id is the one its heartbeats carry)"),
+        engine: list[str] = typer.Option([], "--engine", help="NODE_ID=http://HOST:PORT: override the URL an "
+                                         "engine's heartbeats announce, or name one that announces none (repeat for "
+                                         "each; the node id is the one its heartbeats carry) [default: the engines "
+                                         "found through the view: `conductor bridge --engine-url`]"),
         engine_protocol: str = typer.Option("vllm", "--engine-protocol", help="the P/D hand-off: vllm "
                                             "(kv_transfer_params, prefill then decode) or sglang (bootstrap room)"),
         tokenizer: str = typer.Option(None, "--tokenizer", help="a tokenizer.json for text prompts "
@@ -56,7 +58,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
             err.print(f"[red]error:[/red] --engine-protocol must be one of {', '.join(ENGINE_PROTOCOLS)}")
             raise typer.Exit(2)
         try:
-            engines = parse_engine_map(engine)
+            engines = parse_engine_map(engine) if engine else {}
         except ValueError as e:
             err.print(f"[red]error:[/red] {e}")
             raise typer.Exit(2) from None

@@ -14,11 +14,14 @@ from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from conductor import web
+from conductor.gateway.directory import EngineDirectory
 from conductor.gateway.protocol import error_body
 from conductor.gateway.replies import ReplyInbox
 from conductor.gateway.service import Gateway, GatewayConfig
 from conductor.gateway.tokenizer import EngineTokenizer, LocalTokenizer, PromptTokenizer
 from conductor.settings import Settings
+from state.connect import open_client
+from state.redis_view import RedisViewStore, connection_url, tls_options
 from streams.kafka import ensure_topics, producer
 from streams.topics import topics
 
@@ -50,7 +53,8 @@ def gateway_app(gw: Gateway, metrics_text: Callable[[], str] = lambda: "") -> Fa
         return await gw.handle(body, request.headers, chat=True)
 
     async def models() -> Response:
-        for url in gw.config.engines.values():
+        await gw.directory.refresh()
+        for url in gw.directory.urls()[:3]:
             with contextlib.suppress(httpx.HTTPError, ValueError):
                 r = await gw.client.get(f"{url}/v1/models", timeout=2.0)
                 if r.status_code == 200:
@@ -85,12 +89,23 @@ async def run_gateway(settings: Settings, config: GatewayConfig, sock: socket.so
     await ensure_topics(settings, (tps.requests, tps.dispatch, tps.request_outcomes))
     limits = httpx.Limits(max_connections=4096, max_keepalive_connections=1024)
     client = httpx.AsyncClient(timeout=UPSTREAM_TIMEOUT, limits=limits)
-    engine_tok = EngineTokenizer(client, list(config.engines.values()))
+    view = None
+    if settings.redis_url:
+        view = RedisViewStore(open_client(connection_url(settings), decode_responses=False, **tls_options(settings),
+                                          socket_timeout=1.0, socket_connect_timeout=1.0),
+                              settings.view_namespace)
+    directory = EngineDirectory(config.engines, view.nodes if view is not None else None,
+                                ttl_s=settings.heartbeat_ttl_s)
+    await directory.refresh(force=True)
+    if not len(directory):
+        log.warning("no engine known yet: none announces an endpoint in the view and no --engine was given")
+    engine_tok = EngineTokenizer(client, directory)
     tok: PromptTokenizer = LocalTokenizer(tokenizer_path, engine_tok) if tokenizer_path else engine_tok
     prod = producer(settings, linger_ms=0)
     await prod.start()
     inbox = ReplyInbox(settings, config.gateway_id)
     gw = Gateway(settings, config, tok, client, prod, inbox)
+    gw.directory = directory
     inbox_task = asyncio.create_task(inbox.run(stop))
     try:
         await asyncio.wait_for(asyncio.shield(inbox.wait_ready(60)), 60)
@@ -103,3 +118,6 @@ async def run_gateway(settings: Settings, config: GatewayConfig, sock: socket.so
             await asyncio.wait_for(inbox_task, 5)
         await prod.stop()
         await client.aclose()
+        if view is not None:
+            with contextlib.suppress(Exception):
+                await view.close()

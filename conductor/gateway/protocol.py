@@ -208,6 +208,16 @@ def vllm_decode_body(body: Mapping[str, Any], kv_transfer_params: Mapping[str, A
     return out
 
 
+def aggregated_body(body: Mapping[str, Any]) -> dict[str, Any]:
+    """The whole request in one call to one engine (an aggregated decision): the client's body,
+    with usage on a stream so the gateway learns the token counts (dropped again if the client
+    did not ask)."""
+    out = dict(body)
+    if out.get("stream"):
+        out["stream_options"] = {**(out.get("stream_options") or {}), "include_usage": True}
+    return out
+
+
 def sglang_bodies(body: Mapping[str, Any], host: str, port: int, room: int) -> tuple[dict[str, Any], dict[str, Any]]:
     """SGLang's hand-off: the same request to both instances, naming the prefill's bootstrap server and a room."""
     boot = {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room}

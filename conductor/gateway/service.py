@@ -34,10 +34,12 @@ from opentelemetry import metrics
 from pydantic import ValidationError
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from conductor.gateway.directory import EngineDirectory
 from conductor.gateway.protocol import (
     DEFAULT_EXPECTED_OUTPUT,
     BadRequest,
     ClientRequest,
+    aggregated_body,
     EngineProtocol,
     Slo,
     cpp_chunk_body,
@@ -70,7 +72,8 @@ _CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,96}")
 class GatewayConfig:
     gateway_id: str
     engines: dict[str, str]
-    """Node id → base URL of every engine the gateway may send to."""
+    """Node id → base URL, overriding what the node's heartbeats announce (``--engine``); the
+    others are found through the view (the decision carries their endpoints)."""
     protocol: EngineProtocol = "vllm"
     base_model: str | None = None
     """The engines' base model; another ``model`` in a request is a LoRA adapter name."""
@@ -144,6 +147,10 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self._seq = itertools.count(1)
         self._rng = random.Random()
+        self._reachable = sorted(config.engines)
+        self.directory = EngineDirectory(config.engines)
+        """The engines for /tokenize and /v1/models (``run_gateway`` gives it the view)."""
+        """What the router may name besides the engines that announce an endpoint."""
         self.outcomes: list[RequestOutcome] = []
         """The last outcomes (bounded), for tests and the bench."""
 
@@ -233,7 +240,7 @@ class Gateway:
             expected_output_tokens=creq.max_tokens or DEFAULT_EXPECTED_OUTPUT,
             ttft_slo_s=slo.ttft_s, tbt_slo_ms=slo.tbt_ms, priority=slo.priority, lora_name=creq.lora_name,
             cache_salt=creq.cache_salt, reply_to=self.config.gateway_id, exclude=list(tr.excluded),
-            retry_of=tr.request_id if arid != tr.request_id else None,
+            retry_of=tr.request_id if arid != tr.request_id else None, reachable=self._reachable,
         )
         fut = self.inbox.expect(arid)
         env = envelope(req, producer_id=self.config.gateway_id, producer_seq=next(self._seq),
@@ -262,38 +269,58 @@ class Gateway:
 
     # --- the hand-off -------------------------------------------------------------------
 
-    def _url(self, node: str) -> str:
+    def _url(self, node: str, d: RoutingDecision) -> str:
+        """``--engine``'s URL for ``node``, else the endpoint its heartbeats announce (in the decision)."""
         url = self.config.engines.get(node)
         if url is None:
-            raise EngineFailed(node, f"the gateway knows no URL for {node} (add --engine {node}=URL)")
-        return url
+            ep = d.endpoints.get(node)
+            if ep is None:
+                raise EngineFailed(node, f"the gateway knows no URL for {node}: its heartbeats announce no "
+                                   f"endpoint (conductor bridge --engine-url) and no --engine {node}=URL was given")
+            url = ep.url
+        return url.rstrip("/")
+
+    @staticmethod
+    def _headers(arid: str, d: RoutingDecision, node: str) -> dict[str, str]:
+        """The request id, and the DP rank the node is (vLLM routes a request carrying it to that rank)."""
+        ep = d.endpoints.get(node)
+        if ep is not None and ep.dp_rank is not None:
+            return {"x-request-id": arid, "X-data-parallel-rank": str(ep.dp_rank)}
+        return {"x-request-id": arid}
 
     async def _serve(self, creq: ClientRequest, body: dict[str, Any], d: RoutingDecision, arid: str,
                      tr: _Trace) -> Response:
-        p_url, d_url = self._url(d.prefill_instance), self._url(d.decode_instance)
+        p_url, d_url = self._url(d.prefill_instance, d), self._url(d.decode_instance, d)
         path = "/v1/chat/completions" if creq.chat else "/v1/completions"
-        hdrs = {"x-request-id": arid}
-        if d.prefill_group and d.chunk_boundaries:
+        hdrs = self._headers(arid, d, d.prefill_instance)
+        d_hdrs = self._headers(arid, d, d.decode_instance)
+        pj: dict[str, Any] = {}
+        if d.aggregated:
+            # One engine prefills and decodes: no hand-off, one call.
+            resp = await self._open_decode(d_url + path, aggregated_body(body), d_hdrs, d, None)
+        elif d.prefill_group and d.chunk_boundaries:
             # CPP: member j pulls the KV before its chunk from member j-1, computes its chunk and
             # holds the KV up to its boundary; the decode instance pulls the whole KV from the last.
             pj, params, prev = {}, None, None
             for node, end in zip(d.prefill_group, d.chunk_boundaries):
-                pj_j = await self._prefill(self._url(node) + path, cpp_chunk_body(body, creq.chat, end, params),
-                                         hdrs, node, peer=prev)
+                pj_j = await self._prefill(self._url(node, d) + path, cpp_chunk_body(body, creq.chat, end, params),
+                                           self._headers(arid, d, node), node, peer=prev)
                 pj = pj or pj_j  # the head's answer: its cached tokens are the request's reuse
                 params, prev = pj_j.get("kv_transfer_params"), node
                 if not isinstance(params, dict):
                     raise EngineFailed(node, "the CPP member's answer has no kv_transfer_params")
-            resp = await self._open_decode(d_url + path, vllm_decode_body(body, params), hdrs, d, None,
+            resp = await self._open_decode(d_url + path, vllm_decode_body(body, params), d_hdrs, d, None,
                                            kv_from=prev)
         elif self.config.protocol == "sglang":
             u = urlparse(p_url)
+            ep = d.endpoints.get(d.prefill_instance)
             prefill_body, decode_body = sglang_bodies(body, u.hostname or "127.0.0.1",
-                                                      self.config.bootstrap_port or u.port or 80,
+                                                      self.config.bootstrap_port or (ep and ep.bootstrap_port)
+                                                      or u.port or 80,
                                                       self._rng.getrandbits(63))
             prefill = asyncio.create_task(self._prefill(p_url + path, prefill_body, hdrs, d.prefill_instance))
             try:
-                resp = await self._open_decode(d_url + path, decode_body, hdrs, d, prefill)
+                resp = await self._open_decode(d_url + path, decode_body, d_hdrs, d, prefill)
                 pj = await prefill
             except BaseException:
                 prefill.cancel()
@@ -304,7 +331,7 @@ class Gateway:
             if not isinstance(params, dict):
                 raise EngineFailed(d.prefill_instance, "the prefill answer has no kv_transfer_params "
                                    "(is the engine started with a KV connector?)")
-            resp = await self._open_decode(d_url + path, vllm_decode_body(body, params), hdrs, d, None)
+            resp = await self._open_decode(d_url + path, vllm_decode_body(body, params), d_hdrs, d, None)
         tr.cached_tokens = _cached(pj)
         out_headers = {"x-conductor-request-id": tr.request_id, "x-conductor-prefill-instance": d.prefill_instance,
                        "x-conductor-decode-instance": d.decode_instance,
@@ -321,6 +348,8 @@ class Gateway:
                 data.pop("kv_transfer_params", None)
                 usage = data.get("usage") or {}
                 tr.output_tokens = int(usage.get("completion_tokens") or 0)
+                if d.aggregated:
+                    tr.cached_tokens = _cached(data)
             self._outcome(tr)
             return JSONResponse(data, headers=out_headers)
         it = resp.aiter_raw()
@@ -406,6 +435,8 @@ class Gateway:
                                 obj = {}
                             usage = obj.get("usage") or {}
                             tr.output_tokens = int(usage.get("completion_tokens") or tr.output_tokens)
+                            if tr.decision is not None and tr.decision.aggregated:
+                                tr.cached_tokens = _cached(obj) or tr.cached_tokens
                             if not obj.get("choices") and not creq.include_usage:
                                 continue
                             if _has_token(obj):

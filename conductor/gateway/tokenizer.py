@@ -15,6 +15,7 @@ from typing import Any, Protocol
 import httpx
 from tokenizers import Tokenizer
 
+from conductor.gateway.directory import EngineDirectory
 from conductor.gateway.protocol import ClientRequest
 
 
@@ -27,15 +28,23 @@ class PromptTokenizer(Protocol):
 
 
 class EngineTokenizer:
-    """POST /tokenize to the engines, round robin, the next one when one fails."""
+    """POST /tokenize to the engines, round robin, the next one when one fails.
 
-    def __init__(self, client: httpx.AsyncClient, urls: Sequence[str], model: str | None = None) -> None:
-        if not urls:
+    ``urls``: the engines' base URLs, or an :class:`~conductor.gateway.directory.EngineDirectory`
+    (the engines found through the view, refreshed as they come and go)."""
+
+    def __init__(self, client: httpx.AsyncClient, urls: Sequence[str] | EngineDirectory, model: str | None = None) -> None:
+        if not isinstance(urls, EngineDirectory) and not urls:
             raise ValueError("no engine URL to tokenize with")
         self.client = client
-        self.urls = list(urls)
-        self._next = itertools.cycle(range(len(self.urls)))
+        self.directory = urls if isinstance(urls, EngineDirectory) else None
+        self._urls = [] if isinstance(urls, EngineDirectory) else list(urls)
+        self._next = itertools.count()
         self.model = model
+
+    @property
+    def urls(self) -> list[str]:
+        return self.directory.urls() if self.directory is not None else self._urls
 
     async def tokens(self, req: ClientRequest) -> list[int]:
         if req.prompt_ids is not None:
@@ -46,8 +55,14 @@ class EngineTokenizer:
         else:
             body["prompt"] = req.prompt_text or ""
         last: Exception | None = None
-        for _ in range(len(self.urls)):
-            url = self.urls[next(self._next)]
+        if self.directory is not None:
+            await self.directory.refresh()
+        urls = self.urls
+        if not urls:
+            raise TokenizeError("no engine to tokenize with: none announces an endpoint in the view "
+                                "(conductor bridge --engine-url) and no --engine was given")
+        for _ in range(len(urls)):
+            url = urls[next(self._next) % len(urls)]
             try:
                 r = await self.client.post(f"{url}/tokenize", json=body)
                 if r.status_code >= 500:

@@ -8,11 +8,12 @@ needed to re-derive the answer later (policy, params, seed, view watermark).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from conductor.routing.policies import Placement, Rejection
-from schemas import RoutingDecision, RoutingRejection, RoutingRequest
+from conductor.routing.policies.mode import Option
+from schemas import Endpoint, ModeOption, RoutingDecision, RoutingRejection, RoutingRequest
 from state.reservations import Load, Reservation, placement_reservations
 
 
@@ -39,9 +40,11 @@ def rejection_record(request_id: str, reason: str, message: str, *, policy: str 
 def decision_record(req: RoutingRequest, answer: Placement | Rejection, *, block_size: int, policy: str,
                     params: Mapping[str, Any], seed: int, watermark: Mapping[str, int],
                     degraded: bool = False, age_ms: float = 0.0, degraded_reason: str = "",
-                    rederivation: Mapping[str, Any] | None = None) -> RoutingDecision | RoutingRejection:
+                    rederivation: Mapping[str, Any] | None = None, options: Sequence[Option] = (),
+                    endpoints: Mapping[str, Endpoint] | None = None) -> RoutingDecision | RoutingRejection:
     """The record of ``answer`` for ``req``: a placement's reused blocks become tokens
-    (never more than the prompt)."""
+    (never more than the prompt); ``options``: the modes costed (``policies.mode``);
+    ``endpoints``: node → how to reach it, for the nodes the placement names."""
     if isinstance(answer, Rejection):
         return rejection_record(req.request_id, answer.reason, answer.message, policy=policy, params=params,
                                 seed=seed, watermark=watermark, rederivation=rederivation)
@@ -63,6 +66,11 @@ def decision_record(req: RoutingRequest, answer: Placement | Rejection, *, block
         snapshot_age_ms=age_ms,
         prefill_group=list(answer.prefill_group) if answer.prefill_group else None,
         chunk_boundaries=list(answer.chunk_boundaries) if answer.prefill_group else None,
+        mode="aggregated" if answer.prefill == answer.decode else "disaggregated",
+        options=[ModeOption(mode=o.mode, prefill_instance=o.prefill, decode_instance=o.decode,  # type: ignore[arg-type]
+                            predicted_ttft_s=o.ttft_s, predicted_tbt_ms=o.tbt_ms, fits=o.fits) for o in options],
+        endpoints={n: e for n in (answer.prefill, answer.decode, *answer.prefill_group)
+                   if endpoints and (e := endpoints.get(n)) is not None},
         **(rederivation or {}),
     )
 

@@ -94,6 +94,8 @@ class IndexView:
     without holders absent)."""
     prefill_shapes: frozenset[tuple[int, int, int]]
     """The prefixes some prefill-capable holder has."""
+    both_count: int = 0
+    """Instances of role ``both`` (none: every request runs disaggregated, ``policies.mode``)."""
 
     def instance(self, node: str) -> Instance:
         """``node`` as ``instances`` has it."""
@@ -133,6 +135,7 @@ class ClusterIndex:
         """Decode entries whose context is below zero (never from a heartbeat; the band then
         cannot be read off the loads)."""
         self._load_of: dict[str, float] = {}
+        self._both: set[str] = set()
         self._moved = 0
         """Counts live nodes seen changing rack or role (what the holders memo depends on
         beside the node order)."""
@@ -203,6 +206,7 @@ class ClusterIndex:
         self._load_ranks.clear()
         self._load_room.clear()
         self._negative_contexts = 0
+        self._both.clear()
         self._load_of.clear()
         self._deaths.clear()
         self._deadline.clear()
@@ -237,6 +241,8 @@ class ClusterIndex:
         if was:
             self._drop(node)
         self._inst[node] = inst
+        if inst.role == "both":
+            self._both.add(node)
         if prev is not None and (prev.rack != inst.rack or prev.role != inst.role):
             self._moved += 1
         if inst.role in PREFILL_ROLES:
@@ -260,6 +266,7 @@ class ClusterIndex:
 
     def _drop(self, node: str) -> None:
         del self._inst[node]
+        self._both.discard(node)
         w = self._wait_of.pop(node, None)
         if w is not None:
             del self._waits[bisect.bisect_left(self._waits, (w, node))]
@@ -310,6 +317,7 @@ class ClusterIndex:
             id_rank=self._rank,
             rack_holders=racks,
             prefill_shapes=prefill_shapes,
+            both_count=len(self._both),
         )
         every = self._base
 
@@ -363,6 +371,6 @@ class ClusterIndex:
             memo.clear()
         inst = Instance(base.node_id, base.role, prefix, base.queued_prefill_tokens, base.queued_requests,
                         base.running_requests, base.batch_size, base.decode_context_tokens,
-                        base.free_kv_blocks, base.total_kv_blocks, base.rack, base.zone)
+                        base.free_kv_blocks, base.total_kv_blocks, base.rack, base.zone, base.handoff)
         memo[(node, prefix)] = (base, inst)
         return inst

@@ -42,13 +42,15 @@ from conductor.profiles import ModelProfile, load_profile
 from conductor.routing.control import ControlState, apply_control
 from conductor.routing.decision import decision_record, decision_reservations, rejection_record
 from conductor.routing.index import ClusterIndex
-from conductor.routing.policies import Policy, make_policy
+from conductor.routing.policies import Policy, Rejection, make_policy
+from conductor.routing.policies.mode import decide_mode
 from conductor.routing.snapshot import ClusterSnapshot, InstanceMemo, PolicyRequest, build_cluster
 from conductor.settings import Settings
 from schemas import (
     ControlCommand,
     DeadLetter,
     DecodeError,
+    Endpoint,
     Envelope,
     RoutingDecision,
     RoutingRejection,
@@ -65,7 +67,7 @@ from state.reader import RawSnapshotReader
 from state.redis_view import RedisViewStore, connection_url, tls_options
 from state.reservations import InMemoryReservations, Load, RedisReservations, ReservationStore
 from state.tracking import TrackingSnapshotReader
-from state.view import ViewReader, ViewSnapshot
+from state.view import NodeState, ViewReader, ViewSnapshot
 from streams.kafka import acknowledged, consumer, end_offsets, ensure_topics, producer
 from streams.topics import topics
 
@@ -97,6 +99,51 @@ class _Unhealthy(Exception):
 
 class InvalidRequest(ValueError):
     """A request the router cannot place as given; the message goes back to the caller."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Nodes:
+    endpoints: dict[str, Endpoint]
+    """node → how to reach it, for the nodes whose heartbeats announce an endpoint."""
+    unreachable: frozenset[str]
+    """Engines (not stores) that announce no endpoint: a gateway must know them itself."""
+
+
+def _nodes(nodes: Sequence[NodeState]) -> _Nodes:
+    eps = {}
+    none = []
+    for n in nodes:
+        if n.endpoint:
+            eps[n.node_id] = Endpoint(url=n.endpoint, dp_rank=n.dp_rank, bootstrap_port=n.bootstrap_port)
+        elif n.role != "store":
+            none.append(n.node_id)
+    return _Nodes(eps, frozenset(none))
+
+
+def why_none(snap: ViewSnapshot, ttl_s: float, model: str, exclude: Collection[str],
+             cordoned: Collection[str]) -> str:
+    """Why a read's nodes were left out of the policy's picture, counted by cause (what a
+    ``no_live_instance`` rejection says, so an operator sees where the instances went)."""
+    causes: dict[str, list[str]] = {}
+    for n in snap.nodes:
+        if n.role == "store":
+            continue
+        if not n.is_live(snap.now_ms, ttl_s):
+            cause = "no heartbeat within the TTL"
+        elif n.model != model:
+            cause = f"serving another model ({n.model})"
+        elif n.node_id in cordoned:
+            cause = "cordoned or draining"
+        elif n.node_id in exclude:
+            cause = "excluded (failed this request, or not reachable by the gateway)"
+        else:
+            continue
+        causes.setdefault(cause, []).append(n.node_id)
+    if not causes:
+        return f"the view has {sum(n.role != 'store' for n in snap.nodes)} engine(s)" if snap.nodes else \
+            "the view has no node: are the bridges and the stream worker running?"
+    return "; ".join(f"{len(v)} {k}: {', '.join(sorted(v)[:5])}{' ...' if len(v) > 5 else ''}"
+                     for k, v in causes.items())
 
 
 @dataclass(slots=True)
@@ -157,6 +204,7 @@ class Router:
         self._health: tuple[float, bool, str] | None = None  # (clock, healthy, reason) of the last check
         self.ttl_s = settings.heartbeat_ttl_s
         self.control = ControlState()
+        self._nodes_memo: tuple[tuple[NodeState, ...], _Nodes] | None = None
 
     async def start(self) -> None:
         """Start following the shared reservations (a no-op for in-memory ones)."""
@@ -313,14 +361,25 @@ class Router:
                 await after
             snap = last.snapshot  # node states only: prefixes of this chain are unknown
             pending = await self.reservations.pending(_since(snap), snap.now_ms + int(age_ms))
-        # Cordoned and draining nodes take no new requests; a retry names the instances that failed it.
-        cluster = self.cluster(snap, pending, req.model, age_ms, req.exclude)
-        answer = self.policy.decide(preq, cluster, random.Random(seed))
+        # Cordoned and draining nodes take no new requests; a retry names the instances that failed it;
+        # a gateway's request names no engine it cannot reach.
+        nodes = self._nodes_of(snap)
+        exclude: Collection[str] = req.exclude
+        if req.reachable is not None:
+            unreachable = nodes.unreachable.difference(req.reachable)
+            if unreachable:
+                exclude = unreachable.union(exclude)
+        cluster = self.cluster(snap, pending, req.model, age_ms, exclude)
+        choice = decide_mode(self.policy, preq, cluster, random.Random(seed))
+        answer = choice.decision
+        if isinstance(answer, Rejection) and answer.reason == "no_live_instance":
+            answer = Rejection(answer.reason, f"{answer.message} ({why_none(snap, self.ttl_s, req.model, exclude, self.control.excluded)})")
         self.metrics.latency.record((time.perf_counter() - t0) * 1000.0)
         out = decision_record(req, answer, block_size=self.settings.block_size, policy=self.policy.name,
                               params=self.params, seed=seed, watermark=cluster.watermark, degraded=degraded,
                               age_ms=age_ms, degraded_reason=why if degraded else "",
-                              rederivation={**self._rederivation(), "view_now_ms": snap.now_ms + int(age_ms)})
+                              rederivation={**self._rederivation(), "view_now_ms": snap.now_ms + int(age_ms)},
+                              options=choice.options, endpoints=nodes.endpoints)
         if isinstance(out, RoutingRejection):
             self.metrics.rejections.add(1, {"reason": out.reason})
             return out
@@ -345,6 +404,14 @@ class Router:
                 (log.info if healthy else log.warning)("view %s", "healthy again" if healthy else why)
             self._health = (now, healthy, why)
         return self._health[1], self._health[2]
+
+    def _nodes_of(self, snap: ViewSnapshot) -> _Nodes:
+        """The endpoints the read's nodes announce and the engines that announce none (kept
+        while the reader hands out the same node tuple)."""
+        memo = self._nodes_memo
+        if memo is None or memo[0] is not snap.nodes:
+            memo = self._nodes_memo = (snap.nodes, _nodes(snap.nodes))
+        return memo[1]
 
     def _rederivation(self) -> dict[str, Any]:
         """What `explain` needs besides the log: the control offset, block size and profile."""

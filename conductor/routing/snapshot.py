@@ -11,7 +11,7 @@ from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
-from schemas import TIERS, Role, Tier
+from schemas import TIERS, Role, Tier, can_hand_off
 from state.view import NodeState, ViewSnapshot
 
 if TYPE_CHECKING:
@@ -41,6 +41,12 @@ class Instance:
     total_kv_blocks: int = 0
     rack: str | None = None
     zone: str | None = None
+    handoff: bool | None = None
+    """Whether it takes part in P/D hand-offs (``schemas.can_hand_off``); None: by role."""
+
+    @property
+    def can_hand_off(self) -> bool:
+        return can_hand_off(self.role, self.handoff)
 
     @property
     def best_prefix(self) -> int:
@@ -161,6 +167,7 @@ def instance(node: NodeState, prefix: tuple[int, int, int], pending: PendingLoad
         total_kv_blocks=node.total_kv_blocks,
         rack=node.rack,
         zone=node.zone,
+        handoff=node.kv_transfer,
     )
 
 

@@ -10,7 +10,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol, get_args, runtime_checkable
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from conductor.profiles import ModelProfile
 from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
@@ -76,6 +76,13 @@ class PolicyParams(BaseModel):
     """Base of each policy's parameter model: unknown names are errors."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+    aggregate_below_tokens: int = Field(
+        default=512, ge=0,
+        description="conditional disaggregation: a request whose prefill instance is an aggregated-capable "
+        "(role both) instance stays there, prefill and decode in one call, when it would compute at most "
+        "this many prompt tokens (policies/mode.py)",
+    )
 
 
 class BasePolicy:

@@ -1,0 +1,138 @@
+"""Aggregated, disaggregated or conditional: how one request runs, around any policy.
+
+Most vLLM fleets run aggregated instances (role ``both``, no KV connector): one engine
+prefills and decodes a request in one call. Some run prefill/decode pairs that hand the KV
+off over a connector (NIXL, Mooncake), and some run ``both`` instances that can do either.
+:func:`decide_mode` wraps a policy's answer so that every request gets a mode it can be
+carried out in:
+
+* **disaggregated**: the policy's placement over the instances that can take part in a
+  hand-off (``prefill``, ``decode``, and ``both`` instances whose heartbeats say they run a
+  KV connector);
+* **aggregated on Z**: for each ``both`` instance, its queue wait plus the cheapest prefill
+  with its own cache, and its decode step with the request added;
+* **conditional disaggregation** (what Dynamo's and llm-d's P/D deciders do): when the
+  disaggregated prefill instance is itself a ``both`` instance, the request stays on it
+  when what it would compute is short (``aggregate_below_tokens``) or it decodes no slower
+  than the chosen decode instance; otherwise the lower predicted TTFT wins, and a tie goes
+  to aggregated (no KV crosses the network).
+
+A cluster with no ``both`` instance is passed through untouched (the policy's answer, no
+options): the cost is one scan of the roles. Pure; the only randomness is the policy's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from dataclasses import dataclass
+
+from conductor.routing.policies.base import Costs, Decision, Placement, Policy, Rejection
+from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
+
+AGGREGATED = "aggregated"
+DISAGGREGATED = "disaggregated"
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One costed way to run the request (what ``explain`` shows beside the choice)."""
+
+    mode: str
+    prefill: str
+    decode: str
+    ttft_s: float
+    tbt_ms: float
+    fits: bool
+
+
+@dataclass(frozen=True, slots=True)
+class ModeChoice:
+    decision: Decision
+    options: tuple[Option, ...] = ()
+
+    @property
+    def mode(self) -> str:
+        d = self.decision
+        return AGGREGATED if isinstance(d, Placement) and d.prefill == d.decode else DISAGGREGATED
+
+
+def _aggregated(costs: Costs, request: PolicyRequest, inst: Instance, bs: int,
+                ttft_budget: float, tbt_budget: float) -> tuple[Placement, bool, str]:
+    """``inst`` prefilling with its own cache and decoding: the placement, whether it meets
+    the SLOs with room for the request, and the reason when it does not."""
+    reuse = costs.local_reuse(inst, request, bs)
+    ttft = costs.queue_wait_s(inst) + reuse.cost_s
+    tbt = costs.tbt_ms(inst, request)
+    why = ""
+    if not costs.decode_fits(inst, request, bs):
+        why = "overloaded"
+    elif ttft > ttft_budget:
+        why = "ttft_slo"
+    elif tbt > tbt_budget:
+        why = "tbt_slo"
+    p = Placement(prefill=inst.node_id, decode=inst.node_id, reused_blocks=reuse.blocks,
+                  reuse_source=reuse.source, reuse_tier=reuse.tier, predicted_ttft_s=ttft, predicted_tbt_ms=tbt)
+    return p, not why, why
+
+
+def _option(mode: str, p: Placement, fits: bool) -> Option:
+    return Option(mode, p.prefill, p.decode, p.predicted_ttft_s, p.predicted_tbt_ms, fits)
+
+
+def decide_mode(policy: Policy, request: PolicyRequest, snapshot: ClusterSnapshot, rng: random.Random) -> ModeChoice:
+    """``policy``'s answer where every instance can hand KV off; otherwise the mode (and the
+    instances) by predicted cost, with both options' costs."""
+    insts = snapshot.instances if snapshot.index is None else None
+    if insts is None:
+        ix = snapshot.index
+        if ix is not None and not ix.both_count:
+            return ModeChoice(policy.decide(request, snapshot, rng))
+        insts = snapshot.instances
+    both = [i for i in insts if i.role == "both"]
+    if not both:
+        return ModeChoice(policy.decide(request, snapshot, rng))
+    costs: Costs = policy.costs  # type: ignore[attr-defined]
+    p = getattr(policy, "p", None)
+    margin = float(getattr(p, "slo_margin", 1.0))
+    below = int(getattr(p, "aggregate_below_tokens", 0))
+    rejects = bool(getattr(p, "early_rejection", False))
+    bs = snapshot.block_size
+    ttft_budget, tbt_budget = request.ttft_slo_s * margin, request.tbt_slo_ms * margin
+
+    if all(i.can_hand_off for i in both):
+        pd = policy.decide(request, snapshot, rng)
+    else:  # the policy places hand-offs only among instances that can carry them out
+        able = tuple(i for i in insts if i.role != "both" or i.can_hand_off)
+        pd = policy.decide(request, dataclasses.replace(snapshot, instances=able, index=None), rng)
+
+    aggs = {i.node_id: _aggregated(costs, request, i, bs, ttft_budget, tbt_budget) for i in both}
+    # The best aggregated option: the lowest TTFT among those that fit, else among all (node id breaks ties).
+    pool = [a for a in aggs.values() if a[1]] or list(aggs.values())
+    best = min(pool, key=lambda a: (a[0].predicted_ttft_s, a[0].predicted_tbt_ms, a[0].prefill))
+
+    if isinstance(pd, Placement) and pd.prefill == pd.decode:
+        return ModeChoice(pd, (_option(AGGREGATED, pd, True),))
+    if isinstance(pd, Rejection):
+        if best[1] or (pd.reason == "no_live_instance" and not rejects):
+            return ModeChoice(best[0], (_option(AGGREGATED, best[0], best[1]),))
+        if pd.reason == "no_live_instance":
+            b = best[0]
+            return ModeChoice(Rejection(best[2], f"aggregated on {b.prefill}: predicted TTFT {b.predicted_ttft_s:.3f}s, "  # type: ignore[arg-type]
+                                        f"TBT {b.predicted_tbt_ms:.1f}ms ({best[2]}); {pd.message}"),
+                              (_option(AGGREGATED, b, False),))
+        return ModeChoice(pd, (_option(AGGREGATED, best[0], False),))
+    pd_opt = _option(DISAGGREGATED, pd, True)
+    on_prefill = aggs.get(pd.prefill)
+    if on_prefill is not None and on_prefill[1]:
+        # Conditional disaggregation: the prefill instance could keep the request.
+        local, _, _ = on_prefill
+        uncached = request.prompt_tokens - local.reused_blocks * bs
+        if uncached <= below or local.predicted_tbt_ms <= pd.predicted_tbt_ms:
+            return ModeChoice(local, (_option(AGGREGATED, local, True), pd_opt))
+    if best[1] and best[0].predicted_ttft_s <= pd.predicted_ttft_s:
+        return ModeChoice(best[0], (_option(AGGREGATED, best[0], True), pd_opt))
+    return ModeChoice(pd, (pd_opt, _option(AGGREGATED, best[0], best[1])))
+
+
+__all__ = ["AGGREGATED", "DISAGGREGATED", "ModeChoice", "Option", "decide_mode"]
