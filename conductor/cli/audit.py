@@ -43,6 +43,15 @@ def register(groups: dict[str, typer.Typer]) -> None:
         for d in ex.differences:
             out.print(f"  - {d}")
         out.print(f"recorded:   {ex.recorded}")
+        options = ex.recorded.get("options") or []
+        if options:
+            tm = Table(title=f"modes costed (chosen: {ex.recorded.get('mode')})")
+            for col in ("mode", "prefill", "decode", "TTFT (s)", "TBT (ms)", "meets the SLOs"):
+                tm.add_column(col)
+            for o in options:
+                tm.add_row(o["mode"], o["prefill_instance"], o["decode_instance"], f"{o['predicted_ttft_s']:.3f}",
+                           f"{o['predicted_tbt_ms']:.1f}", "yes" if o.get("fits", True) else "no")
+            out.print(tm)
         tp = Table(title="prefill instances, as costed (lowest predicted TTFT first)")
         for col in ("instance", "queue wait (s)", "reuse blocks", "from", "tier", "load+compute (s)", "TTFT (s)"):
             tp.add_column(col)

@@ -134,12 +134,14 @@ def _outcome(rec: RoutingDecision | RoutingRejection) -> dict[str, Any]:
         "chunk_boundaries": rec.chunk_boundaries,
         "predicted_ttft_s": rec.predicted_ttft_s,
         "predicted_tbt_ms": rec.predicted_tbt_ms,
+        "mode": rec.mode,
+        "options": [o.model_dump() for o in rec.options],
     }
 
 
 def _differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
-    keys = ["rejected", "reason", "prefill_instance", "decode_instance", "reused_tokens", "reuse_source", "reuse_tier",
-            "prefill_group", "chunk_boundaries"]
+    keys = ["rejected", "reason", "prefill_instance", "decode_instance", "mode", "reused_tokens", "reuse_source",
+            "reuse_tier", "prefill_group", "chunk_boundaries"]
     diffs = [f"{k}: recorded {a.get(k)!r}, re-derived {b.get(k)!r}" for k in keys if a.get(k) != b.get(k)]
     for k, tol in (("predicted_ttft_s", 1e-6), ("predicted_tbt_ms", 1e-3)):
         if k in a and k in b and abs(a[k] - b[k]) > tol * max(1.0, abs(a[k])):

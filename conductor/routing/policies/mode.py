@@ -14,8 +14,9 @@ carried out in:
 * **conditional disaggregation** (what Dynamo's and llm-d's P/D deciders do): when the
   disaggregated prefill instance is itself a ``both`` instance, the request stays on it
   when what it would compute is short (``aggregate_below_tokens``) or it decodes no slower
-  than the chosen decode instance; otherwise the lower predicted TTFT wins, and a tie goes
-  to aggregated (no KV crosses the network).
+  than the chosen decode instance; otherwise, against an aggregated option on another
+  instance, the lower predicted TTFT wins, and a tie goes to aggregated (no KV crosses the
+  network).
 
 A cluster with no ``both`` instance is passed through untouched (the policy's answer, no
 options): the cost is one scan of the roles. Pure; the only randomness is the policy's.
@@ -130,7 +131,7 @@ def decide_mode(policy: Policy, request: PolicyRequest, snapshot: ClusterSnapsho
         uncached = request.prompt_tokens - local.reused_blocks * bs
         if uncached <= below or local.predicted_tbt_ms <= pd.predicted_tbt_ms:
             return ModeChoice(local, (_option(AGGREGATED, local, True), pd_opt))
-    if best[1] and best[0].predicted_ttft_s <= pd.predicted_ttft_s:
+    if best[1] and best[0].prefill != pd.prefill and best[0].predicted_ttft_s <= pd.predicted_ttft_s:
         return ModeChoice(best[0], (_option(AGGREGATED, best[0], True), pd_opt))
     return ModeChoice(pd, (pd_opt, _option(AGGREGATED, best[0], best[1])))
 

@@ -1,0 +1,106 @@
+"""Aggregated, disaggregated and conditional placement (conductor/routing/policies/mode.py)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from conductor.profiles import DEFAULT_PROFILE, load_profile
+from conductor.routing.policies import POLICIES, Placement, Rejection, make_policy
+from conductor.routing.policies.mode import decide_mode
+from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
+
+PROFILE = load_profile(DEFAULT_PROFILE)
+BS = 16
+
+
+def snap(*instances: Instance) -> ClusterSnapshot:
+    return ClusterSnapshot(instances=tuple(instances), block_size=BS)
+
+
+def req(tokens: int = 2048, **kw) -> PolicyRequest:
+    return PolicyRequest(request_id=kw.pop("rid", "r1"), prompt_tokens=tokens, chain_len=tokens // BS, **kw)
+
+
+def choose(name: str, r: PolicyRequest, s: ClusterSnapshot, seed: int = 0, **params):
+    return decide_mode(make_policy(name, params, PROFILE), r, s, random.Random(seed))
+
+
+def agg(node: str, **kw) -> Instance:
+    """An aggregated engine: role both, no KV connector."""
+    return Instance(node, "both", handoff=kw.pop("handoff", None), **kw)
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_without_both_instances_the_policy_answers_alone(name: str) -> None:
+    s = snap(Instance("p0", "prefill"), Instance("p1", "prefill", queued_prefill_tokens=900, queued_requests=1),
+             Instance("d0", "decode"), Instance("d1", "decode", batch_size=3))
+    got = choose(name, req(), s, seed=7)
+    want = make_policy(name, {}, PROFILE).decide(req(), s, random.Random(7))
+    assert got.decision == want and got.options == () and got.mode == "disaggregated"
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+def test_an_aggregated_fleet_is_served_in_one_call(name: str) -> None:
+    s = snap(agg("a0", queued_prefill_tokens=4000, queued_requests=2), agg("a1"))
+    got = choose(name, req(), s)
+    d = got.decision
+    assert isinstance(d, Placement), d
+    assert d.prefill == d.decode == "a1"  # the shorter queue
+    assert got.mode == "aggregated"
+    assert [o.mode for o in got.options] == ["aggregated"]
+
+
+def test_a_hand_off_never_names_an_engine_without_a_connector() -> None:
+    # a0 holds the whole prefix and is idle; as a prefill instance it would win, but it cannot hand off.
+    s = snap(agg("a0", prefix_blocks=(128, 128, 128), batch_size=40, decode_context_tokens=400_000),
+             Instance("p0", "prefill"), Instance("d0", "decode"))
+    for seed in range(20):
+        d = choose("kvcache-centric", req(8192), s, seed=seed).decision
+        assert isinstance(d, Placement)
+        assert (d.prefill, d.decode) in (("a0", "a0"), ("p0", "d0")), d
+
+
+def test_conditional_disaggregation_keeps_a_short_request_on_its_prefill_instance() -> None:
+    # b0 can do both (a connector); d0 decodes less loaded, so a long prompt goes P/D, a short one stays.
+    b0 = Instance("b0", "both", handoff=True, batch_size=6, decode_context_tokens=6000)
+    s = snap(b0, Instance("d0", "decode"))
+    short = choose("kvcache-centric", req(256), s)
+    assert short.mode == "aggregated" and short.decision.prefill == "b0"  # type: ignore[union-attr]
+    assert {o.mode for o in short.options} == {"aggregated", "disaggregated"}
+    long = choose("kvcache-centric", req(4096), s, aggregate_below_tokens=0)
+    assert long.mode == "disaggregated"
+    assert (long.decision.prefill, long.decision.decode) == ("b0", "d0")  # type: ignore[union-attr]
+    # what b0 would compute counts, not the prompt: with the prefix held it stays
+    held = snap(Instance("b0", "both", handoff=True, batch_size=6, decode_context_tokens=6000,
+                         prefix_blocks=(250, 250, 250)), Instance("d0", "decode"))
+    assert choose("kvcache-centric", req(4096), held).mode == "aggregated"
+
+
+def test_aggregated_engines_that_cannot_meet_the_slo_are_rejected_with_the_reason() -> None:
+    full = agg("a0", free_kv_blocks=1, total_kv_blocks=100)
+    got = choose("kvcache-centric", req(2048), snap(full))
+    assert isinstance(got.decision, Rejection) and got.decision.reason == "overloaded"
+    assert got.options and not got.options[0].fits
+    slow = agg("a0", queued_prefill_tokens=10_000_000, queued_requests=100)
+    got = choose("kvcache-centric", req(2048, ttft_slo_s=1.0), snap(slow))
+    assert isinstance(got.decision, Rejection) and got.decision.reason == "ttft_slo"
+    # a baseline never rejects for the SLO: it serves on the best aggregated engine anyway
+    got = choose("round-robin", req(2048, ttft_slo_s=1.0), snap(slow))
+    assert isinstance(got.decision, Placement) and got.decision.prefill == "a0"
+
+
+def test_the_lower_predicted_ttft_wins_between_modes() -> None:
+    # The P/D pair's prefill is busy; an idle aggregated engine predicts a lower TTFT.
+    s = snap(Instance("p0", "prefill", queued_prefill_tokens=20_000, queued_requests=4), Instance("d0", "decode"),
+             agg("a0"))
+    got = choose("kvcache-centric", req(4096), s)
+    assert got.mode == "aggregated" and got.decision.prefill == "a0"  # type: ignore[union-attr]
+    pd = [o for o in got.options if o.mode == "disaggregated"][0]
+    assert pd.ttft_s > got.decision.predicted_ttft_s  # type: ignore[union-attr]
+    # and the other way round
+    s = snap(Instance("p0", "prefill"), Instance("d0", "decode"),
+             agg("a0", queued_prefill_tokens=20_000, queued_requests=4))
+    got = choose("kvcache-centric", req(4096), s)
+    assert got.mode == "disaggregated" and got.decision.prefill == "p0"  # type: ignore[union-attr]
