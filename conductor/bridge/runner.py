@@ -46,7 +46,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from conductor.bridge.scrape import MetricsScraper, heartbeat_of
+from conductor.bridge.scrape import EngineLoad, MetricsScraper, heartbeat_of
 from conductor.bridge.translate import NodeTranslator
 from conductor.bridge.wire import WireError, decode_batch, parse_seq, seq_frame
 from schemas import AllBlocksCleared, Envelope, Heartbeat, Role, encode, envelope, headers
@@ -143,6 +143,8 @@ class Bridge:
             MetricsScraper(config.metrics_url, rank=config.dp_rank) if config.metrics_url else None
         )
         self._engine_start: float | None = None
+        self.last_load: EngineLoad | None = None
+        """The last scrape's reading (its prefix-cache counters are exported as the reuse realised)."""
         self._announced = Heartbeat(role=config.role, **config.announced()).model_dump(
             include=set(config.announced()))  # validated once: a bad --engine-url fails at start-up
         self._restart_seen_s = 0.0
@@ -447,6 +449,7 @@ class Bridge:
             self.counts["scrape_failures"] += 1
             return None
         self.counts["scrapes"] += 1
+        self.last_load = load
         if load.start_time_s is not None:
             # A new process, unless the ZMQ side already opened an epoch for this very one.
             if (self._engine_start is not None and load.start_time_s != self._engine_start

@@ -50,6 +50,11 @@ class EngineLoad:
     finished: float = 0.0
     start_time_s: float | None = None
     """``process_start_time_seconds``: a different value means a new engine process."""
+    prefix_hit_tokens: float | None = None
+    """Prompt tokens the engine found in its prefix cache, since it started (vLLM's
+    ``prefix_cache_hits_total``): the reuse it realised, against what decisions predicted."""
+    prefix_query_tokens: float | None = None
+    """Prompt tokens it looked up in its prefix cache (``prefix_cache_queries_total``)."""
 
     @property
     def mean_prompt_tokens(self) -> float | None:
@@ -67,11 +72,14 @@ _PREEMPT = ("vllm:num_preemptions_total", "vllm:num_preemptions", "sglang:num_re
 _PROMPT = ("vllm:prompt_tokens_total", "sglang:prompt_tokens_total")
 _GEN = ("vllm:generation_tokens_total", "sglang:generation_tokens_total")
 _DONE = ("vllm:request_success_total", "sglang:num_requests_total")
+_HITS = ("vllm:prefix_cache_hits_total",)
+_QUERIES = ("vllm:prefix_cache_queries_total",)
 
 
 _WANTED = tuple(
     n + ("{" if i == 0 else " ")
-    for n in (*_RUNNING, *_WAITING, *_USAGE, *_PREEMPT, *_PROMPT, *_GEN, *_DONE, "vllm:cache_config_info",
+    for n in (*_RUNNING, *_WAITING, *_USAGE, *_PREEMPT, *_PROMPT, *_GEN, *_DONE, *_HITS, *_QUERIES,
+              "vllm:cache_config_info",
               "sglang:max_total_num_tokens", "process_start_time_seconds")
     for i in range(2)
 )
@@ -143,6 +151,8 @@ def parse_load(text: str, *, rank: int | None = None, sglang_page_size: int = 1)
         generation_tokens=first(_GEN) or 0.0,
         finished=first(_DONE) or 0.0,
         start_time_s=sums.get("process_start_time_seconds"),
+        prefix_hit_tokens=first(_HITS),
+        prefix_query_tokens=first(_QUERIES),
     )
 
 

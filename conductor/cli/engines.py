@@ -63,6 +63,11 @@ async def _until_stopped(stop: asyncio.Event, *tasks: asyncio.Task[Any]) -> None
 def _bridge_metrics(settings: Any, bridges: list[Bridge]) -> None:
     """Export the bridges' counters (records, gaps, epochs, orphans, scrape failures...) on CONDUCTOR_METRICS_PORT."""
     setup_metrics("conductor-bridge", settings.bind_host, settings.metrics_port)
+    bridge_instruments(bridges)
+
+
+def bridge_instruments(bridges: list[Bridge]) -> None:
+    """The bridges' instruments, read from ``bridges`` at each collection."""
 
     def observe(_: CallbackOptions) -> list[Observation]:
         return [
@@ -86,6 +91,28 @@ def _bridge_metrics(settings: Any, bridges: list[Bridge]) -> None:
         "conductor_bridge_engine_reachable", callbacks=[reachable],
         description="1 while the engine's /metrics answers (no heartbeats otherwise)",
     )
+    for field, name, what in (
+        ("prefix_hit_tokens", "conductor_bridge_engine_prefix_cache_hit_tokens",
+         "prompt tokens the engine served from its prefix cache (its own counter, e.g. vllm:prefix_cache_hits_total): "
+         "the reuse realised, against conductor_router_predicted_reused_tokens"),
+        ("prefix_query_tokens", "conductor_bridge_engine_prefix_cache_query_tokens",
+         "prompt tokens the engine looked up in its prefix cache (vllm:prefix_cache_queries_total)"),
+    ):
+        meter.create_observable_counter(name, callbacks=[engine_counter(bridges, field)], description=what)
+
+
+def engine_counter(bridges: list[Bridge], field: str) -> Any:
+    """An observable-counter callback: ``field`` of each bridge's last scrape, by node."""
+
+    def observe(_: CallbackOptions) -> list[Observation]:
+        out = []
+        for b in bridges:
+            v = getattr(b.last_load, field, None)
+            if v is not None:
+                out.append(Observation(v, {"node": b.config.node_id}))
+        return out
+
+    return observe
 
 
 def placed_heartbeats(sink: Sink, rack: str | None, zone: str | None) -> Sink:

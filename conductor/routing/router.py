@@ -167,6 +167,14 @@ class RouterMetrics:
             "conductor_router_decisions", description="placements, by prefill and decode instance"
         )
         self.rejections = m.create_counter("conductor_router_rejections", description="rejections, by reason")
+        self.predicted_reuse = m.create_counter(
+            "conductor_router_predicted_reused_tokens",
+            description="prompt tokens decisions predicted the prefill instance reads from its own cache, by node "
+            "(against the engine's own count, conductor_bridge_engine_prefix_cache_hit_tokens)",
+        )
+        self.routed_prompt = m.create_counter(
+            "conductor_router_routed_prompt_tokens", description="prompt tokens placed, by prefill instance"
+        )
 
 
 class Router:
@@ -386,6 +394,10 @@ class Router:
         await self._reserve(req, out, snap.now_ms + int(age_ms))
         self.metrics.reuse.record(out.reused_tokens / req.prompt_tokens if req.prompt_tokens else 0.0)
         self.metrics.decisions.add(1, {"prefill": out.prefill_instance, "decode": out.decode_instance})
+        node = {"node": out.prefill_instance}
+        self.metrics.routed_prompt.add(req.prompt_tokens, node)
+        if out.reuse_source == out.prefill_instance:
+            self.metrics.predicted_reuse.add(out.reused_tokens, node)
         return out
 
     async def view_health(self) -> tuple[bool, str]:

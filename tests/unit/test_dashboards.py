@@ -10,7 +10,12 @@ from pathlib import Path
 import pytest
 from ruamel.yaml import YAML
 
+from collections import Counter
+from types import SimpleNamespace
+
 from conductor.balance.planner import BalanceParams
+from conductor.bridge.scrape import EngineLoad
+from conductor.cli.engines import bridge_instruments
 from conductor.balance.worker import Balancer
 from conductor.routing.router import RouterMetrics, RouterWorker
 from conductor.settings import load_settings
@@ -46,6 +51,12 @@ def exported() -> set[str]:
     r.reuse.record(0.5)
     r.decisions.add(1, {"prefill": "p", "decode": "d"})
     r.rejections.add(1, {"reason": "ttft_slo"})
+    r.predicted_reuse.add(1, {"node": "p"})
+    r.routed_prompt.add(1, {"node": "p"})
+    bridge = SimpleNamespace(config=SimpleNamespace(node_id="p"), counts=Counter(x=1),
+                             translator=SimpleNamespace(counts=Counter()), scraper=None,
+                             last_load=EngineLoad(prefix_hit_tokens=3.0, prefix_query_tokens=5.0))
+    bridge_instruments([bridge])  # type: ignore[list-item]
     w = RouterWorker(load_settings(kafka_url="k:9092", redis_url="redis://r:6379/0"), router=None)  # type: ignore[arg-type]
     w.lag[0] = 3
     i = IngestMetrics(lambda: 2)
