@@ -449,7 +449,6 @@ async def _run_once(
                     stats.on_report(row)
 
         readies: dict[str, asyncio.Future[dict[str, Any]]] = {}
-        urls: dict[str, str] = {}
         bridge_tasks: dict[str, asyncio.Task[None]] = {}
 
         def check_alive() -> None:
@@ -468,10 +467,10 @@ async def _run_once(
             except asyncio.TimeoutError:
                 raise DemoError(f"engine {node} did not start:\n{procs.log_tail(node)}") from None
             role = engines[node][0]
-            urls[node] = info["http"]
             bridge = Bridge(
                 BridgeConfig(node_id=node, role=role, zmq_endpoint=info["zmq"], replay_endpoint=info["replay"],  # type: ignore[arg-type]
-                             block_size=opts.block_size, heartbeat_s=SCRAPE_INTERVAL_S, metrics_url=info["metrics"]),
+                             block_size=opts.block_size, heartbeat_s=SCRAPE_INTERVAL_S, metrics_url=info["metrics"],
+                             endpoint=info["http"]),  # announced: the gateway finds the engine through the view
                 kafka_sink(prod, tps.kv_events.name),
                 kafka_sink(prod, tps.heartbeats.name),
             )
@@ -482,8 +481,9 @@ async def _run_once(
 
         # The gateway: the only way requests enter, as for a user. It starts while the view fills.
         gateway_id = f"demo-{tag}"
+        # No --engine: the gateway finds the engines through the view (the endpoints the bridges announce).
         gw_args = ["gateway", "--port", str(opts.gateway_port), "--gateway-id", gateway_id,
-                   "--decision-timeout-s", "10", *[a for n, u in urls.items() for a in ("--engine", f"{n}={u}")]]
+                   "--decision-timeout-s", "10"]
         gw = await procs.start("gateway", gw_args, env, stdout_pipe=True)
 
         # Ready when the view (written by the stream worker) shows every engine live.

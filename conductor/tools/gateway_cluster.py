@@ -61,6 +61,9 @@ class GatewayCluster:
     Heartbeats stay the engines' own: bridges scraping ``/metrics`` from a busy process (the live bench's,
     when they ran in it) missed scrapes, and the engines looked dead (``no_live_instance``)."""
     ready_info: dict[str, dict[str, Any]] = field(default_factory=dict)
+    discover: bool = False
+    """Start the gateway without ``--engine``: it finds the engines through the view (their
+    bridges announce the URLs)."""
 
     async def __aenter__(self) -> "GatewayCluster":
         s = self.settings
@@ -75,8 +78,9 @@ class GatewayCluster:
                 await self._start_bridges(env)
             await self._wait_live(set(self.engine_procs))
             self.gateway_id = f"gw-test-{time.time_ns() % 10**9}"
+            overrides = {} if self.discover else self.engine_urls
             args = ["gateway", "--port", "0", "--gateway-id", self.gateway_id, "--engine-protocol", self.protocol,
-                    *[a for n, u in self.engine_urls.items() for a in ("--engine", f"{n}={u}")], *self.gateway_args]
+                    *[a for n, u in overrides.items() for a in ("--engine", f"{n}={u}")], *self.gateway_args]
             gw = await self.procs.start("gateway", args, env, stdout_pipe=True)
             self.gateway_url = (await self._ready_line("gateway", gw))["url"]
         except BaseException:
