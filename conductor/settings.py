@@ -47,7 +47,11 @@ class Settings(BaseSettings):
     data_dir: Path = Field(default=Path(".conductor"), description="embedded servers' data and pid files")
     bind_host: str = Field(default="127.0.0.1", description="address every Conductor server binds to")
     metrics_port: int = Field(default=0, ge=0, le=65535, description="Prometheus port; 0 = no endpoint")
-    web_port: int = Field(default=6066, ge=1, le=65535, description="Faust web port (bound on bind_host)")
+    web_port: int | None = Field(
+        default=None, ge=1, le=65535,
+        description="`conductor worker`'s Faust web port on bind_host; unset = 6066, or the next free port when "
+        "another worker on the host holds it; set = that port or a one-line error",
+    )
 
     # --- security on every connection ---------------------------------------
     kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(

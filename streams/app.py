@@ -4,7 +4,9 @@ The ``embedded`` profile carries the Tansu work-arounds: short session, heartbea
 rebalance timeouts (Tansu holds each group join for half the session timeout, so the
 defaults take ~30 s to become ready) and no recovery consistency check (Tansu's reported
 high watermarks of changelog topics are not trustworthy). ``production`` keeps Faust's
-defaults. The web server always binds ``settings.bind_host:settings.web_port``.
+defaults. The web server binds ``settings.bind_host``, on ``settings.web_port`` or, when that
+is unset, on the first free port from :data:`WEB_PORT` up (:func:`bind_web_port`), so a second
+worker on one host does not die on the first one's port.
 
 Two more embedded work-arounds need a subclass. Tansu answers a fetch only when its
 max-wait expires (it does not return early when records arrive), and Faust hard-codes a
@@ -18,19 +20,60 @@ consumer answers Faust's highwater question with the end probed from the last ba
 
 from __future__ import annotations
 
+import contextlib
+import socket
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import faust
+from aiohttp.web_runner import BaseSite, SockSite
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from faust.transport.drivers import aiokafka as faust_aiokafka
+from faust.web.drivers import aiohttp as faust_aiohttp
 
 from schemas.errors import ConfigError
 
 from .kafka import end_offsets, security_options, ssl_context
 
 TANSU_FETCH_MAX_WAIT_MS = 10
+
+WEB_PORT = 6066
+"""Faust's web port when ``web_port`` is unset (Faust's own default)."""
+WEB_PORT_TRIES = 64
+"""Ports tried from :data:`WEB_PORT` up before any free one will do."""
+
+
+def bind_web_port(host: str, port: int | None) -> socket.socket:
+    """A listening socket for a Faust web server on ``host``: on ``port``, or (``None``) on the first
+    free one of WEB_PORT, WEB_PORT + 1, ... (then any). Bound and listening at once, so two workers
+    starting together cannot both choose the same port. A taken ``port`` raises :class:`ConfigError`
+    naming CONDUCTOR_WEB_PORT."""
+    if port is not None:
+        try:
+            return _listening_socket(host, port)
+        except OSError as e:
+            raise ConfigError(
+                f"web_port (CONDUCTOR_WEB_PORT): cannot serve on {host}:{port} ({e.strerror or e}; another worker?); "
+                "leave CONDUCTOR_WEB_PORT unset and each worker takes a free port"
+            ) from None
+    for p in range(WEB_PORT, WEB_PORT + WEB_PORT_TRIES):
+        with contextlib.suppress(OSError):
+            return _listening_socket(host, p)
+    return _listening_socket(host, 0)  # any free port
+
+
+def _listening_socket(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as aiohttp does: TIME_WAIT owns no port
+        sock.bind((host, port))
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    sock.setblocking(False)
+    return sock
 
 
 class _TansuConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
@@ -66,7 +109,23 @@ class _TansuTransport(faust_aiokafka.Transport):
     Consumer = _TansuConsumer
 
 
-class EmbeddedApp(faust.App):
+class _BoundWeb(faust_aiohttp.Web):
+    """Faust's aiohttp web server, serving on the socket :func:`bind_web_port` bound."""
+
+    def _new_transport_tcp(self) -> BaseSite:
+        return SockSite(self._runner, self.app.web_socket, ssl_context=self.app.conf.web_ssl_context)
+
+
+class ConductorApp(faust.App):
+    """A Faust app whose web server serves on ``web_socket`` when one is given (make_app)."""
+
+    web_socket: socket.socket | None = None
+
+    def _new_web(self) -> Any:
+        return super()._new_web() if self.web_socket is None else _BoundWeb(self)
+
+
+class EmbeddedApp(ConductorApp):
     """A Faust app whose consumer does not sit out Tansu's fetch max-wait and recovers
     tables up to the changelogs' real ends."""
 
@@ -98,9 +157,11 @@ def broker_credentials(settings: Any) -> Any:
     )
 
 
-def make_app(settings: Any, *, app_id: str | None = None, **overrides: Any) -> faust.App:
+def make_app(settings: Any, *, app_id: str | None = None, web_socket: socket.socket | None = None,
+             **overrides: Any) -> faust.App:
     """A Faust app for ``settings``; its id (and so its consumer group and changelog topic
-    names) derives from the topic prefix unless ``app_id`` is given."""
+    names) derives from the topic prefix unless ``app_id`` is given. Its web server serves on
+    ``web_socket`` (from :func:`bind_web_port`) when given, else binds ``settings.web_port``."""
     app_id = app_id or f"{settings.topic_prefix}stream-worker"
     datadir = Path(settings.data_dir).resolve() / "faust" / app_id
     datadir.parent.mkdir(parents=True, exist_ok=True)  # Faust creates only the last level
@@ -113,7 +174,7 @@ def make_app(settings: Any, *, app_id: str | None = None, **overrides: Any) -> f
         topic_replication_factor=settings.replication_factor,
         web_host=settings.bind_host,
         web_bind=settings.bind_host,
-        web_port=settings.web_port,
+        web_port=web_socket.getsockname()[1] if web_socket is not None else settings.web_port or WEB_PORT,
         consumer_auto_offset_reset="earliest",
         value_serializer="json",
         key_serializer="raw",
@@ -130,7 +191,9 @@ def make_app(settings: Any, *, app_id: str | None = None, **overrides: Any) -> f
         opts["broker_credentials"] = credentials
     opts.update(overrides)
     if settings.profile != "embedded":
-        return faust.App(app_id, **opts)
-    app = EmbeddedApp(app_id, **opts)
-    app.conductor_settings = settings  # the highwater probe's broker and credentials
+        app = ConductorApp(app_id, **opts)
+    else:
+        app = EmbeddedApp(app_id, **opts)
+        app.conductor_settings = settings  # the highwater probe's broker and credentials
+    app.web_socket = web_socket
     return app

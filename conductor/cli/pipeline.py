@@ -13,12 +13,14 @@ from rich.table import Table
 
 from conductor.admin.cluster import view_summary
 from conductor.cli.common import err, print_json, print_result, require_servers, settings_or_exit, table_console
+from conductor.errors import ConfigError
 from conductor.telemetry import setup_metrics
 from conductor.tools.bench.ingest import IngestBenchConfig, run_ingest_bench
 from conductor.tools.bench.view_read import run_view_read_bench
 from schemas import TIERS
 from state.redis_view import RedisViewStore
 from streams.agents import build_worker
+from streams.app import WEB_PORT, bind_web_port
 from streams.kafka import ensure_topics
 from streams.replay import diff_dumps, replay_into
 from streams.topics import topics
@@ -30,23 +32,33 @@ def register(groups: dict[str, typer.Typer]) -> None:
 
     @app.command("worker")
     def worker(
-        web_port: int = typer.Option(None, help="Faust web port on bind_host [default: CONDUCTOR_WEB_PORT]"),
+        web_port: int = typer.Option(None, help="Faust web port on bind_host [default: CONDUCTOR_WEB_PORT, else 6066 "
+                                     "or the next free one]"),
         loglevel: str = typer.Option("info", help="Faust worker log level"),
     ) -> None:
         """Run the stream worker: fold kv-events and heartbeats into the Redis view.
 
         Joins the worker consumer group (scale out with more workers, up to the partition
         count). Bad records go to the dead-letter topic; the worker never stops on one.
-        Metrics on bind_host:metrics_port when CONDUCTOR_METRICS_PORT is set.
+        Metrics on bind_host:metrics_port when CONDUCTOR_METRICS_PORT is set. Faust's web
+        server takes port 6066, or the next free one when another worker on the host holds it.
         """
 
 
         s = settings_or_exit(**({"web_port": web_port} if web_port else {}))
         require_servers(s, kafka=True, redis=True)
+        try:
+            web_socket = bind_web_port(s.bind_host, s.web_port)
+        except ConfigError as e:
+            err.print(f"[red]error:[/red] {e}", soft_wrap=True)
+            raise typer.Exit(2) from None
+        chosen = web_socket.getsockname()[1]
+        if s.web_port is None and chosen != WEB_PORT:
+            err.print(f"web port {WEB_PORT} is taken (another worker?): this worker's is {chosen}", soft_wrap=True)
         asyncio.run(ensure_topics(s, topics(s).all()))
         setup_metrics("conductor-worker", s.bind_host, s.metrics_port)
         store = RedisViewStore.from_settings(s)
-        w = build_worker(s, store)
+        w = build_worker(s, store, web_socket=web_socket)
         faust.Worker(w.app, loglevel=loglevel).execute_from_commandline()
 
     @view.command("show")

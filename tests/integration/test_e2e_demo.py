@@ -45,6 +45,18 @@ def test_demo_completes_and_compares_with_the_baseline(stack: StackState, settin
     assert r["decisions"] == 0 or (r["client_ttft_wall_p50_s"] is not None and r["gateway_routing_ms_p50"] > 0)
     for pid in r["pids"]:
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split(") ")[1][:1]
+    # The stack outlives the demo, so the `conductor explain` lines it printed work as printed.
+    run = next((run for run in r["runs"] if run["example_request_ids"]), None)
+    if run is not None:
+        rid = run["example_request_ids"][0]
+        assert f"CONDUCTOR_TOPIC_PREFIX={run['topic_prefix']} conductor explain {rid}" in proc.stdout.decode() + \
+            proc.stderr.decode()
+        ex = subprocess.run(
+            [sys.executable, "-c", "from conductor.cli import main; main()", "explain", rid, "--json"],
+            env=env | {"CONDUCTOR_TOPIC_PREFIX": run["topic_prefix"]}, capture_output=True, timeout=60,
+        )
+        assert ex.returncode == 0, (ex.stdout + ex.stderr).decode(errors="replace")[-3000:]
+        assert json.loads(ex.stdout)["request_id"] == rid
 
 
 def test_settings_travel_to_child_processes_exactly(monkeypatch: pytest.MonkeyPatch) -> None:
