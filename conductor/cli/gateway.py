@@ -126,13 +126,35 @@ def register(groups: dict[str, typer.Typer]) -> None:
         peer_policy: str = typer.Option("cache_aware", help="the SGLang router's policy (prefill and decode)"),
         drain_s: float = typer.Option(60.0, min=1.0, help="after the last arrival, wait this long for answers"),
         peer_first: bool = typer.Option(False, "--peer-first", help="run the peer's side before Conductor's"),
+        engines: str = typer.Option("emulated", "--engines", help="emulated (the default: 2P2D emulated engines, "
+                                    "model time) or vllm (real vLLM CPU engines from scripts/vllm-kit, aggregated, "
+                                    "fresh for each side; conductor, sglang-router cache_aware and round_robin; "
+                                    "wall-clock TTFT)"),
+        vllm_engines: int = typer.Option(2, "--vllm-engines", min=1, max=8, help="--engines vllm: engines per side"),
         json_out: bool = typer.Option(False, "--json", help="print one JSON line"),
     ) -> None:
-        """The same trace slice through Conductor's gateway and through the SGLang router, on identical emulated engines.
+        """The same trace slice through Conductor's gateway and through the SGLang router, on identical engines.
+
+        --engines vllm: the slice through Conductor, through sglang-router (regular HTTP mode, cache_aware) and through sglang-router's round_robin, each in front of fresh identical real vLLM engines (scripts/vllm-kit makes the kit). Per side: ttft_p50_s, ttft_p90_s (as the client saw them), engine_prefix_hit_ratio (the engines' own prefix-cache counters), served, rejected, errors. Takes several minutes: every side starts its engines afresh.
 
         Conductor side: stream worker, router (CONDUCTOR_POLICY) and gateway (SGLang bootstrap hand-off) in front of fresh emulated engines whose KV events reach the view through bridges. Peer side: `python -m sglang_router.launch_router --pd-disaggregation --policy cache_aware` in front of fresh, identical engines. Each request is a streamed completion sent by the openai client at its trace arrival time, its prompt a text in which each trace block is a fixed run of pseudo-words (the SGLang router matches text). Prints per side: ttft_p50_s, ttft_p90_s (model time, as conductor demo), reuse_ratio (cached / prompt tokens the engines reported), rejected (429/503), errors.
         """
         s = settings_or_exit()
+        if engines not in ("emulated", "vllm"):
+            err.print(f"[red]error:[/red] --engines must be emulated or vllm, not {engines!r}")
+            raise typer.Exit(2)
+        if engines == "vllm":
+            from conductor.tools.bench.live_vllm import VllmLiveError, VllmLiveOptions, run_vllm_live_bench
+            vopts = VllmLiveOptions(duration_s=duration, speed=speed, sample=sample, trace=trace, engines=vllm_engines,
+                                    max_requests=max_requests, max_output_tokens=max_output_tokens or 8,
+                                    drain_s=max(drain_s, 120.0))
+            try:
+                out = run_vllm_live_bench(s, vopts)
+            except VllmLiveError as e:
+                err.print(f"[red]error:[/red] {e}")
+                raise typer.Exit(2) from None
+            print_result(out, json_out)
+            return
         opts = LiveOptions(duration_s=duration, speed=speed, sample=sample, trace=trace, prefill=prefill,
                            decode=decode, block_size=block_size, kv_blocks=kv_blocks, max_requests=max_requests,
                            max_output_tokens=max_output_tokens, drain_s=drain_s, peer=peer, peer_policy=peer_policy,

@@ -45,10 +45,12 @@ def test_the_same_slice_is_served_by_both_routers(peer_installed: None, settings
     rows = _trace(tmp_path / "t.jsonl")
     out = run_live_bench(settings, LiveOptions(duration_s=10.0, speed=10.0, sample=1, trace=tmp_path / "t.jsonl",
                                                drain_s=60.0))
-    assert out["requests"] == len(rows) and out["peer"] == "sglang-router" and out["peer_mode"] == "pd"
+    assert out["requests"] == len(rows) and out["peer_name"] == "sglang-router" and out["peer_mode"] == "pd"
+    assert out["peer"] is out["peer_side"]  # the peer's object (peer_side: its older name)
     prompt_tokens = sum(int(r["input_length"]) for r in rows)  # type: ignore[call-overload]
-    for side in (out["conductor"], out["peer_side"]):
+    for side in (out["conductor"], out["peer"]):
         assert SIDE_FIELDS <= set(side), side
+        assert {"ttft_p50_s", "ttft_p90_s", "engine_prefix_hit_ratio", "served", "rejected"} <= set(side), side
         # Every request answered with a streamed token, none rejected, none failed.
         assert side["served"] == side["requests"] == len(rows), side
         assert side["rejected"] == 0 and side["errors"] == 0, side

@@ -166,6 +166,7 @@ def side_summary(stats: RunStats, reports: list[dict[str, Any]], wall_s: float) 
     return {
         "requests": stats.sent,
         "served": len(stats.client_ttft),
+        "engine_prefix_hit_ratio": sm["reuse_ratio"],
         "rejected": rejected,
         "errors": errors,
         "errors_by_kind": dict(stats.client_errors),
@@ -287,7 +288,9 @@ def run_live_bench(settings: Settings, opts: LiveOptions) -> dict[str, Any]:
     common = both_served(conductor, peer)
     return {
         "bench": "live",
-        "peer": opts.peer,
+        "engines": "emulated",
+        "peer": peer,
+        "peer_name": opts.peer,
         "peer_mode": "pd",
         "order": "peer first" if opts.peer_first else "conductor first",
         "requests": len(requests),
