@@ -45,6 +45,11 @@ class Settings(BaseSettings):
         "default: embedded when kafka_url is unset",
     )
     data_dir: Path = Field(default=Path(".conductor"), description="embedded servers' data and pid files")
+    vllm_kit: Path | None = Field(
+        default=None,
+        description="the real-vLLM kit that scripts/vllm-kit makes (a venv with vLLM's CPU build and a tiny "
+        "model; tests -m vllm); unset = ~/.cache/conductor/vllm-kit",
+    )
     bind_host: str = Field(default="127.0.0.1", description="address every Conductor server binds to")
     metrics_port: int = Field(default=0, ge=0, le=65535, description="Prometheus port; 0 = no endpoint")
     web_port: int | None = Field(

