@@ -68,7 +68,7 @@ def cluster_settings(settings: Settings, valkey_cluster: ValkeyCluster) -> Setti
     return settings.model_copy(update={"redis_url": valkey_cluster.url})
 
 
-KINDS = ("unit", "property", "contract", "golden", "integration", "faults")
+KINDS = ("unit", "property", "contract", "golden", "integration", "faults", "vllm")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -77,5 +77,5 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         kind = Path(str(item.fspath)).parent.name
         if kind in KINDS:
             item.add_marker(getattr(pytest.mark, kind))
-        if kind == "faults":  # needs the servers: out of the fast suite (-m "not integration")
+        if kind in ("faults", "vllm"):  # needs the servers: out of the fast suite (-m "not integration")
             item.add_marker(pytest.mark.integration)
