@@ -214,7 +214,7 @@ class VllmEngine:
         log_dir: Path,
         *,
         name: str = "vllm",
-        served_model: str = SERVED_MODEL,
+        served_name: str = SERVED_MODEL,
         kit: Path | None = None,
         pd: bool = False,
         block_size: int = BLOCK_SIZE,
@@ -226,7 +226,7 @@ class VllmEngine:
         if block_size % 32:
             raise ValueError("vLLM's CPU attention needs a block size that is a multiple of 32")
         self.model_path = Path(model)
-        self.model = served_model
+        self.model = served_name
         self.name = name
         self.kit = kit or default_kit_dir()
         self.pd = pd
