@@ -17,9 +17,10 @@ from opentelemetry.metrics import CallbackOptions, Observation
 from prometheus_client import start_http_server
 
 from conductor import web
+from conductor.bridge.commands import VllmCommandExecutor
 from conductor.bridge.publisher import EventPublisher
-from conductor.bridge.runner import Bridge, Sink, kafka_sink, rank_configs
-from conductor.cli.common import err, print_json, print_result, settings_or_exit, stop_on_signals
+from conductor.bridge.runner import Bridge, Sink, endpoint_of_metrics, kafka_sink, rank_configs
+from conductor.cli.common import err, print_json, print_result, settings_or_exit, stop_on_signals, table_console
 from conductor.engine.emulated import EmulatedEngine, EngineConfig
 from conductor.engine.executor import EngineCommandExecutor, commands_for
 from conductor.engine.http import engine_app
@@ -115,6 +116,44 @@ def engine_counter(bridges: list[Bridge], field: str) -> Any:
     return observe
 
 
+def _vllm_demo(s: Any, policy: str, baseline: str, duration: float, speed: float, sample: int, trace: Path | None,
+               n_engines: int, json_out: bool) -> None:
+    """``conductor demo --engines vllm``: the slice through Conductor with each policy, on fresh real engines."""
+    from rich.table import Table
+
+    from conductor.tools.bench.live_vllm import VllmLiveError, VllmLiveOptions, run_vllm_demo
+
+    err.print(f"demo on real vLLM: {n_engines} aggregated engine(s) per run, started afresh for {policy} and "
+              f"{baseline} (about two minutes each on 2 cores)")
+    try:
+        r = run_vllm_demo(s, VllmLiveOptions(duration_s=duration / 2, speed=speed, sample=sample, trace=trace,
+                                             engines=n_engines), policy, baseline)
+    except VllmLiveError as e:
+        err.print(f"[red]error:[/red] {e}")
+        raise typer.Exit(2) from None
+    if json_out:
+        print_json(r)
+    else:
+        t = Table(title=f"Summary on real vLLM engines: {policy} vs {baseline} on the same trace slice")
+        t.add_column("")
+        t.add_column(policy, justify="right")
+        t.add_column(baseline, justify="right")
+        a, b = r["runs"][policy], r["runs"][baseline]
+
+        def f(v: Any, fmt: str) -> str:
+            return "-" if v is None else format(v, fmt)
+
+        for label, key, fmt in (("requests", "requests", "d"), ("served", "served", "d"), ("rejected", "rejected", "d"),
+                                ("errors", "errors", "d"),
+                                ("engine prefix-cache hit ratio", "engine_prefix_hit_ratio", ".1%"),
+                                ("TTFT p50 (s, client)", "ttft_p50_s", ".3f"), ("TTFT p90 (s, client)", "ttft_p90_s", ".3f")):
+            t.add_row(label, f(a.get(key), fmt), f(b.get(key), fmt))
+        table_console().print(t)
+        err.print(f"wall time {r['wall_s']}s; logs in {r['logs']}")
+    if not r["ok"]:
+        raise typer.Exit(1)
+
+
 def placed_heartbeats(sink: Sink, rack: str | None, zone: str | None) -> Sink:
     """``sink`` with ``rack``/``zone`` stamped on every heartbeat that does not name its own
     (the emulated engine's heartbeats carry no placement)."""
@@ -185,6 +224,11 @@ def register(groups: dict[str, typer.Typer]) -> None:
         ),
         bootstrap_port: int = typer.Option(None, "--bootstrap-port", min=1, max=65535,
                                            help="SGLang: the prefill server's bootstrap port, announced in heartbeats"),
+        execute_commands: bool = typer.Option(
+            False, "--execute-commands",
+            help="vLLM: carry out this node's kv-commands (a replicate pulls the prefix from its holder over the KV "
+            "connector; other actions are answered unsupported); needs the engine URL and the view's Redis",
+        ),
     ) -> None:
         """Carry one vLLM/SGLang engine's KV events onto the kv-events topic.
 
@@ -205,13 +249,19 @@ def register(groups: dict[str, typer.Typer]) -> None:
         if engine_url is not None and not _BASE_URL.fullmatch(engine_url.rstrip("/")):
             err.print(f"[red]error:[/red] --engine-url must be http(s)://HOST:PORT, not {engine_url!r}")
             raise typer.Exit(2)
+        served = engine_url.rstrip("/") if engine_url else endpoint_of_metrics(metrics_url)
+        if execute_commands and (served is None or dp_size > 1):
+            err.print("[red]error:[/red] --execute-commands needs the engine's URL (--engine-url or --metrics-url) "
+                      "and one rank (no --dp-size)")
+            raise typer.Exit(2)
         s = settings_or_exit()
         _need_kafka(s)
 
         async def main() -> Counter[str]:
 
             tps = topics(s)
-            await ensure_topics(s, (tps.kv_events, tps.heartbeats))
+            commands = (tps.kv_commands, tps.kv_command_results) if execute_commands else ()
+            await ensure_topics(s, (tps.kv_events, tps.heartbeats, *commands))
             prod = producer(s)
             await prod.start()
             events = kafka_sink(prod, tps.kv_events.name)
@@ -227,10 +277,20 @@ def register(groups: dict[str, typer.Typer]) -> None:
             _bridge_metrics(s, bridges)
             stop = asyncio.Event()
             stop_on_signals(stop)
+            tasks = [asyncio.create_task(b.run(stop)) for b in bridges]
+            executor = None
+            if execute_commands:  # conductor/bridge/commands.py
+                assert served is not None
+                executor = VllmCommandExecutor.from_settings(s, node_id, served,
+                                                             kafka_sink(prod, tps.kv_command_results.name),
+                                                             model=None if model == "default" else model)
+                tasks.append(asyncio.create_task(executor.run(commands_for(s, node_id, stop))))
             try:
-                await _until_stopped(stop, *(asyncio.create_task(b.run(stop)) for b in bridges))
+                await _until_stopped(stop, *tasks)
                 await events.flush()
             finally:
+                if executor is not None:
+                    await executor.close()
                 await prod.stop()
             total: Counter[str] = Counter()
             for b in bridges:
@@ -469,6 +529,12 @@ def register(groups: dict[str, typer.Typer]) -> None:
         gateway_port: int = typer.Option(
             0, min=0, max=65535,
             help="port of the gateway the demo's clients send to on bind_host, the same for both runs (0 = a free one)"),
+        engines: str = typer.Option(
+            "emulated", "--engines",
+            help="emulated (the default: fast, model time) or vllm: real vLLM CPU engines with a tiny random-weight "
+            "model from the kit (`scripts/vllm-kit` makes it, several GB, once), aggregated, fresh for each run; "
+            "TTFT as the client saw it and the engines' own prefix-cache hit ratio"),
+        vllm_engines: int = typer.Option(2, "--vllm-engines", min=1, max=8, help="--engines vllm: engines per run"),
     ) -> None:
         """The whole system on one machine: broker, Redis, stream worker, router, bridges and emulated engines.
 
@@ -483,6 +549,12 @@ def register(groups: dict[str, typer.Typer]) -> None:
                 err.print(f"[red]error:[/red] unknown policy {name!r}; known: {', '.join(POLICIES)}")
                 raise typer.Exit(2)
 
+        if engines not in ("emulated", "vllm"):
+            err.print(f"[red]error:[/red] --engines must be emulated or vllm, not {engines!r}")
+            raise typer.Exit(2)
+        if engines == "vllm":
+            _vllm_demo(s, policy or s.policy, baseline, duration, speed, sample, trace, vllm_engines, json_out)
+            return
         opts = DemoOptions(
             duration_s=duration, speed=speed, policy=policy or s.policy, baseline=baseline, trace=trace,
             prefill=prefill, decode=decode, json_out=json_out, sample=sample, block_size=block_size,
