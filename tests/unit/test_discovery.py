@@ -94,3 +94,20 @@ def test_the_prefix_cache_counters_are_read_from_a_vllm_page():
     ])
     load = parse_load(page)
     assert (load.prefix_hit_tokens, load.prefix_query_tokens) == (256.0, 640.0)
+
+
+def test_the_gateway_sends_where_the_decision_says_and_pins_the_dp_rank():
+    from conductor.gateway.service import EngineFailed, Gateway
+    from schemas import Endpoint, RoutingDecision
+
+    d = RoutingDecision(request_id="r", prefill_instance="e-dp1", decode_instance="e-dp1", reused_tokens=0,
+                        predicted_ttft_s=0.1, predicted_tbt_ms=5, policy="p", mode="aggregated",
+                        endpoints={"e-dp1": Endpoint(url="http://h:8000/", dp_rank=1)})
+    assert Gateway._headers("r", d, "e-dp1") == {"x-request-id": "r", "X-data-parallel-rank": "1"}
+    assert Gateway._headers("r", d, "other") == {"x-request-id": "r"}
+    gw = Gateway.__new__(Gateway)
+    gw.config = type("C", (), {"engines": {"o": "http://override:1"}})()  # type: ignore[assignment]
+    assert gw._url("e-dp1", d) == "http://h:8000"
+    assert gw._url("o", d) == "http://override:1"
+    with pytest.raises(EngineFailed, match="announce no endpoint"):
+        gw._url("nowhere", d)
