@@ -73,7 +73,7 @@ async def bridged(vllm_pd: tuple[VllmEngine, VllmEngine], vllm_settings: Setting
         await procs.stop()
 
 
-async def results_for(settings: Settings, command_id: str, count: int, wait_s: float = 90.0) -> list[KvCommandResult]:
+async def results_for(settings: Settings, command_id: str, count: int, wait_s: float = 240.0) -> list[KvCommandResult]:
     cons = consumer(settings, topics(settings).kv_command_results.name, group_id=None, fetch_max_wait_ms=50)
     await cons.start()
     found: list[KvCommandResult] = []
