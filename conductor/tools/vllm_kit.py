@@ -302,8 +302,26 @@ class VllmEngine:
 
     # --- life ------------------------------------------------------------------------------------
 
-    async def start(self) -> VllmEngine:
-        """Start the server and wait until ``/health`` answers (raise :class:`EngineError` if it dies first)."""
+    async def start(self, attempts: int = 3) -> VllmEngine:
+        """Start the server and wait until ``/health`` answers (raise :class:`EngineError` if it dies first).
+
+        vLLM picks its own internal ZMQ ports at random, so an engine starting beside others can
+        find one taken ("Address already in use"): it is started again, on new ports of its own
+        when it has never run (a restart keeps its ports: bridges follow them)."""
+        for attempt in range(attempts):
+            try:
+                return await self._start_once()
+            except EngineError:
+                if not self._port_taken() or attempt + 1 == attempts:
+                    raise
+                if self.start_s is None:
+                    ports = _free_ports(4)
+                    self.port, self.zmq_port, self.replay_port = ports[:3]
+                    self.nixl_port = ports[3] if self.pd else None
+                await asyncio.sleep(1.0)
+        raise AssertionError("unreachable")
+
+    async def _start_once(self) -> VllmEngine:
         if self.running:
             return self
         reason = kit_available(self.kit)
@@ -375,6 +393,14 @@ class VllmEngine:
         """Stop and start again on the same ports (a new process: its KV cache and event sequence begin anew)."""
         await self.stop()
         return await self.start()
+
+    def _port_taken(self) -> bool:
+        """Whether the last start died on a port someone else had bound."""
+        try:
+            last = self.log_path.read_text(errors="replace").rsplit("\n=== start ", 1)[-1]
+        except OSError:
+            return False
+        return "Address already in use" in last
 
     def log_tail(self, chars: int = 4000) -> str:
         try:

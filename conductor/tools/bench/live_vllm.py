@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import re
@@ -198,11 +199,14 @@ async def _fresh_engines(opts: VllmLiveOptions, kit: Path, log_dir: Path) -> lis
 
 async def _side(name: str, settings: Settings, opts: VllmLiveOptions, requests: Sequence[DemoRequest], kit: Path,
                 log_dir: Path) -> dict[str, Any]:
-    side_dir = log_dir / name
+    """One side on fresh engines: ``conductor`` (or ``conductor:POLICY``), ``peer`` or ``round_robin``."""
+    side_dir = log_dir / name.replace(":", "-")
     engines = await _fresh_engines(opts, kit, side_dir)
     urls = [e.url for e in engines]
     try:
-        if name == "conductor":
+        if name.startswith("conductor"):
+            if ":" in name:
+                settings = settings.model_copy(update={"policy": name.split(":", 1)[1], "policy_params": {}})
             nodes = [VllmNode(f"vllm-{i}", "both", e) for i, e in enumerate(engines)]
             async with VllmGatewayCluster(settings, side_dir, nodes=nodes, model=MODEL) as c:
                 before = await prefix_counters(urls)
@@ -247,8 +251,8 @@ async def _router_ready(base: str, procs: Processes, timeout_s: float = 60.0) ->
     raise VllmLiveError(f"sglang-router did not start:\n{procs.log_tail('sglang-router')}")
 
 
-def run_vllm_live_bench(settings: Settings, opts: VllmLiveOptions) -> dict[str, Any]:
-    """Every side of ``opts.sides`` on fresh real engines; one result dict (``conductor``, ``peer``, ``round_robin``)."""
+def _run_sides(settings: Settings, opts: VllmLiveOptions, what: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Every side of ``opts.sides`` on fresh real engines: (side → summary, what the run was)."""
     kit = kit_dir(settings)
     why = kit_available(kit)
     if why:
@@ -267,7 +271,7 @@ def run_vllm_live_bench(settings: Settings, opts: VllmLiveOptions) -> dict[str, 
         raise VllmLiveError("the trace slice is empty: raise --duration or lower --sample")
     for name in ("aiokafka", "httpx", "openai", "conductor.bridge"):
         logging.getLogger(name).setLevel(logging.WARNING)
-    data_dir = (Path(settings.data_dir) / "bench-live-vllm").resolve()
+    data_dir = (Path(settings.data_dir) / what).resolve()
     log_dir = data_dir / "logs" / time.strftime("%Y%m%d-%H%M%S")
     stack: EmbeddedStack | None = None
     t_all = time.monotonic()
@@ -282,32 +286,54 @@ def run_vllm_live_bench(settings: Settings, opts: VllmLiveOptions) -> dict[str, 
                                                "profile": "embedded" if not settings.kafka_url else settings.profile})
         for side in opts.sides:
             tag = f"{os.getpid():x}{time.time_ns() // 1_000_000 % 0xFFFFFF:06x}"
-            s = base.model_copy(update={"topic_prefix": f"livev-{side}-{tag}.", "view_namespace": f"livev-{side}-{tag}",
+            label = re.sub(r"[^a-z0-9-]", "-", side.lower())
+            s = base.model_copy(update={"topic_prefix": f"v{label}-{tag}.", "view_namespace": f"v{label}-{tag}",
                                         "block_size": BLOCK_SIZE, "seed": opts.seed, "metrics_port": 0,
                                         "web_port": free_port(base.bind_host)})
-            log.info("bench live --engines vllm: %s side, %d fresh engines", side, opts.engines)
+            log.info("%s on real vLLM: side %s, %d fresh engines", what, side, opts.engines)
             out[side] = asyncio.run(_side(side, s, opts, requests, kit, log_dir))
     finally:
         if stack is not None:
             stack.down()
-    result: dict[str, Any] = {
-        "bench": "live",
+    run = {
         "engines": "vllm",
-        "peer_name": "sglang-router",
-        "peer_mode": "regular",
         "requests": len(requests),
         "speed": opts.speed,
         "sample": opts.sample,
         "trace": trace.name,
         "instances": {"aggregated": opts.engines},
-        **out,
         "options": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(opts).items()},
         "logs": str(log_dir),
         "wall_s": round(time.monotonic() - t_all, 1),
     }
+    return out, run
+
+
+def run_vllm_live_bench(settings: Settings, opts: VllmLiveOptions) -> dict[str, Any]:
+    """``bench live --engines vllm``: one result dict with a ``conductor``, a ``peer`` and a ``round_robin`` object."""
+    out, run = _run_sides(settings, opts, "bench-live-vllm")
+    result: dict[str, Any] = {"bench": "live", "peer_name": "sglang-router", "peer_mode": "regular", **run, **out}
     if "peer" in out:
         result["peer_side"] = out["peer"]
     return result
 
 
-__all__ = ["SIDES", "VllmLiveError", "VllmLiveOptions", "run_vllm_live_bench", "vllm_prompt"]
+def run_vllm_demo(settings: Settings, opts: VllmLiveOptions, policy: str, baseline: str) -> dict[str, Any]:
+    """``conductor demo --engines vllm``: the demo's slice through Conductor with ``policy``, then with
+    ``baseline``, each on fresh real engines; the demo's headline fields from real engines."""
+    sides = (f"conductor:{policy}", f"conductor:{baseline}")
+    out, run = _run_sides(settings, dataclasses.replace(opts, sides=sides), "demo-vllm")
+    a, b = out[sides[0]], out[sides[1]]
+    return {
+        "ok": a["served"] + a["rejected"] > 0 and b["served"] + b["rejected"] > 0,
+        "policy": policy, "baseline_policy": baseline, **run,
+        "served": a["served"], "rejected": a["rejected"], "errors": a["errors"],
+        "reuse_ratio": a["engine_prefix_hit_ratio"], "ttft_p50_s": a["ttft_p50_s"], "ttft_p90_s": a["ttft_p90_s"],
+        "baseline_served": b["served"], "baseline_rejected": b["rejected"], "baseline_errors": b["errors"],
+        "baseline_reuse_ratio": b["engine_prefix_hit_ratio"], "baseline_ttft_p50_s": b["ttft_p50_s"],
+        "baseline_ttft_p90_s": b["ttft_p90_s"],
+        "runs": {policy: a, baseline: b},
+    }
+
+
+__all__ = ["SIDES", "VllmLiveError", "VllmLiveOptions", "run_vllm_demo", "run_vllm_live_bench", "vllm_prompt"]
