@@ -55,6 +55,12 @@ async def cluster(vllm_settings: Settings, vllm_engines, tmp_path: Path) -> Asyn
         yield c
 
 
+def achievable(d: RoutingDecision, o: RequestOutcome, bs: int = 32) -> int:
+    """The reuse vLLM can realise of a decision's prediction: it always computes the prompt's last
+    token, so a prompt's last block is recomputed when the prompt ends on a block boundary."""
+    return min(d.reused_tokens, max(0, (o.prompt_tokens - 1) // bs * bs))
+
+
 def client(c: VllmGatewayCluster) -> openai.AsyncOpenAI:
     return openai.AsyncOpenAI(base_url=c.gateway_url + "/v1", api_key="none", max_retries=0, timeout=120)
 
@@ -127,7 +133,7 @@ async def test_pd_over_nixl_and_aggregated_through_the_gateway(cluster: VllmGate
     assert second.reused_tokens >= 64 and second.reuse_source == PRE
     # ...and the engine's own counter confirms it (realised against predicted).
     hits = counter(p_after, "vllm:prefix_cache_hits_total") - counter(p_before, "vllm:prefix_cache_hits_total")
-    assert hits >= second.reused_tokens * 0.9, (hits, second.reused_tokens)
+    assert hits >= achievable(second, outs[1]) * 0.9, (hits, second.reused_tokens, outs[1].prompt_tokens)
     print(f"\nP/D: predicted reuse {first.reused_tokens + second.reused_tokens} tokens, the prefill engine's "
           f"prefix-cache hits {hits:.0f} (realised/predicted {hits / max(1, first.reused_tokens + second.reused_tokens):.2f})")
     # The decode engine pulled the KV over NIXL, for both requests.
@@ -150,7 +156,7 @@ async def test_pd_over_nixl_and_aggregated_through_the_gateway(cluster: VllmGate
     done = counter(a_after, "vllm:request_success_total") - counter(a_before, "vllm:request_success_total")
     assert done == 3  # one engine call per request: no prefill half, no retry
     hits = counter(a_after, "vllm:prefix_cache_hits_total") - counter(a_before, "vllm:prefix_cache_hits_total")
-    assert hits >= sum(d.reused_tokens for d in agg) * 0.9, (hits, [d.reused_tokens for d in agg])
+    assert hits >= sum(achievable(d, o) for d, o in zip(agg, outs)) * 0.9, (hits, [d.reused_tokens for d in agg])
     print(f"aggregated: predicted reuse {sum(d.reused_tokens for d in agg)} tokens, the engine's prefix-cache hits "
           f"{hits:.0f} (realised/predicted {hits / max(1, sum(d.reused_tokens for d in agg)):.2f}); "
           f"failed attempts {sum(len(o.attempts) - 1 for o in outs)}")
