@@ -27,12 +27,14 @@ took), reuse (cached tokens the prefill engines reported / prompt tokens), rejec
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import hashlib
 import logging
 import os
 import re
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -248,6 +250,43 @@ def _side_settings(base: Settings, opts: LiveOptions, side: str) -> Settings:
                                    "web_port": free_port(base.bind_host)})  # the stream worker's (Faust's) own
 
 
+def trace_slice(trace: Path | None, speed: float, sample: int, duration_s: float, max_requests: int | None,
+                error: type[ConductorError]) -> tuple[Path, list[DemoRequest]]:
+    """The trace (default: the bundled one) and the demo's slice of it, or ``error`` saying what is wrong."""
+    path = trace or default_trace()
+    if not path.exists():
+        raise error(f"trace not found: {path} (pass --trace PATH)")
+    requests = load_slice(path, speed, sample, duration_s)
+    if max_requests is not None:
+        requests = requests[:max_requests]
+    if not requests:
+        raise error("the trace slice is empty: raise --duration or lower --sample")
+    return path, requests
+
+
+def quiet_clients() -> None:
+    """One log line per HTTP request or Kafka reconnect is noise in a benchmark's output."""
+    for name in ("aiokafka", "httpx", "httpx2", "openai", "conductor.bridge"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+@contextlib.contextmanager
+def servers(settings: Settings, data_dir: Path) -> Iterator[Settings]:
+    """``settings`` with a broker and a Redis: the ones it names, or an embedded stack started
+    in ``data_dir`` (and stopped on the way out)."""
+    if settings.kafka_url and settings.redis_url:
+        yield settings
+        return
+    stack = EmbeddedStack(data_dir / "stack", host=settings.bind_host)
+    st = stack.up(die_with_parent=True)
+    try:
+        yield settings.model_copy(update={"kafka_url": settings.kafka_url or st.kafka_url,
+                                          "redis_url": settings.redis_url or st.redis_url,
+                                          "profile": "embedded" if not settings.kafka_url else settings.profile})
+    finally:
+        stack.down()
+
+
 def run_live_bench(settings: Settings, opts: LiveOptions) -> dict[str, Any]:
     """Run the slice through Conductor, then through the peer; one result dict."""
     if opts.peer not in PEERS:
@@ -255,36 +294,18 @@ def run_live_bench(settings: Settings, opts: LiveOptions) -> dict[str, Any]:
     why = sglang_router_missing()
     if why:
         raise LiveBenchError(why)
-    trace = opts.trace or default_trace()
-    if not trace.exists():
-        raise LiveBenchError(f"trace not found: {trace} (pass --trace PATH)")
-    requests = load_slice(trace, opts.speed, opts.sample, opts.duration_s)
-    if opts.max_requests is not None:
-        requests = requests[: opts.max_requests]
-    if not requests:
-        raise LiveBenchError("the trace slice is empty: raise --duration or lower --sample")
-    for name in ("aiokafka", "httpx", "httpx2", "openai", "conductor.bridge"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    trace, requests = trace_slice(opts.trace, opts.speed, opts.sample, opts.duration_s, opts.max_requests,
+                                  LiveBenchError)
+    quiet_clients()
     data_dir = (Path(settings.data_dir) / "bench-live").resolve()
     log_dir = data_dir / "logs" / time.strftime("%Y%m%d-%H%M%S")
-    stack: EmbeddedStack | None = None
     t_all = time.monotonic()
-    try:
-        base = settings
-        if not (settings.kafka_url and settings.redis_url):
-            stack = EmbeddedStack(data_dir / "stack", host=settings.bind_host)
-            st = stack.up(die_with_parent=True)
-            base = settings.model_copy(update={"kafka_url": settings.kafka_url or st.kafka_url,
-                                               "redis_url": settings.redis_url or st.redis_url,
-                                               "profile": "embedded" if not settings.kafka_url else settings.profile})
+    with servers(settings, data_dir) as base:
         sides = {"conductor": lambda: _conductor_side(_side_settings(base, opts, "conductor"), opts, requests, log_dir),
                  "peer": lambda: _peer_side(_side_settings(base, opts, "peer"), opts, requests, log_dir)}
         done = {name: asyncio.run(sides[name]()) for name in (("peer", "conductor") if opts.peer_first
                                                                 else ("conductor", "peer"))}
         conductor, peer = done["conductor"], done["peer"]
-    finally:
-        if stack is not None:
-            stack.down()
     common = both_served(conductor, peer)
     return {
         "bench": "live",

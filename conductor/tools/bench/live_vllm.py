@@ -38,11 +38,12 @@ from typing import Any
 import httpx
 import openai
 
+from conductor.bridge.scrape import parse_load
 from conductor.errors import ConductorError
 from conductor.settings import Settings, child_environment
-from conductor.tools.bench.live import block_words
-from conductor.tools.demo import DemoRequest, Processes, default_trace, load_slice, percentile
-from conductor.tools.devstack import EmbeddedStack, free_port
+from conductor.tools.bench.live import block_words, quiet_clients, servers, trace_slice
+from conductor.tools.demo import DemoRequest, Processes, percentile
+from conductor.tools.devstack import free_port
 from conductor.tools.gateway_cluster import sglang_router_missing
 from conductor.tools.vllm_cluster import VllmGatewayCluster, VllmNode
 from conductor.tools.vllm_kit import VllmEngine, kit_available, kit_dir, start_engines, tiny_model_dir
@@ -147,20 +148,15 @@ async def replay(base_url: str, requests: Sequence[DemoRequest], opts: VllmLiveO
     return stats
 
 
-_SAMPLE = re.compile(r"^(vllm:prefix_cache_(?:hits|queries)_total)(?:\{[^}]*\})? ([0-9.eE+-]+)$", re.M)
-
-
 async def prefix_counters(urls: Sequence[str]) -> tuple[float, float]:
-    """(hit tokens, queried tokens) summed over the engines' ``/metrics``."""
+    """(hit tokens, queried tokens) of the engines' own prefix caches, summed over their ``/metrics``
+    (read as the bridge reads them)."""
     hits = queries = 0.0
     async with httpx.AsyncClient(timeout=10.0) as http:
         for u in urls:
-            text = (await http.get(f"{u}/metrics")).text
-            for name, v in _SAMPLE.findall(text):
-                if name.endswith("hits_total"):
-                    hits += float(v)
-                else:
-                    queries += float(v)
+            load = parse_load((await http.get(f"{u}/metrics")).text)
+            hits += load.prefix_hit_tokens or 0.0
+            queries += load.prefix_query_tokens or 0.0
     return hits, queries
 
 
@@ -261,29 +257,14 @@ def _run_sides(settings: Settings, opts: VllmLiveOptions, what: str) -> tuple[di
         why = sglang_router_missing()
         if why:
             raise VllmLiveError(why)
-    trace = opts.trace or default_trace()
-    if not trace.exists():
-        raise VllmLiveError(f"trace not found: {trace} (pass --trace PATH)")
-    requests = load_slice(trace, opts.speed, opts.sample, opts.duration_s)
-    if opts.max_requests is not None:
-        requests = requests[: opts.max_requests]
-    if not requests:
-        raise VllmLiveError("the trace slice is empty: raise --duration or lower --sample")
-    for name in ("aiokafka", "httpx", "openai", "conductor.bridge"):
-        logging.getLogger(name).setLevel(logging.WARNING)
+    trace, requests = trace_slice(opts.trace, opts.speed, opts.sample, opts.duration_s, opts.max_requests,
+                                  VllmLiveError)
+    quiet_clients()
     data_dir = (Path(settings.data_dir) / what).resolve()
     log_dir = data_dir / "logs" / time.strftime("%Y%m%d-%H%M%S")
-    stack: EmbeddedStack | None = None
     t_all = time.monotonic()
     out: dict[str, Any] = {}
-    try:
-        base = settings
-        if not (settings.kafka_url and settings.redis_url):
-            stack = EmbeddedStack(data_dir / "stack", host=settings.bind_host)
-            st = stack.up(die_with_parent=True)
-            base = settings.model_copy(update={"kafka_url": settings.kafka_url or st.kafka_url,
-                                               "redis_url": settings.redis_url or st.redis_url,
-                                               "profile": "embedded" if not settings.kafka_url else settings.profile})
+    with servers(settings, data_dir) as base:
         for side in opts.sides:
             tag = f"{os.getpid():x}{time.time_ns() // 1_000_000 % 0xFFFFFF:06x}"
             label = re.sub(r"[^a-z0-9-]", "-", side.lower())
@@ -292,9 +273,6 @@ def _run_sides(settings: Settings, opts: VllmLiveOptions, what: str) -> tuple[di
                                         "web_port": free_port(base.bind_host)})
             log.info("%s on real vLLM: side %s, %d fresh engines", what, side, opts.engines)
             out[side] = asyncio.run(_side(side, s, opts, requests, kit, log_dir))
-    finally:
-        if stack is not None:
-            stack.down()
     run = {
         "engines": "vllm",
         "requests": len(requests),
