@@ -26,7 +26,6 @@ import contextlib
 import dataclasses
 import logging
 import os
-import re
 import sys
 import time
 from collections import Counter
@@ -265,10 +264,9 @@ def _run_sides(settings: Settings, opts: VllmLiveOptions, what: str) -> tuple[di
     t_all = time.monotonic()
     out: dict[str, Any] = {}
     with servers(settings, data_dir) as base:
-        for side in opts.sides:
+        for i, side in enumerate(opts.sides):
             tag = f"{os.getpid():x}{time.time_ns() // 1_000_000 % 0xFFFFFF:06x}"
-            label = re.sub(r"[^a-z0-9-]", "-", side.lower())
-            s = base.model_copy(update={"topic_prefix": f"v{label}-{tag}.", "view_namespace": f"v{label}-{tag}",
+            s = base.model_copy(update={"topic_prefix": f"vllm{i}-{tag}.", "view_namespace": f"vllm{i}-{tag}",
                                         "block_size": BLOCK_SIZE, "seed": opts.seed, "metrics_port": 0,
                                         "web_port": free_port(base.bind_host)})
             log.info("%s on real vLLM: side %s, %d fresh engines", what, side, opts.engines)
