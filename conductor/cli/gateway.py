@@ -143,25 +143,19 @@ def register(groups: dict[str, typer.Typer]) -> None:
         if engines not in ("emulated", "vllm"):
             err.print(f"[red]error:[/red] --engines must be emulated or vllm, not {engines!r}")
             raise typer.Exit(2)
-        if engines == "vllm":
-            from conductor.tools.bench.live_vllm import VllmLiveError, VllmLiveOptions, run_vllm_live_bench
-            vopts = VllmLiveOptions(duration_s=duration, speed=speed, sample=sample, trace=trace, engines=vllm_engines,
-                                    max_requests=max_requests, max_output_tokens=max_output_tokens or 8,
-                                    drain_s=max(drain_s, 120.0))
-            try:
-                out = run_vllm_live_bench(s, vopts)
-            except VllmLiveError as e:
-                err.print(f"[red]error:[/red] {e}")
-                raise typer.Exit(2) from None
-            print_result(out, json_out)
-            return
-        opts = LiveOptions(duration_s=duration, speed=speed, sample=sample, trace=trace, prefill=prefill,
-                           decode=decode, block_size=block_size, kv_blocks=kv_blocks, max_requests=max_requests,
-                           max_output_tokens=max_output_tokens, drain_s=drain_s, peer=peer, peer_policy=peer_policy,
-                           peer_first=peer_first)
         try:
-            out = run_live_bench(s, opts)
-        except LiveBenchError as e:
+            if engines == "vllm":
+                from conductor.tools.bench.live_vllm import VllmLiveOptions, run_vllm_live_bench
+                out = run_vllm_live_bench(s, VllmLiveOptions(
+                    duration_s=duration, speed=speed, sample=sample, trace=trace, engines=vllm_engines,
+                    max_requests=max_requests, max_output_tokens=max_output_tokens or 8, drain_s=max(drain_s, 120.0)))
+            else:
+                out = run_live_bench(s, LiveOptions(
+                    duration_s=duration, speed=speed, sample=sample, trace=trace, prefill=prefill, decode=decode,
+                    block_size=block_size, kv_blocks=kv_blocks, max_requests=max_requests,
+                    max_output_tokens=max_output_tokens, drain_s=drain_s, peer=peer, peer_policy=peer_policy,
+                    peer_first=peer_first))
+        except LiveBenchError as e:  # VllmLiveError is one
             err.print(f"[red]error:[/red] {e}")
             raise typer.Exit(2) from None
         print_result(out, json_out)

@@ -38,9 +38,8 @@ import httpx
 import openai
 
 from conductor.bridge.scrape import parse_load
-from conductor.errors import ConductorError
 from conductor.settings import Settings, child_environment
-from conductor.tools.bench.live import block_words, quiet_clients, servers, trace_slice
+from conductor.tools.bench.live import LiveBenchError, block_words, quiet_clients, servers, trace_slice
 from conductor.tools.demo import DemoRequest, Processes, percentile
 from conductor.tools.devstack import free_port
 from conductor.tools.gateway_cluster import sglang_router_missing
@@ -55,7 +54,7 @@ MODEL = "tiny"
 BLOCK_SIZE = 32
 
 
-class VllmLiveError(ConductorError):
+class VllmLiveError(LiveBenchError):
     pass
 
 
