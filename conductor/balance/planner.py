@@ -16,7 +16,14 @@ Given a cost model (:class:`BalanceCosts`, e.g. a ``ModelProfile``), the replica
 trigger is the cost rule instead of the token bars (the ``kvcache_balancing_threshold``
 idea): copy the prefix to the least-loaded instance when the queue it lets a request
 skip (the holders' shortest wait minus the target's) exceeds ``balancing_threshold``
-times the transfer, and the transfer is cheaper than recomputing the prefix there.
+times the transfer, and the transfer is cheaper than recomputing the prefix there. Under
+overload it stands down: no replica onto a target whose own queue wait (its backlog costed as
+``queue_depth`` equal prompts, as the router costs it) exceeds ``stand_down_wait_s``. The
+target is the least loaded instance without the prefix, so then every instance is that far
+behind: a request sent to the copy still waits out the target's queue, the copy evicts blocks
+there and its transfer shares the links with the requests' own KV reads, while the
+queue-avoided estimate (one prompt of the summed length) grows quadratically with the queues
+and keeps firing between instances that are all about equally behind.
 
 With a shared KV pool in the view (a live ``store`` node: Mooncake Store), a hot prefix is
 copied into the pool, pushed by a holder, instead of to one more instance: every prefill
@@ -69,6 +76,10 @@ class BalanceParams(BaseModel):
     balancing_threshold: float = Field(default=1.0, gt=0, description="with a cost model: replicate when the queue "
                                        "avoided exceeds this times the transfer time")
     min_avoided_s: float = Field(default=0.5, ge=0, description="with a cost model: ignore queues shorter than this")
+    stand_down_wait_s: float | None = Field(default=20.0, gt=0, description="with a cost model: stand down under "
+                                            "overload: no replica onto an instance (nor into a pool for an "
+                                            "overloaded holder) when the target's own queue wait, its queued "
+                                            "prefill costed as equal prompts, already exceeds this; None: never")
     pool_copies: bool = Field(default=True, description="copy hot prefixes into a live shared pool (a store node) "
                               "and evict cooled ones from it")
     pool_min_holders: int = Field(default=2, ge=1, description="a hot prefix held by this many instances is copied "
@@ -246,6 +257,26 @@ def _pool_room(n: NodeState) -> tuple[int, int]:
     return n.tier_capacity.get(tier) or n.total_kv_blocks, n.blocks.get(tier, 0)
 
 
+def queue_wait_s(costs: BalanceCosts, queued_tokens: int, queue_depth: int) -> float:
+    """Prefill time of a backlog of ``queued_tokens`` in ``queue_depth`` requests, costed as that
+    many equal prompts (the router's ``queue_wait_s``: one prompt of the summed length would
+    overstate the attention term, and the more so the longer the queue)."""
+    if queued_tokens <= 0:
+        return 0.0
+    k = max(1, queue_depth)
+    return k * costs.prefill_seconds(round(queued_tokens / k))
+
+
+def _saturated(target: NodeState, costs: BalanceCosts, params: BalanceParams,
+               queued: Callable[[NodeState], int]) -> bool:
+    """Whether the would-be replica target's own queue wait exceeds ``stand_down_wait_s``.
+
+    The target is the least loaded instance that lacks the prefix, so when it is saturated
+    every candidate is: the cluster is overloaded, and the planner stands down."""
+    bound = params.stand_down_wait_s
+    return bound is not None and queue_wait_s(costs, queued(target), target.queue_depth) > bound
+
+
 def plan(
     hot: Sequence[tuple[tuple[int, ...], float]],
     cold: Sequence[tuple[int, ...]],
@@ -320,6 +351,8 @@ def plan(
             why = f"all {len(holders)} holder(s) have >= {bar:.0f} queued prefill tokens"
         else:
             tokens = need * block_size
+            if _saturated(target, costs, params, queued):
+                continue  # stand down: the target is saturated itself, a copy would only move the wait
             avoided = costs.prefill_seconds(queued(source)) - costs.prefill_seconds(
                 queued(target))
             transfer = costs.transfer_seconds(tokens, src_tier, remote=True)
@@ -415,6 +448,8 @@ def _pool_copy(
             return None
         why = f"all {len(holders)} holder(s) have >= {bar:.0f} queued prefill tokens"
     else:
+        if _saturated(target, costs, params, queued):
+            return None  # stand down: the instances that would read the copy are saturated too
         tokens = need * block_size
         avoided = costs.prefill_seconds(queued(source)) - costs.prefill_seconds(queued(target))
         load = costs.transfer_seconds(tokens, pool_tier, remote=True)

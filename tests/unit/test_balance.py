@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from conductor.balance.planner import BalanceParams, Cooldown, HeatTracker, hot_and_cold, plan, sliding_heat
+from conductor.balance.planner import (
+    BalanceParams,
+    Cooldown,
+    HeatTracker,
+    hot_and_cold,
+    plan,
+    queue_wait_s,
+    sliding_heat,
+)
 from state.view import NodeState, ViewSnapshot
 
 NOW_MS = 1_000_000
@@ -251,3 +259,44 @@ def test_a_cold_prefix_is_evicted_from_a_full_pool_by_the_least_loaded_prefill_i
     assert plan([], [chain], {chain: roomy}, ttl_s=5, now_s=0, params=P, cooldown=Cooldown()) == []
     elsewhere = snap(full.nodes, {"a": (0, 2, 2)})
     assert plan([], [chain], {chain: elsewhere}, ttl_s=5, now_s=0, params=P, cooldown=Cooldown()) == []
+
+
+# --- standing down under overload ------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "holder_queue, target_queue, replicated",
+    [
+        (100_000, 40_000, False),  # every instance saturated: the target's own wait (40 s) > 20 s
+        (100_000, 20_000, True),   # the target's 20 s is not above the bound: 80 s avoided
+        (100_000, 0, True),        # an idle target
+    ],
+)
+def test_a_saturated_cluster_stands_down(holder_queue, target_queue, replicated):
+    chain = tuple(range(10))
+    s = snap([node("a", holder_queue), node("b", target_queue), node("c", target_queue + 5_000)],
+             {"a": (10, 10, 10)})
+    params = BalanceParams(stand_down_wait_s=20)
+    cmds = plan([(chain, 9.0)], [], {chain: s}, ttl_s=5, now_s=0, params=params, cooldown=Cooldown(),
+                costs=LinearCosts(), block_size=100)
+    assert [(c.from_node, c.to_node) for c in cmds] == ([("a", "b")] if replicated else [])
+    # The same holds for a copy into a shared pool that only the holders' overload would justify.
+    s = snap([*s.nodes, pool_node()], {"a": (10, 10, 10)})
+    cmds = plan([(chain, 9.0)], [], {chain: s}, ttl_s=5, now_s=0, params=params, cooldown=Cooldown(),
+                costs=LinearCosts(), block_size=100)
+    assert [c.to_node for c in cmds] == (["kv-pool"] if replicated else [])
+    # None switches the rule off: the saturated cluster gets its replica.
+    cmds = plan([(chain, 9.0)], [], {chain: snap(s.nodes[:3], {"a": (10, 10, 10)})}, ttl_s=5, now_s=0,
+                params=BalanceParams(stand_down_wait_s=None), cooldown=Cooldown(), costs=LinearCosts(),
+                block_size=100)
+    assert [c.to_node for c in cmds] == ["b"]
+
+
+def test_the_queue_wait_counts_the_backlog_as_equal_prompts():
+    class Quadratic:
+        def prefill_seconds(self, total_tokens, cached_tokens=0):
+            return (total_tokens ** 2 - cached_tokens ** 2) / 1e6
+
+    assert queue_wait_s(Quadratic(), 0, 3) == 0.0
+    assert queue_wait_s(Quadratic(), 1000, 0) == pytest.approx(1.0)   # one prompt of 1,000 tokens
+    assert queue_wait_s(Quadratic(), 1000, 4) == pytest.approx(0.25)  # four of 250: 4 x 0.0625 s
