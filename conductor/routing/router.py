@@ -42,9 +42,9 @@ from conductor.profiles import ModelProfile, load_profile
 from conductor.routing.control import ControlState, apply_control
 from conductor.routing.decision import decision_record, decision_reservations, rejection_record
 from conductor.routing.index import ClusterIndex
-from conductor.routing.policies import Policy, Rejection, make_policy
+from conductor.routing.policies import Placement, Policy, Rejection, make_policy
 from conductor.routing.policies.mode import decide_mode
-from conductor.routing.snapshot import ClusterSnapshot, InstanceMemo, PolicyRequest, build_cluster
+from conductor.routing.snapshot import ClusterSnapshot, Instance, InstanceMemo, PolicyRequest, build_cluster
 from conductor.settings import Settings
 from schemas import (
     ControlCommand,
@@ -67,7 +67,7 @@ from state.reader import RawSnapshotReader
 from state.redis_view import RedisViewStore, connection_url, tls_options
 from state.reservations import InMemoryReservations, Load, RedisReservations, ReservationStore
 from state.tracking import TrackingSnapshotReader
-from state.view import NodeState, ViewReader, ViewSnapshot
+from state.view import ViewReader, ViewSnapshot
 from streams.kafka import acknowledged, consumer, end_offsets, ensure_topics, producer
 from streams.topics import topics
 
@@ -101,23 +101,40 @@ class InvalidRequest(ValueError):
     """A request the router cannot place as given; the message goes back to the caller."""
 
 
-@dataclass(frozen=True, slots=True)
-class _Nodes:
-    endpoints: dict[str, Endpoint]
-    """node → how to reach it, for the nodes whose heartbeats announce an endpoint."""
-    unreachable: frozenset[str]
-    """Engines (not stores) that announce no endpoint: a gateway must know them itself."""
+def _named(answer: Placement | Rejection) -> tuple[str, ...]:
+    if isinstance(answer, Rejection):
+        return ()
+    return (answer.prefill, answer.decode, *answer.prefill_group)
 
 
-def _nodes(nodes: Sequence[NodeState]) -> _Nodes:
-    eps = {}
-    none = []
-    for n in nodes:
-        if n.endpoint:
-            eps[n.node_id] = Endpoint(url=n.endpoint, dp_rank=n.dp_rank, bootstrap_port=n.bootstrap_port)
-        elif n.role != "store":
-            none.append(n.node_id)
-    return _Nodes(eps, frozenset(none))
+def _instance_of(cluster: ClusterSnapshot) -> Callable[[str], Instance | None]:
+    """node → its instance in ``cluster`` (the index's map when there is one; else one scan)."""
+    if cluster.index is not None:
+        return cluster.index.base.get
+    return {i.node_id: i for i in cluster.instances}.get
+
+
+def _names_unreachable(answer: Placement | Rejection, cluster: ClusterSnapshot, reachable: Collection[str]) -> bool:
+    """Whether ``answer`` names an engine that announces no endpoint and is not in ``reachable``."""
+    named = _named(answer)
+    if not named:
+        return False
+    of = _instance_of(cluster)
+    return any((i := of(n)) is not None and i.endpoint is None and n not in reachable for n in named)
+
+
+def _endpoints(answer: Placement | Rejection, cluster: ClusterSnapshot) -> dict[str, Endpoint]:
+    """How to reach each engine ``answer`` names, for those that announce it."""
+    named = _named(answer)
+    if not named:
+        return {}
+    of = _instance_of(cluster)
+    out = {}
+    for n in named:
+        i = of(n)
+        if i is not None and i.endpoint and n not in out:
+            out[n] = Endpoint(url=i.endpoint, dp_rank=i.dp_rank, bootstrap_port=i.bootstrap_port)
+    return out
 
 
 def why_none(snap: ViewSnapshot, ttl_s: float, model: str, exclude: Collection[str],
@@ -212,7 +229,6 @@ class Router:
         self._health: tuple[float, bool, str] | None = None  # (clock, healthy, reason) of the last check
         self.ttl_s = settings.heartbeat_ttl_s
         self.control = ControlState()
-        self._nodes_memo: tuple[tuple[NodeState, ...], _Nodes] | None = None
 
     async def start(self) -> None:
         """Start following the shared reservations (a no-op for in-memory ones)."""
@@ -371,14 +387,17 @@ class Router:
             pending = await self.reservations.pending(_since(snap), snap.now_ms + int(age_ms))
         # Cordoned and draining nodes take no new requests; a retry names the instances that failed it;
         # a gateway's request names no engine it cannot reach.
-        nodes = self._nodes_of(snap)
         exclude: Collection[str] = req.exclude
-        if req.reachable is not None:
-            unreachable = nodes.unreachable.difference(req.reachable)
-            if unreachable:
-                exclude = unreachable.union(exclude)
         cluster = self.cluster(snap, pending, req.model, age_ms, exclude)
         choice = decide_mode(self.policy, preq, cluster, random.Random(seed))
+        if req.reachable is not None and _names_unreachable(choice.decision, cluster, req.reachable):
+            # Rare (every engine announces its URL): decide again without the engines this
+            # gateway cannot reach, so the answer is the same whenever it is re-derived.
+            reachable = set(req.reachable)
+            exclude = {i.node_id for i in cluster.instances
+                       if i.endpoint is None and i.role != "store" and i.node_id not in reachable}.union(exclude)
+            cluster = self.cluster(snap, pending, req.model, age_ms, exclude)
+            choice = decide_mode(self.policy, preq, cluster, random.Random(seed))
         answer = choice.decision
         if isinstance(answer, Rejection) and answer.reason == "no_live_instance":
             answer = Rejection(answer.reason, f"{answer.message} ({why_none(snap, self.ttl_s, req.model, exclude, self.control.excluded)})")
@@ -387,7 +406,7 @@ class Router:
                               params=self.params, seed=seed, watermark=cluster.watermark, degraded=degraded,
                               age_ms=age_ms, degraded_reason=why if degraded else "",
                               rederivation={**self._rederivation(), "view_now_ms": snap.now_ms + int(age_ms)},
-                              options=choice.options, endpoints=nodes.endpoints)
+                              options=choice.options, endpoints=_endpoints(answer, cluster))
         if isinstance(out, RoutingRejection):
             self.metrics.rejections.add(1, {"reason": out.reason})
             return out
@@ -416,14 +435,6 @@ class Router:
                 (log.info if healthy else log.warning)("view %s", "healthy again" if healthy else why)
             self._health = (now, healthy, why)
         return self._health[1], self._health[2]
-
-    def _nodes_of(self, snap: ViewSnapshot) -> _Nodes:
-        """The endpoints the read's nodes announce and the engines that announce none (kept
-        while the reader hands out the same node tuple)."""
-        memo = self._nodes_memo
-        if memo is None or memo[0] is not snap.nodes:
-            memo = self._nodes_memo = (snap.nodes, _nodes(snap.nodes))
-        return memo[1]
 
     def _rederivation(self) -> dict[str, Any]:
         """What `explain` needs besides the log: the control offset, block size and profile."""

@@ -43,6 +43,11 @@ class Instance:
     zone: str | None = None
     handoff: bool | None = None
     """Whether it takes part in P/D hand-offs (``schemas.can_hand_off``); None: by role."""
+    endpoint: str | None = None
+    """Where a gateway reaches it (its heartbeats' ``endpoint``), with its DP rank and SGLang
+    bootstrap port: carried into the decisions that name it."""
+    dp_rank: int | None = None
+    bootstrap_port: int | None = None
 
     @property
     def can_hand_off(self) -> bool:
@@ -168,6 +173,9 @@ def instance(node: NodeState, prefix: tuple[int, int, int], pending: PendingLoad
         rack=node.rack,
         zone=node.zone,
         handoff=node.kv_transfer,
+        endpoint=node.endpoint,
+        dp_rank=node.dp_rank,
+        bootstrap_port=node.bootstrap_port,
     )
 
 

@@ -407,3 +407,30 @@ async def test_the_view_reader_is_chosen_by_settings_and_a_tracking_reader_needs
         redis_stores(load_settings(redis_url="rediss://127.0.0.1:1/0", view_reader="tracking"))
     with pytest.raises(ConfigError, match="view_reader"):
         load_settings(view_reader="cached")
+
+
+async def test_a_gateway_request_names_only_engines_the_gateway_can_reach() -> None:
+    router, view, _ = make_router()
+    heartbeat(view, "p-hidden")  # announces no URL, and holds the whole prompt: the policy's favourite
+    heartbeat(view, "p-seen", endpoint="http://10.0.0.2:8000", dp_rank=1)
+    heartbeat(view, "d0", "decode", endpoint="http://10.0.0.3:8000")
+    stored(view, "p-hidden", chain_keys(TOKENS, BS))
+    # Not from a gateway (no reachable list): the holder wins.
+    any_ = await router.route(token_request("r-any"))
+    assert isinstance(any_, RoutingDecision) and any_.prefill_instance == "p-hidden"
+    assert set(any_.endpoints) == {"d0"}
+    # From a gateway that knows no URL for it: never named; the decision says where the others are.
+    gw = await router.route(token_request("r-gw", reachable=[]))
+    assert isinstance(gw, RoutingDecision) and gw.prefill_instance == "p-seen"
+    assert gw.endpoints["p-seen"].url == "http://10.0.0.2:8000" and gw.endpoints["p-seen"].dp_rank == 1
+    assert gw.endpoints["d0"].url == "http://10.0.0.3:8000"
+    # A gateway with an --engine override for it may be sent there.
+    ov = await router.route(token_request("r-ov", reachable=["p-hidden"]))
+    assert isinstance(ov, RoutingDecision) and ov.prefill_instance == "p-hidden"
+    # Nothing reachable at all: the rejection says why.
+    router2, view2, _ = make_router()
+    heartbeat(view2, "p0")
+    heartbeat(view2, "d0", "decode")
+    out = await router2.route(token_request("r-none", reachable=[]))
+    assert isinstance(out, RoutingRejection) and out.reason == "no_live_instance"
+    assert "not reachable by the gateway" in out.message, out.message
