@@ -50,7 +50,11 @@ async def cluster(vllm_settings: Settings, vllm_engines, tmp_path: Path) -> Asyn
             await e.start()
     nodes = [VllmNode(AGG, "both", vllm_engines.aggregated), VllmNode(PRE, "prefill", vllm_engines.prefill),
              VllmNode(DEC, "decode", vllm_engines.decode)]
-    async with VllmGatewayCluster(vllm_settings, tmp_path / "logs", nodes=nodes,
+    # A liveness TTL of 30 s: on two shared cores an idle NIXL engine's /metrics can miss the
+    # bridge's 1 s scrape for ten seconds (its progress threads take most of a core), and a busy
+    # engine is not a dead one. A killed engine is then routed around by the gateway's retry.
+    settings = vllm_settings.model_copy(update={"heartbeat_ttl_s": 30.0})
+    async with VllmGatewayCluster(settings, tmp_path / "logs", nodes=nodes,
                                   model=vllm_engines.aggregated.model) as c:
         yield c
 
@@ -113,7 +117,7 @@ async def decisions(settings: Settings, ids: list[str]) -> list[RoutingDecision]
 async def test_pd_over_nixl_and_aggregated_through_the_gateway(cluster: VllmGatewayCluster, vllm_settings: Settings,
                                                               vllm_engines, unique_text: str,  # type: ignore[no-untyped-def]
                                                               http: httpx.AsyncClient) -> None:
-    s = vllm_settings
+    s = cluster.settings  # the TTL the cluster runs with: explain re-derives with it
     prompt = unique_text + "the prefill engine computes this and the decode engine pulls it " * 12
 
     # P/D: the aggregated engine cordoned, every request is a NIXL hand-off from vllm-p to vllm-d.
@@ -171,7 +175,7 @@ async def test_pd_over_nixl_and_aggregated_through_the_gateway(cluster: VllmGate
 async def test_a_killed_engine_is_routed_around_and_a_restarted_one_has_no_phantom_cache(
         cluster: VllmGatewayCluster, vllm_settings: Settings, vllm_engines, unique_text: str,  # type: ignore[no-untyped-def]
         http: httpx.AsyncClient) -> None:
-    s = vllm_settings
+    s = cluster.settings  # the TTL the cluster runs with: explain re-derives with it
     prompt = unique_text + "a prompt the aggregated engine will hold in its cache " * 12
     await cordon(s, PRE)  # so the aggregated engine is the only one that can take a prompt
     ids = [await ask(cluster, prompt, max_tokens=2) for _ in range(2)]
