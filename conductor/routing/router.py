@@ -101,36 +101,41 @@ class InvalidRequest(ValueError):
     """A request the router cannot place as given; the message goes back to the caller."""
 
 
+InstanceOf = Callable[[str], "Instance | None"]
+"""node → its instance in one cluster picture (None: not in it)."""
+
+
 def _named(answer: Placement | Rejection) -> tuple[str, ...]:
     if isinstance(answer, Rejection):
         return ()
     return (answer.prefill, answer.decode, *answer.prefill_group)
 
 
-def _instance_of(cluster: ClusterSnapshot) -> Callable[[str], Instance | None]:
-    """node → its instance in ``cluster`` (the index's map when there is one; else one scan)."""
+def _instance_of(cluster: ClusterSnapshot) -> InstanceOf:
+    """node → its instance in ``cluster``: the index's map when there is one, else a map made on
+    first use (one scan, only when a decision names a node)."""
     if cluster.index is not None:
         return cluster.index.base.get
-    return {i.node_id: i for i in cluster.instances}.get
+    found: dict[str, Instance] | None = None
+
+    def of(node: str) -> Instance | None:
+        nonlocal found
+        if found is None:
+            found = {i.node_id: i for i in cluster.instances}
+        return found.get(node)
+
+    return of
 
 
-def _names_unreachable(answer: Placement | Rejection, cluster: ClusterSnapshot, reachable: Collection[str]) -> bool:
+def _names_unreachable(answer: Placement | Rejection, of: InstanceOf, reachable: Collection[str]) -> bool:
     """Whether ``answer`` names an engine that announces no endpoint and is not in ``reachable``."""
-    named = _named(answer)
-    if not named:
-        return False
-    of = _instance_of(cluster)
-    return any((i := of(n)) is not None and i.endpoint is None and n not in reachable for n in named)
+    return any((i := of(n)) is not None and i.endpoint is None and n not in reachable for n in _named(answer))
 
 
-def _endpoints(answer: Placement | Rejection, cluster: ClusterSnapshot) -> dict[str, Endpoint]:
+def _endpoints(answer: Placement | Rejection, of: InstanceOf) -> dict[str, Endpoint]:
     """How to reach each engine ``answer`` names, for those that announce it."""
-    named = _named(answer)
-    if not named:
-        return {}
-    of = _instance_of(cluster)
     out = {}
-    for n in named:
+    for n in _named(answer):
         i = of(n)
         if i is not None and i.endpoint and n not in out:
             out[n] = Endpoint(url=i.endpoint, dp_rank=i.dp_rank, bootstrap_port=i.bootstrap_port)
@@ -390,7 +395,8 @@ class Router:
         exclude: Collection[str] = req.exclude
         cluster = self.cluster(snap, pending, req.model, age_ms, exclude)
         choice = decide_mode(self.policy, preq, cluster, random.Random(seed))
-        if req.reachable is not None and _names_unreachable(choice.decision, cluster, req.reachable):
+        of = _instance_of(cluster)
+        if req.reachable is not None and _names_unreachable(choice.decision, of, req.reachable):
             # Rare (every engine announces its URL): decide again without the engines this
             # gateway cannot reach, so the answer is the same whenever it is re-derived.
             reachable = set(req.reachable)
@@ -398,6 +404,7 @@ class Router:
                        if i.endpoint is None and i.role != "store" and i.node_id not in reachable}.union(exclude)
             cluster = self.cluster(snap, pending, req.model, age_ms, exclude)
             choice = decide_mode(self.policy, preq, cluster, random.Random(seed))
+            of = _instance_of(cluster)
         answer = choice.decision
         if isinstance(answer, Rejection) and answer.reason == "no_live_instance":
             answer = Rejection(answer.reason, f"{answer.message} ({why_none(snap, self.ttl_s, req.model, exclude, self.control.excluded)})")
@@ -406,7 +413,7 @@ class Router:
                               params=self.params, seed=seed, watermark=cluster.watermark, degraded=degraded,
                               age_ms=age_ms, degraded_reason=why if degraded else "",
                               rederivation={**self._rederivation(), "view_now_ms": snap.now_ms + int(age_ms)},
-                              options=choice.options, endpoints=_endpoints(answer, cluster))
+                              options=choice.options, endpoints=_endpoints(answer, of))
         if isinstance(out, RoutingRejection):
             self.metrics.rejections.add(1, {"reason": out.reason})
             return out

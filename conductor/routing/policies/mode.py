@@ -84,12 +84,9 @@ def _option(mode: str, p: Placement, fits: bool) -> Option:
 def decide_mode(policy: Policy, request: PolicyRequest, snapshot: ClusterSnapshot, rng: random.Random) -> ModeChoice:
     """``policy``'s answer where every instance can hand KV off; otherwise the mode (and the
     instances) by predicted cost, with both options' costs."""
-    insts = snapshot.instances if snapshot.index is None else None
-    if insts is None:
-        ix = snapshot.index
-        if ix is not None and not ix.both_count:
-            return ModeChoice(policy.decide(request, snapshot, rng))
-        insts = snapshot.instances
+    if snapshot.index is not None and not snapshot.index.both_count:
+        return ModeChoice(policy.decide(request, snapshot, rng))  # without listing the instances
+    insts = snapshot.instances
     both = [i for i in insts if i.role == "both"]
     if not both:
         return ModeChoice(policy.decide(request, snapshot, rng))

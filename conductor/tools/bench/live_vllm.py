@@ -30,7 +30,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -92,17 +92,14 @@ def vllm_prompt(r: DemoRequest, opts: VllmLiveOptions) -> str:
 @dataclass
 class SideStats:
     sent: int = 0
-    ttft: list[float] | None = None
-    statuses: Counter[str] | None = None
-
-    def __post_init__(self) -> None:
-        self.ttft = []
-        self.statuses = Counter()
+    ttft: list[float] = field(default_factory=list)
+    """Client TTFT of each served request, wall-clock seconds."""
+    statuses: Counter[str] = field(default_factory=Counter)
+    """Requests by outcome: served, an HTTP status, or an error's name."""
 
 
 async def _ask(client: openai.AsyncOpenAI, stats: SideStats, prompt: str, max_tokens: int, rid: str) -> None:
     t0 = time.perf_counter()
-    assert stats.ttft is not None and stats.statuses is not None
     try:
         stream = await client.completions.create(model=MODEL, prompt=prompt, max_tokens=max_tokens, stream=True,
                                                  extra_headers={"x-request-id": rid})
@@ -138,7 +135,6 @@ async def replay(base_url: str, requests: Sequence[DemoRequest], opts: VllmLiveO
             _, pending = await asyncio.wait(tasks, timeout=opts.drain_s)
             for t in pending:
                 t.cancel()
-                assert stats.statuses is not None
                 stats.statuses["unanswered"] += 1
             await asyncio.gather(*tasks, return_exceptions=True)
     finally:
@@ -159,13 +155,12 @@ async def prefix_counters(urls: Sequence[str]) -> tuple[float, float]:
 
 
 def summary(stats: SideStats, before: tuple[float, float], after: tuple[float, float], wall_s: float) -> dict[str, Any]:
-    assert stats.ttft is not None and stats.statuses is not None
     hits, queries = after[0] - before[0], after[1] - before[1]
     rejected = sum(n for k, n in stats.statuses.items() if k in ("429", "503"))
     served = stats.statuses.get("served", 0)
 
     def pct(p: float) -> float | None:
-        v = percentile(stats.ttft or [], p)
+        v = percentile(stats.ttft, p)
         return None if v is None else round(v, 3)
 
     return {
