@@ -223,7 +223,7 @@ SECRET_FIELDS = frozenset({"admin_token", "read_token", "kafka_sasl_password", "
 """Never echoed, not even in a configuration error."""
 
 STACK_FILE = "stack.json"
-"""What `conductor dev up` writes in the data directory (conductor.tools.devstack)."""
+"""What `conductor dev up` writes in the data directory (conductor.harness.devstack)."""
 
 
 def running_stack(data_dir: Path) -> dict[str, Any] | None:

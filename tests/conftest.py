@@ -15,8 +15,8 @@ import pytest
 from hypothesis import settings as hypothesis_settings
 
 from conductor.settings import Settings, load_settings
-from conductor.tools.devstack import EmbeddedStack, StackState
-from conductor.tools.valkey_cluster import ValkeyCluster
+from conductor.harness.devstack import EmbeddedStack, StackState
+from conductor.harness.valkey_cluster import ValkeyCluster
 
 # Properties are about values, not speed: no per-example deadline (a busy 2-core CI machine
 # would make a deadline a flaky timing test).

@@ -16,7 +16,7 @@ to it (``pool``, a :class:`SharedPool`) acts on it: a ``replicate`` into the poo
 by a holder (``push`` steps: puts), an ``evict`` from it is a forced ``remove`` there.
 
 The I/O (pulling bytes from the holder, sleeping the transfer time, publishing) belongs to
-the caller: the emulated engine (``conductor.engine.executor``) and the simulator.
+the caller: the emulated engine (``conductor.harness.engine.executor``) and the simulator.
 """
 
 from __future__ import annotations

@@ -12,8 +12,8 @@ from typing import Any
 import typer
 
 from conductor.cli.common import err, print_json, settings_or_exit
-from conductor.tools.chaos import SCENARIOS, run_scenario
-from conductor.tools.devstack import EmbeddedStack
+from conductor.harness.chaos import SCENARIOS, run_scenario
+from conductor.harness.devstack import EmbeddedStack
 
 
 def register(groups: dict[str, typer.Typer]) -> None:

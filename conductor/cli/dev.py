@@ -9,7 +9,7 @@ from pathlib import Path
 import typer
 
 from conductor.cli.common import err, print_json, settings_or_exit
-from conductor.tools.devstack import EmbeddedStack
+from conductor.harness.devstack import EmbeddedStack
 
 
 def register(groups: dict[str, typer.Typer]) -> None:

@@ -21,19 +21,19 @@ from conductor.bridge.commands import VllmCommandExecutor
 from conductor.bridge.publisher import EventPublisher
 from conductor.bridge.runner import Bridge, Sink, endpoint_of_metrics, kafka_sink, rank_configs
 from conductor.cli.common import err, print_json, print_result, settings_or_exit, stop_on_signals, table_console
-from conductor.engine.emulated import EmulatedEngine, EngineConfig
-from conductor.engine.executor import EngineCommandExecutor, commands_for
-from conductor.engine.http import engine_app
-from conductor.engine.metrics import engine_registry
-from conductor.engine.pool import POOL_NODE, LocalMaster, MooncakePool, PoolError, PoolIndex, PoolLink, measure_latency
+from conductor.harness.engine.emulated import EmulatedEngine, EngineConfig
+from conductor.harness.engine.executor import EngineCommandExecutor, commands_for
+from conductor.harness.engine.http import engine_app
+from conductor.harness.engine.metrics import engine_registry
+from conductor.harness.engine.pool import POOL_NODE, LocalMaster, MooncakePool, PoolError, PoolIndex, PoolLink, measure_latency
 from conductor.errors import ConfigError
 from conductor.profiles import load_profile
 from conductor.routing.dispatch import decisions_for
 from conductor.routing.policies import POLICIES
 from conductor.telemetry import setup_metrics
-from conductor.tools.bench.bridge import run_bridge_bench
-from conductor.tools.bench.scrape import run_scrape_bench
-from conductor.tools.demo import DemoOptions, run_demo
+from conductor.harness.bench.bridge import run_bridge_bench
+from conductor.harness.bench.scrape import run_scrape_bench
+from conductor.harness.demo import DemoOptions, run_demo
 from schemas import Envelope, Heartbeat
 from streams.kafka import ensure_topics, producer
 from streams.topics import topics
@@ -121,7 +121,7 @@ def _vllm_demo(s: Any, policy: str, baseline: str, duration: float, speed: float
     """``conductor demo --engines vllm``: the slice through Conductor with each policy, on fresh real engines."""
     from rich.table import Table
 
-    from conductor.tools.bench.live_vllm import VllmLiveError, VllmLiveOptions, run_vllm_demo
+    from conductor.harness.bench.live_vllm import VllmLiveError, VllmLiveOptions, run_vllm_demo
 
     err.print(f"demo on real vLLM: {n_engines} aggregated engine(s) per run, started afresh for {policy} and "
               f"{baseline} (about two minutes each on 2 cores)")
@@ -423,7 +423,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
                 if sock is not None:
                     app = engine_app(eng, s.bind_host, sock.getsockname()[1])
                     tasks.append(asyncio.create_task(web.serve(app, sock, stop)))
-                if kv_commands and role != "decode":  # the KV command executor (conductor.engine.executor)
+                if kv_commands and role != "decode":  # the KV command executor (conductor.harness.engine.executor)
                     executor = EngineCommandExecutor(eng, kafka_sink(prod, tps.kv_command_results.name))
                     tasks.append(asyncio.create_task(executor.run(commands_for(s, node_id, stop))))
                 await _until_stopped(stop, *tasks)

@@ -16,8 +16,8 @@ from conductor.gateway.app import run_gateway
 from conductor.gateway.protocol import ENGINE_PROTOCOLS, parse_engine_map
 from conductor.gateway.service import GatewayConfig
 from conductor.telemetry import scrape, setup_metrics
-from conductor.tools.bench.gateway import run_gateway_bench
-from conductor.tools.bench.live import PEERS, LiveBenchError, LiveOptions, run_live_bench
+from conductor.harness.bench.gateway import run_gateway_bench
+from conductor.harness.bench.live import PEERS, LiveBenchError, LiveOptions, run_live_bench
 from streams.topics import topics
 
 
@@ -145,7 +145,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
             raise typer.Exit(2)
         try:
             if engines == "vllm":
-                from conductor.tools.bench.live_vllm import VllmLiveOptions, run_vllm_live_bench
+                from conductor.harness.bench.live_vllm import VllmLiveOptions, run_vllm_live_bench
                 out = run_vllm_live_bench(s, VllmLiveOptions(
                     duration_s=duration, speed=speed, sample=sample, trace=trace, engines=vllm_engines,
                     max_requests=max_requests, max_output_tokens=max_output_tokens or 8, drain_s=max(drain_s, 120.0)))

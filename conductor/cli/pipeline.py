@@ -15,8 +15,8 @@ from conductor.admin.cluster import view_summary
 from conductor.cli.common import err, print_json, print_result, require_servers, settings_or_exit, table_console
 from conductor.errors import ConfigError
 from conductor.telemetry import setup_metrics
-from conductor.tools.bench.ingest import IngestBenchConfig, run_ingest_bench
-from conductor.tools.bench.view_read import run_view_read_bench
+from conductor.harness.bench.ingest import IngestBenchConfig, run_ingest_bench
+from conductor.harness.bench.view_read import run_view_read_bench
 from schemas import TIERS
 from state.redis_view import RedisViewStore
 from streams.agents import build_worker

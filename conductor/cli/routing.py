@@ -16,8 +16,8 @@ from conductor.profiles import fit_profile, list_profiles, load_profile, read_ti
 from conductor.routing.policies import list_policies
 from conductor.routing.router import Router, RouterWorker, default_router_id, redis_stores
 from conductor.telemetry import setup_metrics
-from conductor.tools.bench.route import run_route_bench
-from conductor.tools.devstack import EmbeddedStack
+from conductor.harness.bench.route import run_route_bench
+from conductor.harness.devstack import EmbeddedStack
 
 
 def register(groups: dict[str, typer.Typer]) -> None:

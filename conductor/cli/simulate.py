@@ -21,12 +21,12 @@ from conductor.profiles import ModelProfile
 from conductor.routing.explain import read_topic
 from conductor.routing.policies import POLICIES
 from conductor.settings import Settings
-from conductor.sim.capacity import find_capacity
-from conductor.sim.cluster import ClusterProfile, load_cluster
-from conductor.sim.engine import SimResult
-from conductor.sim.recorded import Calibration, RecordedTraffic, calibrate, parse_time, recorded_traffic
-from conductor.sim.report import PolicyRun, write_report
-from conductor.sim.session import Bench
+from conductor.harness.sim.capacity import find_capacity
+from conductor.harness.sim.cluster import ClusterProfile, load_cluster
+from conductor.harness.sim.engine import SimResult
+from conductor.harness.sim.recorded import Calibration, RecordedTraffic, calibrate, parse_time, recorded_traffic
+from conductor.harness.sim.report import PolicyRun, write_report
+from conductor.harness.sim.session import Bench
 from conductor.topology import load_topology
 from schemas import Envelope
 from streams.topics import topics

@@ -1,5 +1,5 @@
 """Redis lost under a busy worker loses nothing: every (node, block) pair checked against an
-independent truth (``conductor.tools.chaos.TruthEngines``) after Redis is flushed, or killed
+independent truth (``conductor.harness.chaos.TruthEngines``) after Redis is flushed, or killed
 and restarted empty, mid-stream, or flushed with no traffic left to bring the partitions back;
 or failed over to a replica that lagged its primary (the view's last writes lost, same generation)."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from conductor.tools.chaos import run_scenario
+from conductor.harness.chaos import run_scenario
 
 
 @pytest.mark.parametrize("scenario", ["redis-flushall", "redis-restart-empty", "redis-flushall-quiet", "worker-sigkill",

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
-from conductor.sim.cluster import load_cluster
-from conductor.sim.report import PolicyRun, common_ttft_means
-from conductor.sim.session import Bench
+from conductor.harness.sim.cluster import load_cluster
+from conductor.harness.sim.report import PolicyRun, common_ttft_means
+from conductor.harness.sim.session import Bench
 
 TRACE = Path(__file__).resolve().parents[3] / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 POLICIES = ("random", "least-loaded", "global-cache-aware", "kvcache-centric", "sglang-style", "dynamo-style", "llm-d-style")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from conductor.tools.chaos import TruthEngines
+from conductor.harness.chaos import TruthEngines
 from schemas import decode
 from streams.kafka import consumer
 

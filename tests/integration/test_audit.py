@@ -113,8 +113,8 @@ async def test_every_decision_of_a_run_with_live_heartbeats_is_rederived(setting
     every decision of the run, not a sample, re-derives exactly, at the view time it recorded.
     With the tracking reader every request repeats one prompt, so the decisions made between
     two heartbeats are made from the cache with no round trip, at the last read's watermark."""
-    from conductor.tools.bench.ingest import start_worker_process, stop_worker_process
-    from conductor.tools.devstack import free_port
+    from conductor.harness.bench.ingest import start_worker_process, stop_worker_process
+    from conductor.harness.devstack import free_port
 
     s = settings.model_copy(update={"web_port": free_port(), "view_reader": view_reader})
     t = topics(s)

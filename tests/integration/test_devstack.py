@@ -9,7 +9,7 @@ import pytest
 import redis
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
-from conductor.tools.devstack import EmbeddedStack
+from conductor.harness.devstack import EmbeddedStack
 
 pytestmark = pytest.mark.integration
 
@@ -80,7 +80,7 @@ def test_servers_die_with_a_killed_owner(tmp_path):
     import time
 
     code = (
-        "import sys, time; from conductor.tools.devstack import EmbeddedStack; "
+        "import sys, time; from conductor.harness.devstack import EmbeddedStack; "
         f"EmbeddedStack({str(tmp_path)!r}).up(die_with_parent=True); print('up', flush=True); time.sleep(60)"
     )
     owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

@@ -23,11 +23,11 @@ import pytest
 
 from conductor.bridge.publisher import EventPublisher
 from conductor.bridge.runner import Bridge, BridgeConfig, kafka_sink
-from conductor.engine.emulated import EmulatedEngine, EngineConfig
+from conductor.harness.engine.emulated import EmulatedEngine, EngineConfig
 from conductor.profiles import load_profile
 from conductor.routing.dispatch import decisions_for
 from conductor.settings import Settings, settings_env
-from conductor.tools.devstack import free_port
+from conductor.harness.devstack import free_port
 from schemas import RoutingDecision, RoutingRequest, chain_keys, decode, encode, envelope, headers
 from state.redis_view import RedisViewStore
 from streams.kafka import consumer, ensure_topics, producer

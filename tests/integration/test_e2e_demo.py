@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from conductor.settings import Settings
-from conductor.tools.devstack import StackState
+from conductor.harness.devstack import StackState
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -70,7 +70,7 @@ def test_settings_travel_to_child_processes_exactly(monkeypatch: pytest.MonkeyPa
 
 
 def test_trace_blocks_become_the_same_tokens_for_every_request_that_shares_them() -> None:
-    from conductor.tools.demo import TRACE_BLOCK_TOKENS, block_tokens, request_tokens
+    from conductor.harness.demo import TRACE_BLOCK_TOKENS, block_tokens, request_tokens
     from schemas import chain_keys
 
     a = request_tokens((0, 1, 2), 1300, index=0)
@@ -86,7 +86,7 @@ def test_trace_blocks_become_the_same_tokens_for_every_request_that_shares_them(
 
 
 def test_the_slice_keeps_whole_conversations_and_arrives_within_the_horizon(tmp_path: Path) -> None:
-    from conductor.tools.demo import load_slice
+    from conductor.harness.demo import load_slice
 
     lines = [
         {"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [0, 6, 7]},

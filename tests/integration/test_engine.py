@@ -11,7 +11,7 @@ import pytest
 
 from conductor.bridge.publisher import EventPublisher
 from conductor.bridge.runner import Bridge, BridgeConfig, kafka_sink
-from conductor.engine.emulated import EmulatedEngine, EngineConfig, PrefixCache, engine_hashes
+from conductor.harness.engine.emulated import EmulatedEngine, EngineConfig, PrefixCache, engine_hashes
 from conductor.profiles import load_profile
 from conductor.routing.dispatch import decisions_for
 from conductor.settings import Settings

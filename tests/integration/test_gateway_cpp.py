@@ -13,7 +13,7 @@ import pytest
 from kvstream import read_all
 
 from conductor.settings import Settings
-from conductor.tools.gateway_cluster import GatewayCluster
+from conductor.harness.gateway_cluster import GatewayCluster
 from schemas import RequestOutcome, RoutingDecision
 from streams.topics import topics
 

@@ -106,7 +106,7 @@ async def test_requests_become_decisions_on_dispatch(settings) -> None:
 
 
 async def test_bench_route_runs_small(settings) -> None:
-    from conductor.tools.bench.route import run_route_bench
+    from conductor.harness.bench.route import run_route_bench
 
     s = settings.model_copy(update={"heartbeat_ttl_s": 3600.0})
     out = await run_route_bench(s, decisions=150, target_blocks=5000, seed=3, heartbeat_rate=200.0)
@@ -121,7 +121,7 @@ async def test_bench_route_runs_small(settings) -> None:
 
 
 async def test_bench_route_with_a_warm_tracking_reader_decides_without_round_trips(settings) -> None:
-    from conductor.tools.bench.route import run_route_bench
+    from conductor.harness.bench.route import run_route_bench
 
     s = settings.model_copy(update={"heartbeat_ttl_s": 3600.0})
     out = await run_route_bench(s, decisions=150, target_blocks=5000, seed=3, heartbeat_rate=0.0, reader="tracking",

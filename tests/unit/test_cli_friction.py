@@ -43,7 +43,7 @@ def _demo_summary(stack_kept: bool) -> str:
 
     from rich.console import Console
 
-    from conductor.tools.demo import _print_summary
+    from conductor.harness.demo import _print_summary
 
     r = {"policy": "kvcache-centric", "baseline_policy": "round-robin", "requests": 3, "baseline_requests": 3,
          "rejected": 0, "baseline_rejected": 0, "reuse_ratio": 0.5, "baseline_reuse_ratio": 0.1,

@@ -13,10 +13,10 @@ from conductor.routing.decision import decision_record, decision_reservations
 from conductor.routing.policies import Placement, Rejection, make_policy
 from conductor.routing.policies.cpp import chunk_boundaries, pipeline_finish, plan_pipeline
 from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
-from conductor.sim.cluster import ClusterProfile
-from conductor.sim.engine import Simulation
-from conductor.sim.network import Network
-from conductor.sim.trace import TraceRecord, TraceRequest, long_context
+from conductor.harness.sim.cluster import ClusterProfile
+from conductor.harness.sim.engine import Simulation
+from conductor.harness.sim.network import Network
+from conductor.harness.sim.trace import TraceRecord, TraceRequest, long_context
 from conductor.topology import Link
 from schemas import RoutingDecision, RoutingRequest
 from state.reservations import Load

@@ -9,7 +9,7 @@ import httpx
 import openai
 import pytest
 
-from conductor.tools.demo import RunStats, ask_completion
+from conductor.harness.demo import RunStats, ask_completion
 
 SSE = (b'data: {"id":"c","object":"text_completion","created":0,"model":"m",'
        b'"choices":[{"index":0,"text":"hi","finish_reason":null}]}\n\n'

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from conductor.bridge.wire import EngineBlockRemoved, EngineBlockStored
-from conductor.engine.emulated import EmulatedEngine, EngineConfig, engine_hashes
-from conductor.engine.executor import EngineCommandExecutor
+from conductor.harness.engine.emulated import EmulatedEngine, EngineConfig, engine_hashes
+from conductor.harness.engine.executor import EngineCommandExecutor
 from conductor.profiles import load_profile
 from schemas import KvCommand, chain_keys
 

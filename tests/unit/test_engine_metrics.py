@@ -6,8 +6,8 @@ import pytest
 from prometheus_client import generate_latest
 
 from conductor.bridge.scrape import MetricsError, heartbeat_of, parse_load
-from conductor.engine.emulated import EmulatedEngine, EngineConfig
-from conductor.engine.metrics import engine_registry
+from conductor.harness.engine.emulated import EmulatedEngine, EngineConfig
+from conductor.harness.engine.metrics import engine_registry
 from conductor.profiles import load_profile
 from conductor.routing.dispatch import Assignment
 from schemas import RoutingDecision, RoutingRequest, vllm_block_extras

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conductor.engine.http import chat_prompt, emulated_tokens
+from conductor.harness.engine.http import chat_prompt, emulated_tokens
 from conductor.gateway.protocol import (
     REJECTION_STATUS,
     BadRequest,

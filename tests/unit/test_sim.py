@@ -11,15 +11,15 @@ from hypothesis import strategies as st
 
 from conductor.profiles import ModelProfile
 from conductor.routing.policies import make_policy
-from conductor.sim.cache import LruBlockCache, TieredPool
-from conductor.sim.capacity import find_capacity
-from conductor.sim.cluster import ClusterProfile, load_cluster
-from conductor.sim.decode import DecodeInstance, DecodeJob
-from conductor.sim.engine import Simulation
-from conductor.sim.errors import SimulationError, TraceError
-from conductor.sim.summary import percentile
-from conductor.sim.trace import TraceRequest, parse_lines, reuse_upper_bound, schedule
-from conductor.sim.view import DelayedView
+from conductor.harness.sim.cache import LruBlockCache, TieredPool
+from conductor.harness.sim.capacity import find_capacity
+from conductor.harness.sim.cluster import ClusterProfile, load_cluster
+from conductor.harness.sim.decode import DecodeInstance, DecodeJob
+from conductor.harness.sim.engine import Simulation
+from conductor.harness.sim.errors import SimulationError, TraceError
+from conductor.harness.sim.summary import percentile
+from conductor.harness.sim.trace import TraceRequest, parse_lines, reuse_upper_bound, schedule
+from conductor.harness.sim.view import DelayedView
 
 # A profile whose costs are easy to compute by hand:
 #   prefill_seconds(n, c) = (n - c) / 1000           (l=d=b=1, a=0, 1000 FLOP/s)

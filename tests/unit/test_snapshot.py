@@ -12,10 +12,10 @@ from conductor.routing.policies import make_policy
 from conductor.routing.router import Router
 from conductor.routing.snapshot import ClusterSnapshot, Instance, build_cluster
 from conductor.settings import load_settings
-from conductor.sim import engine
-from conductor.sim.cluster import ClusterProfile
-from conductor.sim.engine import Outcome, Simulation
-from conductor.sim.view import view_ms
+from conductor.harness.sim import engine
+from conductor.harness.sim.cluster import ClusterProfile
+from conductor.harness.sim.engine import Outcome, Simulation
+from conductor.harness.sim.view import view_ms
 from schemas import BlocksStored, Heartbeat, envelope
 from state.memory import InMemoryViewStore
 from state.reservations import InMemoryReservations, Load

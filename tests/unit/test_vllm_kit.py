@@ -9,7 +9,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from conductor.settings import load_settings
-from conductor.tools.vllm_kit import (
+from conductor.harness.vllm_kit import (
     KIT_PINS,
     MODEL_FILES,
     STAMP,

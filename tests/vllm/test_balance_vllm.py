@@ -25,8 +25,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conductor.settings import Settings, child_environment
-from conductor.tools.demo import Processes
-from conductor.tools.vllm_kit import BLOCK_SIZE, VllmEngine
+from conductor.harness.demo import Processes
+from conductor.harness.vllm_kit import BLOCK_SIZE, VllmEngine
 from schemas import KvCommand, KvCommandResult, chain_keys, decode, encode, envelope, headers
 from state.redis_view import RedisViewStore
 from streams.kafka import consumer, producer

@@ -23,7 +23,7 @@ import pytest
 from conductor.routing.control_log import publish_control
 from conductor.routing.explain import explain
 from conductor.settings import Settings
-from conductor.tools.vllm_cluster import VllmGatewayCluster, VllmNode
+from conductor.harness.vllm_cluster import VllmGatewayCluster, VllmNode
 from schemas import ControlCommand, RequestOutcome, RoutingDecision, decode
 from state.redis_view import RedisViewStore
 from streams.kafka import consumer

@@ -3,7 +3,7 @@
 Run from the repository root: ``python tests/faults/corpus/make_corpus.py``. Each line is
 ``{"topic": "kv" | "hb", "why": ..., "hex": ...}``. Every record must be refused (dead-lettered) or
 change nothing; none may change the view. Oversized (> 1 MB) records are made by the fault run
-itself (``conductor.tools.chaos``), not stored here.
+itself (``conductor.harness.chaos``), not stored here.
 """
 
 from __future__ import annotations

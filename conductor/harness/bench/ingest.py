@@ -1,0 +1,318 @@
+"""``conductor bench ingest``: the event pipeline measured end to end.
+
+A synthetic cluster of engines (``SyntheticEngines``: per-node LRU caches, shared prompt
+prefixes, vLLM-like batches — one stored record per prefill chunk of tens to hundreds of
+16-token blocks, evictions in groups, periodic heartbeats) publishes to Kafka; a real
+``conductor worker`` subprocess folds it into Redis; this process watches the view's
+watermark (the applied offsets) to see when each record became visible.
+
+Phase 1 (throughput): publish ``block_events`` block events as fast as the producer goes;
+``block_events_per_s`` and ``records_per_s`` are totals over first publish → last visible.
+Phase 2 (staleness): offer ``offered_rate`` block events/s for ``staleness_s`` seconds;
+each record's publish → visible time gives ``staleness_ms_p50/p99`` (the watermark is
+polled every ~2 ms, which bounds the resolution).
+``view_bytes_per_block``: Redis ``used_memory`` growth over the run / block keys indexed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from conductor.settings import child_environment
+from conductor.harness.bench import percentile
+from conductor.harness.devstack import EmbeddedStack, free_port
+from schemas import BlocksRemoved, BlocksStored, Heartbeat, chain_from_precomputed, encode, envelope, headers
+from state.redis_view import RedisViewStore
+from streams.kafka import ensure_topics, producer
+from streams.topics import topics
+
+
+@dataclass(frozen=True)
+class IngestBenchConfig:
+    nodes: int = 16
+    block_events: int = 1_000_000
+    mean_blocks: int = 96
+    offered_rate: int = 10_000
+    staleness_s: float = 6.0
+    seed: int = 0
+    capacity_blocks: int = 12_000
+    """Blocks a node caches before it evicts (in groups)."""
+    heartbeat_every: int = 20
+    """Records between two heartbeats of a node."""
+    shared_prefixes: int = 64
+    """Distinct shared prompt prefixes (system prompts, documents) across the cluster."""
+
+
+@dataclass(frozen=True, slots=True)
+class Outgoing:
+    topic: str
+    key: bytes
+    value: bytes
+    headers: list[tuple[str, bytes]]
+    blocks: int
+    """Block events the record carries (0 for heartbeats)."""
+
+
+class SyntheticEngines:
+    """Deterministic stream of KV events and heartbeats from ``nodes`` engines."""
+
+    def __init__(self, cfg: IngestBenchConfig, kv_topic: str, hb_topic: str) -> None:
+        self.cfg = cfg
+        self.rng = random.Random(cfg.seed)
+        self.kv_topic, self.hb_topic = kv_topic, hb_topic
+        self.names = [f"prefill-{i}" for i in range(cfg.nodes)]
+        self.seq = {n: 0 for n in self.names}
+        self.hb_seq = {n: 0 for n in self.names}
+        self.since_hb = {n: 0 for n in self.names}
+        self.cache: dict[str, OrderedDict[int, None]] = {n: OrderedDict() for n in self.names}
+        self.shared = [
+            chain_from_precomputed(range(p * 10_000, p * 10_000 + self.rng.randint(8, 64)), namespace="bench")
+            for p in range(cfg.shared_prefixes)
+        ]
+        self._next_id = 1 << 40
+
+    def _fresh(self, n: int) -> list[int]:
+        out = []
+        for _ in range(n):
+            self._next_id += 1
+            out.append(self.rng.getrandbits(64) ^ self._next_id)
+        return out
+
+    def next(self, now_ms: int) -> list[Outgoing]:
+        """The next record(s) of a random node: a heartbeat when due, then one KV event."""
+        rng, cfg = self.rng, self.cfg
+        node = rng.choice(self.names)
+        out: list[Outgoing] = []
+        key = node.encode()
+        self.since_hb[node] += 1
+        cache = self.cache[node]
+        if self.since_hb[node] >= cfg.heartbeat_every:
+            self.since_hb[node] = 0
+            hb = Heartbeat(role="prefill", queue_depth=rng.randint(0, 8), queued_prefill_tokens=rng.randint(0, 30_000),
+                           free_kv_blocks=max(cfg.capacity_blocks - len(cache), 0), total_kv_blocks=cfg.capacity_blocks)
+            env = envelope(hb, producer_id=node, producer_seq=self.hb_seq[node], ts_ms=now_ms)
+            self.hb_seq[node] += 1
+            out.append(Outgoing(self.hb_topic, key, encode(env), headers(env), 0))
+        if len(cache) > cfg.capacity_blocks:
+            group = rng.randint(32, 160)
+            keys = [cache.popitem(last=False)[0] for _ in range(min(group, len(cache)))]
+            body: Any = BlocksRemoved(block_keys=keys)
+        else:
+            n = max(1, int(rng.triangular(cfg.mean_blocks / 4, cfg.mean_blocks * 1.75, cfg.mean_blocks)))
+            if rng.random() < 0.5:
+                p = rng.choice(self.shared)
+                keys = (p + self._fresh(max(n - len(p), 0)))[:n]
+            else:
+                keys = self._fresh(n)
+            for k in keys:
+                cache[k] = None
+                cache.move_to_end(k)
+            body = BlocksStored(block_keys=keys)
+        env = envelope(body, producer_id=node, producer_seq=self.seq[node], ts_ms=now_ms)
+        self.seq[node] += 1
+        out.append(Outgoing(self.kv_topic, key, encode(env), headers(env), len(keys)))
+        return out
+
+
+async def run_ingest_bench(
+    settings: Any, cfg: IngestBenchConfig, log: Callable[[str], None] | None = None
+) -> dict[str, Any]:
+
+    say = log or (lambda _m: None)
+    stack = None
+    tmp = tempfile.TemporaryDirectory(prefix="conductor-bench-")
+    try:
+        if not (settings.kafka_url and settings.redis_url):
+            stack = EmbeddedStack(Path(tmp.name) / "stack", host=settings.bind_host)
+            st = await asyncio.to_thread(stack.up)  # up() runs its own event loop
+            settings = settings.model_copy(update={"kafka_url": st.kafka_url, "redis_url": st.redis_url, "profile": "embedded"})
+            say(f"embedded stack up: {st.kafka_url} {st.redis_url}")
+        tag = uuid.uuid4().hex[:8]
+        s = settings.model_copy(
+            update={"topic_prefix": f"bench{tag}.", "view_namespace": f"bench{tag}", "web_port": free_port(settings.bind_host)}
+        )
+        t = topics(s)
+        await ensure_topics(s, t.all())
+        store = RedisViewStore.from_settings(s)
+        mem0 = await store.memory_bytes()
+        worker = start_worker_process(s, Path(tmp.name) / "worker.log")
+        prod = producer(s)
+        try:
+            await prod.start()
+            engines = SyntheticEngines(cfg, t.kv_events.name, t.heartbeats.name)
+            # Ready = a probe heartbeat is visible (the worker joined and folds).
+            t_ready0 = time.monotonic()
+            probe = envelope(Heartbeat(role="store"), producer_id="bench-probe", producer_seq=0, ts_ms=int(time.time() * 1000))
+            md = await prod.send_and_wait(t.heartbeats.name, encode(probe), key=b"bench-probe", headers=headers(probe))
+            await _wait_visible(store, {f"{md.topic}:{md.partition}": md.offset}, 90.0, worker)
+            say(f"worker ready in {time.monotonic() - t_ready0:.1f}s")
+
+            # --- phase 1: throughput -------------------------------------------------------
+            records: list[Outgoing] = []
+            blocks = 0
+            now = int(time.time() * 1000)
+            while blocks < cfg.block_events:
+                for o in engines.next(now):
+                    records.append(o)
+                    blocks += o.blocks
+            kv_records = sum(1 for o in records if o.blocks)
+            say(f"phase 1: {len(records)} records, {blocks} block events")
+            t0 = time.monotonic()
+            futs = [await prod.send(o.topic, o.value, key=o.key, headers=o.headers) for o in records]
+            mds = await asyncio.gather(*futs)
+            t_pub = time.monotonic() - t0
+            last: dict[str, int] = {}
+            for m in mds:
+                k = f"{m.topic}:{m.partition}"
+                last[k] = max(last.get(k, -1), m.offset)
+            await _wait_visible(store, last, 300.0, worker)
+            t_all = time.monotonic() - t0
+            say(f"phase 1: published in {t_pub:.2f}s, visible after {t_all:.2f}s")
+
+            # --- phase 2: staleness at a fixed offered load ----------------------------------
+            sent: dict[tuple[str, int], float] = {}
+            pending: list[asyncio.Future[Any]] = []
+            timeline = WatermarkTimeline(store)
+            await timeline.poll_once()
+            stop = asyncio.Event()
+            poller = asyncio.create_task(timeline.run(stop))
+            t_start = time.monotonic()
+            offered = 0
+            while (elapsed := time.monotonic() - t_start) < cfg.staleness_s:
+                due = cfg.offered_rate * elapsed
+                if offered >= due:
+                    await asyncio.sleep(min((offered - due) / cfg.offered_rate, 0.01))
+                    continue
+                for o in engines.next(int(time.time() * 1000)):
+                    t_send = time.monotonic()
+                    fut = await prod.send(o.topic, o.value, key=o.key, headers=o.headers)
+                    fut.add_done_callback(lambda f, t_send=t_send: _note(sent, f, t_send))
+                    pending.append(fut)
+                    offered += o.blocks
+            await asyncio.gather(*pending)
+            want: dict[str, int] = {}
+            for k, off in sent:
+                want[k] = max(want.get(k, -1), off)
+            try:
+                await _wait_visible(store, want, 60.0, worker)
+                await timeline.poll_once()
+            finally:
+                stop.set()
+                await poller
+            stale = []
+            for (k, off), t_send in sent.items():
+                t_vis = timeline.visible_at(k, off)
+                if t_vis is not None:
+                    stale.append(max(t_vis - t_send, 0.0))
+            mem1 = await store.memory_bytes()
+            n_blocks = await store.block_count()
+        finally:
+            stop_worker_process(worker)
+            try:
+                await prod.stop()
+            except Exception:  # it may never have started
+                pass
+            await store.clear()
+            await store.close()
+        return {
+            "block_events_per_s": round(blocks / t_all, 1),
+            "records_per_s": round(len(records) / t_all, 1),
+            "blocks_per_record": round(blocks / max(kv_records, 1), 1),
+            "staleness_ms_p50": round(percentile(stale, 0.50) * 1000, 2),
+            "staleness_ms_p99": round(percentile(stale, 0.99) * 1000, 2),
+            "view_bytes_per_block": round((mem1 - mem0) / max(n_blocks, 1), 1),
+            "offered_block_events_per_s": cfg.offered_rate,
+            "staleness_samples": len(stale),
+            "phase1_records": len(records),
+            "phase1_block_events": blocks,
+            "phase1_seconds": round(t_all, 3),
+            "indexed_blocks": n_blocks,
+            "nodes": cfg.nodes,
+            "embedded": stack is not None,
+        }
+    finally:
+        if stack is not None:
+            await asyncio.to_thread(stack.down)
+        tmp.cleanup()
+
+
+def _note(sent: dict[tuple[str, int], float], fut: Any, t_send: float) -> None:
+    if not fut.cancelled() and fut.exception() is None:
+        md = fut.result()
+        sent[(f"{md.topic}:{md.partition}", md.offset)] = t_send
+
+
+async def _wait_visible(store: Any, want: dict[str, int], timeout_s: float, worker: subprocess.Popen[bytes]) -> None:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        wm = await store.watermark()
+        if all(wm.get(k, -1) >= off for k, off in want.items()):
+            return
+        if worker.poll() is not None:
+            raise RuntimeError(f"the worker exited with {worker.returncode}")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"view did not reach {want} within {timeout_s}s (at {wm})")
+        await asyncio.sleep(0.002)
+
+
+class WatermarkTimeline:
+    """Polls the view's watermark and remembers when each partition's offset moved."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.changes: dict[str, list[tuple[int, float]]] = {}
+        self.current: dict[str, int] = {}
+
+    async def poll_once(self) -> None:
+        wm = await self.store.watermark()
+        now = time.monotonic()
+        for k, off in wm.items():
+            if off > self.current.get(k, -1):
+                self.current[k] = off
+                self.changes.setdefault(k, []).append((off, now))
+
+    async def run(self, stop: asyncio.Event, interval_s: float = 0.002) -> None:
+        while not stop.is_set():
+            await self.poll_once()
+            await asyncio.sleep(interval_s)
+
+    def visible_at(self, key: str, offset: int) -> float | None:
+        for off, t in self.changes.get(key, ()):
+            if off >= offset:
+                return t
+        return None
+
+
+def start_worker_process(s: Any, log_path: Path) -> subprocess.Popen[bytes]:
+    """Start ``conductor worker`` in a subprocess, configured from ``s`` via CONDUCTOR_* variables."""
+    env = child_environment(s)
+    log = open(log_path, "wb")
+    return subprocess.Popen(
+        [sys.executable, "-c", "from conductor.cli import main; main()", "worker", "--loglevel", "warning"],
+        env=env, stdout=log, stderr=subprocess.STDOUT,
+    )
+
+
+def stop_worker_process(p: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the worker (Faust stops cleanly), SIGKILL it if it has not exited in 15 s."""
+    if p.poll() is None:
+        p.terminate()
+        try:
+            p.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+# --- the routing read: measured options (`conductor bench view-read`) -------------------

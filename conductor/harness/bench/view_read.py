@@ -1,0 +1,156 @@
+"""``conductor bench view-read``: the routing read's two possible layouts on a dedicated Valkey.
+
+The store's pipelined ``MGET`` with the prefix walk client-side, against a server-side Lua
+walk that stops at the first block nobody holds, and the router's readers (plain, and with
+a warm client-side cache); latency, Redis server time per read (``commandstats``) and view
+memory per block.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import subprocess
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import redis.asyncio as aioredis
+
+from conductor.harness.bench import percentile
+from conductor.harness.devstack import free_port, redis_binary
+from conductor.harness.valkey_cluster import ValkeyCluster
+from state.connect import open_client
+from state.fold import AddBlocks
+from state.reader import RawSnapshotReader
+from state.redis_view import RedisViewStore
+from state.tracking import TrackingSnapshotReader
+
+_LUA_WALK = r"""
+local out = {}
+for i = 1, #KEYS do
+  local v = redis.call('GET', KEYS[i])
+  if not v then break end
+  out[#out + 1] = v
+end
+return out
+"""
+
+
+async def run_view_read_bench(
+    nodes: int = 16, blocks_per_node: int = 200_000, chain_len: int = 512, reads: int = 300, seed: int = 0,
+    host: str = "127.0.0.1", log: Callable[[str], None] | None = None, cluster: bool = False,
+) -> dict[str, Any]:
+    """Load a synthetic view into a dedicated Valkey and time the two ways to read a chain.
+
+    ``mget``: the store's snapshot (one pipeline: TIME, MGET of the chain, HGETALL nodes and
+    watermark; the prefix walk runs client-side). ``lua_walk``: a script GETs the chain
+    server-side and stops at the first block nobody holds. Server time per read comes from
+    Redis ``commandstats``. Memory is ``used_memory`` growth per block key.
+
+    ``raw_reader``: the router's reader (``state.reader``: one MULTI/EXEC of TIME, the MGET,
+    the node delta, the watermark, on a raw connection). ``tracking_warm``: the client-side
+    caching reader (``state.tracking``) reading the same chain again with its points off, so
+    every block entry comes from its cache and the transaction carries TIME, the node delta
+    and the watermark. ``tracking_point``: the same reader as the router runs it, answering
+    the warm chain at its last read's point, with no round trip while nothing is written.
+
+    ``cluster``: the same on a 3-primary Valkey Cluster (``redis+cluster://``, redis-py's
+    cluster client); server figures are of the primary holding the namespace's slot.
+    """
+    say = log or (lambda _m: None)
+    tmp = tempfile.TemporaryDirectory(prefix="conductor-view-read-")
+    proc: subprocess.Popen[bytes] | None = None
+    vc: ValkeyCluster | None = None
+    if cluster:
+        vc = ValkeyCluster(Path(tmp.name), host=host).start()
+        client: Any = open_client(vc.url)
+    else:
+        port = free_port(host)
+        proc = subprocess.Popen(
+            [redis_binary(), "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        )
+        client = aioredis.from_url(f"redis://{host}:{port}")
+    admin = client
+    readers: list[Any] = []
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                await client.ping()
+                break
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.05)
+        store = RedisViewStore(client, "cv")
+        if vc is not None:  # server figures from the one primary of the namespace's slot
+            admin = aioredis.from_url(vc.owner_of(store.keys.generation).url)
+        mem0 = int((await admin.info("memory"))["used_memory"])
+        rng = random.Random(seed)
+        universe = [rng.getrandbits(64) for _ in range(max(blocks_per_node * 4, chain_len))]
+        t0 = time.monotonic()
+        batch = []
+        for n in range(nodes):
+            keys = rng.sample(universe, blocks_per_node)
+            for i in range(0, blocks_per_node, 5000):
+                batch.append((None, [AddBlocks(f"prefill-{n}", rng.choice((0, 0, 1, 2)), tuple(keys[i : i + 5000]))]))
+        chain = universe[:chain_len]
+        batch.append((None, [AddBlocks("prefill-0", 0, tuple(chain))]))
+        await store.apply_groups(batch)
+        load_s = time.monotonic() - t0
+        used = int((await admin.info("memory"))["used_memory"]) - mem0
+        keys_n = await admin.dbsize()
+        say(f"loaded {nodes * blocks_per_node} (node, block) entries into {keys_n} keys in {load_s:.1f}s")
+        walk = client.register_script(_LUA_WALK)
+        chain_keys = store.keys.blocks(chain)
+        url = vc.url if vc is not None else f"redis://{host}:{port}"
+        raw = RawSnapshotReader(url, "cv")
+        tracking = TrackingSnapshotReader(url, "cv", cache_keys=max(chain_len, 1000), point_max_age_s=0)
+        pointed = TrackingSnapshotReader(url, "cv", cache_keys=max(chain_len, 1000))
+        readers += [raw, tracking, pointed]
+        options = {
+            "mget": lambda: store.snapshot(chain),
+            "lua_walk": lambda: walk(keys=chain_keys),
+            "raw_reader": lambda: raw.snapshot(chain),
+            "tracking_warm": lambda: tracking.snapshot(chain),
+            "tracking_point": lambda: pointed.snapshot(chain),
+        }
+        out: dict[str, Any] = {
+            "redis": "cluster (3 primaries)" if cluster else "one server",
+            "nodes": nodes, "blocks_per_node": blocks_per_node, "chain_len": chain_len,
+            "load_entries_per_s": round(nodes * blocks_per_node / load_s, 1),
+            "view_bytes_per_block": round(used / keys_n, 1),
+            "view_bytes_per_node_block": round(used / (nodes * blocks_per_node), 1),
+        }
+        for name, fn in options.items():
+            await fn()  # load the script / warm the connection
+            await admin.config_resetstat()
+            lat = []
+            for _ in range(reads):
+                t1 = time.perf_counter()
+                await fn()
+                lat.append((time.perf_counter() - t1) * 1000)
+            stats = await admin.info("commandstats")
+            server_us = sum(v["usec"] for k, v in stats.items() if k != "cmdstat_config") / reads
+            out[f"{name}_ms_p50"] = round(percentile(lat, 0.5), 3)
+            out[f"{name}_ms_p99"] = round(percentile(lat, 0.99), 3)
+            out[f"{name}_server_us"] = round(server_us, 1)
+        out["tracking_warm_cache_hit_ratio"] = round(tracking.cache_hit_ratio(), 4)
+        out["tracking_point_reads_with_no_round_trip"] = round(pointed.stats["cached_reads"] / max(1, pointed.stats["reads"]), 4)
+        return out
+    finally:
+        for r in readers:
+            await r.close()
+        await client.aclose()
+        if admin is not client:
+            await admin.aclose()
+        if proc is not None:
+            proc.terminate()
+            proc.wait()
+        if vc is not None:
+            vc.stop()
+        tmp.cleanup()

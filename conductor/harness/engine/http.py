@@ -1,0 +1,380 @@
+"""The emulated engine's HTTP face: the protocol vLLM and SGLang serve, so a gateway cannot tell.
+
+- ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or SSE streaming, usage
+  with ``prompt_tokens_details.cached_tokens``), ``POST /tokenize``, ``GET /v1/models``,
+  ``GET /health``, ``GET /metrics``.
+- vLLM disaggregated serving: a request with ``kv_transfer_params.do_remote_decode``
+  is prefilled here, answered with one token and the ``kv_transfer_params`` a decode
+  instance needs (``do_remote_prefill``, ``remote_engine_id``, ``remote_request_id``,
+  ``remote_block_ids``, ``remote_host``, ``remote_port``); a request carrying
+  ``do_remote_prefill`` pulls that KV from the named peer (``POST /kv/pull``, which
+  takes the profile's transfer time) before it decodes.
+- SGLang disaggregated serving: the same request goes to both instances with
+  ``bootstrap_host`` / ``bootstrap_port`` / ``bootstrap_room``; the prefill instance
+  marks the room ready when its prefill ends; the decode instance waits on
+  ``GET /kv/bootstrap/{room}`` at the prefill's bootstrap address before decoding.
+  ``GET /server_info`` / ``/model_info`` (and their ``/get_*`` names) answer what the
+  SGLang router reads when a worker registers, so ``sglang-router`` can front these engines.
+
+The decode side really waits for its peer: a dead or unknown peer makes the decode
+request fail (502, code ``kv_transfer_failed``), never hang.
+
+Tokenization is a stand-in: one token per whitespace-separated word, its id a hash
+of the word, so prompts sharing a text prefix share a token prefix (and block keys).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import make_asgi_app
+
+from conductor.harness.engine.emulated import EmulatedEngine
+from conductor.harness.engine.metrics import engine_registry
+
+VOCAB = 50_000
+MAX_MODEL_LEN = 131_072
+DEFAULT_MAX_TOKENS = 16
+TRANSFER_KEEP_S = 120.0
+"""A prefill's KV waits this long for its decode peer to pull it (vLLM aborts such requests too)."""
+BOOTSTRAP_WAIT_S = 30.0
+
+
+def emulated_tokens(text: str) -> list[int]:
+    """The emulated tokenizer: one id per whitespace-separated word (stable across processes)."""
+    return [int.from_bytes(hashlib.blake2b(w.encode(), digest_size=4).digest(), "big") % VOCAB + 100
+            for w in text.split()]
+
+
+def chat_prompt(messages: list[dict[str, Any]]) -> str:
+    """The emulated chat template (with the generation prompt)."""
+    parts = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):  # OpenAI content parts: keep the text ones
+            content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+        parts.append(f"<|{m.get('role', 'user')}|> {content or ''}")
+    return " ".join(parts) + " <|assistant|>"
+
+
+def output_text(request_id: str, i: int) -> str:
+    return f" w{int.from_bytes(hashlib.blake2b(f'{request_id}/{i}'.encode(), digest_size=2).digest(), 'big')}"
+
+
+class BadRequest(ValueError):
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def error(status: int, message: str, code: str, *, param: str | None = None, kind: str = "invalid_request_error",
+          headers: dict[str, str] | None = None) -> JSONResponse:
+    """An OpenAI-style error body."""
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                        status_code=status, headers=headers)
+
+
+def prompt_tokens(body: dict[str, Any], chat: bool) -> list[int]:
+    """Token ids of a completions ``prompt`` (text or ids) or a chat ``messages`` list."""
+    if chat:
+        msgs = body.get("messages")
+        if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
+            raise BadRequest("messages", "messages must be a non-empty list of {role, content} objects")
+        return emulated_tokens(chat_prompt(msgs))
+    p = body.get("prompt")
+    if isinstance(p, str):
+        return emulated_tokens(p)
+    if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p):
+        return list(p)
+    if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
+        return emulated_tokens(p[0])
+    raise BadRequest("prompt", "prompt must be a string or a list of token ids")
+
+
+def max_tokens_of(body: dict[str, Any]) -> int:
+    v = body.get("max_tokens", body.get("max_completion_tokens"))
+    if v is None:
+        return DEFAULT_MAX_TOKENS
+    if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+        raise BadRequest("max_tokens", "max_tokens must be a positive integer")
+    return v
+
+
+@dataclass
+class _Kv:
+    """A finished prefill's KV, held until its decode peer pulls it."""
+
+    tokens: int = 0
+    ready: asyncio.Event = field(default_factory=asyncio.Event)
+    created: float = field(default_factory=time.monotonic)
+
+
+class _Completion:
+    """One response: the OpenAI JSON object or SSE chunks of a completion or a chat completion."""
+
+    def __init__(self, chat: bool, model: str, request_id: str, prompt: int, cached: int) -> None:
+        self.chat, self.model, self.rid = chat, model, request_id
+        self.id = ("chatcmpl-" if chat else "cmpl-") + request_id
+        self.created = int(time.time())
+        self.prompt, self.cached = prompt, cached
+
+    def usage(self, out: int) -> dict[str, Any]:
+        return {"prompt_tokens": self.prompt, "completion_tokens": out, "total_tokens": self.prompt + out,
+                "prompt_tokens_details": {"cached_tokens": self.cached}}
+
+    def whole(self, out: int, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+        text = "".join(output_text(self.rid, i) for i in range(out))
+        choice: dict[str, Any] = ({"index": 0, "message": {"role": "assistant", "content": text},
+                                   "logprobs": None, "finish_reason": "length"} if self.chat else
+                                  {"index": 0, "text": text, "logprobs": None, "finish_reason": "length"})
+        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": [choice], "usage": self.usage(out),
+                **(extra or {})}
+
+    def chunk(self, text: str | None, finish: str | None = None, *, first: bool = False) -> bytes:
+        if self.chat:
+            delta: dict[str, Any] = {}
+            if first:
+                delta["role"] = "assistant"
+            if text is not None:
+                delta["content"] = text
+            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+               "created": self.created, "model": self.model, "choices": [choice]}
+        return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+    def usage_chunk(self, out: int) -> bytes:
+        obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+               "created": self.created, "model": self.model, "choices": [], "usage": self.usage(out)}
+        return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+class EngineHttp:
+    """The HTTP routes of one emulated engine (built by :func:`engine_app`)."""
+
+    def __init__(self, engine: EmulatedEngine, host: str, port: int, client: httpx.AsyncClient | None = None) -> None:
+        self.engine = engine
+        self.host, self.port = host, port
+        self.client = client or httpx.AsyncClient(timeout=httpx.Timeout(BOOTSTRAP_WAIT_S + 5, connect=2.0))
+        self.kv: dict[str, _Kv] = {}
+
+    @property
+    def model(self) -> str:
+        return self.engine.config.model
+
+    def _slot(self, key: str) -> _Kv:
+        now = time.monotonic()
+        for k in [k for k, v in self.kv.items() if now - v.created > TRANSFER_KEEP_S]:
+            del self.kv[k]
+        return self.kv.setdefault(key, _Kv())
+
+    async def _send_kv(self, key: str, wait_s: float) -> dict[str, Any]:
+        """Hand one prefill's KV to its decode peer: wait until it is ready, take the transfer time.
+        The answer: the tokens handed over, this engine's id and the transfer's model time."""
+        slot = self._slot(key)
+        await asyncio.wait_for(slot.ready.wait(), wait_s)
+        self.kv.pop(key, None)
+        e = self.engine
+        model_s = e.profile.transfer_seconds(slot.tokens, "hbm", remote=True)
+        await asyncio.sleep(model_s / e.config.time_scale)
+        return {"tokens": slot.tokens, "engine_id": e.config.node_id, "transfer_model_s": round(model_s, 6)}
+
+    async def _pull(self, kvp: dict[str, Any]) -> dict[str, Any]:
+        """Pull the KV a peer holds for us (vLLM-style ``kv_transfer_params``); its JSON answer."""
+        url = f"http://{kvp.get('remote_host')}:{kvp.get('remote_port')}/kv/pull"
+        r = await self.client.post(url, json={"remote_request_id": kvp.get("remote_request_id")})
+        r.raise_for_status()
+        got = r.json()
+        if not isinstance(got, dict):
+            raise ValueError("the peer's /kv/pull answer is not an object")
+        return got
+
+    # --- routes -----------------------------------------------------------------
+
+    async def pull(self, request: Request) -> Response:
+        body = await request.json()
+        key = str(body.get("remote_request_id", ""))
+        if key not in self.kv:
+            return error(404, f"no KV held for {key!r}", "kv_not_found")
+        return JSONResponse(await self._send_kv(key, 1.0))
+
+    async def bootstrap(self, room: str) -> Response:
+        try:
+            return JSONResponse(await self._send_kv(f"room:{room}", BOOTSTRAP_WAIT_S))
+        except asyncio.TimeoutError:
+            return error(504, f"bootstrap room {room} saw no prefill in {BOOTSTRAP_WAIT_S:.0f}s", "kv_not_found")
+
+    async def generate(self, request: Request, chat: bool) -> Response:
+        try:
+            body = await request.json()
+        except ValueError:
+            return error(400, "the body is not JSON", "invalid_json")
+        if not isinstance(body, dict):
+            return error(400, "the body must be a JSON object", "invalid_json")
+        try:
+            tokens = prompt_tokens(body, chat)
+            max_tokens = max_tokens_of(body)
+        except BadRequest as e:
+            return error(400, str(e), "invalid_value", param=e.param)
+        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        e = self.engine
+        kvp = body.get("kv_transfer_params") or {}
+        room = body.get("bootstrap_room")
+        stream = bool(body.get("stream"))
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        if kvp.get("do_remote_decode") or (room is not None and e.config.role == "prefill"):
+            # The prefill half: run it, hold the KV for the peer, answer with one token.
+            # A CPP member (chunk_end): pull the KV before its chunk from the previous member
+            # first, then compute only its chunk; it holds the KV up to chunk_end.
+            received, got = 0, {}
+            if kvp.get("chunk_end") is not None:
+                end = kvp.get("chunk_end")
+                if not isinstance(end, int) or isinstance(end, bool) or not 1 <= end <= len(tokens):
+                    return error(400, f"kv_transfer_params.chunk_end must be 1..{len(tokens)}", "invalid_value",
+                                 param="kv_transfer_params.chunk_end")
+                if kvp.get("do_remote_prefill"):
+                    try:
+                        got = await self._pull(kvp)
+                    except (httpx.HTTPError, ValueError) as x:
+                        return error(502, f"KV transfer from the previous CPP member failed: {type(x).__name__}: {x}",
+                                     "kv_transfer_failed", kind="server_error")
+                    received = int(got.get("tokens") or 0)
+                    if received >= end:
+                        return error(400, f"received the KV of {received} tokens, past chunk_end {end}",
+                                     "invalid_value", param="kv_transfer_params.chunk_end")
+                e.report_row({"event": "cpp_chunk", "request_id": rid, "node": e.config.node_id,
+                              "received_tokens": received, "received_from": got.get("engine_id") if received else None,
+                              "chunk_end": end, "prompt_tokens": len(tokens)})
+                tokens = tokens[:end]
+            cached = await e.prefill_now(rid, tokens, received_tokens=received)
+            if room is not None:
+                slot = self._slot(f"room:{room}")
+                extra: dict[str, Any] = {}
+            else:
+                key = f"{rid}-{uuid.uuid4().hex[:8]}"
+                slot = self._slot(key)
+                bs = e.config.block_size
+                extra = {"kv_transfer_params": {
+                    "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": e.config.node_id,
+                    "remote_request_id": key, "remote_block_ids": list(range(-(-len(tokens) // bs))),
+                    "remote_host": self.host, "remote_port": self.port, "tp_size": 1,
+                }}
+            slot.tokens = len(tokens)
+            slot.ready.set()
+            return JSONResponse(_Completion(chat, self.model, rid, len(tokens), cached).whole(1, extra))
+        if kvp.get("do_remote_prefill") or room is not None:
+            # The decode half: bring the KV over from the prefill peer first.
+            try:
+                if room is not None:
+                    url = f"http://{body.get('bootstrap_host')}:{body.get('bootstrap_port')}/kv/bootstrap/{room}"
+                    r = await self.client.get(url)
+                    r.raise_for_status()
+                    got = r.json()
+                else:
+                    got = await self._pull(kvp)
+                received = int(got.get("tokens") or 0)
+            except (httpx.HTTPError, ValueError, TypeError, AttributeError) as x:
+                return error(502, f"KV transfer from the prefill peer failed: {type(x).__name__}: {x}",
+                             "kv_transfer_failed", kind="server_error")
+            e.report_row({"event": "kv_received", "request_id": rid, "node": e.config.node_id,
+                          "received_tokens": received, "received_from": got.get("engine_id"),
+                          "transfer_model_s": got.get("transfer_model_s"), "prompt_tokens": len(tokens)})
+            if received < len(tokens):  # a decode needs the whole prompt's KV
+                return error(502, f"the prefill peer handed over the KV of {received} of {len(tokens)} prompt tokens",
+                             "kv_transfer_failed", kind="server_error")
+            cached = received
+        else:
+            cached = await e.prefill_now(rid, tokens)
+        comp = _Completion(chat, self.model, rid, len(tokens), cached)
+        total = e.decode_output_tokens(max_tokens)
+        made: asyncio.Queue[int] = asyncio.Queue()
+        e.decode_now(rid, len(tokens), max_tokens, made.put_nowait)
+        if not stream:
+            got = 0
+            while got < total:
+                got += await made.get()
+            return JSONResponse(comp.whole(total))
+        return StreamingResponse(self._stream(comp, made, total, include_usage), media_type="text/event-stream")
+
+    async def _stream(self, comp: _Completion, made: asyncio.Queue[int], total: int, usage: bool) -> AsyncIterator[bytes]:
+        got = 0
+        while got < total:
+            n = await made.get()
+            out = b"".join(comp.chunk(output_text(comp.rid, got + i), first=(got + i == 0)) for i in range(n))
+            got += n
+            yield out
+        yield comp.chunk(None if comp.chat else "", "length")
+        if usage:
+            yield comp.usage_chunk(total)
+        yield b"data: [DONE]\n\n"
+
+    async def tokenize(self, request: Request) -> Response:
+        body = await request.json()
+        try:
+            if "messages" in body:
+                tokens = prompt_tokens(body, chat=True)
+            else:
+                tokens = prompt_tokens({"prompt": body.get("prompt", body.get("text"))}, chat=False)
+        except BadRequest as x:
+            return error(400, str(x), "invalid_value", param=x.param)
+        return JSONResponse({"count": len(tokens), "max_model_len": MAX_MODEL_LEN, "tokens": tokens})
+
+    async def model_info(self) -> Response:
+        # SGLang's /model_info (/get_model_info): what its router reads when a worker registers.
+        return JSONResponse({"model_path": self.model, "tokenizer_path": None, "is_generation": True,
+                             "preferred_sampling_params": None, "weight_version": "emulated"})
+
+    async def server_info(self) -> Response:
+        # SGLang's /server_info (/get_server_info): the role in P/D serving, parallelism, capacity.
+        c = self.engine.config
+        mode = {"prefill": "prefill", "decode": "decode"}.get(c.role, "null")
+        return JSONResponse({"model_path": self.model, "served_model_name": self.model, "disaggregation_mode": mode,
+                             "disaggregation_bootstrap_port": self.port, "dp_size": 1, "tp_size": 1,
+                             "page_size": c.block_size, "max_total_num_tokens": c.kv_blocks * c.block_size,
+                             "context_length": MAX_MODEL_LEN, "version": "conductor-emulated"})
+
+    async def models(self) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.model, "object": "model", "created": 0, "owned_by": "conductor-emulated",
+             "max_model_len": MAX_MODEL_LEN}]})
+
+def engine_app(engine: EmulatedEngine, host: str, port: int) -> FastAPI:
+    """The FastAPI app of one emulated engine reachable at ``http://host:port``."""
+    h = EngineHttp(engine, host, port)
+    app = FastAPI(title=f"conductor emulated engine {engine.config.node_id}", docs_url=None, redoc_url=None)
+
+    async def completions(request: Request) -> Response:
+        return await h.generate(request, chat=False)
+
+    async def chat(request: Request) -> Response:
+        return await h.generate(request, chat=True)
+
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    app.add_api_route("/v1/completions", completions, methods=["POST"])
+    app.add_api_route("/v1/chat/completions", chat, methods=["POST"])
+    app.add_api_route("/tokenize", h.tokenize, methods=["POST"])
+    app.add_api_route("/v1/models", h.models, methods=["GET"])
+    app.add_api_route("/health", health, methods=["GET"])
+    for path in ("/model_info", "/get_model_info"):  # SGLang's names, read by its router
+        app.add_api_route(path, h.model_info, methods=["GET"])
+    for path in ("/server_info", "/get_server_info"):
+        app.add_api_route(path, h.server_info, methods=["GET"])
+    app.add_api_route("/kv/pull", h.pull, methods=["POST"])
+    app.add_api_route("/kv/bootstrap/{room}", h.bootstrap, methods=["GET"])
+    app.mount("/metrics", make_asgi_app(registry=engine_registry(engine)))  # vLLM's names, on the API port as vLLM
+    app.router.on_shutdown.append(h.client.aclose)
+    return app

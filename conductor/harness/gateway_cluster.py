@@ -1,0 +1,232 @@
+"""A gateway in front of emulated engines, as separate processes: for the tests, the bench and demos.
+
+Starts a stream worker, a router, prefill and decode engines serving HTTP, and one gateway
+(``conductor gateway``), waits until the view shows every engine live and the gateway
+answers, and stops exactly the processes it started. With ``bridges`` the engines' KV
+events reach the view through a ``conductor bridge`` process per engine, so the router sees
+where the KV is; heartbeats are the engines' own.
+
+:class:`SglangRouterCluster` puts the SGLang router (``sglang-router``, the ``peer`` extra)
+in front of the same emulated engines instead, in P/D mode: the peer of ``conductor bench live``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import json
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from conductor.errors import ConductorError
+from conductor.settings import Settings, child_environment
+from conductor.harness.demo import Processes, ready_line
+from conductor.harness.devstack import free_port
+from state.redis_view import RedisViewStore
+from streams.kafka import ensure_topics
+from streams.topics import topics
+
+
+class ClusterError(ConductorError):
+    pass
+
+
+@dataclass
+class GatewayCluster:
+    settings: Settings
+    log_dir: Path
+    prefill: int = 2
+    decode: int = 2
+    time_scale: float = 1.0
+    max_output_tokens: int | None = None
+    protocol: str = "vllm"
+    gateway_args: list[str] = field(default_factory=list)
+    report: bool = False
+    """Engines print a JSON line per finished step (``--report``), collected in ``reports``."""
+    reports: list[dict[str, Any]] = field(default_factory=list)
+    engine_urls: dict[str, str] = field(default_factory=dict)
+    engine_procs: dict[str, Any] = field(default_factory=dict)
+    gateway_url: str = ""
+    gateway_id: str = ""
+    engine_args: list[str] = field(default_factory=list)
+    """More ``conductor engine`` options, the same for every engine (e.g. ``--kv-blocks``)."""
+    bridges: bool = False
+    """Carry each engine's KV events into ``kv-events`` (``conductor bridge`` per engine, a process each).
+    Heartbeats stay the engines' own: bridges scraping ``/metrics`` from a busy process (the live bench's,
+    when they ran in it) missed scrapes, and the engines looked dead (``no_live_instance``)."""
+    ready_info: dict[str, dict[str, Any]] = field(default_factory=dict)
+    discover: bool = False
+    """Start the gateway without ``--engine``: it finds the engines through the view (their
+    bridges announce the URLs)."""
+
+    async def __aenter__(self) -> "GatewayCluster":
+        s = self.settings
+        await ensure_topics(s, topics(s).all())
+        env = child_environment(s)
+        self.procs = Processes(self.log_dir, cwd=None)
+        try:
+            await self.procs.start("worker", ["worker"], env)
+            await self.procs.start("router", ["-v", "router"], env)
+            await self._start_engines(env)
+            if self.bridges:
+                await self._start_bridges(env)
+            await self._wait_live(set(self.engine_procs))
+            self.gateway_id = f"gw-test-{time.time_ns() % 10**9}"
+            overrides = {} if self.discover else self.engine_urls
+            args = ["gateway", "--port", "0", "--gateway-id", self.gateway_id, "--engine-protocol", self.protocol,
+                    *[a for n, u in overrides.items() for a in ("--engine", f"{n}={u}")], *self.gateway_args]
+            gw = await self.procs.start("gateway", args, env, stdout_pipe=True)
+            self.gateway_url = (await self._ready_line("gateway", gw))["url"]
+        except BaseException:
+            await self._stop_all()
+            raise
+        return self
+
+    async def _start_engines(self, env: dict[str, str]) -> None:
+        """Every prefill and decode engine, serving HTTP; their URLs in ``engine_urls``."""
+        for role, n in (("prefill", self.prefill), ("decode", self.decode)):
+            for i in range(n):
+                node = f"{role}-{i}"
+                args = ["engine", "--role", role, "--node-id", node, "--http-port", "0",
+                        "--time-scale", str(self.time_scale), *self.engine_args]
+                args += ["--heartbeat-s", "0.3"]
+                if self.report:
+                    args.append("--report")
+                if self.max_output_tokens:
+                    args += ["--max-output-tokens", str(self.max_output_tokens)]
+                self.engine_procs[node] = await self.procs.start(node, args, env, stdout_pipe=True)
+        for node, proc in self.engine_procs.items():
+            self.ready_info[node] = await self._ready_line(node, proc)
+            self.engine_urls[node] = self.ready_info[node]["http"]
+
+    async def _start_bridges(self, env: dict[str, str]) -> None:
+        """``conductor bridge`` per engine, each its own process (as deployed): in the client's process,
+        four bridges' decoding and hashing delayed the clients' own reads by seconds under load."""
+        for node, info in self.ready_info.items():
+            role = "prefill" if node.startswith("prefill") else "decode"
+            await self.procs.start(f"bridge-{node}", ["bridge", "--zmq", info["zmq"], "--replay", info["replay"],
+                                                      "--node-id", node, "--role", role, "--heartbeat-s", "0"], env)
+
+    async def _stop_all(self) -> None:
+        await self.procs.stop()
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self._stop_all()
+
+    async def _ready_line(self, name: str, proc: Any, timeout_s: float = 60.0) -> dict[str, Any]:
+        row = await ready_line(proc, timeout_s)
+        if row is not None:
+            # Keep draining stdout so the process never blocks on a full pipe.
+            asyncio.ensure_future(_drain(proc, self.reports))
+            return row
+        raise ClusterError(f"{name} did not start:\n{self.procs.log_tail(name)}")
+
+    async def _wait_live(self, want: set[str], timeout_s: float = 60.0) -> None:
+        view = RedisViewStore.from_settings(self.settings)
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                now = time.time_ns() // 1_000_000
+                live = {n.node_id for n in await view.nodes() if n.is_live(now, self.settings.heartbeat_ttl_s)}
+                # Ready means routable: while the worker reads partitions back, routers answer view_rebuilding.
+                if want <= live and (await view.view_health())[0]:
+                    return
+                dead = self.procs.dead()
+                if dead or time.monotonic() > deadline:
+                    name = dead[0] if dead else "worker"
+                    raise ClusterError(f"engines not live in the view (live: {sorted(live)}):\n"
+                                       f"{self.procs.log_tail(name)}")
+                await asyncio.sleep(0.2)
+        finally:
+            await view.close()
+
+    def kill(self, node: str) -> None:
+        """SIGKILL one engine (no goodbye: its heartbeats just stop)."""
+        self.engine_procs[node].kill()
+
+
+async def _drain(proc: Any, into: list[dict[str, Any]]) -> None:
+    while line := await proc.stdout.readline():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            into.append(row)
+
+
+SGLANG_ROUTER_VERSION = "0.3.2"
+
+
+def sglang_router_missing() -> str | None:
+    """Why the SGLang router cannot run here (None when it can)."""
+    if importlib.util.find_spec("sglang_router") is None:
+        return (f"sglang-router is not installed: pip install -e '.[peer]' (sglang-router=={SGLANG_ROUTER_VERSION}), "
+                "or .venv/bin/pip install sglang-router")
+    return None
+
+
+@dataclass
+class SglangRouterCluster(GatewayCluster):
+    """The SGLang router (``python -m sglang_router.launch_router``) in front of emulated engines, in P/D mode.
+
+    The engines are started exactly as :class:`GatewayCluster` starts them (a fresh topic
+    prefix: nothing reads their events); the router gets ``--pd-disaggregation``, each prefill
+    as ``--prefill URL BOOTSTRAP_PORT`` (the emulated engine serves its bootstrap on its HTTP
+    port) and each decode as ``--decode URL``, and ``policy`` for both. ``gateway_url`` is the
+    router's. Ready when its ``/workers`` lists every engine healthy.
+    """
+
+    policy: str = "cache_aware"
+
+    async def __aenter__(self) -> "SglangRouterCluster":
+        why = sglang_router_missing()
+        if why:
+            raise ClusterError(why)
+        s = self.settings
+        await ensure_topics(s, topics(s).all())
+        env = child_environment(s)
+        self.procs = Processes(self.log_dir, cwd=None)
+        try:
+            await self._start_engines(env)
+            port = free_port(s.bind_host)
+            args = ["--host", s.bind_host, "--port", str(port), "--pd-disaggregation", "--policy", self.policy,
+                    "--prometheus-host", s.bind_host, "--prometheus-port", str(free_port(s.bind_host)),
+                    "--log-level", "warn"]
+            for node, url in self.engine_urls.items():
+                if node.startswith("prefill"):
+                    args += ["--prefill", url, url.rsplit(":", 1)[1]]
+                else:
+                    args += ["--decode", url]
+            self.gateway_id = "sglang-router"
+            await self.procs.start("sglang-router", args, env,
+                                   program=[sys.executable, "-m", "sglang_router.launch_router"])
+            self.gateway_url = f"http://{s.bind_host}:{port}"
+            await self._wait_workers()
+        except BaseException:
+            await self._stop_all()
+            raise
+        return self
+
+    async def _wait_workers(self, timeout_s: float = 60.0) -> None:
+        want = len(self.engine_urls)
+        deadline = time.monotonic() + timeout_s
+        seen: Any = None
+        async with httpx.AsyncClient(timeout=2.0) as client:
+            while time.monotonic() < deadline:
+                if self.procs.dead():
+                    break
+                with contextlib.suppress(httpx.HTTPError, ValueError):
+                    seen = (await client.get(self.gateway_url + "/workers")).json()
+                    healthy = [w for w in seen.get("workers", []) if w.get("is_healthy")]
+                    if len(healthy) >= want:
+                        return
+                await asyncio.sleep(0.3)
+        raise ClusterError(f"the SGLang router did not list {want} healthy workers (last: {str(seen)[:300]}):\n"
+                           f"{self.procs.log_tail('sglang-router')}")
