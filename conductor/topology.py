@@ -78,7 +78,7 @@ class RackPair(BaseModel):
     link: Link
 
     @model_validator(mode="after")
-    def _two_racks(self) -> "RackPair":
+    def _two_racks(self) -> RackPair:
         if self.racks[0] == self.racks[1]:
             raise ValueError(f"a rack pair needs two different racks, got {list(self.racks)}")
         return self
@@ -92,11 +92,18 @@ class NodePlace(BaseModel):
 
 
 class Located(Protocol):
-    """Anything with a node id, a rack and a zone (a policy ``Instance``, a view ``NodeState``)."""
+    """Anything with a node id, a rack and a zone (a policy ``Instance``, a view ``NodeState``).
 
-    node_id: str
-    rack: str | None
-    zone: str | None
+    Read-only members, so frozen models and dataclasses qualify as well as plain objects."""
+
+    @property
+    def node_id(self) -> str: ...
+
+    @property
+    def rack(self) -> str | None: ...
+
+    @property
+    def zone(self) -> str | None: ...
 
 
 PathKey = tuple[str, str, str]
@@ -118,7 +125,7 @@ class Topology(BaseModel):
     _pairs: dict[tuple[str, str], Link] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="after")
-    def _known_racks(self) -> "Topology":
+    def _known_racks(self) -> Topology:
         if self.racks:
             for i, pair in enumerate(self.rack_pairs):
                 for r in pair.racks:
@@ -199,7 +206,7 @@ class Topology(BaseModel):
         return sorted(names)
 
     @classmethod
-    def flat(cls, rack_bandwidth: float, cross_rack_bandwidth: float, latency_s: float) -> "Topology":
+    def flat(cls, rack_bandwidth: float, cross_rack_bandwidth: float, latency_s: float) -> Topology:
         """The two-speed network of a model profile (bytes/s), with no zones."""
         return cls(
             name="flat",

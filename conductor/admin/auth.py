@@ -11,6 +11,8 @@ from __future__ import annotations
 import hmac
 from typing import Literal
 
+from pydantic import SecretStr
+
 from conductor.settings import Settings
 
 Scope = Literal["read", "admin"]
@@ -52,10 +54,10 @@ class Tokens:
         return scope == "admin" or needed == "read"
 
 
-def _bytes(secret: object) -> bytes | None:
+def _bytes(secret: SecretStr | None) -> bytes | None:
     if secret is None:
         return None
-    return secret.get_secret_value().encode()  # type: ignore[attr-defined]
+    return secret.get_secret_value().encode()
 
 
 __all__ = ["Scope", "Tokens"]

@@ -10,11 +10,11 @@ from state.view import ViewSnapshot
 def view_summary(snap: ViewSnapshot, ttl_s: float, status: Any = None) -> dict[str, Any]:
     """Nodes (role, liveness, epoch, load, blocks per tier, heartbeat age) and totals.
     ``status(node_id)`` adds the control status (active / cordoned / draining) when given."""
-    nodes = []
+    nodes: list[dict[str, Any]] = []
     totals: dict[str, int] = {}
     for n in snap.nodes:
         live = n.is_live(snap.now_ms, ttl_s)
-        row = {
+        row: dict[str, Any] = {
             "node_id": n.node_id, "role": n.role, "live": live,
             "heartbeat_age_s": round((snap.now_ms - n.last_heartbeat_ms) / 1000, 3) if n.last_heartbeat_ms else None,
             "queue_depth": n.queue_depth, "queued_prefill_tokens": n.queued_prefill_tokens,

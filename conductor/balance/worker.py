@@ -83,10 +83,11 @@ class Balancer:
         app = self.app = make_app(s, app_id=f"{s.topic_prefix}balance", web_enabled=False, key_serializer="json",
                                   value_serializer="json", **app_overrides)
         parts = t.requests.partitions
-        table: dict[str, Any] = dict(partitions=parts, use_partitioner=True)
+        table: dict[str, Any] = {"partitions": parts, "use_partitioner": True}
         window = params.heat_window_s
+        # faust's WindowWrapperT leaves out relative_to, which its one implementation has.
         self.heat = app.Table("block-heat", default=int, **table).tumbling(
-            window, expires=3 * window).relative_to(lambda event=None: self._at_s)
+            window, expires=3 * window).relative_to(lambda event=None: self._at_s)  # type: ignore[attr-defined]
         self.hot_blocks = app.Table("hot-blocks", **table)
         self.prefix_tokens = app.Table("prefix-tokens", **table)
         self.stream_time = app.Table("stream-time", **table)
@@ -177,7 +178,7 @@ class Balancer:
     def heat_snapshot(self, now_s: float | None = None) -> dict[int, float]:
         """Heat now of every block that was hot once (what a planning round sees)."""
         now_s = self.now_s() if now_s is None else now_s
-        return {int(k): self.block_heat(int(k), now_s) for k in self.hot_blocks.keys()}
+        return {int(k): self.block_heat(int(k), now_s) for k in self.hot_blocks}
 
     def with_tokens(self, cmd: KvCommand) -> KvCommand:
         """``cmd`` with its prefix's tokens when a request under its head carried them."""
@@ -200,7 +201,9 @@ class Balancer:
     def recovered(self) -> bool:
         """The tables hold what their changelogs held (a round before that would see no heat
         and call every hot block cold)."""
-        return self.app.tables.recovery.completed.is_set() and not self.app.rebalancing
+        # faust's TableManagerT leaves out recovery, which its one implementation has.
+        recovery = self.app.tables.recovery  # type: ignore[attr-defined]
+        return recovery.completed.is_set() and not self.app.rebalancing
 
     async def plan_round(self) -> list[KvCommand]:
         store, reservations = await self._view()

@@ -44,6 +44,7 @@ from typing import Any
 
 import zmq
 import zmq.asyncio
+from aiokafka.errors import KafkaError
 from zmq.utils.monitor import parse_monitor_message
 
 from conductor.bridge.scrape import EngineLoad, MetricsScraper, heartbeat_of
@@ -432,7 +433,7 @@ class Bridge:
                     try:
                         await self.heartbeat_sink([env])
                         self.counts["heartbeats"] += 1
-                    except Exception as e:  # a broker hiccup must not stop the bridge
+                    except (KafkaError, OSError) as e:  # a broker hiccup must not stop the bridge
                         log.warning("node %s: heartbeat not published: %s", self.config.node_id, e)
                 if self.scraper is not None:
                     await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))

@@ -115,7 +115,7 @@ def parse_load(text: str, *, rank: int | None = None, sglang_page_size: int = 1)
                     info = dict(s.labels)
                     continue
                 sums[s.name] = sums.get(s.name, 0.0) + float(s.value)
-    except Exception as e:  # the parser raises ValueError, TypeError, IndexError on bad text
+    except (ValueError, TypeError, IndexError) as e:  # what the parser raises on bad text
         raise MetricsError(f"unparsable metrics: {type(e).__name__}: {e}"[:300]) from None
 
     def first(names: tuple[str, ...]) -> float | None:
@@ -130,7 +130,7 @@ def parse_load(text: str, *, rank: int | None = None, sglang_page_size: int = 1)
 
     def as_int(v: str | None) -> int | None:
         try:
-            return int(float(v)) if v not in (None, "", "None") else None  # type: ignore[arg-type]
+            return int(float(v)) if v not in (None, "", "None") else None
         except ValueError:
             return None
 

@@ -10,7 +10,8 @@ or a tagged map ``{"type": "BlockStored", "block_hashes": ..., ...}``.
 
 Decoding is pure and never raises on a bad *event*: it is returned as a
 :class:`BadEvent` so the batch's other events still apply. Only a payload that is
-not a batch at all raises :class:`WireError`.
+not a batch at all raises :class:`WireError`. The field readers raise ``ValueError`` for
+any bad value, a field of the wrong type included: to this format both are one error.
 """
 
 from __future__ import annotations
@@ -118,7 +119,7 @@ def tier_of(medium: object) -> Tier:
     if medium is None:
         return "hbm"
     if not isinstance(medium, str):
-        raise ValueError(f"medium must be a string, got {type(medium).__name__}")
+        raise ValueError(f"medium must be a string, got {type(medium).__name__}")  # noqa: TRY004 — a bad wire value
     try:
         return _TIERS[medium.strip().lower()]
     except KeyError:
@@ -133,7 +134,7 @@ def medium_of(tier: Tier) -> str:
 def normalize_hash(h: object) -> EngineHash:
     """One canonical form per hash: signed int64 (SGLang) becomes its uint64 twin."""
     if isinstance(h, bool):
-        raise ValueError("a block hash cannot be a bool")
+        raise ValueError("a block hash cannot be a bool")  # noqa: TRY004 — a bad wire value
     if isinstance(h, int):
         if -(1 << 63) <= h < 0:
             return h & MASK64
@@ -149,7 +150,7 @@ def normalize_hash(h: object) -> EngineHash:
 
 def _hashes(v: object) -> tuple[EngineHash, ...]:
     if not isinstance(v, list):
-        raise ValueError("block_hashes is not a list")
+        raise ValueError("block_hashes is not a list")  # noqa: TRY004 — a bad wire value
     return tuple(normalize_hash(h) for h in v)
 
 
@@ -222,9 +223,9 @@ def decode_event(raw: object) -> EngineEvent:
         return BadEvent("not_an_event", f"{type(raw).__name__}")
     try:
         if tag == "BlockStored":
-            return _stored(_as_fields(raw, _STORED_FIELDS))  # type: ignore[arg-type]
+            return _stored(_as_fields(raw, _STORED_FIELDS))
         if tag == "BlockRemoved":
-            f = _as_fields(raw, _REMOVED_FIELDS)  # type: ignore[arg-type]
+            f = _as_fields(raw, _REMOVED_FIELDS)
             return EngineBlockRemoved(_hashes(f.get("block_hashes")), tier_of(f.get("medium")), _group(f.get("group_idx")))
         if tag == "AllBlocksCleared":
             return EngineAllCleared()
@@ -241,7 +242,7 @@ def decode_batch(payload: bytes) -> EngineBatch:
         raise WireError("too_large", f"{len(payload)} bytes")
     try:
         raw = unpack_foreign(payload)
-    except Exception as e:  # msgpack raises several unrelated types for bad input
+    except (ValueError, TypeError) as e:  # msgpack's errors are ValueErrors; an unhashable map key a TypeError
         raise WireError("malformed", f"not msgpack: {type(e).__name__}") from None
     if isinstance(raw, dict):
         ts, events, rank = raw.get("ts"), raw.get("events"), raw.get("data_parallel_rank")

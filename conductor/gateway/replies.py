@@ -15,6 +15,7 @@ import time
 from collections import Counter
 
 from aiokafka import TopicPartition
+from aiokafka.errors import KafkaError
 
 from conductor.settings import Settings
 from schemas import DecodeError, RoutingDecision, RoutingRejection, decode
@@ -88,7 +89,7 @@ class ReplyInbox:
             found = {}
             try:
                 found = await cons.offsets_for_times({tp: since})
-            except Exception as e:  # a broker without timestamp lookups: read from the start
+            except KafkaError as e:  # a broker without timestamp lookups: read from the start
                 log.info("offsets by time unavailable (%s); reading the reply topic from its start", e)
             hit = found.get(tp)
             if hit is not None:

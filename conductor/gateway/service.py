@@ -39,9 +39,9 @@ from conductor.gateway.protocol import (
     DEFAULT_EXPECTED_OUTPUT,
     BadRequest,
     ClientRequest,
-    aggregated_body,
     EngineProtocol,
     Slo,
+    aggregated_body,
     cpp_chunk_body,
     error_body,
     parse_body,
@@ -254,7 +254,7 @@ class Gateway:
         try:
             # The send is inside the timeout too: a producer that cannot take the record never hangs a client.
             return await asyncio.wait_for(ask(), self.config.decision_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return None
         finally:
             self.inbox.forget(arid)
@@ -301,7 +301,8 @@ class Gateway:
         elif d.prefill_group and d.chunk_boundaries:
             # CPP: member j pulls the KV before its chunk from member j-1, computes its chunk and
             # holds the KV up to its boundary; the decode instance pulls the whole KV from the last.
-            pj, params, prev = {}, None, None
+            params: dict[str, Any] | None = None
+            prev: str | None = None
             for node, end in zip(d.prefill_group, d.chunk_boundaries):
                 pj_j = await self._prefill(self._url(node, d) + path, cpp_chunk_body(body, creq.chat, end, params),
                                            self._headers(arid, d, node), node, peer=prev)
@@ -309,6 +310,7 @@ class Gateway:
                 params, prev = pj_j.get("kv_transfer_params"), node
                 if not isinstance(params, dict):
                     raise EngineFailed(node, "the CPP member's answer has no kv_transfer_params")
+            assert params is not None  # the group has members, so the loop set it
             resp = await self._open_decode(d_url + path, vllm_decode_body(body, params), d_hdrs, d, None,
                                            kv_from=prev)
         elif self.config.protocol == "sglang":

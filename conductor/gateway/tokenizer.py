@@ -80,7 +80,7 @@ class LocalTokenizer:
     def __init__(self, path: str, fallback: PromptTokenizer | None) -> None:
         try:
             self.tok = Tokenizer.from_file(path)
-        except Exception as e:  # the library raises its own exception type
+        except Exception as e:  # noqa: BLE001 — the library raises bare Exception (bad JSON, missing file)
             raise ValueError(f"--tokenizer {path}: {e}") from None
         self.fallback = fallback
 
