@@ -27,12 +27,19 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections.abc import Callable, Collection, Iterable
-from dataclasses import dataclass
 
 from conductor.profiles import ModelProfile
-from conductor.routing.policies.base import Costs, decode_load
-from conductor.routing.policies.parts import indexes_by
-from conductor.routing.snapshot import NO_PREFIX, ClusterSnapshot, Instance, LazyInstances, PendingLoad, instance
+from conductor.routing.costs import Costs, decode_load
+from conductor.routing.snapshot import (
+    NO_PREFIX,
+    ClusterSnapshot,
+    IndexView,
+    Instance,
+    LazyInstances,
+    PendingLoad,
+    indexes_by,
+    instance,
+)
 from state.view import NodeState, ViewSnapshot
 
 PendingOne = Callable[[str, int, int], tuple["PendingLoad | None", "int | None"]]
@@ -50,57 +57,6 @@ MEMO_SIZE = 1024
 _INF = float("inf")
 PREFILL_ROLES = ("prefill", "both")
 DECODE_ROLES = ("decode", "both")
-
-
-@dataclass(frozen=True, slots=True)
-class IndexView:
-    """What a policy may use beside ``ClusterSnapshot.instances``, valid for one decision."""
-
-    profile: ModelProfile
-    """The profile the waits and loads were computed with (a policy of another ignores them)."""
-    holders: tuple[Instance, ...]
-    """The instances holding a prefix of the chain, in the order of ``instances``, as they are
-    without it (their prefixes are ``shapes``)."""
-    shapes: tuple[tuple[int, int, int], ...]
-    groups: dict[tuple[int, int, int], tuple[int, ...]]
-    """prefix → the indexes in ``holders`` of its holders, ascending."""
-    prefix: dict[str, tuple[int, int, int]]
-    """node → its prefix of the chain, for the holders."""
-    base: dict[str, Instance]
-    """node → its instance without prefix, for every instance."""
-    waits: list[tuple[float, str]]
-    """(queue wait, node) of every prefill-capable instance, ascending."""
-    wait_of: dict[str, float]
-    decode_loads: list[tuple[float, str, int, int, int]]
-    """(:func:`decode_load`, node, free KV blocks, total KV blocks, decode context tokens) of
-    every decode-capable instance, ascending (what the decode band reads of each)."""
-    decode_ranks: list[int]
-    """Beside ``decode_loads``, entry for entry: the node's ``id_rank``."""
-    decode_room: list[float]
-    """Beside ``decode_loads``, entry for entry: the free KV blocks, infinite where the total is
-    not known (0: such an instance always fits), so ``min`` of a slice says whether all fit."""
-    by_rank: list[str]
-    """The instances in node-id order (``by_rank[id_rank[node]] == node``)."""
-    prefill_count: int
-    decode_count: int
-    decode_negative_contexts: int
-    """Decode entries with a context below zero (0 from any real heartbeat)."""
-    with_prefix: Callable[[str, tuple[int, int, int]], Instance]
-    """(node, prefix) → the node's instance as ``instances`` has it."""
-    id_rank: dict[str, int]
-    """node → its place among the instances in node-id order (sorting by it sorts by id)."""
-    rack_holders: dict[str | None, tuple[int, ...]]
-    """rack → the indexes in ``holders`` of the holders in that rack, ascending (racks
-    without holders absent)."""
-    prefill_shapes: frozenset[tuple[int, int, int]]
-    """The prefixes some prefill-capable holder has."""
-    both_count: int = 0
-    """Instances of role ``both`` (none: every request runs disaggregated, ``policies.mode``)."""
-
-    def instance(self, node: str) -> Instance:
-        """``node`` as ``instances`` has it."""
-        p = self.prefix.get(node)
-        return self.base[node] if p is None else self.with_prefix(node, p)
 
 
 class ClusterIndex:

@@ -12,17 +12,16 @@ from pydantic import ValidationError
 
 from conductor.errors import ConfigError
 from conductor.profiles import ModelProfile
+from conductor.routing.costs import Costs, Reuse
 from conductor.routing.policies.base import (
     REJECT_CODES,
     BasePolicy,
-    Costs,
     Decision,
     Placement,
     Policy,
     PolicyParams,
     RejectCode,
     Rejection,
-    Reuse,
 )
 from conductor.routing.policies.dynamo_style import DynamoStyle
 from conductor.routing.policies.global_cache_aware import GlobalCacheAware

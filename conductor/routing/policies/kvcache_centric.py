@@ -23,19 +23,16 @@ import operator
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pydantic import Field
 
-from conductor.routing.policies.base import Decision, PolicyParams, Rejection, Reuse, tbt_of_load
+from conductor.routing.costs import Reuse, tbt_of_load
+from conductor.routing.policies.base import Decision, PolicyParams, Rejection
 from conductor.routing.policies.cpp import STAGES, plan_pipeline
-from conductor.routing.policies.parts import RoleSplitPolicy, indexes_by, pick_lowest, placement
-from conductor.routing.snapshot import NO_PREFIX, ClusterSnapshot, Instance, PolicyRequest
+from conductor.routing.policies.parts import RoleSplitPolicy, pick_lowest, placement
+from conductor.routing.snapshot import NO_PREFIX, ClusterSnapshot, IndexView, Instance, PolicyRequest, indexes_by
 from conductor.topology import Link
-
-if TYPE_CHECKING:
-    from conductor.routing.index import IndexView
-
 
 _first = operator.itemgetter(0)
 """A tuple's first item: an option's cost, an index decode entry's load."""

@@ -28,7 +28,8 @@ import dataclasses
 import random
 from dataclasses import dataclass
 
-from conductor.routing.policies.base import Costs, Decision, Placement, Policy, Rejection
+from conductor.routing.costs import Costs
+from conductor.routing.policies.base import Decision, Placement, Policy, Rejection
 from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
 
 AGGREGATED = "aggregated"

@@ -17,14 +17,14 @@ Every part is pure: the only randomness is the ``random.Random`` passed in.
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from conductor.routing.policies.base import BasePolicy, Costs, Decision, Placement, Rejection, Reuse
+from conductor.routing.costs import Costs, Reuse
+from conductor.routing.policies.base import BasePolicy, Decision, Placement, Rejection
 from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
 
 T = TypeVar("T")
-K = TypeVar("K", bound=Hashable)
 Scorer = Callable[[Instance], float]
 
 # --- the filter -------------------------------------------------------------------------
@@ -88,18 +88,6 @@ def shortest_first(values: Sequence[float]) -> list[float]:
 def by_node(items: Sequence[Instance]) -> list[Instance]:
     """In node-id order, so a pick depends on the set of instances, not their order."""
     return sorted(items, key=lambda i: i.node_id)
-
-
-def indexes_by(keys: Iterable[K]) -> dict[K, list[int]]:
-    """Each distinct key → the positions where it occurs, ascending."""
-    out: dict[K, list[int]] = {}
-    for i, k in enumerate(keys):
-        at = out.get(k)
-        if at is None:
-            out[k] = [i]
-        else:
-            at.append(i)
-    return out
 
 
 def pick_lowest(items: Sequence[T], scores: Sequence[float], rng: random.Random, *, tol: float = 1e-9,
