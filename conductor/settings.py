@@ -12,16 +12,15 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
-from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 from pydantic import Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from conductor.errors import ConfigError
-from state.connect import cluster_seeds, is_cluster_url
 from conductor.topology import Topology, load_topology
-
-Profile = Literal["embedded", "production"]
+from state.connect import RedisConnection, cluster_seeds, is_cluster_url
+from streams.config import KafkaConnection, Profile, SaslMechanism, SecurityProtocol, WorkerConfig
+from streams.topics import TopicConfig
 
 
 class Settings(BaseSettings):
@@ -59,10 +58,10 @@ class Settings(BaseSettings):
     )
 
     # --- security on every connection ---------------------------------------
-    kafka_security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
+    kafka_security_protocol: SecurityProtocol = Field(
         default="PLAINTEXT", description="how every Kafka client (aiokafka and Faust) connects"
     )
-    kafka_sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"] = "PLAIN"
+    kafka_sasl_mechanism: SaslMechanism = "PLAIN"
     kafka_sasl_username: str | None = None
     kafka_sasl_password: SecretStr | None = None
     kafka_ssl_cafile: Path | None = Field(default=None, description="CA bundle that signed the brokers' certificates")
@@ -172,7 +171,7 @@ class Settings(BaseSettings):
         return v
 
     @model_validator(mode="after")
-    def _security_complete(self) -> "Settings":
+    def _security_complete(self) -> Settings:
         if self.kafka_security_protocol.startswith("SASL_") and not (
             self.kafka_sasl_username and self.kafka_sasl_password
         ):
@@ -186,7 +185,7 @@ class Settings(BaseSettings):
         return self
 
     @model_validator(mode="after")
-    def _default_profile(self) -> "Settings":
+    def _default_profile(self) -> Settings:
         if self.profile is None:
             object.__setattr__(self, "profile", "embedded" if self.kafka_url is None else "production")
         return self
@@ -207,16 +206,48 @@ class Settings(BaseSettings):
     def redis_connection_url(self) -> str | None:
         """``redis_url`` with ``redis_username`` / ``redis_password`` put in, when set apart from it.
         Carries the password: never log it (``conductor.cli.common.redacted_url``)."""
-        url = self.redis_url
-        if url is None or (self.redis_username is None and self.redis_password is None):
-            return url
-        u = urlsplit(url)
-        userinfo, _, hosts = u.netloc.rpartition("@")  # hosts: host[:port], or a cluster's list of them
-        old_user, _, old_pw = userinfo.partition(":")
-        user = quote(self.redis_username if self.redis_username is not None else unquote(old_user), safe="")
-        pw = self.redis_password.get_secret_value() if self.redis_password else unquote(old_pw)
-        netloc = f"{user}:{quote(pw, safe='')}@{hosts}"
-        return urlunsplit(u._replace(netloc=netloc))
+        return None if self.redis_url is None else self.redis().connection_url()
+
+    # --- what the lower layers are given ------------------------------------
+    def kafka(self) -> KafkaConnection:
+        """How every Kafka client connects (``streams``)."""
+        return KafkaConnection(
+            bootstrap_servers=self.kafka_url,
+            profile="embedded" if self.embedded else "production",
+            security_protocol=self.kafka_security_protocol,
+            sasl_mechanism=self.kafka_sasl_mechanism,
+            sasl_username=self.kafka_sasl_username,
+            sasl_password=self.kafka_sasl_password,
+            ssl_cafile=self.kafka_ssl_cafile,
+            ssl_certfile=self.kafka_ssl_certfile,
+            ssl_keyfile=self.kafka_ssl_keyfile,
+        )
+
+    def redis(self) -> RedisConnection:
+        """How every Redis client of the view connects (``state``)."""
+        return RedisConnection(self.redis_url, self.redis_username, self.redis_password, self.redis_ssl_ca_certs)
+
+    def topic_config(self) -> TopicConfig:
+        """The topics' names, partitions, replication and retention (``streams.topics.topics``)."""
+        return TopicConfig(
+            prefix=self.topic_prefix,
+            partitions=self.partitions,
+            replication_factor=self.replication_factor,
+            kv_events_retention_ms=self.kv_events_retention_ms,
+            heartbeats_retention_ms=self.heartbeats_retention_ms,
+            audit_retention_ms=self.audit_retention_ms,
+        )
+
+    def worker(self) -> WorkerConfig:
+        """A Faust app's configuration (``streams.app.make_app``, ``streams.agents.build_worker``)."""
+        return WorkerConfig(
+            kafka=self.kafka(),
+            topics=self.topic_config(),
+            data_dir=self.data_dir,
+            bind_host=self.bind_host,
+            web_port=self.web_port,
+            heartbeat_ttl_s=self.heartbeat_ttl_s,
+        )
 
 
 SECRET_FIELDS = frozenset({"admin_token", "read_token", "kafka_sasl_password", "redis_password", "redis_url"})

@@ -10,16 +10,21 @@ disagree with a second setting.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlsplit
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 import hiredis
 import redis
 import redis.asyncio as aioredis
+from pydantic import SecretStr
 from redis.asyncio.cluster import ClusterNode, RedisCluster
 from redis.asyncio.connection import Connection
 from redis.cluster import ClusterNode as SyncClusterNode
 from redis.cluster import RedisCluster as SyncRedisCluster
+
+from schemas.errors import ViewStoreError
 
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
 
@@ -91,6 +96,42 @@ def open_sync_client(url: str, **options: Any) -> redis.Redis | SyncRedisCluster
         seeds, kw = _cluster_kwargs(url, options)
         return SyncRedisCluster(startup_nodes=[SyncClusterNode(h, p) for h, p in seeds], **kw)
     return redis.Redis.from_url(url, **options)
+
+
+@dataclass(frozen=True, slots=True)
+class RedisConnection:
+    """Where the view's Redis is and how to log in to it."""
+
+    url: str | None = field(repr=False)
+    """``redis://``, ``rediss://``, ``unix://`` or ``redis+cluster://`` (seed nodes); ``None``
+    when not configured. Not shown in a repr: a URL can carry a password."""
+    username: str | None = None
+    """ACL user, put into the URL in place of its own."""
+    password: SecretStr | None = field(default=None, repr=False)
+    """Its password, put into the URL in place of its own."""
+    ssl_ca_certs: Path | None = None
+    """CA bundle a ``rediss://`` server's certificate is verified against."""
+
+    def connection_url(self) -> str:
+        """The URL to connect with: :attr:`url` with :attr:`username` and :attr:`password` put in,
+        when set apart from it. Carries the password: never log it. :class:`ViewStoreError` when
+        no URL is configured."""
+        if self.url is None:
+            raise ViewStoreError("redis_url is not set (start the embedded stack with `conductor dev up`)")
+        if self.username is None and self.password is None:
+            return self.url
+        u = urlsplit(self.url)
+        userinfo, _, hosts = u.netloc.rpartition("@")  # hosts: host[:port], or a cluster's list of them
+        old_user, _, old_pw = userinfo.partition(":")
+        user = quote(self.username if self.username is not None else unquote(old_user), safe="")
+        pw = self.password.get_secret_value() if self.password else unquote(old_pw)
+        return urlunsplit(u._replace(netloc=f"{user}:{quote(pw, safe='')}@{hosts}"))
+
+    def tls_options(self) -> dict[str, Any]:
+        """redis-py options for a ``rediss://`` server verified against :attr:`ssl_ca_certs`."""
+        if self.ssl_ca_certs is None or not str(self.url).startswith(("rediss://", "rediss+cluster://")):
+            return {}
+        return {"ssl_ca_certs": str(self.ssl_ca_certs)}
 
 
 class HiredisPackedConnection(Connection):

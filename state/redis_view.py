@@ -35,7 +35,7 @@ from redis.exceptions import NoScriptError, RedisError
 from schemas.codec import pack_script_args
 from schemas.errors import ViewStoreError
 
-from .connect import HiredisPackedConnection, open_client
+from .connect import HiredisPackedConnection, RedisConnection, open_client
 from .fold import AddBlocks, ClearNode, NodeStream, Op, RemoveBlocks, SetHeartbeat, SetStream
 from .keys import (
     HEARTBEAT_FIELD,
@@ -404,19 +404,6 @@ def script_call(keys: ViewKeys, groups: list[list[Any]]) -> tuple[list[Any], lis
     return declared, out
 
 
-def connection_url(settings: Any) -> str:
-    """The URL to connect with: the settings' (with any separately set ACL user and password)."""
-    return getattr(settings, "redis_connection_url", None) or settings.redis_url
-
-
-def tls_options(settings: Any) -> dict[str, Any]:
-    """redis-py options for a ``rediss://`` server verified against ``redis_ssl_ca_certs``."""
-    ca = getattr(settings, "redis_ssl_ca_certs", None)
-    if ca is None or not str(settings.redis_url).startswith(("rediss://", "rediss+cluster://")):
-        return {}
-    return {"ssl_ca_certs": str(ca)}
-
-
 class RedisViewStore:
     """A :class:`state.view.ViewStore` in Redis; see the module docstring and :mod:`state.keys`."""
 
@@ -436,12 +423,11 @@ class RedisViewStore:
         """The generation this store's writes are folded on (adopted by :meth:`adopt_generation`)."""
 
     @classmethod
-    def from_settings(cls, settings: Any) -> RedisViewStore:
-        if not settings.redis_url:
-            raise ViewStoreError("redis_url is not set (start the embedded stack with `conductor dev up`)")
-        client = open_client(connection_url(settings), decode_responses=False, socket_timeout=5.0,
-                             connection_class=HiredisPackedConnection, **tls_options(settings))
-        return cls(client, settings.view_namespace)
+    def connect(cls, redis: RedisConnection, namespace: str) -> RedisViewStore:
+        """A store of the view ``namespace`` on ``redis`` (:class:`ViewStoreError` when no URL is set)."""
+        client = open_client(redis.connection_url(), decode_responses=False, socket_timeout=5.0,
+                             connection_class=HiredisPackedConnection, **redis.tls_options())
+        return cls(client, namespace)
 
     async def close(self) -> None:
         await self.client.aclose()

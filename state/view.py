@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Any, Protocol, runtime_checkable
 
 from schemas import TIERS, Role, Tier
 
@@ -172,6 +172,37 @@ class ViewStore(ViewReader, Protocol):
 
     async def clear(self) -> None:
         """Remove the whole view (this namespace only)."""
+        ...
+
+
+@runtime_checkable
+class GenerationalView(Protocol):
+    """A view with a generation (``ns|gen``; :class:`state.redis_view.RedisViewStore`): a view
+    lost or replaced shows a new or missing generation, and is read back from the log."""
+
+    generation: str | None
+    """The generation this store's writes are folded on."""
+
+    async def fences(self) -> tuple[str | None, dict[str, int]]:
+        """(the view's generation or None, its fences), read in one atomic step."""
+        ...
+
+    async def adopt_generation(self, partitions: Sequence[str] = ()) -> tuple[str, bool]:
+        """Fold this store's writes on the view's generation, created when absent (then
+        ``partitions`` are marked as being rebuilt in the same step); (generation, created)."""
+        ...
+
+
+@runtime_checkable
+class RebuildingView(GenerationalView, Protocol):
+    """A view with a generation that also records which partitions are still being read back."""
+
+    async def rebuild_pending(self) -> dict[str, int]:
+        """Partitions still being rebuilt → the offset each must reach (-1: not yet known)."""
+        ...
+
+    async def mark_rebuilding(self, targets: dict[str, int], generation: str) -> None:
+        """Record the end offset each partition must reach (only under ``generation``)."""
         ...
 
 

@@ -14,19 +14,23 @@ agents keep no tables.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import faust
 
 from schemas import DeadLetter, encode, headers
 from schemas.errors import ViewRefused, ViewStoreError
+from state.view import RebuildingView, ViewStore
 from streams.app import make_app
+from streams.config import WorkerConfig
+from streams.generation import GenerationWatcher
 from streams.ingest import BatchResult, IngestMetrics, Ingestor, RawRecord
-from streams.resume import LogReader, ResumeGuard
-from streams.topics import topics
+from streams.resume import LogReader, ResumeGuard, TopicLane
+from streams.topics import Topic, topics
 
 log = logging.getLogger(__name__)
 
@@ -43,13 +47,20 @@ class Worker:
     ingestor: Ingestor
 
 
-def build_worker(settings: Any, store: Any, *, metrics: bool = True, **app_overrides: Any) -> Worker:
-    """Declare the app, its topics and agents over ``store`` (a ViewStore)."""
-    app = make_app(settings, **app_overrides)
-    t = topics(settings)
-    kv_topic = app.topic(t.kv_events.name, partitions=t.kv_events.partitions, value_serializer="raw", key_serializer="raw")
-    hb_topic = app.topic(t.heartbeats.name, partitions=t.heartbeats.partitions, value_serializer="raw", key_serializer="raw")
-    dl_topic = app.topic(t.dead_letter.name, partitions=t.dead_letter.partitions, value_serializer="raw", key_serializer="raw")
+@runtime_checkable
+class _CompactableView(Protocol):
+    async def compact(self) -> dict[str, int]: ...
+
+
+def build_worker(config: WorkerConfig, store: ViewStore, *, metrics: bool = True, **app_overrides: Any) -> Worker:
+    """Declare the app, its topics and agents over ``store``."""
+    app = make_app(config, **app_overrides)
+    t = topics(config.topics)
+
+    def raw_topic(topic: Topic) -> faust.TopicT:
+        return app.topic(topic.name, partitions=topic.partitions, value_serializer="raw", key_serializer="raw")
+
+    dl_topic = raw_topic(t.dead_letter)
 
     async def send_dead_letter(dl: DeadLetter) -> None:
         env = ingestor.dead_letter_envelope(dl)
@@ -59,125 +70,85 @@ def build_worker(settings: Any, store: Any, *, metrics: bool = True, **app_overr
         t,
         store,
         dead_letter=send_dead_letter,
-        metrics=IngestMetrics(lambda: ingestor.live_nodes(settings.heartbeat_ttl_s)) if metrics else None,
+        metrics=IngestMetrics(lambda: ingestor.live_nodes(config.heartbeat_ttl_s)) if metrics else None,
     )
-
-    # One guard, log reader and lock per topic: the agent's batches and the generation
-    # watcher's catch-up of the same partitions never interleave.
+    view = store if isinstance(store, RebuildingView) else None
     all_parts = [f"{tp.name}:{p}" for tp in (t.kv_events, t.heartbeats) for p in range(tp.partitions)]
-    guards: dict[str, tuple[ResumeGuard, LogReader, asyncio.Lock]] = {}
+    lanes: dict[str, TopicLane] = {}
 
-    def guard_of(topic: str) -> tuple[ResumeGuard, LogReader, asyncio.Lock]:
-        if topic not in guards:
-            reader = LogReader(settings)
-            guard = ResumeGuard(store.watermark, reader.fetch_range, metrics=metrics, view=store)
+    def lane(topic: str) -> TopicLane:
+        if topic not in lanes:
+            reader = LogReader(config.kafka)
+            guard = ResumeGuard(store.watermark, reader.fetch_range, metrics=metrics, view=view)
             guard.all_partitions = all_parts
-            guards[topic] = (guard, reader, asyncio.Lock())
-        return guards[topic]
+            lanes[topic] = TopicLane(guard, reader)
+        return lanes[topic]
 
-    async def apply_batch(topic: str, batch: list[RawRecord]) -> None:
-        guard, _, lock = guard_of(topic)
-        while True:
-            try:
-                async with lock:
-                    async for part in admit_until_done(guard, batch):
-                        await process_until_done(ingestor, part)
-                return
-            except ViewRefused as e:  # the view lost writes: admit again from its fences
-                log.warning("%s; checking the batch against the view's fences again", e)
-                await asyncio.sleep(0.05)
-
-    async def consume(topic: str, stream: Any) -> None:
+    async def consume(topic: str, stream: faust.StreamT) -> None:
         # Each agent resumes its own topic's partitions from the view's fences, reading
         # back from the log what the consumer skipped (see streams.resume).
         try:
             async for events in stream.take_events(BATCH_MAX, within=BATCH_WITHIN_S):
-                batch = [
-                    RawRecord(e.message.topic, e.message.partition, e.message.offset, e.message.key, e.message.value,
-                              int(e.message.timestamp * 1000) if e.message.timestamp else 0)
-                    for e in events
-                ]
-                await apply_batch(topic, batch)
+                await apply_batch(ingestor, lane(topic), [raw_record(e.message) for e in events])
         finally:
-            if topic in guards:
-                await guards.pop(topic)[1].close()
-
-    # The highest fence seen per partition under one generation. Fences never move back under
-    # the same generation, unless the view lost its last writes: a replica promoted while it
-    # lagged its primary, or a restore of an older copy. Then the partition is read back too.
-    seen: dict[str, Any] = {"gen": None, "high": {}}
-
-    async def watch_generation() -> None:
-        """A lost or replaced view is rebuilt at once, traffic or not: every assigned partition
-        is read from the log up to its end, and ``ns|rebuild`` tells routers when it is done.
-        So is a view whose fences moved back (it lost its last writes, same generation)."""
-        if not hasattr(store, "fences"):
-            return
-        try:
-            gen, wm = await store.fences()
-            pending = await store.rebuild_pending()
-            assigned = [(tp.topic, tp.partition) for tp in app.consumer.assignment()]
-        except Exception as e:  # Redis down or not assigned yet: the next tick tries again
-            log.debug("generation check skipped: %s", e)
-            return
-        mine = [tp for tp in assigned if f"{tp[0]}:{tp[1]}" in pending]
-        if seen["gen"] != gen:
-            seen["gen"], seen["high"] = gen, {}
-        high = seen["high"]
-        rolled_back = {k: (high[k], v) for k, v in wm.items() if v < high.get(k, -1)}
-        rolled_back.update({k: (h, -1) for k, h in high.items() if k not in wm})
-        seen["high"] = dict(wm)
-        if rolled_back:
-            log.warning(
-                "the view's fences moved back (%s): it lost its last writes (a lagging replica promoted?); "
-                "reading those partitions back from the log",
-                ", ".join(f"{k} {was} -> {now}" for k, (was, now) in sorted(rolled_back.items())),
-            )
-        if gen is not None and gen == store.generation and not mine and not rolled_back:
-            return
-        for name in (t.kv_events.name, t.heartbeats.name):
-            tps = [tp for tp in assigned if tp[0] == name]
-            if not tps:
-                continue
-            guard, reader, lock = guard_of(name)
-            try:
-                async with lock:
-                    await guard.fences()  # adopts the new generation (marking all partitions rebuilding)
-                    gen_now = store.generation
-                    ends = await reader.end_offsets(tps)
-                    await store.mark_rebuilding({f"{a}:{b}": e for (a, b), e in ends.items()}, gen_now)
-                    async for part in guard.catch_up(tps, ends):
-                        await process_until_done(ingestor, part)
-                    await store.mark_rebuilding({f"{a}:{b}": e for (a, b), e in ends.items()}, gen_now)
-            except ViewRefused as e:
-                log.warning("rebuild of %s interrupted (%s); trying again", name, e)
-            except Exception as e:
-                log.error("rebuild of %s failed, will retry: %s", name, e)
-
-    app.timer(GENERATION_EVERY_S, name="view-generation")(watch_generation)
+            if topic in lanes:
+                await lanes.pop(topic).reader.close()
 
     # Two functions, not one: Faust names an agent after its function.
-    async def kv_events(stream: Any) -> None:
+    async def kv_events(stream: faust.StreamT) -> None:
         await consume(t.kv_events.name, stream)
 
-    async def heartbeats(stream: Any) -> None:
+    async def heartbeats(stream: faust.StreamT) -> None:
         await consume(t.heartbeats.name, stream)
 
-    app.agent(kv_topic, name="kv-events")(kv_events)
-    app.agent(hb_topic, name="heartbeats")(heartbeats)
+    app.agent(raw_topic(t.kv_events), name="kv-events")(kv_events)
+    app.agent(raw_topic(t.heartbeats), name="heartbeats")(heartbeats)
 
-    if hasattr(store, "compact"):
-        # Cleared/restarted nodes leave retired slots behind; the leader sweeps them.
-        async def compact_view() -> None:
-            try:
-                out = await store.compact()
-                if out["slots_freed"]:
-                    log.info("view compaction: %s", out)
-            except ViewStoreError as e:
-                log.error("view compaction failed (will retry): %s", e)
+    if view is not None:
+        watcher = GenerationWatcher(
+            view, (t.kv_events.name, t.heartbeats.name),
+            assigned=lambda: [(tp.topic, tp.partition) for tp in app.consumer.assignment()],
+            lane=lane,
+            process=functools.partial(process_until_done, ingestor),
+        )
+        app.timer(GENERATION_EVERY_S, name="view-generation")(watcher.tick)
+    if isinstance(store, _CompactableView):
+        compactable = store
 
-        app.timer(COMPACT_EVERY_S, on_leader=True, name="compact-view")(compact_view)
+        async def compact() -> None:  # cleared/restarted nodes leave retired slots behind; the leader sweeps them
+            await compact_view(compactable)
+
+        app.timer(COMPACT_EVERY_S, on_leader=True, name="compact-view")(compact)
     return Worker(app, ingestor)
+
+
+def raw_record(m: Any) -> RawRecord:
+    """A Faust event's message (``faust.types.Message``) as the ingestor takes it."""
+    return RawRecord(m.topic, m.partition, m.offset, m.key, m.value, int(m.timestamp * 1000) if m.timestamp else 0)
+
+
+async def apply_batch(ingestor: Ingestor, lane: TopicLane, batch: list[RawRecord]) -> None:
+    """Admit ``batch`` through the lane's guard and apply it; admitted again from the view's fences
+    whenever the view refuses a write because it lost writes."""
+    while True:
+        try:
+            async with lane.lock:
+                async for part in admit_until_done(lane.guard, batch):
+                    await process_until_done(ingestor, part)
+            return
+        except ViewRefused as e:
+            log.warning("%s; checking the batch against the view's fences again", e)
+            await asyncio.sleep(0.05)
+
+
+async def compact_view(store: _CompactableView) -> None:
+    """Drop retired slots' holder entries (logged; a failure waits for the next run)."""
+    try:
+        out = await store.compact()
+        if out["slots_freed"]:
+            log.info("view compaction: %s", out)
+    except ViewStoreError as e:
+        log.error("view compaction failed (will retry): %s", e)
 
 
 async def admit_until_done(guard: ResumeGuard, batch: list[RawRecord]) -> AsyncIterator[list[RawRecord]]:

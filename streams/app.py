@@ -1,10 +1,10 @@
-"""The Faust app of the stream worker, configured for the settings' profile.
+"""The Faust app of a worker, configured by a :class:`streams.config.WorkerConfig` and its profile.
 
 The ``embedded`` profile carries the Tansu work-arounds: short session, heartbeat and
 rebalance timeouts (Tansu holds each group join for half the session timeout, so the
 defaults take ~30 s to become ready) and no recovery consistency check (Tansu's reported
 high watermarks of changelog topics are not trustworthy). ``production`` keeps Faust's
-defaults. The web server binds ``settings.bind_host``, on ``settings.web_port`` or, when that
+defaults. The web server binds ``bind_host``, on ``web_port`` or, when that
 is unset, on the first free port from :data:`WEB_PORT` up (:func:`bind_web_port`), so a second
 worker on one host does not die on the first one's port.
 
@@ -34,6 +34,7 @@ from faust.web.drivers import aiohttp as faust_aiohttp
 
 from schemas.errors import ConfigError
 
+from .config import KafkaConnection, WorkerConfig
 from .kafka import end_offsets, security_options, ssl_context
 
 TANSU_FETCH_MAX_WAIT_MS = 10
@@ -87,9 +88,10 @@ class _TansuConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
         # consumer of our own (Faust's consumer's positions must not move).
         if not partitions:
             return {}
-        settings = self.app.conductor_settings
-        probe = AIOKafkaConsumer(bootstrap_servers=settings.kafka_url, group_id=None, enable_auto_commit=False,
-                                 fetch_max_wait_ms=TANSU_FETCH_MAX_WAIT_MS, **security_options(settings))
+        app = self.app
+        assert isinstance(app, EmbeddedApp) and app.kafka is not None  # (only EmbeddedApp's transport makes us)
+        probe = AIOKafkaConsumer(bootstrap_servers=app.kafka.bootstrap_servers, group_id=None, enable_auto_commit=False,
+                                 fetch_max_wait_ms=TANSU_FETCH_MAX_WAIT_MS, **security_options(app.kafka))
         await probe.start()
         try:
             tps = {TopicPartition(tp.topic, tp.partition): tp for tp in partitions}
@@ -113,7 +115,9 @@ class _BoundWeb(faust_aiohttp.Web):
     """Faust's aiohttp web server, serving on the socket :func:`bind_web_port` bound."""
 
     def _new_transport_tcp(self) -> BaseSite:
-        return SockSite(self._runner, self.app.web_socket, ssl_context=self.app.conf.web_ssl_context)
+        app = self.app
+        assert isinstance(app, ConductorApp)  # (only ConductorApp makes us)
+        return SockSite(self._runner, app.web_socket, ssl_context=app.conf.web_ssl_context)
 
 
 class ConductorApp(faust.App):
@@ -129,7 +133,8 @@ class EmbeddedApp(ConductorApp):
     """A Faust app whose consumer does not sit out Tansu's fetch max-wait and recovers
     tables up to the changelogs' real ends."""
 
-    conductor_settings: Any = None
+    kafka: KafkaConnection | None = None
+    """The brokers and credentials of the highwater probe (set by make_app)."""
 
     def _new_transport(self) -> Any:
         return _TansuTransport(self.conf.broker_consumer, self)
@@ -141,59 +146,59 @@ def broker_urls(kafka_url: str | None) -> list[str]:
     return [f"kafka://{h.strip()}" for h in kafka_url.split(",") if h.strip()]
 
 
-def broker_credentials(settings: Any) -> Any:
+def broker_credentials(kafka: KafkaConnection) -> faust.SSLCredentials | faust.SASLCredentials | None:
     """Faust's form of the Kafka security settings (the same as every aiokafka client's)."""
-    protocol = getattr(settings, "kafka_security_protocol", "PLAINTEXT")
-    if protocol == "PLAINTEXT":
+    if kafka.security_protocol == "PLAINTEXT":
         return None
-    ctx = ssl_context(settings) if protocol in ("SSL", "SASL_SSL") else None
-    if protocol == "SSL":
+    ctx = ssl_context(kafka) if kafka.tls else None
+    if kafka.security_protocol == "SSL":
         return faust.SSLCredentials(ctx)
     return faust.SASLCredentials(
-        username=settings.kafka_sasl_username,
-        password=settings.kafka_sasl_password.get_secret_value(),
-        mechanism=settings.kafka_sasl_mechanism,
+        username=kafka.sasl_username,
+        password=kafka.sasl_password.get_secret_value() if kafka.sasl_password is not None else None,
+        mechanism=kafka.sasl_mechanism,
         ssl_context=ctx,
     )
 
 
-def make_app(settings: Any, *, app_id: str | None = None, web_socket: socket.socket | None = None,
+def make_app(config: WorkerConfig, *, app_id: str | None = None, web_socket: socket.socket | None = None,
              **overrides: Any) -> faust.App:
-    """A Faust app for ``settings``; its id (and so its consumer group and changelog topic
+    """A Faust app for ``config``; its id (and so its consumer group and changelog topic
     names) derives from the topic prefix unless ``app_id`` is given. Its web server serves on
-    ``web_socket`` (from :func:`bind_web_port`) when given, else binds ``settings.web_port``."""
-    app_id = app_id or f"{settings.topic_prefix}stream-worker"
-    datadir = Path(settings.data_dir).resolve() / "faust" / app_id
+    ``web_socket`` (from :func:`bind_web_port`) when given, else binds ``config.web_port``."""
+    app_id = app_id or f"{config.topics.prefix}stream-worker"
+    datadir = Path(config.data_dir).resolve() / "faust" / app_id
     datadir.parent.mkdir(parents=True, exist_ok=True)  # Faust creates only the last level
     opts: dict[str, Any] = dict(
-        broker=broker_urls(settings.kafka_url),
+        broker=broker_urls(config.kafka.bootstrap_servers),
         # Faust writes a data directory; keep it under ours, never in the working directory.
         datadir=str(datadir),
         store="memory://",
-        topic_partitions=settings.partitions,
-        topic_replication_factor=settings.replication_factor,
-        web_host=settings.bind_host,
-        web_bind=settings.bind_host,
-        web_port=web_socket.getsockname()[1] if web_socket is not None else settings.web_port or WEB_PORT,
+        topic_partitions=config.topics.partitions,
+        topic_replication_factor=config.topics.replication_factor,
+        web_host=config.bind_host,
+        web_bind=config.bind_host,
+        web_port=web_socket.getsockname()[1] if web_socket is not None else config.web_port or WEB_PORT,
         consumer_auto_offset_reset="earliest",
         value_serializer="json",
         key_serializer="raw",
     )
-    if settings.profile == "embedded":
+    if config.kafka.profile == "embedded":
         opts.update(
             broker_session_timeout=2,
             broker_heartbeat_interval=0.5,
             broker_rebalance_timeout=2,
             recovery_consistency_check=False,
         )
-    credentials = broker_credentials(settings)
+    credentials = broker_credentials(config.kafka)
     if credentials is not None:
         opts["broker_credentials"] = credentials
     opts.update(overrides)
-    if settings.profile != "embedded":
+    app: ConductorApp
+    if config.kafka.profile != "embedded":
         app = ConductorApp(app_id, **opts)
     else:
         app = EmbeddedApp(app_id, **opts)
-        app.conductor_settings = settings  # the highwater probe's broker and credentials
+        app.kafka = config.kafka  # the highwater probe's broker and credentials
     app.web_socket = web_socket
     return app

@@ -1,4 +1,4 @@
-"""aiokafka clients configured for the settings' profile.
+"""aiokafka clients configured for a :class:`streams.config.KafkaConnection` and its profile.
 
 The ``embedded`` profile carries the work-arounds the Tansu broker needs (no
 idempotent producer, no trustworthy "latest" offset, slow group joins with the
@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
+from pathlib import Path
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
@@ -20,50 +22,49 @@ from aiokafka.helpers import create_ssl_context
 
 from schemas.records import MAX_BLOCKS
 
+from .config import KafkaConnection
 from .topics import Topic
 
 log = logging.getLogger(__name__)
 
 
-def _bootstrap(settings: Any) -> str:
-    if not settings.kafka_url:
+def _bootstrap(kafka: KafkaConnection) -> str:
+    if not kafka.bootstrap_servers:
         raise ValueError("kafka_url is not set (start the embedded stack with `conductor dev up`)")
-    return settings.kafka_url
+    return kafka.bootstrap_servers
 
 
-def security_options(settings: Any) -> dict[str, Any]:
+def security_options(kafka: KafkaConnection) -> dict[str, Any]:
     """The SASL (PLAIN, SCRAM-SHA-256/512) and TLS options of every aiokafka client."""
-    protocol = getattr(settings, "kafka_security_protocol", "PLAINTEXT")
-    opts: dict[str, Any] = {"security_protocol": protocol}
-    if protocol in ("SSL", "SASL_SSL"):
-        opts["ssl_context"] = ssl_context(settings)
-    if protocol.startswith("SASL_"):
+    opts: dict[str, Any] = {"security_protocol": kafka.security_protocol}
+    if kafka.tls:
+        opts["ssl_context"] = ssl_context(kafka)
+    if kafka.sasl and kafka.sasl_password is not None:  # (a SASL connection has one: KafkaConnection checks)
         opts.update(
-            sasl_mechanism=settings.kafka_sasl_mechanism,
-            sasl_plain_username=settings.kafka_sasl_username,
-            sasl_plain_password=settings.kafka_sasl_password.get_secret_value(),
+            sasl_mechanism=kafka.sasl_mechanism,
+            sasl_plain_username=kafka.sasl_username,
+            sasl_plain_password=kafka.sasl_password.get_secret_value(),
         )
     return opts
 
 
-def ssl_context(settings: Any) -> Any:
-    """A TLS context verifying the brokers against ``kafka_ssl_cafile`` (else the system CAs),
+def ssl_context(kafka: KafkaConnection) -> ssl.SSLContext:
+    """A TLS context verifying the brokers against ``ssl_cafile`` (else the system CAs),
     presenting the client certificate when one is configured."""
-    return create_ssl_context(
-        cafile=_str(getattr(settings, "kafka_ssl_cafile", None)),
-        certfile=_str(getattr(settings, "kafka_ssl_certfile", None)),
-        keyfile=_str(getattr(settings, "kafka_ssl_keyfile", None)),
+    ctx: ssl.SSLContext = create_ssl_context(
+        cafile=_str(kafka.ssl_cafile), certfile=_str(kafka.ssl_certfile), keyfile=_str(kafka.ssl_keyfile)
     )
+    return ctx
 
 
-def _str(p: Any) -> str | None:
+def _str(p: Path | None) -> str | None:
     return None if p is None else str(p)
 
 
-def producer(settings: Any, **overrides: Any) -> AIOKafkaProducer:
-    opts: dict[str, Any] = dict(bootstrap_servers=_bootstrap(settings), linger_ms=2, max_batch_size=1 << 20,
-                                **security_options(settings))
-    if settings.profile == "production":
+def producer(kafka: KafkaConnection, **overrides: Any) -> AIOKafkaProducer:
+    opts: dict[str, Any] = dict(bootstrap_servers=_bootstrap(kafka), linger_ms=2, max_batch_size=1 << 20,
+                                **security_options(kafka))
+    if kafka.profile == "production":
         opts.update(acks="all", enable_idempotence=True)
     else:
         opts.update(acks=1, enable_idempotence=False)  # Tansu refuses InitProducerId
@@ -71,27 +72,27 @@ def producer(settings: Any, **overrides: Any) -> AIOKafkaProducer:
     return AIOKafkaProducer(**opts)
 
 
-def consumer(settings: Any, *topic_names: str, group_id: str | None, **overrides: Any) -> AIOKafkaConsumer:
+def consumer(kafka: KafkaConnection, *topic_names: str, group_id: str | None, **overrides: Any) -> AIOKafkaConsumer:
     opts: dict[str, Any] = dict(
-        bootstrap_servers=_bootstrap(settings),
+        bootstrap_servers=_bootstrap(kafka),
         group_id=group_id,
         enable_auto_commit=False,
         # Tansu's "latest" is wrong, and a new group must see every record anyway.
         auto_offset_reset="earliest",
         max_partition_fetch_bytes=8 << 20,
         fetch_max_bytes=32 << 20,
-        **security_options(settings),
+        **security_options(kafka),
     )
-    if settings.profile == "embedded":
+    if kafka.profile == "embedded":
         # Tansu holds a join for half the session timeout: keep it short.
         opts.update(session_timeout_ms=6000, heartbeat_interval_ms=500, rebalance_timeout_ms=4000)
     opts.update(overrides)
     return AIOKafkaConsumer(*topic_names, **opts)
 
 
-async def ensure_topics(settings: Any, wanted: tuple[Topic, ...]) -> list[str]:
+async def ensure_topics(kafka: KafkaConnection, wanted: tuple[Topic, ...]) -> list[str]:
     """Create the topics that do not exist yet; return the names created."""
-    admin = AIOKafkaAdminClient(bootstrap_servers=_bootstrap(settings), **security_options(settings))
+    admin = AIOKafkaAdminClient(bootstrap_servers=_bootstrap(kafka), **security_options(kafka))
     await admin.start()
     try:
         existing = set(await admin.list_topics())

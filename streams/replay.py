@@ -16,9 +16,11 @@ from typing import Any
 
 from aiokafka import TopicPartition
 
+from state.view import ViewStore
+from streams.config import KafkaConnection
 from streams.ingest import Ingestor, RawRecord
 from streams.kafka import consumer, end_offsets
-from streams.topics import topics
+from streams.topics import TopicConfig, topics
 
 
 @dataclass
@@ -31,8 +33,9 @@ class ReplayResult:
 
 
 async def replay_into(
-    settings: Any,
-    store: Any,
+    kafka: KafkaConnection,
+    topic_config: TopicConfig,
+    store: ViewStore,
     *,
     progress: Callable[[int, int], None] | None = None,
     idle_timeout_s: float = 3.0,
@@ -46,9 +49,9 @@ async def replay_into(
     ``until`` (a view watermark: ``topic:partition`` → highest offset to apply) rebuilds
     the view as it stood at that watermark; partitions it does not name contribute nothing.
     """
-    t = topics(settings)
+    t = topics(topic_config)
     names = (t.kv_events.name, t.heartbeats.name)
-    c = consumer(settings, group_id=None)
+    c = consumer(kafka, group_id=None)
     await c.start()
     res = ReplayResult()
     t0 = time.monotonic()

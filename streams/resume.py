@@ -36,11 +36,13 @@ import dataclasses
 import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any
+from typing import Any, Protocol
 
-from aiokafka import TopicPartition
+from aiokafka import AIOKafkaConsumer, TopicPartition
 from opentelemetry import metrics
 
+from state.view import GenerationalView
+from streams.config import KafkaConnection
 from streams.ingest import RawRecord
 from streams.kafka import consumer, end_offsets
 
@@ -71,11 +73,11 @@ class ResumeGuard:
         *,
         fill_max: int = 20_000,
         metrics: bool = False,
-        view: Any = None,
+        view: GenerationalView | None = None,
     ) -> None:
         self.watermark = watermark
         self.view = view
-        """The store, when it has a generation (``fences``, ``adopt_generation``, ``generation``)."""
+        """The store, when it has a generation (then its fences are read with it, not ``watermark``)."""
         self.all_partitions: Sequence[str] = ()
         """Every ``topic:partition`` of the pipeline: marked as rebuilding (``ns|rebuild``) when
         this guard creates a generation (set by the stream worker)."""
@@ -128,7 +130,7 @@ class ResumeGuard:
     async def fences(self) -> dict[str, int]:
         """The view's fences; with a view that has a generation, read atomically with it, and a
         changed or missing generation adopted (created when missing) before they are used."""
-        if self.view is None or not hasattr(self.view, "fences"):
+        if self.view is None:
             return await self.watermark()
         gen, wm = await self.view.fences()
         if gen is None or gen != self.view.generation:
@@ -190,14 +192,14 @@ class ResumeGuard:
 class LogReader:
     """Reads offset ranges straight from the log, with a consumer of its own (no group)."""
 
-    def __init__(self, settings: Any, *, timeout_s: float = 30.0) -> None:
-        self.settings = settings
+    def __init__(self, kafka: KafkaConnection, *, timeout_s: float = 30.0) -> None:
+        self.kafka = kafka
         self.timeout_s = timeout_s
-        self._consumer: Any = None
+        self._consumer: AIOKafkaConsumer | None = None
 
-    async def _started(self) -> Any:
+    async def _started(self) -> AIOKafkaConsumer:
         if self._consumer is None:
-            self._consumer = consumer(self.settings, group_id=None)
+            self._consumer = consumer(self.kafka, group_id=None)
             await self._consumer.start()
         return self._consumer
 
@@ -234,3 +236,23 @@ class LogReader:
         if self._consumer is not None:
             await self._consumer.stop()
             self._consumer = None
+
+
+class RangeReader(Protocol):
+    """What a :class:`TopicLane` reads the log with (:class:`LogReader`)."""
+
+    async def end_offsets(self, tps: Sequence[tuple[str, int]]) -> dict[tuple[str, int], int]: ...
+
+    async def fetch_range(self, topic: str, partition: int, start: int, end: int) -> list[RawRecord]: ...
+
+    async def close(self) -> None: ...
+
+
+@dataclasses.dataclass
+class TopicLane:
+    """One topic's resume guard, the log reader that fills its holes, and the lock that keeps
+    the agent's batches and the generation watcher's catch-up of its partitions apart."""
+
+    guard: ResumeGuard
+    reader: RangeReader
+    lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)

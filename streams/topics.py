@@ -7,13 +7,22 @@ No other module writes a topic name; they ask :func:`topics` for the
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+
+DAY_MS = 86_400_000
 
 
-class _TopicSettings(Protocol):
-    topic_prefix: str
+@dataclass(frozen=True, slots=True)
+class TopicConfig:
+    """How the topics are laid out: their names' prefix, partitions, replication, retention."""
+
+    prefix: str
     partitions: int
-    replication_factor: int
+    replication_factor: int = 1
+    kv_events_retention_ms: int = 7 * DAY_MS
+    """-1: forever (as every retention here)."""
+    heartbeats_retention_ms: int = DAY_MS
+    audit_retention_ms: int = 30 * DAY_MS
+    """Of requests, dispatch and request outcomes (what ``conductor explain`` audits)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,19 +77,14 @@ class Topics:
         raise KeyError(name)
 
 
-DAY_MS = 86_400_000
-
-
 def _retention(ms: int) -> tuple[tuple[str, str], ...]:
     # Time-based deletion only: compaction would keep one record per node and break the fold's replay.
     return (("cleanup.policy", "delete"), ("retention.ms", str(ms)))
 
 
-def topics(settings: _TopicSettings) -> Topics:
-    p, n, rf = settings.topic_prefix, settings.partitions, settings.replication_factor
-    kv_ms = getattr(settings, "kv_events_retention_ms", 7 * DAY_MS)
-    hb_ms = getattr(settings, "heartbeats_retention_ms", DAY_MS)
-    audit_ms = getattr(settings, "audit_retention_ms", 30 * DAY_MS)
+def topics(config: TopicConfig) -> Topics:
+    p, n, rf = config.prefix, config.partitions, config.replication_factor
+    kv_ms, hb_ms, audit_ms = config.kv_events_retention_ms, config.heartbeats_retention_ms, config.audit_retention_ms
 
     def t(name: str, key: str, *kinds: str, partitions: int | None = None, retention_ms: int | None = None) -> Topic:
         configs = _retention(retention_ms) if retention_ms is not None else ()

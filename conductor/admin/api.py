@@ -61,7 +61,7 @@ def create_app(settings: Settings, *, feed: LogFeed | None = None, view: Any = N
     tokens = Tokens(settings)
     own_feed = feed is None
     feed = feed or LogFeed(settings)
-    view = view or RedisViewStore.from_settings(settings)
+    view = view or RedisViewStore.connect(settings.redis(), settings.view_namespace)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -184,11 +184,11 @@ def create_app(settings: Settings, *, feed: LogFeed | None = None, view: Any = N
             raise HTTPException(404, f"no dead letter at {partition}/{offset}")
         letter = row.letter
         try:
-            target = topics(settings).by_name(letter.source_topic)
+            target = topics(settings.topic_config()).by_name(letter.source_topic)
         except KeyError:
             raise HTTPException(409, f"{letter.source_topic!r} is not one of this cluster's topics") from None
         key = _key_of(letter.original)
-        prod = producer(settings)
+        prod = producer(settings.kafka())
         await prod.start()
         try:
             md = await prod.send_and_wait(target.name, letter.original, key=key)

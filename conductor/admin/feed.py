@@ -74,7 +74,7 @@ class LogFeed:
     error: str = ""
 
     def __post_init__(self) -> None:
-        self.topics = topics(self.settings)
+        self.topics = topics(self.settings.topic_config())
         self._check = policy_check(self.settings)
         self._task: asyncio.Task[None] | None = None
 
@@ -93,8 +93,8 @@ class LogFeed:
         t = self.topics
         while True:
             try:
-                await ensure_topics(self.settings, (t.requests, t.dispatch, t.dead_letter, t.control))
-                c = consumer(self.settings, group_id=None)
+                await ensure_topics(self.settings.kafka(), (t.requests, t.dispatch, t.dead_letter, t.control))
+                c = consumer(self.settings.kafka(), group_id=None)
                 await c.start()
                 try:
                     await self._follow(c)

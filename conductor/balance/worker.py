@@ -78,9 +78,9 @@ class Balancer:
         self._commands = m.create_counter("conductor_kv_commands", description="KV commands published, by action")
         self._bad = m.create_counter("conductor_balance_skipped_records", description="request records not understood")
 
-        s, t = settings, topics(settings)
+        s, t = settings, topics(settings.topic_config())
         # Tables keys and values are JSON (a windowed key is a tuple); the topics stay raw.
-        app = self.app = make_app(s, app_id=f"{s.topic_prefix}balance", web_enabled=False, key_serializer="json",
+        app = self.app = make_app(s.worker(), app_id=f"{s.topic_prefix}balance", web_enabled=False, key_serializer="json",
                                   value_serializer="json", **app_overrides)
         parts = t.requests.partitions
         table: dict[str, Any] = {"partitions": parts, "use_partitioner": True}
@@ -259,7 +259,7 @@ class Balancer:
 
     async def _rounds(self) -> None:
         log.info("balance worker %s: heat of %s in windows of %gs, a round every %gs", self.producer_id,
-                 topics(self.settings).requests.name, self.params.heat_window_s, self.interval_s)
+                 topics(self.settings.topic_config()).requests.name, self.params.heat_window_s, self.interval_s)
         logged_recovery = False
         while True:
             await asyncio.sleep(self.interval_s)
@@ -276,7 +276,7 @@ class Balancer:
 
     async def _view(self) -> tuple[RedisViewStore, RedisReservations]:
         if self.store is None or self.reservations is None:
-            self.store = RedisViewStore.from_settings(self.settings)
+            self.store = RedisViewStore.connect(self.settings.redis(), self.settings.view_namespace)
             self.reservations = RedisReservations(self.store.client, self.settings.view_namespace,
                                                   self.settings.reservation_ttl_s, producer_id=self.producer_id)
             await self.reservations.start(int(time.time() * 1000))
@@ -294,7 +294,7 @@ class Balancer:
         ``faust.Worker`` instead)."""
         if interval_s is not None:
             self.interval_s = interval_s
-        await kafka.ensure_topics(self.settings, topics(self.settings).all())
+        await kafka.ensure_topics(self.settings.kafka(), topics(self.settings.topic_config()).all())
         stop = stop or asyncio.Event()
         await self.app.start()
         try:

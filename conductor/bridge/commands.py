@@ -152,7 +152,7 @@ class VllmCommandExecutor:
                       results: Callable[[list[Envelope]], Awaitable[Any]], *, model: str | None = None
                       ) -> VllmCommandExecutor:
         """An executor reading the Redis view (closed with it), at the settings' block size and TTL."""
-        view = RedisViewStore.from_settings(settings)
+        view = RedisViewStore.connect(settings.redis(), settings.view_namespace)
         ex = cls(node_id, engine_url, view, results, block_size=settings.block_size, model=model,
                  ttl_s=settings.heartbeat_ttl_s)
         ex._own_view = view

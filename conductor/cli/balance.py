@@ -44,7 +44,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
             err.print(f"[red]error:[/red] balance_params.{'.'.join(map(str, first['loc']))}: {first['msg']}")
             raise typer.Exit(2) from None
         require_servers(s, kafka=True, redis=True)
-        asyncio.run(ensure_topics(s, topics(s).all()))
+        asyncio.run(ensure_topics(s.kafka(), topics(s.topic_config()).all()))
         setup_metrics("conductor-balance", s.bind_host, s.metrics_port)
         balancer = Balancer(s, params, interval_s=interval)
         faust.Worker(balancer.app, loglevel=loglevel).execute_from_commandline()

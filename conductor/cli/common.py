@@ -20,7 +20,6 @@ from rich.console import Console
 from conductor.errors import ConductorError
 from conductor.settings import Settings, load_settings
 from state.connect import open_sync_client
-from state.redis_view import connection_url, tls_options
 
 app = typer.Typer(
     help="Conductor: a KVCache-centric global scheduler for prefill/decode-disaggregated LLM serving.\n\n"
@@ -93,7 +92,7 @@ def redis_unreachable(s: Settings, timeout_s: float) -> str | None:
     """``None`` when Redis answers PING with these settings' credentials, else why not."""
     try:
         client = open_sync_client(
-            connection_url(s), socket_connect_timeout=timeout_s, socket_timeout=timeout_s, **tls_options(s)
+            s.redis().connection_url(), socket_connect_timeout=timeout_s, socket_timeout=timeout_s, **s.redis().tls_options()
         )
     except (redis_sync.RedisError, RedisClusterException) as e:  # a cluster client asks its seeds at once
         return str(e) or type(e).__name__

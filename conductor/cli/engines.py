@@ -259,10 +259,10 @@ def register(groups: dict[str, typer.Typer]) -> None:
 
         async def main() -> Counter[str]:
 
-            tps = topics(s)
+            tps = topics(s.topic_config())
             commands = (tps.kv_commands, tps.kv_command_results) if execute_commands else ()
-            await ensure_topics(s, (tps.kv_events, tps.heartbeats, *commands))
-            prod = producer(s)
+            await ensure_topics(s.kafka(), (tps.kv_events, tps.heartbeats, *commands))
+            prod = producer(s.kafka())
             await prod.start()
             events = kafka_sink(prod, tps.kv_events.name)
             bridges = []
@@ -368,10 +368,10 @@ def register(groups: dict[str, typer.Typer]) -> None:
         async def main() -> None:
 
 
-            tps = topics(s)
-            await ensure_topics(s, tps.all())
+            tps = topics(s.topic_config())
+            await ensure_topics(s.kafka(), tps.all())
             pub = EventPublisher(f"tcp://{s.bind_host}:{zmq_port}", f"tcp://{s.bind_host}:{replay_port}")
-            prod = producer(s)
+            prod = producer(s.kafka())
             await prod.start()
             started_ms = time.time_ns() // 1_000_000
             cfg = EngineConfig(

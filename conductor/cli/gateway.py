@@ -69,7 +69,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
             raise typer.Exit(2)
         gid = gateway_id or default_gateway_id()
         try:
-            topics(s).replies(gid)
+            topics(s.topic_config()).replies(gid)
         except ValueError as e:
             err.print(f"[red]error:[/red] --gateway-id: {e}")
             raise typer.Exit(2) from None

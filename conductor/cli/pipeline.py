@@ -55,10 +55,10 @@ def register(groups: dict[str, typer.Typer]) -> None:
         chosen = web_socket.getsockname()[1]
         if s.web_port is None and chosen != WEB_PORT:
             err.print(f"web port {WEB_PORT} is taken (another worker?): this worker's is {chosen}", soft_wrap=True)
-        asyncio.run(ensure_topics(s, topics(s).all()))
+        asyncio.run(ensure_topics(s.kafka(), topics(s.topic_config()).all()))
         setup_metrics("conductor-worker", s.bind_host, s.metrics_port)
-        store = RedisViewStore.from_settings(s)
-        w = build_worker(s, store, web_socket=web_socket)
+        store = RedisViewStore.connect(s.redis(), s.view_namespace)
+        w = build_worker(s.worker(), store, web_socket=web_socket)
         faust.Worker(w.app, loglevel=loglevel).execute_from_commandline()
 
     @view.command("show")
@@ -71,7 +71,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
 
         s = settings_or_exit()
         require_servers(s, redis=True)
-        out = asyncio.run(_view_summary(RedisViewStore.from_settings(s), s.heartbeat_ttl_s))
+        out = asyncio.run(_view_summary(RedisViewStore.connect(s.redis(), s.view_namespace), s.heartbeat_ttl_s))
         if json_out:
             print_json(out)
             return
@@ -117,7 +117,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
         target_settings = s.model_copy(update={"view_namespace": target_ns})
 
         async def go() -> dict[str, Any]:
-            store = RedisViewStore.from_settings(target_settings)
+            store = RedisViewStore.connect(target_settings.redis(), target_settings.view_namespace)
             try:
                 if (await store.dump())["watermark"] or await store.block_count():
                     if not force:
@@ -129,14 +129,14 @@ def register(groups: dict[str, typer.Typer]) -> None:
                     console=err, transient=json_out,
                 ) as bar:
                     task = bar.add_task("replay", total=None)
-                    res = await replay_into(s, store, progress=lambda done, total: bar.update(task, completed=done, total=total))
+                    res = await replay_into(s.kafka(), s.topic_config(), store, progress=lambda done, total: bar.update(task, completed=done, total=total))
                 out: dict[str, Any] = {
                     "namespace": target_ns, "records": res.records, "applied": res.applied,
                     "dead_letters": res.dead, "seconds": round(res.seconds, 3),
                     "records_per_s": round(res.records / res.seconds, 1) if res.seconds else None,
                 }
                 if compare:
-                    live = RedisViewStore.from_settings(s)
+                    live = RedisViewStore.connect(s.redis(), s.view_namespace)
                     try:
                         diffs = diff_dumps(await live.dump(), await store.dump())
                     finally:

@@ -77,7 +77,7 @@ def _recorded(s: Settings, base: ClusterProfile, since: str | None, until: str |
     hi = parse_time(until, now, "--until") if until else None
     if lo is not None and hi is not None and hi < lo:
         raise ConfigError(f"--until ({until}) is before --since ({since})")
-    t = topics(s)
+    t = topics(s.topic_config())
 
     async def read_all() -> list[list[Envelope]]:
         return list(await asyncio.gather(*(read_topic(s, topic.name) for topic in

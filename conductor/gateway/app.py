@@ -21,7 +21,7 @@ from conductor.gateway.service import Gateway, GatewayConfig
 from conductor.gateway.tokenizer import EngineTokenizer, LocalTokenizer, PromptTokenizer
 from conductor.settings import Settings
 from state.connect import open_client
-from state.redis_view import RedisViewStore, connection_url, tls_options
+from state.redis_view import RedisViewStore
 from streams.kafka import ensure_topics, producer
 from streams.topics import topics
 
@@ -85,13 +85,13 @@ async def run_gateway(settings: Settings, config: GatewayConfig, sock: socket.so
                       on_ready: Callable[[Gateway], None] | None = None) -> None:
     """Run one gateway on ``sock`` until ``stop``: its producer, its reply inbox, its HTTP server."""
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call is noise
-    tps = topics(settings)
-    await ensure_topics(settings, (tps.requests, tps.dispatch, tps.request_outcomes))
+    tps = topics(settings.topic_config())
+    await ensure_topics(settings.kafka(), (tps.requests, tps.dispatch, tps.request_outcomes))
     limits = httpx.Limits(max_connections=4096, max_keepalive_connections=1024)
     client = httpx.AsyncClient(timeout=UPSTREAM_TIMEOUT, limits=limits)
     view = None
     if settings.redis_url:
-        view = RedisViewStore(open_client(connection_url(settings), decode_responses=False, **tls_options(settings),
+        view = RedisViewStore(open_client(settings.redis().connection_url(), decode_responses=False, **settings.redis().tls_options(),
                                           socket_timeout=1.0, socket_connect_timeout=1.0),
                               settings.view_namespace)
     directory = EngineDirectory(config.engines, view.nodes if view is not None else None,
@@ -101,7 +101,7 @@ async def run_gateway(settings: Settings, config: GatewayConfig, sock: socket.so
         log.warning("no engine known yet: none announces an endpoint in the view and no --engine was given")
     engine_tok = EngineTokenizer(client, directory)
     tok: PromptTokenizer = LocalTokenizer(tokenizer_path, engine_tok) if tokenizer_path else engine_tok
-    prod = producer(settings, linger_ms=0)
+    prod = producer(settings.kafka(), linger_ms=0)
     await prod.start()
     inbox = ReplyInbox(settings, config.gateway_id)
     gw = Gateway(settings, config, tok, client, prod, inbox)

@@ -32,7 +32,7 @@ class ReplyInbox:
 
     def __init__(self, settings: Settings, gateway_id: str) -> None:
         self.settings = settings
-        self.topic = topics(settings).replies(gateway_id)
+        self.topic = topics(settings.topic_config()).replies(gateway_id)
         self._waiting: dict[str, asyncio.Future[Answer]] = {}
         self.counts: Counter[str] = Counter()
         self._ready = asyncio.Event()
@@ -77,10 +77,10 @@ class ReplyInbox:
     async def run(self, stop: asyncio.Event) -> None:
         """Create the reply topic, read it from now on, resolve futures until ``stop``."""
 
-        await ensure_topics(self.settings, (self.topic,))
+        await ensure_topics(self.settings.kafka(), (self.topic,))
         # A short fetch wait: an idle gateway's first decision must not sit in the broker.
         wait_ms = self.settings.embedded_fetch_wait_ms if self.settings.embedded else 5
-        cons = consumer(self.settings, group_id=None, fetch_max_wait_ms=wait_ms)
+        cons = consumer(self.settings.kafka(), group_id=None, fetch_max_wait_ms=wait_ms)
         await cons.start()
         try:
             tp = TopicPartition(self.topic.name, 0)

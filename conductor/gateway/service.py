@@ -143,7 +143,7 @@ class Gateway:
         self.producer = producer
         self.inbox = inbox
         self.clock = clock
-        self.topics = topics(settings)
+        self.topics = topics(settings.topic_config())
         self.metrics = GatewayMetrics()
         self._seq = itertools.count(1)
         self._rng = random.Random()

@@ -342,8 +342,8 @@ async def _sigkill_worker(run: Run) -> None:
 
 
 async def _bad_records(run: Run) -> None:
-    t = topics(run.settings)
-    big = producer(run.settings, max_request_size=4 << 20)
+    t = topics(run.settings.topic_config())
+    big = producer(run.settings.kafka(), max_request_size=4 << 20)
     await big.start()
     try:
         for i, (topic, raw) in enumerate(bad_records()):
@@ -420,12 +420,12 @@ async def run_scenario(
     s = load_settings(kafka_url=kafka_url, redis_url=valkey.url, profile="embedded", topic_prefix=f"c{tag}.",
                       view_namespace=f"c{tag}", partitions=2, web_port=free_port(), data_dir=work_dir / "d",
                       heartbeat_ttl_s=HEARTBEAT_TTL_S)
-    t = topics(s)
-    await ensure_topics(s, t.all())
+    t = topics(s.topic_config())
+    await ensure_topics(s.kafka(), t.all())
     truth = TruthEngines(seed)
     res = RunResult(name, records=records)
-    store = RedisViewStore.from_settings(s)
-    prod = producer(s)
+    store = RedisViewStore.connect(s.redis(), s.view_namespace)
+    prod = producer(s.kafka())
     await prod.start()
     run = Run(valkey, s, start_worker_process(s, work_dir / "worker.log"), work_dir, prod)
     if name == "two-workers-one-killed":

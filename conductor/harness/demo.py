@@ -405,15 +405,15 @@ async def _run_once(
     })
     stats.topic_prefix = s.topic_prefix
     env = child_environment(s)
-    tps = topics(s)
-    await ensure_topics(s, tps.all())
+    tps = topics(s.topic_config())
+    await ensure_topics(s.kafka(), tps.all())
     work = log_dir / policy / "work"
     work.mkdir(parents=True, exist_ok=True)
     procs = Processes(log_dir / policy, pids, cwd=work)
     tasks: list[asyncio.Task[Any]] = []
-    prod = producer(s)
+    prod = producer(s.kafka())
     stop = asyncio.Event()
-    view = RedisViewStore.from_settings(s)
+    view = RedisViewStore.connect(s.redis(), s.view_namespace)
     client: openai.AsyncOpenAI | None = None
     clients: set[asyncio.Task[None]] = set()
     try:
@@ -511,7 +511,7 @@ async def _run_once(
                                     timeout=300.0)
 
         async def follow_dispatch() -> None:
-            cons = consumer(s, tps.dispatch.name, group_id=None, fetch_max_wait_ms=100)
+            cons = consumer(s.kafka(), tps.dispatch.name, group_id=None, fetch_max_wait_ms=100)
             await cons.start()
             try:
                 while not stop.is_set():

@@ -67,7 +67,7 @@ class GatewayCluster:
 
     async def __aenter__(self) -> "GatewayCluster":
         s = self.settings
-        await ensure_topics(s, topics(s).all())
+        await ensure_topics(s.kafka(), topics(s.topic_config()).all())
         env = child_environment(s)
         self.procs = Processes(self.log_dir, cwd=None)
         try:
@@ -128,7 +128,7 @@ class GatewayCluster:
         raise ClusterError(f"{name} did not start:\n{self.procs.log_tail(name)}")
 
     async def _wait_live(self, want: set[str], timeout_s: float = 60.0) -> None:
-        view = RedisViewStore.from_settings(self.settings)
+        view = RedisViewStore.connect(self.settings.redis(), self.settings.view_namespace)
         try:
             deadline = time.monotonic() + timeout_s
             while True:
@@ -190,7 +190,7 @@ class SglangRouterCluster(GatewayCluster):
         if why:
             raise ClusterError(why)
         s = self.settings
-        await ensure_topics(s, topics(s).all())
+        await ensure_topics(s.kafka(), topics(s.topic_config()).all())
         env = child_environment(s)
         self.procs = Processes(self.log_dir, cwd=None)
         try:

@@ -36,9 +36,9 @@ async def publish_control(settings: Settings, cmd: ControlCommand, *, producer_i
     """Check ``cmd`` (ConfigError if its policy or params are bad), publish it, return its offset."""
     if cmd.action in ("set_policy", "set_params"):
         policy_check(settings)(cmd.policy, dict(cmd.params))
-    t = topics(settings)
-    await ensure_topics(settings, (t.control,))
-    prod = producer(settings)
+    t = topics(settings.topic_config())
+    await ensure_topics(settings.kafka(), (t.control,))
+    prod = producer(settings.kafka())
     await prod.start()
     try:
         env = envelope(cmd, producer_id=producer_id, producer_seq=time.time_ns() // 1000,
@@ -52,8 +52,8 @@ async def publish_control(settings: Settings, cmd: ControlCommand, *, producer_i
 
 async def control_records(settings: Settings, upto: int | None = None) -> list[tuple[int, ControlCommand]]:
     """The ``control`` topic's commands with their offsets (up to ``upto`` inclusive)."""
-    name = topics(settings).control.name
-    c = consumer(settings, group_id=None)
+    name = topics(settings.topic_config()).control.name
+    c = consumer(settings.kafka(), group_id=None)
     await c.start()
     out: list[tuple[int, ControlCommand]] = []
     try:

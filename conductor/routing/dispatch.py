@@ -153,10 +153,10 @@ async def decisions_for(
     what was skipped and why.
     """
 
-    tps = topics(settings)
+    tps = topics(settings.topic_config())
     wanted = (tps.dispatch, tps.requests) if with_requests else (tps.dispatch,)
-    await ensure_topics(settings, wanted)
-    cons = consumer(settings, group_id=None, fetch_max_wait_ms=50)
+    await ensure_topics(settings.kafka(), wanted)
+    cons = consumer(settings.kafka(), group_id=None, fetch_max_wait_ms=50)
     joiner = _Joiner(instance_id, since_ms, with_requests)
     if counts is not None:
         joiner.counts = counts

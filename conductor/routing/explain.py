@@ -75,7 +75,7 @@ async def read_topic(settings: Settings, name: str, idle_timeout_s: float = 1.0)
 
 async def read_records(settings: Settings, name: str, idle_timeout_s: float = 1.0) -> list[tuple[int, Envelope]]:
     """:func:`read_topic` with each record's offset."""
-    c = consumer(settings, group_id=None)
+    c = consumer(settings.kafka(), group_id=None)
     await c.start()
     out: list[tuple[int, Envelope]] = []
     try:
@@ -187,7 +187,7 @@ def _estimates(router: Router, cluster: ClusterSnapshot, req: RoutingRequest, ch
 
 async def explain(settings: Settings, request_id: str) -> Explanation:
     """Re-derive the decision for ``request_id`` from the topics and explain it."""
-    t = topics(settings)
+    t = topics(settings.topic_config())
     dispatched = await read_topic(settings, t.dispatch.name)
     target: Envelope | None = None
     for env in dispatched:
@@ -209,7 +209,7 @@ async def explain(settings: Settings, request_id: str) -> Explanation:
     ordinal, req = requests[request_id]
 
     store = InMemoryViewStore()
-    await replay_into(settings, store, until=dict(rec.watermark), idle_timeout_s=1.0)
+    await replay_into(settings.kafka(), settings.topic_config(), store, until=dict(rec.watermark), idle_timeout_s=1.0)
     at_ms = _read_at(target)
     # The decision names its block size and profile (v2); older ones fall back to the settings.
     s = settings.model_copy(update={

@@ -64,7 +64,7 @@ from schemas import (
 from schemas.records import MAX_BLOCKS
 from state.connect import HiredisPackedConnection, open_client
 from state.reader import RawSnapshotReader
-from state.redis_view import RedisViewStore, connection_url, tls_options
+from state.redis_view import RedisViewStore
 from state.reservations import InMemoryReservations, Load, RedisReservations, ReservationStore
 from state.tracking import TrackingSnapshotReader
 from state.view import ViewReader, ViewSnapshot
@@ -518,7 +518,7 @@ class RouterWorker:
 
         self.settings = settings
         self.router = router
-        self.topics = topics(settings)
+        self.topics = topics(settings.topic_config())
         self.router_id = router_id or default_router_id()
         self._seq = 0
         self.routed = 0
@@ -559,11 +559,11 @@ class RouterWorker:
     async def run(self, stop: asyncio.Event, ready: asyncio.Event | None = None) -> None:
 
         t = self.topics
-        await ensure_topics(self.settings, (t.requests, t.dispatch, t.dead_letter, t.control))
-        prod = producer(self.settings, linger_ms=0)  # a waiting gateway's reply goes out at once
+        await ensure_topics(self.settings.kafka(), (t.requests, t.dispatch, t.dead_letter, t.control))
+        prod = producer(self.settings.kafka(), linger_ms=0)  # a waiting gateway's reply goes out at once
         # The embedded broker answers a fetch only when its wait runs out, new records or not:
         # a short wait keeps a waiting gateway's decision from sitting there (Kafka returns early).
-        cons = consumer(self.settings, t.requests.name, group_id=self.settings.topic_prefix + self.GROUP,
+        cons = consumer(self.settings.kafka(), t.requests.name, group_id=self.settings.topic_prefix + self.GROUP,
                         **({"fetch_max_wait_ms": self.settings.embedded_fetch_wait_ms} if self.settings.embedded else {}))
         control = ControlFollower(self.settings, self.router)
         await prod.start()
@@ -637,13 +637,13 @@ class ControlFollower:
     def __init__(self, settings: Settings, router: Router) -> None:
         self.settings = settings
         self.router = router
-        self.topic = topics(settings).control
+        self.topic = topics(settings.topic_config()).control
         self._cons: Any = None
         self.position = 0  # the next offset to read
 
     async def start(self, catch_up_timeout_s: float = 10.0) -> None:
         tp = TopicPartition(self.topic.name, 0)
-        self._cons = consumer(self.settings, group_id=None)
+        self._cons = consumer(self.settings.kafka(), group_id=None)
         await self._cons.start()
         self._cons.assign([tp])
         end = (await end_offsets(self._cons, [tp]))[tp]
@@ -680,9 +680,9 @@ def redis_stores(settings: Settings, producer_id: str | None = None) -> tuple[An
 
     if not settings.redis_url:
         raise ViewStoreError("redis_url is not set (start the embedded stack with `conductor dev up`)")
-    url = connection_url(settings)
+    url = settings.redis().connection_url()
     client = open_client(
-        url, decode_responses=False, **tls_options(settings), socket_timeout=0.5, socket_connect_timeout=0.5,
+        url, decode_responses=False, **settings.redis().tls_options(), socket_timeout=0.5, socket_connect_timeout=0.5,
         health_check_interval=0, connection_class=HiredisPackedConnection,
     )
     view = RedisViewStore(client, settings.view_namespace)

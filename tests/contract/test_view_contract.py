@@ -337,7 +337,7 @@ class TestInMemoryViewStore(ViewStoreContract):
 class TestRedisViewStore(ViewStoreContract):
     @pytest.fixture
     async def store(self, settings):
-        s = RedisViewStore.from_settings(settings)
+        s = RedisViewStore.connect(settings.redis(), settings.view_namespace)
         yield s
         await s.clear()
         await s.close()
@@ -401,7 +401,7 @@ class TestRawSnapshotReader(ViewStoreContract):
 
     @pytest.fixture
     async def store(self, settings):
-        s = RawSnapshotReader(settings.redis_url, settings.view_namespace, store=RedisViewStore.from_settings(settings))
+        s = RawSnapshotReader(settings.redis_url, settings.view_namespace, store=RedisViewStore.connect(settings.redis(), settings.view_namespace))
         yield s
         await s.view.clear()
         await s.close()

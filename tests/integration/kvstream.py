@@ -36,7 +36,7 @@ async def caught_up(store, worker, sent: int, timeout_s: float = 90) -> None:
 
 async def read_all(settings, topic: str, want: int = 1, wait_s: float = 10.0) -> list:  # type: ignore[no-untyped-def,type-arg]
     """The bodies of ``topic`` from its start, until ``want`` of them or ``wait_s``."""
-    cons = consumer(settings, topic, group_id=None, fetch_max_wait_ms=50)
+    cons = consumer(settings.kafka(), topic, group_id=None, fetch_max_wait_ms=50)
     await cons.start()
     out: list = []  # type: ignore[type-arg]
     try:

@@ -31,11 +31,11 @@ def wait_for(pred, what: str, timeout_s: float = 20.0):
 
 
 async def test_admin_api_follows_the_log_and_steers_through_control(settings):
-    t = topics(settings)
-    await kafka.ensure_topics(settings, t.all())
+    t = topics(settings.topic_config())
+    await kafka.ensure_topics(settings.kafka(), t.all())
     now = int(time.time() * 1000)
     hb = envelope(Heartbeat(role="prefill"), producer_id="p-9", producer_seq=0, ts_ms=now)
-    prod = kafka.producer(settings)
+    prod = kafka.producer(settings.kafka())
     await prod.start()
     await prod.send_and_wait(t.dispatch.name, encode(envelope(
         RoutingDecision(request_id="a1", prefill_instance="p-9", decode_instance="d-9", reused_tokens=0,
@@ -69,7 +69,7 @@ async def test_admin_api_follows_the_log_and_steers_through_control(settings):
         assert pol["policy"] == "least-loaded" and pol["control"]["draining"] == ["p-9"]
 
     # The re-sent record is on its source topic, byte for byte; the routers' fold agrees.
-    cons = kafka.consumer(settings, t.heartbeats.name, group_id=None)
+    cons = kafka.consumer(settings.kafka(), t.heartbeats.name, group_id=None)
     await cons.start()
     try:
         got = []

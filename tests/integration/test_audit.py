@@ -26,8 +26,8 @@ async def _publish(prod, topic, envs):
 
 
 async def _route(settings, reqs, now):
-    t = topics(settings)
-    prod = kafka.producer(settings)
+    t = topics(settings.topic_config())
+    prod = kafka.producer(settings.kafka())
     await prod.start()
     for i, r in enumerate(reqs):
         await prod.send_and_wait(t.requests.name, encode(envelope(r, producer_id="gw", producer_seq=i, ts_ms=now)),
@@ -37,10 +37,10 @@ async def _route(settings, reqs, now):
 
 async def test_a_past_decision_is_rederived_and_explained(settings):
     now = int(time.time() * 1000)
-    t = topics(settings)
-    await kafka.ensure_topics(settings, t.all())
+    t = topics(settings.topic_config())
+    await kafka.ensure_topics(settings.kafka(), t.all())
     keys = chain_keys(SHARED, settings.block_size)
-    prod = kafka.producer(settings)
+    prod = kafka.producer(settings.kafka())
     await prod.start()
     await _publish(prod, t.heartbeats.name, [
         envelope(Heartbeat(role="prefill", rack="r0", queued_prefill_tokens=q), producer_id=n, producer_seq=0, ts_ms=now)
@@ -49,8 +49,8 @@ async def test_a_past_decision_is_rederived_and_explained(settings):
                   producer_id=n, producer_seq=0, ts_ms=now) for n in ("d-0", "d-1")])
     await _publish(prod, t.kv_events.name, [
         envelope(BlocksStored(block_keys=keys), producer_id="p-holder", producer_seq=0, ts_ms=now)])
-    view = RedisViewStore.from_settings(settings)
-    await replay_into(settings, view, idle_timeout_s=1.0)  # what the stream worker does, with positions
+    view = RedisViewStore.connect(settings.redis(), settings.view_namespace)
+    await replay_into(settings.kafka(), settings.topic_config(), view, idle_timeout_s=1.0)  # what the stream worker does, with positions
 
     reader, resv = redis_stores(settings, producer_id="audit-test")
     worker = RouterWorker(settings, Router(settings, reader, resv), router_id="audit-test")
@@ -59,7 +59,7 @@ async def test_a_past_decision_is_rederived_and_explained(settings):
     reqs = [RoutingRequest(request_id=f"r{i}", token_ids=SHARED + list(range(100 * i, 100 * i + 64)),
                            prompt_tokens=len(SHARED) + 64) for i in range(6)]
     await _route(settings, reqs, now)
-    cons = kafka.consumer(settings, t.dispatch.name, group_id=None)
+    cons = kafka.consumer(settings.kafka(), t.dispatch.name, group_id=None)
     await cons.start()
     got: dict[str, RoutingDecision] = {}
     seq: dict[str, int] = {}
@@ -117,10 +117,10 @@ async def test_every_decision_of_a_run_with_live_heartbeats_is_rederived(setting
     from conductor.harness.devstack import free_port
 
     s = settings.model_copy(update={"web_port": free_port(), "view_reader": view_reader})
-    t = topics(s)
-    await kafka.ensure_topics(s, t.all())
+    t = topics(s.topic_config())
+    await kafka.ensure_topics(s.kafka(), t.all())
     keys = chain_keys(SHARED, s.block_size)
-    prod = kafka.producer(s)
+    prod = kafka.producer(s.kafka())
     await prod.start()
     worker = start_worker_process(s, tmp_path / "worker.log")
     nodes = [("p-0", "prefill"), ("p-1", "prefill"), ("d-0", "decode"), ("d-1", "decode")]
@@ -141,7 +141,7 @@ async def test_every_decision_of_a_run_with_live_heartbeats_is_rederived(setting
     beater = asyncio.create_task(beat())
     await _publish(prod, t.kv_events.name, [
         envelope(BlocksStored(block_keys=keys), producer_id="p-0", producer_seq=0, ts_ms=int(time.time() * 1000))])
-    view = RedisViewStore.from_settings(s)
+    view = RedisViewStore.connect(s.redis(), s.view_namespace)
     deadline = time.monotonic() + 60
     while len(await view.nodes()) < len(nodes):
         assert time.monotonic() < deadline and worker.poll() is None, "the worker never applied the heartbeats"
@@ -153,7 +153,7 @@ async def test_every_decision_of_a_run_with_live_heartbeats_is_rederived(setting
     tail = (lambda i: list(range(64))) if view_reader == "tracking" else (lambda i: list(range(100 * i, 100 * i + 64)))
     reqs = [RoutingRequest(request_id=f"a{i}", token_ids=SHARED + tail(i), prompt_tokens=len(SHARED) + 64)
             for i in range(20 if view_reader == "raw" else 12)]
-    cons = kafka.consumer(s, t.dispatch.name, group_id=None)
+    cons = kafka.consumer(s.kafka(), t.dispatch.name, group_id=None)
     await cons.start()
     got: dict[str, object] = {}
     try:

@@ -101,9 +101,9 @@ def _stop(procs: dict[str, subprocess.Popen[bytes]]) -> None:
 async def test_a_hot_prefix_on_an_overloaded_engine_is_replicated_and_routed_to_the_replica(
     settings: Settings, services: dict[str, subprocess.Popen[bytes]], tmp_path: Path
 ) -> None:
-    tps = topics(settings)
-    await ensure_topics(settings, tps.all())
-    prod = producer(settings)
+    tps = topics(settings.topic_config())
+    await ensure_topics(settings.kafka(), tps.all())
+    prod = producer(settings.kafka())
     await prod.start()
     profile = load_profile(settings.model_profile)
     bs = settings.block_size
@@ -112,8 +112,8 @@ async def test_a_hot_prefix_on_an_overloaded_engine_is_replicated_and_routed_to_
     pubs: list[EventPublisher] = []
     engines: dict[str, EmulatedEngine] = {}
     reports: dict[str, io.StringIO] = {}
-    view = RedisViewStore.from_settings(settings)
-    watch = consumer(settings, tps.dispatch.name, tps.kv_commands.name, tps.kv_command_results.name,
+    view = RedisViewStore.connect(settings.redis(), settings.view_namespace)
+    watch = consumer(settings.kafka(), tps.dispatch.name, tps.kv_commands.name, tps.kv_command_results.name,
                      group_id=None, fetch_max_wait_ms=50)
     decisions: dict[str, RoutingDecision] = {}
     commands: list[KvCommand] = []

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.integration
 
 async def test_hot_prefix_on_overloaded_holder_is_replicated(settings):
     now = int(time.time() * 1000)
-    store = RedisViewStore.from_settings(settings)
+    store = RedisViewStore.connect(settings.redis(), settings.view_namespace)
     chain = [101, 102, 103, 104]
     records = [
         (envelope(Heartbeat(role="prefill", queued_prefill_tokens=50_000), producer_id="p-busy", producer_seq=0,
@@ -37,9 +37,9 @@ async def test_hot_prefix_on_overloaded_holder_is_replicated(settings):
         (envelope(BlocksStored(block_keys=chain), producer_id="p-busy", producer_seq=0, ts_ms=now), None),
     ]
     await store.apply(records)
-    t = topics(settings)
-    await kafka.ensure_topics(settings, t.all())
-    producer = kafka.producer(settings)
+    t = topics(settings.topic_config())
+    await kafka.ensure_topics(settings.kafka(), t.all())
+    producer = kafka.producer(settings.kafka())
     await producer.start()
     for i in range(12):
         req = RoutingRequest(request_id=f"r{i}", block_keys=chain, prompt_tokens=64)
@@ -50,7 +50,7 @@ async def test_hot_prefix_on_overloaded_holder_is_replicated(settings):
     stop = asyncio.Event()
     balancer = Balancer(settings, BalanceParams(hot_threshold=8, overload_tokens=1000, cooldown_s=60))
     task = asyncio.create_task(balancer.run(interval_s=0.3, stop=stop))
-    consumer = kafka.consumer(settings, t.kv_commands.name, group_id=None)
+    consumer = kafka.consumer(settings.kafka(), t.kv_commands.name, group_id=None)
     await consumer.start()
     try:
         msg = await asyncio.wait_for(consumer.getone(), 20)
@@ -92,7 +92,7 @@ def _stop(p: subprocess.Popen[bytes]) -> int:
 async def _changelog_keys(settings: Settings, table: str) -> set[str]:
     """The keys written to a balance table's changelog so far."""
     name = f"{settings.topic_prefix}balance-{table}-changelog"
-    c = kafka.consumer(settings, group_id=None)
+    c = kafka.consumer(settings.kafka(), group_id=None)
     await c.start()
     try:
         if name not in await c.topics():
@@ -114,7 +114,7 @@ async def _changelog_keys(settings: Settings, table: str) -> set[str]:
 async def test_a_restarted_balance_worker_resumes_with_its_heat(settings: Settings, tmp_path: Path):
     """Heat counted by one run of `conductor balance` is restored from the tables' changelogs by
     the next run (which reads no request again), and a command is planned from it."""
-    store = RedisViewStore.from_settings(settings)
+    store = RedisViewStore.connect(settings.redis(), settings.view_namespace)
     chain = [201, 202, 203, 204]
     load = {"p-busy": 100, "p-idle": 100}
     seqs = {"p-busy": 0, "p-idle": 0, "d-0": 0}
@@ -134,11 +134,11 @@ async def test_a_restarted_balance_worker_resumes_with_its_heat(settings: Settin
     await store.apply([(envelope(BlocksStored(block_keys=chain), producer_id="p-busy", producer_seq=0,
                                  ts_ms=int(time.time() * 1000)), None)])
     beat = asyncio.create_task(heartbeats())
-    t = topics(settings)
-    await kafka.ensure_topics(settings, t.all())
+    t = topics(settings.topic_config())
+    await kafka.ensure_topics(settings.kafka(), t.all())
     env = _balance_env(settings, {"hot_threshold": 8, "overload_tokens": 1000, "cooldown_s": 60})
     first = _start_balance(env, tmp_path / "balance-1.log")
-    producer = kafka.producer(settings)
+    producer = kafka.producer(settings.kafka())
     await producer.start()
     now = int(time.time() * 1000)
     try:
@@ -161,7 +161,7 @@ async def test_a_restarted_balance_worker_resumes_with_its_heat(settings: Settin
         assert "replicate" not in log1  # nothing was overloaded yet
 
         # The first run committed every request: the second one reads none of them again.
-        c = kafka.consumer(settings, group_id=f"{settings.topic_prefix}balance")
+        c = kafka.consumer(settings.kafka(), group_id=f"{settings.topic_prefix}balance")
         await c.start()
         try:
             tps = [TopicPartition(t.requests.name, p) for p in c.partitions_for_topic(t.requests.name) or ()]
@@ -174,7 +174,7 @@ async def test_a_restarted_balance_worker_resumes_with_its_heat(settings: Settin
 
         load["p-busy"] = 50_000  # the holder is overloaded now
         second = _start_balance(env, tmp_path / "balance-2.log")
-        consumer = kafka.consumer(settings, t.kv_commands.name, group_id=None)
+        consumer = kafka.consumer(settings.kafka(), t.kv_commands.name, group_id=None)
         await consumer.start()
         try:
             msg = await asyncio.wait_for(consumer.getone(), 60)

@@ -55,7 +55,7 @@ def _free_port() -> int:
 
 async def test_console_shows_four_instances_with_blocks(settings, tmp_path):
     now = int(time.time() * 1000)
-    view = RedisViewStore.from_settings(settings)
+    view = RedisViewStore.connect(settings.redis(), settings.view_namespace)
     records = []
     for i, (node, role) in enumerate(INSTANCES.items()):
         records.append((envelope(Heartbeat(role=role, total_kv_blocks=1000, free_kv_blocks=600, queue_depth=i),

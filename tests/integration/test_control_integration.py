@@ -33,10 +33,10 @@ pytestmark = pytest.mark.integration
 
 async def test_cordon_and_policy_change_apply_in_log_order_and_explain_both_sides(settings):
     now = int(time.time() * 1000)
-    t = topics(settings)
-    await kafka.ensure_topics(settings, t.all())
+    t = topics(settings.topic_config())
+    await kafka.ensure_topics(settings.kafka(), t.all())
     keys = chain_keys(SHARED, settings.block_size)
-    prod = kafka.producer(settings)
+    prod = kafka.producer(settings.kafka())
     await prod.start()
     await _publish(prod, t.heartbeats.name, [
         envelope(Heartbeat(role=r, rack="r0", total_kv_blocks=10_000, free_kv_blocks=10_000), producer_id=n,
@@ -46,15 +46,15 @@ async def test_cordon_and_policy_change_apply_in_log_order_and_explain_both_side
     await _publish(prod, t.kv_events.name, [
         envelope(BlocksStored(block_keys=keys), producer_id="p-holder", producer_seq=0, ts_ms=now)])
     await prod.stop()
-    view = RedisViewStore.from_settings(settings)
-    await replay_into(settings, view, idle_timeout_s=1.0)
+    view = RedisViewStore.connect(settings.redis(), settings.view_namespace)
+    await replay_into(settings.kafka(), settings.topic_config(), view, idle_timeout_s=1.0)
 
     reader, resv = redis_stores(settings, producer_id="control-test")
     router = Router(settings, reader, resv)
     worker = RouterWorker(settings, router, router_id="control-test")
     stop = asyncio.Event()
     task = asyncio.create_task(worker.run(stop))
-    cons = kafka.consumer(settings, t.dispatch.name, group_id=None)
+    cons = kafka.consumer(settings.kafka(), t.dispatch.name, group_id=None)
     await cons.start()
     got: dict[str, RoutingDecision] = {}
 

@@ -82,17 +82,17 @@ def services(settings: Settings, tmp_path: Path) -> Iterator[list[subprocess.Pop
 async def test_an_engines_events_make_the_next_request_reuse_its_prefix(
     settings: Settings, services: list[subprocess.Popen[bytes]], tmp_path: Path
 ) -> None:
-    tps = topics(settings)
-    await ensure_topics(settings, tps.all())
-    prod = producer(settings)
+    tps = topics(settings.topic_config())
+    await ensure_topics(settings.kafka(), tps.all())
+    prod = producer(settings.kafka())
     await prod.start()
     profile = load_profile(settings.model_profile)
     stop = asyncio.Event()
     tasks: list[asyncio.Task[None]] = []
     reports: dict[str, io.StringIO] = {}
     pubs = []
-    view = RedisViewStore.from_settings(settings)
-    cons = consumer(settings, tps.dispatch.name, group_id=None, fetch_max_wait_ms=50)
+    view = RedisViewStore.connect(settings.redis(), settings.view_namespace)
+    cons = consumer(settings.kafka(), tps.dispatch.name, group_id=None, fetch_max_wait_ms=50)
     try:
         for node, role in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode")):
             pub = EventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
@@ -201,7 +201,7 @@ async def test_the_bridge_command_brings_an_engine_that_does_not_heartbeat_into_
     await pub.publish(time.time(), [EngineBlockStored(hashes, None, tuple(tokens), bs, "hbm")])  # before the bridge
     procs = _start(settings, tmp_path, ["worker"], ["bridge", "--zmq", pub.endpoint, "--replay", str(pub.replay_endpoint),
                                                      "--node-id", "vllm-0", "--role", "prefill", "--heartbeat-s", "0.3"])
-    view = RedisViewStore.from_settings(settings)
+    view = RedisViewStore.connect(settings.redis(), settings.view_namespace)
     try:
         deadline = time.monotonic() + 40
         while True:

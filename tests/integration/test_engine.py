@@ -57,9 +57,9 @@ async def _send(prod, topic: str, body, key: str, seq: int) -> None:  # type: ig
 
 @pytest.mark.integration
 async def test_engine_executes_its_decisions_and_the_bridge_publishes_token_derived_keys(settings: Settings) -> None:
-    tps = topics(settings)
-    await ensure_topics(settings, tps.all())
-    prod = producer(settings)
+    tps = topics(settings.topic_config())
+    await ensure_topics(settings.kafka(), tps.all())
+    prod = producer(settings.kafka())
     await prod.start()
     report = io.StringIO()
     pub = EventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
@@ -98,7 +98,7 @@ async def test_engine_executes_its_decisions_and_the_bridge_publishes_token_deri
         assert rows[0]["ttft_s"] is not None and rows[0]["ttft_s"] >= 0
 
         # What reached kv-events: Conductor keys derived from the tokens, as a request would hash them.
-        cons = consumer(settings, tps.kv_events.name, tps.heartbeats.name, group_id=None)
+        cons = consumer(settings.kafka(), tps.kv_events.name, tps.heartbeats.name, group_id=None)
         await cons.start()
         stored: list[int] = []
         beats: list[Heartbeat] = []

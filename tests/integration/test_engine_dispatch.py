@@ -46,9 +46,9 @@ def test_only_this_instances_recent_decisions_and_missing_requests_expire() -> N
 
 @pytest.mark.integration
 async def test_a_restarted_instance_skips_decisions_made_before_it_started(settings: Settings) -> None:
-    tps = topics(settings)
-    await ensure_topics(settings, tps.all())
-    prod = producer(settings)
+    tps = topics(settings.topic_config())
+    await ensure_topics(settings.kafka(), tps.all())
+    prod = producer(settings.kafka())
     await prod.start()
 
     async def send(topic: str, body, seq: int) -> None:  # type: ignore[no-untyped-def]

@@ -49,7 +49,7 @@ async def test_completions_and_chat_streaming_and_not(cluster: GatewayCluster, s
     assert text and got[-1].usage is not None and got[-1].usage.completion_tokens == 8
 
     # Every request went through the log with this gateway as reply_to, and left an outcome.
-    tps = topics(settings)
+    tps = topics(settings.topic_config())
     reqs = [b for b in await read_all(settings, tps.requests.name, 4) if isinstance(b, RoutingRequest)]
     assert len(reqs) == 4 and {r.reply_to for r in reqs} == {cluster.gateway_id}
     outs = [b for b in await read_all(settings, tps.request_outcomes.name, 4) if isinstance(b, RequestOutcome)]
@@ -91,7 +91,7 @@ async def test_a_dead_prefill_instance_is_routed_around_and_recorded(cluster: Ga
         r = await cl.completions.create(model="default", prompt=f"request {i} " + "tok " * 40, max_tokens=4)
         assert r.choices[0].text
     assert time.monotonic() - t0 < 30
-    tps = topics(settings)
+    tps = topics(settings.topic_config())
     reqs = [b for b in await read_all(settings, tps.requests.name, 6) if isinstance(b, RoutingRequest)]
     outs = [b for b in await read_all(settings, tps.request_outcomes.name, 6) if isinstance(b, RequestOutcome)]
     assert all(o.status == 200 and o.prefill_instance == "prefill-1" for o in outs)

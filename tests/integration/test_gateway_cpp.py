@@ -40,7 +40,7 @@ async def test_a_long_prompt_runs_as_a_cpp_group_and_the_decode_gets_the_whole_k
         rid = r.headers["x-conductor-request-id"]
         decode_node = r.headers["x-conductor-decode-instance"]
 
-        tps = topics(s)
+        tps = topics(s.topic_config())
         ds = [b for b in await read_all(s, tps.dispatch.name, 1) if isinstance(b, RoutingDecision)]
         d = next(x for x in ds if x.request_id == rid)
         assert d.prefill_group is not None and sorted(d.prefill_group) == ["prefill-0", "prefill-1"]

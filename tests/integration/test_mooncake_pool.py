@@ -109,9 +109,9 @@ async def test_an_offloaded_prefix_is_indexed_in_the_view_and_read_back_from_the
     and the engine reads its bytes back (the model's real block size)."""
     s = settings.model_copy(update={"policy": "kvcache-centric"})
     procs = _start(s, tmp_path, ["worker"], ["router"])
-    tps = topics(s)
-    await ensure_topics(s, tps.all())
-    prod = producer(s)
+    tps = topics(s.topic_config())
+    await ensure_topics(s.kafka(), tps.all())
+    prod = producer(s.kafka())
     await prod.start()
     profile = load_profile(s.model_profile)
     bs = s.block_size
@@ -120,12 +120,12 @@ async def test_an_offloaded_prefix_is_indexed_in_the_view_and_read_back_from_the
     tasks: list[asyncio.Task[object]] = []
     pubs: list[EventPublisher] = []
     reports = {n: io.StringIO() for n in ("p0", "d0")}
-    view = RedisViewStore.from_settings(s)
+    view = RedisViewStore.connect(s.redis(), s.view_namespace)
     client = MooncakePool.connect(master, block_size_bytes=block, segment_bytes=256 * MB)
     link = PoolLink(client, PoolIndex("p0", epoch=int(time.time() * 1000), capacity_blocks=client.capacity_blocks,
                                       heartbeat_s=0.3),
                     events=kafka_sink(prod, tps.kv_events.name), heartbeats=kafka_sink(prod, tps.heartbeats.name))
-    watch = consumer(s, tps.dispatch.name, group_id=None, fetch_max_wait_ms=50)
+    watch = consumer(s.kafka(), tps.dispatch.name, group_id=None, fetch_max_wait_ms=50)
     engines: dict[str, EmulatedEngine] = {}
 
     async def wait_for(what: str, probe, timeout: float = 40.0):  # type: ignore[no-untyped-def]
@@ -221,19 +221,19 @@ class PoolCluster:
         self.master, self.s, self.tmp_path = master, s, tmp_path
         self.procs = _start(s, tmp_path, ["worker"], ["router"], *commands)
         self.names = ["worker", "router", *(c[0] for c in commands)]
-        self.tps = topics(s)
-        self.prod = producer(s)
+        self.tps = topics(s.topic_config())
+        self.prod = producer(s.kafka())
         self.profile = load_profile(s.model_profile)
         self.block = s.block_size * self.profile.kv_bytes_per_token
         self.stop = asyncio.Event()
         self.tasks: list[asyncio.Task[object]] = []
         self.pubs: list[EventPublisher] = []
         self.reports = {n: io.StringIO() for n in ("p0", "p1", "d0")}
-        self.view = RedisViewStore.from_settings(s)
+        self.view = RedisViewStore.connect(s.redis(), s.view_namespace)
         self.clients: dict[str, MooncakePool] = {}
         self.links: dict[str, PoolLink] = {}
         self.engines: dict[str, EmulatedEngine] = {}
-        self.watch = consumer(s, self.tps.dispatch.name, self.tps.kv_commands.name, self.tps.kv_command_results.name,
+        self.watch = consumer(s.kafka(), self.tps.dispatch.name, self.tps.kv_commands.name, self.tps.kv_command_results.name,
                               group_id=None, fetch_max_wait_ms=50)
         self.decisions: dict[str, RoutingDecision] = {}
         self.commands: list[KvCommand] = []
@@ -241,7 +241,7 @@ class PoolCluster:
 
     async def start(self) -> None:
         s, tps = self.s, self.tps
-        await ensure_topics(s, tps.all())
+        await ensure_topics(s.kafka(), tps.all())
         await self.prod.start()
         await self.watch.start()
         epoch = int(time.time() * 1000)

@@ -42,7 +42,7 @@ def pipe_settings(stack, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 async def worker(pipe_settings, tmp_path_factory):
-    await ensure_topics(pipe_settings, topics(pipe_settings).all())
+    await ensure_topics(pipe_settings.kafka(), topics(pipe_settings.topic_config()).all())
     log = Path(tmp_path_factory.mktemp("worker")) / "worker.log"
     proc = start_worker_process(pipe_settings, log)
     yield proc
@@ -51,7 +51,7 @@ async def worker(pipe_settings, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 async def store(pipe_settings):
-    s = RedisViewStore.from_settings(pipe_settings)
+    s = RedisViewStore.connect(pipe_settings.redis(), pipe_settings.view_namespace)
     yield s
     await s.clear()
     await s.close()
@@ -59,7 +59,7 @@ async def store(pipe_settings):
 
 @pytest.fixture(scope="module")
 async def prod(pipe_settings):
-    p = producer(pipe_settings)
+    p = producer(pipe_settings.kafka())
     await p.start()
     yield p
     await p.stop()
@@ -96,7 +96,7 @@ def kv(node, seq, body, epoch=0):
 
 
 async def test_events_in_expected_view_out(pipe_settings, worker, store, prod):
-    t = topics(pipe_settings)
+    t = topics(pipe_settings.topic_config())
     envs = [
         kv("ev-a", 0, BlocksStored(block_keys=[11, 12, 13])),
         kv("ev-a", 1, BlocksStored(block_keys=[14], tier="dram")),
@@ -119,7 +119,7 @@ async def test_events_in_expected_view_out(pipe_settings, worker, store, prod):
 
 
 async def test_duplicates_change_nothing(pipe_settings, worker, store, prod):
-    t = topics(pipe_settings)
+    t = topics(pipe_settings.topic_config())
     envs = [kv("dup", 0, BlocksStored(block_keys=[21, 22])), kv("dup", 1, BlocksRemoved(block_keys=[22]))]
     await wait_applied(store, worker, await publish(prod, t.kv_events.name, envs))
     # an engine (or bridge) re-publishing: new offsets, same producer sequence numbers
@@ -132,7 +132,7 @@ async def test_duplicates_change_nothing(pipe_settings, worker, store, prod):
 async def test_reordering_across_nodes(pipe_settings, worker, store, prod):
     """Nodes' records interleave arbitrarily (different partitions, different orders); only
     per-node order matters."""
-    t = topics(pipe_settings)
+    t = topics(pipe_settings.topic_config())
     a = [kv("ro-a", i, BlocksStored(block_keys=[100 + i])) for i in range(5)]
     b = [kv("ro-b", i, BlocksStored(block_keys=[100 + i])) for i in range(3)] + [kv("ro-b", 3, BlocksRemoved(block_keys=[100]))]
     interleaved = [x for pair in zip(b, a) for x in pair] + a[4:]
@@ -144,7 +144,7 @@ async def test_reordering_across_nodes(pipe_settings, worker, store, prod):
 
 
 async def test_gap_epoch_change_and_cleared(pipe_settings, worker, store, prod):
-    t = topics(pipe_settings)
+    t = topics(pipe_settings.topic_config())
     envs = [
         kv("gap", 0, BlocksStored(block_keys=[31])),
         kv("gap", 5, BlocksStored(block_keys=[32])),  # seqs 1-4 lost: a gap, still applied
@@ -168,18 +168,18 @@ async def test_gap_epoch_change_and_cleared(pipe_settings, worker, store, prod):
 
 def test_heartbeat_ttl_expiry_in_view_show(pipe_settings, worker, store, prod):
     async def go():
-        t = topics(pipe_settings)
+        t = topics(pipe_settings.topic_config())
         hbs = [
             envelope(Heartbeat(role="prefill"), producer_id="ttl-fresh", producer_seq=0, ts_ms=now_ms()),
             envelope(Heartbeat(role="prefill"), producer_id="ttl-old", producer_seq=0, ts_ms=now_ms() - 60_000),
         ]
-        p = producer(pipe_settings)
+        p = producer(pipe_settings.kafka())
         await p.start()
         try:
             want = await publish(p, t.heartbeats.name, hbs)
         finally:
             await p.stop()
-        s = RedisViewStore.from_settings(pipe_settings)
+        s = RedisViewStore.connect(pipe_settings.redis(), pipe_settings.view_namespace)
         try:
             await wait_applied(s, worker, want)
         finally:
@@ -196,7 +196,7 @@ def test_heartbeat_ttl_expiry_in_view_show(pipe_settings, worker, store, prod):
 
 
 async def test_malformed_records_go_to_dead_letter_and_worker_goes_on(pipe_settings, worker, store, prod):
-    t = topics(pipe_settings)
+    t = topics(pipe_settings.topic_config())
     bad = [
         b"\x00not msgpack",
         encode(envelope(Heartbeat(role="prefill"), producer_id="dl", producer_seq=0, ts_ms=now_ms())),  # wrong topic
@@ -206,7 +206,7 @@ async def test_malformed_records_go_to_dead_letter_and_worker_goes_on(pipe_setti
     await wait_applied(store, worker, await publish(prod, t.kv_events.name, good))
     assert worker.poll() is None
     assert (await store.snapshot([41])).prefix["dl"] == (1, 1, 1)
-    c = consumer(pipe_settings, t.dead_letter.name, group_id=None)
+    c = consumer(pipe_settings.kafka(), t.dead_letter.name, group_id=None)
     await c.start()
     try:
         letters = []
@@ -224,7 +224,7 @@ async def test_malformed_records_go_to_dead_letter_and_worker_goes_on(pipe_setti
 
 async def test_replay_over_the_live_view_changes_nothing(pipe_settings, worker, store):
     before = await store.dump()
-    res = await replay_into(pipe_settings, store)
+    res = await replay_into(pipe_settings.kafka(), pipe_settings.topic_config(), store)
     assert res.records > 0 and res.applied == 0
     assert await store.dump() == before
 
@@ -241,7 +241,7 @@ def test_rebuild_into_an_empty_namespace_equals_the_live_view(pipe_settings, wor
         assert out["records"] > 10 and out["dead_letters"] == {"malformed": 1, "wrong_kind": 1}
     finally:
         async def cleanup():
-            s = RedisViewStore.from_settings(pipe_settings.model_copy(update={"view_namespace": target}))
+            s = RedisViewStore.connect(pipe_settings.redis(), target)
             await s.clear()
             await s.close()
 

@@ -33,12 +33,12 @@ async def test_sigkill_mid_stream_then_restart(stack, tmp_path):
         kafka_url=stack.kafka_url, redis_url=stack.redis_url, profile="embedded", topic_prefix=f"k{tag}.",
         view_namespace=f"k{tag}", partitions=2, web_port=free_port(), data_dir=tmp_path / "d",
     )
-    t = topics(s)
-    await ensure_topics(s, t.all())
+    t = topics(s.topic_config())
+    await ensure_topics(s.kafka(), t.all())
     envs = KvStream(seed=3).take(3000)
 
-    store = RedisViewStore.from_settings(s)
-    prod = producer(s)
+    store = RedisViewStore.connect(s.redis(), s.view_namespace)
+    prod = producer(s.kafka())
     await prod.start()
     worker = start_worker_process(s, tmp_path / "w1.log")
     try:
@@ -61,7 +61,7 @@ async def test_sigkill_mid_stream_then_restart(stack, tmp_path):
         # idempotent producer, which the embedded broker lacks, a retried send may land out
         # of order; the view must then show the same gap the log shows, not the sent order.)
         ref = InMemoryViewStore()
-        replayed = await replay_into(s, ref)
+        replayed = await replay_into(s.kafka(), s.topic_config(), ref)
         assert replayed.records >= len(envs)  # every send landed (a retried one may land twice)
         got, want = await store.dump(), ref.dump_sync()
         assert got["watermark"] == want["watermark"]

@@ -43,8 +43,8 @@ class Engines:
         self.s, self.stream, self.sent = s, KvStream(seed, max_store=6, max_remove=3), 0
 
     async def publish(self, n):
-        t = topics(self.s)
-        prod = producer(self.s)
+        t = topics(self.s.topic_config())
+        prod = producer(self.s.kafka())
         await prod.start()
         try:
             for e in self.stream.take(n):
@@ -58,7 +58,7 @@ class Engines:
 @asynccontextmanager
 async def running_worker(s, tmp_path):
     """A `conductor worker` subprocess over a view of its own, stopped and cleared after."""
-    store = RedisViewStore.from_settings(s)
+    store = RedisViewStore.connect(s.redis(), s.view_namespace)
     worker = start_worker_process(s, tmp_path / "w.log")
     try:
         yield store, worker
@@ -70,7 +70,7 @@ async def running_worker(s, tmp_path):
 
 async def assert_view_is_the_log(s, store):
     ref = InMemoryViewStore()
-    await replay_into(s, ref)
+    await replay_into(s.kafka(), s.topic_config(), ref)
     got, want = await store.dump(), ref.dump_sync()
     assert got == want, diff_dumps(got, want)
     assert all(n["seq_gaps"] == 0 for n in got["nodes"].values())
@@ -78,8 +78,8 @@ async def assert_view_is_the_log(s, store):
 
 async def test_a_committed_offset_past_the_view_is_not_trusted(stack, tmp_path):
     s = fresh_settings(stack, tmp_path)
-    t = topics(s)
-    await ensure_topics(s, t.all())
+    t = topics(s.topic_config())
+    await ensure_topics(s.kafka(), t.all())
     engines = Engines(s, seed=5)
     await engines.publish(400)
 
@@ -103,7 +103,7 @@ async def test_a_view_lost_under_a_running_worker_is_rebuilt_from_the_log(stack,
     """Redis restarted empty: the worker's next records find no fence, and it reads each
     partition back from offset 0 before applying them."""
     s = fresh_settings(stack, tmp_path)
-    await ensure_topics(s, topics(s).all())
+    await ensure_topics(s.kafka(), topics(s.topic_config()).all())
     engines = Engines(s, seed=6)
     await engines.publish(300)
     async with running_worker(s, tmp_path) as (store, worker):

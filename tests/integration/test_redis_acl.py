@@ -26,7 +26,7 @@ async def test_view_through_an_acl_user(settings):
     await root.execute_command("ACL", "SETUSER", user, "on", f">{pw}", f"~{{{settings.view_namespace}}}|*", "+@all")
     try:
         s = settings.model_copy(update={"redis_username": user, "redis_password": SecretStr(pw)})
-        view = RedisViewStore.from_settings(s)
+        view = RedisViewStore.connect(s.redis(), s.view_namespace)
         try:
             await view.apply([(envelope(Heartbeat(role="prefill"), producer_id="p-acl", producer_seq=0,
                                         ts_ms=int(time.time() * 1000)), None)])

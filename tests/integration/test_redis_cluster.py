@@ -59,7 +59,7 @@ class TestClusterRawReader(contract.TestRawSnapshotReader):
 
 
 async def test_a_namespace_lives_in_one_slot_on_one_primary(cluster_settings, valkey_cluster):
-    store = RedisViewStore.from_settings(cluster_settings)
+    store = RedisViewStore.connect(cluster_settings.redis(), cluster_settings.view_namespace)
     try:
         await contract.ViewStoreContract().feed(store, [contract.stored("a", 0, list(range(1, 300))),
                                                       contract.heartbeat("a", 0, 1_000)])
@@ -81,15 +81,15 @@ async def test_a_namespace_lives_in_one_slot_on_one_primary(cluster_settings, va
 
 async def test_worker_folds_into_the_cluster_and_the_router_routes_from_it(cluster_settings, tmp_path):
     s = cluster_settings.model_copy(update={"web_port": free_port(), "heartbeat_ttl_s": 600.0})  # worker start-up is slow
-    t = topics(s)
-    await kafka.ensure_topics(s, t.all())
+    t = topics(s.topic_config())
+    await kafka.ensure_topics(s.kafka(), t.all())
     now = int(time.time() * 1000)
     shared = list(range(5000, 5000 + 16 * 16))
     keys = chain_keys(shared, s.block_size)
-    prod = kafka.producer(s)
+    prod = kafka.producer(s.kafka())
     await prod.start()
     worker = start_worker_process(s, tmp_path / "worker.log")
-    view = RedisViewStore.from_settings(s)
+    view = RedisViewStore.connect(s.redis(), s.view_namespace)
     reader, resv = redis_stores(s, producer_id="cluster-test")
     assert isinstance(reader, RawSnapshotReader) and reader.seeds  # the fast reader, on the slot's primary
     stop = asyncio.Event()
@@ -117,7 +117,7 @@ async def test_worker_folds_into_the_cluster_and_the_router_routes_from_it(clust
         for i, r in enumerate(reqs):
             await prod.send_and_wait(t.requests.name, encode(envelope(r, producer_id="gw", producer_seq=i, ts_ms=now)),
                                      key=r.request_id.encode())
-        cons = kafka.consumer(s, t.dispatch.name, group_id=None)
+        cons = kafka.consumer(s.kafka(), t.dispatch.name, group_id=None)
         await cons.start()
         got: dict[str, RoutingDecision] = {}
         try:

@@ -20,9 +20,9 @@ pytestmark = pytest.mark.integration
 
 
 async def test_a_large_last_batch_is_read_to_its_end(settings):
-    t = topics(settings)
-    await ensure_topics(settings, t.all())
-    prod = producer(settings, linger_ms=200)  # everything lands in one batch per partition
+    t = topics(settings.topic_config())
+    await ensure_topics(settings.kafka(), t.all())
+    prod = producer(settings.kafka(), linger_ms=200)  # everything lands in one batch per partition
     await prod.start()
     try:
         futures = [
@@ -38,7 +38,7 @@ async def test_a_large_last_batch_is_read_to_its_end(settings):
     finally:
         await prod.stop()
 
-    c = consumer(settings, group_id=None)
+    c = consumer(settings.kafka(), group_id=None)
     await c.start()
     try:
         tps = [TopicPartition(t.kv_events.name, p) for p in range(2)]
@@ -48,7 +48,7 @@ async def test_a_large_last_batch_is_read_to_its_end(settings):
         await c.stop()
 
     view = InMemoryViewStore()
-    res = await replay_into(settings, view, idle_timeout_s=1.0)
+    res = await replay_into(settings.kafka(), settings.topic_config(), view, idle_timeout_s=1.0)
     assert res.records == 400 and res.applied == 400
     assert (await view.snapshot(list(range(1, 401)), now_ms=0)).prefix["n0"][0] == 1  # key 1 held, 2 is n1's
     assert sum(n.blocks.get("hbm", 0) for n in await view.nodes()) == 400

@@ -41,8 +41,8 @@ async def test_requests_become_decisions_on_dispatch(settings) -> None:
                              producer_id="p-warm", producer_seq=1, ts_ms=now - 500), None))
     await view.apply(records)
 
-    t = topics(settings)
-    await kafka.ensure_topics(settings, t.all())
+    t = topics(settings.topic_config())
+    await kafka.ensure_topics(settings.kafka(), t.all())
     requests = [
         RoutingRequest(request_id="warm", token_ids=TOKENS, prompt_tokens=len(TOKENS)),
         RoutingRequest(request_id="cold", token_ids=list(range(9000, 9000 + 256)), prompt_tokens=256),
@@ -50,7 +50,7 @@ async def test_requests_become_decisions_on_dispatch(settings) -> None:
         RoutingRequest(request_id="too-long", block_keys=[1, 2, 3, 4, 5], prompt_tokens=16),
         RoutingRequest(request_id="slo", token_ids=TOKENS, prompt_tokens=len(TOKENS), ttft_slo_s=1e-6),
     ]
-    prod = kafka.producer(settings)
+    prod = kafka.producer(settings.kafka())
     await prod.start()
     for i, req in enumerate(requests):
         await prod.send(t.requests.name, encode(envelope(req, producer_id="gw", producer_seq=i, ts_ms=now)),
@@ -63,7 +63,7 @@ async def test_requests_become_decisions_on_dispatch(settings) -> None:
     worker = RouterWorker(settings, router, router_id="router-test")
     stop = asyncio.Event()
     task = asyncio.create_task(worker.run(stop))
-    cons = kafka.consumer(settings, t.dispatch.name, t.dead_letter.name, group_id=None)
+    cons = kafka.consumer(settings.kafka(), t.dispatch.name, t.dead_letter.name, group_id=None)
     await cons.start()
     got: dict[str, tuple[bytes, object]] = {}
     dead: list[DeadLetter] = []
@@ -241,7 +241,7 @@ async def test_raw_reader_logs_in_with_the_urls_user_and_password(settings) -> N
         return f"redis://{user}:{quote(pw, safe='')}@{u.hostname}:{u.port}{u.path}"
 
     await admin.execute_command("ACL", "SETUSER", user, "on", f">{password}", "~*", "+@all")
-    writer = RedisViewStore.from_settings(settings)
+    writer = RedisViewStore.connect(settings.redis(), settings.view_namespace)
     reader = RawSnapshotReader(url(password), settings.view_namespace)
     wrong = RawSnapshotReader(url("nope"), settings.view_namespace, timeout_s=0.5)
     try:

@@ -23,12 +23,12 @@ pytestmark = pytest.mark.integration
 async def _record(settings: Settings, now: int, n: int = 60) -> None:
     """What a small cluster leaves on its topics: heartbeats, requests (token ids with shared
     system prompts), the router's decisions and the gateway's outcomes."""
-    t = topics(settings)
-    await kafka.ensure_topics(settings, t.all())
+    t = topics(settings.topic_config())
+    await kafka.ensure_topics(settings.kafka(), t.all())
     rng = random.Random(5)
     bs = settings.block_size
     systems = [[rng.randrange(1, 30000) for _ in range(bs * 40)] for _ in range(3)]
-    prod = kafka.producer(settings)
+    prod = kafka.producer(settings.kafka())
     await prod.start()
     try:
         start = now - 120_000

@@ -15,7 +15,7 @@ from streams.topics import topics
 async def test_created_with_retention_and_unsafe_ones_reported(settings: Settings,
                                                                caplog: pytest.LogCaptureFixture) -> None:
     s = settings.model_copy(update={"kv_events_retention_ms": 3_600_000})
-    tps = topics(s)
+    tps = topics(s.topic_config())
     admin = AIOKafkaAdminClient(bootstrap_servers=s.kafka_url)
     await admin.start()
     try:
@@ -23,7 +23,7 @@ async def test_created_with_retention_and_unsafe_ones_reported(settings: Setting
         await admin.create_topics([NewTopic(tps.kv_events.name, 1, 1,
                                             topic_configs={"cleanup.policy": "compact", "retention.ms": "1000"})])
         with caplog.at_level(logging.WARNING, logger="streams.kafka"):
-            created = await ensure_topics(s, tps.all())
+            created = await ensure_topics(s.kafka(), tps.all())
         assert tps.kv_events.name not in created and tps.requests.name in created
         warnings = [r.getMessage() for r in caplog.records]
         assert any("compact" in w and tps.kv_events.name in w for w in warnings)

@@ -29,7 +29,7 @@ class TestTrackingReaderContract(contract.ViewStoreContract):
     @pytest.fixture
     async def store(self, settings):
         s = TrackingSnapshotReader(settings.redis_url, settings.view_namespace, cache_keys=64,
-                                   store=RedisViewStore.from_settings(settings), point_max_age_s=0)
+                                   store=RedisViewStore.connect(settings.redis(), settings.view_namespace), point_max_age_s=0)
         yield s
         await s.view.clear()
         await s.close()
@@ -37,7 +37,7 @@ class TestTrackingReaderContract(contract.ViewStoreContract):
 
 @pytest.fixture
 async def readers(settings):
-    writer = RedisViewStore.from_settings(settings)
+    writer = RedisViewStore.connect(settings.redis(), settings.view_namespace)
     plain = RawSnapshotReader(settings.redis_url, settings.view_namespace)
     # Round trips only: these tests read their own writes at once (point reads: further down).
     tracking = TrackingSnapshotReader(settings.redis_url, settings.view_namespace, cache_keys=500, point_max_age_s=0)
@@ -136,7 +136,7 @@ async def test_a_new_connection_starts_with_an_empty_cache(readers):
 
 @pytest.fixture
 async def pointed(settings):
-    writer = RedisViewStore.from_settings(settings)
+    writer = RedisViewStore.connect(settings.redis(), settings.view_namespace)
     plain = RawSnapshotReader(settings.redis_url, settings.view_namespace)
     tracking = TrackingSnapshotReader(settings.redis_url, settings.view_namespace, cache_keys=500,
                                       point_max_age_s=60.0)

@@ -52,9 +52,9 @@ async def run_writer(ingestor: Ingestor, records: list[RawRecord], seed: int, pa
 
 
 async def test_two_writers_racing_on_the_same_records(settings):
-    t = topics(settings)
+    t = topics(settings.topic_config())
     records = stream_of_records(t.kv_events.name, 1500)
-    a, b = RedisViewStore.from_settings(settings), RedisViewStore.from_settings(settings)
+    a, b = RedisViewStore.connect(settings.redis(), settings.view_namespace), RedisViewStore.connect(settings.redis(), settings.view_namespace)
     try:
         first = Ingestor(t, a)
         await run_writer(first, records[:100], seed=0)

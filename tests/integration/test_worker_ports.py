@@ -63,11 +63,11 @@ async def answers_http(port: int) -> bool:
 
 async def test_a_second_worker_takes_a_free_web_port_and_both_stay_up(settings, tmp_path):
     s = settings.model_copy(update={"web_port": None})  # unset: the default port, else the next free one
-    t = topics(s)
-    await ensure_topics(s, t.all())
+    t = topics(s.topic_config())
+    await ensure_topics(s.kafka(), t.all())
     procs = {name: start_worker(s, tmp_path / f"{name}.log") for name in ("worker-a", "worker-b")}  # at once
-    store = RedisViewStore.from_settings(s)
-    prod = producer(s)
+    store = RedisViewStore.connect(s.redis(), s.view_namespace)
+    prod = producer(s.kafka())
     try:
         async def web_ports() -> dict[str, int] | None:
             ports = {name: listening_ports(p.pid) for name, p in procs.items()}

@@ -12,7 +12,7 @@ from conductor.profiles import load_profile
 from conductor.routing.dispatch import Assignment
 from schemas import RoutingDecision, RoutingRequest, vllm_block_extras
 from streams.kafka import config_problems
-from streams.topics import topics
+from streams.topics import TopicConfig, topics
 
 VLLM = """\
 # HELP vllm:num_requests_running Number of requests in model execution batches.
@@ -98,11 +98,7 @@ def test_vllm_extra_keys_rule() -> None:
 
 
 def test_unsafe_topic_configs_are_named() -> None:
-    class S:
-        topic_prefix, partitions, replication_factor = "x.", 1, 1
-        kv_events_retention_ms, heartbeats_retention_ms, audit_retention_ms = 1000, 1000, 1000
-
-    kv = topics(S()).kv_events  # type: ignore[arg-type]
+    kv = topics(TopicConfig("x.", 1, 1, 1000, 1000, 1000)).kv_events
     assert dict(kv.configs) == {"cleanup.policy": "delete", "retention.ms": "1000"}
     assert config_problems(kv, {"cleanup.policy": "delete", "retention.ms": "-1"}) == []
     problems = config_problems(kv, {"cleanup.policy": "compact", "retention.ms": "10"})
@@ -110,11 +106,7 @@ def test_unsafe_topic_configs_are_named() -> None:
 
 
 def test_a_topic_whose_message_limit_cannot_take_a_dead_letter_is_named() -> None:
-    class S:
-        topic_prefix, partitions, replication_factor = "m.", 1, 1
-        kv_events_retention_ms, heartbeats_retention_ms, audit_retention_ms = 1000, 1000, 1000
-
-    kv = topics(S()).kv_events  # type: ignore[arg-type]
+    kv = topics(TopicConfig("m.", 1, 1, 1000, 1000, 1000)).kv_events
     assert config_problems(kv, {"max.message.bytes": "1048588"}) == []
     (problem,) = config_problems(kv, {"max.message.bytes": "65536"})
     assert "65536" in problem and kv.name in problem

@@ -16,7 +16,7 @@ from streams.agents import process_until_done
 from streams.ingest import IngestMetrics, Ingestor, RawRecord
 from streams.topics import topics
 
-T = topics(load_settings(topic_prefix="u.", kafka_url=None, redis_url=None))
+T = topics(load_settings(topic_prefix="u.", kafka_url=None, redis_url=None).topic_config())
 KV, HB = T.kv_events.name, T.heartbeats.name
 
 

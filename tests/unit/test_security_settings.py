@@ -36,27 +36,28 @@ async def test_sasl_reaches_aiokafka_and_faust(mechanism, certs):
                       kafka_sasl_username="conductor", kafka_sasl_password="s3cret-pw",
                       kafka_ssl_cafile=certs / "ca.pem", kafka_ssl_certfile=certs / "client.pem",
                       kafka_ssl_keyfile=certs / "client.key")
-    opts = security_options(s)
+    opts = security_options(s.kafka())
     assert opts["security_protocol"] == "SASL_SSL" and opts["sasl_mechanism"] == mechanism
     assert opts["sasl_plain_username"] == "conductor" and opts["sasl_plain_password"] == "s3cret-pw"
     assert isinstance(opts["ssl_context"], ssl.SSLContext)
-    prod, cons = producer(s), consumer(s, "t", group_id=None)
+    prod, cons = producer(s.kafka()), consumer(s.kafka(), "t", group_id=None)
     for c in (prod.client, cons._client):  # never started: nothing connects
         assert (c._security_protocol, c._sasl_mechanism, c._sasl_plain_username) == ("SASL_SSL", mechanism, "conductor")
         assert c._ssl_context is not None
     await prod.stop()
     await cons.stop()
-    cred = broker_credentials(s)
+    cred = broker_credentials(s.kafka())
     assert (cred.protocol.value, cred.mechanism.value, cred.username) == ("SASL_SSL", mechanism, "conductor")
-    assert "s3cret-pw" not in repr(s)
+    assert "s3cret-pw" not in repr(s) and "s3cret-pw" not in repr(s.kafka())
     # a child process gets the real secret, not pydantic's mask
     assert settings_env(s)["CONDUCTOR_KAFKA_SASL_PASSWORD"] == "s3cret-pw"
 
 
 def test_tls_only_and_plaintext(certs):
     s = load_settings(**BASE, kafka_security_protocol="SSL", kafka_ssl_cafile=certs / "ca.pem")
-    assert security_options(s)["security_protocol"] == "SSL" and broker_credentials(s).protocol.value == "SSL"
-    plain = load_settings(**BASE)
+    assert security_options(s.kafka())["security_protocol"] == "SSL"
+    assert broker_credentials(s.kafka()).protocol.value == "SSL"
+    plain = load_settings(**BASE).kafka()
     assert security_options(plain) == {"security_protocol": "PLAINTEXT"} and broker_credentials(plain) is None
 
 

@@ -63,7 +63,7 @@ async def _http_status(port: int) -> bytes:
 @pytest.mark.parametrize("profile", ["embedded", "production"])
 async def test_two_apps_serve_their_web_servers_on_one_host(tmp_path, profile):
     s = load_settings(kafka_url="127.0.0.1:1", redis_url="redis://127.0.0.1:1/0", profile=profile, data_dir=tmp_path)
-    apps = [make_app(s, app_id=f"a{i}", web_socket=bind_web_port(s.bind_host, None)) for i in range(2)]
+    apps = [make_app(s.worker(), app_id=f"a{i}", web_socket=bind_web_port(s.bind_host, None)) for i in range(2)]
     ports = [app.conf.web_port for app in apps]
     assert ports[0] != ports[1] and ports == [_port(app.web_socket) for app in apps]
     try:

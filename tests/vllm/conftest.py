@@ -115,9 +115,9 @@ def vllm_settings(settings: Settings) -> Settings:
 @pytest.fixture
 async def view_worker(vllm_settings: Settings, tmp_path: Path) -> AsyncIterator[RedisViewStore]:
     """The test's topics, a `conductor worker` folding them into Redis, and the view it writes."""
-    await ensure_topics(vllm_settings, topics(vllm_settings).all())
+    await ensure_topics(vllm_settings.kafka(), topics(vllm_settings.topic_config()).all())
     proc = start_worker_process(vllm_settings, tmp_path / "worker.log")
-    store = RedisViewStore.from_settings(vllm_settings)
+    store = RedisViewStore.connect(vllm_settings.redis(), vllm_settings.view_namespace)
     try:
         yield store
     finally:

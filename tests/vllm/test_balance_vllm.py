@@ -74,7 +74,7 @@ async def bridged(vllm_pd: tuple[VllmEngine, VllmEngine], vllm_settings: Setting
 
 
 async def results_for(settings: Settings, command_id: str, count: int, wait_s: float = 240.0) -> list[KvCommandResult]:
-    cons = consumer(settings, topics(settings).kv_command_results.name, group_id=None, fetch_max_wait_ms=50)
+    cons = consumer(settings.kafka(), topics(settings.topic_config()).kv_command_results.name, group_id=None, fetch_max_wait_ms=50)
     await cons.start()
     found: list[KvCommandResult] = []
     try:
@@ -94,7 +94,7 @@ async def test_a_replicate_is_pulled_over_nixl_and_proven_by_the_targets_own_eve
     http: httpx.AsyncClient, unique_text: str,
 ) -> None:
     a, b, procs = bridged
-    s, view, tps = vllm_settings, view_worker, topics(vllm_settings)
+    s, view, tps = vllm_settings, view_worker, topics(vllm_settings.topic_config())
 
     async def endpoints() -> bool:
         assert not procs.dead(), procs.log_tail(f"bridge-{B}") + procs.log_tail(f"bridge-{A}")
@@ -127,7 +127,7 @@ async def test_a_replicate_is_pulled_over_nixl_and_proven_by_the_targets_own_eve
     cmd = KvCommand(command_id=f"replicate-{uuid.uuid4().hex[:8]}", action="replicate", block_keys=chain,
                     from_node=A, to_node=B, to_tier="hbm", token_ids=prefix, block_size=BLOCK_SIZE,
                     deadline_ms=time.time_ns() // 1_000_000 + 120_000, reason="test: hot prefix")
-    prod = producer(s)
+    prod = producer(s.kafka())
     await prod.start()
     try:
         for seq in range(2):

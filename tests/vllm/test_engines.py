@@ -138,8 +138,8 @@ async def test_real_metrics_page_gives_the_bridge_a_sane_load(vllm_aggregated: V
 
 async def follow(engine: VllmEngine, settings: Settings, node_id: str) -> tuple[Bridge, asyncio.Event, asyncio.Task[None], Any]:
     """A `conductor bridge` for ``engine`` in this process: events and scraped heartbeats onto the test's topics."""
-    tps = topics(settings)
-    prod = producer(settings)
+    tps = topics(settings.topic_config())
+    prod = producer(settings.kafka())
     await prod.start()
     cfg = BridgeConfig(node_id=node_id, role="both", zmq_endpoint=engine.zmq, replay_endpoint=engine.replay,
                        block_size=BLOCK_SIZE, heartbeat_s=0.5, metrics_url=engine.metrics_url, model=engine.model)

@@ -76,7 +76,7 @@ async def cordon(settings: Settings, node: str, action: str = "cordon") -> None:
 
 async def read_by_id(settings: Settings, topic: str, kind: type, ids: list[str], wait_s: float = 20.0) -> list:  # type: ignore[type-arg]
     """The records of ``kind`` with these request ids, in the order of ``ids`` (waits for all of them)."""
-    cons = consumer(settings, topic, group_id=None, fetch_max_wait_ms=50)
+    cons = consumer(settings.kafka(), topic, group_id=None, fetch_max_wait_ms=50)
     await cons.start()
     found: dict[str, object] = {}
     try:
@@ -107,11 +107,11 @@ async def ask(c: VllmGatewayCluster, prompt: str, *, stream: bool = False, max_t
 
 
 async def outcomes(settings: Settings, ids: list[str]) -> list[RequestOutcome]:
-    return await read_by_id(settings, topics(settings).request_outcomes.name, RequestOutcome, ids)
+    return await read_by_id(settings, topics(settings.topic_config()).request_outcomes.name, RequestOutcome, ids)
 
 
 async def decisions(settings: Settings, ids: list[str]) -> list[RoutingDecision]:
-    return await read_by_id(settings, topics(settings).dispatch.name, RoutingDecision, ids)
+    return await read_by_id(settings, topics(settings.topic_config()).dispatch.name, RoutingDecision, ids)
 
 
 async def test_pd_over_nixl_and_aggregated_through_the_gateway(cluster: VllmGatewayCluster, vllm_settings: Settings,
@@ -190,7 +190,7 @@ async def test_a_killed_engine_is_routed_around_and_a_restarted_one_has_no_phant
 
     await cluster.restart(AGG)
     # Back in the view with a new epoch: the blocks of the killed process are gone.
-    view = RedisViewStore.from_settings(s)
+    view = RedisViewStore.connect(s.redis(), s.view_namespace)
     try:
         node = None
         for _ in range(120):

@@ -24,9 +24,9 @@ async def run_bridge_bench(settings: Any, *, batches: int, blocks: int, kafka: b
     prod = None
     if kafka:
 
-        tps = topics(settings)
-        await ensure_topics(settings, (tps.kv_events,))
-        prod = producer(settings)
+        tps = topics(settings.topic_config())
+        await ensure_topics(settings.kafka(), (tps.kv_events,))
+        prod = producer(settings.kafka())
         await prod.start()
         to_kafka = kafka_sink(prod, tps.kv_events.name)
 

@@ -81,7 +81,7 @@ async def _load(concurrency: int, requests: int, one: Any) -> tuple[list[float],
 
 
 async def _routing_ms(settings: Settings, since_ms: int) -> list[float]:
-    cons = consumer(settings, topics(settings).request_outcomes.name, group_id=None, fetch_max_wait_ms=50)
+    cons = consumer(settings.kafka(), topics(settings.topic_config()).request_outcomes.name, group_id=None, fetch_max_wait_ms=50)
     await cons.start()
     out: list[float] = []
     try:

@@ -142,12 +142,12 @@ async def run_ingest_bench(
         s = settings.model_copy(
             update={"topic_prefix": f"bench{tag}.", "view_namespace": f"bench{tag}", "web_port": free_port(settings.bind_host)}
         )
-        t = topics(s)
-        await ensure_topics(s, t.all())
-        store = RedisViewStore.from_settings(s)
+        t = topics(s.topic_config())
+        await ensure_topics(s.kafka(), t.all())
+        store = RedisViewStore.connect(s.redis(), s.view_namespace)
         mem0 = await store.memory_bytes()
         worker = start_worker_process(s, Path(tmp.name) / "worker.log")
-        prod = producer(s)
+        prod = producer(s.kafka())
         try:
             await prod.start()
             engines = SyntheticEngines(cfg, t.kv_events.name, t.heartbeats.name)

@@ -22,7 +22,7 @@ from conductor.harness.bench import percentile
 from schemas import Heartbeat, RoutingDecision, RoutingRequest, envelope
 from state.fold import AddBlocks
 from state.reader import RawSnapshotReader
-from state.redis_view import RedisViewStore, connection_url
+from state.redis_view import RedisViewStore
 from state.tracking import DEFAULT_CACHE_KEYS, TrackingSnapshotReader
 
 # --- the benchmark's synthetic cluster ------------------------------------------------------
@@ -142,7 +142,7 @@ def _heartbeat_process(settings: Any, nodes: list[tuple[str, str, str]], rate: f
     written by a writer of its own (in its own process, as a stream worker would)."""
 
     async def run() -> None:
-        store = RedisViewStore.from_settings(settings)
+        store = RedisViewStore.connect(settings.redis(), settings.view_namespace)
         rng = random.Random(seed)
         seqs = {n: 2 for n, _, _ in nodes}
         tick, owed, at = 0.05, 0.0, 0
@@ -200,10 +200,10 @@ async def run_route_bench(settings: Any, *, decisions: int, target_blocks: int, 
         raise ValueError(f"reader must be raw or tracking, not {reader!r}")
     view, resv = redis_stores(settings)
     if reader == "tracking":
-        view = TrackingSnapshotReader(connection_url(settings), settings.view_namespace, cache_keys=cache_keys,
+        view = TrackingSnapshotReader(settings.redis().connection_url(), settings.view_namespace, cache_keys=cache_keys,
                                       store=view.view if isinstance(view, RawSnapshotReader) else view)
     # Bulk writes through a writer of their own: the router's client has 0.5 s timeouts.
-    writer = RedisViewStore.from_settings(settings)
+    writer = RedisViewStore.connect(settings.redis(), settings.view_namespace)
     await writer.clear()
     await resv.clear()
     mem0 = await _view_memory(writer)
@@ -219,7 +219,7 @@ async def run_route_bench(settings: Any, *, decisions: int, target_blocks: int, 
 
     router = Router(settings, view, resv)
     await router.start()
-    baseline = RawSnapshotReader(connection_url(settings), settings.view_namespace)
+    baseline = RawSnapshotReader(settings.redis().connection_url(), settings.view_namespace)
     gc.collect()
     gc.freeze()  # the synthetic workload's millions of keys are not garbage: keep GC off them
     policy_ms: list[float] = []

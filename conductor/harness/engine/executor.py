@@ -218,8 +218,8 @@ class EngineCommandExecutor:
 
 async def commands_for(settings: Any, node_id: str, stop: asyncio.Event | None = None) -> AsyncIterator[KvCommand]:
     """The commands on ``kv-commands`` whose executor is ``node_id`` (other nodes' are skipped)."""
-    t = topics(settings)
-    c = consumer(settings, t.kv_commands.name, group_id=f"{settings.topic_prefix}kv-exec-{node_id}")
+    t = topics(settings.topic_config())
+    c = consumer(settings.kafka(), t.kv_commands.name, group_id=f"{settings.topic_prefix}kv-exec-{node_id}")
     await c.start()
     try:
         while stop is None or not stop.is_set():
