@@ -35,7 +35,7 @@ from conductor.routing.policies.round_robin import RoundRobin
 from conductor.routing.policies.sglang_style import SglangStyle
 from conductor.topology import Topology
 
-POLICIES: dict[str, type[BasePolicy]] = {
+POLICIES: dict[str, type[BasePolicy[Any]]] = {
     cls.name: cls
     for cls in (
         KvCacheCentric,

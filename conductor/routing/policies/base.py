@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, get_args, runtime_checkable
+from typing import Any, ClassVar, Generic, Protocol, TypeVar, get_args, runtime_checkable
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -66,8 +66,12 @@ Decision = Placement | Rejection
 class Policy(Protocol):
     """A routing policy: one placement (or rejection) per request, from a snapshot."""
 
-    name: str
-    params: dict[str, Any]
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def params(self) -> dict[str, Any]:
+        """The parameters by name, as recorded in each decision."""
 
     def decide(self, request: PolicyRequest, snapshot: ClusterSnapshot, rng: random.Random) -> Decision: ...
 
@@ -85,15 +89,30 @@ class PolicyParams(BaseModel):
     )
 
 
-class BasePolicy:
-    """Holds the profile and the validated parameters; subclasses implement ``decide``."""
+P = TypeVar("P", bound=PolicyParams)
+"""A policy's parameter model."""
+
+
+class BasePolicy(Generic[P]):
+    """Holds the profile and the validated parameters (``p``, of the parameter model the class
+    is typed over: ``class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams])``); subclasses
+    implement ``decide``."""
 
     name: ClassVar[str]
     summary: ClassVar[str]
     Params: ClassVar[type[PolicyParams]] = PolicyParams
+    """The parameter model that :func:`~conductor.routing.policies.make_policy` validates with:
+    the one named in the class's base (``PolicyParams`` when none is)."""
 
-    def __init__(self, params: PolicyParams, profile: ModelProfile, topology: Topology | None = None) -> None:
-        self.p = params
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for base in cls.__dict__.get("__orig_bases__", ()):
+            args = get_args(base)
+            if args and isinstance(args[0], type) and issubclass(args[0], PolicyParams):
+                cls.Params = args[0]
+
+    def __init__(self, params: P, profile: ModelProfile, topology: Topology | None = None) -> None:
+        self.p: P = params
         self.params: dict[str, Any] = params.model_dump()
         self.profile = profile
         self.costs = Costs(profile, topology)

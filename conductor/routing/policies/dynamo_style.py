@@ -25,14 +25,13 @@ class DynamoStyleParams(PolicyParams):
     temperature: float = Field(default=0.0, ge=0, description="0 = lowest cost; > 0 = softmax sampling")
 
 
-class DynamoStyle(PickEachPolicy):
+class DynamoStyle(PickEachPolicy[DynamoStyleParams]):
     name = "dynamo-style"
     summary = "cost = weight x prefill blocks after overlap + decode blocks; optional softmax temperature"
-    Params = DynamoStyleParams
 
     def prefill(self, request: PolicyRequest, snapshot: ClusterSnapshot, prefills: Sequence[Instance],
                 rng: random.Random) -> Instance:
-        w = self.p.overlap_score_weight  # type: ignore[attr-defined]
+        w = self.p.overlap_score_weight
         bs = snapshot.block_size
         req_blocks = -(-request.prompt_tokens // bs)
         costs = []
@@ -49,7 +48,7 @@ class DynamoStyle(PickEachPolicy):
         return self._pick(decodes, [kv_used_blocks(d, bs) + req_blocks for d in decodes], rng)
 
     def _pick(self, items: Sequence[Instance], costs: Sequence[float], rng: random.Random) -> Instance:
-        t = self.p.temperature  # type: ignore[attr-defined]
+        t = self.p.temperature
         if t <= 0 or len(items) == 1:
             return pick_lowest(items, costs, rng)
         # A softmax over the min-max normalised costs, drawn in node-id order.

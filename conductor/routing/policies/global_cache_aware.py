@@ -10,11 +10,12 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+from conductor.routing.policies.base import PolicyParams
 from conductor.routing.policies.parts import PickEachPolicy, lowest
 from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
 
 
-class GlobalCacheAware(PickEachPolicy):
+class GlobalCacheAware(PickEachPolicy[PolicyParams]):
     name = "global-cache-aware"
     summary = "lowest predicted TTFT using each instance's own cache only; decode by lowest predicted TBT; no rejection"
 

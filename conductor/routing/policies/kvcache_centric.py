@@ -94,10 +94,9 @@ class KvCacheCentricParams(PolicyParams):
     cpp_min_tokens: int = Field(default=16_384, ge=1, description="shortest prompt considered for CPP")
 
 
-class KvCacheCentric(RoleSplitPolicy):
+class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
     name = "kvcache-centric"
     summary = "Mooncake's policy: lowest predicted TTFT over local and remote prefixes, SLO-aware decode, early rejection"
-    Params = KvCacheCentricParams
     prune_candidates = True
     """Evaluate only the prefill instances that can win (:meth:`_candidates`); False: all."""
     _same_li: int | None = None
@@ -113,7 +112,7 @@ class KvCacheCentric(RoleSplitPolicy):
         check that fails, a rejection) is decided over every instance, with the generator as
         it was, so the answer is always the exhaustive one (``tests/property/test_cluster_index.py``)."""
         ix = snapshot.index
-        if (ix is None or self.p.cpp or not self.prune_candidates  # type: ignore[attr-defined]
+        if (ix is None or self.p.cpp or not self.prune_candidates
                 or not ix.prefill_count or not ix.decode_count
                 or (ix.profile is not self.profile and ix.profile != self.profile)):
             return super().decide(request, snapshot, rng)
@@ -134,7 +133,7 @@ class KvCacheCentric(RoleSplitPolicy):
         """:meth:`_prefill` over the holders and the shortest queues in order of wait, stopping
         once no wait left can reach the lowest TTFT so far; None when the lowest fails the
         guarded check (the safe ones and the rejection need every instance)."""
-        p: KvCacheCentricParams = self.p  # type: ignore[assignment]
+        p = self.p
         holders = ix.holders
         best_reuse, bare_floor, _ = self._reuse_planner(request, holders, snapshot.block_size, ix.shapes,
                                                         ix.rack_holders, ix.groups)
@@ -197,7 +196,7 @@ class KvCacheCentric(RoleSplitPolicy):
         Costs.tbt_ms: the answer is _decode's to the bit (tests/property/test_cluster_index.py).
         A context below zero (counted as zero by the TBT, never sent by an engine) leaves it
         to _decode."""
-        p: KvCacheCentricParams = self.p  # type: ignore[assignment]
+        p = self.p
         costs = self.costs
         budget = request.tbt_slo_ms * p.slo_margin
         need = costs.decode_blocks_needed(request, bs)
@@ -269,7 +268,7 @@ class KvCacheCentric(RoleSplitPolicy):
                  rng: random.Random) -> PrefillPlan | Rejection:
         """Lowest predicted TTFT, with its reuse plan (and a CPP group when one instance
         cannot meet the SLO and a group can); or why none meets the SLO."""
-        p: KvCacheCentricParams = self.p  # type: ignore[assignment]
+        p = self.p
         costs = self.costs
         bs = snapshot.block_size
         best_reuse, _, _ = self._reuse_planner(request, [h for h in snapshot.instances if h.prefix_blocks[2] > 0], bs)
@@ -338,7 +337,7 @@ class KvCacheCentric(RoleSplitPolicy):
         equal cost (a shape, or the shapes whose plans cost the same, holders in snapshot
         order: what a stable sort of the holders by cost gives), and an instance stops at
         its first usable copy."""
-        p: KvCacheCentricParams = self.p  # type: ignore[assignment]
+        p = self.p
         costs = self.costs
         if shapes is None:
             shapes = [h.prefix_blocks for h in holders]
@@ -508,7 +507,7 @@ class KvCacheCentric(RoleSplitPolicy):
         the shortest queue: it reads the reusable prefix), then 1..k-1 more members of
         shortest queue plus hand-off lag; the group of lowest predicted finish wins (the
         smaller group on a tie). Pure and deterministic (ties by node id)."""
-        p: KvCacheCentricParams = self.p  # type: ignore[assignment]
+        p = self.p
         costs, prof = self.costs, self.profile
         n = request.prompt_tokens
         order = sorted(range(len(prefills)), key=lambda i: prefills[i].node_id)
@@ -537,7 +536,7 @@ class KvCacheCentric(RoleSplitPolicy):
     def _decode(self, request: PolicyRequest, snapshot: ClusterSnapshot, decodes: tuple[Instance, ...],
                 rng: random.Random) -> tuple[Instance, float] | Rejection:
         """Least loaded under the TBT SLO (at random in a low-load band), with its predicted TBT."""
-        p: KvCacheCentricParams = self.p  # type: ignore[assignment]
+        p = self.p
         costs = self.costs
         bs = snapshot.block_size
         fitting = [d for d in decodes if costs.decode_fits(d, request, bs)]

@@ -5,11 +5,12 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+from conductor.routing.policies.base import PolicyParams
 from conductor.routing.policies.parts import PickEachPolicy, lowest, queued_tokens
 from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
 
 
-class LeastLoaded(PickEachPolicy):
+class LeastLoaded(PickEachPolicy[PolicyParams]):
     name = "least-loaded"
     summary = "fewest queued prefill tokens, then smallest decode batch; ties at random; ignores the cache"
 

@@ -33,10 +33,9 @@ class LlmDStyleParams(PolicyParams):
     kv_utilization_weight: float = Field(default=2.0, ge=0, description="weight of the KV-utilisation scorer")
 
 
-class LlmDStyle(PickEachPolicy):
+class LlmDStyle(PickEachPolicy[LlmDStyleParams]):
     name = "llm-d-style"
     summary = "weighted sum of [0,1] scorers: prefix match, queue, KV utilisation; highest wins"
-    Params = LlmDStyleParams
 
     def prefill(self, request: PolicyRequest, snapshot: ClusterSnapshot, prefills: Sequence[Instance],
                 rng: random.Random) -> Instance:
@@ -47,7 +46,7 @@ class LlmDStyle(PickEachPolicy):
         return self._pick(decodes, request, [batch_size(d) for d in decodes], rng)
 
     def _pick(self, items: Sequence[Instance], request: PolicyRequest, queues: list[float], rng: random.Random) -> Instance:
-        p: LlmDStyleParams = self.p  # type: ignore[assignment]
+        p = self.p
         scores = [
             -(p.prefix_weight * prefix_share(i, request) + p.queue_weight * q + p.kv_utilization_weight * kv_free_share(i))
             for i, q in zip(items, shortest_first(queues))

@@ -5,11 +5,12 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+from conductor.routing.policies.base import PolicyParams
 from conductor.routing.policies.parts import PickEachPolicy, lowest, queued_tokens
 from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
 
 
-class LocalCacheAware(PickEachPolicy):
+class LocalCacheAware(PickEachPolicy[PolicyParams]):
     name = "local-cache-aware"
     summary = "longest locally cached prefix (any tier), fewest queued tokens on a tie; decode least loaded"
 

@@ -29,7 +29,7 @@ import random
 from dataclasses import dataclass
 
 from conductor.routing.costs import Costs
-from conductor.routing.policies.base import Decision, Placement, Policy, Rejection
+from conductor.routing.policies.base import BasePolicy, Decision, Placement, Policy, Rejection
 from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
 
 AGGREGATED = "aggregated"
@@ -91,10 +91,12 @@ def decide_mode(policy: Policy, request: PolicyRequest, snapshot: ClusterSnapsho
     both = [i for i in insts if i.role == "both"]
     if not both:
         return ModeChoice(policy.decide(request, snapshot, rng))
-    costs: Costs = policy.costs  # type: ignore[attr-defined]
-    p = getattr(policy, "p", None)
+    if not isinstance(policy, BasePolicy):
+        raise TypeError(f"policy {policy.name!r} has no cost model to weigh the aggregated options with")
+    costs, p = policy.costs, policy.p
+    # The SLO margin and early rejection are parameters of the policies that have them.
     margin = float(getattr(p, "slo_margin", 1.0))
-    below = int(getattr(p, "aggregate_below_tokens", 0))
+    below = p.aggregate_below_tokens
     rejects = bool(getattr(p, "early_rejection", False))
     bs = snapshot.block_size
     ttft_budget, tbt_budget = request.ttft_slo_s * margin, request.tbt_slo_ms * margin

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from conductor.routing.costs import Costs, Reuse
-from conductor.routing.policies.base import BasePolicy, Decision, Placement, Rejection
+from conductor.routing.policies.base import BasePolicy, Decision, P, Placement, Rejection
 from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
 
 T = TypeVar("T")
@@ -141,7 +141,7 @@ def placement(prefill: Instance, decode: Instance, reuse: Reuse, ttft_s: float, 
 # --- composed policies -----------------------------------------------------------------------
 
 
-class RoleSplitPolicy(BasePolicy):
+class RoleSplitPolicy(BasePolicy[P]):
     """Runs :func:`split_roles` once; subclasses implement :meth:`place`."""
 
     def decide(self, request: PolicyRequest, snapshot: ClusterSnapshot, rng: random.Random) -> Decision:
@@ -155,7 +155,7 @@ class RoleSplitPolicy(BasePolicy):
         raise NotImplementedError
 
 
-class PickEachPolicy(RoleSplitPolicy):
+class PickEachPolicy(RoleSplitPolicy[P]):
     """A prefill pick, then a decode pick (the smallest batch unless overridden), each
     prefill reusing only its own cache; never rejects once both roles are present."""
 

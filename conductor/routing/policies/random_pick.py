@@ -5,11 +5,12 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+from conductor.routing.policies.base import PolicyParams
 from conductor.routing.policies.parts import PickEachPolicy, pick_uniform
 from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
 
 
-class RandomPick(PickEachPolicy):
+class RandomPick(PickEachPolicy[PolicyParams]):
     name = "random"
     summary = "uniformly random prefill and decode instance; never rejects by prediction"
 

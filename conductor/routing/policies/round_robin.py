@@ -10,11 +10,12 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+from conductor.routing.policies.base import PolicyParams
 from conductor.routing.policies.parts import PickEachPolicy, pick_in_turn
 from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
 
 
-class RoundRobin(PickEachPolicy):
+class RoundRobin(PickEachPolicy[PolicyParams]):
     name = "round-robin"
     summary = "prefill and decode instances in turn (node-id order, by the request's log position); deterministic"
 

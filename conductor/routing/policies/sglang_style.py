@@ -29,14 +29,13 @@ def _load(i: Instance) -> int:
     return i.queued_requests + i.running_requests
 
 
-class SglangStyle(PickEachPolicy):
+class SglangStyle(PickEachPolicy[SglangStyleParams]):
     name = "sglang-style"
     summary = "cache-aware when balanced, shortest queue when imbalanced (abs and rel thresholds); decode smallest batch"
-    Params = SglangStyleParams
 
     def prefill(self, request: PolicyRequest, snapshot: ClusterSnapshot, prefills: Sequence[Instance],
                 rng: random.Random) -> Instance:
-        p: SglangStyleParams = self.p  # type: ignore[assignment]
+        p = self.p
         loads = [_load(i) for i in prefills]
         hi, lo = max(loads), min(loads)
         if hi - lo > p.balance_abs_threshold and hi > lo * p.balance_rel_threshold:
