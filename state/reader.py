@@ -27,37 +27,11 @@ from schemas.errors import ViewStoreError
 
 from .connect import HiredisPackedConnection, cluster_seeds
 from .keys import NODE_ATTRS, NodeHashDecoder, PrefixWalk, ViewKeys, dump_from_replies, snapshot_from_replies
+from .scripts import lua
 from .view import NodeState, ViewSnapshot
 
-# KEYS: version, changes, node hash, base; ARGV: the version and base the reader holds, the
-# most changed nodes worth a delta, then the node attributes (state.keys.NODE_ATTRS).
-# Returns {version, base} when the reader is current; {version, base, changed nodes, their
-# attributes' values (HMGET, node by node)} when a few nodes moved; else {version, base,
-# HGETALL}. A namespace never written has no version (false), which never matches.
-_NODES_SINCE_LUA = """
-local v = redis.call('GET', KEYS[1])
-local b = redis.call('GET', KEYS[4]) or ''
-if v and ARGV[1] ~= '' and b == ARGV[2] then
-  if v == ARGV[1] then return {v, b} end
-  local most = tonumber(ARGV[3])
-  if tonumber(v) > tonumber(ARGV[1]) then
-    local names = redis.call('ZRANGEBYSCORE', KEYS[2], '(' .. ARGV[1], '+inf', 'LIMIT', 0, most + 1)
-    if #names <= most then
-      local fields = {}
-      for _, n in ipairs(names) do
-        for i = 4, #ARGV do fields[#fields + 1] = n .. '\\31' .. ARGV[i] end
-      end
-      local values = {}
-      for i = 1, #fields, 4000 do  -- unpack() takes at most ~8000 values
-        local part = redis.call('HMGET', KEYS[3], unpack(fields, i, math.min(i + 3999, #fields)))
-        for _, x in ipairs(part) do values[#values + 1] = x end
-      end
-      return {v, b, names, values}
-    end
-  end
-end
-return {v, b, redis.call('HGETALL', KEYS[3])}
-"""
+_NODES_SINCE_LUA = lua("nodes_since")
+"""The node hash, or only the nodes changed since the reader's version (state/lua/nodes_since.lua)."""
 _NODES_SHA = hashlib.sha1(_NODES_SINCE_LUA.encode()).hexdigest()
 DELTA_MAX_NODES = 4096
 """More nodes changed than this since the last read: read the whole node hash instead. High:
