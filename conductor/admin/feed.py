@@ -154,17 +154,18 @@ class LogFeed:
             self.control = apply_control(self.control, b, offset, self._check)
 
     def on_dispatch(self, b: RoutingDecision | RoutingRejection, at_ms: int) -> None:
-        rej = isinstance(b, RoutingRejection)
+        dec = b if isinstance(b, RoutingDecision) else None
+        rej = b if isinstance(b, RoutingRejection) else None
         self.decisions.append(DecisionRow(
-            at_ms=at_ms, request_id=b.request_id, rejected=rej,
-            prefill_instance=None if rej else b.prefill_instance,  # type: ignore[union-attr]
-            decode_instance=None if rej else b.decode_instance,  # type: ignore[union-attr]
-            reused_tokens=0 if rej else b.reused_tokens,  # type: ignore[union-attr]
+            at_ms=at_ms, request_id=b.request_id, rejected=rej is not None,
+            prefill_instance=dec.prefill_instance if dec else None,
+            decode_instance=dec.decode_instance if dec else None,
+            reused_tokens=dec.reused_tokens if dec else 0,
             prompt_tokens=self.prompt_tokens.get(b.request_id),
-            predicted_ttft_s=None if rej else b.predicted_ttft_s,  # type: ignore[union-attr]
-            reason=b.reason if rej else None,  # type: ignore[union-attr]
+            predicted_ttft_s=dec.predicted_ttft_s if dec else None,
+            reason=rej.reason if rej else None,
             policy=b.policy, control_offset=b.control_offset,
-            degraded=False if rej else b.degraded,  # type: ignore[union-attr]
+            degraded=dec.degraded if dec else False,
         ))
         while len(self.decisions) > self.keep:
             self.decisions.popleft()

@@ -26,7 +26,17 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
-from schemas import BlocksMigrated, BlocksRemoved, BlocksStored, KvCommand, KvCommandResult, KvEvent, Tier
+from schemas import (
+    BlocksMigrated,
+    BlocksRemoved,
+    BlocksStored,
+    KvCommand,
+    KvCommandResult,
+    KvCommandStatus,
+    KvEvent,
+    KvFailure,
+    Tier,
+)
 
 MAX_REMEMBERED = 10_000
 
@@ -106,8 +116,10 @@ class CommandMemory:
             self.results.popitem(last=False)
 
 
-def _result(cmd: KvCommand, node: str, status: str, **kw: object) -> KvCommandResult:
-    return KvCommandResult(command_id=cmd.command_id, action=cmd.action, node=node, status=status, **kw)  # type: ignore[arg-type]
+def _result(cmd: KvCommand, node: str, status: KvCommandStatus, *, error: KvFailure | None = None, reason: str = "",
+            blocks: int = 0, bytes_moved: int = 0) -> KvCommandResult:
+    return KvCommandResult(command_id=cmd.command_id, action=cmd.action, node=node, status=status, error=error,
+                           reason=reason, blocks=blocks, bytes_moved=bytes_moved)
 
 
 def execute(

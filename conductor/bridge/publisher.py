@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from collections.abc import Sequence
 
 import zmq
 import zmq.asyncio
@@ -63,7 +64,7 @@ class EventPublisher:
     async def publish(
         self,
         ts: float,
-        events: list[EngineBlockStored | EngineBlockRemoved | EngineAllCleared],
+        events: Sequence[EngineBlockStored | EngineBlockRemoved | EngineAllCleared],
         *,
         send: bool = True,
     ) -> int:

@@ -506,9 +506,9 @@ class KafkaSink:
 
     def _settle(self) -> None:
         while self.pending and self.pending[0].done():
-            fut = self.pending.popleft()
-            if fut.exception() is not None:
-                raise fut.exception()  # type: ignore[misc]
+            failed = self.pending.popleft().exception()
+            if failed is not None:
+                raise failed
 
     async def __call__(self, envs: list[Envelope]) -> None:
 

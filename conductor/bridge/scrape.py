@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from schemas import Heartbeat, Role
+from schemas import Heartbeat, Role, Tier
 
 log = logging.getLogger(__name__)
 
@@ -164,7 +164,7 @@ def heartbeat_of(load: EngineLoad, *, role: Role, model: str, interval_s: float,
     pending = load.waiting + (load.running if role == "prefill" else 0)
     total = load.total_blocks or 0
     used = round(total * load.kv_usage) if load.kv_usage is not None else 0
-    tiers: dict[str, int] = {"hbm": total} if total else {}
+    tiers: dict[Tier, int] = {"hbm": total} if total else {}
     if load.cpu_blocks:
         tiers["dram"] = load.cpu_blocks
     return Heartbeat(
@@ -177,7 +177,7 @@ def heartbeat_of(load: EngineLoad, *, role: Role, model: str, interval_s: float,
         decode_context_tokens=used * (load.block_size or 0) if role != "prefill" else 0,
         free_kv_blocks=max(0, total - used),
         total_kv_blocks=total,
-        tier_capacity=tiers,  # type: ignore[arg-type]
+        tier_capacity=tiers,
         interval_s=interval_s,
     )
 

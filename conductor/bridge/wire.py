@@ -16,6 +16,7 @@ any bad value, a field of the wrong type included: to this format both are one e
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -297,7 +298,7 @@ def _event_map(ev: EngineBlockStored | EngineBlockRemoved | EngineAllCleared) ->
 
 def encode_batch(
     ts: float,
-    events: list[EngineBlockStored | EngineBlockRemoved | EngineAllCleared],
+    events: Sequence[EngineBlockStored | EngineBlockRemoved | EngineAllCleared],
     data_parallel_rank: int | None = 0,
 ) -> bytes:
     """Encode a batch in vLLM's map form."""

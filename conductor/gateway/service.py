@@ -388,9 +388,10 @@ class Gateway:
         if prefill is not None:
             # SGLang: both run at once; a prefill that fails must not leave the decode waiting on its room.
             await asyncio.wait({send, prefill}, return_when=asyncio.FIRST_COMPLETED)
-            if prefill.done() and prefill.exception() is not None and not send.done():
+            failed = prefill.exception() if prefill.done() else None
+            if failed is not None and not send.done():
                 send.cancel()
-                raise prefill.exception()  # type: ignore[misc]
+                raise failed
         try:
             resp = await send
         except httpx.HTTPError as e:
