@@ -30,11 +30,12 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from conductor.settings import load_settings
 from conductor.harness.bench.ingest import start_worker_process, stop_worker_process
 from conductor.harness.devstack import free_port, redis_ready
 from conductor.harness.valkey_cluster import ValkeyProcess
+from conductor.settings import load_settings
 from schemas import BlocksRemoved, BlocksStored, DecodeError, Envelope, Heartbeat, decode, encode, envelope
+from schemas.errors import ViewStoreError
 from state.redis_view import RedisViewStore
 from streams.kafka import ensure_topics, producer
 from streams.topics import topics
@@ -155,7 +156,7 @@ class FailoverPair:
         await self.vip.start()
         r = aioredis.from_url(self.replica.url)
         try:
-            await r.execute_command("REPLICAOF", self.host, self.link.port)
+            await r.replicaof(self.host, self.link.port)
             deadline = time.monotonic() + 10
             while (await r.info("replication")).get("master_link_status") != "up":
                 if time.monotonic() > deadline:
@@ -187,7 +188,7 @@ class FailoverPair:
         p = aioredis.from_url(self.primary.url, single_connection_client=True)
         try:
             await p.set("chaos|probe", 1)  # WAIT counts the replicas that have this client's last write
-            acked = int(await p.execute_command("WAIT", 1, 100))
+            acked = int(await p.wait(1, 100))
             before = _fence_total(await _all_fences(p))
         finally:
             await p.aclose()
@@ -195,7 +196,7 @@ class FailoverPair:
         self.link.stop()
         r = aioredis.from_url(self.replica.url)
         try:
-            await r.execute_command("REPLICAOF", "NO", "ONE")
+            await r.replicaof("NO", "ONE")
             after = _fence_total(await _all_fences(r))
             rebuilding = [k async for k in r.scan_iter(match="*|rebuild")]
         finally:
@@ -471,7 +472,7 @@ async def run_scenario(
             try:
                 healthy, why = await store.view_health()
                 got = await view_pairs(store)
-            except Exception as e:  # Redis still coming back
+            except (ViewStoreError, OSError) as e:  # Redis still coming back
                 healthy, why = False, str(e)
             if healthy and got == want:
                 res.converged = True
@@ -518,7 +519,7 @@ async def _applied(store: RedisViewStore, topic: str) -> int:
     """Records of ``topic`` the view has applied (offsets from 0)."""
     try:
         wm = await store.watermark()
-    except Exception:
+    except (ViewStoreError, OSError):  # Redis down for the fault: nothing seen applied yet
         return 0
     return sum(v + 1 for k, v in wm.items() if k.rpartition(":")[0] == topic)
 

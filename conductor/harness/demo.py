@@ -52,10 +52,10 @@ from rich.table import Table
 
 from conductor.bridge.runner import Bridge, BridgeConfig, kafka_sink
 from conductor.errors import ConductorError
-from conductor.settings import Settings, child_environment
-from conductor.harness.sim.trace import read_trace, schedule
 from conductor.harness.devstack import EmbeddedStack, free_port
-from schemas import RoutingDecision, RoutingRejection, decode
+from conductor.harness.sim.trace import read_trace, schedule
+from conductor.settings import Settings, child_environment
+from schemas import Role, RoutingDecision, RoutingRejection, decode
 from state.redis_view import RedisViewStore
 from streams.kafka import consumer, ensure_topics, producer
 from streams.topics import topics
@@ -143,7 +143,7 @@ class DemoRequest:
 def load_slice(path: Path, speed: float, sample: int, horizon_s: float) -> list[DemoRequest]:
     """The trace's requests arriving within ``horizon_s`` wall seconds at ``speed``, one conversation in ``sample``."""
 
-    out = []
+    out: list[DemoRequest] = []
     for r in schedule(read_trace(path), speed=speed):
         if r.arrival_s > horizon_s:
             break
@@ -180,7 +180,7 @@ class RunStats:
     cached_tokens: int = 0
     client_ttft: dict[str, tuple[float, float]] = field(default_factory=dict)
     """Request id → (TTFT the client observed, the gateway's routing time), wall-clock seconds."""
-    emulated_s: Counter[str] = field(default_factory=Counter)
+    emulated_s: defaultdict[str, float] = field(default_factory=lambda: defaultdict(float))
     """Request id → model seconds the engines emulated before its first token (prefill queue and
     compute, KV transfer to the decode instance), from their reports."""
     predicted: dict[str, float] = field(default_factory=dict)
@@ -349,14 +349,14 @@ class Processes:
                     program: list[str] | None = None) -> asyncio.subprocess.Process:
         """Start ``conductor ARGS`` (or ``PROGRAM ARGS``), its stderr (and stdout unless piped) in ``NAME.log``."""
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        logf = open(self.log_dir / f"{name}.log", "ab")
-        proc = await asyncio.create_subprocess_exec(
-            *(program or [sys.executable, "-c", "from conductor.cli import main; main()"]), *args,
-            stdout=asyncio.subprocess.PIPE if stdout_pipe else logf, stderr=logf, stdin=asyncio.subprocess.DEVNULL,
-            env=env, start_new_session=True,  # Ctrl-C reaches the demo only; it stops them in order
-            cwd=self.cwd,  # whatever a process writes next to itself stays in the run's directory
-        )
-        logf.close()
+        # The child writes to its own copy of the descriptor; ours is closed once it runs.
+        with open(self.log_dir / f"{name}.log", "ab") as logf:  # noqa: ASYNC230 — a local append-open: no wait
+            proc = await asyncio.create_subprocess_exec(
+                *(program or [sys.executable, "-c", "from conductor.cli import main; main()"]), *args,
+                stdout=asyncio.subprocess.PIPE if stdout_pipe else logf, stderr=logf, stdin=asyncio.subprocess.DEVNULL,
+                env=env, start_new_session=True,  # Ctrl-C reaches the demo only; it stops them in order
+                cwd=self.cwd,  # whatever a process writes next to itself stays in the run's directory
+            )
         self.procs.append((name, proc))
         self.started.append(proc.pid)
         return proc
@@ -379,7 +379,7 @@ class Processes:
         for _, p in self.procs:
             try:
                 await asyncio.wait_for(p.wait(), max(0.1, deadline - time.monotonic()))
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 with contextlib.suppress(ProcessLookupError):
                     p.kill()
                 await p.wait()
@@ -422,8 +422,9 @@ async def _run_once(
         await procs.start("router", ["router"], env)
         if opts.admin_port:
             await procs.start("admin", ["admin"], env)  # the live console, on the same port every run
-        engines: dict[str, tuple[str, asyncio.subprocess.Process]] = {}
-        for role, n in (("prefill", opts.prefill), ("decode", opts.decode)):
+        engines: dict[str, tuple[Role, asyncio.subprocess.Process]] = {}
+        counts: tuple[tuple[Role, int], ...] = (("prefill", opts.prefill), ("decode", opts.decode))
+        for role, n in counts:
             for i in range(n):
                 node = f"{role}-{i}"
                 # Load reaches the view the way it does from a real vLLM: the bridge scrapes /metrics.
@@ -464,11 +465,11 @@ async def _run_once(
         for node, fut in readies.items():
             try:
                 info = await asyncio.wait_for(fut, 60)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise DemoError(f"engine {node} did not start:\n{procs.log_tail(node)}") from None
             role = engines[node][0]
             bridge = Bridge(
-                BridgeConfig(node_id=node, role=role, zmq_endpoint=info["zmq"], replay_endpoint=info["replay"],  # type: ignore[arg-type]
+                BridgeConfig(node_id=node, role=role, zmq_endpoint=info["zmq"], replay_endpoint=info["replay"],
                              block_size=opts.block_size, heartbeat_s=SCRAPE_INTERVAL_S, metrics_url=info["metrics"],
                              endpoint=info["http"]),  # announced: the gateway finds the engine through the view
                 kafka_sink(prod, tps.kv_events.name),
@@ -620,7 +621,7 @@ async def ready_line(proc: asyncio.subprocess.Process, timeout_s: float) -> dict
     while time.monotonic() < deadline:
         try:
             line = await asyncio.wait_for(proc.stdout.readline(), max(0.1, deadline - time.monotonic()))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return None
         if not line:
             return None

@@ -9,6 +9,7 @@ the binary it started, so a recycled pid is never killed).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -20,6 +21,8 @@ from pathlib import Path
 
 import redis.asyncio as aioredis
 from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import KafkaError
+from redis.exceptions import RedisError
 
 from conductor.errors import StackError
 from conductor.settings import inherited_environment
@@ -30,7 +33,7 @@ STATE_FILE = "stack.json"
 def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
 def broker_binary() -> str:
@@ -98,14 +101,12 @@ async def kafka_ready(bootstrap: str, timeout_s: float = 10.0) -> None:
             await admin.start()
             await admin.list_topics()
             return
-        except Exception as e:  # the broker is still coming up
+        except (KafkaError, OSError) as e:  # the broker is still coming up
             last = e
             await asyncio.sleep(0.1)
         finally:
-            try:
+            with contextlib.suppress(KafkaError, OSError):  # a client that never connected
                 await admin.close()
-            except Exception:
-                pass
     raise StackError(f"Kafka at {bootstrap} did not answer within {timeout_s:.0f}s: {last}")
 
 
@@ -118,7 +119,7 @@ async def redis_ready(url: str, timeout_s: float = 10.0) -> None:
         try:
             if await client.ping():
                 return
-        except Exception as e:
+        except (RedisError, OSError) as e:  # not listening yet, or still loading
             last = e
             await asyncio.sleep(0.05)
         finally:
@@ -188,40 +189,42 @@ class EmbeddedStack:
         listener = f"tcp://{self.host}:{kafka_port}"
         env = inherited_environment(lambda k: k in _TANSU_ENV)
         env.setdefault("RUST_LOG", "warn")
-        broker = subprocess.Popen(
-            [
-                broker_bin, "broker",
-                "--listener-url", listener,
-                "--advertised-listener-url", listener,
-                "--storage-engine", "memory://tansu/",
-                "--cluster-id", "conductor",
-            ],
-            stdout=open(logs / "broker.log", "ab"),
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=env,
-            start_new_session=True,
-            preexec_fn=preexec,
-        )
-        redis_dir = self.data_dir / "redis"
-        redis_dir.mkdir(exist_ok=True)
-        redis_proc = subprocess.Popen(
-            [
-                redis_bin,
-                "--port", str(redis_port),
-                "--bind", self.host,
-                "--save", "",
-                "--appendonly", "no",
-                "--dir", str(redis_dir.resolve()),
-                "--protected-mode", "no",
-                "--daemonize", "no",
-            ],
-            stdout=open(logs / "redis.log", "ab"),
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            start_new_session=True,
-            preexec_fn=preexec,
-        )
+        # The children write to their own copies of the log descriptors.
+        with open(logs / "broker.log", "ab") as broker_log, open(logs / "redis.log", "ab") as redis_log:
+            broker = subprocess.Popen(
+                [
+                    broker_bin, "broker",
+                    "--listener-url", listener,
+                    "--advertised-listener-url", listener,
+                    "--storage-engine", "memory://tansu/",
+                    "--cluster-id", "conductor",
+                ],
+                stdout=broker_log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,
+                preexec_fn=preexec,  # noqa: PLW1509 — PDEATHSIG is set from the child only; the hook just calls prctl
+            )
+            redis_dir = self.data_dir / "redis"
+            redis_dir.mkdir(exist_ok=True)
+            redis_proc = subprocess.Popen(
+                [
+                    redis_bin,
+                    "--port", str(redis_port),
+                    "--bind", self.host,
+                    "--save", "",
+                    "--appendonly", "no",
+                    "--dir", str(redis_dir.resolve()),
+                    "--protected-mode", "no",
+                    "--daemonize", "no",
+                ],
+                stdout=redis_log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+                preexec_fn=preexec,  # noqa: PLW1509 — PDEATHSIG is set from the child only; the hook just calls prctl
+            )
         state = StackState(
             kafka_url=f"{self.host}:{kafka_port}",
             redis_url=f"redis://{self.host}:{redis_port}/0",

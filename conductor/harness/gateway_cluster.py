@@ -20,14 +20,14 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 import httpx
 
 from conductor.errors import ConductorError
-from conductor.settings import Settings, child_environment
 from conductor.harness.demo import Processes, ready_line
 from conductor.harness.devstack import free_port
+from conductor.settings import Settings, child_environment
 from state.redis_view import RedisViewStore
 from streams.kafka import ensure_topics
 from streams.topics import topics
@@ -65,7 +65,7 @@ class GatewayCluster:
     """Start the gateway without ``--engine``: it finds the engines through the view (their
     bridges announce the URLs)."""
 
-    async def __aenter__(self) -> "GatewayCluster":
+    async def __aenter__(self) -> Self:
         s = self.settings
         await ensure_topics(s.kafka(), topics(s.topic_config()).all())
         env = child_environment(s)
@@ -116,7 +116,7 @@ class GatewayCluster:
     async def _stop_all(self) -> None:
         await self.procs.stop()
 
-    async def __aexit__(self, *exc: Any) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         await self._stop_all()
 
     async def _ready_line(self, name: str, proc: Any, timeout_s: float = 60.0) -> dict[str, Any]:
@@ -185,7 +185,7 @@ class SglangRouterCluster(GatewayCluster):
 
     policy: str = "cache_aware"
 
-    async def __aenter__(self) -> "SglangRouterCluster":
+    async def __aenter__(self) -> Self:
         why = sglang_router_missing()
         if why:
             raise ClusterError(why)

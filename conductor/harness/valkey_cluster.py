@@ -13,6 +13,7 @@ import signal
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import redis
 
@@ -36,11 +37,12 @@ class ValkeyProcess:
     def url(self) -> str:
         return f"redis://{self.host}:{self.port}/0"
 
-    def client(self, **kw: object) -> redis.Redis:
-        return redis.Redis(host=self.host, port=self.port, socket_timeout=5, **kw)  # type: ignore[arg-type]
+    def client(self, **kw: Any) -> redis.Redis:
+        """A client of this server; ``kw``: more of :class:`redis.Redis`'s options."""
+        return redis.Redis(host=self.host, port=self.port, socket_timeout=5, **kw)
 
     def start(self, timeout_s: float = 10.0) -> None:
-        self.spawn()
+        proc = self.spawn()
         deadline = time.monotonic() + timeout_s
         while True:
             try:
@@ -48,19 +50,20 @@ class ValkeyProcess:
                     c.ping()
                 return
             except redis.RedisError:
-                if self.proc.poll() is not None or time.monotonic() > deadline:  # type: ignore[union-attr]
+                if proc.poll() is not None or time.monotonic() > deadline:
                     raise ConductorError(f"valkey on port {self.port} did not start (see {self.dir})") from None
                 time.sleep(0.05)
 
-    def spawn(self) -> None:
+    def spawn(self) -> subprocess.Popen[bytes]:
         """Start the server process without waiting for it to answer."""
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.proc = subprocess.Popen(
-            [redis_binary(), "--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "no",
-             "--dir", str(self.dir.resolve()), "--protected-mode", "no", "--daemonize", "no", *self.extra],
-            stdout=open(self.dir / f"valkey-{self.port}.log", "ab"), stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL, start_new_session=True,
-        )
+        with open(self.dir / f"valkey-{self.port}.log", "ab") as log:  # the child writes to its own copy
+            self.proc = subprocess.Popen(
+                [redis_binary(), "--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "no",
+                 "--dir", str(self.dir.resolve()), "--protected-mode", "no", "--daemonize", "no", *self.extra],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+            )
+        return self.proc
 
     def kill(self) -> None:
         """SIGKILL: what it had not yet sent to a replica is gone."""

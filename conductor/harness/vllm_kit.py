@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Self
 
 import httpx
 
@@ -334,16 +335,8 @@ class VllmEngine:
         reason = kit_available(self.kit)
         if reason:
             raise EngineError(reason)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         t0 = time.monotonic()
-        with open(self.log_path, "ab") as log:
-            log.write(f"\n=== start {self.starts + 1}: {' '.join(self.command())}\n".encode())
-            log.flush()
-            self.proc = subprocess.Popen(
-                self.command(), env=self.environment(), stdout=log, stderr=subprocess.STDOUT,
-                stdin=subprocess.DEVNULL, start_new_session=True, preexec_fn=_die_with_parent,
-                cwd=self.log_path.parent,
-            )
+        self.proc = self._spawn()
         self.starts += 1
         self._reaper = _reaper(self.proc.pid)
         try:
@@ -353,6 +346,18 @@ class VllmEngine:
             raise
         self.start_s = time.monotonic() - t0
         return self
+
+    def _spawn(self) -> subprocess.Popen[bytes]:
+        """The server's process, its output appended to the log under a header line."""
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            log.write(f"\n=== start {self.starts + 1}: {' '.join(self.command())}\n".encode())
+            log.flush()
+            return subprocess.Popen(
+                self.command(), env=self.environment(), stdout=log, stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.log_path.parent,
+                preexec_fn=_die_with_parent,  # noqa: PLW1509 — PDEATHSIG is set from the child only
+            )
 
     async def _wait_healthy(self, deadline: float) -> None:
         async with httpx.AsyncClient(timeout=2.0) as client:
@@ -415,8 +420,9 @@ class VllmEngine:
         except OSError:
             return "(no log)"
 
-    async def __aenter__(self) -> VllmEngine:
-        return await self.start()
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()

@@ -14,4 +14,4 @@ def percentile(xs: list[float], q: float) -> float:
     if not xs:
         return 0.0
     xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, int(round(q * (len(xs) - 1)))))]
+    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]

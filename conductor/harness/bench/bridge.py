@@ -9,7 +9,7 @@ from typing import Any
 from conductor.bridge.publisher import EventPublisher
 from conductor.bridge.runner import Bridge, BridgeConfig, kafka_sink
 from conductor.bridge.wire import EngineBlockStored
-from schemas import Envelope
+from schemas import BlocksStored, Envelope
 from streams.kafka import ensure_topics, producer
 from streams.topics import topics
 
@@ -34,7 +34,7 @@ async def run_bridge_bench(settings: Any, *, batches: int, blocks: int, kafka: b
         nonlocal got
         if prod is not None:
             await to_kafka(envs)
-        got += sum(len(e.body.block_keys or ()) for e in envs if e.body.kind == "blocks_stored")  # type: ignore[union-attr]
+        got += sum(len(e.body.block_keys or ()) for e in envs if isinstance(e.body, BlocksStored))
         if got >= batches * blocks:
             done.set()
 

@@ -22,9 +22,9 @@ from typing import Any
 import httpx
 
 from conductor.gateway.protocol import percentile, vllm_decode_body, vllm_prefill_body
-from conductor.settings import Settings
 from conductor.harness.devstack import EmbeddedStack
 from conductor.harness.gateway_cluster import GatewayCluster
+from conductor.settings import Settings
 from schemas import RequestOutcome, decode
 from streams.kafka import consumer
 from streams.topics import topics
@@ -78,6 +78,20 @@ async def _load(concurrency: int, requests: int, one: Any) -> tuple[list[float],
     t0 = time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     return ttfts, errors, time.perf_counter() - t0
+
+
+def _rounded(v: float | None, scale: float = 1.0) -> float | None:
+    return None if v is None else round(scale * v, 2)
+
+
+def _ms_or_none(xs: list[float], q: float) -> float | None:
+    """The ``q`` percentile of ``xs`` (seconds) in milliseconds, to 0.01 ms; None for no samples."""
+    return _rounded(percentile(xs, q), 1000)
+
+
+def _overhead_ms(via: list[float], direct: list[float], q: float) -> float | None:
+    v, d = _ms_or_none(via, q), _ms_or_none(direct, q)
+    return None if v is None or d is None else round(v - d, 2)
 
 
 async def _routing_ms(settings: Settings, since_ms: int) -> list[float]:
@@ -136,16 +150,15 @@ async def _bench(settings: Settings, tmp: Path, levels: tuple[int, ...], request
                 since = time.time_ns() // 1_000_000
                 via, gerr, wall = await _load(conc, n, lambda i: _stream_ttft(client, gw, _body(i, max_tokens)))
                 routing = await _routing_ms(s, since)
-                p = lambda xs, q: round(1000 * percentile(xs, q), 2) if xs else None  # noqa: E731
                 out["levels"][str(conc)] = {
                     "clients": conc, "requests": n,
-                    "gateway_overhead_ms_p50": round(p(via, 50) - p(direct, 50), 2) if via and direct else None,
-                    "gateway_overhead_ms_p99": round(p(via, 99) - p(direct, 99), 2) if via and direct else None,
+                    "gateway_overhead_ms_p50": _overhead_ms(via, direct, 50),
+                    "gateway_overhead_ms_p99": _overhead_ms(via, direct, 99),
                     "requests_per_s": round(len(via) / wall, 1), "errors": gerr + derr,
-                    "ttft_ms_p50_gateway": p(via, 50), "ttft_ms_p99_gateway": p(via, 99),
-                    "ttft_ms_p50_direct": p(direct, 50), "ttft_ms_p99_direct": p(direct, 99),
-                    "routing_ms_p50": round(percentile(routing, 50), 2) if routing else None,
-                    "routing_ms_p99": round(percentile(routing, 99), 2) if routing else None,
+                    "ttft_ms_p50_gateway": _ms_or_none(via, 50), "ttft_ms_p99_gateway": _ms_or_none(via, 99),
+                    "ttft_ms_p50_direct": _ms_or_none(direct, 50), "ttft_ms_p99_direct": _ms_or_none(direct, 99),
+                    "routing_ms_p50": _rounded(percentile(routing, 50)),
+                    "routing_ms_p99": _rounded(percentile(routing, 99)),
                 }
     first = out["levels"][str(levels[0])]
     for k in ("gateway_overhead_ms_p50", "gateway_overhead_ms_p99", "requests_per_s", "errors"):

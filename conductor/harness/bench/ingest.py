@@ -17,6 +17,7 @@ polled every ~2 ms, which bounds the resolution).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import subprocess
 import sys
@@ -29,9 +30,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from conductor.settings import child_environment
+from aiokafka.errors import KafkaError
+
 from conductor.harness.bench import percentile
 from conductor.harness.devstack import EmbeddedStack, free_port
+from conductor.settings import child_environment
 from schemas import BlocksRemoved, BlocksStored, Heartbeat, chain_from_precomputed, encode, envelope, headers
 from state.redis_view import RedisViewStore
 from streams.kafka import ensure_topics, producer
@@ -219,10 +222,8 @@ async def run_ingest_bench(
             n_blocks = await store.block_count()
         finally:
             stop_worker_process(worker)
-            try:
+            with contextlib.suppress(KafkaError):  # a failed last flush must not skip the clean-up
                 await prod.stop()
-            except Exception:  # it may never have started
-                pass
             await store.clear()
             await store.close()
         return {
@@ -297,11 +298,11 @@ class WatermarkTimeline:
 def start_worker_process(s: Any, log_path: Path) -> subprocess.Popen[bytes]:
     """Start ``conductor worker`` in a subprocess, configured from ``s`` via CONDUCTOR_* variables."""
     env = child_environment(s)
-    log = open(log_path, "wb")
-    return subprocess.Popen(
-        [sys.executable, "-c", "from conductor.cli import main; main()", "worker", "--loglevel", "warning"],
-        env=env, stdout=log, stderr=subprocess.STDOUT,
-    )
+    with open(log_path, "wb") as log:  # the child writes to its own copy of the descriptor
+        return subprocess.Popen(
+            [sys.executable, "-c", "from conductor.cli import main; main()", "worker", "--loglevel", "warning"],
+            env=env, stdout=log, stderr=subprocess.STDOUT,
+        )
 
 
 def stop_worker_process(p: subprocess.Popen[bytes]) -> None:

@@ -43,7 +43,6 @@ from typing import Any
 import openai
 
 from conductor.errors import ConductorError
-from conductor.settings import Settings
 from conductor.harness.demo import (
     TRACE_BLOCK_TOKENS,
     DemoRequest,
@@ -55,6 +54,7 @@ from conductor.harness.demo import (
 )
 from conductor.harness.devstack import EmbeddedStack, free_port
 from conductor.harness.gateway_cluster import GatewayCluster, SglangRouterCluster, sglang_router_missing
+from conductor.settings import Settings
 
 log = logging.getLogger(__name__)
 

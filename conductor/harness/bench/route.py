@@ -17,9 +17,9 @@ import time
 from collections import Counter
 from typing import Any
 
-from conductor.routing.router import Router, redis_stores
 from conductor.harness.bench import percentile
-from schemas import Heartbeat, RoutingDecision, RoutingRequest, envelope
+from conductor.routing.router import Router, redis_stores
+from schemas import Heartbeat, Role, RoutingDecision, RoutingRequest, envelope
 from state.fold import AddBlocks
 from state.reader import RawSnapshotReader
 from state.redis_view import RedisViewStore
@@ -76,15 +76,18 @@ def cluster_shape(instances: int) -> tuple[int, int, int, int]:
     return instances - decode - store, decode, store, max(1, instances // 8)
 
 
-def cluster_nodes(prefill: int, decode: int, store: int, racks: int) -> list[tuple[str, str, str]]:
+Node = tuple[str, Role, str]
+"""(node id, role, rack) of a synthetic instance."""
+
+
+def cluster_nodes(prefill: int, decode: int, store: int, racks: int) -> list[Node]:
     """(node id, role, rack) of a synthetic cluster, spread round-robin over racks."""
-    nodes = [(f"prefill-{i:02d}", "prefill") for i in range(prefill)]
-    nodes += [(f"decode-{i:02d}", "decode") for i in range(decode)]
-    nodes += [(f"store-{i:02d}", "store") for i in range(store)]
+    counts: list[tuple[Role, int]] = [("prefill", prefill), ("decode", decode), ("store", store)]
+    nodes = [(f"{role}-{i:02d}", role) for role, n in counts for i in range(n)]
     return [(n, role, f"rack-{k % racks}") for k, (n, role) in enumerate(nodes)]
 
 
-async def load_synthetic_view(store: Any, work: PrefixWorkload, nodes: list[tuple[str, str, str]],
+async def load_synthetic_view(store: Any, work: PrefixWorkload, nodes: list[Node],
                               target_blocks: int, rng: random.Random) -> int:
     """Fill ``store`` with served-request history until ~``target_blocks`` distinct keys; return the count."""
 
@@ -114,7 +117,7 @@ async def load_synthetic_view(store: Any, work: PrefixWorkload, nodes: list[tupl
     return len(distinct)
 
 
-async def publish_heartbeats(store: Any, nodes: list[tuple[str, str, str]], rng: random.Random, seq: int | dict[str, int],
+async def publish_heartbeats(store: Any, nodes: list[Node], rng: random.Random, seq: int | dict[str, int],
                              now_ms: int) -> None:
     """One heartbeat per node with a plausible load (producer seq ``seq``, or per node)."""
 
@@ -136,7 +139,7 @@ async def publish_heartbeats(store: Any, nodes: list[tuple[str, str, str]], rng:
     await store.apply(recs)
 
 
-def _heartbeat_process(settings: Any, nodes: list[tuple[str, str, str]], rate: float, seed: int,
+def _heartbeat_process(settings: Any, nodes: list[Node], rate: float, seed: int,
                        stop: Any) -> None:
     """Engines reporting: ``rate`` node heartbeats per second, round-robin over ``nodes``,
     written by a writer of its own (in its own process, as a stream worker would)."""
@@ -238,7 +241,7 @@ async def run_route_bench(settings: Any, *, decisions: int, target_blocks: int, 
                            else sum(1 for i in snap.instances if i.prefix_blocks[2] > 0))
             return out
 
-    router.policy = Timed()  # type: ignore[assignment]
+    router.policy = Timed()
     bs = settings.block_size
 
     pool = [work.request()[1] for _ in range(distinct_prompts)]
@@ -300,7 +303,7 @@ async def run_route_bench(settings: Any, *, decisions: int, target_blocks: int, 
         await asyncio.gather(*(lane() for _ in range(concurrency)))
         busy = time.perf_counter() - t_run - paused / concurrency
     finally:
-        if beater is not None:
+        if beater is not None and stop is not None:
             stop.set()
             beater.join(10)
             if beater.is_alive():

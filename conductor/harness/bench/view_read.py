@@ -13,7 +13,7 @@ import random
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -62,15 +62,15 @@ async def run_view_read_bench(
     """
     say = log or (lambda _m: None)
     tmp = tempfile.TemporaryDirectory(prefix="conductor-view-read-")
-    proc: subprocess.Popen[bytes] | None = None
+    proc: asyncio.subprocess.Process | None = None
     vc: ValkeyCluster | None = None
     if cluster:
         vc = ValkeyCluster(Path(tmp.name), host=host).start()
         client: Any = open_client(vc.url)
     else:
         port = free_port(host)
-        proc = subprocess.Popen(
-            [redis_binary(), "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no"],
+        proc = await asyncio.create_subprocess_exec(
+            redis_binary(), "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no",
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
         client = aioredis.from_url(f"redis://{host}:{port}")
@@ -112,7 +112,7 @@ async def run_view_read_bench(
         tracking = TrackingSnapshotReader(url, "cv", cache_keys=max(chain_len, 1000), point_max_age_s=0)
         pointed = TrackingSnapshotReader(url, "cv", cache_keys=max(chain_len, 1000))
         readers += [raw, tracking, pointed]
-        options = {
+        options: dict[str, Callable[[], Awaitable[Any]]] = {
             "mget": lambda: store.snapshot(chain),
             "lua_walk": lambda: walk(keys=chain_keys),
             "raw_reader": lambda: raw.snapshot(chain),
@@ -150,7 +150,7 @@ async def run_view_read_bench(
             await admin.aclose()
         if proc is not None:
             proc.terminate()
-            proc.wait()
+            await proc.wait()
         if vc is not None:
             vc.stop()
         tmp.cleanup()

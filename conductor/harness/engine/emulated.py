@@ -34,12 +34,14 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
+from aiokafka.errors import KafkaError
+
 from conductor.bridge.publisher import EventPublisher
 from conductor.bridge.wire import EngineBlockRemoved, EngineBlockStored
 from conductor.harness.engine.pool import PoolLink
 from conductor.profiles import ModelProfile
 from conductor.routing.dispatch import Assignment
-from schemas import Heartbeat, Role, RoutingDecision, RoutingRequest, chain_keys, envelope
+from schemas import Heartbeat, Role, RoutingDecision, RoutingRequest, Tier, chain_keys, envelope
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +148,7 @@ class _Seq:
 
 @dataclass
 class EngineState:
-    queue: deque[tuple[Assignment, int, "asyncio.Future[int] | None"]] = field(default_factory=deque)
+    queue: deque[tuple[Assignment, int, asyncio.Future[int] | None]] = field(default_factory=deque)
     """Prefill assignments waiting, with the wall-clock ms each was received at and, for an
     HTTP request, the future that receives its cached-token count."""
     current_prefill_tokens: int = 0
@@ -377,7 +379,7 @@ class EmulatedEngine:
             if h not in self.cache and (self.dram is None or h not in self.dram):
                 self._blocks.pop(h, None)
                 self._keys.pop(h, None)
-        await self.publisher.publish(time.time(), events)  # type: ignore[arg-type]
+        await self.publisher.publish(time.time(), events)
         if to_pool and self.pool is not None:
             await self.pool.offload(to_pool, "dram" if self.dram is not None else "hbm")
 
@@ -385,7 +387,7 @@ class EmulatedEngine:
     # The executor decides (conductor.balance.executor); these carry its steps out on this
     # instance's caches and publish them as the engine's own KV events.
 
-    def tier_cache(self, tier: str) -> PrefixCache | None:
+    def tier_cache(self, tier: Tier) -> PrefixCache | None:
         return self.cache if tier == "hbm" else self.dram if tier == "dram" else None
 
     def hashes_by_key(self) -> dict[int, int]:
@@ -402,7 +404,7 @@ class EmulatedEngine:
             local += 1
         await self._store(chain, local, tokens)
 
-    async def move_blocks(self, hashes: list[int], from_tier: str, to_tier: str) -> None:
+    async def move_blocks(self, hashes: list[int], from_tier: Tier, to_tier: Tier) -> None:
         """Move held blocks between two tiers; published as stored on ``to_tier``, then removed."""
         src, dst = self.tier_cache(from_tier), self.tier_cache(to_tier)
         if src is not None and dst is None and self.pool is not None and to_tier == "dram":
@@ -425,22 +427,22 @@ class EmulatedEngine:
             events.append(self._offload_event(run, to_tier))
         dropped = dst.insert(new)
         src.discard(moved)
-        events.append(EngineBlockRemoved(tuple(moved), from_tier))  # type: ignore[arg-type]
+        events.append(EngineBlockRemoved(tuple(moved), from_tier))
         if dropped:
-            events.append(EngineBlockRemoved(tuple(dropped), to_tier))  # type: ignore[arg-type]
-        await self.publisher.publish(time.time(), events)  # type: ignore[arg-type]
+            events.append(EngineBlockRemoved(tuple(dropped), to_tier))
+        await self.publisher.publish(time.time(), events)
 
-    async def _demote_to_pool(self, hashes: list[int], from_tier: str) -> None:
+    async def _demote_to_pool(self, hashes: list[int], from_tier: Tier) -> None:
         """An engine without host memory of its own demotes into the shared pool: real puts, then
         the blocks leave ``from_tier`` (published as the pool's and this engine's events)."""
         assert self.pool is not None
         held = [h for h in hashes if h in self._keys and (c := self.tier_cache(from_tier)) is not None and h in c]
-        done = set(await self.pool.offload([self._keys[h] for h in held], from_tier, move=True))  # type: ignore[arg-type]
+        done = set(await self.pool.offload([self._keys[h] for h in held], from_tier, move=True))
         moved = [h for h in held if self._keys[h] in done]
         if moved:
             await self.drop_blocks(moved, from_tier)
 
-    async def drop_blocks(self, hashes: list[int], tier: str) -> None:
+    async def drop_blocks(self, hashes: list[int], tier: Tier) -> None:
         cache = self.tier_cache(tier)
         gone = cache.discard(hashes) if cache is not None else []
         for h in gone:
@@ -448,17 +450,17 @@ class EmulatedEngine:
                 self._blocks.pop(h, None)
                 self._keys.pop(h, None)
         if gone:
-            await self.publisher.publish(time.time(), [EngineBlockRemoved(tuple(gone), tier)])  # type: ignore[arg-type]
+            await self.publisher.publish(time.time(), [EngineBlockRemoved(tuple(gone), tier)])
 
-    def _offload_event(self, run: list[int], tier: str = "dram") -> EngineBlockStored:
+    def _offload_event(self, run: list[int], tier: Tier = "dram") -> EngineBlockStored:
         if tier != "hbm":
             # As vLLM's offloading connector announces a copy to CPU (or disk): the same hashes
             # the GPU tier reported, no tokens, block size 0, no parent. The bridge resolves
             # them through its engine-hash → key map (conductor/bridge/translate.py).
-            return EngineBlockStored(tuple(run), None, (), 0, tier)  # type: ignore[arg-type]
+            return EngineBlockStored(tuple(run), None, (), 0, tier)
         parent = self._blocks[run[0]][0]
         toks = tuple(t for h in run for t in self._blocks[h][1])
-        return EngineBlockStored(tuple(run), parent, toks, self.config.block_size, tier)  # type: ignore[arg-type]
+        return EngineBlockStored(tuple(run), parent, toks, self.config.block_size, tier)
 
     # --- decode -----------------------------------------------------------------
 
@@ -547,7 +549,7 @@ class EmulatedEngine:
                                epoch=self._epoch, ts_ms=self.clock_ms())
                 try:
                     await self.heartbeat_sink([env])
-                except Exception as e:  # a broker hiccup must not stop the instance
+                except (KafkaError, OSError) as e:  # a broker hiccup must not stop the instance
                     log.warning("heartbeat not published: %s", e)
             await asyncio.sleep(self.config.heartbeat_s)
 

@@ -156,7 +156,7 @@ class _Completion:
         return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
     def usage_chunk(self, out: int) -> bytes:
-        obj = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
+        obj: dict[str, Any] = {"id": self.id, "object": "chat.completion.chunk" if self.chat else "text_completion",
                "created": self.created, "model": self.model, "choices": [], "usage": self.usage(out)}
         return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
@@ -198,7 +198,7 @@ class EngineHttp:
         r.raise_for_status()
         got = r.json()
         if not isinstance(got, dict):
-            raise ValueError("the peer's /kv/pull answer is not an object")
+            raise TypeError("the peer's /kv/pull answer is not an object")
         return got
 
     # --- routes -----------------------------------------------------------------
@@ -213,7 +213,7 @@ class EngineHttp:
     async def bootstrap(self, room: str) -> Response:
         try:
             return JSONResponse(await self._send_kv(f"room:{room}", BOOTSTRAP_WAIT_S))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return error(504, f"bootstrap room {room} saw no prefill in {BOOTSTRAP_WAIT_S:.0f}s", "kv_not_found")
 
     async def generate(self, request: Request, chat: bool) -> Response:
@@ -226,8 +226,8 @@ class EngineHttp:
         try:
             tokens = prompt_tokens(body, chat)
             max_tokens = max_tokens_of(body)
-        except BadRequest as e:
-            return error(400, str(e), "invalid_value", param=e.param)
+        except BadRequest as x:
+            return error(400, str(x), "invalid_value", param=x.param)
         rid = request.headers.get("x-request-id") or uuid.uuid4().hex
         e = self.engine
         kvp = body.get("kv_transfer_params") or {}
@@ -247,7 +247,7 @@ class EngineHttp:
                 if kvp.get("do_remote_prefill"):
                     try:
                         got = await self._pull(kvp)
-                    except (httpx.HTTPError, ValueError) as x:
+                    except (httpx.HTTPError, ValueError, TypeError) as x:
                         return error(502, f"KV transfer from the previous CPP member failed: {type(x).__name__}: {x}",
                                      "kv_transfer_failed", kind="server_error")
                     received = int(got.get("tokens") or 0)
@@ -302,9 +302,9 @@ class EngineHttp:
         made: asyncio.Queue[int] = asyncio.Queue()
         e.decode_now(rid, len(tokens), max_tokens, made.put_nowait)
         if not stream:
-            got = 0
-            while got < total:
-                got += await made.get()
+            made_n = 0
+            while made_n < total:
+                made_n += await made.get()
             return JSONResponse(comp.whole(total))
         return StreamingResponse(self._stream(comp, made, total, include_usage), media_type="text/event-stream")
 

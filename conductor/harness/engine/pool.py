@@ -26,6 +26,7 @@ objects carry a lease (10 s by default, ``-default_kv_lease_ttl``) during which
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import logging
 import socket
@@ -135,7 +136,7 @@ class MooncakePool:
     def put_blocks(self, keys: Sequence[int]) -> tuple[list[int], bool]:
         """Write ``keys``' blocks in order; return the keys written and whether the pool was full
         (writing stops at the first refusal)."""
-        done = []
+        done: list[int] = []
         for key in keys:
             rc = self.store.put(object_key(key, self.model), block_bytes(key, self.block_size_bytes))
             if rc == FULL:
@@ -357,12 +358,9 @@ class LocalMaster:
         """Start the master and wait until it accepts connections; return its ``host:port``."""
         port = _free_port(self.host)
         cmd = master_command(port, _free_port(self.host), host=self.host, lease_ms=self.lease_ms)
-        out = open(self.log_path, "wb") if self.log_path is not None else subprocess.DEVNULL  # noqa: SIM115
-        try:
+        with contextlib.ExitStack() as files:  # the child writes to its own copy of the descriptor
+            out = files.enter_context(open(self.log_path, "wb")) if self.log_path is not None else subprocess.DEVNULL
             self.proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-        finally:
-            if out is not subprocess.DEVNULL:
-                out.close()  # type: ignore[union-attr]
         deadline = time.monotonic() + timeout_s
         while True:
             if self.proc.poll() is not None:

@@ -15,33 +15,37 @@ from typing import Any
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+import matplotlib.pyplot as plt
 
 
 def _base(policy: str) -> str:
     return policy.removesuffix("+balance")
 
 
+def _change(off: dict[str, Any], on: dict[str, Any], k: str, nd: int = 2) -> str:
+    """``off → on`` of ``k``, with the relative change."""
+    x, y = off[k], on[k]
+    rel = f" ({100 * (y - x) / x:+.1f} %)" if x else ""
+    return f"{x:.{nd}f} → {y:.{nd}f}{rel}"
+
+
 def table(rows: Sequence[dict[str, Any]]) -> str:
     """Markdown: balance off and on side by side, with the relative change of TTFT."""
     by = {(_base(r["policy"]), r["speed"], bool(r.get("balance"))): r for r in rows}
     out = [
-        "| policy | speed | TTFT p50 off → on (s) | TTFT p90 off → on (s) | TTFT mean off → on (s) | "
-        "SLO off → on | reuse off → on | commands | GB moved |",
+        (
+            "| policy | speed | TTFT p50 off → on (s) | TTFT p90 off → on (s) | TTFT mean off → on (s) | "
+            "SLO off → on | reuse off → on | commands | GB moved |"
+        ),
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for (pol, speed, on), r in sorted(by.items()):
         if on or (pol, speed, True) not in by:
             continue
         b = by[(pol, speed, True)]
-
-        def pair(k: str, nd: int = 2) -> str:
-            x, y = r[k], b[k]
-            rel = f" ({100 * (y - x) / x:+.1f} %)" if x else ""
-            return f"{x:.{nd}f} → {y:.{nd}f}{rel}"
-
         out.append(
-            f"| {pol} | {speed:g}x | {pair('ttft_p50_s')} | {pair('ttft_p90_s')} | {pair('ttft_mean_s')} | "
+            f"| {pol} | {speed:g}x | {_change(r, b, 'ttft_p50_s')} | {_change(r, b, 'ttft_p90_s')} | "
+            f"{_change(r, b, 'ttft_mean_s')} | "
             f"{r['slo_attainment']:.3f} → {b['slo_attainment']:.3f} | {r['reuse_ratio']:.3f} → {b['reuse_ratio']:.3f} | "
             f"{b.get('balance_commands', 0)} | {b.get('balance_bytes_moved', 0) / 1e9:.0f} |"
         )

@@ -100,4 +100,4 @@ def replicate_arrival(step: Step, cache: LruBlockCache, node: str, tier: Tier) -
     return ev, evicted
 
 
-__all__ = ["BalanceLoop", "CacheTiers", "replicate_arrival", "execute", "DEFAULT_INTERVAL_S"]
+__all__ = ["DEFAULT_INTERVAL_S", "BalanceLoop", "CacheTiers", "execute", "replicate_arrival"]

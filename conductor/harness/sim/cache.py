@@ -5,11 +5,13 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from schemas import Tier
+
 
 class LruBlockCache:
     """A set of block keys of bounded size; inserting beyond capacity evicts the least recently used."""
 
-    __slots__ = ("capacity", "_blocks")
+    __slots__ = ("_blocks", "capacity")
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
@@ -92,10 +94,10 @@ class TieredPool:
         self.dram.touch(chain)
         self.ssd.touch(chain)
 
-    def insert(self, chain: Sequence[int]) -> list[tuple[str, str, list[int]]]:
+    def insert(self, chain: Sequence[int]) -> list[tuple[str, Tier, list[int]]]:
         """Write ``chain`` to DRAM; returns the KV events as ``(op, tier, keys)``, op ∈ {stored, removed}."""
         stored, evicted = self.dram.insert(chain)
-        events = [("stored", "dram", stored), ("removed", "dram", evicted)]
+        events: list[tuple[str, Tier, list[int]]] = [("stored", "dram", stored), ("removed", "dram", evicted)]
         if self.ssd.capacity > 0 and evicted:
             s_ssd, e_ssd = self.ssd.insert(evicted)
             events += [("stored", "ssd", s_ssd), ("removed", "ssd", e_ssd)]

@@ -57,7 +57,7 @@ class ClusterProfile(BaseModel):
     def has_store(self) -> bool:
         return self.store_dram_blocks > 0
 
-    def with_counts(self, spec: str | None) -> "ClusterProfile":
+    def with_counts(self, spec: str | None) -> ClusterProfile:
         """Override the instance counts from ``<P>P<D>D`` (e.g. ``16P8D``)."""
         if not spec:
             return self

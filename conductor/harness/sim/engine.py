@@ -10,8 +10,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from conductor.routing.policies.cpp import STAGES
-from conductor.routing.snapshot import ClusterSnapshot, InstanceMemo, PolicyRequest, build_cluster
 from conductor.harness.sim.balance import BalanceLoop, CacheTiers, execute, replicate_arrival
 from conductor.harness.sim.cache import LruBlockCache, TieredPool
 from conductor.harness.sim.cluster import ClusterProfile
@@ -20,6 +18,8 @@ from conductor.harness.sim.errors import SimulationError
 from conductor.harness.sim.network import Network, PathStats
 from conductor.harness.sim.trace import TraceRequest
 from conductor.harness.sim.view import DelayedView
+from conductor.routing.policies.cpp import STAGES
+from conductor.routing.snapshot import ClusterSnapshot, InstanceMemo, PolicyRequest, build_cluster
 from conductor.topology import Link, PathKey, Topology, flat_topology
 from schemas.blocks import chain_from_precomputed
 
@@ -171,7 +171,7 @@ class Simulation:
         balance: BalanceLoop | None = None,
     ) -> None:
         self.cluster = cluster
-        self.topology = topology if topology is not None else flat_topology(profile)  # type: ignore[arg-type]
+        self.topology = topology if topology is not None else flat_topology(profile)
         self.balance = balance
         self.profile = profile
         self.policy = policy
@@ -409,15 +409,16 @@ class Simulation:
         self._decode_by_id[decision.decode].expect(o.input_length, self.expected_output_tokens)
         group = tuple(getattr(decision, "prefill_group", ()) or ())
         if group:
-            members = [self._prefill_by_id.get(m) for m in group]
-            if any(m is None for m in members) or members[0] is not p:
+            found = [self._prefill_by_id.get(m) for m in group]
+            members = [m for m in found if m is not None]
+            if len(members) < len(found) or members[0] is not p:
                 raise SimulationError(f"policy placed request {o.index} on the CPP group {group!r}, which is not "
                                       f"a group of prefill instances led by {p.node_id!r}")
             o.group = group
             o.chunk_ends = tuple(decision.chunk_boundaries)
             lo = min(decision.reused_blocks * self.bs, o.input_length)
             for j, (m, hi) in enumerate(zip(members, o.chunk_ends)):
-                self._enqueue(m, Task(o, j, max(0, hi - lo)))  # type: ignore[arg-type]
+                self._enqueue(m, Task(o, j, max(0, hi - lo)))
                 lo = hi
             return
         self._enqueue(p, Task(o, -1, self._tokens_to_compute(o, decision.reused_blocks)))
@@ -489,12 +490,12 @@ class Simulation:
         p.current_start = self.now
         p.computed_tokens += p.current_tokens
         p.served += 1
-        if remote_read is not None:
+        if remote_read is not None and src is not None:  # a remote read has a source
             fast_part, remote = remote_read
             kvb = prof.kv_bytes_per_token
             # As the policy costs it: the holder's fast part read from DRAM, the rest from SSD.
             read_s = fast_part * bs * kvb / prof.dram_bandwidth + (remote - fast_part) * bs * kvb / prof.ssd_bandwidth
-            key, link = self._path(src, p.node_id)  # type: ignore[arg-type]
+            key, link = self._path(src, p.node_id)
             o.prefix_path = PATH_CLASS[key[0]]
             alone = link.seconds(remote * bs * kvb, read_s)
             p.current_end = self.now + alone + p.compute_s  # the estimate a heartbeat shows until it lands
@@ -595,7 +596,8 @@ class Simulation:
             if self.pool is not None:
                 for op, ptier, keys in self.pool.insert(o.chain):
                     (self.view.stored if op == "stored" else self.view.removed)(STORE_NODE, ptier, keys, now)
-            d = self._decode_by_id[o.decode]  # type: ignore[index]
+            assert o.decode is not None  # set when the request was placed
+            d = self._decode_by_id[o.decode]
             key, link = self._path(p.node_id, d.node_id)
             self.net.start(now, key, link, o.input_length * self.profile.kv_bytes_per_token,
                            (_DECODE_READY, (d, o)))
@@ -615,4 +617,5 @@ class Simulation:
         for j in jobs:
             o = self._by_index[j.rid]
             o.finish_s = j.finish_s
-            self._decoded[o.decode] += 1  # type: ignore[index]
+            assert o.decode is not None  # set when the request was placed
+            self._decoded[o.decode] += 1

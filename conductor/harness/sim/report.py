@@ -38,7 +38,7 @@ class PolicyRun:
     probes: list[tuple[float, float]] = field(default_factory=list)
 
     @classmethod
-    def from_result(cls, summary: dict[str, Any], result: SimResult) -> "PolicyRun":
+    def from_result(cls, summary: dict[str, Any], result: SimResult) -> PolicyRun:
         outs = sorted(result.outcomes, key=lambda o: o.index)
         return cls(
             summary=summary,
@@ -200,18 +200,22 @@ def write_report(
         lines.append("| " + " | ".join(cells) + " |")
     lines += [
         "",
-        "TTFT/TBT statistics cover served requests; *common set* is the mean TTFT over the requests "
-        "every policy in the table served (early rejection removes the hardest requests from a "
-        "policy's own mean). SLO attainment and goodput count every request; a rejected request "
-        "meets no SLO.",
+        (
+            "TTFT/TBT statistics cover served requests; *common set* is the mean TTFT over the requests "
+            "every policy in the table served (early rejection removes the hardest requests from a "
+            "policy's own mean). SLO attainment and goodput count every request; a rejected request "
+            "meets no SLO."
+        ),
         "",
     ]
     byname = {r.summary["policy"]: r for r in runs}
     if paper and any(p in byname for _, _, p in PAPER_TTFT_S):
         lines += ["## Against the paper (FAST'25, conversation trace, 16 prefill instances)", ""]
         lines += [
-            "| paper's scheduler | paper TTFT (s) | paper / load-balancing | policy here | TTFT here (s) "
-            "| common set (s) | here / least-loaded |",
+            (
+                "| paper's scheduler | paper TTFT (s) | paper / load-balancing | policy here | TTFT here (s) "
+                "| common set (s) | here / least-loaded |"
+            ),
             "|---|---|---|---|---|---|---|",
         ]
         lb = byname["least-loaded"].summary["ttft_mean_s"] if "least-loaded" in byname else None

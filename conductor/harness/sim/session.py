@@ -8,8 +8,6 @@ from pathlib import Path
 from typing import Any
 
 from conductor.balance.planner import BalanceParams
-from conductor.profiles import ModelProfile, load_profile
-from conductor.routing.policies import POLICIES, make_policy
 from conductor.harness.sim.balance import BalanceLoop
 from conductor.harness.sim.capacity import CapacitySearch, find_capacity
 from conductor.harness.sim.cluster import ClusterProfile
@@ -17,6 +15,8 @@ from conductor.harness.sim.engine import SimResult, Simulation
 from conductor.harness.sim.errors import SimulationError
 from conductor.harness.sim.summary import summarize
 from conductor.harness.sim.trace import TraceRecord, TraceRequest, long_context, read_trace, reuse_upper_bound, schedule
+from conductor.profiles import ModelProfile, load_profile
+from conductor.routing.policies import POLICIES, make_policy
 from conductor.topology import Topology
 
 Progress = Callable[[str, int, int], None]
@@ -88,7 +88,7 @@ class Bench:
         params = dict(self.params.get(policy) or {})
         if self.cpp is not None and "cpp" in POLICIES[base].Params.model_fields:
             params["cpp"] = self.cpp
-        pol = make_policy(base, params, self.profile, self.topology)  # type: ignore[arg-type]
+        pol = make_policy(base, params, self.profile, self.topology)
         label = f"{policy}{' +balance' if balance else ''} @ {speed:.3g}x"
         cb = (lambda done: progress(label, done, len(reqs))) if progress is not None else None
         t0 = time.perf_counter()

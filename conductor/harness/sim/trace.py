@@ -8,6 +8,7 @@ import json
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from conductor.harness.sim.errors import TraceError
 
@@ -38,7 +39,7 @@ class TraceRecord:
     """``hash_ids`` are already block keys (``schemas.request_chain_keys``), used as they are."""
 
 
-def _int_field(obj: dict, name: str, where: str, *, minimum: int) -> int:
+def _int_field(obj: dict[str, Any], name: str, where: str, *, minimum: int) -> int:
     v = obj.get(name)
     if isinstance(v, bool) or not isinstance(v, int):
         raise TraceError(f"{where}: field {name!r} must be an integer, got {v!r}")
@@ -166,7 +167,7 @@ def long_context(
         lo = bisect.bisect_left(lengths, r.input_length)
         hi = bisect.bisect_right(lengths, r.input_length)
         q = ((lo + hi - 1) / 2) / (n - 1) if n > 1 else 0.0
-        tokens = int(round(min_tokens * ratio**q))
+        tokens = round(min_tokens * ratio**q)
         blocks = -(-tokens // block_size)
         chain = [h * factor + k for h in r.hash_ids for k in range(factor)][:blocks]
         while len(chain) < blocks:

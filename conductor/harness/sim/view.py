@@ -20,7 +20,8 @@ from collections import deque
 from collections.abc import Sequence
 
 from conductor.harness.sim.errors import SimulationError
-from schemas import BlocksMigrated, BlocksRemoved, BlocksStored, Heartbeat, envelope
+from schemas import BlocksMigrated, BlocksRemoved, BlocksStored, Envelope, Heartbeat, Role, Tier, envelope
+from schemas.records import Record
 from state.memory import InMemoryViewStore
 from state.view import ViewSnapshot
 
@@ -41,22 +42,22 @@ class DelayedView:
         self.block_size = block_size
         self.store = InMemoryViewStore()
         self._seq: dict[str, int] = {}
-        self._hb: dict[str, tuple[int, tuple]] = {}  # node → (heartbeat seq, what the last one said)
-        self._pending: deque[tuple[float, object]] = deque()
+        self._hb: dict[str, tuple[int, tuple[object, ...]]] = {}  # node → (heartbeat seq, what the last one said)
+        self._pending: deque[tuple[float, Envelope]] = deque()
         self.published = 0
         self.applied = 0
         self.heartbeats = 0
 
-    def _publish(self, node: str, body: object, now_s: float) -> None:
+    def _publish(self, node: str, body: Record, now_s: float) -> None:
         seq = self._seq.get(node, -1) + 1
         self._seq[node] = seq
         ts_ms = now_s * 1000.0
-        env = envelope(body, producer_id=node, producer_seq=seq, ts_ms=view_ms(now_s), event_id=f"{node}:{seq}")  # type: ignore[arg-type]
+        env = envelope(body, producer_id=node, producer_seq=seq, ts_ms=view_ms(now_s), event_id=f"{node}:{seq}")
         # The delay is constant, so delivery order is production order: a FIFO suffices.
         self._pending.append((ts_ms + self.delay_ms, env))
         self.published += 1
 
-    def heartbeat(self, node: str, role: str, now_s: float, *, rack: str | None, total_kv_blocks: int,
+    def heartbeat(self, node: str, role: Role, now_s: float, *, rack: str | None, total_kv_blocks: int,
                   zone: str | None = None,
                   free_kv_blocks: int | None = None, queue_depth: int = 0, queued_prefill_tokens: int = 0,
                   running_requests: int = 0, batch_size: int = 0, decode_context_tokens: int = 0) -> None:
@@ -70,7 +71,7 @@ class DelayedView:
         seq += 1
         self._hb[node] = (seq, said)
         hb = Heartbeat(
-            role=role, rack=rack, zone=zone, total_kv_blocks=total_kv_blocks, free_kv_blocks=free,  # type: ignore[arg-type]
+            role=role, rack=rack, zone=zone, total_kv_blocks=total_kv_blocks, free_kv_blocks=free,
             queue_depth=queue_depth, queued_prefill_tokens=queued_prefill_tokens,
             running_requests=running_requests, batch_size=batch_size, decode_context_tokens=decode_context_tokens,
         )
@@ -80,13 +81,13 @@ class DelayedView:
             raise SimulationError(f"the view did not apply {env!r}: {outcome}")
         self.heartbeats += 1
 
-    def stored(self, node: str, tier: str, keys: Sequence[int], now_s: float) -> None:
+    def stored(self, node: str, tier: Tier, keys: Sequence[int], now_s: float) -> None:
         if keys:
-            self._publish(node, BlocksStored(block_keys=list(keys), block_size=self.block_size, tier=tier), now_s)  # type: ignore[arg-type]
+            self._publish(node, BlocksStored(block_keys=list(keys), block_size=self.block_size, tier=tier), now_s)
 
-    def removed(self, node: str, tier: str, keys: Sequence[int], now_s: float) -> None:
+    def removed(self, node: str, tier: Tier, keys: Sequence[int], now_s: float) -> None:
         if keys:
-            self._publish(node, BlocksRemoved(block_keys=list(keys), tier=tier), now_s)  # type: ignore[arg-type]
+            self._publish(node, BlocksRemoved(block_keys=list(keys), tier=tier), now_s)
 
     def migrated(self, node: str, event: BlocksMigrated, now_s: float) -> None:
         """``node``'s proof that it carried out a KV command (see schemas/README.md)."""
@@ -99,7 +100,7 @@ class DelayedView:
         apply = self.store.apply_sync
         while pending and pending[0][0] <= now_ms:
             _, env = pending.popleft()
-            outcome = apply(env)  # type: ignore[arg-type]
+            outcome = apply(env)
             if outcome != "applied":
                 raise SimulationError(f"the view did not apply {env!r}: {outcome}")
             self.applied += 1
