@@ -35,8 +35,8 @@ from typing import Any
 
 from conductor.balance.executor import CommandMemory, execute
 from conductor.harness.engine.emulated import EmulatedEngine, engine_hashes
-from conductor.harness.engine.pool import POOL_TIER
-from schemas import DecodeError, Envelope, KvCommand, KvCommandResult, Tier, chain_keys, decode, envelope
+from conductor.harness.engine.pool import POOL_TIER, PoolLink
+from schemas import DecodeError, Envelope, KvCommand, KvCommandResult, KvFailure, Tier, chain_keys, decode, envelope
 from streams.kafka import consumer
 from streams.topics import topics
 
@@ -50,24 +50,26 @@ class _EngineTiers:
         self.engine = engine
         self.by_key = by_key
 
-    def _pool_is_dram(self, tier: Tier) -> bool:
+    def _pool_as_dram(self, tier: Tier) -> PoolLink | None:
         # An engine without host memory of its own, given the shared pool, demotes into it.
-        return tier == "dram" and self.engine.dram is None and self.engine.pool is not None
+        return self.engine.pool if tier == "dram" and self.engine.dram is None else None
 
     def tiers(self) -> Sequence[Tier]:
         has_dram = self.engine.dram is not None or self.engine.pool is not None
         return ("hbm", "dram") if has_dram else ("hbm",)
 
     def holds(self, key: int, tier: Tier) -> bool:
-        if self._pool_is_dram(tier):
-            return key in self.engine.pool.held  # type: ignore[union-attr]
+        pool = self._pool_as_dram(tier)
+        if pool is not None:
+            return key in pool.held
         cache = self.engine.tier_cache(tier)
         h = self.by_key.get(key)
         return cache is not None and h is not None and h in cache
 
     def capacity(self, tier: Tier) -> int:
-        if self._pool_is_dram(tier):
-            return self.engine.pool.client.capacity_blocks  # type: ignore[union-attr]
+        pool = self._pool_as_dram(tier)
+        if pool is not None:
+            return pool.client.capacity_blocks
         cache = self.engine.tier_cache(tier)
         return cache.capacity if cache is not None else 0
 
@@ -198,12 +200,12 @@ class EngineCommandExecutor:
         self.memory.remember(result)
         return result
 
-    def _failed(self, cmd: KvCommand, error: str, reason: str) -> KvCommandResult:
+    def _failed(self, cmd: KvCommand, error: KvFailure, reason: str) -> KvCommandResult:
         old = self.memory.get(cmd.command_id)
         if old is not None:
             return old
         r = KvCommandResult(command_id=cmd.command_id, action=cmd.action, node=self.node_id, status="failed",
-                            error=error, reason=reason)  # type: ignore[arg-type]
+                            error=error, reason=reason)
         self.memory.remember(r)
         return r
 
