@@ -10,9 +10,10 @@ disagree with a second setting.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
 import hiredis
@@ -27,6 +28,13 @@ from redis.cluster import RedisCluster as SyncRedisCluster
 from schemas.errors import ViewStoreError
 
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+
+Command = tuple[str | int | float | bytes, ...]
+"""A Redis command and its arguments."""
+pack_command = cast("Callable[[Command], bytes]", hiredis.pack_command)
+"""hiredis's packer (C): a command in RESP. (Its stub declares a one-element tuple.)"""
+_sync_cluster_node: Callable[[str, int], SyncClusterNode] = SyncClusterNode
+"""(redis-py leaves this class's ``__init__`` unannotated.)"""
 
 
 def is_cluster_url(url: str) -> bool:
@@ -94,7 +102,7 @@ def open_sync_client(url: str, **options: Any) -> redis.Redis | SyncRedisCluster
     """The blocking client of ``url`` (command-line checks)."""
     if is_cluster_url(url):
         seeds, kw = _cluster_kwargs(url, options)
-        return SyncRedisCluster(startup_nodes=[SyncClusterNode(h, p) for h, p in seeds], **kw)
+        return SyncRedisCluster(startup_nodes=[_sync_cluster_node(h, p) for h, p in seeds], **kw)
     return redis.Redis.from_url(url, **options)
 
 
@@ -147,4 +155,4 @@ class HiredisPackedConnection(Connection):
         first = args[0]
         if isinstance(first, str) and " " in first:  # e.g. "SCRIPT LOAD": separate words
             args = (*first.split(), *args[1:])
-        return [hiredis.pack_command(args)]
+        return [pack_command(args)]

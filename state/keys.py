@@ -105,6 +105,8 @@ def _runs(values: Sequence[bytes | None]) -> tuple[tuple[bytes, ...], tuple[int,
     """(the distinct values of a chain in order, the block each starts at, the block the
     walk stops at: the first without holders, or the chain's end); ``values[0]`` is set."""
     prev = values[0]
+    if prev is None:  # (the callers check)
+        return (), (), 0
     runs = [prev]
     starts = [0]
     i = 1
@@ -118,7 +120,7 @@ def _runs(values: Sequence[bytes | None]) -> tuple[tuple[bytes, ...], tuple[int,
             starts.append(i)
             prev = v
         i += 1
-    return tuple(runs), tuple(starts), i  # type: ignore[arg-type]
+    return tuple(runs), tuple(starts), i
 
 
 HolderSets = tuple[frozenset[int], frozenset[int], frozenset[int]]
@@ -288,9 +290,8 @@ def parse_stream(kv: bytes | None, hbs: bytes | None) -> NodeStream:
 class ViewKeys:
     """The key names of one view namespace (computed once: the router builds keys per read)."""
 
-    __slots__ = ("ns", "prefix", "block_prefix", "block_pattern", "all_pattern", "nodes", "slots", "meta",
-                 "watermark", "version", "changes", "base", "retired", "free", "generation", "rebuild",
-                 "reservations")
+    __slots__ = ("all_pattern", "base", "block_pattern", "block_prefix", "changes", "free", "generation", "meta",
+                 "nodes", "ns", "prefix", "rebuild", "reservations", "retired", "slots", "version", "watermark")
 
     def __init__(self, ns: str) -> None:
         if any(c in ns for c in "|{}"):

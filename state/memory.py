@@ -35,7 +35,7 @@ from .write import Group, Record, fold_and_write_sync
 
 
 class _Node:
-    __slots__ = ("node_id", "slot", "hb", "stream", "keys", "cached")
+    __slots__ = ("cached", "hb", "keys", "node_id", "slot", "stream")
 
     def __init__(self, node_id: str, slot: int) -> None:
         self.node_id = node_id
@@ -65,6 +65,9 @@ class InMemoryViewStore:
     """A :class:`state.view.ViewStore` in plain dicts and sets."""
 
     def __init__(self) -> None:
+        self._empty()
+
+    def _empty(self) -> None:
         self._nodes: dict[str, _Node] = {}
         self._slots: dict[int, str] = {}
         self._blocks: dict[int, int] = {}  # block key → bit 3*slot+tier per holder
@@ -172,7 +175,7 @@ class InMemoryViewStore:
                 raise TypeError(f"unknown view operation {op!r}")
 
     def clear_sync(self) -> None:
-        self.__init__()  # type: ignore[misc]
+        self._empty()
 
     # --- reading ------------------------------------------------------------
 

@@ -25,7 +25,7 @@ from redis.crc import key_slot
 
 from schemas.errors import ViewStoreError
 
-from .connect import HiredisPackedConnection, cluster_seeds
+from .connect import HiredisPackedConnection, cluster_seeds, pack_command
 from .keys import NODE_ATTRS, NodeHashDecoder, PrefixWalk, ViewKeys, dump_from_replies, snapshot_from_replies
 from .scripts import lua
 from .view import NodeState, ViewSnapshot
@@ -91,7 +91,7 @@ class RawSnapshotReader:
         """How each read's node picture came (for tests and benchmarks)."""
         self._last_nodes: tuple[tuple[NodeState, ...], dict[int, str]] = ((), {})
         self._nodes_args = (self.keys.version, self.keys.changes, self.keys.nodes, self.keys.base)
-        self._wm_cmd = hiredis.pack_command(("HGETALL", self.keys.watermark))
+        self._wm_cmd = pack_command(("HGETALL", self.keys.watermark))
 
     def __getattr__(self, name: str) -> Any:
         view = self.__dict__.get("view")
@@ -126,8 +126,9 @@ class RawSnapshotReader:
                 continue
             try:
                 cmds = [*self._auth(), ("CLUSTER", "SLOTS")]
-                w.write(b"".join(hiredis.pack_command(c) for c in cmds))
-                parser, replies = hiredis.Reader(), []
+                w.write(b"".join(pack_command(c) for c in cmds))
+                parser = hiredis.Reader()
+                replies: list[Any] = []
                 while len(replies) < len(cmds):
                     data = await asyncio.wait_for(r.read(1 << 16), self.timeout_s)
                     if not data:
@@ -153,7 +154,7 @@ class RawSnapshotReader:
         self._io = (reader, writer)
         self._reader_task = asyncio.ensure_future(self._read_replies(reader, writer))
         setup = self.setup_commands()
-        fut = self._send(b"".join(hiredis.pack_command(c) for c in setup), len(setup))
+        fut = self._send(b"".join(pack_command(c) for c in setup), len(setup))
         try:
             replies = await asyncio.wait_for(fut, self.timeout_s)
         except BaseException:
@@ -240,7 +241,7 @@ class RawSnapshotReader:
         return res
 
     async def _call(self, *commands: tuple[Any, ...]) -> list[Any]:
-        return await self._request(b"".join(hiredis.pack_command(c) for c in commands), len(commands))
+        return await self._request(b"".join(pack_command(c) for c in commands), len(commands))
 
     async def _drop(self) -> None:
         io, self._io = self._io, None
@@ -259,7 +260,7 @@ class RawSnapshotReader:
     # --- ViewReader -----------------------------------------------------------------
 
     async def snapshot(self, chain: Sequence[int], *, now_ms: int | None = None) -> ViewSnapshot:
-        pack = hiredis.pack_command
+        pack = pack_command
         # One MULTI/EXEC: the blocks, the node hash and the fences are of one instant (no
         # write lands between them), so the watermark a decision records is exactly what it
         # read and `explain` replays to the same view.

@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any, cast
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
+from redis.commands.core import AsyncScript
 from redis.exceptions import NoScriptError, RedisError
 
 from schemas.codec import pack_script_args
@@ -122,7 +123,7 @@ def script_call(keys: ViewKeys, groups: list[list[Any]]) -> tuple[list[Any], lis
 class RedisViewStore:
     """A :class:`state.view.ViewStore` in Redis; see the module docstring and :mod:`state.keys`."""
 
-    def __init__(self, client: aioredis.Redis, namespace: str) -> None:
+    def __init__(self, client: aioredis.Redis | RedisCluster, namespace: str) -> None:
         self.keys = ViewKeys(namespace)  # refuses a namespace with '|', '{' or '}'
         self.client = client
         self.cluster = isinstance(client, RedisCluster)
@@ -151,16 +152,16 @@ class RedisViewStore:
         """On a cluster, the primary serving the namespace's slot (keyless and per-node
         commands, and scripts, are sent there); nothing on a single server. The client's slot
         map is (re)loaded first when it is new or an error marked it stale (a failover)."""
-        if not self.cluster:
+        if not isinstance(self.client, RedisCluster):
             return {}
         await self.client.initialize()
         return {"target_nodes": self.client.get_node_from_key(self.keys.generation)}
 
-    async def _eval(self, script: Any, keys: Sequence[Any], args: Sequence[Any]) -> Any:
+    async def _eval(self, script: AsyncScript, keys: Sequence[Any], args: Sequence[Any]) -> Any:
         """Run ``script`` with every key it touches declared. On a cluster it goes straight to the
         slot's primary (redis-py would hash every one of up to ~20k block keys to find it;
         they all share the namespace's slot)."""
-        if not self.cluster:
+        if not isinstance(self.client, RedisCluster):
             return await script(keys=keys, args=args)
         target = await self._target()
         try:
@@ -169,7 +170,7 @@ class RedisViewStore:
             await self.client.execute_command("SCRIPT LOAD", script.script, **target)
             return await self.client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args, **target)
 
-    async def _scan(self, pattern: str, count: int = 2000):
+    async def _scan(self, pattern: str, count: int = 2000) -> AsyncIterator[list[bytes]]:
         async for keys in _scan_batches(self.client, pattern, count, **await self._target()):
             yield keys
 
@@ -251,7 +252,7 @@ class RedisViewStore:
     async def _offsets(self, key: str) -> dict[str, int]:
         """A hash of ``name → offset`` (the watermark, the partitions being rebuilt)."""
         try:
-            raw = await self.client.hgetall(key)
+            raw = _bytes_hash(await self.client.hgetall(key))
         except RedisError as e:
             raise ViewStoreError(f"view read failed: {e}") from e
         return {k.decode(): int(v) for k, v in raw.items()}
@@ -305,7 +306,7 @@ class RedisViewStore:
         kv, hbs = STREAM_FIELD["kv"], STREAM_FIELD["hb"]
         fields = [node_field(n, p) for n in node_ids for p in (kv, hbs)]
         try:
-            vals = await self.client.hmget(self.keys.nodes, fields)
+            vals = cast(list[bytes | None], await self.client.hmget(self.keys.nodes, fields))  # (see _bytes_hash)
         except RedisError as e:
             raise ViewStoreError(f"view read failed: {e}") from e
         out = {}
@@ -378,7 +379,7 @@ class RedisViewStore:
 
     async def nodes(self) -> list[NodeState]:
         try:
-            raw = await self.client.hgetall(self.keys.nodes)
+            raw = _bytes_hash(await self.client.hgetall(self.keys.nodes))
         except RedisError as e:
             raise ViewStoreError(f"view read failed: {e}") from e
         return list(self._decoder.decode(raw)[0])
@@ -395,13 +396,13 @@ class RedisViewStore:
 
     async def dump(self) -> dict[str, Any]:
         try:
-            raw_nodes = await self.client.hgetall(self.keys.nodes)
+            raw_nodes = _bytes_hash(await self.client.hgetall(self.keys.nodes))
             blocks: list[tuple[bytes, bytes | None]] = []
             async for batch in self._scan(self.keys.block_pattern):
                 batch = [k for k in batch if self.keys.block_of(k) is not None]
                 if batch:
-                    blocks += zip(batch, await self.client.mget(batch))
-            raw_wm = await self.client.hgetall(self.keys.watermark)
+                    blocks += zip(batch, cast(list[bytes | None], await self.client.mget(batch)))
+            raw_wm = _bytes_hash(await self.client.hgetall(self.keys.watermark))
         except RedisError as e:
             raise ViewStoreError(f"view read failed: {e}") from e
         return dump_from_replies(self.keys, raw_nodes, blocks, raw_wm.items())
@@ -416,6 +417,12 @@ class RedisViewStore:
     async def memory_bytes(self) -> int:
         """Redis ``used_memory`` (the whole server; for benchmarks on a dedicated instance)."""
         return int((await self.server_info("memory"))["used_memory"])
+
+
+def _bytes_hash(reply: Mapping[bytes | str, bytes | str]) -> dict[bytes, bytes]:
+    """A hash as the store's client returns it: it decodes nothing (``decode_responses=False``),
+    so names and values are bytes (redis-py's types allow str too)."""
+    return cast(dict[bytes, bytes], reply)
 
 
 def _split(enc: list[list[Any]]) -> list[list[list[Any]]]:
@@ -441,7 +448,7 @@ def _split(enc: list[list[Any]]) -> list[list[list[Any]]]:
     return pieces
 
 
-async def _scan_batches(client: Any, pattern: str, count: int = 2000, **target: Any):
+async def _scan_batches(client: Any, pattern: str, count: int = 2000, **target: Any) -> AsyncIterator[list[bytes]]:
     cursor = 0
     while True:
         cursor, keys = await client.execute_command("SCAN", cursor, "MATCH", pattern, "COUNT", count, **target)

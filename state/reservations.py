@@ -24,15 +24,18 @@ import bisect
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, cast
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
 from .keys import ViewKeys
 
 FIELDS = 5
 MAX_BUFFERED = 100_000
+StreamEntry = tuple[bytes, dict[bytes, bytes]]
+"""One entry of the reservation log: its id, its fields (``p`` producer, ``r`` reservations)."""
 log = logging.getLogger(__name__)
 @dataclass(frozen=True, slots=True)
 class Load:
@@ -138,7 +141,7 @@ class InMemoryReservations:
         if not ts:
             return None, None
         floor = now_ms - self.ttl_ms
-        i = bisect.bisect_right(ts, since_ms if since_ms > floor else floor)
+        i = bisect.bisect_right(ts, max(floor, since_ms))
         if i >= len(ts):
             return None, None
         cum = self._cum[node]
@@ -168,7 +171,7 @@ class RedisReservations:
     replicas see (logged, retried with the next batch).
     """
 
-    def __init__(self, client: aioredis.Redis, namespace: str, ttl_s: float, *, producer_id: str,
+    def __init__(self, client: aioredis.Redis | RedisCluster, namespace: str, ttl_s: float, *, producer_id: str,
                  flush_after_s: float = 0.01, block_ms: int = 100) -> None:
         self.client = client
         self.key = ViewKeys(namespace).reservations
@@ -230,7 +233,7 @@ class RedisReservations:
         self._last_id = f"{max(now_ms - 2 * self.ttl_ms, 0)}-0".encode()
         try:
             while True:
-                entries = await self.client.xrange(self.key, min=b"(" + self._last_id, count=1000)
+                entries = cast(list[StreamEntry], await self.client.xrange(self.key, min=b"(" + self._last_id, count=1000))
                 if not entries:
                     break
                 self._apply(entries)
@@ -244,7 +247,8 @@ class RedisReservations:
         # hanging for minutes in the driver's clean-up. Each read blocks at most ``block_ms``.
         while not self._stopping:
             try:
-                res = await self.client.xread({self.key: self._last_id}, block=self.block_ms, count=1000)
+                res = cast(list[tuple[bytes, list[StreamEntry]]] | None,  # bytes: the client decodes nothing
+                           await self.client.xread({self.key: self._last_id}, block=self.block_ms, count=1000))
             except asyncio.CancelledError:
                 raise
             except (RedisError, OSError) as e:
@@ -256,7 +260,7 @@ class RedisReservations:
             for _, entries in res or ():
                 self._apply(entries)
 
-    def _apply(self, entries: list) -> None:
+    def _apply(self, entries: Sequence[StreamEntry]) -> None:
         me = self.producer_id.encode()
         for eid, fields in entries:
             self._last_id = eid
@@ -287,7 +291,7 @@ class RedisReservations:
                 log.warning("the reservation follower did not stop in time; abandoned it")
         try:
             await asyncio.wait_for(self.flush(), timeout_s / 2)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("%d reservation(s) not shared at shutdown (Redis too slow)", len(self._buffer))
 
     async def clear(self) -> None:

@@ -47,8 +47,9 @@ import hiredis
 
 from schemas.errors import ViewStoreError
 
-from .keys import snapshot_from_replies
-from .reader import _IO_ERRORS, _NODES_SHA, _RECONNECT_ON, DELTA_MAX_NODES, NODE_ATTRS, RawSnapshotReader, _pairs
+from .connect import pack_command
+from .keys import NODE_ATTRS, snapshot_from_replies
+from .reader import _IO_ERRORS, _NODES_SHA, _RECONNECT_ON, DELTA_MAX_NODES, RawSnapshotReader, _pairs
 from .view import ViewSnapshot
 
 DEFAULT_CACHE_KEYS = 200_000
@@ -250,6 +251,7 @@ class TrackingSnapshotReader(RawSnapshotReader):
                     looked: tuple[list[Any], list[int]]) -> ViewSnapshot:
         """Read the chain in one transaction (``looked``: what the cache held for it just now,
         taken by the first attempt)."""
+        at: Sequence[int]  # the positions of the chain's keys to fetch
         for attempt in range(MAX_RETRIES + 2):
             if attempt <= MAX_RETRIES:
                 got, at = looked if attempt == 0 else self._from_cache(keys)
@@ -296,7 +298,7 @@ class TrackingSnapshotReader(RawSnapshotReader):
 
     async def _exec(self, rec: _InFlight, fetched: list[bytes]) -> list[Any]:
         """Send one snapshot transaction; its fetched values are cached as its reply is parsed."""
-        pack = hiredis.pack_command
+        pack = pack_command
         packed = pack(("MULTI",)) + pack(("TIME",))
         if fetched:
             packed += pack(("MGET", *fetched))

@@ -72,14 +72,14 @@ def _passes(records: Sequence[Record]) -> Generator[_Ask, Any, Written]:
             ops: Sequence[Op] = ()
             if env is not None:
                 try:
-                    f: Folded | UnfoldableRecord = fold(env, local.get(env.producer_id))
+                    f = fold(env, local.get(env.producer_id))
                 except UnfoldableRecord as e:
-                    f = e
+                    out.folds[i] = e
                 else:
                     if f.outcome == Outcome.APPLIED:
                         local[env.producer_id] = f.stream
                         ops = f.ops
-                out.folds[i] = f
+                    out.folds[i] = f
             groups.append((pos, ops))
         flags = (yield ("write", groups)) if groups else []
         redo: list[int] = []
@@ -118,7 +118,8 @@ async def fold_and_write(store: Any, records: Sequence[Record]) -> Written:
             what, arg = steps.send(answer)
             answer = await (store.streams(arg) if what == "streams" else store.apply_groups(arg))
     except StopIteration as done:
-        return done.value
+        written: Written = done.value
+        return written
 
 
 def fold_and_write_sync(
@@ -134,4 +135,5 @@ def fold_and_write_sync(
             what, arg = steps.send(answer)
             answer = streams(arg) if what == "streams" else apply_groups(arg)
     except StopIteration as done:
-        return done.value
+        written: Written = done.value
+        return written

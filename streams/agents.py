@@ -84,9 +84,10 @@ def build_worker(config: WorkerConfig, store: ViewStore, *, metrics: bool = True
             lanes[topic] = TopicLane(guard, reader)
         return lanes[topic]
 
-    async def consume(topic: str, stream: faust.StreamT) -> None:
+    async def consume(topic: str, stream: faust.StreamT[Any]) -> None:
         # Each agent resumes its own topic's partitions from the view's fences, reading
         # back from the log what the consumer skipped (see streams.resume).
+        assert isinstance(stream, faust.Stream)  # (what Faust hands an agent; take_events is its own)
         try:
             async for events in stream.take_events(BATCH_MAX, within=BATCH_WITHIN_S):
                 await apply_batch(ingestor, lane(topic), [raw_record(e.message) for e in events])
@@ -95,10 +96,10 @@ def build_worker(config: WorkerConfig, store: ViewStore, *, metrics: bool = True
                 await lanes.pop(topic).reader.close()
 
     # Two functions, not one: Faust names an agent after its function.
-    async def kv_events(stream: faust.StreamT) -> None:
+    async def kv_events(stream: faust.StreamT[Any]) -> None:
         await consume(t.kv_events.name, stream)
 
-    async def heartbeats(stream: faust.StreamT) -> None:
+    async def heartbeats(stream: faust.StreamT[Any]) -> None:
         await consume(t.heartbeats.name, stream)
 
     app.agent(raw_topic(t.kv_events), name="kv-events")(kv_events)
@@ -160,7 +161,7 @@ async def admit_until_done(guard: ResumeGuard, batch: list[RawRecord]) -> AsyncI
             async for part in guard.admit(batch):
                 yield part
             return
-        except Exception as e:  # the view or the log unreachable: hold the batch, try again
+        except Exception as e:  # noqa: BLE001 (the view or the log unreachable, whatever it raised: hold the batch)
             log.error("could not check the batch against the view's fences, retrying in %.1fs: %s", delay, e)
         await asyncio.sleep(delay)
         delay = min(delay * 2, 5.0)

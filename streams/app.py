@@ -116,7 +116,7 @@ class _BoundWeb(faust_aiohttp.Web):
 
     def _new_transport_tcp(self) -> BaseSite:
         app = self.app
-        assert isinstance(app, ConductorApp)  # (only ConductorApp makes us)
+        assert isinstance(app, ConductorApp) and app.web_socket is not None  # (only then does ConductorApp make us)
         return SockSite(self._runner, app.web_socket, ssl_context=app.conf.web_ssl_context)
 
 
@@ -169,20 +169,20 @@ def make_app(config: WorkerConfig, *, app_id: str | None = None, web_socket: soc
     app_id = app_id or f"{config.topics.prefix}stream-worker"
     datadir = Path(config.data_dir).resolve() / "faust" / app_id
     datadir.parent.mkdir(parents=True, exist_ok=True)  # Faust creates only the last level
-    opts: dict[str, Any] = dict(
-        broker=broker_urls(config.kafka.bootstrap_servers),
+    opts: dict[str, Any] = {
+        "broker": broker_urls(config.kafka.bootstrap_servers),
         # Faust writes a data directory; keep it under ours, never in the working directory.
-        datadir=str(datadir),
-        store="memory://",
-        topic_partitions=config.topics.partitions,
-        topic_replication_factor=config.topics.replication_factor,
-        web_host=config.bind_host,
-        web_bind=config.bind_host,
-        web_port=web_socket.getsockname()[1] if web_socket is not None else config.web_port or WEB_PORT,
-        consumer_auto_offset_reset="earliest",
-        value_serializer="json",
-        key_serializer="raw",
-    )
+        "datadir": str(datadir),
+        "store": "memory://",
+        "topic_partitions": config.topics.partitions,
+        "topic_replication_factor": config.topics.replication_factor,
+        "web_host": config.bind_host,
+        "web_bind": config.bind_host,
+        "web_port": web_socket.getsockname()[1] if web_socket is not None else config.web_port or WEB_PORT,
+        "consumer_auto_offset_reset": "earliest",
+        "value_serializer": "json",
+        "key_serializer": "raw",
+    }
     if config.kafka.profile == "embedded":
         opts.update(
             broker_session_timeout=2,

@@ -27,7 +27,7 @@ from opentelemetry.metrics import CallbackOptions, Observation
 
 from schemas import DeadLetter, DecodeError, Envelope, Heartbeat, decode, envelope
 from schemas.records import MAX_ORIGINAL_BYTES, MAX_TEXT
-from state.fold import Op, UnfoldableRecord
+from state.fold import Folded, Op, UnfoldableRecord
 from state.view import Outcome, SourcePosition
 from state.write import fold_and_write
 from streams.topics import Topics
@@ -213,13 +213,13 @@ class Ingestor:
         w = await fold_and_write(self.store, [(env, rec.position) for rec, env in good])
         res.refolds = w.refolds
         now = self.clock_ms()
-        for (rec, env), flag, f in zip(good, w.flags, w.folds):
+        for (rec, written), flag, f in zip(good, w.flags, w.folds):
             if isinstance(f, UnfoldableRecord):  # defensive: topic.kinds already filtered
                 await self._dead(res, rec, f.reason, str(f))
                 continue
-            if env is None or f is None:  # dead-lettered (counted then); its fence has moved
+            if written is None or f is None:  # dead-lettered (counted then); its fence has moved
                 continue
-            self._count(res, env, f, f.outcome if flag == Outcome.APPLIED else Outcome.FENCED, now)
+            self._count(res, written, f, f.outcome if flag == Outcome.APPLIED else Outcome.FENCED, now)
         if self.metrics is not None and records:
             self.metrics.record(records[0].topic, res)
         return res
@@ -230,7 +230,7 @@ class Ingestor:
         if self.metrics is not None:
             self.metrics.skew.record(skew_ms, {"producer": env.producer_id})
 
-    def _count(self, res: BatchResult, env: Envelope, f: Any, outcome: Outcome, now: float) -> None:
+    def _count(self, res: BatchResult, env: Envelope, f: Folded, outcome: Outcome, now: float) -> None:
         """Account for one record whose write has been decided (applied or skipped)."""
         if outcome != Outcome.APPLIED:
             res.skipped[outcome.value] = res.skipped.get(outcome.value, 0) + 1

@@ -159,7 +159,7 @@ async def unsafe_topic_configs(admin: AIOKafkaAdminClient, wanted: list[Topic]) 
                 if error_code:
                     continue
                 actual[name] = {e[0]: e[1] for e in entries if e[1] is not None}
-    except Exception as e:  # unsupported API or an odd answer: say so, do not stop the caller
+    except Exception as e:  # noqa: BLE001 (an unsupported API or an odd answer: say so, do not stop the caller)
         return [f"could not describe topic configs ({type(e).__name__}: {e}); retention of existing topics "
                 "not checked"[:300]]
     out: list[str] = []
@@ -208,7 +208,7 @@ async def acknowledged(producer: AIOKafkaProducer, sends: list[Any], *, warn_aft
     done = asyncio.gather(*sends)
     try:
         await asyncio.wait_for(asyncio.shield(done), warn_after_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         log.warning("%d %s not acknowledged after %.1fs; refreshing the producer's metadata",
                     len(sends), what, warn_after_s)
         producer.client.force_metadata_update()

@@ -36,10 +36,11 @@ import dataclasses
 import functools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, Protocol
+from typing import Protocol
 
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from opentelemetry import metrics
+from opentelemetry.metrics import Counter
 
 from state.view import GenerationalView
 from streams.config import KafkaConnection
@@ -54,7 +55,7 @@ FetchRange = Callable[[str, int, int, int], Awaitable[list[RawRecord]]]
 
 
 @functools.cache
-def _counters() -> tuple[Any, Any]:
+def _counters() -> tuple[Counter, Counter]:
     """The guard's two counters, created once per process (both agents share them)."""
     m = metrics.get_meter(__name__)
     return (
@@ -85,7 +86,10 @@ class ResumeGuard:
         """Times the guard found the view's generation changed (lost or replaced) and adopted a new one."""
         self.fetch_range = fetch_range
         self.fill_max = fill_max
-        self._refetched_counter, self._lost_counter = _counters() if metrics else (None, None)
+        self._refetched_counter: Counter | None = None
+        self._lost_counter: Counter | None = None
+        if metrics:
+            self._refetched_counter, self._lost_counter = _counters()
         self.refetched = 0
         """Records read back from the log to fill a hole."""
         self.lost = 0
