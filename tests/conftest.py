@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from hypothesis import settings as hypothesis_settings
 
-from conductor.settings import Settings, load_settings
 from conductor.harness.devstack import EmbeddedStack, StackState
 from conductor.harness.valkey_cluster import ValkeyCluster
+from conductor.settings import Settings, load_settings
 
 # Properties are about values, not speed: no per-example deadline (a busy 2-core CI machine
 # would make a deadline a flaky timing test).

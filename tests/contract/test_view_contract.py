@@ -12,8 +12,8 @@ import random
 import pytest
 
 from schemas import AllBlocksCleared, BlocksMigrated, BlocksRemoved, BlocksStored, Heartbeat, chain_keys, envelope
-from state.fold import AddBlocks, SetHeartbeat, fold
 from schemas.errors import ViewStoreError
+from state.fold import AddBlocks, SetHeartbeat, fold
 from state.keys import MAX_SLOTS, holder_entries
 from state.memory import InMemoryViewStore
 from state.reader import RawSnapshotReader

@@ -123,11 +123,11 @@ async def test_a_restarted_balance_worker_resumes_with_its_heat(settings: Settin
         while True:
             now = int(time.time() * 1000)
             recs = []
-            for node in seqs:
+            for node, seq in seqs.items():
                 role = "decode" if node == "d-0" else "prefill"
                 hb = Heartbeat(role=role, queued_prefill_tokens=load.get(node, 0))
-                recs.append((envelope(hb, producer_id=node, producer_seq=seqs[node], ts_ms=now), None))
-                seqs[node] += 1
+                recs.append((envelope(hb, producer_id=node, producer_seq=seq, ts_ms=now), None))
+                seqs[node] = seq + 1
             await store.apply(recs)
             await asyncio.sleep(0.5)
 

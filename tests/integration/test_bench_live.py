@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from conductor.settings import Settings, child_environment
 from conductor.harness.bench.live import LiveOptions, run_live_bench
 from conductor.harness.gateway_cluster import sglang_router_missing
+from conductor.settings import Settings, child_environment
 
 pytestmark = [pytest.mark.peer, pytest.mark.integration, pytest.mark.timeout(240)]
 

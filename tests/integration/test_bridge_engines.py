@@ -35,7 +35,7 @@ from schemas import (
 )
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_structs import SGLANG, V023, V026  # noqa: E402
+from engine_structs import SGLANG, V023, V026
 
 BS = 16
 TOKENS = list(range(7000, 7000 + BS * 12))
@@ -213,8 +213,8 @@ async def test_hybrid_sliding_window_removals_keep_the_full_attention_prefix() -
     eng, out = Engine(), Out()
     bridge, stop, task = await follow(eng, out)
     hashes = [51, 52, 53, 54]
-    full = dict(group_idx=0, kv_cache_spec_kind="full_attention")
-    swa = dict(group_idx=1, kv_cache_spec_kind="sliding_window", kv_cache_spec_sliding_window=2 * BS)
+    full = {"group_idx": 0, "kv_cache_spec_kind": "full_attention"}
+    swa = {"group_idx": 1, "kv_cache_spec_kind": "sliding_window", "kv_cache_spec_sliding_window": 2 * BS}
     await eng.send(V026.encode(1.0, [
         V026.Stored(hashes, None, TOKENS[: 4 * BS], BS, None, "GPU", None, **full),
         V026.Stored(hashes, None, TOKENS[: 4 * BS], BS, None, "GPU", None, **swa),
@@ -257,12 +257,12 @@ async def _restart_case(new_batches: int) -> tuple[Out, int, list[int]]:
 
 
 async def test_restart_with_more_batches_than_the_old_process() -> None:
-    out, old_epoch, keys = await _restart_case(new_batches=6)
+    out, _old_epoch, keys = await _restart_case(new_batches=6)
     assert out.view() == {"hbm": set(keys)}  # no block of the dead process left
 
 
 async def test_idle_restart_clears_the_old_blocks() -> None:
-    out, old_epoch, _ = await _restart_case(new_batches=0)
+    out, _old_epoch, _ = await _restart_case(new_batches=0)
     assert out.view().get("hbm", set()) == set()
     assert out.view() == {}
 

@@ -101,7 +101,7 @@ async def test_late_join_replays_what_the_engine_stored_before(pub: EventPublish
     for i in range(3):
         await pub.publish(0.0, [stored(i)])
     out = Collected()
-    bridge, stop, task = await start(pub, out, heartbeat_s=None)
+    _bridge, stop, task = await start(pub, out, heartbeat_s=None)
     assert out.stored_keys() == KEYS[:3]
     await pub.publish(0.0, [stored(3), EngineBlockRemoved((100,), "hbm")])
     await until(lambda: any(isinstance(e.body, BlocksRemoved) for e in out.envs))
@@ -161,7 +161,7 @@ async def test_an_engine_restart_opens_a_new_epoch(pub: EventPublisher) -> None:
 
 async def test_heartbeats_only_while_the_engine_answers(pub: EventPublisher) -> None:
     out = Collected()
-    bridge, stop, task = await start(pub, out, heartbeat_s=0.1)
+    _bridge, stop, task = await start(pub, out, heartbeat_s=0.1)
     await until(lambda: len(out.heartbeats) >= 2)
     assert out.heartbeats[0].body.role == "prefill"  # type: ignore[union-attr]
     await pub.close()  # the engine dies

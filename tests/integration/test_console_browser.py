@@ -7,6 +7,7 @@ Needs ``chromium`` and ``chromium-driver`` (apt); deselect with ``-m "not browse
 
 from __future__ import annotations
 
+import asyncio
 import shutil
 import socket
 import threading
@@ -79,7 +80,7 @@ async def test_console_shows_four_instances_with_blocks(settings, tmp_path):
 
         wait = WebDriverWait(browser, 20)
         while not server.started:
-            time.sleep(0.05)
+            await asyncio.sleep(0.05)
         browser.get(f"http://127.0.0.1:{port}/")
         # Unauthenticated: the sign-in page, no data.
         wait.until(ec.presence_of_element_located((By.ID, "token"))).send_keys(TOKEN)

@@ -23,11 +23,11 @@ import pytest
 
 from conductor.bridge.publisher import EventPublisher
 from conductor.bridge.runner import Bridge, BridgeConfig, kafka_sink
+from conductor.harness.devstack import free_port
 from conductor.harness.engine.emulated import EmulatedEngine, EngineConfig
 from conductor.profiles import load_profile
 from conductor.routing.dispatch import decisions_for
 from conductor.settings import Settings, settings_env
-from conductor.harness.devstack import free_port
 from schemas import RoutingDecision, RoutingRequest, chain_keys, decode, encode, envelope, headers
 from state.redis_view import RedisViewStore
 from streams.kafka import consumer, ensure_topics, producer
@@ -48,12 +48,12 @@ def _start(settings: Settings, tmp_path: Path, *commands: list[str]) -> list[sub
     env = conductor_env(settings)
     procs = []
     for cmd in commands:
-        log = open(tmp_path / f"{cmd[0]}.log", "wb")
-        procs.append(subprocess.Popen(
-            [sys.executable, "-c", "from conductor.cli import main; main()", *cmd],
-            env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
-            cwd=tmp_path,
-        ))
+        with open(tmp_path / f"{cmd[0]}.log", "wb") as log:  # the child writes to its own copy
+            procs.append(subprocess.Popen(
+                [sys.executable, "-c", "from conductor.cli import main; main()", *cmd],
+                env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True,
+                cwd=tmp_path,
+            ))
     return procs
 
 

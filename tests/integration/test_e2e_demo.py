@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from conductor.settings import Settings
 from conductor.harness.devstack import StackState
+from conductor.settings import Settings
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -23,7 +23,7 @@ def test_demo_completes_and_compares_with_the_baseline(stack: StackState, settin
                 "CONDUCTOR_PROFILE": "embedded", "CONDUCTOR_DATA_DIR": str(tmp_path)})
     proc = subprocess.run(
         [sys.executable, "-c", "from conductor.cli import main; main()", "demo", "--duration", "24", "--json"],
-        env=env, capture_output=True, timeout=120,
+        env=env, capture_output=True, timeout=120, check=False,
     )
     assert proc.returncode == 0, proc.stderr.decode(errors="replace")[-3000:]
     lines = proc.stdout.decode().splitlines()
@@ -53,7 +53,7 @@ def test_demo_completes_and_compares_with_the_baseline(stack: StackState, settin
             proc.stderr.decode()
         ex = subprocess.run(
             [sys.executable, "-c", "from conductor.cli import main; main()", "explain", rid, "--json"],
-            env=env | {"CONDUCTOR_TOPIC_PREFIX": run["topic_prefix"]}, capture_output=True, timeout=60,
+            env=env | {"CONDUCTOR_TOPIC_PREFIX": run["topic_prefix"]}, capture_output=True, timeout=60, check=False,
         )
         assert ex.returncode == 0, (ex.stdout + ex.stderr).decode(errors="replace")[-3000:]
         assert json.loads(ex.stdout)["request_id"] == rid

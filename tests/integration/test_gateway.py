@@ -11,8 +11,8 @@ import openai
 import pytest
 from kvstream import read_all
 
-from conductor.settings import Settings
 from conductor.harness.gateway_cluster import GatewayCluster
+from conductor.settings import Settings
 from schemas import RequestOutcome, RoutingRequest
 from streams.topics import topics
 

@@ -12,8 +12,8 @@ import openai
 import pytest
 from kvstream import read_all
 
-from conductor.settings import Settings
 from conductor.harness.gateway_cluster import GatewayCluster
+from conductor.settings import Settings
 from schemas import RequestOutcome, RoutingDecision
 from streams.topics import topics
 

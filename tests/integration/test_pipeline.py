@@ -18,9 +18,9 @@ import pytest
 from typer.testing import CliRunner
 
 from conductor.cli import app as cli_app
-from conductor.settings import load_settings
 from conductor.harness.bench.ingest import start_worker_process, stop_worker_process
 from conductor.harness.devstack import free_port
+from conductor.settings import load_settings
 from schemas import AllBlocksCleared, BlocksRemoved, BlocksStored, Heartbeat, decode, encode, envelope
 from state.redis_view import RedisViewStore
 from streams.kafka import consumer, ensure_topics, producer

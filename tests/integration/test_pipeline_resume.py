@@ -15,9 +15,9 @@ import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from kvstream import KvStream, caught_up
 
-from conductor.settings import load_settings
 from conductor.harness.bench.ingest import start_worker_process, stop_worker_process
 from conductor.harness.devstack import free_port
+from conductor.settings import load_settings
 from schemas import encode
 from state.memory import InMemoryViewStore
 from state.redis_view import RedisViewStore

@@ -11,11 +11,11 @@ import uuid
 import pytest
 
 import tests.contract.test_view_contract as contract
+from conductor.harness.bench.ingest import start_worker_process, stop_worker_process
+from conductor.harness.devstack import free_port
 from conductor.routing.explain import explain
 from conductor.routing.router import RawSnapshotReader, Router, RouterWorker, redis_stores
 from conductor.settings import load_settings
-from conductor.harness.bench.ingest import start_worker_process, stop_worker_process
-from conductor.harness.devstack import free_port
 from schemas import BlocksStored, Heartbeat, RoutingDecision, RoutingRequest, chain_keys, decode, encode, envelope
 from state.redis_view import RedisViewStore
 from streams import kafka

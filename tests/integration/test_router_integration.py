@@ -7,6 +7,7 @@ import time
 
 import pytest
 
+from conductor.errors import ViewStoreError
 from conductor.routing.router import Router, RouterWorker, redis_stores, request_seed
 from schemas import (
     BlocksStored,
@@ -71,7 +72,7 @@ async def test_requests_become_decisions_on_dispatch(settings) -> None:
         deadline = time.monotonic() + 30
         while len(got) < 6 or not dead:
             assert time.monotonic() < deadline, f"only {sorted(got)} and {len(dead)} dead letters arrived"
-            for tp, recs in (await cons.getmany(timeout_ms=500)).items():
+            for recs in (await cons.getmany(timeout_ms=500)).values():
                 for rec in recs:
                     body = decode(rec.value).body
                     if isinstance(body, DeadLetter):
@@ -132,10 +133,9 @@ async def test_bench_route_with_a_warm_tracking_reader_decides_without_round_tri
 
 
 async def test_raw_snapshot_reader_matches_the_view_store(settings) -> None:
-    from conductor.errors import ViewStoreError
     from conductor.routing.router import RawSnapshotReader
 
-    reader, resv = redis_stores(settings, producer_id="raw-test")
+    reader, _resv = redis_stores(settings, producer_id="raw-test")
     assert isinstance(reader, RawSnapshotReader)
     view = reader.view
     now = int(time.time() * 1000)
@@ -174,7 +174,7 @@ async def test_raw_reader_sees_node_changes_after_caching_them(settings) -> None
         a, b = await reader.snapshot(chain, now_ms=now), await view.snapshot(chain, now_ms=now)
         assert a == b
 
-    hb = lambda q, seq: (envelope(Heartbeat(role="prefill", queued_prefill_tokens=q), producer_id="p0",  # noqa: E731
+    hb = lambda q, seq: (envelope(Heartbeat(role="prefill", queued_prefill_tokens=q), producer_id="p0",
                                   producer_seq=seq, ts_ms=now), None)
     try:
         await view.apply([hb(1, 0)])
@@ -190,7 +190,7 @@ async def test_raw_reader_sees_node_changes_after_caching_them(settings) -> None
         await view.apply([hb(5, 0)])
         await same()
         await reader.client.script_flush()  # the reader reloads its script after NOSCRIPT
-        with pytest.raises(Exception):
+        with pytest.raises(ViewStoreError, match="NOSCRIPT"):
             await reader.snapshot(chain)
         await same()
     finally:

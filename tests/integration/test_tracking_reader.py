@@ -196,7 +196,7 @@ async def test_a_write_anywhere_ends_the_point(pointed):
 
 
 async def test_a_heartbeat_ends_the_point(pointed):
-    writer, plain, tracking = pointed
+    writer, _plain, tracking = pointed
     chain = [61, 62]
     await writer.apply([_fenced(Heartbeat(role="decode", batch_size=3), "d", 0, 0),
                         _fenced(BlocksStored(block_keys=chain, tier="hbm"), "d", 0, 1)])
@@ -211,7 +211,7 @@ async def test_a_heartbeat_ends_the_point(pointed):
 
 
 async def test_a_chain_with_an_uncached_block_is_read_but_one_cut_at_an_unheld_block_is_not(pointed):
-    writer, plain, tracking = pointed
+    writer, _plain, tracking = pointed
     await writer.apply([_fenced(BlocksStored(block_keys=[71, 72], tier="hbm"), "a", 0, 0)])
     await tracking.snapshot([71, 72, 73])  # 73: no such key, cached as such (and tracked)
     got = await tracking.snapshot([71, 72, 73, 74, 75])  # 74, 75 never read, but past 73: not needed
@@ -221,7 +221,7 @@ async def test_a_chain_with_an_uncached_block_is_read_but_one_cut_at_an_unheld_b
 
 
 async def test_an_old_point_is_not_used(pointed):
-    writer, plain, tracking = pointed
+    writer, _plain, tracking = pointed
     tracking.point_max_age_s = 0.05
     await writer.apply([_fenced(BlocksStored(block_keys=[81], tier="hbm"), "a", 0, 0)])
     await tracking.snapshot([81])
@@ -231,7 +231,7 @@ async def test_an_old_point_is_not_used(pointed):
 
 
 async def test_a_cleared_view_and_a_new_connection_end_the_point(pointed):
-    writer, plain, tracking = pointed
+    writer, _plain, tracking = pointed
     chain = [91, 92]
     await writer.apply([_fenced(BlocksStored(block_keys=chain, tier="hbm"), "a", 0, 0)])
     await tracking.snapshot(chain)

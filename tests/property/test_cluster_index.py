@@ -146,8 +146,8 @@ def test_decode_instances_exactly_on_the_bands_edge_are_in_it_when_all_have_room
     inside read as id ranks, the edge computed) is the exhaustive one, and both levels win."""
     now = 1_000_000
     req = PolicyRequest("r", 9000, 9000 // BS, ttft_slo_s=30.0, tbt_slo_ms=1e4)
-    low = dict(batch_size=8, decode_context_tokens=20_000)
-    high = dict(batch_size=24, decode_context_tokens=90_000)
+    low = {"batch_size": 8, "decode_context_tokens": 20_000}
+    high = {"batch_size": 24, "decode_context_tokens": 90_000}
     probe = make_policy("kvcache-centric", {}, PROFILE)
     tbt = [probe.costs.tbt_ms(build_cluster(ViewSnapshot(now, (NodeState(node_id="x", role="decode", model="m",
                                                                            last_heartbeat_ms=now, **kw),), {}, {}),

@@ -34,7 +34,8 @@ class Cache:
 
 
 def cmd(action, keys=(1, 2, 3), **kw):
-    base = dict(command_id=f"c-{action}", action=action, block_keys=list(keys), from_node="a", deadline_ms=10_000)
+    base = {"command_id": f"c-{action}", "action": action, "block_keys": list(keys), "from_node": "a",
+            "deadline_ms": 10_000}
     if action == "replicate":
         base.update(to_node="b", to_tier="hbm")
     elif action in ("migrate", "demote"):

@@ -109,7 +109,7 @@ def test_every_conductor_command_line_parses(single: dict[str, Any]) -> None:
     group = typer.main.get_command(app)
     ctx = group.make_context("conductor", ["--help"], resilient_parsing=True)
     missing = []
-    for name, svc in conductor_services(single).items():
+    for svc in conductor_services(single).values():
         argv = svc["command"]
         cmd = group.get_command(ctx, argv[0])
         if cmd is None:

@@ -8,15 +8,15 @@ import random
 
 import pytest
 
+from conductor.harness.sim.cluster import ClusterProfile
+from conductor.harness.sim.engine import Simulation
+from conductor.harness.sim.network import Network
+from conductor.harness.sim.trace import TraceRecord, TraceRequest, long_context
 from conductor.profiles import DEFAULT_PROFILE, ModelProfile, load_profile
 from conductor.routing.decision import decision_record, decision_reservations
 from conductor.routing.policies import Placement, Rejection, make_policy
 from conductor.routing.policies.cpp import chunk_boundaries, pipeline_finish, plan_pipeline
 from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
-from conductor.harness.sim.cluster import ClusterProfile
-from conductor.harness.sim.engine import Simulation
-from conductor.harness.sim.network import Network
-from conductor.harness.sim.trace import TraceRecord, TraceRequest, long_context
 from conductor.topology import Link
 from schemas import RoutingDecision, RoutingRequest
 from state.reservations import Load

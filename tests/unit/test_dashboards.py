@@ -5,18 +5,17 @@ from __future__ import annotations
 
 import json
 import re
+from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from ruamel.yaml import YAML
 
-from collections import Counter
-from types import SimpleNamespace
-
 from conductor.balance.planner import BalanceParams
+from conductor.balance.worker import Balancer
 from conductor.bridge.scrape import EngineLoad
 from conductor.cli.engines import bridge_instruments
-from conductor.balance.worker import Balancer
 from conductor.routing.router import RouterMetrics, RouterWorker
 from conductor.settings import load_settings
 from conductor.telemetry import scrape, setup_metrics
@@ -68,7 +67,7 @@ def exported() -> set[str]:
     b = Balancer(load_settings(kafka_url="k:9092"), BalanceParams())
     b._commands.add(1, {"action": "replicate"})
     b._bad.add(1)
-    names = set(re.findall(r"^(conductor_\w+?)(?:\{| )", scrape(), re.M))
+    names = set(re.findall(r"^(conductor_\w+?)(?:\{| )", scrape(), re.MULTILINE))
     return names | {n[: -len(s)] for n in names for s in SUFFIXES if n.endswith(s)}
 
 

@@ -84,14 +84,14 @@ async def test_the_directory_merges_overrides_and_live_announced_engines():
 
 
 def test_the_prefix_cache_counters_are_read_from_a_vllm_page():
-    page = "\n".join([
-        'vllm:num_requests_running{engine="0",model_name="m"} 1.0',
-        'vllm:num_requests_waiting{engine="0",model_name="m"} 0.0',
-        '# TYPE vllm:prefix_cache_queries counter',
-        'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 640.0',
-        '# TYPE vllm:prefix_cache_hits counter',
-        'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 256.0',
-    ])
+    page = (
+        'vllm:num_requests_running{engine="0",model_name="m"} 1.0\n'
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 0.0\n'
+        '# TYPE vllm:prefix_cache_queries counter\n'
+        'vllm:prefix_cache_queries_total{engine="0",model_name="m"} 640.0\n'
+        '# TYPE vllm:prefix_cache_hits counter\n'
+        'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 256.0'
+    )
     load = parse_load(page)
     assert (load.prefix_hit_tokens, load.prefix_query_tokens) == (256.0, 640.0)
 

@@ -30,8 +30,8 @@ def engine(node: str, dram: int = 0) -> tuple[EmulatedEngine, Recorder]:
 
 
 def command(action: str, **kw: object) -> KvCommand:
-    base: dict[str, object] = dict(command_id=f"c-{action}", action=action, block_keys=KEYS, from_node="holder",
-                                   token_ids=TOKENS, block_size=BS, deadline_ms=5_000)
+    base: dict[str, object] = {"command_id": f"c-{action}", "action": action, "block_keys": KEYS, "from_node": "holder",
+                                   "token_ids": TOKENS, "block_size": BS, "deadline_ms": 5_000}
     if action == "replicate":
         base.update(to_node="target", to_tier="hbm")
     elif action == "demote":

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 
-from conductor.harness.engine.http import chat_prompt, emulated_tokens
 from conductor.gateway.protocol import (
     REJECTION_STATUS,
     BadRequest,
@@ -17,6 +16,7 @@ from conductor.gateway.protocol import (
     vllm_decode_body,
     vllm_prefill_body,
 )
+from conductor.harness.engine.http import chat_prompt, emulated_tokens
 from schemas.records import RejectReason
 
 

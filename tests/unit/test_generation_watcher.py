@@ -114,7 +114,7 @@ def test_the_fake_is_a_rebuilding_view() -> None:
 
 
 async def test_a_steady_view_is_left_alone() -> None:
-    view, log = FakeView(), FakeLog({(KV, 0): range(0, 5)})
+    view, log = FakeView(), FakeLog({(KV, 0): range(5)})
     view.wm = {f"{KV}:0": 4}
     w, applied = watcher(view, log, [(KV, 0)])
     for _ in range(3):
@@ -124,7 +124,7 @@ async def test_a_steady_view_is_left_alone() -> None:
 
 async def test_a_lost_view_is_adopted_and_every_assigned_partition_read_back() -> None:
     view = FakeView()
-    log = FakeLog({(KV, 0): range(0, 4), (KV, 1): range(0, 2), (HB, 0): range(0, 3)})
+    log = FakeLog({(KV, 0): range(4), (KV, 1): range(2), (HB, 0): range(3)})
     view.wm = {f"{KV}:0": 3, f"{KV}:1": 1, f"{HB}:0": 2}
     w, applied = watcher(view, log, [(KV, 0), (KV, 1), (HB, 0)])
     await w.tick()
@@ -143,7 +143,7 @@ async def test_a_lost_view_is_adopted_and_every_assigned_partition_read_back() -
 
 
 async def test_fences_that_move_back_under_one_generation_are_read_back() -> None:
-    view, log = FakeView(), FakeLog({(KV, 0): range(0, 10)})
+    view, log = FakeView(), FakeLog({(KV, 0): range(10)})
     view.wm = {f"{KV}:0": 9}
     w, applied = watcher(view, log, [(KV, 0)])
     await w.tick()
@@ -154,7 +154,7 @@ async def test_fences_that_move_back_under_one_generation_are_read_back() -> Non
 
 
 async def test_a_partition_still_marked_rebuilding_is_read_back() -> None:
-    view, log = FakeView(), FakeLog({(HB, 1): range(0, 3)})
+    view, log = FakeView(), FakeLog({(HB, 1): range(3)})
     view.rebuild = {f"{HB}:1": -1}
     w, applied = watcher(view, log, [(HB, 1)])
     await w.tick()
@@ -171,7 +171,7 @@ async def test_an_unreachable_view_skips_the_tick() -> None:
 
 @pytest.mark.parametrize("error", [ViewRefused("lost", "the view lost writes"), RuntimeError("boom")])
 async def test_a_failed_read_back_is_logged_and_tried_again_next_tick(error: Exception) -> None:
-    view, log = FakeView(), FakeLog({(KV, 0): range(0, 3)})
+    view, log = FakeView(), FakeLog({(KV, 0): range(3)})
     view.rebuild = {f"{KV}:0": -1}
     w, _ = watcher(view, log, [(KV, 0)], process_error=error)
     await w.tick()  # does not raise

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from conductor.harness.engine.http import emulated_tokens
 from conductor.harness.bench.live import block_words, text_prompt
 from conductor.harness.demo import TRACE_BLOCK_TOKENS
+from conductor.harness.engine.http import emulated_tokens
 from schemas import chain_keys
 
 

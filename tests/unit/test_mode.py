@@ -97,7 +97,7 @@ def test_the_lower_predicted_ttft_wins_between_modes() -> None:
              agg("a0"))
     got = choose("kvcache-centric", req(4096), s)
     assert got.mode == "aggregated" and got.decision.prefill == "a0"  # type: ignore[union-attr]
-    pd = [o for o in got.options if o.mode == "disaggregated"][0]
+    pd = next(o for o in got.options if o.mode == "disaggregated")
     assert pd.ttft_s > got.decision.predicted_ttft_s  # type: ignore[union-attr]
     # and the other way round
     s = snap(Instance("p0", "prefill"), Instance("d0", "decode"),

@@ -264,7 +264,7 @@ async def test_a_future_stamped_heartbeat_never_keeps_a_node_live():
     store = InMemoryViewStore()
     ing = Ingestor(T, store, dead_letter=dl)
     ten_years = 10 * 365 * 86_400_000
-    hb = lambda seq, ts: encode(envelope(Heartbeat(role="prefill"), producer_id="p", producer_seq=seq, ts_ms=ts))  # noqa: E731
+    hb = lambda seq, ts: encode(envelope(Heartbeat(role="prefill"), producer_id="p", producer_seq=seq, ts_ms=ts))
     res = await ing.process([RawRecord(HB, 0, 0, b"p", hb(0, 5_000 + ten_years), 5_000)])
     assert res.dead == {"future_timestamp": 1} and letters[0].offset == 0
     assert (await store.snapshot([], now_ms=5_000)).nodes == ()

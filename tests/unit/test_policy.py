@@ -41,7 +41,7 @@ def decide(name: str, r: PolicyRequest, s: ClusterSnapshot, seed: int = 0, **par
 
 # --- cache-aware prefill: lowest TTFT, not the longest match ----------------------------
 
-LONG_QUEUE = dict(queued=60_000, nq=10)  # ten 6k-token prompts: several seconds of prefill
+LONG_QUEUE = {"queued": 60_000, "nq": 10}  # ten 6k-token prompts: several seconds of prefill
 
 PREFILL_CASES = [
     # (id, policy, params, instances, expected prefill, expected reuse source, expected reused blocks)

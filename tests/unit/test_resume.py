@@ -55,15 +55,15 @@ async def test_redelivered_and_out_of_order_records_come_out_once_in_order():
 
 
 async def test_a_hole_after_the_fence_is_read_back_from_the_log():
-    g, log = guard({f"{T}:0": 9}, FakeLog({0: range(0, 30)}))
+    g, log = guard({f"{T}:0": 9}, FakeLog({0: range(30)}))
     assert offsets(await admitted(g, [r(15), r(16)])) == [(0, o) for o in range(10, 17)]
     assert log.calls == [(T, 0, 10, 15)]
     assert g.refetched == 5 and g.lost == 0
 
 
 async def test_a_partition_never_applied_starts_at_offset_zero():
-    g, log = guard({}, FakeLog({0: range(0, 10)}))
-    assert offsets(await admitted(g, [r(4)])) == [(0, o) for o in range(0, 5)]
+    g, log = guard({}, FakeLog({0: range(10)}))
+    assert offsets(await admitted(g, [r(4)])) == [(0, o) for o in range(5)]
     assert log.calls == [(T, 0, 0, 4)]
 
 
@@ -74,7 +74,7 @@ async def test_offsets_the_log_no_longer_holds_are_let_through_and_counted():
 
 
 async def test_partitions_are_independent():
-    g, log = guard({f"{T}:0": 4, f"{T}:1": 2}, FakeLog({1: range(0, 10)}))
+    g, log = guard({f"{T}:0": 4, f"{T}:1": 2}, FakeLog({1: range(10)}))
     got = await admitted(g, [r(5, 0), r(6, 1), r(6, 0)])
     assert sorted(offsets(got)) == [(0, 5), (0, 6), (1, 3), (1, 4), (1, 5), (1, 6)]
     assert log.calls == [(T, 1, 3, 6)]
@@ -84,10 +84,10 @@ async def test_a_large_hole_comes_back_in_parts_in_order():
     async def watermark():
         return {}
 
-    log = FakeLog({0: range(0, 100)})
+    log = FakeLog({0: range(100)})
     g = ResumeGuard(watermark, log.fetch_range, fill_max=30)
     parts = [[x.offset for x in p] async for p in g.admit([r(95), r(96)])]
-    assert parts == [list(range(0, 30)), list(range(30, 60)), list(range(60, 90)), list(range(90, 95)), [95, 96]]
+    assert parts == [list(range(30)), list(range(30, 60)), list(range(60, 90)), list(range(90, 95)), [95, 96]]
 
 
 async def test_each_record_names_the_offset_it_continues_from_across_holes_the_log_cannot_fill():
@@ -123,18 +123,18 @@ class FakeView:
 
 async def test_a_lost_view_is_noticed_adopted_and_read_back_from_the_start():
     view = FakeView()
-    log = FakeLog({0: range(0, 12)})
+    log = FakeLog({0: range(12)})
     g = ResumeGuard(None, log.fetch_range, view=view)
     g.all_partitions = [f"{T}:0", f"{T}:1"]
     assert offsets(await admitted(g, [r(10)])) == [(0, 10)]
     assert view.generation == "g1" and g.generations == 0
     view.gen, view.wm = None, {}  # FLUSHALL
     got = await admitted(g, [r(11)])
-    assert [(x.offset, x.after) for x in got] == [(o, o - 1) for o in range(0, 12)]
+    assert [(x.offset, x.after) for x in got] == [(o, o - 1) for o in range(12)]
     assert view.generation == "g2" and g.generations == 1 and view.marked == [f"{T}:0", f"{T}:1"]
 
 
 async def test_catch_up_reads_a_partition_without_new_records_to_its_end():
-    g, _ = guard({f"{T}:0": 2}, FakeLog({0: range(0, 6), 1: range(0, 3)}))
+    g, _ = guard({f"{T}:0": 2}, FakeLog({0: range(6), 1: range(3)}))
     parts = [p async for p in g.catch_up([(T, 0), (T, 1)], {(T, 0): 6, (T, 1): 3})]
     assert [offsets(p) for p in parts] == [[(0, 3), (0, 4), (0, 5)], [(1, 0), (1, 1), (1, 2)]]

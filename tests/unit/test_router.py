@@ -100,7 +100,7 @@ async def test_reservations_spread_a_burst_the_view_has_not_seen() -> None:
 
 
 async def test_a_newer_heartbeat_releases_the_reservations() -> None:
-    router, view, resv = make_router("least-loaded")
+    router, view, _resv = make_router("least-loaded")
     heartbeat(view, "p0", ts=now_ms() - 1000)
     heartbeat(view, "d0", "decode", ts=now_ms() - 1000)
     await router.route(token_request("x"))
@@ -137,8 +137,8 @@ def test_placement_on_one_node_merges_its_reservations() -> None:
 @pytest.mark.parametrize(
     "request_kw,match",
     [
-        (dict(block_keys=[1, 2, 3], block_size=32, prompt_tokens=96), "block size 32"),
-        (dict(block_keys=[1, 2, 3, 4], prompt_tokens=50), "longer than the 50-token prompt"),
+        ({"block_keys": [1, 2, 3], "block_size": 32, "prompt_tokens": 96}, "block size 32"),
+        ({"block_keys": [1, 2, 3, 4], "prompt_tokens": 50}, "longer than the 50-token prompt"),
     ],
 )
 async def test_invalid_requests_are_rejected_with_the_reason(request_kw: dict, match: str) -> None:
@@ -150,7 +150,7 @@ async def test_invalid_requests_are_rejected_with_the_reason(request_kw: dict, m
 
 
 async def test_undecodable_records_are_rejected_by_key_or_dead_lettered() -> None:
-    router, view, _ = make_router()
+    router, _view, _ = make_router()
     key, out = await router.handle(b"\x93not a record", b"req-9")
     assert key == "req-9" and isinstance(out, RoutingRejection) and out.reason == "invalid_request"
     wrong = envelope(Heartbeat(role="prefill"), producer_id="x", producer_seq=0, ts_ms=1)
@@ -360,7 +360,7 @@ async def test_reads_that_come_back_out_of_order_still_decide_in_log_order() -> 
 
     from conductor.routing.router import RouterWorker
 
-    router, view, resv = make_router("least-loaded")
+    router, view, _resv = make_router("least-loaded")
     before = now_ms() - 1000
     for n in ("p0", "p1", "p2"):
         heartbeat(view, n, ts=before)
@@ -400,7 +400,7 @@ async def test_the_view_reader_is_chosen_by_settings_and_a_tracking_reader_needs
 
     plain = load_settings(redis_url="redis://127.0.0.1:1/0")
     for reader, kind in (("raw", RawSnapshotReader), ("tracking", TrackingSnapshotReader)):
-        view, resv = redis_stores(plain.model_copy(update={"view_reader": reader, "view_cache_keys": 10}))
+        view, _resv = redis_stores(plain.model_copy(update={"view_reader": reader, "view_cache_keys": 10}))
         assert type(view) is kind and getattr(view, "cache_keys", 10) == 10
         await view.close()
     with pytest.raises(ConfigError, match="CONDUCTOR_VIEW_READER"):

@@ -20,7 +20,7 @@ BASE = {"kafka_url": "k:9092", "redis_url": "redis://r:6379/0"}
 def certs(tmp_path_factory):
     """A test CA and a client certificate it signed (openssl, made for this session)."""
     d = tmp_path_factory.mktemp("certs")
-    run = lambda *a: subprocess.run(a, cwd=d, check=True, capture_output=True)  # noqa: E731
+    run = lambda *a: subprocess.run(a, cwd=d, check=True, capture_output=True)
     run("openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", "ca.key", "-out", "ca.pem",
         "-days", "1", "-subj", "/CN=conductor-test-ca")
     run("openssl", "req", "-newkey", "rsa:2048", "-nodes", "-keyout", "client.key", "-out", "client.csr",

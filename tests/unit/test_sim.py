@@ -9,8 +9,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conductor.profiles import ModelProfile
-from conductor.routing.policies import make_policy
 from conductor.harness.sim.cache import LruBlockCache, TieredPool
 from conductor.harness.sim.capacity import find_capacity
 from conductor.harness.sim.cluster import ClusterProfile, load_cluster
@@ -20,6 +18,8 @@ from conductor.harness.sim.errors import SimulationError, TraceError
 from conductor.harness.sim.summary import percentile
 from conductor.harness.sim.trace import TraceRequest, parse_lines, reuse_upper_bound, schedule
 from conductor.harness.sim.view import DelayedView
+from conductor.profiles import ModelProfile
+from conductor.routing.policies import make_policy
 
 # A profile whose costs are easy to compute by hand:
 #   prefill_seconds(n, c) = (n - c) / 1000           (l=d=b=1, a=0, 1000 FLOP/s)
@@ -34,7 +34,7 @@ EASY = ModelProfile(
 
 
 def cluster(p: int = 1, d: int = 1, **kw) -> ClusterProfile:
-    base = dict(name="t", prefill_instances=p, decode_instances=d, block_size=512, view_delay_ms=0.0)
+    base = {"name": "t", "prefill_instances": p, "decode_instances": d, "block_size": 512, "view_delay_ms": 0.0}
     base.update(kw)
     return ClusterProfile(**base)
 
@@ -243,7 +243,7 @@ def test_prefix_read_back_from_the_shared_pool() -> None:
     c = cluster(p=2, prefill_cache_blocks=0, store_dram_blocks=8)
     reqs = [req(0, 0.0, 1024, 1, (1, 2)), req(1, 5.0, 1500, 1, (1, 2, 3))]
     sim = Simulation(c, EASY, make_policy("kvcache-centric", {}, EASY), reqs, seed=0)
-    a, b = sim.run().outcomes
+    _a, b = sim.run().outcomes
     assert b.reuse_source == "store-0" and b.remote_reuse and b.reused_tokens == 1024
     assert b.ttft_s == pytest.approx(1024 * 1e-5 + 0.476)
     assert sim.view.snapshot(b.chain, 100.0).prefix == {"store-0": (0, 3, 3)}

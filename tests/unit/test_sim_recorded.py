@@ -8,11 +8,11 @@ import random
 import pytest
 
 from conductor.errors import ConfigError
-from conductor.profiles import load_profile
 from conductor.harness.sim.cluster import load_cluster
 from conductor.harness.sim.errors import SimulationError
 from conductor.harness.sim.recorded import calibrate, parse_time, recorded_traffic, scale_compute
 from conductor.harness.sim.session import Bench
+from conductor.profiles import load_profile
 from schemas import Heartbeat, RequestOutcome, RoutingDecision, RoutingRequest, envelope
 from schemas.records import request_chain_keys
 

@@ -6,16 +6,16 @@ from __future__ import annotations
 import asyncio
 import math
 
+from conductor.harness.sim import engine
+from conductor.harness.sim.cluster import ClusterProfile
+from conductor.harness.sim.engine import Outcome, Simulation
+from conductor.harness.sim.view import view_ms
 from conductor.profiles import load_profile
 from conductor.routing import explain
 from conductor.routing.policies import make_policy
 from conductor.routing.router import Router
 from conductor.routing.snapshot import ClusterSnapshot, Instance, build_cluster
 from conductor.settings import load_settings
-from conductor.harness.sim import engine
-from conductor.harness.sim.cluster import ClusterProfile
-from conductor.harness.sim.engine import Outcome, Simulation
-from conductor.harness.sim.view import view_ms
 from schemas import BlocksStored, Heartbeat, envelope
 from state.memory import InMemoryViewStore
 from state.reservations import InMemoryReservations, Load

@@ -149,7 +149,7 @@ def test_balance_copies_from_the_holder_with_the_cheapest_path() -> None:
     )
     snap = ViewSnapshot(nodes=nodes, prefix={"h-far": (3, 3, 3), "h-near": (3, 3, 3)}, watermark={}, now_ms=1)
     params = BalanceParams(hot_threshold=1, overload_tokens=1000, overload_factor=1.0)
-    kwargs = dict(ttl_s=1e9, now_s=0.0, params=params)
+    kwargs = {"ttl_s": 1e9, "now_s": 0.0, "params": params}
     flat_cmd, = plan([(chain, 10.0)], [], {chain: snap}, cooldown=Cooldown(), **kwargs)
     assert flat_cmd.from_node == "h-far"  # least queued without a topology
     topo_cmd, = plan([(chain, 10.0)], [], {chain: snap}, cooldown=Cooldown(), topology=t,

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer
 
-from conductor.settings import load_settings
 from conductor.harness.vllm_kit import (
     KIT_PINS,
     MODEL_FILES,
@@ -21,6 +21,7 @@ from conductor.harness.vllm_kit import (
     make_tiny_model,
     tiny_model_dir,
 )
+from conductor.settings import load_settings
 
 
 def test_the_tiny_model_is_the_same_bytes_every_time(tmp_path: Path) -> None:
@@ -69,7 +70,7 @@ def test_engine_command_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     pd = VllmEngine(tmp_path / "model", tmp_path, name="p", kit=tmp_path / "kit", pd=True, block_size=64)
     cmd = agg.command()
     assert cmd[:3] == [str(tmp_path / "kit" / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server"]
-    arg = dict(zip(cmd, cmd[1:]))
+    arg = dict(itertools.pairwise(cmd))
     assert arg["--block-size"] == "32" and arg["--load-format"] == "dummy" and arg["--port"] == str(agg.port)
     assert arg["--served-model-name"] == pd.model == agg.model  # one model name across the fleet
     events = json.loads(arg["--kv-events-config"])

@@ -16,10 +16,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conductor.settings import Settings, load_settings
 from conductor.harness.bench.ingest import start_worker_process, stop_worker_process
 from conductor.harness.devstack import free_port
 from conductor.harness.vllm_kit import BLOCK_SIZE, VllmEngine, kit_available, kit_dir, start_engines, tiny_model_dir
+from conductor.settings import Settings, load_settings
 from state.redis_view import RedisViewStore
 from streams.kafka import ensure_topics
 from streams.topics import topics

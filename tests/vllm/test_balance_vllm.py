@@ -24,9 +24,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from conductor.settings import Settings, child_environment
 from conductor.harness.demo import Processes
 from conductor.harness.vllm_kit import BLOCK_SIZE, VllmEngine
+from conductor.settings import Settings, child_environment
 from schemas import KvCommand, KvCommandResult, chain_keys, decode, encode, envelope, headers
 from state.redis_view import RedisViewStore
 from streams.kafka import consumer, producer

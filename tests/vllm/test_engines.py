@@ -19,8 +19,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from conductor.bridge.runner import Bridge, BridgeConfig, kafka_sink
 from conductor.bridge.scrape import MetricsScraper, heartbeat_of, parse_load
-from conductor.settings import Settings
 from conductor.harness.vllm_kit import BLOCK_SIZE, VllmEngine
+from conductor.settings import Settings
 from schemas import BlocksStored, Envelope, chain_keys
 from state.redis_view import RedisViewStore
 from streams.kafka import producer

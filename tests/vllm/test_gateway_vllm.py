@@ -20,10 +20,10 @@ import httpx
 import openai
 import pytest
 
+from conductor.harness.vllm_cluster import VllmGatewayCluster, VllmNode
 from conductor.routing.control_log import publish_control
 from conductor.routing.explain import explain
 from conductor.settings import Settings
-from conductor.harness.vllm_cluster import VllmGatewayCluster, VllmNode
 from schemas import ControlCommand, RequestOutcome, RoutingDecision, decode
 from state.redis_view import RedisViewStore
 from streams.kafka import consumer
@@ -36,7 +36,7 @@ AGG, PRE, DEC = "vllm-a", "vllm-p", "vllm-d"
 
 def counter(text: str, name: str) -> float:
     """The sum of a counter's samples on a /metrics page (0 when absent)."""
-    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? ([0-9.e+-]+)$", text, re.M))
+    return sum(float(v) for v in re.findall(rf"^{re.escape(name)}(?:\{{[^}}]*\}})? ([0-9.e+-]+)$", text, re.MULTILINE))
 
 
 async def metrics(http: httpx.AsyncClient, url: str) -> str:
