@@ -22,6 +22,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -60,12 +61,12 @@ class ModelProfile(BaseModel):
     cross_rack_bandwidth: float = Field(gt=0, description="node -> node across racks")
     transfer_latency_s: float = Field(default=0.0, ge=0, description="set-up cost of one remote transfer")
 
-    def flops(self, tokens: int) -> float:
+    def flops(self, tokens: float) -> float:
         """FLOPs of prefilling ``tokens`` tokens from scratch."""
         n = float(tokens)
         return self.l * (self.a * n * n * self.d + self.b * n * self.d * self.d)
 
-    def prefill_seconds(self, total_tokens: int, cached_tokens: int = 0) -> float:
+    def prefill_seconds(self, total_tokens: float, cached_tokens: float = 0) -> float:
         """Compute time of prefilling ``total_tokens`` when the first ``cached_tokens`` are reused."""
         if total_tokens <= 0:
             return 0.0
@@ -155,7 +156,7 @@ def list_profiles() -> list[str]:
     )
 
 
-def profile_from_dict(data: dict, *, source: str = "profile") -> ModelProfile:
+def profile_from_dict(data: dict[str, Any], *, source: str = "profile") -> ModelProfile:
     try:
         return ModelProfile.model_validate(data)
     except ValidationError as e:
@@ -198,9 +199,9 @@ def fit_profile(rows: Iterable[Sequence[float]], base: ModelProfile | None = Non
     data = [(float(t), float(c), float(s)) for t, c, s in rows]
     if len(data) < 3:
         raise ConfigError(f"fitting needs at least 3 timing rows, got {len(data)}")
-    for i, (t, c, s) in enumerate(data):
-        if not (t > 0 and 0 <= c < t and s > 0) or not all(map(math.isfinite, (t, c, s))):
-            raise ConfigError(f"row {i + 1}: need tokens > cached >= 0 and seconds > 0, got {(t, c, s)}")
+    for i, (tokens, cached, secs) in enumerate(data):
+        if not (tokens > 0 and 0 <= cached < tokens and secs > 0) or not all(map(math.isfinite, (tokens, cached, secs))):
+            raise ConfigError(f"row {i + 1}: need tokens > cached >= 0 and seconds > 0, got {(tokens, cached, secs)}")
     arr = np.array(data)
     n, c, y = arr[:, 0], arr[:, 1], arr[:, 2]
     scale = base.l / base.effective_flops

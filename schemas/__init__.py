@@ -38,10 +38,10 @@ from .records import (
 )
 
 __all__ = [
-    "ROOT_KEY", "chain_from_precomputed", "chain_keys", "chain_keys_per_block", "request_keys", "vllm_block_extras", "CONTENT_TYPE", "DecodeError", "decode",
-    "encode", "headers", "BODY_TYPES", "SCHEMA_VERSIONS", "TIERS", "AllBlocksCleared",
-    "BlocksMigrated", "BlocksRemoved", "BlocksStored", "ControlAction", "ControlCommand", "DeadLetter", "Endpoint", "Envelope",
-    "Heartbeat", "KvAction", "KvCommand", "KvCommandResult", "KvCommandStatus", "KvEvent", "KvFailure", "MmItem", "Mode", "ModeOption",
-    "RejectReason", "RequestOutcome", "Role", "RoutingDecision", "RoutingRejection", "RoutingRequest", "Tier",
-    "can_hand_off", "envelope", "request_chain_keys",
+    "BODY_TYPES", "CONTENT_TYPE", "ROOT_KEY", "SCHEMA_VERSIONS", "TIERS", "AllBlocksCleared", "BlocksMigrated",
+    "BlocksRemoved", "BlocksStored", "ControlAction", "ControlCommand", "DeadLetter", "DecodeError", "Endpoint",
+    "Envelope", "Heartbeat", "KvAction", "KvCommand", "KvCommandResult", "KvCommandStatus", "KvEvent", "KvFailure",
+    "MmItem", "Mode", "ModeOption", "RejectReason", "RequestOutcome", "Role", "RoutingDecision", "RoutingRejection",
+    "RoutingRequest", "Tier", "can_hand_off", "chain_from_precomputed", "chain_keys", "chain_keys_per_block",
+    "decode", "encode", "envelope", "headers", "request_chain_keys", "request_keys", "vllm_block_extras",
 ]

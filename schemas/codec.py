@@ -8,7 +8,8 @@ record of a known schema raises :class:`DecodeError` (and nothing else).
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import msgpack
 from pydantic import ValidationError
@@ -117,13 +118,15 @@ def encode(record: Envelope) -> bytes:
         raise TypeError(f"encode() takes an Envelope, not {type(record).__name__}")
     data = record.model_dump(mode="python", exclude_none=True)
     wire = {_WIRE[k]: v for k, v in data.items()}
-    return msgpack.packb(wire, use_bin_type=True)
+    out: bytes = msgpack.packb(wire, use_bin_type=True)
+    return out
 
 
 def pack_script_args(value: Any) -> bytes:
     """msgpack of plain values for a Redis Lua script (``cmsgpack.unpack``): str, not bin,
     because Lua's cmsgpack has no separate bytes type."""
-    return msgpack.packb(value, use_bin_type=False)
+    out: bytes = msgpack.packb(value, use_bin_type=False)
+    return out
 
 
 def unpack_foreign(data: bytes, *, strict_map_key: bool = False) -> Any:
@@ -136,7 +139,8 @@ def unpack_foreign(data: bytes, *, strict_map_key: bool = False) -> Any:
 
 def pack_foreign(value: Any) -> bytes:
     """Plain msgpack in another system's wire format (for emulated engines)."""
-    return msgpack.packb(value, use_bin_type=True)
+    out: bytes = msgpack.packb(value, use_bin_type=True)
+    return out
 
 
 def headers(record: Envelope) -> list[tuple[str, bytes]]:
@@ -156,7 +160,7 @@ def decode(data: bytes | bytearray | memoryview) -> Envelope:
         raise DecodeError("too_large", f"{len(data)} bytes exceeds the {MAX_RECORD_BYTES}-byte cap")
     try:
         raw = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True, use_list=True)
-    except Exception as e:  # msgpack raises several unrelated types for bad input
+    except Exception as e:  # noqa: BLE001 - msgpack raises several unrelated types for bad input; decode raises DecodeError only
         raise DecodeError("malformed", f"not msgpack: {type(e).__name__}: {e}") from None
     if not isinstance(raw, dict):
         raise DecodeError("malformed", f"expected a map, got {type(raw).__name__}")
@@ -182,7 +186,7 @@ def decode(data: bytes | bytearray | memoryview) -> Envelope:
             version += 1
     except KeyError:
         raise DecodeError("unsupported_version", f"no upcaster for {kind} v{version}") from None
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - an upcaster failing on a bad old body is that record's DecodeError
         raise DecodeError("unsupported_version", f"upcasting {kind} v{version} failed: {e}") from None
     body = dict(body)
     body.setdefault("kind", kind)
@@ -194,5 +198,5 @@ def decode(data: bytes | bytearray | memoryview) -> Envelope:
         first = e.errors()[0]
         where = ".".join(str(p) for p in first.get("loc", ()))
         raise DecodeError("invalid", f"{kind}: {where}: {first.get('msg')}"[:500]) from None
-    except Exception as e:  # e.g. RecursionError on absurd nesting
+    except Exception as e:  # noqa: BLE001 - e.g. RecursionError on absurd nesting; decode raises DecodeError only
         raise DecodeError("invalid", f"{kind}: {type(e).__name__}") from None

@@ -8,8 +8,9 @@ consumer allocate without bound.
 
 from __future__ import annotations
 
+import itertools
 import uuid
-from typing import Annotated, Any, Literal, Union
+from typing import Annotated, Literal, TypeAlias, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
@@ -32,7 +33,7 @@ Name = Annotated[str, StringConstraints(min_length=1, max_length=MAX_NAME)]
 OptName = Annotated[str, StringConstraints(max_length=MAX_NAME)] | None
 Text = Annotated[str, StringConstraints(max_length=MAX_TEXT)]
 TokenId = Annotated[int, Field(ge=0, le=2**32 - 1)]
-Scalar = Union[bool, int, float, Annotated[str, StringConstraints(max_length=MAX_NAME)], None]
+Scalar = bool | int | float | Annotated[str, StringConstraints(max_length=MAX_NAME)] | None
 
 Tier = Literal["hbm", "dram", "ssd"]
 """Where a block lives: GPU memory, host memory, or local disk/remote pool SSD."""
@@ -87,7 +88,7 @@ class BlocksStored(Record):
     extra_keys: Annotated[list[Scalar], Field(max_length=MAX_EXTRA_KEYS)] = []
 
     @model_validator(mode="after")
-    def _keys_or_tokens(self) -> "BlocksStored":
+    def _keys_or_tokens(self) -> BlocksStored:
         if self.block_keys is None and self.token_ids is None:
             raise ValueError("blocks_stored needs block_keys or token_ids")
         if self.block_keys is None and len(self.token_ids or ()) // self.block_size > MAX_BLOCKS:
@@ -206,7 +207,7 @@ class RoutingRequest(Record):
     heartbeats announce an ``endpoint`` and these (its ``--engine`` overrides). None: any."""
 
     @model_validator(mode="after")
-    def _tokens_or_chain(self) -> "RoutingRequest":
+    def _tokens_or_chain(self) -> RoutingRequest:
         if self.token_ids is None and self.block_keys is None:
             raise ValueError("routing_request needs token_ids or block_keys")
         if self.token_ids is not None and len(self.token_ids) != self.prompt_tokens:
@@ -286,7 +287,7 @@ class RoutingDecision(Record):
         return self.mode == "aggregated"
 
     @model_validator(mode="after")
-    def _group_and_chunks(self) -> "RoutingDecision":
+    def _group_and_chunks(self) -> RoutingDecision:
         g, b = self.prefill_group, self.chunk_boundaries
         if g is None and b is None:
             return self
@@ -296,12 +297,12 @@ class RoutingDecision(Record):
             raise ValueError(f"prefill_group must start with prefill_instance {self.prefill_instance!r}")
         if len(set(g)) != len(g):
             raise ValueError("prefill_group names an instance twice")
-        if b[0] <= self.reused_tokens or any(x >= y for x, y in zip(b, b[1:])):
+        if b[0] <= self.reused_tokens or any(x >= y for x, y in itertools.pairwise(b)):
             raise ValueError("chunk_boundaries must increase, starting past reused_tokens")
         return self
 
     @model_validator(mode="after")
-    def _mode_matches(self) -> "RoutingDecision":
+    def _mode_matches(self) -> RoutingDecision:
         if self.mode == "aggregated" and (self.prefill_instance != self.decode_instance or self.prefill_group):
             raise ValueError("an aggregated decision names one instance as prefill_instance and decode_instance, "
                              "and no prefill_group")
@@ -347,7 +348,7 @@ class ControlCommand(Record):
     """Who asked (the admin token's scope name or a CLI user), for the audit trail."""
 
     @model_validator(mode="after")
-    def _complete(self) -> "ControlCommand":
+    def _complete(self) -> ControlCommand:
         if self.action == "set_policy" and not self.policy:
             raise ValueError("set_policy needs policy")
         if self.action in ("cordon", "drain", "uncordon") and not self.node_id:
@@ -445,7 +446,7 @@ class KvCommand(Record):
     by_node: OptName = None
 
     @model_validator(mode="after")
-    def _consistent(self) -> "KvCommand":
+    def _consistent(self) -> KvCommand:
         a = self.action
         if a == "replicate":
             if not self.to_node or self.to_node == self.from_node or self.to_tier is None:
@@ -492,7 +493,7 @@ class KvCommandResult(Record):
     duration_ms: float = Field(default=0.0, ge=0)
 
     @model_validator(mode="after")
-    def _error_iff_failed(self) -> "KvCommandResult":
+    def _error_iff_failed(self) -> KvCommandResult:
         if (self.status == "failed") != (self.error is not None):
             raise ValueError("error is set exactly when status is failed")
         return self
@@ -512,12 +513,14 @@ class DeadLetter(Record):
     original: bytes = Field(max_length=MAX_ORIGINAL_BYTES)
 
 
-BODIES: tuple[type[Record], ...] = (
-    BlocksStored, BlocksRemoved, AllBlocksCleared, BlocksMigrated, Heartbeat, RoutingRequest, RoutingDecision,
-    RoutingRejection, RequestOutcome, KvCommand, KvCommandResult, DeadLetter, ControlCommand,
+AnyBody: TypeAlias = (
+    BlocksStored | BlocksRemoved | AllBlocksCleared | BlocksMigrated | Heartbeat | RoutingRequest | RoutingDecision
+    | RoutingRejection | RequestOutcome | KvCommand | KvCommandResult | DeadLetter | ControlCommand
 )
-"""Every record body, declared once: the envelope's union and the codec's table come from it."""
-Body = Annotated[Union[BODIES], Field(discriminator="kind")]  # type: ignore[valid-type]
+"""Every record body, declared once: the envelope's union, :data:`BODIES` and the codec's table
+come from it."""
+BODIES: tuple[type[Record], ...] = get_args(AnyBody)
+Body = Annotated[AnyBody, Field(discriminator="kind")]
 KvEvent = BlocksStored | BlocksRemoved | AllBlocksCleared | BlocksMigrated
 
 BODY_TYPES: dict[str, type[Record]] = {t.model_fields["kind"].default: t for t in BODIES}
@@ -546,7 +549,7 @@ class Envelope(Record):
     body: Body
 
     @model_validator(mode="after")
-    def _name_matches(self) -> "Envelope":
+    def _name_matches(self) -> Envelope:
         if self.schema_name != self.body.kind:
             raise ValueError(f"schema_name {self.schema_name!r} does not match body kind {self.body.kind!r}")
         return self
@@ -561,11 +564,12 @@ def envelope(
     epoch: int = 0,
     event_id: str | None = None,
 ) -> Envelope:
-    """Wrap ``body`` at the current schema version."""
-    kind: Any = getattr(body, "kind")
+    """Wrap ``body`` (one of :data:`BODIES`) at the current schema version."""
+    if not isinstance(body, AnyBody):
+        raise TypeError(f"{type(body).__name__} is not a record body (one of schemas.BODIES)")
     return Envelope(
-        schema_name=kind,
-        schema_version=SCHEMA_VERSIONS[kind],
+        schema_name=body.kind,
+        schema_version=SCHEMA_VERSIONS[body.kind],
         event_id=event_id or uuid.uuid4().hex,
         producer_id=producer_id,
         producer_seq=producer_seq,

@@ -13,7 +13,12 @@ from typing import Any
 from conductor.profiles import ModelProfile
 from conductor.routing.snapshot import Instance, PolicyRequest
 from conductor.topology import Link, Topology, flat_topology
-from schemas import TIERS
+from schemas import TIERS, Tier
+
+PlaceKey = tuple[str | None, str | None, str | None]
+"""What the links from and to an instance depend on (:meth:`Costs.place_key`)."""
+CopyPlan = tuple[int, Tier, float]
+"""(blocks, slowest tier, cost) of reading a holder's prefix over a link (:meth:`Costs.remote_plan`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,7 +27,7 @@ class Reuse:
 
     blocks: int
     source: str | None
-    tier: str | None
+    tier: Tier | None
     cost_s: float
     """Load time of the prefix plus prefill compute of the rest (queue wait excluded)."""
 
@@ -31,7 +36,7 @@ class Costs:
     """The estimates the policies share, bound to one profile and one topology (default:
     the profile's two link speeds, :func:`~conductor.topology.flat_topology`)."""
 
-    __slots__ = ("profile", "topology", "links", "_prefill", "_local", "_remote", "_paths")
+    __slots__ = ("_local", "_paths", "_prefill", "_remote", "links", "profile", "topology")
 
     def __init__(self, profile: ModelProfile, topology: Topology | None = None) -> None:
         self.profile = profile
@@ -40,8 +45,8 @@ class Costs:
         """Every distinct link a remote prefix may cross."""
         self._paths: dict[tuple[Any, ...], int] = {}
         self._prefill: dict[tuple[float, float], float] = {}
-        self._local: dict[tuple[Any, ...], tuple[int, str | None, float]] = {}
-        self._remote: dict[tuple[Any, ...], Any] = {}
+        self._local: dict[tuple[Any, ...], tuple[int, Tier | None, float]] = {}
+        self._remote: dict[tuple[Any, ...], CopyPlan | None] = {}
 
     def prefill_s(self, total: float, cached: float) -> float:
         """``profile.prefill_seconds``, memoised: a decision asks for the same few pairs many times."""
@@ -50,7 +55,7 @@ class Costs:
         if v is None:
             if len(self._prefill) > 65_536:
                 self._prefill.clear()
-            v = self._prefill[key] = self.profile.prefill_seconds(total, cached)  # type: ignore[arg-type]
+            v = self._prefill[key] = self.profile.prefill_seconds(total, cached)
         return v
 
     def queue_wait_s(self, inst: Instance) -> float:
@@ -76,7 +81,7 @@ class Costs:
         """The link a transfer from ``a`` to ``b`` crosses."""
         return self.links[self.link_index(a, b)]
 
-    def place_key(self, a: Instance) -> tuple[str | None, str | None, str | None]:
+    def place_key(self, a: Instance) -> PlaceKey:
         """What the link from or to ``a`` depends on: its rack and zone (and its id when the
         topology file places nodes by id)."""
         return (a.node_id if self.topology.nodes else None, a.rack, a.zone)
@@ -106,12 +111,12 @@ class Costs:
         return Reuse(opt[0], holder.node_id, opt[1], opt[2])
 
     def local_plan(self, prefix: tuple[int, int, int], request: PolicyRequest,
-                   block_size: int) -> tuple[int, str | None, float]:
+                   block_size: int) -> tuple[int, Tier | None, float]:
         """(blocks, slowest tier, cost) of :meth:`local_reuse` for any instance holding ``prefix``."""
         return self._local_cost(prefix, request.chain_len, request.prompt_tokens, block_size)
 
     def remote_plan(self, prefix: tuple[int, int, int], request: PolicyRequest, block_size: int,
-                    link: int) -> tuple[int, str, float] | None:
+                    link: int) -> CopyPlan | None:
         """(blocks, slowest tier, cost) of :meth:`remote_reuse` for any holder of ``prefix``
         (it depends on the shape only), or None."""
         return self._remote_cost(prefix, request.chain_len, request.prompt_tokens, block_size, link)
@@ -119,13 +124,13 @@ class Costs:
     # The costs depend on the prefix shape and the request only, and many instances share
     # a shape (no prefix, the same system prompt...): memoised per shape.
 
-    def _local_cost(self, prefix: tuple[int, int, int], cap: int, n: int, bs: int) -> tuple[int, str | None, float]:
+    def _local_cost(self, prefix: tuple[int, int, int], cap: int, n: int, bs: int) -> tuple[int, Tier | None, float]:
         key = (prefix, cap, n, bs)
         hit = self._local.get(key)
         if hit is not None:
             return hit
         prof = self.profile
-        best: tuple[int, str | None, float] = (0, None, self.prefill_s(n, 0))
+        best: tuple[int, Tier | None, float] = (0, None, self.prefill_s(n, 0))
         for cum, tier, toks, compute in self._prefix_steps(prefix, cap, n, bs):
             cost = prof.prefix_load_seconds(*toks, remote=False) + compute
             if cost < best[2]:
@@ -137,7 +142,7 @@ class Costs:
 
     def _prefix_steps(
         self, prefix: tuple[int, int, int], cap: int, n: int, bs: int
-    ) -> list[tuple[int, str, tuple[int, int, int], float]]:
+    ) -> list[tuple[int, Tier, tuple[int, int, int], float]]:
         """Each way to reuse a prefix: read it through HBM, then also DRAM, then also SSD.
 
         Yields (blocks reused, slowest tier read, tokens read per tier, compute of the rest).
@@ -155,11 +160,11 @@ class Costs:
         return steps
 
     def _remote_cost(self, prefix: tuple[int, int, int], cap: int, n: int, bs: int,
-                     li: int) -> tuple[int, str, float] | None:
+                     li: int) -> CopyPlan | None:
         key = (prefix, cap, n, bs, li)
         if key in self._remote:
             return self._remote[key]
-        out: tuple[int, str, float] | None = None
+        out: CopyPlan | None = None
         if sum(_segments(prefix, cap)) > 0:
             prof = self.profile
             link = self.links[li]

@@ -13,11 +13,11 @@ from typing import Any
 
 from conductor.routing.policies import Placement, Rejection
 from conductor.routing.policies.mode import Option
-from schemas import Endpoint, ModeOption, RoutingDecision, RoutingRejection, RoutingRequest
+from schemas import Endpoint, ModeOption, RejectReason, RoutingDecision, RoutingRejection, RoutingRequest
 from state.reservations import Load, Reservation, placement_reservations
 
 
-def rejection_record(request_id: str, reason: str, message: str, *, policy: str | None,
+def rejection_record(request_id: str, reason: RejectReason, message: str, *, policy: str | None,
                      params: Mapping[str, Any], seed: int = 0,
                      watermark: Mapping[str, int] | None = None,
                      rederivation: Mapping[str, Any] | None = None) -> RoutingRejection:
@@ -27,7 +27,7 @@ def rejection_record(request_id: str, reason: str, message: str, *, policy: str 
     ``block_size``, ``model_profile``), on rejections and decisions alike."""
     return RoutingRejection(
         request_id=request_id[:256] or "unknown",
-        reason=reason,  # type: ignore[arg-type]
+        reason=reason,
         message=message[:4096],
         policy=policy,
         params=dict(params),
@@ -54,7 +54,7 @@ def decision_record(req: RoutingRequest, answer: Placement | Rejection, *, block
         decode_instance=answer.decode,
         reused_tokens=min(answer.reused_blocks * block_size, req.prompt_tokens),
         reuse_source=answer.reuse_source,
-        reuse_tier=answer.reuse_tier,  # type: ignore[arg-type]
+        reuse_tier=answer.reuse_tier,
         predicted_ttft_s=answer.predicted_ttft_s,
         predicted_tbt_ms=answer.predicted_tbt_ms,
         policy=policy,
@@ -67,7 +67,7 @@ def decision_record(req: RoutingRequest, answer: Placement | Rejection, *, block
         prefill_group=list(answer.prefill_group) if answer.prefill_group else None,
         chunk_boundaries=list(answer.chunk_boundaries) if answer.prefill_group else None,
         mode="aggregated" if answer.prefill == answer.decode else "disaggregated",
-        options=[ModeOption(mode=o.mode, prefill_instance=o.prefill, decode_instance=o.decode,  # type: ignore[arg-type]
+        options=[ModeOption(mode=o.mode, prefill_instance=o.prefill, decode_instance=o.decode,
                             predicted_ttft_s=o.ttft_s, predicted_tbt_ms=o.tbt_ms, fits=o.fits) for o in options],
         endpoints={n: e for n in (answer.prefill, answer.decode, *answer.prefill_group)
                    if endpoints and (e := endpoints.get(n)) is not None},

@@ -123,7 +123,7 @@ async def _assign_from(cons: Any, since: dict[str, int], names: list[str], *, tr
     if starts:
         try:
             found = await cons.offsets_for_times(starts)
-        except Exception as e:  # a broker without timestamp lookups: filtering still applies
+        except Exception as e:  # noqa: BLE001 - a broker without timestamp lookups (aiokafka raises several kinds): filtering still applies
             log.info("offsets by time unavailable (%s); reading from the start", e)
     for tp in parts:
         hit = found.get(tp)

@@ -25,6 +25,7 @@ from aiokafka import TopicPartition
 
 from conductor.routing.control_log import control_records
 from conductor.routing.decision import decision_reservations
+from conductor.routing.policies import BasePolicy
 from conductor.routing.router import Router
 from conductor.routing.snapshot import ClusterSnapshot
 from conductor.settings import Settings
@@ -149,12 +150,14 @@ def _differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
     return diffs
 
 
-def _estimates(router: Router, cluster: ClusterSnapshot, req: RoutingRequest, chain_len: int) -> tuple[list, list]:
+def _estimates(router: Router, cluster: ClusterSnapshot, req: RoutingRequest,
+               chain_len: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """The policy's cost model, instance by instance (what the choice was made from)."""
-    costs = getattr(router.policy, "costs", None)
+    costs = router.policy.costs if isinstance(router.policy, BasePolicy) else None
     preq = router.policy_request(req, chain_len)
     bs = cluster.block_size
-    prefill, decode_rows = [], []
+    prefill: list[dict[str, Any]] = []
+    decode_rows: list[dict[str, Any]] = []
     for inst in cluster.instances:
         if inst.role in ("prefill", "both"):
             row: dict[str, Any] = {

@@ -103,7 +103,7 @@ class ClusterIndex:
         self._expiry: dict[str, int] = {}
         self._touched: set[str] = set()
         self._with_prefix: dict[tuple[str, tuple[int, int, int]], tuple[Instance, Instance]] = {}
-        self._holders_memo: dict[int, tuple[dict, dict, int, _Holders]] = {}
+        self._holders_memo: dict[int, tuple[dict[str, Shape], dict[str, int], int, _Holders]] = {}
         self.rebuilds = 0
         """Whole rebuilds so far (the first read, the node set changing, the clock going back)."""
         self.refreshed = 0
@@ -283,7 +283,7 @@ class ClusterIndex:
                 insts[pos[node]] = self._holder(node, p)
             return tuple(insts)
 
-        return ClusterSnapshot(LazyInstances(instances), self.block_size, dict(view.watermark), age_ms,  # type: ignore[arg-type]
+        return ClusterSnapshot(LazyInstances(instances), self.block_size, dict(view.watermark), age_ms,
                                index=ix)
 
     def _holders_of(self, found: dict[str, tuple[int, int, int]]) -> _Holders:

@@ -52,6 +52,7 @@ from schemas import (
     DecodeError,
     Endpoint,
     Envelope,
+    RejectReason,
     RoutingDecision,
     RoutingRejection,
     RoutingRequest,
@@ -330,8 +331,8 @@ class Router:
             local = self._local
             assert local is not None
             touched = local.take_touched()
-            for ix in self._indexes.values():
-                ix.touch(touched)
+            for index in self._indexes.values():
+                index.touch(touched)
             if not exclude:
                 key = (model, self.control.excluded)
                 ix = self._indexes.get(key)
@@ -373,7 +374,7 @@ class Router:
                 raise _Unhealthy(why)
             snap, pending = await self.read(chain, after)
             self._last = _LastView(ViewSnapshot(snap.now_ms, snap.nodes, {}, snap.watermark), self.clock())
-        except (ViewStoreError, OSError, asyncio.TimeoutError, _Unhealthy) as e:
+        except (ViewStoreError, OSError, TimeoutError, _Unhealthy) as e:
             last = self._last
             age_ms = (self.clock() - last.at) * 1000.0 if last else float("inf")
             rebuilding = isinstance(e, _Unhealthy)
@@ -454,7 +455,7 @@ class Router:
         except (ViewStoreError, OSError) as e:
             log.warning("reservation not recorded for %s: %s", req.request_id, e)
 
-    def reject(self, request_id: str, reason: str, message: str, *, seed: int = 0,
+    def reject(self, request_id: str, reason: RejectReason, message: str, *, seed: int = 0,
                watermark: dict[str, int] | None = None) -> RoutingRejection:
         self.metrics.rejections.add(1, {"reason": reason})
         return rejection_record(request_id, reason, message, policy=self.policy.name, params=self.params, seed=seed,
@@ -538,7 +539,7 @@ class RouterWorker:
     def _in_order(self, records: Sequence[Any]) -> list[Awaitable[tuple[str, Any, str | None]]]:
         """One handling per record, each deciding only after the one before it is done."""
         loop = asyncio.get_running_loop()
-        out = []
+        out: list[Awaitable[tuple[str, Any, str | None]]] = []
         before: asyncio.Future[None] | None = None
         for rec in records:
             done: asyncio.Future[None] = loop.create_future()
@@ -594,9 +595,9 @@ class RouterWorker:
                     # Metadata of every reply topic first, before this batch's first send: a new
                     # topic's metadata fetch that ran while a dispatch batch waited in the producer was
                     # seen to strand that batch (its delivery never came, the loop stalled for good).
-                    for reply_to in {r for _, _, r in handled if r}:
+                    for gateway in {r for _, _, r in handled if r}:
                         with contextlib.suppress(ValueError):
-                            await prod.partitions_for(t.replies(reply_to).name)
+                            await prod.partitions_for(t.replies(gateway).name)
                     for rec, (key, out, reply_to) in zip(records, handled):
                         if key == "":
                             dl = DeadLetter(

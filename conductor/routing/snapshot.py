@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import Protocol, TypeVar, overload
 
 from conductor.profiles import ModelProfile
 from schemas import TIERS, Role, Tier, can_hand_off
@@ -63,7 +63,7 @@ class Instance:
             return None
         for tier, n in zip(TIERS, self.prefix_blocks):
             if blocks <= n:
-                return tier  # type: ignore[return-value]
+                return tier
         return None
 
 
@@ -83,7 +83,13 @@ class LazyInstances(Sequence[Instance]):
             self._items, self._make = self._make(), None
         return self._items
 
-    def __getitem__(self, i):  # type: ignore[no-untyped-def, override]
+    @overload
+    def __getitem__(self, i: int) -> Instance: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> tuple[Instance, ...]: ...
+
+    def __getitem__(self, i: int | slice) -> Instance | tuple[Instance, ...]:
         return self.items()[i]
 
     def __len__(self) -> int:
@@ -155,7 +161,9 @@ class IndexView:
 
 @dataclass(frozen=True, slots=True)
 class ClusterSnapshot:
-    instances: tuple[Instance, ...]
+    instances: Sequence[Instance]
+    """A tuple, or from a :class:`~conductor.routing.index.ClusterIndex` a :class:`LazyInstances`
+    (equal to the tuple it stands for)."""
     block_size: int
     """Tokens per block of the chains in ``prefix_blocks``."""
     watermark: dict[str, int] = field(default_factory=dict)
@@ -190,11 +198,16 @@ class PolicyRequest:
 class PendingLoad(Protocol):
     """Amounts reserved on a node that its heartbeats do not show yet (``state.reservations.Load``)."""
 
-    prefill_tokens: int
-    prefill_requests: int
-    decode_requests: int
-    decode_context_tokens: int
-    kv_blocks: int
+    @property
+    def prefill_tokens(self) -> int: ...
+    @property
+    def prefill_requests(self) -> int: ...
+    @property
+    def decode_requests(self) -> int: ...
+    @property
+    def decode_context_tokens(self) -> int: ...
+    @property
+    def kv_blocks(self) -> int: ...
 
 
 NO_PREFIX = (0, 0, 0)

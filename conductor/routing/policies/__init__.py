@@ -91,6 +91,7 @@ def list_policies() -> list[dict[str, Any]]:
 
 
 __all__ = [
-    "POLICIES", "REJECT_CODES", "BasePolicy", "Costs", "Decision", "Placement", "Policy", "PolicyParams",
-    "PickEachPolicy", "RejectCode", "RoleSplitPolicy", "Rejection", "Reuse", "list_policies", "make_policy", "pick_lowest", "split_roles",
+    "POLICIES", "REJECT_CODES", "BasePolicy", "Costs", "Decision", "PickEachPolicy", "Placement", "Policy",
+    "PolicyParams", "RejectCode", "Rejection", "Reuse", "RoleSplitPolicy", "list_policies", "make_policy",
+    "pick_lowest", "split_roles",
 ]

@@ -16,6 +16,7 @@ from conductor.profiles import ModelProfile
 from conductor.routing.costs import Costs
 from conductor.routing.snapshot import ClusterSnapshot, PolicyRequest
 from conductor.topology import Topology
+from schemas import Tier
 from schemas.records import PolicyRejectReason
 
 RejectCode = PolicyRejectReason
@@ -36,7 +37,7 @@ class Placement:
     decode: str
     reused_blocks: int
     reuse_source: str | None
-    reuse_tier: str | None
+    reuse_tier: Tier | None
     predicted_ttft_s: float
     predicted_tbt_ms: float
     prefill_group: tuple[str, ...] = ()

@@ -61,7 +61,7 @@ def chunk_boundaries(profile: ModelProfile, start: int, total: int, k: int, bloc
         target = f0 + (f1 - f0) * j / k
         # l*(a*n^2*d + b*n*d^2) = target → n = (-qb + sqrt(qb^2 + 4 qa target)) / (2 qa)
         n = (-qb + math.sqrt(qb * qb + 4 * qa * target)) / (2 * qa) if qa > 0 else target / qb
-        cut = int(round(n / block_size)) * block_size
+        cut = round(n / block_size) * block_size
         if cut - prev >= block_size and total - cut >= block_size:
             ends.append(cut)
             prev = cut

@@ -27,7 +27,7 @@ from typing import Any
 
 from pydantic import Field
 
-from conductor.routing.costs import Reuse, tbt_of_load
+from conductor.routing.costs import CopyPlan, PlaceKey, Reuse, tbt_of_load
 from conductor.routing.policies.base import Decision, PolicyParams, Rejection
 from conductor.routing.policies.cpp import STAGES, plan_pipeline
 from conductor.routing.policies.parts import RoleSplitPolicy, pick_lowest, placement
@@ -41,6 +41,11 @@ RUNS_MEMO_SIZE = 1024
 holder sets)."""
 _NO_HOLDERS = object()
 """Stands for "any rack holding no prefix of the chain" in the bare instances' memo."""
+
+Shape = tuple[int, int, int]
+LinkRuns = tuple[int, list[tuple[float, Sequence[int]]], dict[Shape, CopyPlan]]
+"""One link class's copies: (its index, the runs of equal copy cost as (cost, holder indexes in
+order), prefix shape → its copy plan, for the shapes that can be copied)."""
 
 
 def _tie_margin(p: KvCacheCentricParams) -> float:
@@ -103,7 +108,7 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._runs_memo: dict[tuple, tuple] = {}
+        self._runs_memo: dict[tuple[int, int, int, int], tuple[Mapping[Shape, Sequence[int]], list[LinkRuns]]] = {}
 
     def decide(self, request: PolicyRequest, snapshot: ClusterSnapshot, rng: random.Random) -> Decision:
         """With an index (the router's :class:`~conductor.routing.index.ClusterIndex`), only the
@@ -123,9 +128,10 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
             return super().decide(request, snapshot, rng)
         dec = self._decode_fast(request, ix, snapshot.block_size, rng)
         if dec is None:
-            dec = self._decode(request, snapshot, snapshot.by_role("decode", "both"), rng)
-            if isinstance(dec, Rejection):
-                return dec
+            every = self._decode(request, snapshot, snapshot.by_role("decode", "both"), rng)
+            if isinstance(every, Rejection):
+                return every
+            dec = every
         return placement(pre.instance, dec[0], pre.reuse, pre.ttft_s, dec[1])
 
     def _prefill_fast(self, request: PolicyRequest, snapshot: ClusterSnapshot, ix: IndexView,
@@ -150,7 +156,7 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
         shape_floor = {shape: min(bare_floor, costs.local_plan(shape, request, snapshot.block_size)[2])
                        for shape in ix.prefill_shapes}
         floor = min(shape_floor.values(), default=bare_floor)
-        shortest: dict[tuple, float] = {}
+        shortest: dict[PlaceKey, float] = {}
         place_key = costs.place_key
         for w, node in ix.waits:  # ascending: a place's first bare instance is its shortest queue
             if w + floor > lo + margin:
@@ -231,8 +237,8 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
         slack = 1e-9 * (at0 + abs(edge)) + 1e-18
         inside = max(j, bisect.bisect_right(loads, edge - slack, key=_first))  # below: in the band
         outside = bisect.bisect_right(loads, edge + slack, key=_first)  # from here on: out of it
-        edge = [node for _, node, free, total, _ in loads[inside:outside]
-                if (total <= 0 or free >= need) and costs.tbt_ms(base[node], request) <= cut]
+        at_edge = [node for _, node, free, total, _ in loads[inside:outside]
+                   if (total <= 0 or free >= need) and costs.tbt_ms(base[node], request) <= cut]
         # All in the band tie: the pick is pick_lowest's, by the generator in node-id order
         # (the id ranks, sorted as ints). The band's inside is usually most of the decode
         # instances and all of them fit: then its ranks are a slice of those the index keeps
@@ -242,7 +248,7 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
             ranks = ix.decode_ranks[j:inside]
         else:
             ranks = [rank[node] for _, node, free, total, _ in loads[j:inside] if total <= 0 or free >= need]
-        ranks += [rank[node] for node in edge]
+        ranks += [rank[node] for node in at_edge]
         if len(ranks) > 1:
             ranks.sort()  # node-id order
             chosen = base[ix.by_rank[ranks[rng.randrange(len(ranks))]]]
@@ -348,24 +354,25 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
         place_key = costs.place_key
         threshold = p.kvcache_balancing_threshold
         # Instances holding no prefix of the chain at the same place have the same options.
-        by_place: dict[tuple, Reuse] = {}
+        by_place: dict[tuple[object, ...] | None, Reuse] = {}
         # Where "same rack" is a link class of its own (no rack pairs or node places in the
         # topology), an instance's same-rack copies are those of the holders in its rack:
         # a lookup instead of a walk over the holders of other racks.
         same_li = self._same_rack_class() if by_link else -1
         in_rack: dict[str | None, list[tuple[float, int]]] = {}
-        if same_li >= 0 and rack_holders is None:
-            rack_holders = indexes_by(h.rack for h in holders)
+        racks: Mapping[str | None, Sequence[int]] = {}  # read only where same_li >= 0
+        if same_li >= 0:
+            racks = rack_holders if rack_holders is not None else indexes_by(h.rack for h in holders)
         same_plan = by_link[same_li][2] if same_li >= 0 else {}
         place = costs.topology.place
-        keys: list[tuple | None] = [None] * len(holders)  # holders' place keys, made when needed
+        keys: list[PlaceKey | None] = [None] * len(holders)  # holders' place keys, made when needed
 
         def rack_options(rack: str | None) -> list[tuple[float, int]]:
             opts = in_rack.get(rack)
             if opts is None:
                 opts = []
-                for i in rack_holders.get(rack, ()):  # type: ignore[union-attr]
-                    o = same_plan[shapes[i]]
+                for i in racks.get(rack, ()):
+                    o = same_plan.get(shapes[i])
                     if o is not None:
                         opts.append((o[2], i))
                 opts.sort()  # cost, then snapshot order
@@ -380,8 +387,8 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
                 # the link its zone gives (cross-rack or cross-zone): all such racks of a zone
                 # have the same options. At 1,000 instances there are ~125 racks, and the
                 # shortest queue of each is a candidate.
-                if same_li >= 0 and inst.rack not in rack_holders:  # type: ignore[operator]
-                    ik_memo: tuple | None = (_NO_HOLDERS, place(inst)[1])  # the zone the links see
+                if same_li >= 0 and inst.rack not in racks:
+                    ik_memo: tuple[object, ...] | None = (_NO_HOLDERS, place(inst)[1])  # the zone the links see
                 else:
                     ik_memo = ik
                 known = by_place.get(ik_memo)
@@ -436,21 +443,21 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
         return best_reuse, bare_floor, groups
 
     def _link_runs(self, request: PolicyRequest, bs: int, groups: Mapping[tuple[int, int, int], Sequence[int]],
-                   ) -> list[tuple[int, list[tuple[float, Sequence[int]]], dict]]:
+                   ) -> list[LinkRuns]:
         """Per link class: (its index, the runs of equal copy cost as (cost, holder indexes in
-        order), shape → its remote plan). They depend on the shapes' holder groups and the
-        request's length only, so they are remembered per groups object: the cluster index
-        hands out the same one for every read of a hot chain."""
+        order), shape → its copy plan where it can be copied). They depend on the shapes' holder
+        groups and the request's length only, so they are remembered per groups object: the
+        cluster index hands out the same one for every read of a hot chain."""
         key = (id(groups), request.chain_len, request.prompt_tokens, bs)
         memo = self._runs_memo
         hit = memo.get(key)
         if hit is not None and hit[0] is groups:
             return hit[1]
         costs = self.costs
-        by_link = []
+        by_link: list[LinkRuns] = []
         for li in range(len(costs.links)):
-            plan = {shape: costs.remote_plan(shape, request, bs, li) for shape in groups}
-            runs = sorted(((o[2], groups[shape]) for shape, o in plan.items() if o is not None), key=_first)
+            plan = {shape: o for shape in groups if (o := costs.remote_plan(shape, request, bs, li)) is not None}
+            runs = sorted(((o[2], groups[shape]) for shape, o in plan.items()), key=_first)
             merged: list[tuple[float, Sequence[int]]] = []
             for cost, idx in runs:
                 if merged and merged[-1][0] == cost:  # equal costs: one run, holders in order
@@ -488,8 +495,8 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
         lowest, nor be the lowest safe one (property-tested against the full policy)."""
         costs = self.costs
         margin = _tie_margin(p)
-        shortest: dict[tuple, float] = {}
-        keys: list[tuple | None] = []
+        shortest: dict[PlaceKey, float] = {}
+        keys: list[PlaceKey | None] = []
         for inst, w in zip(prefills, waits):
             if inst.prefix_blocks != NO_PREFIX:
                 keys.append(None)
@@ -525,7 +532,7 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
                 idx = [head, *rest[: k - 1]]
                 ready = [waits[head] + max(load_s, 0.0)] + [waits[i] for i in idx[1:]]
                 links: list[Link | None] = [None] + [costs.link(prefills[a], prefills[b])
-                                                     for a, b in zip(idx, idx[1:])]
+                                                     for a, b in itertools.pairwise(idx)]
                 plan = plan_pipeline(prof, [str(i) for i in idx], ready, links, start=start, total=n, block_size=bs)
                 if len(plan.members) < k:
                     break  # the prompt is too short for more members

@@ -27,20 +27,22 @@ from __future__ import annotations
 import dataclasses
 import random
 from dataclasses import dataclass
+from typing import Final, Literal
 
 from conductor.routing.costs import Costs
-from conductor.routing.policies.base import BasePolicy, Decision, Placement, Policy, Rejection
+from conductor.routing.policies.base import BasePolicy, Decision, Placement, Policy, RejectCode, Rejection
 from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
+from schemas import Mode
 
-AGGREGATED = "aggregated"
-DISAGGREGATED = "disaggregated"
+AGGREGATED: Final = "aggregated"
+DISAGGREGATED: Final = "disaggregated"
 
 
 @dataclass(frozen=True, slots=True)
 class Option:
     """One costed way to run the request (what ``explain`` shows beside the choice)."""
 
-    mode: str
+    mode: Mode
     prefill: str
     decode: str
     ttft_s: float
@@ -54,19 +56,19 @@ class ModeChoice:
     options: tuple[Option, ...] = ()
 
     @property
-    def mode(self) -> str:
+    def mode(self) -> Mode:
         d = self.decision
         return AGGREGATED if isinstance(d, Placement) and d.prefill == d.decode else DISAGGREGATED
 
 
 def _aggregated(costs: Costs, request: PolicyRequest, inst: Instance, bs: int,
-                ttft_budget: float, tbt_budget: float) -> tuple[Placement, bool, str]:
+                ttft_budget: float, tbt_budget: float) -> tuple[Placement, bool, RejectCode | Literal[""]]:
     """``inst`` prefilling with its own cache and decoding: the placement, whether it meets
     the SLOs with room for the request, and the reason when it does not."""
     reuse = costs.local_reuse(inst, request, bs)
     ttft = costs.queue_wait_s(inst) + reuse.cost_s
     tbt = costs.tbt_ms(inst, request)
-    why = ""
+    why: RejectCode | Literal[""] = ""
     if not costs.decode_fits(inst, request, bs):
         why = "overloaded"
     elif ttft > ttft_budget:
@@ -78,7 +80,7 @@ def _aggregated(costs: Costs, request: PolicyRequest, inst: Instance, bs: int,
     return p, not why, why
 
 
-def _option(mode: str, p: Placement, fits: bool) -> Option:
+def _option(mode: Mode, p: Placement, fits: bool) -> Option:
     return Option(mode, p.prefill, p.decode, p.predicted_ttft_s, p.predicted_tbt_ms, fits)
 
 
@@ -117,10 +119,10 @@ def decide_mode(policy: Policy, request: PolicyRequest, snapshot: ClusterSnapsho
     if isinstance(pd, Rejection):
         if best[1] or (pd.reason == "no_live_instance" and not rejects):
             return ModeChoice(best[0], (_option(AGGREGATED, best[0], best[1]),))
-        if pd.reason == "no_live_instance":
-            b = best[0]
-            return ModeChoice(Rejection(best[2], f"aggregated on {b.prefill}: predicted TTFT {b.predicted_ttft_s:.3f}s, "  # type: ignore[arg-type]
-                                        f"TBT {b.predicted_tbt_ms:.1f}ms ({best[2]}); {pd.message}"),
+        b, _, why = best
+        if pd.reason == "no_live_instance" and why:  # (it does not fit, so there is a reason)
+            return ModeChoice(Rejection(why, f"aggregated on {b.prefill}: predicted TTFT {b.predicted_ttft_s:.3f}s, "
+                                        f"TBT {b.predicted_tbt_ms:.1f}ms ({why}); {pd.message}"),
                               (_option(AGGREGATED, b, False),))
         return ModeChoice(pd, (_option(AGGREGATED, best[0], False),))
     pd_opt = _option(DISAGGREGATED, pd, True)
