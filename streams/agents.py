@@ -29,7 +29,7 @@ from streams.app import make_app
 from streams.config import WorkerConfig
 from streams.generation import GenerationWatcher
 from streams.ingest import BatchResult, IngestMetrics, Ingestor, RawRecord
-from streams.resume import LogReader, ResumeGuard, TopicLane
+from streams.resume import ResumeGuard, TopicLane, TopicLanes
 from streams.topics import Topic, topics
 
 log = logging.getLogger(__name__)
@@ -74,33 +74,14 @@ def build_worker(config: WorkerConfig, store: ViewStore, *, metrics: bool = True
     )
     view = store if isinstance(store, RebuildingView) else None
     all_parts = [f"{tp.name}:{p}" for tp in (t.kv_events, t.heartbeats) for p in range(tp.partitions)]
-    lanes: dict[str, TopicLane] = {}
-
-    def lane(topic: str) -> TopicLane:
-        if topic not in lanes:
-            reader = LogReader(config.kafka)
-            guard = ResumeGuard(store.watermark, reader.fetch_range, metrics=metrics, view=view)
-            guard.all_partitions = all_parts
-            lanes[topic] = TopicLane(guard, reader)
-        return lanes[topic]
-
-    async def consume(topic: str, stream: faust.StreamT[Any]) -> None:
-        # Each agent resumes its own topic's partitions from the view's fences, reading
-        # back from the log what the consumer skipped (see streams.resume).
-        assert isinstance(stream, faust.Stream)  # (what Faust hands an agent; take_events is its own)
-        try:
-            async for events in stream.take_events(BATCH_MAX, within=BATCH_WITHIN_S):
-                await apply_batch(ingestor, lane(topic), [raw_record(e.message) for e in events])
-        finally:
-            if topic in lanes:
-                await lanes.pop(topic).reader.close()
+    lanes = TopicLanes(config.kafka, store.watermark, view, all_parts, metrics=metrics)
 
     # Two functions, not one: Faust names an agent after its function.
     async def kv_events(stream: faust.StreamT[Any]) -> None:
-        await consume(t.kv_events.name, stream)
+        await consume(stream, ingestor, lanes, t.kv_events.name)
 
     async def heartbeats(stream: faust.StreamT[Any]) -> None:
-        await consume(t.heartbeats.name, stream)
+        await consume(stream, ingestor, lanes, t.heartbeats.name)
 
     app.agent(raw_topic(t.kv_events), name="kv-events")(kv_events)
     app.agent(raw_topic(t.heartbeats), name="heartbeats")(heartbeats)
@@ -109,7 +90,7 @@ def build_worker(config: WorkerConfig, store: ViewStore, *, metrics: bool = True
         watcher = GenerationWatcher(
             view, (t.kv_events.name, t.heartbeats.name),
             assigned=lambda: [(tp.topic, tp.partition) for tp in app.consumer.assignment()],
-            lane=lane,
+            lane=lanes,
             process=functools.partial(process_until_done, ingestor),
         )
         app.timer(GENERATION_EVERY_S, name="view-generation")(watcher.tick)
@@ -121,6 +102,18 @@ def build_worker(config: WorkerConfig, store: ViewStore, *, metrics: bool = True
 
         app.timer(COMPACT_EVERY_S, on_leader=True, name="compact-view")(compact)
     return Worker(app, ingestor)
+
+
+async def consume(stream: faust.StreamT[Any], ingestor: Ingestor, lanes: TopicLanes, topic: str) -> None:
+    """An agent's loop: each batch of ``topic``'s records through its lane to the view. The lane
+    resumes each partition from the view's fence, reading back from the log what the consumer
+    skipped (see streams.resume)."""
+    assert isinstance(stream, faust.Stream)  # (what Faust hands an agent; take_events is its own)
+    try:
+        async for events in stream.take_events(BATCH_MAX, within=BATCH_WITHIN_S):
+            await apply_batch(ingestor, lanes(topic), [raw_record(e.message) for e in events])
+    finally:
+        await lanes.close(topic)
 
 
 def raw_record(m: Any) -> RawRecord:

@@ -260,3 +260,32 @@ class TopicLane:
     guard: ResumeGuard
     reader: RangeReader
     lock: asyncio.Lock = dataclasses.field(default_factory=asyncio.Lock)
+
+
+class TopicLanes:
+    """The stream worker's lanes, one per topic, each made on first use with a log reader of its
+    own and a guard over the view (shared by the topic's agent and the generation watcher)."""
+
+    def __init__(self, kafka: KafkaConnection, watermark: Callable[[], Awaitable[dict[str, int]]],
+                 view: GenerationalView | None, all_partitions: Sequence[str], *, metrics: bool) -> None:
+        self.kafka = kafka
+        self.watermark = watermark
+        self.view = view
+        self.all_partitions = all_partitions
+        self.metrics = metrics
+        self._lanes: dict[str, TopicLane] = {}
+
+    def __call__(self, topic: str) -> TopicLane:
+        lane = self._lanes.get(topic)
+        if lane is None:
+            reader = LogReader(self.kafka)
+            guard = ResumeGuard(self.watermark, reader.fetch_range, metrics=self.metrics, view=self.view)
+            guard.all_partitions = self.all_partitions
+            lane = self._lanes[topic] = TopicLane(guard, reader)
+        return lane
+
+    async def close(self, topic: str) -> None:
+        """Close the topic's log reader (a later call makes a new lane)."""
+        lane = self._lanes.pop(topic, None)
+        if lane is not None:
+            await lane.reader.close()
