@@ -10,6 +10,8 @@ import logging
 import signal
 import socket
 import sys
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Annotated, TypeVar
 from urllib.parse import urlsplit, urlunsplit
 
 import redis as redis_sync
@@ -38,6 +40,11 @@ GROUPS = {"app": app, "dev": dev_app, "view": view_app, "bench": bench_app}
 
 err = Console(stderr=True)
 
+T = TypeVar("T")
+
+JsonLine = Annotated[bool, typer.Option("--json", help="print one JSON line")]
+"""The ``--json`` option of most commands."""
+
 
 def settings_or_exit(**overrides: object) -> Settings:
     """Load the settings; on a bad value print the field and exit 2."""
@@ -46,6 +53,38 @@ def settings_or_exit(**overrides: object) -> Settings:
     except ConductorError as e:
         err.print(f"[red]error:[/red] {e}")
         raise typer.Exit(2) from None
+
+
+@contextlib.contextmanager
+def exit_on(*kinds: type[Exception], soft_wrap: bool = False) -> Iterator[None]:
+    """An error of ``kinds`` (default: :class:`ConductorError`) becomes one line on stderr and exit status 2."""
+    caught = kinds or (ConductorError,)
+    try:
+        yield
+    except caught as e:
+        err.print(f"[red]error:[/red] {e}", soft_wrap=soft_wrap)
+        raise typer.Exit(2) from None
+
+
+def need_kafka_url(s: Settings) -> None:
+    """Exit 2 with what to do when no Kafka cluster is named."""
+    if not s.kafka_url:
+        err.print(
+            "[red]error:[/red] CONDUCTOR_KAFKA_URL is not set: start the embedded stack with "
+            "`conductor dev up` (it prints the URLs) or name a Kafka cluster"
+        )
+        raise typer.Exit(2)
+
+
+def run_until_signalled(main: Callable[[asyncio.Event], Awaitable[T]]) -> T:
+    """``main(stop)`` in a new event loop, ``stop`` set by SIGINT/SIGTERM (see :func:`stop_on_signals`)."""
+
+    async def run() -> T:
+        stop = asyncio.Event()
+        stop_on_signals(stop)
+        return await main(stop)
+
+    return asyncio.run(run())
 
 
 def require_servers(s: Settings, *, kafka: bool = False, redis: bool = False, timeout_s: float = 3.0) -> None:

@@ -28,9 +28,10 @@ import pytest
 
 from conductor.bridge.publisher import EventPublisher
 from conductor.bridge.runner import Bridge, BridgeConfig, kafka_sink
+from conductor.bridge.serve import commands_for
 from conductor.harness.devstack import free_port
 from conductor.harness.engine.emulated import EmulatedEngine, EngineConfig
-from conductor.harness.engine.executor import EngineCommandExecutor, commands_for
+from conductor.harness.engine.executor import EngineCommandExecutor
 from conductor.profiles import load_profile
 from conductor.routing.dispatch import Assignment, decisions_for
 from conductor.settings import Settings, child_environment

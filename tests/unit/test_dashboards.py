@@ -15,7 +15,7 @@ from ruamel.yaml import YAML
 from conductor.balance.planner import BalanceParams
 from conductor.balance.worker import Balancer
 from conductor.bridge.scrape import EngineLoad
-from conductor.cli.engines import bridge_instruments
+from conductor.bridge.serve import bridge_instruments
 from conductor.routing.router import RouterMetrics, RouterWorker
 from conductor.settings import load_settings
 from conductor.telemetry import scrape, setup_metrics

@@ -20,8 +20,9 @@ node's ``blocks_migrated``) and an ``evict`` from it (a forced ``remove``, prove
 itself, so a block another engine put is not put twice. These need no ``token_ids``: the
 pool names objects by Conductor block key.
 
-:func:`commands_for` reads the node's commands from Kafka (its own consumer group,
-offsets committed after the results are handed over: at-least-once, made safe by the ids).
+:func:`conductor.bridge.serve.commands_for` reads the node's commands from Kafka (its own
+consumer group, offsets committed after the results are handed over: at-least-once, made safe
+by the ids).
 """
 
 from __future__ import annotations
@@ -36,9 +37,7 @@ from typing import Any
 from conductor.balance.executor import CommandMemory, execute
 from conductor.harness.engine.emulated import EmulatedEngine, engine_hashes
 from conductor.harness.engine.pool import POOL_TIER, PoolLink
-from schemas import DecodeError, Envelope, KvCommand, KvCommandResult, KvFailure, Tier, chain_keys, decode, envelope
-from streams.kafka import consumer
-from streams.topics import topics
+from schemas import Envelope, KvCommand, KvCommandResult, KvFailure, Tier, chain_keys, envelope
 
 log = logging.getLogger(__name__)
 
@@ -216,26 +215,3 @@ class EngineCommandExecutor:
                 await self.handle(cmd)
             except Exception:  # one bad command must not stop the instance
                 log.exception("command %s failed", cmd.command_id)
-
-
-async def commands_for(settings: Any, node_id: str, stop: asyncio.Event | None = None) -> AsyncIterator[KvCommand]:
-    """The commands on ``kv-commands`` whose executor is ``node_id`` (other nodes' are skipped)."""
-    t = topics(settings.topic_config())
-    c = consumer(settings.kafka(), t.kv_commands.name, group_id=f"{settings.topic_prefix}kv-exec-{node_id}")
-    await c.start()
-    try:
-        while stop is None or not stop.is_set():
-            batches = await c.getmany(timeout_ms=200, max_records=500)
-            for records in batches.values():
-                for r in records:
-                    try:
-                        body = decode(r.value).body
-                    except DecodeError as e:
-                        log.warning("kv-commands %d@%d: %s", r.partition, r.offset, e)
-                        continue
-                    if isinstance(body, KvCommand) and body.executor == node_id:
-                        yield body
-            if batches:
-                await c.commit()  # after the commands above were handled (the generator resumed)
-    finally:
-        await c.stop()
