@@ -1,7 +1,7 @@
 """The KVCache balance loop, closed, on the real broker and Redis.
 
 Two emulated prefill engines and one decode engine (in this process, each with its bridge
-and, for the prefill ones, its KV command executor), and `conductor worker`, `conductor
+and, for the prefill ones, its KV command executor, as `conductor engine` runs them), and `conductor worker`, `conductor
 router` and `conductor balance` as the real commands. ``p0`` holds a prefix that requests
 keep coming back to, then falls behind (a long prefill queue it had already accepted, so
 its heartbeats report it overloaded). The balance worker plans a ``replicate`` of the hot
@@ -26,14 +26,12 @@ from typing import Any, TypeVar
 
 import pytest
 
-from conductor.bridge.publisher import EventPublisher
 from conductor.bridge.runner import Bridge, BridgeConfig, kafka_sink
-from conductor.bridge.serve import commands_for
+from conductor.bridge.serve import EngineRole
 from conductor.harness.devstack import free_port
-from conductor.harness.engine.emulated import EmulatedEngine, EngineConfig
-from conductor.harness.engine.executor import EngineCommandExecutor
-from conductor.profiles import load_profile
-from conductor.routing.dispatch import Assignment, decisions_for
+from conductor.harness.engine.emulated import EmulatedEngine
+from conductor.harness.engine.serve import EngineServeConfig, engine_node
+from conductor.routing.dispatch import Assignment
 from conductor.settings import Settings, child_environment
 from schemas import (
     KvCommand,
@@ -106,11 +104,10 @@ async def test_a_hot_prefix_on_an_overloaded_engine_is_replicated_and_routed_to_
     await ensure_topics(settings.kafka(), tps.all())
     prod = producer(settings.kafka())
     await prod.start()
-    profile = load_profile(settings.model_profile)
     bs = settings.block_size
     stop = asyncio.Event()
     tasks: list[asyncio.Task[Any]] = []
-    pubs: list[EventPublisher] = []
+    nodes = contextlib.AsyncExitStack()
     engines: dict[str, EmulatedEngine] = {}
     reports: dict[str, io.StringIO] = {}
     view = RedisViewStore.connect(settings.redis(), settings.view_namespace)
@@ -158,25 +155,22 @@ async def test_a_hot_prefix_on_an_overloaded_engine_is_replicated_and_routed_to_
 
     try:
         # p0 is the slow one (real time); p1 and d0 run 100x faster than the profile.
-        for node, role, scale in (("p0", "prefill", 1.0), ("p1", "prefill", 100.0), ("d0", "decode", 100.0)):
-            pub = EventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
-            pubs.append(pub)
+        # Each engine as `conductor engine` starts it: with the prefill ones, their KV command executors.
+        roles: tuple[tuple[str, EngineRole, float], ...] = (
+            ("p0", "prefill", 1.0), ("p1", "prefill", 100.0), ("d0", "decode", 100.0))
+        for node, role, scale in roles:
             reports[node] = io.StringIO()
-            eng = engines[node] = EmulatedEngine(
-                EngineConfig(node_id=node, role=role, block_size=bs, kv_blocks=4096, time_scale=scale,  # type: ignore[arg-type]
-                             heartbeat_s=0.3, max_output_tokens=4),
-                profile, pub, heartbeat_sink=kafka_sink(prod, tps.heartbeats.name), report=reports[node],
-            )
+            config = EngineServeConfig(node_id=node, role=role, kv_blocks=4096, time_scale=scale, heartbeat_s=0.3,
+                                       max_output_tokens=4, report=True)
+            running = await nodes.enter_async_context(engine_node(config, settings, report_to=reports[node]))
+            engines[node] = running.engine
             bridge = Bridge(
-                BridgeConfig(node_id=node, role=role, zmq_endpoint=pub.endpoint,  # type: ignore[arg-type]
-                             replay_endpoint=pub.replay_endpoint, block_size=bs, heartbeat_s=None),
+                BridgeConfig(node_id=node, role=role, zmq_endpoint=running.publisher.endpoint,
+                             replay_endpoint=running.publisher.replay_endpoint, block_size=bs, heartbeat_s=None),
                 kafka_sink(prod, tps.kv_events.name),
             )
-            tasks.append(asyncio.create_task(eng.run(decisions_for(settings, node, stop=stop))))
+            tasks.append(asyncio.create_task(running.run(stop)))
             tasks.append(asyncio.create_task(bridge.run(stop)))
-            if role == "prefill":
-                executor = EngineCommandExecutor(eng, kafka_sink(prod, tps.kv_command_results.name))
-                tasks.append(asyncio.create_task(executor.run(commands_for(settings, node, stop))))
 
         async def all_live() -> bool:
             now = time.time_ns() // 1_000_000
@@ -230,7 +224,7 @@ async def test_a_hot_prefix_on_an_overloaded_engine_is_replicated_and_routed_to_
 
         res = await wait_for("the command's result", result)
         assert (res.status, res.node, res.blocks) == ("done", "p1", len(chain)), res
-        assert res.bytes_moved == len(chain) * bs * profile.kv_bytes_per_token
+        assert res.bytes_moved == len(chain) * bs * engines["p1"].profile.kv_bytes_per_token
 
         # (b) The proof: p1's own KV events put the whole prefix on p1 in the view.
         await wait_for("the prefix on p1 in the view", lambda: view_prefix("p1"))
@@ -248,7 +242,6 @@ async def test_a_hot_prefix_on_an_overloaded_engine_is_replicated_and_routed_to_
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         await watch.stop()
-        for p in pubs:
-            await p.close()
+        await nodes.aclose()
         await prod.stop()
         await view.close()

@@ -9,6 +9,7 @@ instance that holds it and reuses it there.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import os
@@ -18,15 +19,15 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from conductor.bridge.publisher import EventPublisher
-from conductor.bridge.runner import Bridge, BridgeConfig, kafka_sink
+from conductor.bridge.serve import BridgeServeConfig, EngineRole
+from conductor.bridge.serve import serve as serve_bridge
 from conductor.harness.devstack import free_port
-from conductor.harness.engine.emulated import EmulatedEngine, EngineConfig
-from conductor.profiles import load_profile
-from conductor.routing.dispatch import decisions_for
+from conductor.harness.engine.serve import EngineServeConfig, engine_node
 from conductor.settings import Settings, settings_env
 from schemas import RoutingDecision, RoutingRequest, chain_keys, decode, encode, envelope, headers
 from state.redis_view import RedisViewStore
@@ -86,30 +87,24 @@ async def test_an_engines_events_make_the_next_request_reuse_its_prefix(
     await ensure_topics(settings.kafka(), tps.all())
     prod = producer(settings.kafka())
     await prod.start()
-    profile = load_profile(settings.model_profile)
     stop = asyncio.Event()
-    tasks: list[asyncio.Task[None]] = []
+    tasks: list[asyncio.Task[Any]] = []
     reports: dict[str, io.StringIO] = {}
-    pubs = []
+    nodes = contextlib.AsyncExitStack()
     view = RedisViewStore.connect(settings.redis(), settings.view_namespace)
     cons = consumer(settings.kafka(), tps.dispatch.name, group_id=None, fetch_max_wait_ms=50)
     try:
-        for node, role in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode")):
-            pub = EventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
-            pubs.append(pub)
+        # Each engine and its bridge started as `conductor engine` and `conductor bridge` start them.
+        roles: tuple[tuple[str, EngineRole], ...] = (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"))
+        for node, role in roles:
             reports[node] = io.StringIO()
-            eng = EmulatedEngine(
-                EngineConfig(node_id=node, role=role, block_size=settings.block_size, kv_blocks=4096,  # type: ignore[arg-type]
-                             time_scale=100.0, heartbeat_s=0.3, max_output_tokens=8),
-                profile, pub, heartbeat_sink=kafka_sink(prod, tps.heartbeats.name), report=reports[node],
-            )
-            bridge = Bridge(
-                BridgeConfig(node_id=node, role=role, zmq_endpoint=pub.endpoint,  # type: ignore[arg-type]
-                             replay_endpoint=pub.replay_endpoint, block_size=settings.block_size, heartbeat_s=None),
-                kafka_sink(prod, tps.kv_events.name),
-            )
-            tasks.append(asyncio.create_task(eng.run(decisions_for(settings, node, stop=stop))))
-            tasks.append(asyncio.create_task(bridge.run(stop)))
+            config = EngineServeConfig(node_id=node, role=role, kv_blocks=4096, time_scale=100.0, heartbeat_s=0.3,
+                                       max_output_tokens=8, report=True, kv_commands=False)
+            eng = await nodes.enter_async_context(engine_node(config, settings, report_to=reports[node]))
+            bridge = BridgeServeConfig(zmq_endpoint=eng.publisher.endpoint, node_id=node, role=role,
+                                       replay_endpoint=eng.publisher.replay_endpoint, heartbeat_s=0)
+            tasks.append(asyncio.create_task(eng.run(stop)))
+            tasks.append(asyncio.create_task(serve_bridge(bridge, settings, stop=stop)))
 
         async def wait_for(what: str, pred, timeout: float = 40.0):  # type: ignore[no-untyped-def]
             return await waiting.wait_for(what, pred, dict(zip(("worker", "router"), services)), tmp_path,
@@ -181,8 +176,7 @@ async def test_an_engines_events_make_the_next_request_reuse_its_prefix(
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        for p in pubs:
-            await p.close()
+        await nodes.aclose()
         await prod.stop()
         await view.close()
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
 import json
 import time
@@ -12,8 +13,8 @@ import pytest
 from conductor.bridge.publisher import EventPublisher
 from conductor.bridge.runner import Bridge, BridgeConfig, kafka_sink
 from conductor.harness.engine.emulated import EmulatedEngine, EngineConfig, PrefixCache, engine_hashes
+from conductor.harness.engine.serve import EngineServeConfig, engine_node
 from conductor.profiles import load_profile
-from conductor.routing.dispatch import decisions_for
 from conductor.settings import Settings
 from schemas import (
     BlocksStored,
@@ -62,21 +63,18 @@ async def test_engine_executes_its_decisions_and_the_bridge_publishes_token_deri
     prod = producer(settings.kafka())
     await prod.start()
     report = io.StringIO()
-    pub = EventPublisher("tcp://127.0.0.1:0", "tcp://127.0.0.1:0")
-    cfg = EngineConfig(node_id="p0", role="prefill", block_size=settings.block_size, kv_blocks=64,
-                       time_scale=1000.0, heartbeat_s=0.2)
-    eng = EmulatedEngine(cfg, load_profile(settings.model_profile), pub,
-                         heartbeat_sink=kafka_sink(prod, tps.heartbeats.name), report=report)
+    # The engine as `conductor engine` starts it (its own producer, heartbeats and decisions).
+    cfg = EngineServeConfig(node_id="p0", role="prefill", kv_blocks=64, time_scale=1000.0, heartbeat_s=0.2,
+                            report=True, kv_commands=False)
+    node = contextlib.AsyncExitStack()
+    eng = await node.enter_async_context(engine_node(cfg, settings, report_to=report))
     stop = asyncio.Event()
     bridge = Bridge(
-        BridgeConfig(node_id="p0", role="prefill", zmq_endpoint=pub.endpoint, replay_endpoint=pub.replay_endpoint,
-                     block_size=settings.block_size, heartbeat_s=None),
+        BridgeConfig(node_id="p0", role="prefill", zmq_endpoint=eng.publisher.endpoint,
+                     replay_endpoint=eng.publisher.replay_endpoint, block_size=settings.block_size, heartbeat_s=None),
         kafka_sink(prod, tps.kv_events.name),
     )
-    tasks = [
-        asyncio.create_task(eng.run(decisions_for(settings, "p0", stop=stop))),
-        asyncio.create_task(bridge.run(stop)),
-    ]
+    tasks = [asyncio.create_task(eng.run(stop)), asyncio.create_task(bridge.run(stop))]
     tokens = list(range(7, 7 + 4 * settings.block_size + 5))  # 4 full blocks and a partial one
     try:
         await asyncio.wait_for(bridge.ready.wait(), 10)
@@ -120,7 +118,7 @@ async def test_engine_executes_its_decisions_and_the_bridge_publishes_token_deri
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await pub.close()
+        await node.aclose()
         await prod.stop()
 
 
