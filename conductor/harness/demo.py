@@ -395,7 +395,20 @@ async def _run_once(
 ) -> None:
     t_start = time.monotonic()
     tag = f"{os.getpid():x}{time.time_ns() // 1_000_000 % 0xFFFFFF:06x}"  # unique per run, not random
-    s = base.model_copy(update={
+    s = _run_settings(base, opts, policy, log_dir, tag)
+    stats.topic_prefix = s.topic_prefix
+    run = _DemoRun(s, opts, stats, log_dir / policy, pids, refresh, gateway_id=f"demo-{tag}")
+    try:
+        await run.start()
+        await run.replay(requests, policy, t_start, budget_s, exact=exact)
+        await run.drain(t_start, budget_s, exact=exact)
+    finally:
+        await run.close()
+
+
+def _run_settings(base: Settings, opts: DemoOptions, policy: str, log_dir: Path, tag: str) -> Settings:
+    """One run's settings: topics and a view namespace of its own, so each policy starts cold."""
+    return base.model_copy(update={
         "topic_prefix": f"demo-{tag}.", "view_namespace": f"demo-{tag}", "partitions": opts.partitions,
         "block_size": opts.block_size, "policy": policy,
         # Parameters belong to the policy they were written for; the baseline runs on its defaults.
@@ -403,28 +416,59 @@ async def _run_once(
         "web_port": free_port(base.bind_host), "metrics_port": 0, "data_dir": log_dir / "data",
         "admin_port": opts.admin_port or base.admin_port,
     })
-    stats.topic_prefix = s.topic_prefix
-    env = child_environment(s)
-    tps = topics(s.topic_config())
-    await ensure_topics(s.kafka(), tps.all())
-    work = log_dir / policy / "work"
-    work.mkdir(parents=True, exist_ok=True)
-    procs = Processes(log_dir / policy, pids, cwd=work)
-    tasks: list[asyncio.Task[Any]] = []
-    prod = producer(s.kafka())
-    stop = asyncio.Event()
-    view = RedisViewStore.connect(s.redis(), s.view_namespace)
-    client: openai.AsyncOpenAI | None = None
-    clients: set[asyncio.Task[None]] = set()
-    try:
-        await prod.start()
-        await procs.start("worker", ["worker"], env)
-        await procs.start("router", ["router"], env)
-        if opts.admin_port:
-            await procs.start("admin", ["admin"], env)  # the live console, on the same port every run
+
+
+class _DemoRun:
+    """One policy's run: the processes it starts (worker, router, console, engines, gateway, as the
+    ``conductor`` commands), the engines' bridges and the followers in this process, the clients."""
+
+    def __init__(self, s: Settings, opts: DemoOptions, stats: RunStats, log_dir: Path, pids: list[int] | None,
+                 refresh: Any, *, gateway_id: str) -> None:
+        self.s, self.opts, self.stats, self.refresh = s, opts, stats, refresh
+        self.env = child_environment(s)
+        self.tps = topics(s.topic_config())
+        work = log_dir / "work"
+        work.mkdir(parents=True, exist_ok=True)
+        self.procs = Processes(log_dir, pids, cwd=work)
+        self.tasks: list[asyncio.Task[Any]] = []
+        self.bridges: dict[str, asyncio.Task[None]] = {}
+        self.prod = producer(s.kafka())
+        self.stop = asyncio.Event()
+        self.view = RedisViewStore.connect(s.redis(), s.view_namespace)
+        self.gateway_id = gateway_id
+        self.client: openai.AsyncOpenAI | None = None
+        self.clients: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        """Everything up, the view showing every engine live, the gateway answering."""
+        await ensure_topics(self.s.kafka(), self.tps.all())
+        await self.prod.start()
+        await self.procs.start("worker", ["worker"], self.env)
+        await self.procs.start("router", ["router"], self.env)
+        if self.opts.admin_port:
+            await self.procs.start("admin", ["admin"], self.env)  # the live console, on the same port every run
+        engines = await self._start_engines()
+        await self._start_bridges(engines)
+        # The gateway: the only way requests enter, as for a user. It starts while the view fills.
+        # No --engine: the gateway finds the engines through the view (the endpoints the bridges announce).
+        gw = await self.procs.start("gateway", ["gateway", "--port", str(self.opts.gateway_port), "--gateway-id",
+                                                self.gateway_id, "--decision-timeout-s", "10"],
+                                    self.env, stdout_pipe=True)
+        await self._wait_live(set(engines))
+        gw_ready = await ready_line(gw, 60.0)
+        if gw_ready is None:
+            raise DemoError(f"the gateway did not start:\n{self.procs.log_tail('gateway')}")
+        self.tasks.append(asyncio.create_task(_drain(gw)))
+        self.client = openai.AsyncOpenAI(base_url=gw_ready["openai_base_url"], api_key="demo", max_retries=0,
+                                         timeout=300.0)
+        self.tasks.append(asyncio.create_task(self._follow_dispatch()))
+        self.tasks.append(asyncio.create_task(self._follow_view()))
+
+    async def _start_engines(self) -> dict[str, tuple[Role, asyncio.subprocess.Process]]:
         engines: dict[str, tuple[Role, asyncio.subprocess.Process]] = {}
-        counts: tuple[tuple[Role, int], ...] = (("prefill", opts.prefill), ("decode", opts.decode))
-        for role, n in counts:
+        opts = self.opts
+        roles: tuple[tuple[Role, int], ...] = (("prefill", opts.prefill), ("decode", opts.decode))
+        for role, n in roles:
             for i in range(n):
                 node = f"{role}-{i}"
                 # Load reaches the view the way it does from a real vLLM: the bridge scrapes /metrics.
@@ -435,154 +479,149 @@ async def _run_once(
                         "--no-self-heartbeat"]
                 if role == "prefill" and opts.dram_blocks:
                     args += ["--dram-blocks", str(opts.dram_blocks)]
-                engines[node] = (role, await procs.start(node, args, env, stdout_pipe=True))
+                engines[node] = (role, await self.procs.start(node, args, self.env, stdout_pipe=True))
+        return engines
 
-        async def read_reports(node: str, proc: asyncio.subprocess.Process, ready: asyncio.Future[dict[str, Any]]) -> None:
-            assert proc.stdout is not None
-            async for line in proc.stdout:
-                try:
-                    row = json.loads(line)
-                except ValueError:
-                    continue
-                if row.get("event") == "ready" and not ready.done():
-                    ready.set_result(row)
-                else:
-                    stats.on_report(row)
-
+    async def _start_bridges(self, engines: dict[str, tuple[Role, asyncio.subprocess.Process]]) -> None:
+        """A bridge per engine, in this process, once the engine printed its endpoints."""
         readies: dict[str, asyncio.Future[dict[str, Any]]] = {}
-        bridge_tasks: dict[str, asyncio.Task[None]] = {}
-
-        def check_alive() -> None:
-            dead = procs.dead()
-            if dead:
-                raise DemoError(f"{dead[0]} exited early:\n{procs.log_tail(dead[0])}")
-            for node, t in bridge_tasks.items():
-                if t.done():
-                    raise DemoError(f"the bridge of {node} stopped: {t.exception() if not t.cancelled() else 'cancelled'}")
-        for node, (role, proc) in engines.items():
+        for node, (_, proc) in engines.items():
             readies[node] = asyncio.get_running_loop().create_future()
-            tasks.append(asyncio.create_task(read_reports(node, proc, readies[node])))
+            self.tasks.append(asyncio.create_task(self._read_reports(proc, readies[node])))
         for node, fut in readies.items():
             try:
                 info = await asyncio.wait_for(fut, 60)
             except TimeoutError:
-                raise DemoError(f"engine {node} did not start:\n{procs.log_tail(node)}") from None
-            role = engines[node][0]
+                raise DemoError(f"engine {node} did not start:\n{self.procs.log_tail(node)}") from None
             bridge = Bridge(
-                BridgeConfig(node_id=node, role=role, zmq_endpoint=info["zmq"], replay_endpoint=info["replay"],
-                             block_size=opts.block_size, heartbeat_s=SCRAPE_INTERVAL_S, metrics_url=info["metrics"],
+                BridgeConfig(node_id=node, role=engines[node][0], zmq_endpoint=info["zmq"],
+                             replay_endpoint=info["replay"], block_size=self.opts.block_size,
+                             heartbeat_s=SCRAPE_INTERVAL_S, metrics_url=info["metrics"],
                              endpoint=info["http"]),  # announced: the gateway finds the engine through the view
-                kafka_sink(prod, tps.kv_events.name),
-                kafka_sink(prod, tps.heartbeats.name),
+                kafka_sink(self.prod, self.tps.kv_events.name),
+                kafka_sink(self.prod, self.tps.heartbeats.name),
             )
-            bridge_tasks[node] = asyncio.create_task(bridge.run(stop))
-            tasks.append(bridge_tasks[node])
-            bridges = stats.bridge_counts
-            tasks.append(asyncio.create_task(_collect_counts(bridge, bridges, stop)))
+            self.bridges[node] = asyncio.create_task(bridge.run(self.stop))
+            self.tasks.append(self.bridges[node])
+            self.tasks.append(asyncio.create_task(_collect_counts(bridge, self.stats.bridge_counts, self.stop)))
 
-        # The gateway: the only way requests enter, as for a user. It starts while the view fills.
-        gateway_id = f"demo-{tag}"
-        # No --engine: the gateway finds the engines through the view (the endpoints the bridges announce).
-        gw_args = ["gateway", "--port", str(opts.gateway_port), "--gateway-id", gateway_id,
-                   "--decision-timeout-s", "10"]
-        gw = await procs.start("gateway", gw_args, env, stdout_pipe=True)
+    async def _read_reports(self, proc: asyncio.subprocess.Process, ready: asyncio.Future[dict[str, Any]]) -> None:
+        assert proc.stdout is not None
+        async for line in proc.stdout:
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if row.get("event") == "ready" and not ready.done():
+                ready.set_result(row)
+            else:
+                self.stats.on_report(row)
 
-        # Ready when the view (written by the stream worker) shows every engine live.
-        stats.phase = "waiting for the view"
-        want = set(engines)
+    def check_alive(self) -> None:
+        dead = self.procs.dead()
+        if dead:
+            raise DemoError(f"{dead[0]} exited early:\n{self.procs.log_tail(dead[0])}")
+        for node, t in self.bridges.items():
+            if t.done():
+                raise DemoError(f"the bridge of {node} stopped: {t.exception() if not t.cancelled() else 'cancelled'}")
+
+    async def _wait_live(self, want: set[str]) -> None:
+        """Ready when the view (written by the stream worker) shows every engine live, and no partition
+        is still being read back (routers answer 503 view_rebuilding meanwhile)."""
+        self.stats.phase = "waiting for the view"
         deadline = time.monotonic() + 90
         while True:
-            check_alive()
-            live = {n.node_id for n in await view.nodes() if n.is_live(time.time_ns() // 1_000_000, base.heartbeat_ttl_s)}
-            # ... and no partition still being read back (routers answer 503 view_rebuilding meanwhile).
-            rebuilding = await view.rebuild_pending() if want <= live else {}
+            self.check_alive()
+            now = time.time_ns() // 1_000_000
+            live = {n.node_id for n in await self.view.nodes() if n.is_live(now, self.s.heartbeat_ttl_s)}
+            rebuilding = await self.view.rebuild_pending() if want <= live else {}
             if want <= live and not rebuilding:
-                break
+                return
             if time.monotonic() > deadline:
                 raise DemoError(f"the view never showed every engine live (live: {sorted(live)}, partitions "
-                                f"rebuilding: {sorted(rebuilding)}); worker log:\n{procs.log_tail('worker')}")
-            refresh()
+                                f"rebuilding: {sorted(rebuilding)}); worker log:\n{self.procs.log_tail('worker')}")
+            self.refresh()
             await asyncio.sleep(0.3)
 
-        gw_ready = await ready_line(gw, 60.0)
-        if gw_ready is None:
-            raise DemoError(f"the gateway did not start:\n{procs.log_tail('gateway')}")
-        tasks.append(asyncio.create_task(_drain(gw)))
-        client = openai.AsyncOpenAI(base_url=gw_ready["openai_base_url"], api_key="demo", max_retries=0,
-                                    timeout=300.0)
+    async def _follow_dispatch(self) -> None:
+        cons = consumer(self.s.kafka(), self.tps.dispatch.name, group_id=None, fetch_max_wait_ms=100)
+        await cons.start()
+        try:
+            while not self.stop.is_set():
+                for recs in (await cons.getmany(timeout_ms=200)).values():
+                    for rec in recs:
+                        with contextlib.suppress(Exception):
+                            self.stats.on_dispatch(decode(rec.value).body)
+        finally:
+            await cons.stop()
 
-        async def follow_dispatch() -> None:
-            cons = consumer(s.kafka(), tps.dispatch.name, group_id=None, fetch_max_wait_ms=100)
-            await cons.start()
-            try:
-                while not stop.is_set():
-                    for recs in (await cons.getmany(timeout_ms=200)).values():
-                        for rec in recs:
-                            with contextlib.suppress(Exception):
-                                stats.on_dispatch(decode(rec.value).body)
-            finally:
-                await cons.stop()
+    async def _follow_view(self) -> None:
+        # The load the routers see: heartbeats and blocks as folded into the view.
+        while not self.stop.is_set():
+            with contextlib.suppress(Exception):
+                for n in await self.view.nodes():
+                    self.stats.view_load[n.node_id] = (n.queue_depth, n.batch_size, sum(n.blocks.values()))
+                    self.stats.per_node[n.node_id]  # listed even before its first request
+            await asyncio.sleep(1.0)
 
-        tasks.append(asyncio.create_task(follow_dispatch()))
-
-        async def follow_view() -> None:
-            # The load the routers see: heartbeats and blocks as folded into the view.
-            while not stop.is_set():
-                with contextlib.suppress(Exception):
-                    for n in await view.nodes():
-                        stats.view_load[n.node_id] = (n.queue_depth, n.batch_size, sum(n.blocks.values()))
-                        stats.per_node[n.node_id]  # listed even before its first request
-                await asyncio.sleep(1.0)
-
-        tasks.append(asyncio.create_task(follow_view()))
-
-        # Replay: until the budget leaves just enough time to drain.
+    async def replay(self, requests: list[DemoRequest], policy: str, t_start: float, budget_s: float, *,
+                     exact: bool) -> None:
+        """Send the slice's requests at their arrival times, until the budget leaves just enough time to drain."""
+        assert self.client is not None
+        stats = self.stats
         stats.phase = "replaying"
-        drain_s = max(4.0, 0.15 * budget_s)
         t0 = time.monotonic()
         # A slow start (a busy machine) eats into the budget, but never leaves nothing to replay.
-        replay_until = max(t_start + budget_s - drain_s, t0 + MIN_REPLAY_S)
+        replay_until = max(t_start + budget_s - _drain_s(budget_s), t0 + MIN_REPLAY_S)
         for r in requests:
             at = t0 + r.arrival_s
             if at > replay_until and not exact:
                 break
             while time.monotonic() < at:
                 await asyncio.sleep(min(0.25, at - time.monotonic()))
-                refresh()
-            check_alive()
-            toks = request_tokens(r.hash_ids, r.input_length, r.index, base.seed)
+                self.refresh()
+            self.check_alive()
+            toks = request_tokens(r.hash_ids, r.input_length, r.index, self.s.seed)
             client_id = f"{policy}-{r.index}"
-            stats.prompt_of[f"{gateway_id}-{client_id}"] = len(toks)
-            clients.add(asyncio.create_task(ask_completion(client, stats, f"{gateway_id}-{client_id}", client_id, toks,
-                                                 r.output_length)))
+            stats.prompt_of[f"{self.gateway_id}-{client_id}"] = len(toks)
+            self.clients.add(asyncio.create_task(ask_completion(
+                self.client, stats, f"{self.gateway_id}-{client_id}", client_id, toks, r.output_length)))
             stats.sent += 1
 
-        # Drain: wait for what was decided to finish its prefill (and decode), within the budget.
+    async def drain(self, t_start: float, budget_s: float, *, exact: bool) -> None:
+        """Wait for what was decided to finish its prefill (and decode), within the budget."""
+        stats = self.stats
         stats.phase = "draining"
-        end = max(time.monotonic() + (drain_s if exact else 2.0), t_start + budget_s)
+        end = max(time.monotonic() + (_drain_s(budget_s) if exact else 2.0), t_start + budget_s)
         while time.monotonic() < end:
             if stats.decisions + sum(stats.rejected.values()) >= stats.sent and stats.prefills >= stats.decisions \
-                    and stats.decodes >= stats.decisions and all(t.done() for t in clients):
+                    and stats.decodes >= stats.decisions and all(t.done() for t in self.clients):
                 break
-            refresh()
+            self.refresh()
             await asyncio.sleep(0.25)
         stats.phase = "done"
-    finally:
-        for t in clients:
+
+    async def close(self) -> None:
+        """Stop exactly what this run started, clients first."""
+        for t in self.clients:
             t.cancel()
-        await asyncio.gather(*clients, return_exceptions=True)
-        if client is not None:
-            await client.close()
-        stop.set()
-        await procs.stop()
-        for t in tasks:
+        await asyncio.gather(*self.clients, return_exceptions=True)
+        if self.client is not None:
+            await self.client.close()
+        self.stop.set()
+        await self.procs.stop()
+        for t in self.tasks:
             t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await asyncio.gather(*self.tasks, return_exceptions=True)
         with contextlib.suppress(Exception):
-            await prod.stop()
+            await self.prod.stop()
         with contextlib.suppress(Exception):
-            await view.close()
-        refresh()
+            await self.view.close()
+        self.refresh()
+
+
+def _drain_s(budget_s: float) -> float:
+    return max(4.0, 0.15 * budget_s)
 
 
 async def ask_completion(client: openai.AsyncOpenAI, stats: RunStats, request_id: str, client_id: str,
@@ -685,17 +724,8 @@ def run_demo(settings: Settings, opts: DemoOptions) -> dict[str, Any]:
             base = settings.model_copy(update={"kafka_url": settings.kafka_url or st.kafka_url,
                                                "redis_url": settings.redis_url or st.redis_url,
                                                "profile": "embedded" if not settings.kafka_url else settings.profile})
-        if opts.admin_port and not _port_free(settings.bind_host, opts.admin_port):
-            opts = dataclasses.replace(opts, admin_port=free_port(settings.bind_host))  # another one serves there
-        if opts.admin_port:
-            console.print(f"live console: http://{settings.bind_host}:{opts.admin_port}/ (while the demo runs)",
-                          soft_wrap=True, highlight=False)
-        if not opts.gateway_port or not _port_free(settings.bind_host, opts.gateway_port):
-            opts = dataclasses.replace(opts, gateway_port=free_port(settings.bind_host))  # the same for both runs
+        opts = _with_ports(settings, opts, console)
         gw_url = f"http://{settings.bind_host}:{opts.gateway_port}"
-        console.print(f"gateway (OpenAI API, while the demo runs): {gw_url}/v1  e.g.\n  curl -s {gw_url}/v1/completions "
-                      "-H 'content-type: application/json' -d '{\"model\": \"default\", \"prompt\": \"hello there\", "
-                      "\"max_tokens\": 8}'", soft_wrap=True, highlight=False, markup=False)
         budget = opts.duration_s / 2
         requests = load_slice(trace, opts.speed, opts.sample, budget)
         with Live(render(runs, opts), console=console, refresh_per_second=2, transient=False) as live:
@@ -709,38 +739,8 @@ def run_demo(settings: Settings, opts: DemoOptions) -> dict[str, Any]:
                                       exact=i == 1, pids=pids))
                 # The baseline replays exactly the requests the first run replayed.
                 requests = requests[: stats.sent]
-        main, other = runs[0].summary(), runs[1].summary()
-        result = {
-            "ok": True,
-            **{k: main[k] for k in ("requests", "decisions", "rejected", "reuse_ratio", "ttft_p50_s", "ttft_p90_s",
-                                    "tbt_p50_ms", "tbt_p90_ms", "prefills_done", "decodes_done", "routed_reuse_ratio",
-                                    "rejected_by_reason", "rejection_examples", "ttft_prediction_error_p50")},
-            "policy": opts.policy,
-            "baseline_policy": opts.baseline,
-            "baseline_requests": other["requests"],
-            "baseline_rejected": other["rejected"],
-            "baseline_reuse_ratio": other["reuse_ratio"],
-            "baseline_ttft_p50_s": other["ttft_p50_s"],
-            "baseline_ttft_p90_s": other["ttft_p90_s"],
-            "baseline_tbt_p90_ms": other["tbt_p90_ms"],
-            "baseline_ttft_prediction_error_p50": other["ttft_prediction_error_p50"],
-            "speed": opts.speed,
-            "gateway_url": gw_url,
-            "client_ttft_wall_p50_s": main["client_ttft_wall_p50_s"],
-            "client_ttft_not_emulated_p50_s": main["client_ttft_not_emulated_p50_s"],
-            "gateway_routing_ms_p50": main["gateway_routing_ms_p50"],
-            "gateway_routing_ms_p99": main["gateway_routing_ms_p99"],
-            "client_errors": main["client_errors"],
-            "baseline_client_errors": other["client_errors"],
-            "instances": {"prefill": opts.prefill, "decode": opts.decode},
-            "bridge": {k: v for k, v in runs[-1].bridge_counts.items() if v},
-            "wall_s": round(time.monotonic() - t_all, 1),
-            "pids": pids,
-            "logs": str(log_dir),
-            "runs": [{"policy": r.policy, "topic_prefix": r.topic_prefix, "example_request_ids": r.example_ids}
-                     for r in runs],
-            "stack_kept": stack is None,
-        }
+        result = _comparison(runs, opts, gateway_url=gw_url, wall_s=round(time.monotonic() - t_all, 1), pids=pids,
+                             log_dir=log_dir, stack_kept=stack is None)
         # The summary is the demo's result: stdout (stderr when stdout carries the --json line).
         out = console if opts.json_out else Console(width=None if sys.stdout.isatty() else 160)
         _print_summary(out, result)
@@ -758,6 +758,59 @@ def run_demo(settings: Settings, opts: DemoOptions) -> dict[str, Any]:
         signal.signal(signal.SIGTERM, previous)
         if stack is not None:
             stack.down()
+
+
+def _with_ports(settings: Settings, opts: DemoOptions, console: Console) -> DemoOptions:
+    """``opts`` with a free console port (when one is wanted) and a gateway port, both said on ``console``."""
+    if opts.admin_port and not _port_free(settings.bind_host, opts.admin_port):
+        opts = dataclasses.replace(opts, admin_port=free_port(settings.bind_host))  # another one serves there
+    if opts.admin_port:
+        console.print(f"live console: http://{settings.bind_host}:{opts.admin_port}/ (while the demo runs)",
+                      soft_wrap=True, highlight=False)
+    if not opts.gateway_port or not _port_free(settings.bind_host, opts.gateway_port):
+        opts = dataclasses.replace(opts, gateway_port=free_port(settings.bind_host))  # the same for both runs
+    gw_url = f"http://{settings.bind_host}:{opts.gateway_port}"
+    console.print(f"gateway (OpenAI API, while the demo runs): {gw_url}/v1  e.g.\n  curl -s {gw_url}/v1/completions "
+                  "-H 'content-type: application/json' -d '{\"model\": \"default\", \"prompt\": \"hello there\", "
+                  "\"max_tokens\": 8}'", soft_wrap=True, highlight=False, markup=False)
+    return opts
+
+
+def _comparison(runs: list[RunStats], opts: DemoOptions, *, gateway_url: str, wall_s: float, pids: list[int],
+                log_dir: Path, stack_kept: bool) -> dict[str, Any]:
+    """The demo's result: Conductor's run against the baseline's (the ``--json`` line)."""
+    main, other = runs[0].summary(), runs[1].summary()
+    return {
+        "ok": True,
+        **{k: main[k] for k in ("requests", "decisions", "rejected", "reuse_ratio", "ttft_p50_s", "ttft_p90_s",
+                                "tbt_p50_ms", "tbt_p90_ms", "prefills_done", "decodes_done", "routed_reuse_ratio",
+                                "rejected_by_reason", "rejection_examples", "ttft_prediction_error_p50")},
+        "policy": opts.policy,
+        "baseline_policy": opts.baseline,
+        "baseline_requests": other["requests"],
+        "baseline_rejected": other["rejected"],
+        "baseline_reuse_ratio": other["reuse_ratio"],
+        "baseline_ttft_p50_s": other["ttft_p50_s"],
+        "baseline_ttft_p90_s": other["ttft_p90_s"],
+        "baseline_tbt_p90_ms": other["tbt_p90_ms"],
+        "baseline_ttft_prediction_error_p50": other["ttft_prediction_error_p50"],
+        "speed": opts.speed,
+        "gateway_url": gateway_url,
+        "client_ttft_wall_p50_s": main["client_ttft_wall_p50_s"],
+        "client_ttft_not_emulated_p50_s": main["client_ttft_not_emulated_p50_s"],
+        "gateway_routing_ms_p50": main["gateway_routing_ms_p50"],
+        "gateway_routing_ms_p99": main["gateway_routing_ms_p99"],
+        "client_errors": main["client_errors"],
+        "baseline_client_errors": other["client_errors"],
+        "instances": {"prefill": opts.prefill, "decode": opts.decode},
+        "bridge": {k: v for k, v in runs[-1].bridge_counts.items() if v},
+        "wall_s": wall_s,
+        "pids": pids,
+        "logs": str(log_dir),
+        "runs": [{"policy": r.policy, "topic_prefix": r.topic_prefix, "example_request_ids": r.example_ids}
+                 for r in runs],
+        "stack_kept": stack_kept,
+    }
 
 
 def _port_free(host: str, port: int) -> bool:
