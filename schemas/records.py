@@ -566,7 +566,7 @@ def envelope(
 ) -> Envelope:
     """Wrap ``body`` (one of :data:`BODIES`) at the current schema version."""
     if not isinstance(body, AnyBody):
-        raise TypeError(f"{type(body).__name__} is not a record body (one of schemas.BODIES)")
+        raise TypeError(f"{type(body).__name__} is not a record body (one of schemas.records.BODIES)")
     return Envelope(
         schema_name=body.kind,
         schema_version=SCHEMA_VERSIONS[body.kind],
