@@ -177,8 +177,10 @@ async def end_offsets(c: AIOKafkaConsumer, tps: list[Any], *, probe_timeout_s: f
     Kafka's high watermark is exactly that. Tansu (the embedded broker) answers with the
     base offset of the partition's last record *batch* plus one, which falls short by the
     size of that batch (a replay that trusted it would stop early and say nothing). So the
-    last batch is fetched and the end taken from its last record: the same answer on
-    Kafka, the right one on Tansu. Leaves the consumer's positions anywhere: seek after.
+    last batch is fetched and the end taken from its last record and from the high
+    watermark the fetch response carries (right on Tansu too, and the only answer when a
+    small ``max_partition_fetch_bytes`` brings back the start of a large batch): the same
+    answer on Kafka, the right one on Tansu. Leaves the consumer's positions anywhere: seek after.
     """
     reported = await c.end_offsets(tps)
     out = {tp: int(reported[tp]) for tp in tps}
@@ -190,7 +192,7 @@ async def end_offsets(c: AIOKafkaConsumer, tps: list[Any], *, probe_timeout_s: f
         got = await c.getmany(*pending, timeout_ms=200)
         for tp, msgs in got.items():
             if msgs:
-                out[tp] = max(out[tp], msgs[-1].offset + 1)
+                out[tp] = max(out[tp], msgs[-1].offset + 1, c.highwater(tp) or 0)
                 pending.discard(tp)
     # a partition whose last record is a control marker yields nothing: its report stands
     return out
