@@ -95,7 +95,7 @@ def test_the_index_is_the_builders_picture_read_after_read(seed: int, size: int)
         assert got.index.prefill_shapes == {s for h, s in zip(holders, got.index.shapes) if h.role in ("prefill", "both")}
         tokens = rng.choice([600, 9000, 40_000, 70_000])
         req = PolicyRequest("r", tokens, min(tokens // BS, 80), ttft_slo_s=rng.choice([0.5, 2.0, 30.0]),
-                            tbt_slo_ms=rng.choice([40.0, 100.0]))
+                            tbt_slo_ms=rng.choice([40.0, 100.0]), priority=rng.choice([-100, -30, 0, 0, 70, 100]))
         s = rng.getrandbits(32)
         assert policy.decide(req, got, random.Random(s)) == policy.decide(req, want, random.Random(s))
     assert ix.rebuilds >= 1
@@ -135,7 +135,8 @@ def test_the_decode_band_from_the_index_is_the_exhaustive_one(seed: int, decodes
                          model="m")
     for _ in range(5):
         tokens = rng.choice([600, 9000, 40_000, 70_000])
-        req = PolicyRequest("r", tokens, tokens // BS, ttft_slo_s=30.0, tbt_slo_ms=rng.choice([20.0, 40.0, 100.0, 1e4]))
+        req = PolicyRequest("r", tokens, tokens // BS, ttft_slo_s=30.0, tbt_slo_ms=rng.choice([20.0, 40.0, 100.0, 1e4]),
+                            priority=rng.choice([-100, 0, 0, 100]))
         s = rng.getrandbits(32)
         assert policy.decide(req, got, random.Random(s)) == full.decide(req, want, random.Random(s))
 

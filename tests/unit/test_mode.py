@@ -104,3 +104,11 @@ def test_the_lower_predicted_ttft_wins_between_modes() -> None:
              agg("a0", queued_prefill_tokens=20_000, queued_requests=4))
     got = choose("kvcache-centric", req(4096), s)
     assert got.mode == "disaggregated" and got.decision.prefill == "p0"  # type: ignore[union-attr]
+
+
+def test_the_aggregated_options_are_held_to_the_priority_s_budget() -> None:
+    s = snap(agg("a0"))
+    ttft = choose("kvcache-centric", req(16_000), s, early_rejection=False).decision.predicted_ttft_s
+    late = {pr: choose("kvcache-centric", req(16_000, ttft_slo_s=ttft * 0.9, priority=pr), s) for pr in (0, 100)}
+    assert isinstance(late[0].decision, Rejection) and late[0].decision.reason == "ttft_slo"
+    assert isinstance(late[100].decision, Placement) and late[100].options[0].fits

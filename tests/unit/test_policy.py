@@ -190,6 +190,43 @@ def test_early_rejection_can_be_switched_off() -> None:
     assert isinstance(d, Placement) and d.predicted_ttft_s > 30
 
 
+# --- priority: where early rejection draws the line --------------------------------------
+
+def _ttft_of(r: PolicyRequest, s: ClusterSnapshot) -> float:
+    d = decide("kvcache-centric", r, s, early_rejection=False)
+    assert isinstance(d, Placement)
+    return d.predicted_ttft_s
+
+
+@pytest.mark.parametrize("slo_over_ttft,admitted", [
+    # (the TTFT SLO as a multiple of the predicted TTFT, the priorities admitted)
+    (3.0, {-100, -50, 0, 50, 100}),   # well within: everyone
+    (1.5, {-50, 0, 50, 100}),         # -100 is held to half the SLO: shed first
+    (0.9, {50, 100}),                 # late by 10 %: only a raised priority is kept
+    (0.5, set()),                     # late by 2x: no priority keeps it (+100 allows 1.5x)
+])
+def test_priority_shifts_the_early_rejection_threshold(slo_over_ttft: float, admitted: set[int]) -> None:
+    s = snap(P("p0"), D("d0"))  # no queue: the prediction is the prompt's compute alone
+    slo = _ttft_of(req(16_000), s) * slo_over_ttft
+    got = {pr for pr in (-100, -50, 0, 50, 100)
+           if isinstance(decide("kvcache-centric", req(16_000, ttft_slo_s=slo, priority=pr), s), Placement)}
+    assert got == admitted
+    low = decide("kvcache-centric", req(16_000, ttft_slo_s=slo, priority=-100), s)
+    if isinstance(low, Rejection):
+        assert low.reason == "ttft_slo" and "at priority -100" in low.message
+
+
+def test_priority_shifts_the_tbt_budget_too_and_a_zero_shift_ignores_it() -> None:
+    s = snap(P("p0"), D("d0", 10, 1_000_000))
+    tbt = decide("kvcache-centric", req(), s, early_rejection=False).predicted_tbt_ms
+    tight = req(tbt_slo_ms=tbt * 0.9, priority=100)
+    assert isinstance(decide("kvcache-centric", tight, s), Placement)
+    assert decide("kvcache-centric", req(tbt_slo_ms=tbt * 0.9), s).reason == "tbt_slo"
+    assert decide("kvcache-centric", tight, s, priority_shift=0.0).reason == "tbt_slo"
+    with pytest.raises(ConfigError, match="priority_shift"):
+        make_policy("kvcache-centric", {"priority_shift": 1.0}, PROFILE)  # -100 would have no budget at all
+
+
 def test_both_role_serves_prefill_and_decode() -> None:
     d = decide("kvcache-centric", req(), snap(Instance("b0", "both", prefix_blocks=(64, 64, 64))))
     assert isinstance(d, Placement) and d.prefill == d.decode == "b0" and d.reused_blocks == 64

@@ -90,6 +90,16 @@ class PolicyParams(BaseModel):
     )
 
 
+def slo_budgets(request: PolicyRequest, slo_margin: float = 1.0, priority_shift: float = 0.0) -> tuple[float, float]:
+    """(TTFT budget in s, TBT budget in ms) the early rejection holds ``request`` to: its SLOs
+    times ``slo_margin``, scaled by its priority: ``1 + priority_shift * priority / 100``, so a
+    request of priority -100 is shed while the cluster could still take it at
+    ``1 - priority_shift`` of its SLO (leaving that headroom to the others), one of +100 is kept
+    up to ``1 + priority_shift`` of it, and priority 0 (the default) is held to its SLO."""
+    scale = slo_margin * (1.0 + priority_shift * request.priority / 100.0)
+    return request.ttft_slo_s * scale, request.tbt_slo_ms * scale
+
+
 P = TypeVar("P", bound=PolicyParams)
 """A policy's parameter model."""
 

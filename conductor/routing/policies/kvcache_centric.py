@@ -12,6 +12,14 @@ wait ``queue_wait_safety`` times: the wait is estimated from a heartbeat's queue
 tokens as equal-length prompts, which under load is optimistic (long prompts cost
 quadratically), while the request's own prefill estimate is not; see
 docs/simulation/ANALYSIS.md for the measurement behind the default.
+
+Priority (the request's ``priority``, -100..100, recorded on ``requests`` so ``explain``
+re-derives with it) moves where early rejection draws the line: the SLO budget is scaled by
+``1 + priority_shift * priority / 100`` (:func:`~conductor.routing.policies.base.slo_budgets`).
+A router decides each request as it reads it and holds no queue of its own (queues are the
+engines'), so there is no admission order to reorder; what it controls is who is turned away
+when the queues fill: low priority first, keeping the headroom for the rest. A client cannot
+raise its own priority past what its API key allows (``conductor/gateway/auth.py``).
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from typing import Any
 from pydantic import Field
 
 from conductor.routing.costs import CopyPlan, PlaceKey, Reuse, tbt_of_load
-from conductor.routing.policies.base import Decision, PolicyParams, Rejection
+from conductor.routing.policies.base import Decision, PolicyParams, Rejection, slo_budgets
 from conductor.routing.policies.cpp import STAGES, plan_pipeline
 from conductor.routing.policies.parts import RoleSplitPolicy, pick_lowest, placement
 from conductor.routing.snapshot import NO_PREFIX, ClusterSnapshot, IndexView, Instance, PolicyRequest, indexes_by
@@ -52,6 +60,11 @@ def _tie_margin(p: KvCacheCentricParams) -> float:
     """How far above the shortest wait (or the lowest TTFT) an instance is still kept as a
     candidate: generous, since keeping one too many is harmless."""
     return 2 * p.prefill_tie_s + 1e-9
+
+
+def _at(request: PolicyRequest, budget: float, unit: str) -> str:
+    """What a rejection message says of a priority other than 0: the budget it was held to."""
+    return f" (held to {budget:g}{unit} at priority {request.priority})" if request.priority else ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +93,13 @@ class KvCacheCentricParams(PolicyParams):
     remote_reuse: bool = Field(default=True, description="consider prefixes held on other nodes at all")
     early_rejection: bool = Field(default=True, description="reject when no pair meets the SLOs")
     slo_margin: float = Field(default=1.0, gt=0, description="reject when prediction > SLO x margin")
+    priority_shift: float = Field(
+        default=0.5,
+        ge=0,
+        lt=1,
+        description="a request's priority (-100..100) scales the SLO budget early rejection holds it to by "
+        "1 + priority_shift x priority/100: low priority is shed first, leaving the queues' headroom to the rest",
+    )
     queue_wait_safety: float = Field(
         default=2.0,
         ge=1.0,
@@ -134,6 +154,10 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
             dec = every
         return placement(pre.instance, dec[0], pre.reuse, pre.ttft_s, dec[1])
 
+    def _budgets(self, request: PolicyRequest) -> tuple[float, float]:
+        """(TTFT budget s, TBT budget ms): the request's SLOs x the margin, scaled by its priority."""
+        return slo_budgets(request, self.p.slo_margin, self.p.priority_shift)
+
     def _prefill_fast(self, request: PolicyRequest, snapshot: ClusterSnapshot, ix: IndexView,
                       rng: random.Random) -> PrefillPlan | None:
         """:meth:`_prefill` over the holders and the shortest queues in order of wait, stopping
@@ -183,8 +207,7 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
             ttfts.append(w + r.cost_s)
             lo = min(lo, w + r.cost_s)
         chosen = pick_lowest(range(len(pool)), ttfts, rng, tol=p.prefill_tie_s, node_id=lambda i: pool[i].node_id)
-        if p.early_rejection and ttfts[chosen] + (p.queue_wait_safety - 1.0) * waits[chosen] > (
-                request.ttft_slo_s * p.slo_margin):
+        if p.early_rejection and ttfts[chosen] + (p.queue_wait_safety - 1.0) * waits[chosen] > self._budgets(request)[0]:
             return None
         return PrefillPlan(pool[chosen], reuses[chosen], ttfts[chosen])
 
@@ -204,7 +227,7 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
         to _decode."""
         p = self.p
         costs = self.costs
-        budget = request.tbt_slo_ms * p.slo_margin
+        budget = self._budgets(request)[1]
         need = costs.decode_blocks_needed(request, bs)
         prompt = request.prompt_tokens
         loads, base = ix.decode_loads, ix.base
@@ -288,7 +311,7 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
         ttfts = [w + r.cost_s for w, r in zip(waits, reuses)]
         chosen = pick_lowest(range(len(pool)), ttfts, rng, tol=p.prefill_tie_s, node_id=lambda i: pool[i][0].node_id)
         ttft = ttfts[chosen]
-        ttft_budget = request.ttft_slo_s * p.slo_margin
+        ttft_budget = self._budgets(request)[0]
         # Admitting work whose TTFT lands just under the SLO by an optimistic wait estimate
         # fills queues until most of it misses (measured in the simulator), so the wait
         # part of the prediction must clear the budget with a safety factor.
@@ -314,13 +337,14 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
             if min(every_wait) > ttft_budget:
                 return Rejection(
                     "overloaded",
-                    f"every prefill queue alone exceeds the TTFT SLO {request.ttft_slo_s:g}s "
+                    f"every prefill queue alone exceeds the TTFT SLO {request.ttft_slo_s:g}s{_at(request, ttft_budget, 's')} "
                     f"(shortest wait {min(every_wait):.3f}s over {len(prefills)} instances)",
                 )
             return Rejection(
                 "ttft_slo",
                 f"best predicted TTFT {ttft:.3f}s on {pool[chosen][0].node_id}, {guarded:.3f}s with its queue wait "
-                f"{waits[chosen]:.3f}s counted x{p.queue_wait_safety:g}, exceeds the SLO {request.ttft_slo_s:g}s "
+                f"{waits[chosen]:.3f}s counted x{p.queue_wait_safety:g}, exceeds the SLO {request.ttft_slo_s:g}s"
+                f"{_at(request, ttft_budget, 's')} "
                 f"on every one of {len(prefills)} prefill instances" + (" and every CPP group" if p.cpp else ""),
             )
         return PrefillPlan(pool[chosen][0], reuses[chosen], ttft)
@@ -553,13 +577,14 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
                 return Rejection("overloaded", f"no decode instance has {need} free KV blocks for the request")
             fitting = list(decodes)
         tbts = [costs.tbt_ms(d, request) for d in fitting]
-        tbt_budget = request.tbt_slo_ms * p.slo_margin
+        tbt_budget = self._budgets(request)[1]
         ok = [i for i, t in enumerate(tbts) if t <= tbt_budget]
         if not ok:
             if p.early_rejection:
                 return Rejection(
                     "tbt_slo",
-                    f"lowest predicted TBT {min(tbts):.1f}ms exceeds the SLO {request.tbt_slo_ms:g}ms "
+                    f"lowest predicted TBT {min(tbts):.1f}ms exceeds the SLO {request.tbt_slo_ms:g}ms"
+                    f"{_at(request, tbt_budget, 'ms')} "
                     f"on all {len(fitting)} decode instances",
                 )
             ok = list(range(len(fitting)))

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Final, Literal
 
 from conductor.routing.costs import Costs
-from conductor.routing.policies.base import BasePolicy, Decision, Placement, Policy, RejectCode, Rejection
+from conductor.routing.policies.base import BasePolicy, Decision, Placement, Policy, RejectCode, Rejection, slo_budgets
 from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
 from schemas import Mode
 
@@ -96,12 +96,13 @@ def decide_mode(policy: Policy, request: PolicyRequest, snapshot: ClusterSnapsho
     if not isinstance(policy, BasePolicy):
         raise TypeError(f"policy {policy.name!r} has no cost model to weigh the aggregated options with")
     costs, p = policy.costs, policy.p
-    # The SLO margin and early rejection are parameters of the policies that have them.
+    # The SLO margin, the priority's shift and early rejection are parameters of the policies that have them.
     margin = float(getattr(p, "slo_margin", 1.0))
+    shift = float(getattr(p, "priority_shift", 0.0))
     below = p.aggregate_below_tokens
     rejects = bool(getattr(p, "early_rejection", False))
     bs = snapshot.block_size
-    ttft_budget, tbt_budget = request.ttft_slo_s * margin, request.tbt_slo_ms * margin
+    ttft_budget, tbt_budget = slo_budgets(request, margin, shift)
 
     if all(i.can_hand_off for i in both):
         pd = policy.decide(request, snapshot, rng)
