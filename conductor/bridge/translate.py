@@ -19,6 +19,12 @@ announced holds it there. Sliding-window (and other windowed) groups are tracked
 neither add nor remove view entries, because vLLM's hybrid manager reuses a prefix as
 far as its full-attention groups hold it, and a windowed group only needs the last
 window before the cut (see the README for the rule and its bound).
+
+An event without ``group_idx`` (vLLM's array form, SGLang, offload connectors) names no
+group: it is about the block as a whole, i.e. the engine's only group, or every group of a
+hybrid one. Such a copy holds the block for every group; a removal without a group takes
+the block out of the tier in every group; a removal naming group g of a block held as a
+whole leaves it held by the node's other announced groups.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ MAX_TRACKED_BLOCKS = 4_000_000
 
 
 Holder = tuple[Tier, int | None]
-"""A copy of a block: its tier and its KV-cache group (None: a model with one group)."""
+"""A copy of a block: its tier and its KV-cache group (None: no group named, the block as a whole)."""
 
 
 def _scalar(x: Any) -> Any:
@@ -111,13 +117,16 @@ class NodeTranslator:
         held = {g for t, g in self.holders.get(h, ()) if t == tier and self._counts_for_view(g)}
         if not held:
             return False
+        if None in held:  # a copy of the block as a whole: every group holds it
+            return True
         full = {g for g, w in self.windowed.items() if not w}
         return not full or full <= held
 
     # --- stored -------------------------------------------------------------------
 
     def _stored(self, ev: EngineBlockStored) -> list[Record]:
-        self.windowed.setdefault(ev.group_idx, ev.sliding_window)
+        if ev.group_idx is not None:  # no group named is no group of its own (see the module's docstring)
+            self.windowed.setdefault(ev.group_idx, ev.sliding_window)
         if ev.placeholder:
             return self._placeholder(ev)
         if ev.parent_block_hash is None:
@@ -194,20 +203,28 @@ class NodeTranslator:
 
     def _removed(self, ev: EngineBlockRemoved) -> list[Record]:
         gone: list[int] = []
+        tier, group = ev.tier, ev.group_idx
         for h in ev.block_hashes:
             key = self.keys.get(h)
             held = self.holders.get(h)
-            if key is None or held is None or (ev.tier, ev.group_idx) not in held:
+            at_tier = {g for t, g in held if t == tier} if held else set()
+            if key is None or held is None or not at_tier or (group is not None and not at_tier & {group, None}):
                 self.counts["unknown_removed"] += 1
                 continue
-            before = self._present(h, ev.tier)
-            held.discard((ev.tier, ev.group_idx))
-            if before and not self._present(h, ev.tier):
+            before = self._present(h, tier)
+            if group is None:
+                held.difference_update((tier, g) for g in at_tier)  # the block left the tier, every group of it
+            else:
+                if None in at_tier:  # held as a whole: the node's other groups still hold it
+                    held.discard((tier, None))
+                    held.update((tier, g) for g in self.windowed if g != group)
+                held.discard((tier, group))
+            if before and not self._present(h, tier):
                 gone.append(key)
             if not held:
                 del self.keys[h]
                 del self.holders[h]
         self.counts["blocks_removed"] += len(gone)
         return [
-            BlocksRemoved(block_keys=gone[i : i + MAX_BLOCKS], tier=ev.tier) for i in range(0, len(gone), MAX_BLOCKS)
+            BlocksRemoved(block_keys=gone[i : i + MAX_BLOCKS], tier=tier) for i in range(0, len(gone), MAX_BLOCKS)
         ]

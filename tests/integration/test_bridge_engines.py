@@ -231,6 +231,48 @@ async def test_hybrid_sliding_window_removals_keep_the_full_attention_prefix() -
     await finish(stop, task, eng)
 
 
+async def test_a_store_without_group_idx_after_group_0_stores_is_indexed() -> None:
+    """vLLM >= 0.26 names group 0 on its GPU stores; a storage connector's store of the same blocks
+    names none: that is the engine's only group, so the blocks are on that tier too."""
+    eng, out = Engine(), Out()
+    bridge, stop, task = await follow(eng, out)
+    hashes = [61, 62, 63]
+    await eng.send(V026.encode(1.0, [V026.Stored(hashes, None, TOKENS[: 3 * BS], BS, None, "GPU", None, group_idx=0)]))
+    await eng.send(V026.encode(1.1, [V026.Stored(hashes, None, TOKENS[: 3 * BS], BS, None, "STORAGE", None)]))
+    # A removal in the array form (no group) takes a block out of HBM whichever form stored it.
+    await eng.send(V023.encode(1.2, [V023.Removed([63], "GPU")]))
+    await until(lambda: bridge.counts["batches"] == 3)
+    k = chain_keys(TOKENS[: 3 * BS], BS)
+    assert out.view() == {"hbm": set(k[:2]), "ssd": set(k)}
+    assert bridge.translator.counts["unknown_removed"] == 0
+    await finish(stop, task, eng)
+
+
+async def test_a_stream_mixing_both_forms_indexes_every_block() -> None:
+    """Batches alternate vLLM's map form (group 0) and its array form (no group): every block of both
+    is indexed, and each form's removals apply to blocks the other stored."""
+    eng, out = Engine(), Out()
+    bridge, stop, task = await follow(eng, out)
+    parent = None
+    for i in range(12):
+        h = 700 + i
+        if i % 2 == 0:
+            await eng.send(V026.encode(1.0, [V026.Stored([h], parent, blk(i), BS, None, "GPU", None, group_idx=0)]))
+        else:
+            await eng.send(V023.encode(1.0, [V023.Stored([h], parent, blk(i), BS, None, "GPU")]))
+        parent = h
+    k = chain_keys(TOKENS[: 12 * BS], BS)
+    await until(lambda: bridge.counts["batches"] == 12)
+    assert out.view() == {"hbm": set(k)}
+    # The last two blocks: one stored by each form, each removed by the other form.
+    await eng.send(V023.encode(2.0, [V023.Removed([710], "GPU")]))
+    await eng.send(V026.encode(2.1, [V026.Removed([711], "GPU", group_idx=0)]))
+    await until(lambda: bridge.counts["batches"] == 14)
+    assert out.view() == {"hbm": set(k[:10])}
+    assert bridge.translator.counts["unknown_removed"] == 0
+    await finish(stop, task, eng)
+
+
 # --- restarts -------------------------------------------------------------------------------
 
 
