@@ -301,116 +301,159 @@ def plan(
     ``topology``, a replica is copied from the holder with the cheapest path to the target
     (``kv_bytes_per_block`` x the prefix's blocks over the path's link), the least loaded
     holder breaking ties; without one, from the least loaded holder."""
-    commands: list[KvCommand] = []
-    extra = reserved or {}
-
-    def queued(n: NodeState) -> int:
-        return n.queued_prefill_tokens + extra.get(n.node_id, 0)
-
-    deadline_ms = int((now_s + params.command_ttl_s) * 1000)
+    rnd = _Round(ttl_s=ttl_s, now_s=now_s, params=params, cooldown=cooldown, costs=costs, block_size=block_size,
+                 reserved=reserved or {}, topology=topology, kv_bytes_per_block=kv_bytes_per_block)
     for chain, h in hot:
         snap = snapshots.get(chain)
-        if snap is None or len(commands) >= params.max_commands:
-            continue
-        live = [n for n in snap.live_nodes(ttl_s) if _prefill_capable(n)]
+        if snap is not None and not rnd.full():
+            rnd.replicate(chain, h, snap)
+    for chain in cold:
+        snap = snapshots.get(chain)
+        if snap is not None and not rnd.full():
+            rnd.demote(chain, snap)
+    return rnd.commands
+
+
+@dataclass
+class _Round:
+    """One round of :func:`plan`: its inputs, shared by the steps, and the commands planned so far."""
+
+    ttl_s: float
+    now_s: float
+    params: BalanceParams
+    cooldown: Cooldown
+    costs: BalanceCosts | None
+    block_size: int
+    reserved: Mapping[str, int]
+    topology: Topology | None
+    kv_bytes_per_block: float
+    commands: list[KvCommand] = field(default_factory=list)
+    deadline_ms: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.deadline_ms = int((self.now_s + self.params.command_ttl_s) * 1000)
+
+    def queued(self, n: NodeState) -> int:
+        """The node's queued prefill tokens, the routers' reservations added."""
+        return n.queued_prefill_tokens + self.reserved.get(n.node_id, 0)
+
+    def full(self) -> bool:
+        return len(self.commands) >= self.params.max_commands
+
+    def replicate(self, chain: tuple[int, ...], heat: float, snap: ViewSnapshot) -> None:
+        """A hot prefix: a copy into the shared pool, else onto one more instance, when the rules say so."""
+        live = [n for n in snap.live_nodes(self.ttl_s) if _prefill_capable(n)]
         if not live:
-            continue
+            return
         need = len(chain)
         holders = [n for n in live if snap.prefix.get(n.node_id, (0, 0, 0))[1] >= need]
         if not holders:
-            continue
-        if params.pool_copies:
-            cmd = _pool_copy(chain, h, snap, live, holders, ttl_s=ttl_s, now_s=now_s, params=params,
-                             cooldown=cooldown, costs=costs, block_size=block_size, queued=queued,
-                             deadline_ms=deadline_ms)
+            return
+        if self.params.pool_copies:
+            cmd = _pool_copy(chain, heat, snap, live, holders, ttl_s=self.ttl_s, now_s=self.now_s,
+                             params=self.params, cooldown=self.cooldown, costs=self.costs,
+                             block_size=self.block_size, queued=self.queued, deadline_ms=self.deadline_ms)
             if cmd is not None:
-                commands.append(cmd)
-                continue  # one shared copy serves every instance: no instance replica this round
-        if len(holders) >= params.max_replicas:
-            continue
+                self.commands.append(cmd)
+                return  # one shared copy serves every instance: no instance replica this round
+        if len(holders) >= self.params.max_replicas:
+            return
         held = {n.node_id for n in holders}
-        source = min(holders, key=lambda n: (queued(n), n.node_id))
-        src_tier: Tier = "hbm" if snap.prefix[source.node_id][0] >= need else "dram"
         others = [n for n in live if n.node_id not in held]
         if not others:
-            continue
-        target = min(others, key=lambda n: (queued(n), n.node_id))
-        via = ""
-        if topology is not None:
-            nbytes = kv_bytes_per_block * need
-            source = min(holders, key=lambda n: (topology.link_between(n, target).seconds(nbytes), queued(n),
-                                                 n.node_id))
-            src_tier = "hbm" if snap.prefix[source.node_id][0] >= need else "dram"
-            path = topology.link_between(source, target)
-            via = f"; copied over {path.transport} {path.bandwidth_gbps:g} Gb/s"
-        if costs is None:
-            mean = sum(queued(n) for n in live) / len(live)
-            bar = max(params.overload_tokens, params.overload_factor * mean)
-            if min(queued(n) for n in holders) < bar or queued(target) >= bar:
-                continue  # some holder still has room (routing will use it), or nowhere better to go
-            why = f"all {len(holders)} holder(s) have >= {bar:.0f} queued prefill tokens"
-        else:
-            tokens = need * block_size
-            if _saturated(target, costs, params, queued):
-                continue  # stand down: the target is saturated itself, a copy would only move the wait
-            avoided = costs.prefill_seconds(queued(source)) - costs.prefill_seconds(
-                queued(target))
-            transfer = costs.transfer_seconds(tokens, src_tier, remote=True)
-            recompute = costs.prefill_seconds(tokens)
-            if avoided < params.min_avoided_s or avoided <= params.balancing_threshold * transfer \
-                    or transfer >= recompute:
-                continue
-            why = (f"transfer {transfer:.3f} s < queue avoided {avoided:.2f} s "
-                   f"and < recompute {recompute:.2f} s")
+            return
+        target = min(others, key=lambda n: (self.queued(n), n.node_id))
+        source, src_tier, via = self._source(snap, holders, target, need)
+        why = self._overloaded(live, holders, source, target, src_tier, need)
+        if why is None:
+            return
         key = (chain[-1], "replicate", target.node_id)
-        if not cooldown.ready(key, now_s, params.cooldown_s):
-            continue
-        commands.append(
+        if not self.cooldown.ready(key, self.now_s, self.params.cooldown_s):
+            return
+        self.commands.append(
             KvCommand(
-                command_id=command_id("replicate", chain[-1], need, source.node_id, target.node_id, now_s),
+                command_id=command_id("replicate", chain[-1], need, source.node_id, target.node_id, self.now_s),
                 action="replicate",
                 block_keys=list(chain),
                 from_node=source.node_id,
                 from_tier=src_tier,
                 to_node=target.node_id,
-                to_tier=params.replica_tier,
-                deadline_ms=deadline_ms,
-                reason=f"hot prefix (heat {h:.1f}); {why}{via}",
+                to_tier=self.params.replica_tier,
+                deadline_ms=self.deadline_ms,
+                reason=f"hot prefix (heat {heat:.1f}); {why}{via}",
             )
         )
-        cooldown.mark(key, now_s)
-    for chain in cold:
-        snap = snapshots.get(chain)
-        if snap is None or len(commands) >= params.max_commands:
-            continue
-        for n in snap.live_nodes(ttl_s):
+        self.cooldown.mark(key, self.now_s)
+
+    def _source(self, snap: ViewSnapshot, holders: Sequence[NodeState], target: NodeState,
+                need: int) -> tuple[NodeState, Tier, str]:
+        """The holder a replica is copied from, its tier, and the path's words for the reason: the
+        cheapest path to ``target`` with a topology, else (and on a tie) the least loaded holder."""
+        queued = self.queued
+        if self.topology is None:
+            source = min(holders, key=lambda n: (queued(n), n.node_id))
+            via = ""
+        else:
+            topology, nbytes = self.topology, self.kv_bytes_per_block * need
+            source = min(holders, key=lambda n: (topology.link_between(n, target).seconds(nbytes), queued(n),
+                                                 n.node_id))
+            path = topology.link_between(source, target)
+            via = f"; copied over {path.transport} {path.bandwidth_gbps:g} Gb/s"
+        src_tier: Tier = "hbm" if snap.prefix[source.node_id][0] >= need else "dram"
+        return source, src_tier, via
+
+    def _overloaded(self, live: Sequence[NodeState], holders: Sequence[NodeState], source: NodeState,
+                    target: NodeState, src_tier: Tier, need: int) -> str | None:
+        """Why a replica from ``source`` onto ``target`` is worth it (the token bars, or with a cost
+        model the cost rule and the stand-down); ``None`` when it is not."""
+        queued, params, costs = self.queued, self.params, self.costs
+        if costs is None:
+            mean = sum(queued(n) for n in live) / len(live)
+            bar = max(params.overload_tokens, params.overload_factor * mean)
+            if min(queued(n) for n in holders) < bar or queued(target) >= bar:
+                return None  # some holder still has room (routing will use it), or nowhere better to go
+            return f"all {len(holders)} holder(s) have >= {bar:.0f} queued prefill tokens"
+        tokens = need * self.block_size
+        if _saturated(target, costs, params, queued):
+            return None  # stand down: the target is saturated itself, a copy would only move the wait
+        avoided = costs.prefill_seconds(queued(source)) - costs.prefill_seconds(queued(target))
+        transfer = costs.transfer_seconds(tokens, src_tier, remote=True)
+        recompute = costs.prefill_seconds(tokens)
+        if avoided < params.min_avoided_s or avoided <= params.balancing_threshold * transfer \
+                or transfer >= recompute:
+            return None
+        return f"transfer {transfer:.3f} s < queue avoided {avoided:.2f} s and < recompute {recompute:.2f} s"
+
+    def demote(self, chain: tuple[int, ...], snap: ViewSnapshot) -> None:
+        """A cooled prefix: out of HBM on every live node under HBM pressure, and out of a full pool."""
+        params = self.params
+        for n in snap.live_nodes(self.ttl_s):
             if n.total_kv_blocks <= 0 or 1 - n.free_kv_blocks / n.total_kv_blocks < params.hbm_pressure:
                 continue
             in_hbm = snap.prefix.get(n.node_id, (0, 0, 0))[0]
             if in_hbm <= 0:
                 continue
             key = (chain[-1], "demote", n.node_id)
-            if not cooldown.ready(key, now_s, params.cooldown_s):
+            if not self.cooldown.ready(key, self.now_s, params.cooldown_s):
                 continue
-            commands.append(
+            self.commands.append(
                 KvCommand(
-                    command_id=command_id("demote", chain[-1], in_hbm, n.node_id, None, now_s),
+                    command_id=command_id("demote", chain[-1], in_hbm, n.node_id, None, self.now_s),
                     action="demote",
                     block_keys=list(chain[:in_hbm]),
                     from_node=n.node_id,
                     from_tier="hbm",
                     to_tier="dram",
-                    deadline_ms=deadline_ms,
+                    deadline_ms=self.deadline_ms,
                     reason=f"cold prefix; HBM {100 * (1 - n.free_kv_blocks / n.total_kv_blocks):.0f}% used",
                 )
             )
-            cooldown.mark(key, now_s)
-        if params.pool_copies and len(commands) < params.max_commands:
-            cmd = _pool_evict(chain, snap, ttl_s=ttl_s, now_s=now_s, params=params, cooldown=cooldown,
-                              queued=queued, deadline_ms=deadline_ms)
+            self.cooldown.mark(key, self.now_s)
+        if params.pool_copies and not self.full():
+            cmd = _pool_evict(chain, snap, ttl_s=self.ttl_s, now_s=self.now_s, params=params, cooldown=self.cooldown,
+                              queued=self.queued, deadline_ms=self.deadline_ms)
             if cmd is not None:
-                commands.append(cmd)
-    return commands
+                self.commands.append(cmd)
 
 
 def _pool_copy(

@@ -9,16 +9,21 @@ popularity) fills a view of ~``target_blocks`` blocks over a synthetic cluster; 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import multiprocessing
 import random
 import statistics
 import time
 from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 from conductor.harness.bench import percentile
+from conductor.routing.policies import Decision, Policy
 from conductor.routing.router import Router, redis_stores
+from conductor.routing.snapshot import ClusterSnapshot, PolicyRequest
 from schemas import Heartbeat, Role, RoutingDecision, RoutingRequest, envelope
 from state.fold import AddBlocks
 from state.reader import RawSnapshotReader
@@ -196,91 +201,168 @@ async def run_route_bench(settings: Any, *, decisions: int, target_blocks: int, 
     drawn from N prompts, each decided once in the warm-up (a warm cache: what a tracking
     reader answers with no round trip)."""
 
+    if reader not in ("raw", "tracking"):
+        raise ValueError(f"reader must be raw or tracking, not {reader!r}")
     rng = random.Random(seed)
     nodes = cluster_nodes(*cluster_shape(instances))
     rate = float(instances if heartbeat_rate is None else heartbeat_rate)
-    if reader not in ("raw", "tracking"):
-        raise ValueError(f"reader must be raw or tracking, not {reader!r}")
+    view, resv = _view_reader(settings, reader, cache_keys)
+    # Bulk writes through a writer of their own: the router's client has 0.5 s timeouts.
+    writer = RedisViewStore.connect(settings.redis(), settings.view_namespace)
+    work = PrefixWorkload(rng)
+    loaded = await _load_view(writer, resv, work, nodes, target_blocks, rng)
+    if progress:
+        progress(f"view loaded: {len(nodes)} instances, {loaded.blocks} blocks in {loaded.load_s:.1f}s "
+                 f"({loaded.bytes_per_block:.1f} B per block)")
+
+    router = Router(settings, view, resv)
+    await router.start()
+    run = _RouteRun(settings, router, work, rng, distinct_prompts)
+    gc.collect()
+    gc.freeze()  # the synthetic workload's millions of keys are not garbage: keep GC off them
+    try:
+        with _heartbeats(settings, nodes, rate, seed + 1):
+            await run.warm_up(min(200, decisions))
+            timings = await run.measure(decisions, concurrency)
+    finally:
+        await router.close()
+        await run.baseline.close()
+        gc.unfreeze()
+    tracked = int((await writer.server_info("stats")).get("tracking_total_keys", 0))
+    await writer.clear()
+    await resv.clear()
+    await writer.close()
+    await view.close()
+    return _result(run, timings, loaded, instances=len(nodes), decisions=decisions, concurrency=concurrency,
+                   rate=rate, reader=reader, cache_keys=cache_keys, distinct_prompts=distinct_prompts,
+                   tracked=tracked)
+
+
+def _view_reader(settings: Any, reader: str, cache_keys: int) -> tuple[Any, Any]:
+    """The router's view reader (``raw`` or ``tracking``) and reservations, on the settings' Redis."""
     view, resv = redis_stores(settings)
     if reader == "tracking":
         view = TrackingSnapshotReader(settings.redis().connection_url(), settings.view_namespace, cache_keys=cache_keys,
                                       store=view.view if isinstance(view, RawSnapshotReader) else view)
-    # Bulk writes through a writer of their own: the router's client has 0.5 s timeouts.
-    writer = RedisViewStore.connect(settings.redis(), settings.view_namespace)
+    return view, resv
+
+
+@dataclass(frozen=True)
+class _Loaded:
+    blocks: int
+    bytes_per_block: float
+    """Redis ``used_memory`` growth over the bulk load, per block."""
+    load_s: float
+
+
+async def _load_view(writer: RedisViewStore, resv: Any, work: PrefixWorkload, nodes: list[Node],
+                     target_blocks: int, rng: random.Random) -> _Loaded:
+    """Empty the view and the reservations, then load the workload's history and one heartbeat per node."""
     await writer.clear()
     await resv.clear()
     mem0 = await _view_memory(writer)
-    work = PrefixWorkload(rng)
     t0 = time.perf_counter()
     blocks = await load_synthetic_view(writer, work, nodes, target_blocks, rng)
     bytes_per_block = (await _view_memory(writer) - mem0) / max(blocks, 1)
     await publish_heartbeats(writer, nodes, rng, 1, int(time.time() * 1000))
-    load_s = time.perf_counter() - t0
-    if progress:
-        progress(f"view loaded: {len(nodes)} instances, {blocks} blocks in {load_s:.1f}s "
-                 f"({bytes_per_block:.1f} B per block)")
+    return _Loaded(blocks, bytes_per_block, time.perf_counter() - t0)
 
-    router = Router(settings, view, resv)
-    await router.start()
-    baseline = RawSnapshotReader(settings.redis().connection_url(), settings.view_namespace)
-    gc.collect()
-    gc.freeze()  # the synthetic workload's millions of keys are not garbage: keep GC off them
-    policy_ms: list[float] = []
-    holders: list[int] = []
-    inner = router.policy
 
-    class Timed:  # times the pure part apart from the reads
-        name, params = inner.name, inner.params
+@contextlib.contextmanager
+def _heartbeats(settings: Any, nodes: list[Node], rate: float, seed: int) -> Iterator[None]:
+    """Heartbeats written by a process of its own at ``rate`` nodes per second (none at 0) for the block."""
+    if rate <= 0:
+        yield
+        return
+    ctx = multiprocessing.get_context("spawn")
+    stop = ctx.Event()
+    beater = ctx.Process(target=_heartbeat_process, args=(settings, nodes, rate, seed, stop), daemon=True)
+    beater.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        beater.join(10)
+        if beater.is_alive():
+            beater.terminate()
 
-        def decide(self, req: Any, snap: Any, r: random.Random) -> Any:
-            t = time.perf_counter()
-            out = inner.decide(req, snap, r)
-            policy_ms.append((time.perf_counter() - t) * 1000.0)
-            ix = snap.index
-            holders.append(len(ix.holders) if ix is not None
-                           else sum(1 for i in snap.instances if i.prefix_blocks[2] > 0))
-            return out
 
-    router.policy = Timed()
-    bs = settings.block_size
+class _TimedPolicy:
+    """The router's policy with its pure part timed apart from the reads, and the prefix holders
+    each decision saw (the policy's work follows them)."""
 
-    pool = [work.request()[1] for _ in range(distinct_prompts)]
+    def __init__(self, inner: Policy) -> None:
+        self.inner = inner
+        self.name, self.params = inner.name, inner.params
+        self.policy_ms: list[float] = []
+        self.holders: list[int] = []
 
-    def make(i: int) -> RoutingRequest:
-        chain = pool[rng.randrange(len(pool))] if pool else work.request()[1]
-        return RoutingRequest(request_id=f"bench-{i}", block_keys=chain, prompt_tokens=len(chain) * bs,
-                              expected_output_tokens=rng.randint(64, 512))
-
-    async def mget(chain: list[int]) -> float:
+    def decide(self, req: PolicyRequest, snap: ClusterSnapshot, r: random.Random) -> Decision:
         t = time.perf_counter()
-        await baseline._call(("MGET", *baseline.keys.blocks(chain)))
+        out = self.inner.decide(req, snap, r)
+        self.policy_ms.append((time.perf_counter() - t) * 1000.0)
+        ix = snap.index
+        self.holders.append(len(ix.holders) if ix is not None
+                            else sum(1 for i in snap.instances if i.prefix_blocks[2] > 0))
+        return out
+
+
+@dataclass
+class _Timings:
+    """What the timed decisions measured."""
+
+    lat: list[float] = field(default_factory=list)
+    """Milliseconds per decision."""
+    base: list[float] = field(default_factory=list)
+    """Milliseconds per baseline MGET."""
+    reuse: list[float] = field(default_factory=list)
+    """Per placement: the share of the prompt reused."""
+    outcomes: Counter[str] = field(default_factory=Counter)
+    busy_s: float = 0.0
+    """Wall time of the decisions, the baseline MGETs taken out."""
+
+
+class _RouteRun:
+    """One run: the router with its policy timed, the baseline reader beside it, the prompts."""
+
+    def __init__(self, settings: Any, router: Router, work: PrefixWorkload, rng: random.Random,
+                 distinct_prompts: int) -> None:
+        self.router, self.work, self.rng = router, work, rng
+        self.baseline = RawSnapshotReader(settings.redis().connection_url(), settings.view_namespace)
+        self.timed = _TimedPolicy(router.policy)
+        router.policy = self.timed
+        self.bs = settings.block_size
+        self.pool = [work.request()[1] for _ in range(distinct_prompts)]
+
+    def make(self, i: int) -> RoutingRequest:
+        chain = self.pool[self.rng.randrange(len(self.pool))] if self.pool else self.work.request()[1]
+        return RoutingRequest(request_id=f"bench-{i}", block_keys=chain, prompt_tokens=len(chain) * self.bs,
+                              expected_output_tokens=self.rng.randint(64, 512))
+
+    async def mget(self, chain: list[int]) -> float:
+        t = time.perf_counter()
+        await self.baseline._call(("MGET", *self.baseline.keys.blocks(chain)))
         return (time.perf_counter() - t) * 1000.0
 
-    stop = None
-    beater = None
-    if rate > 0:
-        ctx = multiprocessing.get_context("spawn")
-        stop = ctx.Event()
-        beater = ctx.Process(target=_heartbeat_process, args=(settings, nodes, rate, seed + 1, stop), daemon=True)
-        beater.start()
-    try:
-        warm = [make(-i - 1) for i in range(min(200, decisions))]  # connections, script loads, caches
-        warm += [RoutingRequest(request_id=f"bench-warm-{i}", block_keys=chain, prompt_tokens=len(chain) * bs,
-                                expected_output_tokens=64) for i, chain in enumerate(pool)]  # every prompt once
+    async def warm_up(self, n: int) -> None:
+        """Connections, script loads, caches: ``n`` new prompts and every prompt of the pool once;
+        then the counters start from zero (the timed reads only)."""
+        warm = [self.make(-i - 1) for i in range(n)]
+        warm += [RoutingRequest(request_id=f"bench-warm-{i}", block_keys=chain, prompt_tokens=len(chain) * self.bs,
+                                expected_output_tokens=64) for i, chain in enumerate(self.pool)]
         for req in warm:
-            await router.route(req)
-            await mget(list(req.block_keys or ()))
-        policy_ms.clear()
-        holders.clear()
-        stats = getattr(view, "stats", None)
-        if stats is not None:  # count the timed reads only
+            await self.router.route(req)
+            await self.mget(list(req.block_keys or ()))
+        self.timed.policy_ms.clear()
+        self.timed.holders.clear()
+        stats = getattr(self.router.view, "stats", None)
+        if stats is not None:
             stats.update(dict.fromkeys(stats, 0))
-        reqs = [make(i) for i in range(decisions)]
-        lat: list[float] = []
-        base: list[float] = []
-        reuse: list[float] = []
-        outcomes: Counter[str] = Counter()
-        queue = list(reversed(reqs))
+
+    async def measure(self, decisions: int, concurrency: int) -> _Timings:
+        """``decisions`` decisions, ``concurrency`` in flight, each followed by its baseline MGET."""
+        out = _Timings()
+        queue = list(reversed([self.make(i) for i in range(decisions)]))
         paused = 0.0
 
         async def lane() -> None:
@@ -288,67 +370,62 @@ async def run_route_bench(settings: Any, *, decisions: int, target_blocks: int, 
             while queue:
                 req = queue.pop()
                 t = time.perf_counter()
-                out = await router.route(req)
-                lat.append((time.perf_counter() - t) * 1000.0)
-                ms = await mget(list(req.block_keys or ()))  # the baseline, interleaved: same noise
-                base.append(ms)
+                answer = await self.router.route(req)
+                out.lat.append((time.perf_counter() - t) * 1000.0)
+                ms = await self.mget(list(req.block_keys or ()))  # the baseline, interleaved: same noise
+                out.base.append(ms)
                 paused += ms / 1000.0
-                if isinstance(out, RoutingDecision):
-                    outcomes["placed"] += 1
-                    reuse.append(out.reused_tokens / req.prompt_tokens)
+                if isinstance(answer, RoutingDecision):
+                    out.outcomes["placed"] += 1
+                    out.reuse.append(answer.reused_tokens / req.prompt_tokens)
                 else:
-                    outcomes[out.reason] += 1
+                    out.outcomes[answer.reason] += 1
 
         t_run = time.perf_counter()
         await asyncio.gather(*(lane() for _ in range(concurrency)))
-        busy = time.perf_counter() - t_run - paused / concurrency
-    finally:
-        if beater is not None and stop is not None:
-            stop.set()
-            beater.join(10)
-            if beater.is_alive():
-                beater.terminate()
-        await router.close()
-        await baseline.close()
-        gc.unfreeze()
-    tracked = int((await writer.server_info("stats")).get("tracking_total_keys", 0))
-    await writer.clear()
-    await resv.clear()
-    await writer.close()
-    await view.close()
+        out.busy_s = time.perf_counter() - t_run - paused / concurrency
+        return out
+
+
+def _result(run: _RouteRun, t: _Timings, loaded: _Loaded, *, instances: int, decisions: int, concurrency: int,
+            rate: float, reader: str, cache_keys: int, distinct_prompts: int, tracked: int) -> dict[str, Any]:
+    """The bench's JSON object."""
+    view = run.router.view
     node_reads = dict(getattr(view, "node_reads", {}))
     cache = dict(getattr(view, "stats", {}))
-    d50, m50 = percentile(lat, 0.50), percentile(base, 0.50)
-    d99, m99 = percentile(lat, 0.99), percentile(base, 0.99)
+    policy_ms, holders = run.timed.policy_ms, run.timed.holders
+    d50, m50 = percentile(t.lat, 0.50), percentile(t.base, 0.50)
+    d99, m99 = percentile(t.lat, 0.99), percentile(t.base, 0.99)
     return {
         "bench": "route",
-        "policy": inner.name,
-        "instances": len(nodes),
-        "blocks": blocks,
-        "chain_blocks": work.chain_blocks,
+        "policy": run.timed.name,
+        "instances": instances,
+        "blocks": loaded.blocks,
+        "chain_blocks": run.work.chain_blocks,
         "decisions": decisions,
         "concurrency": concurrency,
         "heartbeat_rate": rate,
         "decision_ms_p50": round(d50, 4),
         "decision_ms_p99": round(d99, 4),
-        "decision_ms_max": round(max(lat), 4),
+        "decision_ms_max": round(max(t.lat), 4),
         "policy_ms_p50": round(percentile(policy_ms, 0.50), 4),
         "policy_ms_p99": round(percentile(policy_ms, 0.99), 4),
         "prefix_holders_mean": round(statistics.fmean(holders), 1) if holders else 0.0,
-        "decisions_per_s": round(decisions / busy, 1),
+        "decisions_per_s": round(decisions / t.busy_s, 1),
         "mget128_ms_p50": round(m50, 4),
         "mget128_ms_p99": round(m99, 4),
         "decision_over_mget_p50": round(d50 / m50, 3) if m50 else None,
         "decision_over_mget_p99": round(d99 / m99, 3) if m99 else None,
-        "view_bytes_per_block": round(bytes_per_block, 1),
-        "reused_prefix_ratio_mean": round(statistics.fmean(reuse), 4) if reuse else 0.0,
-        "outcomes": dict(outcomes),
+        "view_bytes_per_block": round(loaded.bytes_per_block, 1),
+        "reused_prefix_ratio_mean": round(statistics.fmean(t.reuse), 4) if t.reuse else 0.0,
+        "outcomes": dict(t.outcomes),
         "node_reads": node_reads,
-        "view_load_s": round(load_s, 2),
+        "view_load_s": round(loaded.load_s, 2),
         "reader": reader,
         "cache_keys": cache_keys if reader == "tracking" else 0,
         "cache_hit_ratio": round(cache["hits"] / max(1, cache["hits"] + cache["misses"]), 4) if cache else None,
-        "keys_fetched_per_read": round(cache["misses"] / max(1, cache["reads"]), 1) if cache else float(work.chain_blocks),
+        "keys_fetched_per_read": (round(cache["misses"] / max(1, cache["reads"]), 1) if cache
+                                  else float(run.work.chain_blocks)),
         "cache_reads_redone": cache.get("retries", 0),
         "distinct_prompts": distinct_prompts,
         "cached_reads_ratio": round(cache.get("cached_reads", 0) / max(1, cache["reads"]), 4) if cache else None,
