@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
 from conductor.harness.bench import percentile
@@ -38,7 +39,7 @@ from conductor.settings import child_environment
 from schemas import BlocksRemoved, BlocksStored, Heartbeat, chain_from_precomputed, encode, envelope, headers
 from state.redis_view import RedisViewStore
 from streams.kafka import ensure_topics, producer
-from streams.topics import topics
+from streams.topics import Topics, topics
 
 
 @dataclass(frozen=True)
@@ -141,103 +142,27 @@ async def run_ingest_bench(
             st = await asyncio.to_thread(stack.up)  # up() runs its own event loop
             settings = settings.model_copy(update={"kafka_url": st.kafka_url, "redis_url": st.redis_url, "profile": "embedded"})
             say(f"embedded stack up: {st.kafka_url} {st.redis_url}")
-        tag = uuid.uuid4().hex[:8]
-        s = settings.model_copy(
-            update={"topic_prefix": f"bench{tag}.", "view_namespace": f"bench{tag}", "web_port": free_port(settings.bind_host)}
-        )
-        t = topics(s.topic_config())
-        await ensure_topics(s.kafka(), t.all())
-        store = RedisViewStore.connect(s.redis(), s.view_namespace)
-        mem0 = await store.memory_bytes()
-        worker = start_worker_process(s, Path(tmp.name) / "worker.log")
-        prod = producer(s.kafka())
+        run = await _IngestRun.start(settings, cfg, Path(tmp.name), say)
         try:
-            await prod.start()
-            engines = SyntheticEngines(cfg, t.kv_events.name, t.heartbeats.name)
-            # Ready = a probe heartbeat is visible (the worker joined and folds).
-            t_ready0 = time.monotonic()
-            probe = envelope(Heartbeat(role="store"), producer_id="bench-probe", producer_seq=0, ts_ms=int(time.time() * 1000))
-            md = await prod.send_and_wait(t.heartbeats.name, encode(probe), key=b"bench-probe", headers=headers(probe))
-            await _wait_visible(store, {f"{md.topic}:{md.partition}": md.offset}, 90.0, worker)
-            say(f"worker ready in {time.monotonic() - t_ready0:.1f}s")
-
-            # --- phase 1: throughput -------------------------------------------------------
-            records: list[Outgoing] = []
-            blocks = 0
-            now = int(time.time() * 1000)
-            while blocks < cfg.block_events:
-                for o in engines.next(now):
-                    records.append(o)
-                    blocks += o.blocks
-            kv_records = sum(1 for o in records if o.blocks)
-            say(f"phase 1: {len(records)} records, {blocks} block events")
-            t0 = time.monotonic()
-            futs = [await prod.send(o.topic, o.value, key=o.key, headers=o.headers) for o in records]
-            mds = await asyncio.gather(*futs)
-            t_pub = time.monotonic() - t0
-            last: dict[str, int] = {}
-            for m in mds:
-                k = f"{m.topic}:{m.partition}"
-                last[k] = max(last.get(k, -1), m.offset)
-            await _wait_visible(store, last, 300.0, worker)
-            t_all = time.monotonic() - t0
-            say(f"phase 1: published in {t_pub:.2f}s, visible after {t_all:.2f}s")
-
-            # --- phase 2: staleness at a fixed offered load ----------------------------------
-            sent: dict[tuple[str, int], float] = {}
-            pending: list[asyncio.Future[Any]] = []
-            timeline = WatermarkTimeline(store)
-            await timeline.poll_once()
-            stop = asyncio.Event()
-            poller = asyncio.create_task(timeline.run(stop))
-            t_start = time.monotonic()
-            offered = 0
-            while (elapsed := time.monotonic() - t_start) < cfg.staleness_s:
-                due = cfg.offered_rate * elapsed
-                if offered >= due:
-                    await asyncio.sleep(min((offered - due) / cfg.offered_rate, 0.01))
-                    continue
-                for o in engines.next(int(time.time() * 1000)):
-                    t_send = time.monotonic()
-                    fut = await prod.send(o.topic, o.value, key=o.key, headers=o.headers)
-                    fut.add_done_callback(lambda f, t_send=t_send: _note(sent, f, t_send))
-                    pending.append(fut)
-                    offered += o.blocks
-            await asyncio.gather(*pending)
-            want: dict[str, int] = {}
-            for k, off in sent:
-                want[k] = max(want.get(k, -1), off)
-            try:
-                await _wait_visible(store, want, 60.0, worker)
-                await timeline.poll_once()
-            finally:
-                stop.set()
-                await poller
-            stale = []
-            for (k, off), t_send in sent.items():
-                t_vis = timeline.visible_at(k, off)
-                if t_vis is not None:
-                    stale.append(max(t_vis - t_send, 0.0))
-            mem1 = await store.memory_bytes()
-            n_blocks = await store.block_count()
+            await run.ready()
+            phase1 = await run.throughput()
+            stale = await run.staleness()
+            mem1 = await run.store.memory_bytes()
+            n_blocks = await run.store.block_count()
         finally:
-            stop_worker_process(worker)
-            with contextlib.suppress(KafkaError):  # a failed last flush must not skip the clean-up
-                await prod.stop()
-            await store.clear()
-            await store.close()
+            await run.close()
         return {
-            "block_events_per_s": round(blocks / t_all, 1),
-            "records_per_s": round(len(records) / t_all, 1),
-            "blocks_per_record": round(blocks / max(kv_records, 1), 1),
+            "block_events_per_s": round(phase1.blocks / phase1.seconds, 1),
+            "records_per_s": round(phase1.records / phase1.seconds, 1),
+            "blocks_per_record": round(phase1.blocks / max(phase1.kv_records, 1), 1),
             "staleness_ms_p50": round(percentile(stale, 0.50) * 1000, 2),
             "staleness_ms_p99": round(percentile(stale, 0.99) * 1000, 2),
-            "view_bytes_per_block": round((mem1 - mem0) / max(n_blocks, 1), 1),
+            "view_bytes_per_block": round((mem1 - run.mem0) / max(n_blocks, 1), 1),
             "offered_block_events_per_s": cfg.offered_rate,
             "staleness_samples": len(stale),
-            "phase1_records": len(records),
-            "phase1_block_events": blocks,
-            "phase1_seconds": round(t_all, 3),
+            "phase1_records": phase1.records,
+            "phase1_block_events": phase1.blocks,
+            "phase1_seconds": round(phase1.seconds, 3),
             "indexed_blocks": n_blocks,
             "nodes": cfg.nodes,
             "embedded": stack is not None,
@@ -246,6 +171,125 @@ async def run_ingest_bench(
         if stack is not None:
             await asyncio.to_thread(stack.down)
         tmp.cleanup()
+
+
+@dataclass(frozen=True, slots=True)
+class _Throughput:
+    records: int
+    blocks: int
+    """Block events published."""
+    kv_records: int
+    seconds: float
+    """First publish → last record visible."""
+
+
+class _IngestRun:
+    """One run on topics and a view namespace of its own: the worker subprocess folding them, the
+    producer and the synthetic engines publishing, the view watched."""
+
+    def __init__(self, cfg: IngestBenchConfig, t: Topics, store: RedisViewStore, mem0: int,
+                 worker: subprocess.Popen[bytes], prod: AIOKafkaProducer, say: Callable[[str], None]) -> None:
+        self.cfg, self.topics, self.store, self.mem0 = cfg, t, store, mem0
+        self.worker, self.prod, self.say = worker, prod, say
+        self.engines = SyntheticEngines(cfg, t.kv_events.name, t.heartbeats.name)
+
+    @classmethod
+    async def start(cls, settings: Any, cfg: IngestBenchConfig, tmp: Path, say: Callable[[str], None]) -> _IngestRun:
+        """Create the run's topics, note the view's memory, start the worker (the producer starts in :meth:`ready`)."""
+        tag = uuid.uuid4().hex[:8]
+        s = settings.model_copy(
+            update={"topic_prefix": f"bench{tag}.", "view_namespace": f"bench{tag}", "web_port": free_port(settings.bind_host)}
+        )
+        t = topics(s.topic_config())
+        await ensure_topics(s.kafka(), t.all())
+        store = RedisViewStore.connect(s.redis(), s.view_namespace)
+        mem0 = await store.memory_bytes()
+        worker = start_worker_process(s, tmp / "worker.log")
+        return cls(cfg, t, store, mem0, worker, producer(s.kafka()), say)
+
+    async def ready(self) -> None:
+        """Start the producer; ready = a probe heartbeat is visible (the worker joined and folds)."""
+        await self.prod.start()
+        t_ready0 = time.monotonic()
+        probe = envelope(Heartbeat(role="store"), producer_id="bench-probe", producer_seq=0, ts_ms=int(time.time() * 1000))
+        md = await self.prod.send_and_wait(self.topics.heartbeats.name, encode(probe), key=b"bench-probe",
+                                           headers=headers(probe))
+        await _wait_visible(self.store, {f"{md.topic}:{md.partition}": md.offset}, 90.0, self.worker)
+        self.say(f"worker ready in {time.monotonic() - t_ready0:.1f}s")
+
+    async def throughput(self) -> _Throughput:
+        """Phase 1: ``block_events`` block events published as fast as the producer goes, until all are visible."""
+        records: list[Outgoing] = []
+        blocks = 0
+        now = int(time.time() * 1000)
+        while blocks < self.cfg.block_events:
+            for o in self.engines.next(now):
+                records.append(o)
+                blocks += o.blocks
+        kv_records = sum(1 for o in records if o.blocks)
+        self.say(f"phase 1: {len(records)} records, {blocks} block events")
+        t0 = time.monotonic()
+        futs = [await self.prod.send(o.topic, o.value, key=o.key, headers=o.headers) for o in records]
+        mds = await asyncio.gather(*futs)
+        t_pub = time.monotonic() - t0
+        last: dict[str, int] = {}
+        for m in mds:
+            k = f"{m.topic}:{m.partition}"
+            last[k] = max(last.get(k, -1), m.offset)
+        await _wait_visible(self.store, last, 300.0, self.worker)
+        t_all = time.monotonic() - t0
+        self.say(f"phase 1: published in {t_pub:.2f}s, visible after {t_all:.2f}s")
+        return _Throughput(len(records), blocks, kv_records, t_all)
+
+    async def staleness(self) -> list[float]:
+        """Phase 2: ``offered_rate`` block events/s for ``staleness_s``; each record's publish → visible seconds."""
+        sent: dict[tuple[str, int], float] = {}
+        timeline = WatermarkTimeline(self.store)
+        await timeline.poll_once()
+        stop = asyncio.Event()
+        poller = asyncio.create_task(timeline.run(stop))
+        try:
+            await self._offer(sent)
+            want: dict[str, int] = {}
+            for k, off in sent:
+                want[k] = max(want.get(k, -1), off)
+            await _wait_visible(self.store, want, 60.0, self.worker)
+            await timeline.poll_once()
+        finally:
+            stop.set()
+            await poller
+        stale = []
+        for (k, off), t_send in sent.items():
+            t_vis = timeline.visible_at(k, off)
+            if t_vis is not None:
+                stale.append(max(t_vis - t_send, 0.0))
+        return stale
+
+    async def _offer(self, sent: dict[tuple[str, int], float]) -> None:
+        """Publish at the offered rate; each acknowledged record's send time goes into ``sent``."""
+        cfg = self.cfg
+        pending: list[asyncio.Future[Any]] = []
+        t_start = time.monotonic()
+        offered = 0
+        while (elapsed := time.monotonic() - t_start) < cfg.staleness_s:
+            due = cfg.offered_rate * elapsed
+            if offered >= due:
+                await asyncio.sleep(min((offered - due) / cfg.offered_rate, 0.01))
+                continue
+            for o in self.engines.next(int(time.time() * 1000)):
+                t_send = time.monotonic()
+                fut = await self.prod.send(o.topic, o.value, key=o.key, headers=o.headers)
+                fut.add_done_callback(lambda f, t_send=t_send: _note(sent, f, t_send))
+                pending.append(fut)
+                offered += o.blocks
+        await asyncio.gather(*pending)
+
+    async def close(self) -> None:
+        stop_worker_process(self.worker)
+        with contextlib.suppress(KafkaError):  # a failed last flush must not skip the clean-up
+            await self.prod.stop()
+        await self.store.clear()
+        await self.store.close()
 
 
 def _note(sent: dict[tuple[str, int], float], fut: Any, t_send: float) -> None:
@@ -315,5 +359,3 @@ def stop_worker_process(p: subprocess.Popen[bytes]) -> None:
             p.kill()
             p.wait()
 
-
-# --- the routing read: measured options (`conductor bench view-read`) -------------------
