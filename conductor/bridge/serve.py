@@ -114,6 +114,7 @@ async def serve(config: BridgeServeConfig, settings: Settings, *, stop: asyncio.
         await run_until_stopped(stop, *tasks)
         await events.flush()
     finally:
+        forget_bridges(bridges)
         if executor is not None:
             await executor.close()
         await prod.stop()
@@ -164,9 +165,29 @@ async def run_until_stopped(stop: asyncio.Event, *tasks: asyncio.Task[Any]) -> N
             raise r
 
 
-def bridge_instruments(bridges: list[Bridge]) -> None:
-    """The bridges' instruments (records, gaps, epochs, orphans, scrape failures, the engine's
-    own prefix-cache counters...), read from ``bridges`` at each collection."""
+# The bridges this process runs now. The instruments are made once per process and read this list
+# at each collection: an instrument's name can be registered once per meter (OpenTelemetry keeps the
+# first one and its callbacks), so a second set made for later bridges would never report.
+_LIVE: list[Bridge] = []
+_INSTRUMENTS_MADE: list[bool] = []
+
+
+def forget_bridges(bridges: list[Bridge]) -> None:
+    """Stop reporting ``bridges`` (they stopped)."""
+    for b in bridges:
+        if b in _LIVE:
+            _LIVE.remove(b)
+
+
+def bridge_instruments(new_bridges: list[Bridge]) -> None:
+    """Report ``new_bridges`` through the bridges' instruments (records, gaps, epochs, orphans,
+    scrape failures, the engine's own prefix-cache counters...), made on the first call and read
+    from every live bridge at each collection."""
+    _LIVE.extend(b for b in new_bridges if b not in _LIVE)
+    if _INSTRUMENTS_MADE:
+        return
+    _INSTRUMENTS_MADE.append(True)
+    bridges = _LIVE
 
     def observe(_: CallbackOptions) -> list[Observation]:
         return [
