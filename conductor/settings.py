@@ -92,6 +92,17 @@ class Settings(BaseSettings):
         default=30 * 86_400_000, ge=-1,
         description="retention of requests and dispatch, which `conductor explain` audits (-1 = forever)",
     )
+    decision_index_ttl_s: float = Field(
+        default=86_400.0, ge=0,
+        description="how long the routers' decision index keeps where each decision and its request sit on the "
+        "log (Redis, ~100 bytes a decision), so `conductor explain` finds them without a scan; 0 = no index; "
+        "never longer than audit_retention_ms",
+    )
+    admin_explain_max_records: int = Field(
+        default=2_000_000, ge=1,
+        description="most log records one explain through the admin API may read (kv-events from the start, "
+        "heartbeats, dispatch and requests around the decision's time); beyond it the explain is refused",
+    )
 
     # --- the view ---------------------------------------------------------
     block_size: int = Field(default=16, ge=1, le=4096, description="tokens per KV block")

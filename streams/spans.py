@@ -75,10 +75,15 @@ class SpanReader:
                                                  max_partition_fetch_bytes=PROBE_FETCH_BYTES, fetch_max_bytes=4 << 20)
         self._bulk: AIOKafkaConsumer = consumer(kafka, group_id=None, fetch_max_wait_ms=50)
         self._probe_tps: set[TopicPartition] = set()
+        self._partitions: dict[str, list[int]] = {}
 
     async def __aenter__(self) -> Self:
         await self._probe.start()
         try:
+            # Every topic's partitions, read before anything is assigned: once it is, a consumer's
+            # metadata follows only its assigned topics (and ``topics()`` does not refresh it).
+            self._partitions = {name: sorted(self._probe.partitions_for_topic(name) or ())
+                                for name in await self._probe.topics()}
             await self._bulk.start()
         except BaseException:
             await self._probe.stop()
@@ -93,12 +98,8 @@ class SpanReader:
         return asyncio.get_running_loop().time() + self.deadline_s
 
     async def partitions(self, name: str) -> list[TopicPartition]:
-        """Every partition of topic ``name`` (none if it does not exist)."""
-        parts = self._probe.partitions_for_topic(name)
-        if not parts:
-            await self._probe.topics()  # refresh the metadata once
-            parts = self._probe.partitions_for_topic(name)
-        return [TopicPartition(name, p) for p in sorted(parts or ())]
+        """Every partition of topic ``name`` when the reader started (none if it did not exist)."""
+        return [TopicPartition(name, p) for p in self._partitions.get(name, ())]
 
     def _assign_probe(self, tps: Sequence[TopicPartition]) -> None:
         if not set(tps) <= self._probe_tps:

@@ -17,7 +17,7 @@ reservations of decisions whose records were lost. A mismatch is reported, never
 
 from __future__ import annotations
 
-import time
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -26,16 +26,17 @@ from aiokafka import TopicPartition
 from conductor.routing.control_log import control_records
 from conductor.routing.decision import decision_reservations
 from conductor.routing.policies import BasePolicy
-from conductor.routing.router import Router
+from conductor.routing.router import Router, decision_index
 from conductor.routing.snapshot import ClusterSnapshot
 from conductor.settings import Settings
 from schemas import DecodeError, Envelope, RoutingDecision, RoutingRejection, RoutingRequest, decode
-from schemas.errors import ConductorError
+from schemas.errors import ConductorError, ViewStoreError
+from state.decisions import DecisionIndex, DecisionPosition
 from state.memory import InMemoryViewStore
 from state.reservations import InMemoryReservations
 from state.view import ViewSnapshot
-from streams.kafka import consumer
-from streams.replay import replay_into
+from streams.ingest import Ingestor, RawRecord
+from streams.spans import LogReadError, Span, SpanReader
 from streams.topics import topics
 
 
@@ -68,43 +69,158 @@ class Explanation:
         return asdict(self)
 
 
-async def read_topic(settings: Settings, name: str, idle_timeout_s: float = 1.0) -> list[Envelope]:
-    """Every decodable record of a topic, in offset order per partition (bad ones skipped:
-    the live workers dead-lettered them already)."""
-    return [env for _, env in await read_records(settings, name, idle_timeout_s)]
+CLOCK_SLACK_MS = 60_000
+"""Reads by time compare record timestamps (each producer's clock) with a decision's view time
+(Redis's clock): every window starts this much earlier and ends this much later."""
+
+REQUEST_WAIT_MS = 300_000
+"""Without the decision index, a decision's request is first looked for this far before the
+decision (a router that lagged longer: the search steps further back, to the topic's start)."""
+
+SCAN_STEP = 20_000
+"""Records per partition in the first step of a backward scan (each next step doubles)."""
 
 
-async def read_records(settings: Settings, name: str, idle_timeout_s: float = 1.0) -> list[tuple[int, Envelope]]:
-    """:func:`read_topic` with each record's offset."""
-    c = consumer(settings.kafka(), group_id=None)
-    await c.start()
-    out: list[tuple[int, Envelope]] = []
-    try:
-        parts = c.partitions_for_topic(name) or set()
-        if not parts:
-            await c.topics()  # refresh metadata once
-            parts = c.partitions_for_topic(name) or set()
-        tps = [TopicPartition(name, p) for p in sorted(parts)]
-        if not tps:
-            return out
-        c.assign(tps)
-        await c.seek_to_beginning(*tps)
-        # No end offsets: the embedded broker's "latest" is wrong. Read until the topic is quiet.
-        last = time.monotonic()
-        while time.monotonic() - last < idle_timeout_s:
-            got = await c.getmany(timeout_ms=200, max_records=5000)
-            if not got:
-                continue
-            last = time.monotonic()
-            for msgs in got.values():
-                for m in msgs:
-                    try:
-                        out.append((m.offset, decode(m.value)))
-                    except DecodeError:
-                        continue
-    finally:
-        await c.stop()
+class _Reads:
+    """The explain's log reads, counted against its record limit."""
+
+    def __init__(self, log: SpanReader, limit: int | None, limit_name: str) -> None:
+        self.log = log
+        self.limit = limit
+        self.limit_name = limit_name
+
+    def check(self, more: int = 0) -> None:
+        if self.limit is not None and self.log.records_read + more > self.limit:
+            raise AuditError(f"explaining this decision needs more than {self.limit} log records "
+                             f"({self.log.records_read} read, {more} more to read): raise {self.limit_name}")
+
+    async def read(self, spans: Mapping[TopicPartition, Span]) -> AsyncIterator[Sequence[Any]]:
+        self.check(0)
+        async for batch in self.log.read(spans):
+            self.check(0)
+            yield batch
+
+    async def envelopes(self, spans: Mapping[TopicPartition, Span]) -> AsyncIterator[tuple[Any, Envelope]]:
+        """(record, envelope) of every decodable record (the bad ones were dead-lettered live)."""
+        async for batch in self.read(spans):
+            for m in batch:
+                try:
+                    yield m, decode(m.value)
+                except DecodeError:
+                    continue
+
+    async def window(self, name: str, lo_ms: int, hi_ms: int) -> dict[TopicPartition, Span]:
+        """Each partition of ``name`` from its first record at ``lo_ms`` to its first after ``hi_ms``."""
+        bounds = await self.log.bounds(await self.log.partitions(name))
+        start = await self.log.offsets_at(lo_ms, bounds)
+        stop = await self.log.offsets_at(hi_ms + 1, bounds)
+        return {tp: Span(start[tp], stop[tp]) for tp in bounds}
+
+
+async def _decision(reads: _Reads, name: str, request_id: str, at: DecisionPosition | None) -> tuple[Any, Envelope]:
+    """The decision for ``request_id``: at its indexed position, else the newest found by a
+    backward scan of ``name`` (the latest one wins if a request was routed twice)."""
+
+    def is_it(env: Envelope) -> bool:
+        return isinstance(env.body, (RoutingDecision, RoutingRejection)) and env.body.request_id == request_id
+
+    if at is not None:
+        async for m, env in reads.envelopes({TopicPartition(name, at.partition): Span(at.offset, at.offset + 1)}):
+            if is_it(env):
+                return m, env
+    bounds = await reads.log.bounds(await reads.log.partitions(name))
+    stop = {tp: b.stop for tp, b in bounds.items()}
+    step = SCAN_STEP
+    while any(stop[tp] > b.start for tp, b in bounds.items()):
+        spans = {tp: Span(max(b.start, stop[tp] - step), stop[tp]) for tp, b in bounds.items() if stop[tp] > b.start}
+        found = [(env.ts_ms, m.offset, m, env) async for m, env in reads.envelopes(spans) if is_it(env)]
+        if found:
+            _, _, m, env = max(found, key=lambda f: (f[0], f[1]))
+            return m, env
+        stop.update({tp: s.start for tp, s in spans.items()})
+        step *= 2
+    raise AuditError(f"no decision for request {request_id!r} on {name}")
+
+
+async def _earlier_decisions(reads: _Reads, name: str, target: Envelope, at_ms: int,
+                             ttl_ms: int) -> list[Envelope]:
+    """The decisions made before ``target`` whose reservations were still counting when it was
+    made (within ``ttl_ms``), in log order: the dispatch records around its time only."""
+    found: list[tuple[int, int, Envelope]] = []
+    spans = await reads.window(name, at_ms - ttl_ms - CLOCK_SLACK_MS, at_ms + CLOCK_SLACK_MS)
+    async for m, env in reads.envelopes(spans):
+        if not isinstance(env.body, RoutingDecision) or _read_at(env) < at_ms - ttl_ms:
+            continue
+        # Decisions made before this one: by sequence within one router (it decides in the
+        # order it numbers, though its reads may come back in another), by time across
+        # routers. Partitions interleave, so not by position.
+        if env.producer_id == target.producer_id and env.epoch == target.epoch:
+            earlier = env.producer_seq < target.producer_seq
+        else:
+            earlier = _read_at(env) < at_ms
+        if earlier:
+            found.append((m.partition, m.offset, env))
+    return [env for _, _, env in sorted(found, key=lambda f: (f[0], f[1]))]
+
+
+async def _requests(reads: _Reads, name: str, wanted: set[str], indexed: Mapping[str, DecisionPosition],
+                    at_ms: int, ttl_ms: int) -> dict[str, tuple[int, RoutingRequest]]:
+    """Each wanted request as the router routed it, with its offset (the ordinal it had): at
+    its indexed position, else the last copy on ``name`` before the decision's time, looked for
+    backwards from ``REQUEST_WAIT_MS`` before it."""
+    out: dict[str, tuple[int, RoutingRequest]] = {}
+    at: dict[TopicPartition, dict[int, str]] = {}
+    for rid, pos in indexed.items():
+        if rid in wanted:
+            at.setdefault(TopicPartition(name, pos.request_partition), {})[pos.request_offset] = rid
+    spans = {tp: Span(min(offs), max(offs) + 1) for tp, offs in at.items()}
+    async for m, env in reads.envelopes(spans):
+        named = at[TopicPartition(m.topic, m.partition)].get(m.offset)
+        if named is not None and isinstance(env.body, RoutingRequest) and env.body.request_id == named:
+            out[named] = (m.offset, env.body)
+    missing = wanted - set(out)
+    if not missing:
+        return out
+    window = await reads.window(name, at_ms - ttl_ms - CLOCK_SLACK_MS - REQUEST_WAIT_MS, at_ms + CLOCK_SLACK_MS)
+    bounds = await reads.log.bounds(list(window))
+    step = SCAN_STEP
+    while missing and window:
+        found: dict[str, tuple[int, RoutingRequest]] = {}
+        async for m, env in reads.envelopes(window):
+            if isinstance(env.body, RoutingRequest) and env.body.request_id in missing and (
+                    env.body.request_id not in found or m.offset > found[env.body.request_id][0]):
+                found[env.body.request_id] = (m.offset, env.body)  # the last copy wins
+        out.update(found)
+        missing -= set(found)
+        window = {tp: Span(max(bounds[tp].start, s.start - step), s.start)
+                  for tp, s in window.items() if s.start > bounds[tp].start}
+        step *= 2
     return out
+
+
+async def _view_at(reads: _Reads, settings: Settings, watermark: Mapping[str, int], at_ms: int) -> InMemoryViewStore:
+    """The view as of ``watermark``: every ``kv-events`` record up to it (blocks stay until an
+    event removes them: the whole history is needed), and the ``heartbeats`` of the last
+    ``heartbeat_ttl_s`` (plus the clock slack) before the decision's time (an older heartbeat
+    is overwritten by a newer one, or leaves its node dead at that time, where the policy does
+    not see it; only a ``no_live_instance`` rejection's message, which lists the dead nodes,
+    may name fewer). Partitions the watermark does not name contribute nothing."""
+    t = topics(settings.topic_config())
+    spans: dict[TopicPartition, Span] = {}
+    for name, since_ms in ((t.kv_events.name, None),
+                           (t.heartbeats.name, at_ms - int(settings.heartbeat_ttl_s * 1000) - CLOCK_SLACK_MS)):
+        bounds = await reads.log.bounds(await reads.log.partitions(name))
+        upto = {tp: Span(b.start, min(b.stop, watermark.get(f"{tp.topic}:{tp.partition}", -1) + 1))
+                for tp, b in bounds.items()}
+        start = await reads.log.offsets_at(since_ms, upto) if since_ms is not None else {}
+        spans.update({tp: Span(start.get(tp, s.start), s.stop) for tp, s in upto.items()})
+    reads.check(sum(len(s) for s in spans.values()))
+    store = InMemoryViewStore()
+    ingestor = Ingestor(t, store)
+    async for batch in reads.read(spans):
+        await ingestor.process([RawRecord(m.topic, m.partition, m.offset, m.key, m.value, m.timestamp or 0)
+                                for m in batch])
+    return store
 
 
 class _ViewAt:
@@ -188,32 +304,43 @@ def _estimates(router: Router, cluster: ClusterSnapshot, req: RoutingRequest,
     return prefill, decode_rows
 
 
-async def explain(settings: Settings, request_id: str) -> Explanation:
-    """Re-derive the decision for ``request_id`` from the topics and explain it."""
-    t = topics(settings.topic_config())
-    dispatched = await read_topic(settings, t.dispatch.name)
-    target: Envelope | None = None
-    for env in dispatched:
-        if isinstance(env.body, (RoutingDecision, RoutingRejection)) and env.body.request_id == request_id:
-            target = env  # the last one wins if a request was routed twice
-    if target is None:
-        raise AuditError(f"no decision for request {request_id!r} on {t.dispatch.name}")
-    rec = target.body
-    assert isinstance(rec, (RoutingDecision, RoutingRejection))
-    if isinstance(rec, RoutingRejection) and rec.policy is None:
-        raise AuditError(f"request {request_id!r} was rejected before any policy ran ({rec.reason}: {rec.message})")
-    # The last copy of a request id wins, as on dispatch; its offset is the ordinal the router had.
-    requests: dict[str, tuple[int, RoutingRequest]] = {
-        e.body.request_id: (off, e.body) for off, e in await read_records(settings, t.requests.name)
-        if isinstance(e.body, RoutingRequest)
-    }
-    if request_id not in requests:
-        raise AuditError(f"request {request_id!r} is not on {t.requests.name}")
-    ordinal, req = requests[request_id]
+async def explain(settings: Settings, request_id: str, *, max_records: int | None = None,
+                  limit_name: str = "the record limit", index: DecisionIndex | None | bool = True) -> Explanation:
+    """Re-derive the decision for ``request_id`` from the topics and explain it.
 
-    store = InMemoryViewStore()
-    await replay_into(settings.kafka(), settings.topic_config(), store, until=dict(rec.watermark), idle_timeout_s=1.0)
-    at_ms = _read_at(target)
+    Every read ends at the end offsets taken when it starts; the decision and its request are
+    found through the routers' decision index (``index``: True = the settings' index, an index,
+    or None/False = none: a bounded backward scan), the in-flight decisions and their requests
+    around the decision's time, the heartbeats of the last TTL before it by time, the
+    ``kv-events`` up to the decision's watermark. ``max_records`` caps what is read (AuditError
+    naming ``limit_name`` beyond it)."""
+    t = topics(settings.topic_config())
+    ttl_ms = int(settings.reservation_ttl_s * 1000)
+    idx = decision_index(settings) if index is True else (index or None)
+    async with SpanReader(settings.kafka(), deadline_s=600.0) as log:
+        reads = _Reads(log, max_records, limit_name)
+        try:
+            pos = (await idx.lookup([request_id])).get(request_id) if idx is not None else None
+            _, target = await _decision(reads, t.dispatch.name, request_id, pos)
+            rec = target.body
+            assert isinstance(rec, (RoutingDecision, RoutingRejection))
+            if isinstance(rec, RoutingRejection) and rec.policy is None:
+                raise AuditError(f"request {request_id!r} was rejected before any policy ran ({rec.reason}: "
+                                 f"{rec.message})")
+            at_ms = _read_at(target)
+            earlier = await _earlier_decisions(reads, t.dispatch.name, target, at_ms, ttl_ms)
+            wanted = {request_id} | {e.body.request_id for e in earlier if isinstance(e.body, RoutingDecision)}
+            indexed = await idx.lookup(sorted(wanted)) if idx is not None else {}
+            requests = await _requests(reads, t.requests.name, wanted, indexed, at_ms, ttl_ms)
+            if request_id not in requests:
+                raise AuditError(f"request {request_id!r} is not on {t.requests.name}")
+            ordinal, req = requests[request_id]
+            store = await _view_at(reads, settings, rec.watermark, at_ms)
+        except (LogReadError, ViewStoreError) as e:
+            raise AuditError(f"cannot re-derive the decision for {request_id!r}: {e}") from e
+        finally:
+            if idx is not None and index is True:
+                await idx.close()
     # The decision names its block size and profile (v2); older ones fall back to the settings.
     s = settings.model_copy(update={
         "policy": rec.policy, "policy_params": dict(rec.params),
@@ -222,17 +349,9 @@ async def explain(settings: Settings, request_id: str) -> Explanation:
     })
     reservations = InMemoryReservations(settings.reservation_ttl_s)
     n_resv = 0
-    for env in dispatched:
+    for env in earlier:
         d = env.body
-        # Decisions made before this one: by sequence within one router (it decides in the
-        # order it numbers, though its reads may come back in another), by time across
-        # routers. Partitions interleave, so not by position.
-        if env.producer_id == target.producer_id and env.epoch == target.epoch:
-            earlier = env.producer_seq < target.producer_seq
-        else:
-            earlier = _read_at(env) < at_ms
-        if not earlier or not isinstance(d, RoutingDecision) or _read_at(env) < at_ms - settings.reservation_ttl_s * 1000:
-            continue
+        assert isinstance(d, RoutingDecision)
         r = requests.get(d.request_id)
         if r is None:
             continue
@@ -269,4 +388,4 @@ def _read_at(env: Envelope) -> int:
     return at if at is not None else env.ts_ms
 
 
-__all__ = ["AuditError", "Explanation", "explain", "read_records", "read_topic"]
+__all__ = ["AuditError", "Explanation", "explain"]

@@ -64,6 +64,7 @@ from schemas import (
 )
 from schemas.records import MAX_BLOCKS
 from state.connect import HiredisPackedConnection, open_client
+from state.decisions import DecisionIndex, DecisionPosition, RedisDecisionIndex
 from state.reader import RawSnapshotReader
 from state.redis_view import RedisViewStore
 from state.reservations import InMemoryReservations, Load, RedisReservations, ReservationStore
@@ -515,10 +516,15 @@ class RouterWorker:
 
     GROUP = "conductor-router"
 
-    def __init__(self, settings: Settings, router: Router, *, router_id: str | None = None) -> None:
+    def __init__(self, settings: Settings, router: Router, *, router_id: str | None = None,
+                 decisions: DecisionIndex | None = None) -> None:
 
         self.settings = settings
         self.router = router
+        self.decisions = decisions
+        """Where each decision landed on dispatch, for `explain` (written after the broker's ack,
+        in the background; None: not kept, explain scans)."""
+        self._indexing: asyncio.Task[None] | None = None
         self.topics = topics(settings.topic_config())
         self.router_id = router_id or default_router_id()
         self._seq = 0
@@ -580,6 +586,7 @@ class RouterWorker:
                 if not batches:
                     continue
                 sends = []
+                placed: list[tuple[int, Envelope, Any, int, int]] = []  # (send, env, decision, request position)
                 n = self.settings.router_concurrency
                 for tp, records in batches.items():
                     hw = cons.highwater(tp)
@@ -611,6 +618,7 @@ class RouterWorker:
                             continue
                         env = self._wrap(out)
                         raw, hdrs = encode(env), headers(env)
+                        placed.append((len(sends), env, out, tp.partition, rec.offset))
                         sends.append(await prod.send(t.dispatch.name, raw, key=key.encode(), headers=hdrs))
                         if reply_to:
                             # The waiting gateway reads only its own topic; dispatch stays the audit log.
@@ -623,12 +631,38 @@ class RouterWorker:
                                                              headers=hdrs))
                         self.routed += 1
                 await acknowledged(prod, sends, warn_after_s=10.0, what="dispatch record(s)")
+                await self._index(sends, placed)
                 await cons.commit()
         finally:
+            if self._indexing is not None:
+                with contextlib.suppress(Exception):
+                    await self._indexing
             await self.router.close()
             await cons.stop()
             await control.stop()
             await prod.stop()
+
+
+    async def _index(self, sends: Sequence[Any], placed: Sequence[tuple[int, Envelope, Any, int, int]]) -> None:
+        """Hand the batch's dispatch positions to the decision index, in the background; a
+        batch waits only if the one before it is still being written (Redis slower than routing)."""
+        if self.decisions is None or not placed:
+            return
+        positions = []
+        for i, env, out, req_partition, req_offset in placed:
+            md = sends[i].result()
+            positions.append(DecisionPosition(out.request_id, md.partition, md.offset, env.ts_ms, req_partition,
+                                              req_offset))
+        if self._indexing is not None and not self._indexing.done():
+            await asyncio.wait([self._indexing])
+        self._indexing = asyncio.create_task(self._write_index(self.decisions, positions))
+
+    @staticmethod
+    async def _write_index(index: DecisionIndex, positions: list[DecisionPosition]) -> None:
+        try:
+            await index.record(positions)
+        except ViewStoreError as e:  # explain falls back to a scan for these
+            log.warning("%s", e)
 
 
 class ControlFollower:
@@ -704,6 +738,21 @@ def redis_stores(settings: Settings, producer_id: str | None = None) -> tuple[An
                               producer_id=producer_id or default_router_id()))
 
 
+def decision_index(settings: Settings, client: Any = None) -> RedisDecisionIndex | None:
+    """The decision index of ``settings`` (None when ``decision_index_ttl_s`` is 0), on ``client``
+    (the reservations' connection, for a router) or on a connection of its own."""
+    ttl_s = settings.decision_index_ttl_s
+    if settings.audit_retention_ms >= 0:
+        ttl_s = min(ttl_s, settings.audit_retention_ms / 1000)
+    if ttl_s <= 0 or not settings.redis_url:
+        return None
+    if client is None:
+        client = open_client(settings.redis().connection_url(), decode_responses=False,
+                             **settings.redis().tls_options(), socket_timeout=5.0, socket_connect_timeout=5.0)
+    return RedisDecisionIndex(client, settings.view_namespace, ttl_s)
+
+
 __all__ = [
-    "InvalidRequest", "RawSnapshotReader", "Router", "RouterWorker", "default_router_id", "redis_stores", "request_seed",
+    "InvalidRequest", "RawSnapshotReader", "Router", "RouterWorker", "decision_index", "default_router_id",
+    "redis_stores", "request_seed",
 ]

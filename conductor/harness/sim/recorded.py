@@ -83,6 +83,59 @@ class RecordedTraffic:
         return v if v > 0 else None
 
 
+HEARTBEAT_SLACK_MS = 60_000
+"""The nodes of a recording are those with a heartbeat from this long before its first request
+to this long after its last."""
+
+
+def _picked(requests: Iterable[Envelope], lo: float, hi: float, skipped: Counter[str],
+            ) -> list[tuple[int, int, RoutingRequest]]:
+    """The requests of ``[lo, hi]`` the simulator replays (first copy of an id, no retries, a
+    prompt), as (ts_ms, position, request) in time order; the others counted in ``skipped``."""
+    seen: set[str] = set()
+    picked: list[tuple[int, int, RoutingRequest]] = []
+    for n, env in enumerate(requests):
+        req = env.body
+        if not isinstance(req, RoutingRequest) or not lo <= env.ts_ms <= hi:
+            continue
+        if req.retry_of is not None:
+            skipped["retry"] += 1
+            continue
+        if req.request_id in seen:
+            skipped["duplicate id"] += 1
+            continue
+        seen.add(req.request_id)
+        if req.prompt_tokens < 1:
+            skipped["empty prompt"] += 1
+            continue
+        picked.append((env.ts_ms, n, req))
+    picked.sort(key=lambda p: (p[0], p[1]))
+    return picked
+
+
+def request_span(requests: Iterable[Envelope], *, since_ms: int | None = None,
+                 until_ms: int | None = None) -> tuple[int, int, set[str]] | None:
+    """(first ms, last ms, request ids) of the requests :func:`recorded_traffic` would replay
+    from ``[since_ms, until_ms]`` (None: none): what a reader needs to know which heartbeats and
+    outcomes to read."""
+    picked = _picked(requests, since_ms if since_ms is not None else -1,
+                     until_ms if until_ms is not None else math.inf, Counter())
+    if not picked:
+        return None
+    return picked[0][0], picked[-1][0], {req.request_id for _, _, req in picked}
+
+
+def latest_heartbeats(heartbeats: Iterable[Envelope], first_ms: int, last_ms: int) -> list[Envelope]:
+    """Each node's last heartbeat from ``HEARTBEAT_SLACK_MS`` before ``first_ms`` to as long after
+    ``last_ms``, in the order given: all that :func:`recorded_traffic` reads of the heartbeats
+    for requests spanning ``[first_ms, last_ms]``."""
+    latest: dict[str, Envelope] = {}
+    for env in heartbeats:
+        if isinstance(env.body, Heartbeat) and first_ms - HEARTBEAT_SLACK_MS <= env.ts_ms <= last_ms + HEARTBEAT_SLACK_MS:
+            latest[env.producer_id] = env
+    return list(latest.values())
+
+
 def recorded_traffic(
     requests: Iterable[Envelope],
     heartbeats: Iterable[Envelope],
@@ -102,27 +155,9 @@ def recorded_traffic(
     """
     lo = since_ms if since_ms is not None else -1
     hi = until_ms if until_ms is not None else math.inf
-
-    def inside(env: Envelope) -> bool:
-        return lo <= env.ts_ms <= hi
-
     skipped: Counter[str] = Counter()
-    seen: set[str] = set()
     picked: list[tuple[int, int, RoutingRequest, list[int]]] = []
-    for n, env in enumerate(requests):
-        req = env.body
-        if not isinstance(req, RoutingRequest) or not inside(env):
-            continue
-        if req.retry_of is not None:
-            skipped["retry"] += 1
-            continue
-        if req.request_id in seen:
-            skipped["duplicate id"] += 1
-            continue
-        seen.add(req.request_id)
-        if req.prompt_tokens < 1:
-            skipped["empty prompt"] += 1
-            continue
+    for ts, n, req in _picked(requests, lo, hi, skipped):
         if req.block_keys is not None:
             if req.block_size is not None and req.block_size != block_size:
                 skipped[f"block size {req.block_size} != {block_size}"] += 1
@@ -130,11 +165,10 @@ def recorded_traffic(
             chain = list(req.block_keys[: req.prompt_tokens // block_size])
         else:
             chain = request_chain_keys(req, block_size)
-        picked.append((env.ts_ms, n, req, chain))
+        picked.append((ts, n, req, chain))
     if not picked:
         raise SimulationError("no routing requests recorded in the time range"
                               + (f" ({dict(skipped)} left out)" if skipped else ""))
-    picked.sort(key=lambda p: (p[0], p[1]))
 
     served: dict[str, RequestOutcome] = {}
     output: dict[str, int] = {}
@@ -156,11 +190,9 @@ def recorded_traffic(
 
     # Nodes alive around the traffic: heartbeats from one interval before the range on.
     latest: dict[str, Heartbeat] = {}
-    slack = 60_000
-    for env in heartbeats:
-        hb = env.body
-        if isinstance(hb, Heartbeat) and first - slack <= env.ts_ms <= last + slack:
-            latest[env.producer_id] = hb
+    for env in latest_heartbeats(heartbeats, first, last):
+        assert isinstance(env.body, Heartbeat)
+        latest[env.producer_id] = env.body
     prefill = sorted(n for n, hb in latest.items() if hb.role in ("prefill", "both"))
     decode = sorted(n for n, hb in latest.items() if hb.role in ("decode", "both"))
     if not prefill or not decode:

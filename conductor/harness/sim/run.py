@@ -27,16 +27,16 @@ from conductor.errors import ConfigError
 from conductor.harness.sim.capacity import find_capacity
 from conductor.harness.sim.cluster import ClusterProfile, load_cluster
 from conductor.harness.sim.engine import SimResult
+from conductor.harness.sim.from_topics import read_recorded
 from conductor.harness.sim.recorded import Calibration, RecordedTraffic, calibrate, parse_time, recorded_traffic
 from conductor.harness.sim.report import PolicyRun, write_report
 from conductor.harness.sim.session import Bench
 from conductor.harness.sim.session import Progress as ProgressCallback
 from conductor.profiles import ModelProfile
-from conductor.routing.explain import read_topic
 from conductor.routing.policies import POLICIES
 from conductor.settings import Settings
 from conductor.topology import Topology, load_topology
-from schemas import Envelope
+from streams.spans import LogReadError
 from streams.topics import topics
 
 DEFAULT_CLUSTER_PROFILE = "paper-16p8d"
@@ -333,14 +333,12 @@ def _recorded(settings: Settings, base: ClusterProfile, since: str | None, until
     if lo is not None and hi is not None and hi < lo:
         raise ConfigError(f"--until ({until}) is before --since ({since})")
     t = topics(settings.topic_config())
-
-    async def read_all() -> list[list[Envelope]]:
-        return list(await asyncio.gather(*(read_topic(settings, topic.name) for topic in
-                                           (t.requests, t.heartbeats, t.request_outcomes, t.dispatch))))
-
     with console.status(f"reading {t.requests.name}, {t.heartbeats.name}, {t.request_outcomes.name}, "
                         f"{t.dispatch.name}"):
-        reqs, hbs, outs, disp = asyncio.run(read_all())
+        try:
+            reqs, hbs, outs, disp = asyncio.run(read_recorded(settings, lo, hi))
+        except LogReadError as e:
+            raise ConfigError(f"--from-topics: {e}") from None
     return recorded_traffic(reqs, hbs, outs, disp, base=base, block_size=settings.block_size, since_ms=lo, until_ms=hi)
 
 

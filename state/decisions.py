@@ -1,0 +1,130 @@
+"""Where each decision sits on the log: request id → its ``dispatch`` record and its request.
+
+The router records one entry per decision once the broker has acknowledged the batch (in
+the background: routing never waits on it); ``conductor explain`` and the admin API look a
+request id up here instead of scanning ``dispatch``, and read the request's own record
+instead of scanning ``requests``. A missing entry (expired, never written, another
+namespace) is not an error: explain falls back to a bounded scan.
+
+Redis layout: one string per decision, ``{ns}|2|d|<request id>`` → ``"p offset ts rp roffset"``
+(dispatch partition and offset, the decision's ms, the request's partition and offset), with
+the index's TTL; in the namespace's slot like every view key. About 100 bytes an entry
+in Valkey (measured in ``tests/integration/test_explain_live.py``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import RedisError
+
+from schemas.errors import ViewStoreError
+
+from .keys import ViewKeys
+
+
+@dataclass(frozen=True, slots=True)
+class DecisionPosition:
+    """One decision's place on the log."""
+
+    request_id: str
+    partition: int
+    """On ``dispatch``."""
+    offset: int
+    ts_ms: int
+    """The decision record's envelope time."""
+    request_partition: int
+    """The routed request's record on ``requests``."""
+    request_offset: int
+
+    def text(self) -> bytes:
+        return b"%d %d %d %d %d" % (self.partition, self.offset, self.ts_ms, self.request_partition,
+                                    self.request_offset)
+
+    @classmethod
+    def parse(cls, request_id: str, raw: bytes) -> DecisionPosition | None:
+        """The entry ``raw`` holds (None if it is not one: written by something else)."""
+        try:
+            p, off, ts, rp, roff = (int(x) for x in raw.split())
+        except ValueError:
+            return None
+        return cls(request_id, p, off, ts, rp, roff)
+
+
+class DecisionIndex(Protocol):
+    async def record(self, positions: Sequence[DecisionPosition]) -> None: ...
+
+    async def lookup(self, request_ids: Sequence[str]) -> dict[str, DecisionPosition]: ...
+
+    async def close(self) -> None: ...
+
+
+class InMemoryDecisionIndex:
+    """The index in a dict (tests, and a router without Redis)."""
+
+    def __init__(self) -> None:
+        self.entries: dict[str, DecisionPosition] = {}
+
+    async def record(self, positions: Sequence[DecisionPosition]) -> None:
+        for p in positions:
+            self.entries[p.request_id] = p
+
+    async def lookup(self, request_ids: Sequence[str]) -> dict[str, DecisionPosition]:
+        return {r: self.entries[r] for r in request_ids if r in self.entries}
+
+    async def close(self) -> None:
+        return None
+
+
+class RedisDecisionIndex:
+    """The index in the view's Redis namespace, each entry kept ``ttl_s``."""
+
+    def __init__(self, client: aioredis.Redis | RedisCluster, namespace: str, ttl_s: float) -> None:
+        self.client = client
+        self.prefix = ViewKeys(namespace).prefix + "d|"
+        self.ttl_ms = max(int(ttl_s * 1000), 1)
+
+    def key(self, request_id: str) -> str:
+        return self.prefix + request_id
+
+    async def record(self, positions: Sequence[DecisionPosition]) -> None:
+        """One pipelined round trip for the batch (a later decision of a request id replaces an earlier one)."""
+        if not positions:
+            return
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for p in positions:
+                    pipe.set(self.key(p.request_id), p.text(), px=self.ttl_ms)
+                await pipe.execute()
+        except (RedisError, OSError) as e:
+            raise ViewStoreError(f"decision index: {len(positions)} entries not written: {e}") from e
+
+    async def lookup(self, request_ids: Sequence[str]) -> dict[str, DecisionPosition]:
+        if not request_ids:
+            return {}
+        try:
+            async with self.client.pipeline(transaction=False) as pipe:
+                for r in request_ids:
+                    pipe.get(self.key(r))
+                raws = await pipe.execute()
+        except (RedisError, OSError) as e:
+            raise ViewStoreError(f"decision index unreachable: {e}") from e
+        out: dict[str, DecisionPosition] = {}
+        for r, raw in zip(request_ids, raws):
+            if isinstance(raw, str):
+                raw = raw.encode()
+            p = DecisionPosition.parse(r, raw) if raw else None
+            if p is not None:
+                out[r] = p
+        return out
+
+    async def close(self) -> None:
+        """Close the client (only an index that opened its own: a router's shares the reservations')."""
+        await self.client.aclose()
+
+
+__all__ = ["DecisionIndex", "DecisionPosition", "InMemoryDecisionIndex", "RedisDecisionIndex"]
