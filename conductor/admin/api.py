@@ -9,6 +9,7 @@ and the console rely on them. Auth: see :mod:`conductor.admin.auth`.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import time
@@ -25,7 +26,7 @@ from conductor.admin.console import CONSOLE_HTML, LOGIN_HTML
 from conductor.admin.feed import LogFeed
 from conductor.errors import ConductorError
 from conductor.routing.control_log import publish_control
-from conductor.routing.explain import explain
+from conductor.routing.explain import ReadLimitExceeded, explain
 from conductor.routing.policies import list_policies
 from conductor.settings import Settings
 from schemas import ControlCommand, DecodeError, decode
@@ -154,13 +155,21 @@ def create_app(settings: Settings, *, feed: LogFeed | None = None, view: Any = N
         """Decisions per second, reuse ratio, predicted TTFT, rejections by reason."""
         return feed.stats(window_s)
 
+    explaining = asyncio.Lock()  # one at a time: each holds the view it rebuilt
+
     @app.get("/api/explain/{request_id}", tags=["decisions"], dependencies=[read])
     async def explain_request(request_id: str) -> dict[str, Any]:
-        """Re-derive one decision from the log (as `conductor explain`)."""
-        try:
-            return (await explain(settings, request_id)).as_dict()
-        except ConductorError as e:
-            raise HTTPException(404, str(e)) from None
+        """Re-derive one decision from the log (as `conductor explain`), reading at most
+        ``admin_explain_max_records`` records (413 beyond), one explain at a time."""
+        async with explaining:
+            try:
+                return (await explain(settings, request_id, max_records=settings.admin_explain_max_records,
+                                      limit_name="admin_explain_max_records (CONDUCTOR_ADMIN_EXPLAIN_MAX_RECORDS)",
+                                      )).as_dict()
+            except ReadLimitExceeded as e:
+                raise HTTPException(413, str(e)) from None
+            except ConductorError as e:
+                raise HTTPException(404, str(e)) from None
 
     # --- the dead-letter queue ---------------------------------------------------------------
 

@@ -44,6 +44,10 @@ class AuditError(ConductorError):
     """The decision or its request cannot be found, or cannot be re-derived."""
 
 
+class ReadLimitExceeded(AuditError):
+    """Re-deriving the decision would read more records than the caller allows."""
+
+
 @dataclass
 class Explanation:
     request_id: str
@@ -91,7 +95,7 @@ class _Reads:
 
     def check(self, more: int = 0) -> None:
         if self.limit is not None and self.log.records_read + more > self.limit:
-            raise AuditError(f"explaining this decision needs more than {self.limit} log records "
+            raise ReadLimitExceeded(f"explaining this decision needs more than {self.limit} log records "
                              f"({self.log.records_read} read, {more} more to read): raise {self.limit_name}")
 
     async def read(self, spans: Mapping[TopicPartition, Span]) -> AsyncIterator[Sequence[Any]]:
@@ -388,4 +392,4 @@ def _read_at(env: Envelope) -> int:
     return at if at is not None else env.ts_ms
 
 
-__all__ = ["AuditError", "Explanation", "explain"]
+__all__ = ["AuditError", "Explanation", "ReadLimitExceeded", "explain"]
