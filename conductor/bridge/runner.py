@@ -48,7 +48,7 @@ from aiokafka.errors import KafkaError
 from zmq.utils.monitor import parse_monitor_message
 
 from conductor.bridge.scrape import EngineLoad, MetricsScraper, heartbeat_of
-from conductor.bridge.translate import NodeTranslator
+from conductor.bridge.translate import DEFAULT_MAX_TRACKED, NodeTranslator, tracked_bound
 from conductor.bridge.wire import WireError, decode_batch, parse_seq, seq_frame
 from schemas import AllBlocksCleared, Envelope, Heartbeat, Role, encode, envelope, headers
 from schemas.records import Record
@@ -88,6 +88,9 @@ class BridgeConfig:
     """SGLang: the prefill server's bootstrap port, announced in heartbeats."""
     kv_transfer: bool | None = None
     """Whether the engine runs a KV connector (P/D hand-offs); None: by role (``both`` cannot)."""
+    max_tracked_blocks: int | None = None
+    """Engine hashes remembered (the translator's memory bound); None: from the engine's KV capacity
+    on its ``/metrics`` (:func:`~conductor.bridge.translate.tracked_bound`), else 1,000,000."""
 
     def announced(self) -> dict[str, Any]:
         """What every heartbeat of this node says besides the load: where it is and how to reach it."""
@@ -122,7 +125,8 @@ class Bridge:
         self.heartbeat_sink = heartbeat_sink
         self.clock_ms = clock_ms
         self.ctx = context or zmq.asyncio.Context.instance()
-        self.translator = NodeTranslator(expected_block_size=config.block_size)
+        self.translator = NodeTranslator(expected_block_size=config.block_size,
+                                         max_tracked=config.max_tracked_blocks or DEFAULT_MAX_TRACKED)
         self.counts: Counter[str] = Counter()
         self.epoch = 0
         self.expected: int | None = None
@@ -201,9 +205,6 @@ class Bridge:
             self.counts["dp_rank_mismatch"] += 1
         await self._publish(self.translator.translate(batch))
         self.counts["batches"] += 1
-        if self.translator.overflowed:
-            await self._new_epoch("too_many_blocks")
-            self.expected = seq + 1
 
     # --- replay -------------------------------------------------------------
 
@@ -451,6 +452,7 @@ class Bridge:
             return None
         self.counts["scrapes"] += 1
         self.last_load = load
+        await self._bound_by_capacity(load)
         if load.start_time_s is not None:
             # A new process, unless the ZMQ side already opened an epoch for this very one.
             if (self._engine_start is not None and load.start_time_s != self._engine_start
@@ -461,6 +463,21 @@ class Bridge:
             self._engine_start = load.start_time_s
         return heartbeat_of(load, role=self.config.role, model=self.config.model, interval_s=interval,
                             default_prompt_tokens=self.config.default_prompt_tokens)
+
+    async def _bound_by_capacity(self, load: EngineLoad) -> None:
+        """Unless the operator set it, track as many hashes as the engine's capacity can hold (with
+        room to spare); a node with copies on a tier of unknown capacity (disk, a shared pool) keeps
+        the default at least."""
+        if self.config.max_tracked_blocks is not None:
+            return
+        bound = tracked_bound(load.total_blocks, load.cpu_blocks)
+        if bound is None:
+            return
+        if "ssd" in self.translator.tiers_seen:
+            bound = max(bound, DEFAULT_MAX_TRACKED)
+        if bound != self.translator.max_tracked:
+            async with self._lock:
+                await self._publish(self.translator.bound(bound))
 
 
 def offset_port(endpoint: str | None, rank: int) -> str | None:

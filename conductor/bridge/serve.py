@@ -64,8 +64,12 @@ class BridgeServeConfig:
     kv_transfer: bool | None = None
     bootstrap_port: int | None = None
     execute_commands: bool = False
+    max_tracked_blocks: int | None = None
+    """Engine hashes each rank's translator remembers; None: from the engine's KV capacity (else 1,000,000)."""
 
     def __post_init__(self) -> None:
+        if self.max_tracked_blocks is not None and self.max_tracked_blocks < 1:
+            raise ConfigError(f"--max-tracked-blocks must be at least 1, not {self.max_tracked_blocks}")
         if self.metrics_url and not self.heartbeat_s:
             raise ConfigError("--metrics-url needs --heartbeat-s > 0 (the scrape interval)")
         if self.engine_url is not None and not _BASE_URL.fullmatch(self.engine_url.rstrip("/")):
@@ -86,6 +90,7 @@ class BridgeServeConfig:
             metrics_url=self.metrics_url, dp_size=self.dp_size, default_prompt_tokens=self.default_prompt_tokens,
             rack=self.rack, zone=self.zone, endpoint=self.engine_url.rstrip("/") if self.engine_url else None,
             kv_transfer=self.kv_transfer, bootstrap_port=self.bootstrap_port,
+            max_tracked_blocks=self.max_tracked_blocks,
         )
 
 
@@ -203,9 +208,24 @@ def bridge_instruments(new_bridges: list[Bridge]) -> None:
             if b.scraper is not None
         ]
 
+    def evicted(_: CallbackOptions) -> list[Observation]:
+        return [Observation(b.translator.counts["hashes_evicted"], {"node": b.config.node_id}) for b in bridges]
+
+    def tracked(_: CallbackOptions) -> list[Observation]:
+        return [Observation(len(b.translator), {"node": b.config.node_id, "what": "tracked"}) for b in bridges] + [
+            Observation(b.translator.max_tracked, {"node": b.config.node_id, "what": "limit"}) for b in bridges]
+
     meter = metrics.get_meter(__name__)
     meter.create_observable_counter(
         "conductor_bridge_events", callbacks=[observe], description="bridge counters by node and kind"
+    )
+    meter.create_observable_counter(
+        "conductor_bridge_hashes_evicted", callbacks=[evicted],
+        description="engine hashes the translator forgot at its memory bound (their blocks left the view)",
+    )
+    meter.create_observable_gauge(
+        "conductor_bridge_tracked_hashes", callbacks=[tracked],
+        description="engine hashes the translator remembers (what=tracked) and its bound (what=limit)",
     )
     meter.create_observable_gauge(
         "conductor_bridge_engine_reachable", callbacks=[reachable],

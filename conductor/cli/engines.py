@@ -67,6 +67,10 @@ BridgeKvTransfer = Annotated[bool | None, typer.Option("--kv-transfer/--no-kv-tr
     "for both: an aggregated engine serves whole requests]")]
 BridgeBootstrapPort = Annotated[int | None, typer.Option("--bootstrap-port", min=1, max=65535, help="SGLang: the "
     "prefill server's bootstrap port, announced in heartbeats")]
+BridgeMaxTrackedBlocks = Annotated[int | None, typer.Option("--max-tracked-blocks", min=1, help="engine block "
+    "hashes remembered per rank (the bridge's memory bound); past it the least recently stored are forgotten, "
+    "counted and taken out of the view [default: twice the engine's KV capacity from --metrics-url, at least "
+    "65,536; else 1,000,000]")]
 BridgeExecuteCommands = Annotated[bool, typer.Option("--execute-commands", help="vLLM: carry out this node's "
     "kv-commands (a replicate pulls the prefix from its holder over the KV connector; other actions are answered "
     "unsupported); needs the engine URL and the view's Redis")]
@@ -89,6 +93,7 @@ def bridge(
     kv_transfer: BridgeKvTransfer = None,
     bootstrap_port: BridgeBootstrapPort = None,
     execute_commands: BridgeExecuteCommands = False,
+    max_tracked_blocks: BridgeMaxTrackedBlocks = None,
 ) -> None:
     """Carry one vLLM/SGLang engine's KV events onto the kv-events topic.
 
@@ -106,6 +111,7 @@ def bridge(
             heartbeat_s=heartbeat_s, model=model, metrics_url=metrics_url, dp_size=dp_size,
             default_prompt_tokens=default_prompt_tokens, rack=rack, zone=zone, engine_url=engine_url,
             kv_transfer=kv_transfer, bootstrap_port=bootstrap_port, execute_commands=execute_commands,
+            max_tracked_blocks=max_tracked_blocks,
         )
     s = settings_or_exit()
     need_kafka_url(s)
@@ -344,6 +350,8 @@ BenchBridgeBatches = Annotated[int, typer.Option(min=1, help="engine batches to 
 BenchBridgeBlocks = Annotated[int, typer.Option(min=1, max=1024, help="blocks stored per batch (each a child of the "
     "previous)")]
 BenchBridgeKafka = Annotated[bool, typer.Option("--kafka", help="publish to Kafka too (needs CONDUCTOR_KAFKA_URL)")]
+BenchBridgeMemoryBlocks = Annotated[int, typer.Option(min=0, help="blocks stored in one translator to measure its "
+    "memory per block with tracemalloc (bytes_per_block; 0: not measured)")]
 
 
 def bench_bridge(
@@ -351,16 +359,18 @@ def bench_bridge(
     blocks: BenchBridgeBlocks = 4,
     kafka: BenchBridgeKafka = False,
     json_out: JsonLine = False,
+    memory_blocks: BenchBridgeMemoryBlocks = 100_000,
 ) -> None:
     """Throughput of the bridge: vLLM-format batches over ZMQ → decode → Conductor keys (→ Kafka).
 
     Publishes BlockStored batches of one long chain on a loopback PUB socket and times how long the bridge
-    takes to turn all of them into records.
+    takes to turn all of them into records. Then stores --memory-blocks blocks (random 64-bit engine hashes)
+    in one node's translator and reports the bytes it holds per block (tracemalloc).
     """
     s = settings_or_exit()
     if kafka:
         need_kafka_url(s)
-    out = asyncio.run(run_bridge_bench(s, batches=batches, blocks=blocks, kafka=kafka))
+    out = asyncio.run(run_bridge_bench(s, batches=batches, blocks=blocks, kafka=kafka, memory_blocks=memory_blocks))
     print_result(out, json_out)
 
 

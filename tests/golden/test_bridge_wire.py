@@ -123,7 +123,7 @@ def test_stored_blocks_get_conductor_keys_derived_from_tokens() -> None:
         BlocksRemoved(block_keys=[want[1]], tier="hbm"),
         AllBlocksCleared(),
     ]
-    assert t.keys == {}  # cleared
+    assert len(t) == 0  # cleared
 
 
 def test_a_child_event_chains_from_its_parents_conductor_key() -> None:
@@ -134,7 +134,7 @@ def test_a_child_event_chains_from_its_parents_conductor_key() -> None:
     assert out[1] == BlocksStored(block_keys=[want[1]], parent_key=want[0], block_size=16, tier="dram")
     assert out[2] == BlocksRemoved(block_keys=[want[0]], tier="hbm")
     # The first block left HBM only; the child still chains from it.
-    assert not t.holders.get(decode_batch(golden("vllm_bytes_hashes.msgpack")).events[0].block_hashes[0])  # type: ignore[union-attr]
+    assert not t.holders_of(decode_batch(golden("vllm_bytes_hashes.msgpack")).events[0].block_hashes[0])  # type: ignore[union-attr]
 
 
 def test_an_unknown_parent_is_an_orphan_not_a_wrong_key() -> None:
@@ -156,7 +156,7 @@ def test_a_block_held_in_two_tiers_keeps_its_key_until_both_are_gone() -> None:
     assert t.translate_event(EngineBlockRemoved((1,), "hbm")) == [BlocksRemoved(block_keys=[key], tier="hbm")]
     assert t.translate_event(EngineBlockRemoved((1,), "hbm")) == []  # not in HBM any more
     assert t.translate_event(EngineBlockRemoved((1,), "dram")) == [BlocksRemoved(block_keys=[key], tier="dram")]
-    assert t.keys == {}
+    assert len(t) == 0
 
 
 def test_token_count_that_does_not_match_the_hashes_is_rejected() -> None:

@@ -22,6 +22,7 @@ from prometheus_client.registry import Collector, CollectorRegistry
 
 from conductor.bridge.publisher import EventPublisher
 from conductor.bridge.runner import Bridge, BridgeConfig, rank_configs
+from conductor.bridge.translate import MIN_TRACKED
 from schemas import (
     AllBlocksCleared,
     BlocksRemoved,
@@ -273,6 +274,26 @@ async def test_a_stream_mixing_both_forms_indexes_every_block() -> None:
     await finish(stop, task, eng)
 
 
+async def test_past_its_memory_bound_the_bridge_forgets_the_oldest_blocks_and_the_view_follows() -> None:
+    eng, out = Engine(), Out()
+    bridge, stop, task = await follow(eng, out, max_tracked_blocks=4)
+    epoch = out.last_epoch()
+    for i in range(6):
+        await eng.send(V026.encode(1.0, [V026.Stored([800 + i], None if i == 0 else 799 + i, blk(i), BS, None,
+                                                     "GPU", None)]))
+    await until(lambda: bridge.counts["batches"] == 6)
+    k = chain_keys(TOKENS[: 6 * BS], BS)
+    # No new epoch (the node is not cleared): the two oldest blocks left the map and the view.
+    assert out.last_epoch() == epoch and out.view() == {"hbm": set(k[2:])}
+    assert bridge.translator.counts["hashes_evicted"] == 2 and len(bridge.translator) == 4
+    # The engine evicts a forgotten block at last: counted, dropped, the view unchanged.
+    await eng.send(V023.encode(2.0, [V023.Removed([800], "GPU"), V023.Removed([805], "GPU")]))
+    await until(lambda: bridge.counts["batches"] == 7)
+    assert out.view() == {"hbm": set(k[2:5])}
+    assert bridge.translator.counts["unknown_removed"] == 1
+    await finish(stop, task, eng)
+
+
 # --- restarts -------------------------------------------------------------------------------
 
 
@@ -363,6 +384,8 @@ async def test_scraped_load_heartbeats_unreachable_and_start_time_restart() -> N
         hb = out.heartbeats[-1].body
         assert isinstance(hb, Heartbeat)
         assert (hb.running_requests, hb.queue_depth, hb.total_kv_blocks, hb.free_kv_blocks) == (3, 5, 1000, 750)
+        # The translator's memory bound follows the engine's capacity (at least the floor for a small one).
+        assert bridge.translator.max_tracked == MIN_TRACKED
         # A new process behind the same endpoints (ZMQ never saw it go): its start time tells.
         epoch = out.last_epoch()
         metrics.start += 60

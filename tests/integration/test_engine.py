@@ -216,4 +216,4 @@ async def test_evicted_blocks_move_to_host_memory_and_are_reused_from_there() ->
     assert ("hbm", tuple(ka)) in removed
     assert t.counts["orphan_blocks"] == 0 and t.counts["bad_event"] == 0
     assert t.counts["placeholder_blocks"] == len(ka) + len(kb)
-    assert {tier for h in eng._blocks for tier, _ in t.holders[h]} >= {"hbm", "dram"}
+    assert {tier for h in eng._blocks for tier, _ in t.holders_of(h)} >= {"hbm", "dram"}

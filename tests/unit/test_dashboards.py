@@ -16,6 +16,7 @@ from conductor.balance.planner import BalanceParams
 from conductor.balance.worker import Balancer
 from conductor.bridge.scrape import EngineLoad
 from conductor.bridge.serve import bridge_instruments
+from conductor.bridge.translate import NodeTranslator
 from conductor.routing.router import RouterMetrics, RouterWorker
 from conductor.settings import load_settings
 from conductor.telemetry import scrape, setup_metrics
@@ -53,7 +54,7 @@ def exported() -> set[str]:
     r.predicted_reuse.add(1, {"node": "p"})
     r.routed_prompt.add(1, {"node": "p"})
     bridge = SimpleNamespace(config=SimpleNamespace(node_id="p"), counts=Counter(x=1),
-                             translator=SimpleNamespace(counts=Counter()), scraper=None,
+                             translator=NodeTranslator(), scraper=None,
                              last_load=EngineLoad(prefix_hit_tokens=3.0, prefix_query_tokens=5.0))
     bridge_instruments([bridge])  # type: ignore[list-item]
     w = RouterWorker(load_settings(kafka_url="k:9092", redis_url="redis://r:6379/0"), router=None)  # type: ignore[arg-type]

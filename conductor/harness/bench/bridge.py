@@ -1,21 +1,52 @@
-"""``conductor bench bridge``: how fast one bridge turns engine batches into Conductor records."""
+"""``conductor bench bridge``: how fast one bridge turns engine batches into Conductor records,
+and what one tracked block costs it in memory."""
 
 from __future__ import annotations
 
 import asyncio
+import gc
+import random
 import time
+import tracemalloc
 from typing import Any
 
 from conductor.bridge.publisher import EventPublisher
 from conductor.bridge.runner import Bridge, BridgeConfig, kafka_sink
+from conductor.bridge.translate import NodeTranslator
 from conductor.bridge.wire import EngineBlockStored
 from schemas import BlocksStored, Envelope
 from streams.kafka import ensure_topics, producer
 from streams.topics import topics
 
 
-async def run_bridge_bench(settings: Any, *, batches: int, blocks: int, kafka: bool) -> dict[str, Any]:
-    """Publish ``batches`` batches of ``blocks`` chained blocks; time them through the bridge."""
+def translator_memory(blocks: int, *, block_size: int = 16, per_event: int = 64) -> dict[str, Any]:
+    """Bytes one node's translator holds per tracked block (``tracemalloc``): ``blocks`` blocks stored in
+    one chain, ``per_event`` a GPU event, with random 64-bit engine hashes (as vLLM's), bound not reached."""
+    rng = random.Random(0)
+    t = NodeTranslator(expected_block_size=block_size, max_tracked=blocks)
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        parent = None
+        for first in range(0, blocks, per_event):
+            n = min(per_event, blocks - first)
+            hashes = tuple(rng.getrandbits(64) for _ in range(n))
+            tokens = tuple((first * block_size + j) % 32_000 for j in range(n * block_size))
+            t.translate_event(EngineBlockStored(hashes, parent, tokens, block_size, "hbm"))
+            parent = hashes[-1]
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    return {"memory_blocks": blocks, "bytes_per_block": round(held / blocks, 1),
+            "mib_per_million_blocks": round(held / blocks * 1_000_000 / 2**20, 1)}
+
+
+async def run_bridge_bench(settings: Any, *, batches: int, blocks: int, kafka: bool,
+                           memory_blocks: int = 100_000) -> dict[str, Any]:
+    """Publish ``batches`` batches of ``blocks`` chained blocks; time them through the bridge. Then
+    measure the translator's memory per block over ``memory_blocks`` blocks (0: not measured)."""
     bs = settings.block_size
     pub = EventPublisher(f"tcp://{settings.bind_host}:0", f"tcp://{settings.bind_host}:0", buffer_steps=batches + 1)
     pub.start()
@@ -74,4 +105,5 @@ async def run_bridge_bench(settings: Any, *, batches: int, blocks: int, kafka: b
         "blocks_per_s": round(batches * blocks / dt, 1),
         "gaps": bridge.counts["gaps"],
         "gaps_unfilled": bridge.counts["gaps_unfilled"],
+        **(translator_memory(memory_blocks, block_size=bs) if memory_blocks else {}),
     }
