@@ -161,6 +161,14 @@ class _Completion:
         return b"data: " + json.dumps(obj).encode() + b"\n\n"
 
 
+class _Refused(Exception):
+    """A request answered with an error before it runs (or before its decode): ``response`` says why."""
+
+    def __init__(self, response: Response) -> None:
+        super().__init__(response.status_code)
+        self.response = response
+
+
 class EngineHttp:
     """The HTTP routes of one emulated engine (built by :func:`engine_app`)."""
 
@@ -217,96 +225,120 @@ class EngineHttp:
             return error(504, f"bootstrap room {room} saw no prefill in {BOOTSTRAP_WAIT_S:.0f}s", "kv_not_found")
 
     async def generate(self, request: Request, chat: bool) -> Response:
-        try:
-            body = await request.json()
-        except ValueError:
-            return error(400, "the body is not JSON", "invalid_json")
-        if not isinstance(body, dict):
-            return error(400, "the body must be a JSON object", "invalid_json")
-        try:
-            tokens = prompt_tokens(body, chat)
-            max_tokens = max_tokens_of(body)
-        except BadRequest as x:
-            return error(400, str(x), "invalid_value", param=x.param)
-        rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+        """``/v1/completions`` (``chat`` False) and ``/v1/chat/completions``: a whole request, or one
+        half of a P/D hand-off (NIXL-style ``kv_transfer_params`` or SGLang's ``bootstrap_room``)."""
         e = self.engine
-        kvp = body.get("kv_transfer_params") or {}
-        room = body.get("bootstrap_room")
-        stream = bool(body.get("stream"))
-        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-        if kvp.get("do_remote_decode") or (room is not None and e.config.role == "prefill"):
-            # The prefill half: run it, hold the KV for the peer, answer with one token.
-            # A CPP member (chunk_end): pull the KV before its chunk from the previous member
-            # first, then compute only its chunk; it holds the KV up to chunk_end.
-            received, got = 0, {}
-            if kvp.get("chunk_end") is not None:
-                end = kvp.get("chunk_end")
-                if not isinstance(end, int) or isinstance(end, bool) or not 1 <= end <= len(tokens):
-                    return error(400, f"kv_transfer_params.chunk_end must be 1..{len(tokens)}", "invalid_value",
-                                 param="kv_transfer_params.chunk_end")
-                if kvp.get("do_remote_prefill"):
-                    try:
-                        got = await self._pull(kvp)
-                    except (httpx.HTTPError, ValueError, TypeError) as x:
-                        return error(502, f"KV transfer from the previous CPP member failed: {type(x).__name__}: {x}",
-                                     "kv_transfer_failed", kind="server_error")
-                    received = int(got.get("tokens") or 0)
-                    if received >= end:
-                        return error(400, f"received the KV of {received} tokens, past chunk_end {end}",
-                                     "invalid_value", param="kv_transfer_params.chunk_end")
-                e.report_row({"event": "cpp_chunk", "request_id": rid, "node": e.config.node_id,
-                              "received_tokens": received, "received_from": got.get("engine_id") if received else None,
-                              "chunk_end": end, "prompt_tokens": len(tokens)})
-                tokens = tokens[:end]
-            cached = await e.prefill_now(rid, tokens, received_tokens=received)
-            if room is not None:
-                slot = self._slot(f"room:{room}")
-                extra: dict[str, Any] = {}
+        try:
+            body, tokens, max_tokens = await self._read(request, chat)
+            rid = request.headers.get("x-request-id") or uuid.uuid4().hex
+            kvp = body.get("kv_transfer_params") or {}
+            room = body.get("bootstrap_room")
+            if kvp.get("do_remote_decode") or (room is not None and e.config.role == "prefill"):
+                return await self._prefill_half(chat, rid, tokens, kvp, room)
+            if kvp.get("do_remote_prefill") or room is not None:
+                cached = await self._receive_kv(body, rid, tokens, kvp, room)
             else:
-                key = f"{rid}-{uuid.uuid4().hex[:8]}"
-                slot = self._slot(key)
-                bs = e.config.block_size
-                extra = {"kv_transfer_params": {
-                    "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": e.config.node_id,
-                    "remote_request_id": key, "remote_block_ids": list(range(-(-len(tokens) // bs))),
-                    "remote_host": self.host, "remote_port": self.port, "tp_size": 1,
-                }}
-            slot.tokens = len(tokens)
-            slot.ready.set()
-            return JSONResponse(_Completion(chat, self.model, rid, len(tokens), cached).whole(1, extra))
-        if kvp.get("do_remote_prefill") or room is not None:
-            # The decode half: bring the KV over from the prefill peer first.
-            try:
-                if room is not None:
-                    url = f"http://{body.get('bootstrap_host')}:{body.get('bootstrap_port')}/kv/bootstrap/{room}"
-                    r = await self.client.get(url)
-                    r.raise_for_status()
-                    got = r.json()
-                else:
-                    got = await self._pull(kvp)
-                received = int(got.get("tokens") or 0)
-            except (httpx.HTTPError, ValueError, TypeError, AttributeError) as x:
-                return error(502, f"KV transfer from the prefill peer failed: {type(x).__name__}: {x}",
-                             "kv_transfer_failed", kind="server_error")
-            e.report_row({"event": "kv_received", "request_id": rid, "node": e.config.node_id,
-                          "received_tokens": received, "received_from": got.get("engine_id"),
-                          "transfer_model_s": got.get("transfer_model_s"), "prompt_tokens": len(tokens)})
-            if received < len(tokens):  # a decode needs the whole prompt's KV
-                return error(502, f"the prefill peer handed over the KV of {received} of {len(tokens)} prompt tokens",
-                             "kv_transfer_failed", kind="server_error")
-            cached = received
-        else:
-            cached = await e.prefill_now(rid, tokens)
+                cached = await e.prefill_now(rid, tokens)
+        except _Refused as x:
+            return x.response
         comp = _Completion(chat, self.model, rid, len(tokens), cached)
         total = e.decode_output_tokens(max_tokens)
         made: asyncio.Queue[int] = asyncio.Queue()
         e.decode_now(rid, len(tokens), max_tokens, made.put_nowait)
-        if not stream:
+        if not body.get("stream"):
             made_n = 0
             while made_n < total:
                 made_n += await made.get()
             return JSONResponse(comp.whole(total))
+        include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         return StreamingResponse(self._stream(comp, made, total, include_usage), media_type="text/event-stream")
+
+    async def _read(self, request: Request, chat: bool) -> tuple[dict[str, Any], list[int], int]:
+        """The body, its prompt's tokens and its ``max_tokens``; :class:`_Refused` (400) naming what is wrong."""
+        try:
+            body = await request.json()
+        except ValueError:
+            raise _Refused(error(400, "the body is not JSON", "invalid_json")) from None
+        if not isinstance(body, dict):
+            raise _Refused(error(400, "the body must be a JSON object", "invalid_json"))
+        try:
+            return body, prompt_tokens(body, chat), max_tokens_of(body)
+        except BadRequest as x:
+            raise _Refused(error(400, str(x), "invalid_value", param=x.param)) from x
+
+    async def _prefill_half(self, chat: bool, rid: str, tokens: list[int], kvp: dict[str, Any],
+                            room: Any) -> Response:
+        """The prefill half: run it, hold the KV for the peer, answer with one token. A CPP member
+        (``chunk_end``) computes only its chunk and holds the KV up to ``chunk_end``."""
+        e = self.engine
+        received = 0
+        if kvp.get("chunk_end") is not None:
+            tokens, received = await self._cpp_chunk(rid, tokens, kvp)
+        cached = await e.prefill_now(rid, tokens, received_tokens=received)
+        if room is not None:
+            slot = self._slot(f"room:{room}")
+            extra: dict[str, Any] = {}
+        else:
+            key = f"{rid}-{uuid.uuid4().hex[:8]}"
+            slot = self._slot(key)
+            bs = e.config.block_size
+            extra = {"kv_transfer_params": {
+                "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": e.config.node_id,
+                "remote_request_id": key, "remote_block_ids": list(range(-(-len(tokens) // bs))),
+                "remote_host": self.host, "remote_port": self.port, "tp_size": 1,
+            }}
+        slot.tokens = len(tokens)
+        slot.ready.set()
+        return JSONResponse(_Completion(chat, self.model, rid, len(tokens), cached).whole(1, extra))
+
+    async def _cpp_chunk(self, rid: str, tokens: list[int], kvp: dict[str, Any]) -> tuple[list[int], int]:
+        """A CPP member's chunk: the KV before it pulled from the previous member first (when it
+        is not the first); the prompt up to ``chunk_end`` and the tokens whose KV it received."""
+        e = self.engine
+        received, got = 0, {}
+        end = kvp.get("chunk_end")
+        if not isinstance(end, int) or isinstance(end, bool) or not 1 <= end <= len(tokens):
+            raise _Refused(error(400, f"kv_transfer_params.chunk_end must be 1..{len(tokens)}", "invalid_value",
+                                 param="kv_transfer_params.chunk_end"))
+        if kvp.get("do_remote_prefill"):
+            try:
+                got = await self._pull(kvp)
+            except (httpx.HTTPError, ValueError, TypeError) as x:
+                raise _Refused(error(502, f"KV transfer from the previous CPP member failed: {type(x).__name__}: {x}",
+                                     "kv_transfer_failed", kind="server_error")) from x
+            received = int(got.get("tokens") or 0)
+            if received >= end:
+                raise _Refused(error(400, f"received the KV of {received} tokens, past chunk_end {end}",
+                                     "invalid_value", param="kv_transfer_params.chunk_end"))
+        e.report_row({"event": "cpp_chunk", "request_id": rid, "node": e.config.node_id,
+                      "received_tokens": received, "received_from": got.get("engine_id") if received else None,
+                      "chunk_end": end, "prompt_tokens": len(tokens)})
+        return tokens[:end], received
+
+    async def _receive_kv(self, body: dict[str, Any], rid: str, tokens: list[int], kvp: dict[str, Any],
+                          room: Any) -> int:
+        """The decode half: the KV brought over from the prefill peer first; the tokens it covers
+        (the whole prompt, else :class:`_Refused`)."""
+        e = self.engine
+        try:
+            if room is not None:
+                url = f"http://{body.get('bootstrap_host')}:{body.get('bootstrap_port')}/kv/bootstrap/{room}"
+                r = await self.client.get(url)
+                r.raise_for_status()
+                got = r.json()
+            else:
+                got = await self._pull(kvp)
+            received = int(got.get("tokens") or 0)
+        except (httpx.HTTPError, ValueError, TypeError, AttributeError) as x:
+            raise _Refused(error(502, f"KV transfer from the prefill peer failed: {type(x).__name__}: {x}",
+                                 "kv_transfer_failed", kind="server_error")) from x
+        e.report_row({"event": "kv_received", "request_id": rid, "node": e.config.node_id,
+                      "received_tokens": received, "received_from": got.get("engine_id"),
+                      "transfer_model_s": got.get("transfer_model_s"), "prompt_tokens": len(tokens)})
+        if received < len(tokens):  # a decode needs the whole prompt's KV
+            raise _Refused(error(502, f"the prefill peer handed over the KV of {received} of {len(tokens)} prompt tokens",
+                                 "kv_transfer_failed", kind="server_error"))
+        return received
 
     async def _stream(self, comp: _Completion, made: asyncio.Queue[int], total: int, usage: bool) -> AsyncIterator[bytes]:
         got = 0

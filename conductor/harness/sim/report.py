@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,19 +76,25 @@ def common_ttft_means(runs: list[PolicyRun]) -> dict[str, float]:
 
 
 def _plots(runs: list[PolicyRun], out: Path) -> list[tuple[str, str]]:
+    """Draw each plot that has data into ``out``; (caption, file name) of each."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     made: list[tuple[str, str]] = []
-
-    def save(fig: Any, name: str, caption: str) -> None:
+    for name, caption, draw in _PLOTS:
+        fig = draw(plt, runs)
+        if fig is None:
+            continue
         fig.tight_layout()
         fig.savefig(out / name, dpi=110)
         plt.close(fig)
         made.append((caption, name))
+    return made
 
+
+def _ttft_cdf(plt: Any, runs: list[PolicyRun]) -> Any:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in runs:
         xs = sorted(v for v in r.ttft_by_request if not math.isnan(v))
@@ -102,22 +109,27 @@ def _plots(runs: list[PolicyRun], out: Path) -> list[tuple[str, str]]:
     ax.set_title("TTFT CDF per policy")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    save(fig, "ttft_cdf.png", "TTFT CDF per policy")
+    return fig
 
-    if any(len(r.probes) > 1 for r in runs):
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for r in runs:
-            pts = sorted(set(r.probes))
-            if pts:
-                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=r.summary["policy"])
-        ax.axhline(0.9, color="grey", ls="--", lw=1)
-        ax.set_xlabel("arrival speed-up (x the trace's rate)")
-        ax.set_ylabel("requests meeting both SLOs")
-        ax.set_title("SLO attainment vs speed")
-        ax.legend(fontsize=8)
-        ax.grid(alpha=0.3)
-        save(fig, "slo_vs_speed.png", "SLO attainment vs arrival speed (every probe of the capacity search)")
 
+def _slo_vs_speed(plt: Any, runs: list[PolicyRun]) -> Any:
+    if not any(len(r.probes) > 1 for r in runs):
+        return None
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in runs:
+        pts = sorted(set(r.probes))
+        if pts:
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", ms=3, label=r.summary["policy"])
+    ax.axhline(0.9, color="grey", ls="--", lw=1)
+    ax.set_xlabel("arrival speed-up (x the trace's rate)")
+    ax.set_ylabel("requests meeting both SLOs")
+    ax.set_title("SLO attainment vs speed")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def _reuse(plt: Any, runs: list[PolicyRun]) -> Any:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     names = [r.summary["policy"] for r in runs]
     ax.bar(names, [r.summary["reuse_ratio"] for r in runs], color="tab:blue")
@@ -127,8 +139,10 @@ def _plots(runs: list[PolicyRun], out: Path) -> list[tuple[str, str]]:
     ax.set_title("Prefix reuse per policy")
     ax.tick_params(axis="x", rotation=35)
     ax.legend(fontsize=8)
-    save(fig, "reuse.png", "Prefix reuse ratio against the infinite-cache upper bound")
+    return fig
 
+
+def _load_per_instance(plt: Any, runs: list[PolicyRun]) -> Any:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     width = 0.8 / max(len(runs), 1)
     for k, r in enumerate(runs):
@@ -139,8 +153,10 @@ def _plots(runs: list[PolicyRun], out: Path) -> list[tuple[str, str]]:
     ax.set_ylabel("busy fraction of the run")
     ax.set_title("Load per prefill instance")
     ax.legend(fontsize=7, ncol=3)
-    save(fig, "load_per_instance.png", "Load per prefill instance (busy time / run length)")
+    return fig
 
+
+def _prediction_error(plt: Any, runs: list[PolicyRun]) -> Any:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in runs:
         pairs = [(p, a) for p, a in zip(r.predicted_ttft, r.ttft_by_request) if not math.isnan(a)]
@@ -153,8 +169,38 @@ def _plots(runs: list[PolicyRun], out: Path) -> list[tuple[str, str]]:
     ax.set_title("How well each policy predicted the TTFT it caused")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
-    save(fig, "ttft_prediction_error.png", "TTFT prediction error per policy")
-    return made
+    return fig
+
+
+_PLOTS: tuple[tuple[str, str, Callable[[Any, list[PolicyRun]], Any]], ...] = (
+    ("ttft_cdf.png", "TTFT CDF per policy", _ttft_cdf),
+    ("slo_vs_speed.png", "SLO attainment vs arrival speed (every probe of the capacity search)", _slo_vs_speed),
+    ("reuse.png", "Prefix reuse ratio against the infinite-cache upper bound", _reuse),
+    ("load_per_instance.png", "Load per prefill instance (busy time / run length)", _load_per_instance),
+    ("ttft_prediction_error.png", "TTFT prediction error per policy", _prediction_error),
+)
+"""(file, caption, draw) of each plot, in the report's order; a draw without data returns None."""
+
+_COLUMNS: tuple[tuple[str, str | None, int], ...] = (
+    ("policy", "policy", 0),
+    ("TTFT mean (s)", "ttft_mean_s", 2),
+    ("TTFT mean, common set (s)", None, 2),
+    ("TTFT p90 (s)", "ttft_p90_s", 2),
+    ("TTFT p99 (s)", "ttft_p99_s", 2),
+    ("TBT p90 (ms)", "tbt_p90_ms", 1),
+    ("SLO both", "slo_attainment", 3),
+    ("TTFT SLO", "ttft_slo_attainment", 3),
+    ("TBT SLO", "tbt_slo_attainment", 3),
+    ("goodput (req/s)", "goodput_rps", 3),
+    ("reuse", "reuse_ratio", 3),
+    ("remote reuses", "remote_reuse_requests", 0),
+    ("rejected", "rejected", 0),
+    ("prefill max/mean busy", "prefill_imbalance", 2),
+    ("capacity (x speed)", "capacity_speed", 3),
+    ("capacity (req/s)", "capacity_rps", 3),
+    ("wall (s)", "sim_wall_s", 1),
+)
+"""(heading, summary key, decimals) of the results table; key None: the common-set TTFT mean."""
 
 
 def write_report(
@@ -170,35 +216,26 @@ def write_report(
     lines = [f"# {title}", ""]
     lines += [f"- {k}: {v}" for k, v in context.items()]
     lines += ["", "Regenerate with:", "", "```", command, "```", ""]
-    cols = [
-        ("policy", "policy", 0),
-        ("TTFT mean (s)", "ttft_mean_s", 2),
-        ("TTFT mean, common set (s)", None, 2),
-        ("TTFT p90 (s)", "ttft_p90_s", 2),
-        ("TTFT p99 (s)", "ttft_p99_s", 2),
-        ("TBT p90 (ms)", "tbt_p90_ms", 1),
-        ("SLO both", "slo_attainment", 3),
-        ("TTFT SLO", "ttft_slo_attainment", 3),
-        ("TBT SLO", "tbt_slo_attainment", 3),
-        ("goodput (req/s)", "goodput_rps", 3),
-        ("reuse", "reuse_ratio", 3),
-        ("remote reuses", "remote_reuse_requests", 0),
-        ("rejected", "rejected", 0),
-        ("prefill max/mean busy", "prefill_imbalance", 2),
-        ("capacity (x speed)", "capacity_speed", 3),
-        ("capacity (req/s)", "capacity_rps", 3),
-        ("wall (s)", "sim_wall_s", 1),
-    ]
-    lines.append("| " + " | ".join(c[0] for c in cols) + " |")
-    lines.append("|" + "---|" * len(cols))
+    lines += _results_table(runs, common)
+    byname = {r.summary["policy"]: r for r in runs}
+    if paper and any(p in byname for _, _, p in PAPER_TTFT_S):
+        lines += _against_paper(byname, common)
+    if "kvcache-centric" in byname and any(p in byname for p in PEER_STYLE):
+        lines += _against_peers(byname, common)
+    for caption, fname in plots:
+        lines += [f"### {caption}", "", f"![{caption}]({fname})", ""]
+    md = out / "README.md"
+    md.write_text("\n".join(lines), encoding="utf-8")
+    return md
+
+
+def _results_table(runs: list[PolicyRun], common: dict[str, float]) -> list[str]:
+    lines = ["| " + " | ".join(c[0] for c in _COLUMNS) + " |", "|" + "---|" * len(_COLUMNS)]
     for r in runs:
         s = r.summary
-        cells = []
-        for _, key, nd in cols:
-            v = common.get(s["policy"]) if key is None else s.get(key)
-            cells.append(_fmt(v, nd))
+        cells = [_fmt(common.get(s["policy"]) if key is None else s.get(key), nd) for _, key, nd in _COLUMNS]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += [
+    return lines + [
         "",
         (
             "TTFT/TBT statistics cover served requests; *common set* is the mean TTFT over the requests "
@@ -208,50 +245,50 @@ def write_report(
         ),
         "",
     ]
-    byname = {r.summary["policy"]: r for r in runs}
-    if paper and any(p in byname for _, _, p in PAPER_TTFT_S):
-        lines += ["## Against the paper (FAST'25, conversation trace, 16 prefill instances)", ""]
-        lines += [
-            (
-                "| paper's scheduler | paper TTFT (s) | paper / load-balancing | policy here | TTFT here (s) "
-                "| common set (s) | here / least-loaded |"
-            ),
-            "|---|---|---|---|---|---|---|",
-        ]
-        lb = byname["least-loaded"].summary["ttft_mean_s"] if "least-loaded" in byname else None
-        for paper_name, v, p in PAPER_TTFT_S:
-            here = byname[p].summary["ttft_mean_s"] if p in byname else None
-            c = common.get(p, math.nan)
-            lines.append(
-                f"| {paper_name} | {_fmt(v)} | {_fmt(v / 5.27 if v else None)} | `{p}` | {_fmt(here)} | {_fmt(c)} "
-                f"| {_fmt(here / lb if here is not None and lb else None)} |"
-            )
-        lines.append("")
-    if "kvcache-centric" in byname and any(p in byname for p in PEER_STYLE):
-        kc = byname["kvcache-centric"].summary
-        peers = [byname[p].summary for p in PEER_STYLE if p in byname]
-        best_t = min(peers, key=lambda s: common.get(s["policy"], math.inf))
-        lines += ["## kvcache-centric against the best peer-style policy", ""]
-        kt, pt = common.get("kvcache-centric", math.nan), common.get(best_t["policy"], math.nan)
+
+
+def _against_paper(byname: dict[str, PolicyRun], common: dict[str, float]) -> list[str]:
+    lines = ["## Against the paper (FAST'25, conversation trace, 16 prefill instances)", ""]
+    lines += [
+        (
+            "| paper's scheduler | paper TTFT (s) | paper / load-balancing | policy here | TTFT here (s) "
+            "| common set (s) | here / least-loaded |"
+        ),
+        "|---|---|---|---|---|---|---|",
+    ]
+    lb = byname["least-loaded"].summary["ttft_mean_s"] if "least-loaded" in byname else None
+    for paper_name, v, p in PAPER_TTFT_S:
+        here = byname[p].summary["ttft_mean_s"] if p in byname else None
+        c = common.get(p, math.nan)
         lines.append(
-            f"- mean TTFT (common set): kvcache-centric {_fmt(kt)} s vs {best_t['policy']} {_fmt(pt)} s "
-            f"→ {_fmt(100 * (1 - kt / pt) if pt else math.nan, 1)} % lower (goal ≥ 20 %)"
+            f"| {paper_name} | {_fmt(v)} | {_fmt(v / 5.27 if v else None)} | `{p}` | {_fmt(here)} | {_fmt(c)} "
+            f"| {_fmt(here / lb if here is not None and lb else None)} |"
         )
+    lines.append("")
+    return lines
+
+
+def _against_peers(byname: dict[str, PolicyRun], common: dict[str, float]) -> list[str]:
+    kc = byname["kvcache-centric"].summary
+    peers = [byname[p].summary for p in PEER_STYLE if p in byname]
+    best_t = min(peers, key=lambda s: common.get(s["policy"], math.inf))
+    lines = ["## kvcache-centric against the best peer-style policy", ""]
+    kt, pt = common.get("kvcache-centric", math.nan), common.get(best_t["policy"], math.nan)
+    lines.append(
+        f"- mean TTFT (common set): kvcache-centric {_fmt(kt)} s vs {best_t['policy']} {_fmt(pt)} s "
+        f"→ {_fmt(100 * (1 - kt / pt) if pt else math.nan, 1)} % lower (goal ≥ 20 %)"
+    )
+    lines.append(
+        f"- goodput: kvcache-centric {_fmt(kc['goodput_rps'], 3)} req/s vs best peer "
+        f"{_fmt(max(p['goodput_rps'] for p in peers), 3)} req/s"
+    )
+    caps = [p for p in peers if p.get("capacity_speed")]
+    if kc.get("capacity_speed") is not None and caps:
+        best_c = max(caps, key=lambda s: s["capacity_speed"])
+        ratio = kc["capacity_speed"] / best_c["capacity_speed"] if best_c["capacity_speed"] else math.nan
         lines.append(
-            f"- goodput: kvcache-centric {_fmt(kc['goodput_rps'], 3)} req/s vs best peer "
-            f"{_fmt(max(p['goodput_rps'] for p in peers), 3)} req/s"
+            f"- effective request capacity: kvcache-centric {_fmt(kc['capacity_speed'], 3)}x vs "
+            f"{best_c['policy']} {_fmt(best_c['capacity_speed'], 3)}x → {_fmt(ratio)}x (goal ≥ 1.3x)"
         )
-        caps = [p for p in peers if p.get("capacity_speed")]
-        if kc.get("capacity_speed") is not None and caps:
-            best_c = max(caps, key=lambda s: s["capacity_speed"])
-            ratio = kc["capacity_speed"] / best_c["capacity_speed"] if best_c["capacity_speed"] else math.nan
-            lines.append(
-                f"- effective request capacity: kvcache-centric {_fmt(kc['capacity_speed'], 3)}x vs "
-                f"{best_c['policy']} {_fmt(best_c['capacity_speed'], 3)}x → {_fmt(ratio)}x (goal ≥ 1.3x)"
-            )
-        lines.append("")
-    for caption, fname in plots:
-        lines += [f"### {caption}", "", f"![{caption}]({fname})", ""]
-    md = out / "README.md"
-    md.write_text("\n".join(lines), encoding="utf-8")
-    return md
+    lines.append("")
+    return lines
