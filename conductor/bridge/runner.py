@@ -47,7 +47,7 @@ import zmq.asyncio
 from aiokafka.errors import KafkaError
 from zmq.utils.monitor import parse_monitor_message
 
-from conductor.bridge.scrape import EngineLoad, MetricsScraper, heartbeat_of
+from conductor.bridge.scrape import EngineLoad, EngineUnreachable, MetricsScraper, fetch_bootstrap_port, heartbeat_of
 from conductor.bridge.translate import DEFAULT_MAX_TRACKED, NodeTranslator, tracked_bound
 from conductor.bridge.wire import WireError, decode_batch, parse_seq, seq_frame
 from schemas import AllBlocksCleared, Envelope, Heartbeat, Role, encode, envelope, headers
@@ -85,7 +85,8 @@ class BridgeConfig:
     """The engine's serving base URL, announced in heartbeats so gateways find it through the view
     (None: the base of ``metrics_url``, when that is an ``http(s)://host:port/metrics`` URL)."""
     bootstrap_port: int | None = None
-    """SGLang: the prefill server's bootstrap port, announced in heartbeats."""
+    """SGLang: the prefill server's bootstrap port, announced in heartbeats (None: a prefill bridge asks
+    the engine's ``/server_info`` for its ``disaggregation_bootstrap_port``)."""
     kv_transfer: bool | None = None
     """Whether the engine runs a KV connector (P/D hand-offs); None: by role (``both`` cannot)."""
     max_tracked_blocks: int | None = None
@@ -152,6 +153,9 @@ class Bridge:
         """The last scrape's reading (its prefix-cache counters are exported as the reuse realised)."""
         self._announced = Heartbeat(role=config.role, **config.announced()).model_dump(
             include=set(config.announced()))  # validated once: a bad --engine-url fails at start-up
+        self._bootstrap_unknown = (config.bootstrap_port is None and config.role == "prefill"
+                                   and self._announced["endpoint"] is not None)
+        """A prefill engine whose bootstrap port nobody told: asked at each heartbeat until it answers."""
         self._restart_seen_s = 0.0
         self.ready = asyncio.Event()
         """Set once the start-up replay is done and live events are being followed."""
@@ -425,6 +429,8 @@ class Bridge:
                             self._last_engine_contact = time.monotonic()
                     alive = probe is None or time.monotonic() - self._last_engine_contact <= 3 * interval
                     hb = Heartbeat(role=self.config.role, model=self.config.model, interval_s=interval) if alive else None
+                if hb is not None and self._bootstrap_unknown:
+                    await self._discover_bootstrap_port()
                 if hb is not None:
                     hb = hb.model_copy(update=self._announced)
                 if hb is not None and self.heartbeat_sink is not None:
@@ -443,6 +449,18 @@ class Bridge:
                 probe.close(linger=0)
             if self.scraper is not None:
                 await self.scraper.close()
+
+    async def _discover_bootstrap_port(self) -> None:
+        """Announce the bootstrap port the engine says it serves (SGLang's ``/server_info``): each prefill
+        instance its own, where a gateway would otherwise guess the engine's HTTP port."""
+        try:
+            port = await fetch_bootstrap_port(self._announced["endpoint"])
+        except EngineUnreachable:
+            return  # asked again at the next heartbeat
+        self._bootstrap_unknown = False
+        if port is not None:
+            self._announced["bootstrap_port"] = port
+            log.info("node %s: the engine serves its bootstrap on port %d", self.config.node_id, port)
 
     async def _scraped_heartbeat(self, interval: float) -> Heartbeat | None:
         assert self.scraper is not None

@@ -182,6 +182,39 @@ def heartbeat_of(load: EngineLoad, *, role: Role, model: str, interval_s: float,
     )
 
 
+class EngineUnreachable(Exception):
+    """The engine's HTTP server did not answer (not up yet, or gone): ask again later."""
+
+
+def bootstrap_port_of(server_info: object) -> int | None:
+    """SGLang's ``/server_info``: a prefill server's ``disaggregation_bootstrap_port`` (None: not an
+    SGLang prefill server)."""
+    if not isinstance(server_info, dict) or server_info.get("disaggregation_mode") != "prefill":
+        return None
+    port = server_info.get("disaggregation_bootstrap_port")
+    return port if isinstance(port, int) and not isinstance(port, bool) and 1 <= port <= 65535 else None
+
+
+async def fetch_bootstrap_port(base_url: str, *, timeout_s: float = 2.0) -> int | None:
+    """The bootstrap port the SGLang prefill server at ``base_url`` serves (its
+    ``--disaggregation-bootstrap-port``, 8998 unless set), from ``/server_info`` (``/get_server_info``
+    before SGLang 0.5); None when the engine answers without one (vLLM has neither path). Raises
+    :class:`EngineUnreachable` when it does not answer."""
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+            for path in ("/server_info", "/get_server_info"):
+                async with session.get(base_url.rstrip("/") + path) as resp:
+                    if resp.status != 200:
+                        continue
+                    try:
+                        return bootstrap_port_of(await resp.json(content_type=None))
+                    except ValueError:  # not JSON: not SGLang's
+                        return None
+    except (aiohttp.ClientError, TimeoutError, OSError) as e:
+        raise EngineUnreachable(f"{type(e).__name__}: {e}"[:200]) from None
+    return None
+
+
 class MetricsScraper:
     """GETs one engine's ``/metrics``; :meth:`scrape` returns its load or None when unreachable."""
 

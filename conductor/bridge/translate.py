@@ -259,7 +259,9 @@ class NodeTranslator:
 
         vLLM >= 0.11 reports each block's extra keys (LoRA name first, then multimodal ids,
         the cache salt, prompt-embedding digests); older engines only name the LoRA adapter,
-        which is then the one extra key of every block, as vLLM hashes it.
+        which is then the one extra key of every block, as vLLM hashes it. SGLang names the
+        cache salt apart: it goes after the LoRA name on the chain's first block, where a
+        request's salt goes (``schemas.vllm_block_extras``), so a salted request's keys match.
         """
         n, bs = len(ev.block_hashes), ev.block_size
         if len(ev.token_ids) != n * bs:
@@ -270,6 +272,8 @@ class NodeTranslator:
             ]
         else:
             extras = [(ev.lora_name,) if ev.lora_name else None] * n
+            if ev.cache_salt and parent_key is None and n:  # a child's key carries the salt through its parent
+                extras[0] = (*(extras[0] or ()), ev.cache_salt)
         try:
             return chain_keys_per_block(ev.token_ids, bs, extras, parent=parent_key)
         except TypeError:

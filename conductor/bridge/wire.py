@@ -8,6 +8,17 @@ the payload is msgpack of a batch, either an array ``[ts, events, dp_rank?]``
 ``["BlockStored", hashes, parent, token_ids, block_size, lora_id, medium, ...]``
 or a tagged map ``{"type": "BlockStored", "block_hashes": ..., ...}``.
 
+After ``medium`` the engines differ. vLLM's array form goes on with ``lora_name``,
+``extra_keys``, ``group_idx``, ``kv_cache_spec_kind``, ``kv_cache_spec_sliding_window``.
+SGLang (``sglang/srt/disaggregation/kv_events.py``): up to 0.5.17 nothing follows
+``medium``; 0.5.18-0.5.19 add, for a salted request only, a ``metadata`` map
+``{"cache_salt": ...}``; from 0.5.20 events are tagged maps whose ``BlockStored`` has
+``cache_salt`` and ``session_id`` (0.5.22: ``lora_name``) after ``medium``. An array whose
+8th field is a map is SGLang's metadata; one whose 9th is a string (vLLM's ``extra_keys``
+never is) follows SGLang's field order (``cache_salt``, ``session_id``, ``lora_name``).
+``session_id`` only says which session stored the blocks (the hash does not depend on it):
+ignored.
+
 Decoding is pure and never raises on a bad *event*: it is returned as a
 :class:`BadEvent` so the batch's other events still apply. Only a payload that is
 not a batch at all raises :class:`WireError`. The field readers raise ``ValueError`` for
@@ -53,6 +64,8 @@ class EngineBlockStored:
     """One entry per block (vLLM >= 0.11): LoRA name, multimodal ids, cache salt... or None."""
     group_idx: int | None = None
     """KV-cache group of a hybrid model (vLLM); None = the only group."""
+    cache_salt: str | None = None
+    """SGLang: the salt of the request that stored the blocks (vLLM puts it in ``extra_keys`` instead)."""
     sliding_window: bool = False
     """The group holds only a window of the prefix (sliding-window or local attention, Mamba state)."""
 
@@ -111,6 +124,7 @@ _TIERS: dict[str, Tier] = {
 # Field order of the array form, after the tag (vLLM's struct field order).
 _STORED_FIELDS = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium",
                   "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind", "kv_cache_spec_sliding_window")
+_SGLANG_STORED_FIELDS = (*_STORED_FIELDS[:6], "cache_salt", "session_id", "lora_name")
 _REMOVED_FIELDS = ("block_hashes", "medium", "group_idx")
 _WINDOWED_KINDS = ("sliding", "local", "chunked", "mamba", "window")
 
@@ -161,6 +175,19 @@ def _as_fields(raw: list[Any] | dict[Any, Any], names: tuple[str, ...]) -> dict[
     return dict(zip(names, raw[1:]))
 
 
+def _stored_fields(raw: list[Any] | dict[Any, Any]) -> dict[str, Any]:
+    """A ``BlockStored``'s fields by name, whichever engine's array layout it has (see the module's docstring)."""
+    if isinstance(raw, dict):
+        return raw
+    after_medium = raw[7:]
+    if after_medium and isinstance(after_medium[0], dict):  # SGLang 0.5.18-0.5.19: the metadata map
+        meta = after_medium[0]
+        return {**dict(zip(_STORED_FIELDS[:6], raw[1:7])), "cache_salt": meta.get("cache_salt")}
+    if len(after_medium) > 1 and isinstance(after_medium[1], str):  # SGLang's order: cache_salt, session_id
+        return dict(zip(_SGLANG_STORED_FIELDS, raw[1:]))
+    return dict(zip(_STORED_FIELDS, raw[1:]))
+
+
 def _stored(f: dict[str, Any]) -> EngineBlockStored:
     hashes = _hashes(f.get("block_hashes"))
     parent = f.get("parent_block_hash")
@@ -178,6 +205,9 @@ def _stored(f: dict[str, Any]) -> EngineBlockStored:
     lora_name = f.get("lora_name")
     if lora_name is not None and not isinstance(lora_name, str):
         raise ValueError("lora_name is not a string")
+    salt = f.get("cache_salt")
+    if salt is not None and not isinstance(salt, str):
+        raise ValueError("cache_salt is not a string")
     lora_id = f.get("lora_id")
     if lora_name is None and isinstance(lora_id, int) and not isinstance(lora_id, bool):
         # Old engines name adapters by id only; requests must then use the same spelling.
@@ -202,6 +232,7 @@ def _stored(f: dict[str, Any]) -> EngineBlockStored:
         lora_name=lora_name,
         extra_keys=extra_keys,
         group_idx=_group(f.get("group_idx")),
+        cache_salt=salt or None,
         sliding_window=windowed,
     )
 
@@ -224,7 +255,7 @@ def decode_event(raw: object) -> EngineEvent:
         return BadEvent("not_an_event", f"{type(raw).__name__}")
     try:
         if tag == "BlockStored":
-            return _stored(_as_fields(raw, _STORED_FIELDS))
+            return _stored(_stored_fields(raw))
         if tag == "BlockRemoved":
             f = _as_fields(raw, _REMOVED_FIELDS)
             return EngineBlockRemoved(_hashes(f.get("block_hashes")), tier_of(f.get("medium")), _group(f.get("group_idx")))
@@ -286,6 +317,8 @@ def _event_map(ev: EngineBlockStored | EngineBlockRemoved | EngineAllCleared) ->
             m["extra_keys"] = [None if e is None else list(e) for e in ev.extra_keys]
         if ev.group_idx is not None:
             m["group_idx"] = ev.group_idx
+        if ev.cache_salt is not None:
+            m["cache_salt"] = ev.cache_salt
         return m
     if isinstance(ev, EngineBlockRemoved):
         r: dict[str, Any] = {"type": "BlockRemoved", "block_hashes": list(ev.block_hashes),

@@ -66,7 +66,9 @@ BridgeKvTransfer = Annotated[bool | None, typer.Option("--kv-transfer/--no-kv-tr
     "runs a KV connector (NIXL, Mooncake) and takes part in P/D hand-offs [default: yes for prefill and decode, no "
     "for both: an aggregated engine serves whole requests]")]
 BridgeBootstrapPort = Annotated[int | None, typer.Option("--bootstrap-port", min=1, max=65535, help="SGLang: the "
-    "prefill server's bootstrap port, announced in heartbeats")]
+    "prefill server's bootstrap port, announced in heartbeats [default: a prefill bridge asks the engine's "
+    "/server_info for its disaggregation_bootstrap_port (SGLang's --disaggregation-bootstrap-port, 8998 unless "
+    "set); none announced when it has none]")]
 BridgeMaxTrackedBlocks = Annotated[int | None, typer.Option("--max-tracked-blocks", min=1, help="engine block "
     "hashes remembered per rank (the bridge's memory bound); past it the least recently stored are forgotten, "
     "counted and taken out of the view [default: twice the engine's KV capacity from --metrics-url, at least "

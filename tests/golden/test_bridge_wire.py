@@ -21,7 +21,7 @@ from conductor.bridge.wire import (
     parse_seq,
     seq_frame,
 )
-from schemas import AllBlocksCleared, BlocksRemoved, BlocksStored, chain_keys
+from schemas import AllBlocksCleared, BlocksRemoved, BlocksStored, chain_keys, request_keys
 
 GOLDEN = Path(__file__).parent
 TOKENS = tuple(range(1000, 1032))
@@ -182,3 +182,40 @@ def test_the_oldest_array_form_without_medium_decodes_as_gpu() -> None:
         EngineBlockStored((H1,), None, TOKENS[:16], 16, "hbm"),
         EngineBlockRemoved((H1,), "hbm"),
     ]
+
+
+# --- SGLang's fields after medium ----------------------------------------------------------------
+
+
+def test_sglang_metadata_after_medium_is_the_salt_not_a_lora_name() -> None:
+    # SGLang 0.5.18-0.5.19: BlockStoredWithMetadata, its keyword-only metadata map last.
+    payload = msgpack.packb([1.0, [["BlockStored", [-3], None, list(TOKENS[:16]), 16, None, "GPU",
+                                    {"cache_salt": "tenant-a"}]], 0])
+    assert decode_batch(payload).events == [
+        EngineBlockStored((2**64 - 3,), None, TOKENS[:16], 16, "hbm", cache_salt="tenant-a")]
+
+
+@pytest.mark.parametrize("event", [
+    # An array in SGLang's field order: cache_salt, session_id (a string where vLLM has extra_keys), lora_name.
+    ["BlockStored", [7], None, list(TOKENS[:16]), 16, 2, "GPU", "tenant-a", "session-1", "sql-lora"],
+    # The tagged map of SGLang >= 0.5.20 (lora_name from 0.5.22).
+    {"type": "BlockStored", "block_hashes": [7], "parent_block_hash": None, "token_ids": list(TOKENS[:16]),
+     "block_size": 16, "lora_id": 2, "medium": "GPU", "cache_salt": "tenant-a", "session_id": "session-1",
+     "lora_name": "sql-lora"},
+])
+def test_sglang_salt_and_session_are_read_by_name_in_both_forms(event: object) -> None:
+    (ev,) = decode_batch(msgpack.packb([1.0, [event]])).events
+    assert ev == EngineBlockStored((7,), None, TOKENS[:16], 16, "hbm", lora_name="sql-lora", cache_salt="tenant-a")
+    # The salt goes on the chain's first block after the LoRA name, as on a salted request's.
+    out = NodeTranslator().translate_event(ev)
+    assert out[0].block_keys == request_keys(TOKENS[:16], 16, lora_name="sql-lora",  # type: ignore[attr-defined]
+                                             cache_salt="tenant-a")
+
+
+def test_vllm_array_lora_name_stays_a_lora_name_and_a_bad_salt_is_a_bad_event() -> None:
+    vllm = ["BlockStored", [7], None, list(TOKENS[:16]), 16, None, "GPU", "sql-lora", None, 0]
+    bad_salt = {"type": "BlockStored", "block_hashes": [7], "parent_block_hash": None, "token_ids": list(TOKENS[:16]),
+                "block_size": 16, "lora_id": None, "cache_salt": 5}
+    first, second = decode_batch(msgpack.packb([1.0, [vllm, bad_salt]])).events
+    assert first == EngineBlockStored((7,), None, TOKENS[:16], 16, "hbm", lora_name="sql-lora", group_idx=0)
+    assert isinstance(second, BadEvent)

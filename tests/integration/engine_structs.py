@@ -9,12 +9,19 @@ engines publish, not a hand-built approximation:
 - ``V026``: vLLM >= 0.26: maps (no ``array_like``), ``lora_name``, per-block
   ``extra_keys``, the hybrid-model fields ``group_idx``, ``kv_cache_spec_kind``,
   ``kv_cache_spec_sliding_window``.
-- ``SGLANG``: SGLang (``sglang/srt/disaggregation/kv_events.py``): arrays, signed
+- ``SGLANG``: SGLang <= 0.5.17 (``sglang/srt/disaggregation/kv_events.py``): arrays, signed
   int64 hashes, ``medium`` one of GPU / CPU_PINNED / DISK / EXTERNAL, ``attn_dp_rank``.
+- ``SGLANG_META``: SGLang 0.5.18-0.5.19: the same arrays (defaults no longer omitted); a salted
+  request's store is ``BlockStoredWithMetadata``, whose keyword-only ``metadata`` (a map with
+  ``cache_salt``) follows ``medium``.
+- ``SGLANG_MAP``: SGLang >= 0.5.20: the batch still an array, events tagged maps with defaults
+  omitted; ``BlockStored`` has ``cache_salt`` and ``session_id`` after ``medium``, and from
+  0.5.22 ``lora_name`` after them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -122,10 +129,78 @@ class _SgCleared(_SgEvent, tag="AllBlocksCleared"):
     pass
 
 
+# --- SGLang 0.5.18-0.5.19: arrays, a metadata map on salted stores -----------------------------
+
+
+class _SgMetaEvent(msgspec.Struct, array_like=True, gc=False, tag=True):
+    pass
+
+
+class _SgMetaStored(_SgMetaEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None = None
+
+
+class _SgMetadata(msgspec.Struct, omit_defaults=True, gc=False):
+    cache_salt: str
+
+
+class _SgMetaStoredWithMetadata(_SgMetaStored, tag="BlockStored", kw_only=True):
+    metadata: _SgMetadata
+
+
+class _SgMetaRemoved(_SgMetaEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None = None
+
+
+class _SgMetaCleared(_SgMetaEvent, tag="AllBlocksCleared"):
+    pass
+
+
+def _sg_meta_stored(*args: Any, cache_salt: str | None = None, **kw: Any) -> _SgMetaStored:
+    """What SGLang's scheduler builds: the plain struct, or the metadata one for a salted request."""
+    if cache_salt is None:
+        return _SgMetaStored(*args, **kw)
+    return _SgMetaStoredWithMetadata(*args, metadata=_SgMetadata(cache_salt), **kw)
+
+
+# --- SGLang >= 0.5.20: an array batch of tagged-map events ---------------------------------------
+
+
+class _SgMapEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class _SgMapStored(_SgMapEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None = None
+    cache_salt: str | None = None
+    session_id: str | None = None
+    lora_name: str | None = None
+
+
+class _SgMapRemoved(_SgMapEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None = None
+
+
+class _SgMapCleared(_SgMapEvent, tag="AllBlocksCleared"):
+    pass
+
+
 _ENCODER = msgspec.msgpack.Encoder()
 
 
-def _engine(batch: type, stored: type, removed: type, cleared: type) -> SimpleNamespace:
+def _engine(batch: type, stored: Callable[..., Any], removed: type, cleared: type) -> SimpleNamespace:
     def encode(ts: float, events: list[Any], rank: int | None = None) -> bytes:
         return _ENCODER.encode(batch(ts, events, rank))
 
@@ -135,3 +210,5 @@ def _engine(batch: type, stored: type, removed: type, cleared: type) -> SimpleNa
 V023 = _engine(_V023Batch, _V023Stored, _V023Removed, _V023Cleared)
 V026 = _engine(_V026Batch, _V026Stored, _V026Removed, _V026Cleared)
 SGLANG = _engine(_SgBatch, _SgStored, _SgRemoved, _SgCleared)
+SGLANG_META = _engine(_SgBatch, _sg_meta_stored, _SgMetaRemoved, _SgMetaCleared)
+SGLANG_MAP = _engine(_SgBatch, _SgMapStored, _SgMapRemoved, _SgMapCleared)

@@ -1,7 +1,8 @@
 """Real engines' frames through a real ZMQ PUB + replay ROUTER: keys, tiers, hybrid groups, restarts, DP, load.
 
 Every frame is the msgpack of the engines' own msgspec structs (``engine_structs``):
-vLLM's array form (<= 0.23), its map form (>= 0.26) and SGLang's signed hashes. The
+vLLM's array form (<= 0.23), its map form (>= 0.26) and SGLang's three (signed hashes; a
+salted store's metadata map, 0.5.18-0.5.19; tagged maps with cache_salt and session_id, >= 0.5.20). The
 publisher numbers batches from 0 in each process and keeps a bounded replay buffer,
 as vLLM's ``ZmqEventPublisher`` does.
 """
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 from prometheus_client import start_http_server
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector, CollectorRegistry
@@ -36,7 +38,7 @@ from schemas import (
 )
 
 sys.path.insert(0, str(Path(__file__).parent))
-from engine_structs import SGLANG, V023, V026
+from engine_structs import SGLANG, SGLANG_MAP, SGLANG_META, V023, V026
 
 BS = 16
 TOKENS = list(range(7000, 7000 + BS * 12))
@@ -190,6 +192,46 @@ async def test_sglang_signed_hashes_and_hicache_tiers() -> None:
     await until(lambda: bridge.counts["batches"] == 3)
     k = chain_keys(TOKENS[: 2 * BS], BS)
     assert out.view() == {"hbm": {k[0]}, "dram": {k[0], k[1]}, "ssd": {k[0]}}
+    await finish(stop, task, eng)
+
+
+async def test_sglang_salted_stores_with_metadata_match_the_salted_request() -> None:
+    """SGLang 0.5.18-0.5.19: a salted request's store carries a metadata map after medium."""
+    eng, out = Engine(), Out()
+    bridge, stop, task = await follow(eng, out)
+    h = [-(1 << 62) - i for i in range(4)]
+    await eng.send(SGLANG_META.encode(1.0, [
+        SGLANG_META.Stored(h[:2], None, TOKENS[: 2 * BS], BS, None, "GPU", cache_salt="tenant-a"),
+        SGLANG_META.Stored(h[2:3], h[1], blk(2), BS, None, "GPU", cache_salt="tenant-a"),
+        SGLANG_META.Stored(h[3:], None, blk(5), BS, None, None),  # an unsalted request's
+    ], 0))
+    await until(lambda: bridge.counts["batches"] == 1)
+    salted = RoutingRequest(request_id="r", token_ids=TOKENS[: 3 * BS], prompt_tokens=3 * BS, cache_salt="tenant-a")
+    assert out.view()["hbm"] == set(request_chain_keys(salted, BS)) | {chain_keys(blk(5), BS)[0]}
+    assert not out.view()["hbm"] & set(chain_keys(TOKENS[: 3 * BS], BS))  # an unsalted request reuses nothing
+    assert bridge.translator.counts["bad_event"] == 0
+    await finish(stop, task, eng)
+
+
+async def test_sglang_map_form_salt_session_and_lora_name() -> None:
+    """SGLang >= 0.5.20: tagged maps with cache_salt, session_id and (0.5.22) lora_name after medium."""
+    eng, out = Engine(), Out()
+    bridge, stop, task = await follow(eng, out)
+    await eng.send(SGLANG_MAP.encode(1.0, [
+        SGLANG_MAP.Stored([-5, -6], None, TOKENS[: 2 * BS], BS, 3, "GPU", cache_salt="tenant-a", session_id="s-1",
+                          lora_name="sql-lora"),
+        # Another session storing the same salted blocks on the host tier: the same keys (session_id is attribution).
+        SGLANG_MAP.Stored([-5, -6], None, TOKENS[: 2 * BS], BS, 3, "CPU_PINNED", cache_salt="tenant-a",
+                          session_id="s-2", lora_name="sql-lora"),
+        SGLANG_MAP.Removed([-6], "GPU"),
+    ], 0))
+    await until(lambda: bridge.counts["batches"] == 1)
+    req = RoutingRequest(request_id="r", token_ids=TOKENS[: 2 * BS], prompt_tokens=2 * BS, cache_salt="tenant-a",
+                         lora_name="sql-lora")
+    k = request_chain_keys(req, BS)
+    assert out.view() == {"hbm": {k[0]}, "dram": set(k)}
+    other = req.model_copy(update={"cache_salt": "tenant-b"})
+    assert not set(k) & set(request_chain_keys(other, BS))
     await finish(stop, task, eng)
 
 
@@ -403,6 +445,79 @@ async def test_scraped_load_heartbeats_unreachable_and_start_time_restart() -> N
         await finish(stop, task, eng)
     finally:
         server.server_close()
+
+
+class FakeSglangServer:
+    """An SGLang server's HTTP side: ``/metrics``, and ``/server_info`` unless it plays vLLM (404)."""
+
+    def __init__(self, server_info: dict[str, object] | None) -> None:
+        self.server_info = server_info
+        self.asked: list[str] = []
+        self.runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def start(self) -> None:
+        async def metrics(_: web.Request) -> web.Response:
+            return web.Response(text="sglang:num_running_reqs 1\nsglang:num_queue_reqs 2\n")
+
+        async def info(request: web.Request) -> web.Response:
+            self.asked.append(request.path)
+            return web.json_response(self.server_info) if self.server_info else web.Response(status=404)
+
+        app = web.Application()
+        app.router.add_get("/metrics", metrics)
+        app.router.add_get("/server_info", info)
+        app.router.add_get("/get_server_info", info)
+        self.runner = web.AppRunner(app)
+        await self.runner.setup()
+        site = web.TCPSite(self.runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{port}"
+
+    async def stop(self) -> None:
+        if self.runner is not None:
+            await self.runner.cleanup()
+
+
+@pytest.mark.parametrize("server_info,announced", [
+    # SGLang's own answer for a prefill server started with its defaults (8998 unless
+    # --disaggregation-bootstrap-port says otherwise).
+    ({"disaggregation_mode": "prefill", "disaggregation_bootstrap_port": 8998, "port": 30000}, 8998),
+    ({"disaggregation_mode": "prefill", "disaggregation_bootstrap_port": 9123, "port": 30000}, 9123),
+    # A vLLM engine has no /server_info: nothing announced, and it is not asked again.
+    (None, None),
+])
+async def test_a_prefill_bridge_announces_the_bootstrap_port_its_engine_serves(
+        server_info: dict[str, object] | None, announced: int | None) -> None:
+    server = FakeSglangServer(server_info)
+    await server.start()
+    eng, out = Engine(), Out()
+    try:
+        _bridge, stop, task = await follow(eng, out, heartbeat_s=0.1, metrics_url=f"{server.url}/metrics")
+        await until(lambda: len(out.heartbeats) >= 3)
+        hb = out.heartbeats[-1].body
+        assert isinstance(hb, Heartbeat) and hb.endpoint == server.url
+        assert hb.bootstrap_port == announced
+        assert len(server.asked) <= 2  # one answer is enough: /server_info (then /get_server_info on a 404)
+        await finish(stop, task, eng)
+    finally:
+        await server.stop()
+
+
+async def test_the_operators_bootstrap_port_is_not_second_guessed() -> None:
+    server = FakeSglangServer({"disaggregation_mode": "prefill", "disaggregation_bootstrap_port": 8998})
+    await server.start()
+    eng, out = Engine(), Out()
+    try:
+        _bridge, stop, task = await follow(eng, out, heartbeat_s=0.1, metrics_url=f"{server.url}/metrics",
+                                          bootstrap_port=7000)
+        await until(lambda: len(out.heartbeats) >= 2)
+        assert out.heartbeats[-1].body.bootstrap_port == 7000  # type: ignore[union-attr]
+        assert server.asked == []
+        await finish(stop, task, eng)
+    finally:
+        await server.stop()
 
 
 # --- data parallelism ---------------------------------------------------------------------------
