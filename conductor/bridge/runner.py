@@ -484,16 +484,11 @@ class Bridge:
 
     async def _bound_by_capacity(self, load: EngineLoad) -> None:
         """Unless the operator set it, track as many hashes as the engine's capacity can hold (with
-        room to spare); a node with copies on a tier of unknown capacity (disk, a shared pool) keeps
-        the default at least."""
+        room to spare; :func:`~conductor.bridge.translate.tracked_bound`)."""
         if self.config.max_tracked_blocks is not None:
             return
-        bound = tracked_bound(load.total_blocks, load.cpu_blocks)
-        if bound is None:
-            return
-        if "ssd" in self.translator.tiers_seen:
-            bound = max(bound, DEFAULT_MAX_TRACKED)
-        if bound != self.translator.max_tracked:
+        bound = tracked_bound(load.total_blocks, load.cpu_blocks, self.translator.tiers_seen)
+        if bound is not None and bound != self.translator.max_tracked:
             async with self._lock:
                 await self._publish(self.translator.bound(bound))
 

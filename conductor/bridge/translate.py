@@ -40,6 +40,7 @@ its tokens is indexed again.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any, get_args
 
@@ -73,11 +74,17 @@ _KEY_BITS = 64
 _KEY_MASK = (1 << _KEY_BITS) - 1
 
 
-def tracked_bound(gpu_blocks: int | None, cpu_blocks: int | None = None) -> int | None:
-    """The hashes worth tracking for an engine of this capacity (None: capacity unknown)."""
+def tracked_bound(gpu_blocks: int | None, cpu_blocks: int | None = None, tiers: Iterable[Tier] = ()) -> int | None:
+    """The hashes worth tracking for an engine of this capacity (None: capacity unknown). ``tiers``: those
+    the node has reported copies on; one whose size no metric gives (disk, a shared pool, or host memory
+    without ``cpu_blocks``, e.g. vLLM's offloading connector) keeps :data:`DEFAULT_MAX_TRACKED` at least."""
     if not gpu_blocks:
         return None
-    return max(MIN_TRACKED, CAPACITY_MARGIN * (gpu_blocks + (cpu_blocks or 0)))
+    bound = max(MIN_TRACKED, CAPACITY_MARGIN * (gpu_blocks + (cpu_blocks or 0)))
+    tiers = set(tiers)
+    if "ssd" in tiers or ("dram" in tiers and not cpu_blocks):
+        bound = max(bound, DEFAULT_MAX_TRACKED)
+    return bound
 
 
 def _scalar(x: Any) -> Any:

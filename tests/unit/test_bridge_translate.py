@@ -6,7 +6,7 @@ import gc
 import random
 import tracemalloc
 
-from conductor.bridge.translate import MIN_TRACKED, NodeTranslator, tracked_bound
+from conductor.bridge.translate import DEFAULT_MAX_TRACKED, MIN_TRACKED, NodeTranslator, tracked_bound
 from conductor.bridge.wire import EngineBlockRemoved, EngineBlockStored
 from schemas import BlocksRemoved, BlocksStored, chain_keys
 
@@ -133,6 +133,10 @@ def test_the_bound_from_the_engines_capacity() -> None:
     assert tracked_bound(None) is None and tracked_bound(0) is None
     assert tracked_bound(1_000) == MIN_TRACKED  # a small engine still gets room to spare
     assert tracked_bound(100_000, 400_000) == 1_000_000
+    # A tier whose size no metric gives keeps the default at least: disk, or host memory without cpu_blocks.
+    assert tracked_bound(1_000, None, {"hbm", "ssd"}) == DEFAULT_MAX_TRACKED
+    assert tracked_bound(1_000, None, {"hbm", "dram"}) == DEFAULT_MAX_TRACKED
+    assert tracked_bound(1_000, 4_000, {"hbm", "dram"}) == MIN_TRACKED
 
 
 def test_a_tracked_block_costs_well_under_the_old_map_and_set() -> None:
