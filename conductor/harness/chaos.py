@@ -38,7 +38,7 @@ from schemas import BlocksRemoved, BlocksStored, DecodeError, Envelope, Heartbea
 from schemas.errors import ViewStoreError
 from state.redis_view import RedisViewStore
 from streams.kafka import ensure_topics, producer
-from streams.topics import topics
+from streams.topics import Topics, topics
 
 
 class OwnValkey(ValkeyProcess):
@@ -432,78 +432,22 @@ async def run_scenario(
     if name == "two-workers-one-killed":
         run.others.append(start_worker_process(s.model_copy(update={"web_port": free_port()}), work_dir / "worker-b.log"))
     try:
-        hb_seq: dict[str, int] = {}
-
-        async def publish(n: int, chunk: int = 100) -> None:
-            for i in range(0, n, chunk):
-                for e in truth.take(min(chunk, n - i)):
-                    raw, key = encode(e), e.producer_id.encode()
-                    run.sent.append((t.kv_events.name, key, raw))
-                    await prod.send(t.kv_events.name, raw, key=key)
-                now = int(time.time() * 1000)
-                for node in sorted(truth.held):  # every engine heartbeats once per chunk
-                    if node not in run.silent:
-                        hb_seq[node] = hb_seq.get(node, -1) + 1
-                        hb = envelope(Heartbeat(role="prefill"), producer_id=node, producer_seq=hb_seq[node],
-                                      ts_ms=now + run.skew_ms.get(node, 0))
-                        await prod.send(t.heartbeats.name, encode(hb), key=node.encode())
-                await prod.flush()
-                await asyncio.sleep(0.01)
-
-        run.publish = publish
+        publish = run.publish = _TruthPublisher(truth, t, run)
         first = records // 2 if mid_stream else records
         await publish(first)
         # the fault lands once the worker is busy applying (mid-batch) or, quiet, once all is applied
-        want_applied = first // 3 if mid_stream else first
-        deadline = time.monotonic() + timeout_s
-        while await _applied(store, t.kv_events.name) < want_applied:
-            if time.monotonic() > deadline or run.worker.poll() is not None:
-                raise RuntimeError(f"the worker never applied {want_applied} records (see {work_dir / 'worker.log'})")
-            await asyncio.sleep(0.02)
+        await _wait_applied(store, t.kv_events.name, first // 3 if mid_stream else first, timeout_s, run)
         t_fault = time.monotonic()
         await fault(run)
         if mid_stream:
             await publish(records - first)
         want = truth.pairs()
         res.true_pairs = len(want)
-        got: set[tuple[str, int]] = set()
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            try:
-                healthy, why = await store.view_health()
-                got = await view_pairs(store)
-            except (ViewStoreError, OSError) as e:  # Redis still coming back
-                healthy, why = False, str(e)
-            if healthy and got == want:
-                res.converged = True
-                res.recovery_s = round(time.monotonic() - t_fault, 2)
-                break
-            res.detail["last_health"] = why
-            await asyncio.sleep(0.2)
+        got = await _converge(store, want, t_fault, timeout_s, res)
         dead = EXPECT_DEAD.get(name)
-        if dead is not None:  # must stop being live within the TTL of the fault (plus apply time)
-            res.detail["still_live_after_s"] = None
-            limit = time.monotonic() + HEARTBEAT_TTL_S + 10
-            while time.monotonic() < limit:
-                snap = await store.snapshot([])
-                if dead not in {n.node_id for n in snap.live_nodes(HEARTBEAT_TTL_S)}:
-                    res.detail["still_live_after_s"] = round(time.monotonic() - t_fault, 2)
-                    break
-                await asyncio.sleep(0.2)
-            else:
-                res.converged = False
-                res.detail["immortal_node"] = dead
-        res.pairs_lost = len(want - got)
-        res.pairs_extra = len(got - want)
-        res.generations = _log_count(work_dir, "the view's generation is")
-        res.detail["dead_letters"] = _log_count(work_dir, "dead-letter ")
-        res.detail["fences_moved_back"] = _log_count(work_dir, "the view's fences moved back")
-        res.detail["bad_records"] = run.bad
-        res.detail.update(run.detail)
-        ghosts = [n.node_id for n in await store.nodes() if not n.node_id.startswith("node-")]
-        res.detail["unknown_nodes"] = ghosts
-        if ghosts:  # a hostile record made a node appear: count it as extra
-            res.pairs_extra += len(ghosts)
+        if dead is not None:
+            await _expect_dead(store, dead, t_fault, res)
+        await _tally(res, run, store, want, got)
     finally:
         for w in [run.worker, *run.others]:
             stop_worker_process(w)
@@ -513,6 +457,97 @@ async def run_scenario(
         finally:
             valkey.stop()
     return res
+
+
+class _TruthPublisher:
+    """Publishes the truth's next records on ``kv-events`` (each good one noted in ``run.sent``),
+    every engine but the silent ones heartbeating once per chunk, stamped with its skew."""
+
+    def __init__(self, truth: TruthEngines, t: Topics, run: Run) -> None:
+        self.truth, self.topics, self.run = truth, t, run
+        self.hb_seq: dict[str, int] = {}
+
+    async def __call__(self, n: int, chunk: int = 100) -> None:
+        truth, run, prod = self.truth, self.run, self.run.prod
+        kv_topic, hb_topic = self.topics.kv_events.name, self.topics.heartbeats.name
+        for i in range(0, n, chunk):
+            for e in truth.take(min(chunk, n - i)):
+                raw, key = encode(e), e.producer_id.encode()
+                run.sent.append((kv_topic, key, raw))
+                await prod.send(kv_topic, raw, key=key)
+            now = int(time.time() * 1000)
+            for node in sorted(truth.held):  # every engine heartbeats once per chunk
+                if node not in run.silent:
+                    self.hb_seq[node] = self.hb_seq.get(node, -1) + 1
+                    hb = envelope(Heartbeat(role="prefill"), producer_id=node, producer_seq=self.hb_seq[node],
+                                  ts_ms=now + run.skew_ms.get(node, 0))
+                    await prod.send(hb_topic, encode(hb), key=node.encode())
+            await prod.flush()
+            await asyncio.sleep(0.01)
+
+
+async def _wait_applied(store: RedisViewStore, topic: str, want_applied: int, timeout_s: float, run: Run) -> None:
+    """Until the view has applied ``want_applied`` records of ``topic``; RuntimeError past the
+    timeout or when the worker exits."""
+    deadline = time.monotonic() + timeout_s
+    while await _applied(store, topic) < want_applied:
+        if time.monotonic() > deadline or run.worker.poll() is not None:
+            raise RuntimeError(f"the worker never applied {want_applied} records (see {run.work_dir / 'worker.log'})")
+        await asyncio.sleep(0.02)
+
+
+async def _converge(store: RedisViewStore, want: set[tuple[str, int]], t_fault: float, timeout_s: float,
+                    res: RunResult) -> set[tuple[str, int]]:
+    """Wait for a healthy view holding exactly ``want`` (``res.converged``, ``res.recovery_s``);
+    the pairs it held last."""
+    got: set[tuple[str, int]] = set()
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            healthy, why = await store.view_health()
+            got = await view_pairs(store)
+        except (ViewStoreError, OSError) as e:  # Redis still coming back
+            healthy, why = False, str(e)
+        if healthy and got == want:
+            res.converged = True
+            res.recovery_s = round(time.monotonic() - t_fault, 2)
+            break
+        res.detail["last_health"] = why
+        await asyncio.sleep(0.2)
+    return got
+
+
+async def _expect_dead(store: RedisViewStore, dead: str, t_fault: float, res: RunResult) -> None:
+    """``dead`` must stop being live within the TTL of the fault (plus apply time); else the run
+    has not converged (``immortal_node``)."""
+    res.detail["still_live_after_s"] = None
+    limit = time.monotonic() + HEARTBEAT_TTL_S + 10
+    while time.monotonic() < limit:
+        snap = await store.snapshot([])
+        if dead not in {n.node_id for n in snap.live_nodes(HEARTBEAT_TTL_S)}:
+            res.detail["still_live_after_s"] = round(time.monotonic() - t_fault, 2)
+            break
+        await asyncio.sleep(0.2)
+    else:
+        res.converged = False
+        res.detail["immortal_node"] = dead
+
+
+async def _tally(res: RunResult, run: Run, store: RedisViewStore, want: set[tuple[str, int]],
+                 got: set[tuple[str, int]]) -> None:
+    """The pairs lost and extra, and what the worker's log and the fault reported."""
+    work_dir = run.work_dir
+    res.pairs_lost = len(want - got)
+    res.pairs_extra = len(got - want)
+    res.generations = _log_count(work_dir, "the view's generation is")
+    res.detail["dead_letters"] = _log_count(work_dir, "dead-letter ")
+    res.detail["fences_moved_back"] = _log_count(work_dir, "the view's fences moved back")
+    res.detail["bad_records"] = run.bad
+    res.detail.update(run.detail)
+    ghosts = [n.node_id for n in await store.nodes() if not n.node_id.startswith("node-")]
+    res.detail["unknown_nodes"] = ghosts
+    if ghosts:  # a hostile record made a node appear: count it as extra
+        res.pairs_extra += len(ghosts)
 
 
 async def _applied(store: RedisViewStore, topic: str) -> int:
