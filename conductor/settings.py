@@ -78,6 +78,18 @@ class Settings(BaseSettings):
     )
     read_token: SecretStr | None = Field(default=None, description="bearer token of the read-only scope")
 
+    # --- the gateway's API keys ----------------------------------------------
+    gateway_api_key: SecretStr | None = Field(
+        default=None,
+        description="one API key clients send as `Authorization: Bearer <key>` (named `default`, the default "
+        "bounds: no SLO looser than ttft_slo_s/tbt_slo_ms, priority at most 0, no rate limit)",
+    )
+    gateway_api_keys_file: Path | None = Field(
+        default=None,
+        description="a JSON file of API keys, each with its own limits and SLO bounds (conductor/gateway/auth.py, "
+        "docs/configuration.md); read and checked at the gateway's start",
+    )
+
     # --- topics -----------------------------------------------------------
     topic_prefix: str = Field(default="conductor.", pattern=r"^[A-Za-z0-9._-]{0,100}$")
     partitions: int = Field(default=4, ge=1, le=1024)
@@ -150,7 +162,7 @@ class Settings(BaseSettings):
             return None
         return v
 
-    @field_validator("admin_token", "read_token")
+    @field_validator("admin_token", "read_token", "gateway_api_key")
     @classmethod
     def _token(cls, v: SecretStr | None) -> SecretStr | None:
         if v is None or not v.get_secret_value().strip():
@@ -189,7 +201,8 @@ class Settings(BaseSettings):
             raise ValueError("kafka_security_protocol SASL_* needs kafka_sasl_username and kafka_sasl_password")
         if (self.kafka_ssl_certfile is None) != (self.kafka_ssl_keyfile is None):
             raise ValueError("kafka_ssl_certfile and kafka_ssl_keyfile go together")
-        for name in ("kafka_ssl_cafile", "kafka_ssl_certfile", "kafka_ssl_keyfile", "redis_ssl_ca_certs"):
+        for name in ("kafka_ssl_cafile", "kafka_ssl_certfile", "kafka_ssl_keyfile", "redis_ssl_ca_certs",
+                     "gateway_api_keys_file"):
             path = getattr(self, name)
             if path is not None and not Path(path).is_file():
                 raise ValueError(f"{name}: no such file: {path}")
@@ -261,7 +274,8 @@ class Settings(BaseSettings):
         )
 
 
-SECRET_FIELDS = frozenset({"admin_token", "read_token", "kafka_sasl_password", "redis_password", "redis_url"})
+SECRET_FIELDS = frozenset({"admin_token", "read_token", "gateway_api_key", "kafka_sasl_password", "redis_password",
+                           "redis_url"})
 """Never echoed, not even in a configuration error."""
 
 STACK_FILE = "stack.json"

@@ -20,7 +20,7 @@ from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic import BaseModel, Field
 
-from conductor.admin.auth import Scope, Tokens
+from conductor.admin.auth import SESSION_TTL_S, Scope, granted, tokens_for
 from conductor.admin.cluster import view_summary
 from conductor.admin.console import CONSOLE_HTML, LOGIN_HTML
 from conductor.admin.feed import LogFeed
@@ -56,10 +56,12 @@ class Login(BaseModel):
     token: str = Field(min_length=1, max_length=4096)
 
 
-def create_app(settings: Settings, *, feed: LogFeed | None = None, view: Any = None) -> FastAPI:
+def create_app(settings: Settings, *, insecure: bool = False, feed: LogFeed | None = None,
+               view: Any = None) -> FastAPI:
     """The admin app. ``feed`` and ``view`` default to the real log follower and Redis view,
-    started and stopped with the app."""
-    tokens = Tokens(settings)
+    started and stopped with the app. With no token configured it is refused (ConfigError)
+    unless ``insecure``."""
+    tokens = tokens_for(settings, insecure=insecure)
     own_feed = feed is None
     feed = feed or LogFeed(settings)
     view = view or RedisViewStore.connect(settings.redis(), settings.view_namespace)
@@ -79,26 +81,27 @@ def create_app(settings: Settings, *, feed: LogFeed | None = None, view: Any = N
         title="Conductor admin API",
         version="1",
         description="The cluster, recent decisions, explain, dead letters and the routing policy. "
-        "Changes are records on the control topic. Bearer token (read or admin scope) on every "
-        "endpoint except /health when tokens are configured.",
+        "Changes are records on the control topic. Bearer token (read or admin scope), or the console's "
+        "signed session cookie, on every endpoint except /health (open only when started --insecure).",
         lifespan=lifespan,
     )
 
-    def credential(request: Request) -> str | None:
+    def scope_of(request: Request) -> Scope | None:
+        """The bearer token's scope, else the session cookie's (which holds no token)."""
         header = request.headers.get("authorization")
         if header:
-            return header
-        cookie = request.cookies.get(COOKIE)
-        return f"Bearer {cookie}" if cookie else None
+            return tokens.scope_of(header)
+        return tokens.session_scope(request.cookies.get(COOKIE), time.time())
 
     def need(scope: Scope) -> Any:
         def check(request: Request) -> str:
-            ok = tokens.allows(credential(request), scope)
+            has = scope_of(request)
+            ok = granted(has, scope)
             if ok is None:
                 raise HTTPException(401, "a bearer token is required", headers={"WWW-Authenticate": "Bearer"})
             if not ok:
                 raise HTTPException(403, f"this token has no {scope} scope")
-            return tokens.scope_of(credential(request)) or ""
+            return has or ""
 
         return Depends(check)
 
@@ -112,17 +115,19 @@ def create_app(settings: Settings, *, feed: LogFeed | None = None, view: Any = N
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def console(request: Request) -> HTMLResponse:
-        if tokens.allows(credential(request), "read") is None:
+        if granted(scope_of(request), "read") is None:
             return HTMLResponse(LOGIN_HTML, status_code=401)
         return HTMLResponse(CONSOLE_HTML)
 
     @app.post("/login", tags=["health"])
-    async def login(body: Login, response: Response) -> dict[str, Any]:
-        """Trade a token for an HttpOnly session cookie (what the console uses)."""
+    async def login(body: Login, request: Request, response: Response) -> dict[str, Any]:
+        """Trade a token for an HttpOnly session cookie (what the console uses): signed, holding
+        no token, ending after SESSION_TTL_S; Secure when served over HTTPS."""
         scope = tokens.scope_of(f"Bearer {body.token}")
         if scope is None:
             raise HTTPException(401, "unknown token")
-        response.set_cookie(COOKIE, body.token, httponly=True, samesite="strict")
+        response.set_cookie(COOKIE, tokens.session(scope, time.time()), max_age=SESSION_TTL_S, path="/",
+                            httponly=True, samesite="strict", secure=request.url.scheme == "https")
         return {"scope": scope}
 
     # --- the cluster and its decisions ------------------------------------------------------

@@ -1,21 +1,34 @@
-"""Bearer tokens for the admin API: a read-only scope and an admin scope, from settings.
+"""Bearer tokens for the admin API: a read-only scope and an admin scope, from settings; and the
+console's signed session cookie.
 
-Tokens are compared in constant time (``hmac.compare_digest``) and never logged. With
-no token configured the API is open (and, like every Conductor server, bound to
-``CONDUCTOR_BIND_HOST``, loopback by default); with one or both configured every
-endpoint except ``/health`` needs a valid one.
+Tokens are compared in constant time (``hmac.compare_digest``) and never logged. The API is
+closed by default: with no token configured it refuses to start (:func:`tokens_for`) unless
+told ``--insecure``, and then it is open to whoever reaches ``CONDUCTOR_BIND_HOST`` (loopback
+by default). With a token, every endpoint except ``/health`` needs a valid one.
+
+The console signs in once (``POST /login`` with a token) and gets a session cookie that holds
+no token: its scope, an expiry and a nonce, signed with an HMAC keyed by that scope's token.
+So it works on every admin replica with the same tokens, survives a restart, ends after
+:data:`SESSION_TTL_S`, and stops working the moment its token is changed.
 """
 
 from __future__ import annotations
 
+import hashlib
 import hmac
+import secrets
 from typing import Literal
 
 from pydantic import SecretStr
 
+from conductor.errors import ConfigError
 from conductor.settings import Settings
 
 Scope = Literal["read", "admin"]
+SESSION_TTL_S = 12 * 3600
+"""How long a console sign-in lasts."""
+NO_TOKEN = ("the admin API has no token configured: set CONDUCTOR_ADMIN_TOKEN (and CONDUCTOR_READ_TOKEN for "
+            "read-only users), or pass --insecure to serve it open")
 
 
 class Tokens:
@@ -48,10 +61,55 @@ class Tokens:
 
     def allows(self, authorization: str | None, needed: Scope) -> bool | None:
         """True: allowed; False: authenticated but not for this; None: not authenticated."""
-        scope = self.scope_of(authorization)
-        if scope is None:
+        return granted(self.scope_of(authorization), needed)
+
+    # --- the console's session cookie ---------------------------------------------------------
+
+    def session(self, scope: Scope, now_s: float) -> str:
+        """A cookie value for ``scope``, valid :data:`SESSION_TTL_S` from ``now_s``: ``scope.expiry.nonce.mac``."""
+        payload = f"{scope}.{int(now_s) + SESSION_TTL_S}.{secrets.token_urlsafe(12)}"
+        return f"{payload}.{self._mac(scope, payload)}"
+
+    def session_scope(self, cookie: str | None, now_s: float) -> Scope | None:
+        """The scope a session cookie grants at ``now_s``; ``None``: absent, forged, expired, or its
+        scope's token changed since it was signed."""
+        if not self.required:
+            return "admin"
+        if not cookie:
             return None
-        return scope == "admin" or needed == "read"
+        payload, _, mac = cookie.rpartition(".")
+        scope, _, rest = payload.partition(".")
+        expiry, _, _ = rest.partition(".")
+        if scope not in ("read", "admin") or not expiry.isdigit():
+            return None
+        ok: Scope = "admin" if scope == "admin" else "read"
+        want = self._mac(ok, payload)
+        if want is None or not hmac.compare_digest(mac.encode(), want.encode()) or int(expiry) < now_s:
+            return None
+        return ok
+
+    def _mac(self, scope: Scope, payload: str) -> str | None:
+        token = self._admin if scope == "admin" else self._read
+        if token is None:
+            return None
+        key = hashlib.sha256(b"conductor admin session\0" + token).digest()  # never the token itself
+        return hmac.new(key, payload.encode(), hashlib.sha256).hexdigest()
+
+
+def granted(scope: Scope | None, needed: Scope) -> bool | None:
+    """True: ``scope`` may do what ``needed`` names; False: it may not; None: no scope at all."""
+    if scope is None:
+        return None
+    return scope == "admin" or needed == "read"
+
+
+def tokens_for(settings: Settings, *, insecure: bool = False) -> Tokens:
+    """The settings' tokens; :class:`ConfigError` (naming the settings) when there is none and
+    ``insecure`` was not given: the admin API is closed by default."""
+    tokens = Tokens(settings)
+    if not tokens.required and not insecure:
+        raise ConfigError(NO_TOKEN)
+    return tokens
 
 
 def _bytes(secret: SecretStr | None) -> bytes | None:
@@ -60,4 +118,4 @@ def _bytes(secret: SecretStr | None) -> bytes | None:
     return secret.get_secret_value().encode()
 
 
-__all__ = ["Scope", "Tokens"]
+__all__ = ["NO_TOKEN", "SESSION_TTL_S", "Scope", "Tokens", "granted", "tokens_for"]

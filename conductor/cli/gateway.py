@@ -18,6 +18,7 @@ from conductor.cli.common import (
     settings_or_exit,
 )
 from conductor.gateway import serve as gateway_serve
+from conductor.gateway.auth import key_ring
 from conductor.harness.bench.gateway import run_gateway_bench
 from conductor.harness.bench.live import PEERS, LiveBenchError, LiveOptions, run_live_bench
 from conductor.telemetry import scrape, setup_metrics
@@ -39,6 +40,9 @@ GatewayModel = Annotated[str | None, typer.Option("--model", help="the engines' 
     "request is a LoRA adapter (it enters the block keys)")]
 GatewayDecisionTimeoutS = Annotated[float, typer.Option(min=0.05, help="answer 503 decision_timeout after this long")]
 GatewayMaxAttempts = Annotated[int, typer.Option(min=1, max=10, help="routing attempts when engines fail (then 502)")]
+GatewayInsecure = Annotated[bool, typer.Option("--insecure", help="serve with no API key configured: every "
+    "request is anonymous (the default SLO bounds, no limits); without it the gateway refuses to start unless "
+    "CONDUCTOR_GATEWAY_API_KEY or CONDUCTOR_GATEWAY_API_KEYS_FILE is set")]
 GatewayBootstrapPort = Annotated[int | None, typer.Option(min=1, max=65535, help="sglang: the prefill instances' "
     "bootstrap port [default: the port of their URL]")]
 
@@ -53,12 +57,13 @@ def gateway(
     decision_timeout_s: GatewayDecisionTimeoutS = 5.0,
     max_attempts: GatewayMaxAttempts = 3,
     bootstrap_port: GatewayBootstrapPort = None,
+    insecure: GatewayInsecure = False,
 ) -> None:
     """Serve OpenAI's /v1/completions and /v1/chat/completions (SSE streaming too) in front of the engines.
 
     Each request is tokenized, routed by Conductor through the log (requests → a router → this gateway's reply topic), handed from the chosen prefill instance to the chosen decode instance, and relayed to the client. Rejections answer 429 (SLO cannot be met, overloaded) or 503 (no live instance, view unavailable, no decision in time) with the reason as the error code and a Retry-After. A request_outcome record per request goes to request-outcomes.
 
-    Client SLOs: headers x-conductor-ttft-slo-ms, x-conductor-tbt-slo-ms, x-conductor-priority.
+    Clients send an API key as `Authorization: Bearer <key>` (CONDUCTOR_GATEWAY_API_KEY, or CONDUCTOR_GATEWAY_API_KEYS_FILE with per-key limits: requests in flight, rate, the loosest SLO and highest priority; 401 for an unknown key, 429 with Retry-After over a limit). Client SLOs: headers x-conductor-ttft-slo-ms, x-conductor-tbt-slo-ms, x-conductor-priority, clamped to the key's bounds.
     """
     with exit_on():
         protocol = gateway_serve.engine_protocol(engine_protocol)
@@ -69,9 +74,15 @@ def gateway(
         config = gateway_serve.gateway_config(
             s, gateway_id=gateway_id, engines=engines, protocol=protocol, base_model=model,
             decision_timeout_s=decision_timeout_s, max_attempts=max_attempts, bootstrap_port=bootstrap_port)
+    with exit_on(soft_wrap=True):  # one line, however wide the terminal
+        keys = key_ring(s, insecure=insecure)
+    if keys.open:
+        err.print("[yellow]warning:[/yellow] --insecure: the gateway serves anyone who reaches "
+                  f"{s.bind_host}:{port}, with no API key", soft_wrap=True)
     setup_metrics("conductor-gateway", s.bind_host, s.metrics_port)
     run_until_signalled(lambda stop: gateway_serve.serve(
-        config, s, port=port, stop=stop, tokenizer_path=tokenizer, metrics_text=scrape, on_ready=print_json))
+        config, s, port=port, stop=stop, keys=keys, tokenizer_path=tokenizer, metrics_text=scrape,
+        on_ready=print_json))
 
 
 # --- conductor bench gateway | live -------------------------------------------------

@@ -14,8 +14,9 @@ from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from conductor import web
+from conductor.gateway.auth import ApiKeyGuard, Caller, KeyRing
 from conductor.gateway.directory import EngineDirectory
-from conductor.gateway.protocol import error_body
+from conductor.gateway.protocol import SloBounds, error_body
 from conductor.gateway.replies import ReplyInbox
 from conductor.gateway.service import Gateway, GatewayConfig
 from conductor.gateway.tokenizer import EngineTokenizer, LocalTokenizer, PromptTokenizer
@@ -31,8 +32,14 @@ UPSTREAM_TIMEOUT = httpx.Timeout(60.0, connect=2.0)
 """Connect fails fast (a dead engine is retried elsewhere); reads allow a long prefill."""
 
 
-def gateway_app(gw: Gateway, metrics_text: Callable[[], str] = lambda: "") -> FastAPI:
+def gateway_app(gw: Gateway, keys: KeyRing, metrics_text: Callable[[], str] = lambda: "") -> FastAPI:
+    """The gateway's routes behind its API keys (:class:`~conductor.gateway.auth.ApiKeyGuard`)."""
     app = FastAPI(title="conductor gateway", docs_url=None, redoc_url=None)
+    app.add_middleware(ApiKeyGuard, keys=keys)
+
+    def bounds_of(request: Request) -> SloBounds:
+        caller: Caller = request.state.caller  # set by the guard on every /v1/ route
+        return caller.bounds
 
     async def body_of(request: Request) -> Any:
         try:
@@ -44,13 +51,13 @@ def gateway_app(gw: Gateway, metrics_text: Callable[[], str] = lambda: "") -> Fa
         body = await body_of(request)
         if body is None:
             return JSONResponse(error_body("the body is not JSON", "invalid_json", param="body"), status_code=400)
-        return await gw.handle(body, request.headers, chat=False)
+        return await gw.handle(body, request.headers, chat=False, bounds=bounds_of(request))
 
     async def chat(request: Request) -> Response:
         body = await body_of(request)
         if body is None:
             return JSONResponse(error_body("the body is not JSON", "invalid_json", param="body"), status_code=400)
-        return await gw.handle(body, request.headers, chat=True)
+        return await gw.handle(body, request.headers, chat=True, bounds=bounds_of(request))
 
     async def models() -> Response:
         await gw.directory.refresh()
@@ -81,9 +88,10 @@ def gateway_app(gw: Gateway, metrics_text: Callable[[], str] = lambda: "") -> Fa
 
 
 async def run_gateway(settings: Settings, config: GatewayConfig, sock: socket.socket, stop: asyncio.Event, *,
-                      tokenizer_path: str | None = None, metrics_text: Callable[[], str] = lambda: "",
+                      keys: KeyRing, tokenizer_path: str | None = None, metrics_text: Callable[[], str] = lambda: "",
                       on_ready: Callable[[Gateway], None] | None = None) -> None:
-    """Run one gateway on ``sock`` until ``stop``: its producer, its reply inbox, its HTTP server."""
+    """Run one gateway on ``sock`` until ``stop``: its producer, its reply inbox, its HTTP server
+    (behind ``keys``: :func:`conductor.gateway.auth.key_ring`)."""
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call is noise
     tps = topics(settings.topic_config())
     await ensure_topics(settings.kafka(), (tps.requests, tps.dispatch, tps.request_outcomes))
@@ -111,7 +119,7 @@ async def run_gateway(settings: Settings, config: GatewayConfig, sock: socket.so
         await asyncio.wait_for(asyncio.shield(inbox.wait_ready(60)), 60)
         if on_ready is not None:
             on_ready(gw)
-        await web.serve(gateway_app(gw, metrics_text), sock, stop)
+        await web.serve(gateway_app(gw, keys, metrics_text), sock, stop)
     finally:
         stop.set()
         with contextlib.suppress(asyncio.CancelledError, Exception):

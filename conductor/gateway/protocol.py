@@ -71,6 +71,27 @@ class Slo:
     priority: int
 
 
+@dataclass(frozen=True, slots=True)
+class SloBounds:
+    """The loosest SLOs and the highest priority a client may ask for (its API key's bounds):
+    a header beyond a bound is clamped to it; ``None``: no bound. A request with no SLO header
+    gets the router's defaults, which are the operator's too."""
+
+    max_ttft_s: float | None = None
+    max_tbt_ms: float | None = None
+    max_priority: int = 0
+
+
+def bound_slo(slo: Slo, bounds: SloBounds) -> Slo:
+    """``slo`` with each value clamped to ``bounds`` (what goes into the routing request, so the
+    log and ``explain`` see what was decided on)."""
+    def clamp(v: float | None, hi: float | None) -> float | None:
+        return v if v is None or hi is None else min(v, hi)
+
+    return Slo(clamp(slo.ttft_s, bounds.max_ttft_s), clamp(slo.tbt_ms, bounds.max_tbt_ms),
+               min(slo.priority, bounds.max_priority))
+
+
 def _int(body: Mapping[str, Any], name: str, lo: int, hi: int) -> int | None:
     v = body.get(name)
     if v is None:
@@ -131,8 +152,9 @@ def parse_body(body: Any, *, chat: bool, base_model: str | None = None) -> Clien
     )
 
 
-def parse_slo(headers: Mapping[str, str]) -> Slo:
-    """The client's SLOs and priority from ``x-conductor-*`` headers (absent = the router's defaults)."""
+def parse_slo(headers: Mapping[str, str], bounds: SloBounds | None = None) -> Slo:
+    """The client's SLOs and priority from ``x-conductor-*`` headers (absent = the router's defaults),
+    clamped to ``bounds`` (its API key's) when given."""
 
     def num(name: str) -> float | None:
         v = headers.get(name)
@@ -155,7 +177,8 @@ def parse_slo(headers: Mapping[str, str]) -> Slo:
         raise BadRequest(PRIORITY_HEADER, f"header {PRIORITY_HEADER} must be an integer, got {pr!r}") from None
     if not -100 <= priority <= 100:
         raise BadRequest(PRIORITY_HEADER, f"header {PRIORITY_HEADER} must be in [-100, 100]")
-    return Slo(ttft / 1000.0 if ttft is not None else None, tbt, priority)
+    slo = Slo(ttft / 1000.0 if ttft is not None else None, tbt, priority)
+    return slo if bounds is None else bound_slo(slo, bounds)
 
 
 def error_body(message: str, code: str, *, param: str | None = None, kind: str = "invalid_request_error") -> dict[str, Any]:

@@ -14,6 +14,7 @@ from typing import Any, get_args
 from conductor import web
 from conductor.errors import ConfigError
 from conductor.gateway.app import run_gateway
+from conductor.gateway.auth import KeyRing
 from conductor.gateway.protocol import ENGINE_PROTOCOLS, EngineProtocol, parse_engine_map
 from conductor.gateway.service import GatewayConfig
 from conductor.settings import Settings
@@ -57,13 +58,16 @@ def gateway_config(settings: Settings, *, gateway_id: str | None, engines: dict[
                          bootstrap_port=bootstrap_port)
 
 
-async def serve(config: GatewayConfig, settings: Settings, *, port: int, stop: asyncio.Event,
+async def serve(config: GatewayConfig, settings: Settings, *, port: int, stop: asyncio.Event, keys: KeyRing,
                 tokenizer_path: str | None = None, metrics_text: Callable[[], str] = lambda: "",
                 on_ready: Callable[[dict[str, Any]], None] = lambda _: None) -> None:
-    """Serve the gateway on ``port`` of the settings' bind host (0: a free one) until ``stop``.
-    ``on_ready`` gets the ready line (gateway id, URL, OpenAI base URL) once it reads its replies."""
+    """Serve the gateway on ``port`` of the settings' bind host (0: a free one) until ``stop``, behind
+    ``keys`` (:func:`conductor.gateway.auth.key_ring`). ``on_ready`` gets the ready line (gateway id,
+    URL, OpenAI base URL, the API keys' names or ``"auth": "none"``) once it reads its replies."""
     sock = web.bind(settings.bind_host, port)
     url = f"http://{settings.bind_host}:{sock.getsockname()[1]}"
-    ready = {"event": "ready", "gateway_id": config.gateway_id, "url": url, "openai_base_url": f"{url}/v1"}
-    await run_gateway(settings, config, sock, stop, tokenizer_path=tokenizer_path, metrics_text=metrics_text,
-                      on_ready=lambda _: on_ready(ready))
+    ready: dict[str, Any] = {"event": "ready", "gateway_id": config.gateway_id, "url": url,
+                             "openai_base_url": f"{url}/v1"}
+    ready |= {"auth": "none"} if keys.open else {"auth": "api_key", "api_keys": keys.names}
+    await run_gateway(settings, config, sock, stop, keys=keys, tokenizer_path=tokenizer_path,
+                      metrics_text=metrics_text, on_ready=lambda _: on_ready(ready))

@@ -41,6 +41,7 @@ from conductor.gateway.protocol import (
     ClientRequest,
     EngineProtocol,
     Slo,
+    SloBounds,
     aggregated_body,
     cpp_chunk_body,
     error_body,
@@ -156,11 +157,13 @@ class Gateway:
 
     # --- the request ------------------------------------------------------------------
 
-    async def handle(self, body: Any, hdrs: Mapping[str, str], *, chat: bool) -> Response:
+    async def handle(self, body: Any, hdrs: Mapping[str, str], *, chat: bool, bounds: SloBounds | None = None,
+                     ) -> Response:
+        """One client request; its SLO headers clamped to ``bounds`` (its API key's)."""
         t0 = self.clock()
         try:
             creq = parse_body(body, chat=chat, base_model=self.config.base_model)
-            slo = parse_slo(hdrs)
+            slo = parse_slo(hdrs, bounds)
         except BadRequest as e:
             self.metrics.requests.add(1, {"status": 400, "error": "invalid_body"})
             return JSONResponse(error_body(str(e), "invalid_value", param=e.param), status_code=400)

@@ -35,6 +35,7 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import statistics
@@ -46,6 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import openai
+from pydantic import SecretStr
 from rich.console import Console, Group
 from rich.live import Live
 from rich.table import Table
@@ -459,7 +461,8 @@ class _DemoRun:
         if gw_ready is None:
             raise DemoError(f"the gateway did not start:\n{self.procs.log_tail('gateway')}")
         self.tasks.append(asyncio.create_task(_drain(gw)))
-        self.client = openai.AsyncOpenAI(base_url=gw_ready["openai_base_url"], api_key="demo", max_retries=0,
+        key = self.s.gateway_api_key.get_secret_value() if self.s.gateway_api_key else "none"
+        self.client = openai.AsyncOpenAI(base_url=gw_ready["openai_base_url"], api_key=key, max_retries=0,
                                          timeout=300.0)
         self.tasks.append(asyncio.create_task(self._follow_dispatch()))
         self.tasks.append(asyncio.create_task(self._follow_view()))
@@ -724,7 +727,8 @@ def run_demo(settings: Settings, opts: DemoOptions) -> dict[str, Any]:
             base = settings.model_copy(update={"kafka_url": settings.kafka_url or st.kafka_url,
                                                "redis_url": settings.redis_url or st.redis_url,
                                                "profile": "embedded" if not settings.kafka_url else settings.profile})
-        opts = _with_ports(settings, opts, console)
+        base = _with_credentials(base)
+        opts = _with_ports(base, opts, console)
         gw_url = f"http://{settings.bind_host}:{opts.gateway_port}"
         budget = opts.duration_s / 2
         requests = load_slice(trace, opts.speed, opts.sample, budget)
@@ -760,17 +764,33 @@ def run_demo(settings: Settings, opts: DemoOptions) -> dict[str, Any]:
             stack.down()
 
 
+def _with_credentials(settings: Settings) -> Settings:
+    """``settings`` with a gateway API key and an admin token, made up for this demo when not configured:
+    the gateway and the console are closed by default, and the demo prints both to sign in with."""
+    update: dict[str, Any] = {}
+    if settings.gateway_api_key is None:
+        update["gateway_api_key"] = SecretStr(f"sk-demo-{secrets.token_urlsafe(18)}")
+    if settings.admin_token is None and settings.read_token is None:
+        update["admin_token"] = SecretStr(f"demo-admin-{secrets.token_urlsafe(18)}")
+    return settings.model_copy(update=update)
+
+
 def _with_ports(settings: Settings, opts: DemoOptions, console: Console) -> DemoOptions:
-    """``opts`` with a free console port (when one is wanted) and a gateway port, both said on ``console``."""
+    """``opts`` with a free console port (when one is wanted) and a gateway port, both said on ``console``
+    with the credentials to use them (``settings``: :func:`_with_credentials`'s)."""
     if opts.admin_port and not _port_free(settings.bind_host, opts.admin_port):
         opts = dataclasses.replace(opts, admin_port=free_port(settings.bind_host))  # another one serves there
     if opts.admin_port:
-        console.print(f"live console: http://{settings.bind_host}:{opts.admin_port}/ (while the demo runs)",
-                      soft_wrap=True, highlight=False)
+        token = settings.admin_token or settings.read_token
+        sign_in = f", sign in with {token.get_secret_value()}" if token is not None else ""
+        console.print(f"live console: http://{settings.bind_host}:{opts.admin_port}/ (while the demo runs{sign_in})",
+                      soft_wrap=True, highlight=False, markup=False)
     if not opts.gateway_port or not _port_free(settings.bind_host, opts.gateway_port):
         opts = dataclasses.replace(opts, gateway_port=free_port(settings.bind_host))  # the same for both runs
     gw_url = f"http://{settings.bind_host}:{opts.gateway_port}"
-    console.print(f"gateway (OpenAI API, while the demo runs): {gw_url}/v1  e.g.\n  curl -s {gw_url}/v1/completions "
+    key = settings.gateway_api_key.get_secret_value() if settings.gateway_api_key else ""
+    console.print(f"gateway (OpenAI API, while the demo runs): {gw_url}/v1  API key {key}  e.g.\n"
+                  f"  curl -s {gw_url}/v1/completions -H 'Authorization: Bearer {key}' "
                   "-H 'content-type: application/json' -d '{\"model\": \"default\", \"prompt\": \"hello there\", "
                   "\"max_tokens\": 8}'", soft_wrap=True, highlight=False, markup=False)
     return opts

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import importlib.util
 import json
+import secrets
 import sys
 import time
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from pathlib import Path
 from typing import Any, Self
 
 import httpx
+from pydantic import SecretStr
 
 from conductor.errors import ConductorError
 from conductor.harness.demo import Processes, ready_line
@@ -64,6 +66,13 @@ class GatewayCluster:
     discover: bool = False
     """Start the gateway without ``--engine``: it finds the engines through the view (their
     bridges announce the URLs)."""
+    api_key: str = ""
+    """The gateway's API key (``CONDUCTOR_GATEWAY_API_KEY``): made up at start when empty; clients
+    send it as ``Authorization: Bearer`` (:attr:`auth_headers`)."""
+
+    @property
+    def auth_headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"}
 
     async def __aenter__(self) -> Self:
         s = self.settings
@@ -81,7 +90,9 @@ class GatewayCluster:
             overrides = {} if self.discover else self.engine_urls
             args = ["gateway", "--port", "0", "--gateway-id", self.gateway_id, "--engine-protocol", self.protocol,
                     *[a for n, u in overrides.items() for a in ("--engine", f"{n}={u}")], *self.gateway_args]
-            gw = await self.procs.start("gateway", args, env, stdout_pipe=True)
+            self.api_key = self.api_key or f"sk-test-{secrets.token_urlsafe(18)}"
+            gw_env = child_environment(s.model_copy(update={"gateway_api_key": SecretStr(self.api_key)}))
+            gw = await self.procs.start("gateway", args, gw_env, stdout_pipe=True)
             self.gateway_url = (await self._ready_line("gateway", gw))["url"]
         except BaseException:
             await self._stop_all()

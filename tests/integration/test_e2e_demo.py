@@ -42,6 +42,8 @@ def test_demo_completes_and_compares_with_the_baseline(stack: StackState, settin
     assert len(r["pids"]) == 2 * (1 + 1 + 1 + 1 + 2 + 2)
     # The traffic went through the gateway: the client saw the first tokens, the gateway routed them.
     assert r["gateway_url"].startswith("http://") and "gateway (OpenAI API" in proc.stderr.decode()
+    # Closed by default: the demo made up a key and a console token, and said them.
+    assert "API key sk-demo-" in proc.stderr.decode() and "sign in with demo-admin-" in proc.stderr.decode()
     assert r["decisions"] == 0 or (r["client_ttft_wall_p50_s"] is not None and r["gateway_routing_ms_p50"] > 0)
     for pid in r["pids"]:
         assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split(") ")[1][:1]

@@ -29,7 +29,7 @@ async def cluster(settings: Settings, tmp_path: Path):  # type: ignore[no-untype
 
 
 def client(c: GatewayCluster) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=c.gateway_url + "/v1", api_key="none", max_retries=0, timeout=30)
+    return openai.AsyncOpenAI(base_url=c.gateway_url + "/v1", api_key=c.api_key, max_retries=0, timeout=30)
 
 
 async def test_completions_and_chat_streaming_and_not(cluster: GatewayCluster, settings: Settings) -> None:
@@ -74,10 +74,10 @@ async def test_rejection_and_bad_body_reach_the_client(cluster: GatewayCluster) 
     with pytest.raises(openai.BadRequestError) as e3:
         await cl.completions.create(model="default", prompt="hi", max_tokens=-3)
     assert e3.value.body["param"] == "max_tokens"
-    async with httpx.AsyncClient() as h:
+    async with httpx.AsyncClient(headers=cluster.auth_headers) as h:
         r = await h.post(cluster.gateway_url + "/v1/chat/completions", json={"model": "default", "messages": "hi"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
-    async with httpx.AsyncClient() as h:
+    async with httpx.AsyncClient(headers=cluster.auth_headers) as h:
         bad = await h.post(cluster.gateway_url + "/v1/completions",
                            json={"model": "default", "prompt": "x"}, headers={"x-conductor-tbt-slo-ms": "soon"})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "x-conductor-tbt-slo-ms"

@@ -30,7 +30,7 @@ async def test_a_long_prompt_runs_as_a_cpp_group_and_the_decode_gets_the_whole_k
     s = settings.model_copy(update={"policy": "kvcache-centric",
                                     "policy_params": {"cpp": True, "cpp_min_tokens": 4096}})
     async with GatewayCluster(s, tmp_path / "logs", time_scale=20.0, max_output_tokens=8, report=True) as c:
-        cl = openai.AsyncOpenAI(base_url=c.gateway_url + "/v1", api_key="none", max_retries=0, timeout=60)
+        cl = openai.AsyncOpenAI(base_url=c.gateway_url + "/v1", api_key=c.api_key, max_retries=0, timeout=60)
         prompt = [100 + (i * 7919) % 30_000 for i in range(PROMPT_TOKENS)]
         # 2 s: one instance (~2.6 s) misses it, a group of two (~1.4 s) meets it.
         r = await cl.completions.with_raw_response.create(

@@ -38,6 +38,7 @@ def handed(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
 
     async def serve_gateway(config: GatewayConfig, settings: Any, **kw: Any) -> None:
         calls["gateway"] = (config, kw["port"], kw["tokenizer_path"])
+        calls["gateway_keys"] = kw["keys"]
 
     def run_simulation(settings: Any, config: SimulateConfig, **_: Any) -> list[Any]:
         calls["simulate"] = config
@@ -50,8 +51,8 @@ def handed(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     return calls
 
 
-def invoke(*argv: str) -> Any:
-    return CliRunner().invoke(app, list(argv), env=ENV)
+def invoke(*argv: str, **env: str) -> Any:
+    return CliRunner().invoke(app, list(argv), env=ENV | env)
 
 
 def test_engine_options_become_its_config(handed: dict[str, Any]) -> None:
@@ -78,11 +79,32 @@ def test_bridge_options_become_its_config(handed: dict[str, Any]) -> None:
 
 def test_gateway_options_become_its_config(handed: dict[str, Any]) -> None:
     res = invoke("gateway", "--port", "0", "--engine", "p0=http://h:1", "--engine-protocol", "sglang",
-                 "--gateway-id", "gw-a", "--max-attempts", "2", "--tokenizer", "tok.json")
+                 "--gateway-id", "gw-a", "--max-attempts", "2", "--tokenizer", "tok.json",
+                 CONDUCTOR_GATEWAY_API_KEY="k" * 20)
     assert res.exit_code == 0, res.output
     config, port, tokenizer = handed["gateway"]
     assert config == GatewayConfig(gateway_id="gw-a", engines={"p0": "http://h:1"}, protocol="sglang", max_attempts=2)
     assert (port, tokenizer) == (0, "tok.json")
+    assert handed["gateway_keys"].names == ["default"] and "k" * 20 not in res.output
+
+
+def test_the_gateway_is_closed_unless_told_insecure(handed: dict[str, Any]) -> None:
+    res = invoke("gateway", "--port", "0")
+    assert res.exit_code == 2 and not handed
+    assert "CONDUCTOR_GATEWAY_API_KEY" in res.output and "--insecure" in res.output
+    assert len(res.output.strip().splitlines()) == 1, res.output
+    res = invoke("gateway", "--port", "0", "--insecure")
+    assert res.exit_code == 0, res.output
+    assert handed["gateway_keys"].open and "--insecure" in res.output  # said loudly
+
+
+def test_a_bad_keys_file_is_one_line_naming_the_entry(handed: dict[str, Any], tmp_path: Path) -> None:
+    f = tmp_path / "keys.json"
+    f.write_text('{"keys": [{"name": "a", "key": "a-secret-of-20-chars", "max_in_flight": 0}]}')
+    res = invoke("gateway", CONDUCTOR_GATEWAY_API_KEYS_FILE=str(f))
+    assert res.exit_code == 2 and not handed
+    text = " ".join(res.output.split())
+    assert "gateway_api_keys_file" in text and "keys[0].max_in_flight" in text and "a-secret" not in text
 
 
 @pytest.mark.parametrize(("argv", "message"), [

@@ -66,7 +66,7 @@ def achievable(d: RoutingDecision, o: RequestOutcome, bs: int = 32) -> int:
 
 
 def client(c: VllmGatewayCluster) -> openai.AsyncOpenAI:
-    return openai.AsyncOpenAI(base_url=c.gateway_url + "/v1", api_key="none", max_retries=0, timeout=120)
+    return openai.AsyncOpenAI(base_url=c.gateway_url + "/v1", api_key=c.api_key, max_retries=0, timeout=120)
 
 
 async def cordon(settings: Settings, node: str, action: str = "cordon") -> None:

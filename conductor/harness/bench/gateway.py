@@ -139,7 +139,8 @@ async def _bench(settings: Settings, tmp: Path, levels: tuple[int, ...], request
     out: dict[str, Any] = {"prefill": 2, "decode": 2, "max_tokens": max_tokens, "levels": {}}
     async with GatewayCluster(s, tmp / "logs", time_scale=ZERO_COMPUTE) as c:
         limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
-        async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+        # The key goes to the engines too on the direct path: they ignore it.
+        async with httpx.AsyncClient(timeout=60, limits=limits, headers=c.auth_headers) as client:
             gw = c.gateway_url + "/v1/completions"
             p_url, d_url = c.engine_urls["prefill-0"], c.engine_urls["decode-0"]
             for _ in range(20):  # warm up connections, caches and the router

@@ -125,13 +125,13 @@ def text_prompt(hash_ids: tuple[int, ...], input_length: int, index: int, seed: 
 
 
 async def replay(base_url: str, stats: RunStats, requests: list[DemoRequest], *, side: str, engine_id_prefix: str,
-                 seed: int, drain_s: float, max_output_tokens: int | None) -> float:
+                 seed: int, drain_s: float, max_output_tokens: int | None, api_key: str = "bench") -> float:
     """Send every request at its arrival time (streamed, the openai client); wait for the answers.
 
     Returns the wall seconds from the first send to the last answer. A request still unanswered
     ``drain_s`` after the last arrival is cancelled and counted as ``unanswered``.
     """
-    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="bench", max_retries=0, timeout=300.0)
+    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key=api_key, max_retries=0, timeout=300.0)
     tasks: list[asyncio.Task[None]] = []
     t0 = time.monotonic()
     try:
@@ -216,7 +216,8 @@ async def _conductor_side(s: Settings, opts: LiveOptions, requests: list[DemoReq
                               gateway_args=["--decision-timeout-s", "10"]) as c:
         await _settle(c)
         wall = await replay(c.gateway_url, stats, requests, side="conductor", engine_id_prefix=f"{c.gateway_id}-",
-                            seed=opts.seed, drain_s=opts.drain_s, max_output_tokens=opts.max_output_tokens)
+                            seed=opts.seed, drain_s=opts.drain_s, max_output_tokens=opts.max_output_tokens,
+                            api_key=c.api_key)
         await asyncio.sleep(0.5)  # the engines' last report lines
         out = side_summary(stats, c.reports, wall)
     return {"router": "conductor", "policy": s.policy, "hand_off": "sglang bootstrap room (gateway)", **out}

@@ -118,9 +118,10 @@ async def _ask(client: openai.AsyncOpenAI, stats: SideStats, prompt: str, max_to
         stats.statuses[type(e).__name__] += 1
 
 
-async def replay(base_url: str, requests: Sequence[DemoRequest], opts: VllmLiveOptions, side: str) -> SideStats:
+async def replay(base_url: str, requests: Sequence[DemoRequest], opts: VllmLiveOptions, side: str,
+                 api_key: str = "bench") -> SideStats:
     stats = SideStats()
-    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="bench", max_retries=0, timeout=600.0)
+    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key=api_key, max_retries=0, timeout=600.0)
     tasks = []
     t0 = time.monotonic()
     try:
@@ -200,7 +201,7 @@ async def _side(name: str, settings: Settings, opts: VllmLiveOptions, requests: 
             async with VllmGatewayCluster(settings, side_dir, nodes=nodes, model=MODEL) as c:
                 before = await prefix_counters(urls)
                 t0 = time.monotonic()
-                stats = await replay(c.gateway_url, requests, opts, name)
+                stats = await replay(c.gateway_url, requests, opts, name, api_key=c.api_key)
                 wall = time.monotonic() - t0
                 after = await prefix_counters(urls)
             return {"router": "conductor", "policy": settings.policy, **summary(stats, before, after, wall)}
