@@ -8,8 +8,9 @@ namespace) is not an error: explain falls back to a bounded scan.
 
 Redis layout: one string per decision, ``{ns}|2|d|<request id>`` → ``"p offset ts rp roffset"``
 (dispatch partition and offset, the decision's ms, the request's partition and offset), with
-the index's TTL; in the namespace's slot like every view key. About 100 bytes an entry
-in Valkey (measured in ``tests/integration/test_explain_live.py``).
+the index's TTL; in the namespace's slot like every view key. 72 bytes an entry in Valkey
+for a 2-character request id, plus the id's length (``MEMORY USAGE``, measured in
+``tests/integration/test_explain_live.py``): about 7 GB a day at 1,000 decisions a second.
 """
 
 from __future__ import annotations

@@ -221,9 +221,10 @@ async def _view_at(reads: _Reads, settings: Settings, watermark: Mapping[str, in
     reads.check(sum(len(s) for s in spans.values()))
     store = InMemoryViewStore()
     ingestor = Ingestor(t, store)
-    async for batch in reads.read(spans):
-        await ingestor.process([RawRecord(m.topic, m.partition, m.offset, m.key, m.value, m.timestamp or 0)
-                                for m in batch])
+    for tp, span in spans.items():  # one partition after another: the same log folds to one view, node order too
+        async for batch in reads.read({tp: span}):
+            await ingestor.process([RawRecord(m.topic, m.partition, m.offset, m.key, m.value, m.timestamp or 0)
+                                    for m in batch])
     return store
 
 
@@ -303,8 +304,8 @@ def _estimates(router: Router, cluster: ClusterSnapshot, req: RoutingRequest,
             if costs is not None:
                 row.update(fits=costs.decode_fits(inst, preq, bs), tbt_ms=costs.tbt_ms(inst, preq))
             decode_rows.append(row)
-    prefill.sort(key=lambda r: r.get("ttft_s", 0.0))
-    decode_rows.sort(key=lambda r: r.get("tbt_ms", 0.0))
+    prefill.sort(key=lambda r: (r.get("ttft_s", 0.0), r["instance"]))
+    decode_rows.sort(key=lambda r: (r.get("tbt_ms", 0.0), r["instance"]))
     return prefill, decode_rows
 
 
