@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import time
 from pathlib import Path
 from typing import Annotated
 
@@ -20,8 +21,9 @@ from conductor.cli.common import (
     run_until_signalled,
     settings_or_exit,
 )
+from conductor.harness.bench.explain import run_explain_bench
 from conductor.harness.bench.route import run_route_bench
-from conductor.harness.bench.stack import with_redis
+from conductor.harness.bench.stack import with_redis, with_servers
 from conductor.profiles import fit_profile, list_profiles, load_profile, read_timings_csv
 from conductor.routing import serve as router_serve
 from conductor.routing.policies import list_policies
@@ -131,6 +133,32 @@ def bench_route(
     print_result(out, json_out)
 
 
+ExplainSizes = Annotated[str, typer.Option(help="heartbeats topic sizes to explain at, comma-separated (the history "
+    "grows from one to the next)")]
+LiveRate = Annotated[float, typer.Option(min=1.0, help="live records a second (heartbeats and requests) during the run")]
+
+
+def bench_explain(json_out: JsonLine = False, records: ExplainSizes = "100000,300000,1000000",
+                  rate: LiveRate = 40.0) -> None:
+    """Time `conductor explain` against the heartbeats topic's size, with the topics live.
+
+    For each size, the heartbeats topic holds that many records of history (an hour old), four live nodes beat and new requests arrive at RATE records a second; a router with the decision index decides one request, then explain is timed with the index (explain_s_indexed) and without it (explain_s_scan), each checked against the decision.
+
+    Uses CONDUCTOR_KAFKA_URL and CONDUCTOR_REDIS_URL, else starts the embedded servers for the run. Prints rows of records, explain_s_indexed and explain_s_scan.
+    """
+    s = settings_or_exit()
+    try:
+        sizes = [int(x) for x in records.split(",") if x.strip()]
+    except ValueError:
+        err.print(f"[red]error:[/red] --records: not comma-separated integers: {records!r}")
+        raise typer.Exit(2) from None
+    with with_servers(s) as s:
+        s = s.model_copy(update={"topic_prefix": f"benchx{int(time.time())}.", "view_namespace": "benchx"})
+        out = asyncio.run(run_explain_bench(s, sizes=sizes, rate=rate,
+                                            progress=None if json_out else (lambda m: err.print(m))))
+    print_result(out, json_out)
+
+
 # --- conductor profile list | show | fit --------------------------------------------
 
 profile_app = typer.Typer(help="Model + hardware cost profiles (prefill, decode, KV transfer).", no_args_is_help=True)
@@ -188,6 +216,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
     app.command("router")(router_cmd)
     app.command("policies")(policies_cmd)
     groups["bench"].command("route")(bench_route)
+    groups["bench"].command("explain")(bench_explain)
     app.add_typer(profile_app, name="profile")
     profile_app.command("list")(profile_list)
     profile_app.command("show")(profile_show)
