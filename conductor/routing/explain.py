@@ -17,6 +17,7 @@ reservations of decisions whose records were lost. A mismatch is reported, never
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -38,6 +39,8 @@ from state.view import ViewSnapshot
 from streams.ingest import Ingestor, RawRecord
 from streams.spans import LogReadError, Span, SpanReader
 from streams.topics import topics
+
+log = logging.getLogger(__name__)
 
 
 class AuditError(ConductorError):
@@ -119,6 +122,18 @@ class _Reads:
         start = await self.log.offsets_at(lo_ms, bounds)
         stop = await self.log.offsets_at(hi_ms + 1, bounds)
         return {tp: Span(start[tp], stop[tp]) for tp in bounds}
+
+
+async def _indexed(index: DecisionIndex | None, request_ids: Sequence[str]) -> dict[str, DecisionPosition]:
+    """The index's entries for ``request_ids``; none when there is no index or it is unreachable
+    (the reads fall back to bounded scans)."""
+    if index is None:
+        return {}
+    try:
+        return await index.lookup(request_ids)
+    except ViewStoreError as e:
+        log.warning("decision index unreachable, scanning instead: %s", e)
+        return {}
 
 
 async def _decision(reads: _Reads, name: str, request_id: str, at: DecisionPosition | None) -> tuple[Any, Envelope]:
@@ -325,7 +340,7 @@ async def explain(settings: Settings, request_id: str, *, max_records: int | Non
     async with SpanReader(settings.kafka(), deadline_s=600.0) as log:
         reads = _Reads(log, max_records, limit_name)
         try:
-            pos = (await idx.lookup([request_id])).get(request_id) if idx is not None else None
+            pos = (await _indexed(idx, [request_id])).get(request_id)
             _, target = await _decision(reads, t.dispatch.name, request_id, pos)
             rec = target.body
             assert isinstance(rec, (RoutingDecision, RoutingRejection))
@@ -335,7 +350,7 @@ async def explain(settings: Settings, request_id: str, *, max_records: int | Non
             at_ms = _read_at(target)
             earlier = await _earlier_decisions(reads, t.dispatch.name, target, at_ms, ttl_ms)
             wanted = {request_id} | {e.body.request_id for e in earlier if isinstance(e.body, RoutingDecision)}
-            indexed = await idx.lookup(sorted(wanted)) if idx is not None else {}
+            indexed = await _indexed(idx, sorted(wanted))
             requests = await _requests(reads, t.requests.name, wanted, indexed, at_ms, ttl_ms)
             if request_id not in requests:
                 raise AuditError(f"request {request_id!r} is not on {t.requests.name}")

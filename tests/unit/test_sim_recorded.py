@@ -10,7 +10,14 @@ import pytest
 from conductor.errors import ConfigError
 from conductor.harness.sim.cluster import load_cluster
 from conductor.harness.sim.errors import SimulationError
-from conductor.harness.sim.recorded import calibrate, parse_time, recorded_traffic, scale_compute
+from conductor.harness.sim.recorded import (
+    calibrate,
+    latest_heartbeats,
+    parse_time,
+    recorded_traffic,
+    request_span,
+    scale_compute,
+)
 from conductor.harness.sim.session import Bench
 from conductor.profiles import load_profile
 from schemas import Heartbeat, RequestOutcome, RoutingDecision, RoutingRequest, envelope
@@ -69,6 +76,28 @@ def test_requests_keep_the_routers_block_keys_and_the_cluster_its_heartbeats() -
     assert c.decode_kv_tokens == 5000 * BS
     assert (t.recorded_policy, t.recorded_params) == ("least-loaded", {"x": 1})
     assert t.observed_ttft_s("r3") == pytest.approx(0.48)
+
+
+def test_what_simulate_from_topics_keeps_of_the_log_changes_nothing() -> None:
+    """The bounded reads keep each node's last heartbeat around the requests and the outcomes of
+    the requests in range (conductor/harness/sim/from_topics.py): the same traffic comes out."""
+    reqs, hbs, outs = _traffic_envelopes()
+    hbs = [_hb("p-a", "prefill", T0 - 90_000, total_kv_blocks=100)] + hbs + [  # too early; later beats win
+        _hb(n, r, T0 + 250 * i, total_kv_blocks=999) for i in range(30) for n, r in (("p-b", "prefill"),
+                                                                                   ("d-a", "decode"))]
+    for since, until in ((None, None), (T0 + 2_000, T0 + 5_000)):
+        span = request_span(reqs, since_ms=since, until_ms=until)
+        assert span is not None
+        first, last, ids = span
+        kept = latest_heartbeats(hbs, first, last)
+        assert len(kept) == len({e.producer_id for e in kept}) <= 4
+        a = recorded_traffic(reqs, hbs, outs, base=_base(), block_size=BS, since_ms=since, until_ms=until)
+        b = recorded_traffic(reqs, kept, [o for o in outs if o.body.request_id in ids], base=_base(), block_size=BS,
+                             since_ms=since, until_ms=until)
+        assert (a.records, a.request_ids, a.cluster, a.roles) == (b.records, b.request_ids, b.cluster, b.roles)
+        assert {r: a.observed_ttft_s(r) for r in a.request_ids} == {r: b.observed_ttft_s(r) for r in b.request_ids}
+        assert (first, last) == (a.first_ms, a.last_ms)
+    assert request_span(reqs, since_ms=T0 + 10**9) is None
 
 
 def test_the_time_range_selects_requests_and_an_empty_one_says_so() -> None:
