@@ -36,6 +36,11 @@ async def _route(settings, reqs, now):
 
 
 async def test_a_past_decision_is_rederived_and_explained(settings):
+    # Each node beats once, at the start: the nodes must stay live until the last request is
+    # decided. The set-up (topics, replay, the router's start) took 3.6 s of the default 5 s TTL
+    # on an idle 2-core machine and over 5 s under load, when every request was rejected
+    # (no_live_instance). A TTL longer than the test makes the outcome not depend on its speed.
+    settings = settings.model_copy(update={"heartbeat_ttl_s": 3600.0})
     now = int(time.time() * 1000)
     t = topics(settings.topic_config())
     await kafka.ensure_topics(settings.kafka(), t.all())
@@ -51,6 +56,7 @@ async def test_a_past_decision_is_rederived_and_explained(settings):
         envelope(BlocksStored(block_keys=keys), producer_id="p-holder", producer_seq=0, ts_ms=now)])
     view = RedisViewStore.connect(settings.redis(), settings.view_namespace)
     await replay_into(settings.kafka(), settings.topic_config(), view, idle_timeout_s=1.0)  # what the stream worker does, with positions
+    assert len(await view.nodes()) == 5, "the replay left heartbeats out"
 
     reader, resv = redis_stores(settings, producer_id="audit-test")
     worker = RouterWorker(settings, Router(settings, reader, resv), router_id="audit-test")
@@ -77,6 +83,8 @@ async def test_a_past_decision_is_rederived_and_explained(settings):
         await cons.stop()
         await asyncio.wait_for(task, 10)
         await reader.close()
+    rejected = {rid: (d.reason, d.message) for rid, d in got.items() if not isinstance(d, RoutingDecision)}
+    assert rejected == {}, rejected
 
     # The view moves on after the decisions: the audit must read it as it was.
     await _publish(prod, t.kv_events.name, [
