@@ -90,6 +90,13 @@ def _blocks_removed_v1(body: dict[str, Any]) -> dict[str, Any]:
     return dict(body)
 
 
+@upcaster("dead_letter", 1)
+def _dead_letter_v1(body: dict[str, Any]) -> dict[str, Any]:
+    # v2 added the value's whole size and digest and the key: unknown for a v1 letter (None),
+    # whose original may have been cut with nothing to say so.
+    return body
+
+
 @upcaster("routing_request", 1)
 def _routing_request_v1(body: dict[str, Any]) -> dict[str, Any]:
     # v2 added cache_salt, exclude and retry_of, all with defaults: nothing to fill in.

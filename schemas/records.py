@@ -8,6 +8,7 @@ consumer allocate without bound.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import uuid
 from typing import Annotated, Literal, TypeAlias, get_args
@@ -26,6 +27,8 @@ MAX_PARAMS = 64
 MAX_ORIGINAL_BYTES = 65_536
 """At most this much of a bad record rides in its dead letter (with topic, partition and
 offset to fetch the rest): a dead letter always fits the topic's 1 MB message limit."""
+MAX_KEY_BYTES = 1024
+"""At most this much of a bad record's Kafka key rides in its dead letter (``key_size`` says the rest)."""
 MAX_GROUP = 64  # prefill instances in one chunked-pipeline (CPP) group
 
 U64 = Annotated[int, Field(ge=0, le=2**64 - 1)]
@@ -503,6 +506,8 @@ class KvCommandResult(Record):
 
 
 class DeadLetter(Record):
+    """A record a consumer could not take, set aside with why; build one with :meth:`of`."""
+
     kind: Literal["dead_letter"] = "dead_letter"
     source_topic: Name
     partition: int = Field(ge=0)
@@ -511,6 +516,51 @@ class DeadLetter(Record):
     """A short machine-readable code: ``decode_error``, ``validation_error``, ``wrong_kind``..."""
     error: Text
     original: bytes = Field(max_length=MAX_ORIGINAL_BYTES)
+    """The record's value, or its first ``MAX_ORIGINAL_BYTES`` when longer (see ``original_size``)."""
+    # v2: what a cut ``original`` leaves out is named, never silently lost
+    original_size: int | None = Field(default=None, ge=0)
+    """The whole value's length in bytes (None: not recorded, a v1 letter)."""
+    original_sha256: Annotated[str, StringConstraints(pattern=r"^[0-9a-f]{64}$")] | None = None
+    """The whole value's SHA-256 (hex): what the record fetched from its position must hash to."""
+    key: bytes | None = Field(default=None, max_length=MAX_KEY_BYTES)
+    """The record's Kafka key as sent (any bytes), or its first ``MAX_KEY_BYTES``; None: no key."""
+    key_size: int | None = Field(default=None, ge=0)
+
+    @property
+    def complete(self) -> bool:
+        """Whether ``original`` and ``key`` are the whole record (a cut one cannot be re-sent as is)."""
+        return ((self.original_size is None or self.original_size == len(self.original))
+                and (self.key_size is None or self.key is None or self.key_size == len(self.key)))
+
+    @classmethod
+    def of(cls, source_topic: str, partition: int, offset: int, reason: str, error: str,
+           value: bytes | bytearray | memoryview | None, key: bytes | bytearray | memoryview | None = None,
+           ) -> DeadLetter:
+        """The dead letter of any record: never raises, whatever the bytes, key or texts.
+
+        Texts are cut to their caps (characters that are not UTF-8 escaped), the value to
+        ``MAX_ORIGINAL_BYTES`` with its whole length and SHA-256 kept, the key to ``MAX_KEY_BYTES``.
+        """
+        whole = bytes(value) if value is not None else b""
+        raw_key = bytes(key) if key is not None else None
+        return cls(
+            source_topic=_printable(source_topic, MAX_NAME) or "?",
+            partition=max(0, int(partition)),
+            offset=max(0, int(offset)),
+            reason=_printable(reason, MAX_NAME) or "unknown",
+            error=_printable(error, MAX_TEXT),
+            original=whole[:MAX_ORIGINAL_BYTES],
+            original_size=len(whole),
+            original_sha256=hashlib.sha256(whole).hexdigest(),
+            key=raw_key[:MAX_KEY_BYTES] if raw_key is not None else None,
+            key_size=len(raw_key) if raw_key is not None else None,
+        )
+
+
+def _printable(text: object, cap: int) -> str:
+    """``text`` as a string that encodes as UTF-8 (lone surrogates escaped), at most ``cap`` characters."""
+    s = text if isinstance(text, str) else repr(text)
+    return s[:cap].encode("utf-8", "backslashreplace").decode("utf-8")[:cap]
 
 
 AnyBody: TypeAlias = (
@@ -534,6 +584,7 @@ SCHEMA_VERSIONS["routing_decision"] = 3  # v2 added control_offset, block_size, 
 SCHEMA_VERSIONS["routing_rejection"] = 2  # v2 added control_offset, block_size, model_profile
 SCHEMA_VERSIONS["kv_command"] = 3  # v2 added command_id (required), deadline_ms, token_ids, block_size; v3 by_node
 SCHEMA_VERSIONS["blocks_removed"] = 2  # v2 added node (a shared pool's blocks removed by another producer)
+SCHEMA_VERSIONS["dead_letter"] = 2  # v2 added original_size, original_sha256, key and key_size
 
 
 class Envelope(Record):

@@ -26,7 +26,6 @@ from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Observation
 
 from schemas import DeadLetter, DecodeError, Envelope, Heartbeat, decode, envelope
-from schemas.records import MAX_ORIGINAL_BYTES, MAX_TEXT
 from state.fold import Folded, Op, UnfoldableRecord
 from state.view import Outcome, SourcePosition
 from state.write import fold_and_write
@@ -120,15 +119,9 @@ class IngestMetrics:
 
 
 def _dead_letter(rec: RawRecord, reason: str, error: str) -> DeadLetter:
-    original = rec.value if isinstance(rec.value, (bytes, bytearray)) else b""
-    return DeadLetter(
-        source_topic=rec.topic,
-        partition=rec.partition,
-        offset=rec.offset,
-        reason=reason,
-        error=error[:MAX_TEXT],
-        original=bytes(original[:MAX_ORIGINAL_BYTES]),
-    )
+    value = rec.value if isinstance(rec.value, (bytes, bytearray, memoryview)) else None
+    key = rec.key if isinstance(rec.key, (bytes, bytearray, memoryview)) else None
+    return DeadLetter.of(rec.topic, rec.partition, rec.offset, reason, error, value, key)
 
 
 class Ingestor:
