@@ -201,7 +201,10 @@ def create_app(settings: Settings, *, insecure: bool = False, feed: LogFeed | No
             target = topics(settings.topic_config()).by_name(letter.source_topic)
         except KeyError:
             raise HTTPException(409, f"{letter.source_topic!r} is not one of this cluster's topics") from None
-        key = _key_of(letter.original)
+        if not letter.complete:
+            raise HTTPException(409, f"the dead letter holds {len(letter.original)} of the record's {letter.original_size} "
+                                     f"bytes: re-send the record at {letter.source_topic}[{letter.partition}]@{letter.offset}")
+        key = letter.key if letter.key is not None else _key_of(letter.original)
         prod = producer(settings.kafka())
         await prod.start()
         try:
@@ -209,7 +212,7 @@ def create_app(settings: Settings, *, insecure: bool = False, feed: LogFeed | No
         finally:
             await prod.stop()
         return {"topic": target.name, "partition": md.partition, "offset": md.offset,
-                "key": key.decode() if key else None}
+                "key": key.decode("utf-8", "backslashreplace") if key else None}
 
     # --- the policy (through the control topic) --------------------------------------------------
 

@@ -59,7 +59,10 @@ class DeadLetterRow:
         d = self.letter
         return {"partition": self.partition, "offset": self.offset, "at_ms": self.at_ms,
                 "source_topic": d.source_topic, "source_partition": d.partition, "source_offset": d.offset,
-                "reason": d.reason, "error": d.error, "original_bytes": len(d.original)}
+                "reason": d.reason, "error": d.error,
+                "original_bytes": len(d.original) if d.original_size is None else d.original_size,
+                "original_sha256": d.original_sha256, "complete": d.complete,
+                "key": None if d.key is None else d.key.decode("utf-8", "backslashreplace")}
 
 
 @dataclass
@@ -72,6 +75,9 @@ class LogFeed:
     prompt_tokens: collections.OrderedDict[str, int] = field(default_factory=collections.OrderedDict)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     error: str = ""
+    skipped: collections.Counter[str] = field(default_factory=collections.Counter)
+    """Records that did not decode, by reason: skipped here (a bad request is dead-lettered by the
+    routers; on dispatch, control and dead-letter nobody sets one aside: streams/dead_letters.py)."""
 
     def __post_init__(self) -> None:
         self.topics = topics(self.settings.topic_config())
@@ -136,8 +142,9 @@ class LogFeed:
     def _on_record(self, topic: str, partition: int, offset: int, value: bytes | None, ts: int) -> None:
         try:
             env = decode(value or b"")
-        except DecodeError:
-            return  # the router or worker dead-lettered it already
+        except DecodeError as e:
+            self.skipped[e.reason] += 1
+            return  # its topic's own consumer dead-letters it (streams.dead_letters)
         b = env.body
         t = self.topics
         if topic == t.requests.name and isinstance(b, RoutingRequest):

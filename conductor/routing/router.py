@@ -8,9 +8,10 @@ memory, shared between replicas through a Redis stream: see
 produce the decision keyed by the prefill instance (a rejection keyed by the
 request id) onto ``dispatch``.
 
-Failure modes: a request that does not decode or validate becomes a
-``invalid_request`` rejection (keyed and named by the Kafka key when the body is
-unreadable; dead-lettered when even that is missing) and the worker goes on. When
+Failure modes: a record that does not decode or validate is dead-lettered (whatever its
+bytes or key: ``schemas.DeadLetter.of`` never fails) and, when its Kafka key reads as a
+request id, also answered with an ``invalid_request`` rejection under that id; the worker
+goes on. When
 Redis is unreachable the worker answers from its last snapshot's node states
 (prefixes unknown), marks the decisions ``degraded`` with the snapshot's age, and
 rejects with ``view_unavailable`` once that age passes ``max_snapshot_age_s``.
@@ -48,7 +49,6 @@ from conductor.routing.snapshot import ClusterSnapshot, Instance, InstanceMemo, 
 from conductor.settings import Settings
 from schemas import (
     ControlCommand,
-    DeadLetter,
     DecodeError,
     Endpoint,
     Envelope,
@@ -70,6 +70,7 @@ from state.redis_view import RedisViewStore
 from state.reservations import InMemoryReservations, Load, RedisReservations, ReservationStore
 from state.tracking import TrackingSnapshotReader
 from state.view import ViewReader, ViewSnapshot
+from streams.dead_letters import DeadLetters
 from streams.kafka import acknowledged, consumer, end_offsets, ensure_topics, producer
 from streams.topics import topics
 
@@ -465,18 +466,22 @@ class Router:
     # --- one Kafka record --------------------------------------------------------------
 
     async def handle(self, value: bytes | None, key: bytes | None, offset: int = 0) -> tuple[str, Any]:
-        """Turn one ``requests`` record (at ``offset``) into (dispatch key, body) or ("", DeadLetter reason).
+        """Turn one ``requests`` record (at ``offset``) into (dispatch key, body) or ("", DecodeError).
 
-        Returns the body to produce: a decision, a rejection, or ``None`` with the reason
-        as the key when the record must be dead-lettered (no request id anywhere).
+        Returns the body to produce: a decision, a rejection (an unreadable record whose key
+        names a request id, too), or the record's :class:`DecodeError` when no request id is
+        anywhere (the record is only dead-lettered).
         """
         key_out, out, _ = await self.handle_with_reply(value, key, offset)
+        if isinstance(out, Unreadable):
+            return key_out, out.rejection or out.error
         return key_out, out
 
     async def handle_with_reply(self, value: bytes | None, key: bytes | None, offset: int = 0,
                                 after: Awaitable[Any] | None = None) -> tuple[str, Any, str | None]:
         """:meth:`handle`, plus the gateway id the answer also goes to (the request's ``reply_to``);
-        ``after`` as in :meth:`route`."""
+        ``after`` as in :meth:`route`. An unreadable record comes back :class:`Unreadable` (to
+        dead-letter; with a rejection to dispatch under ``key`` when it names a request id)."""
         key_id = _key_text(key)
         try:
             env = decode(value or b"")
@@ -485,14 +490,23 @@ class Router:
                 raise DecodeError("wrong_kind", f"a {body.kind} record on the requests topic")
         except DecodeError as e:
             if not key_id:
-                return "", e, None
-            return key_id, self.reject(key_id, "invalid_request", str(e)), None
+                return "", Unreadable(e, None), None
+            return key_id, Unreadable(e, self.reject(key_id, "invalid_request", str(e))), None
         try:
             out = await self.route(body, offset, after)
         except Exception as e:  # a bug must not turn one request into a crash loop of every replica
             log.exception("routing %s failed", body.request_id)
             out = self.reject(body.request_id, "invalid_request", f"router error: {type(e).__name__}: {e}")
         return (out.prefill_instance if isinstance(out, RoutingDecision) else out.request_id), out, body.reply_to
+
+
+@dataclass(frozen=True)
+class Unreadable:
+    """A ``requests`` record that is no request: dead-lettered with ``error``'s reason, and
+    ``rejection`` (when its key names a request id) sent to dispatch as any rejection."""
+
+    error: DecodeError
+    rejection: RoutingRejection | None
 
 
 def default_router_id() -> str:
@@ -573,6 +587,7 @@ class RouterWorker:
         cons = consumer(self.settings.kafka(), t.requests.name, group_id=self.settings.topic_prefix + self.GROUP,
                         **({"fetch_max_wait_ms": self.settings.embedded_fetch_wait_ms} if self.settings.embedded else {}))
         control = ControlFollower(self.settings, self.router)
+        letters = DeadLetters(self.settings.kafka(), t.dead_letter, self.router_id, producer=prod, wrap=self._wrap)
         await prod.start()
         await control.start()  # caught up with every control record before the first decision
         await cons.start()
@@ -606,16 +621,12 @@ class RouterWorker:
                         with contextlib.suppress(ValueError):
                             await prod.partitions_for(t.replies(gateway).name)
                     for rec, (key, out, reply_to) in zip(records, handled):
-                        if key == "":
-                            dl = DeadLetter(
-                                source_topic=tp.topic, partition=tp.partition, offset=rec.offset,
-                                reason=getattr(out, "reason", "invalid"), error=str(out)[:4096],
-                                original=(rec.value or b"")[:1_048_576],
-                            )
-                            env = self._wrap(dl)
-                            sends.append(await prod.send(t.dead_letter.name, encode(env), key=tp.topic.encode(),
-                                                         headers=headers(env)))
-                            continue
+                        if isinstance(out, Unreadable):
+                            sends.append(await letters.send(tp.topic, tp.partition, rec.offset, out.error.reason,
+                                                            str(out.error), rec.value, rec.key))
+                            if out.rejection is None:
+                                continue
+                            out = out.rejection
                         env = self._wrap(out)
                         raw, hdrs = encode(env), headers(env)
                         placed.append((len(sends), env, out, tp.partition, rec.offset))
