@@ -155,6 +155,27 @@ class Settings(BaseSettings):
         default_factory=dict, description="KVCache balance scheduler parameters (conductor balance --help)"
     )
 
+    # --- the gateway's calls to the engines, by phase (conductor/gateway/README.md) ----------
+    gateway_connect_timeout_s: float = Field(
+        default=2.0, gt=0, description="to open a connection to an engine; a failure is routed again elsewhere"
+    )
+    gateway_first_byte_timeout_s: float = Field(
+        default=120.0, ge=0,
+        description="to an engine's first byte: a streamed call's response headers (sent when the engine takes "
+        "the request), a prefill half's answer (queue + prefill); a non-streamed generation has no first byte "
+        "before its last token and is bounded by the total only; 0 = no limit",
+    )
+    gateway_idle_timeout_s: float = Field(
+        default=300.0, ge=0,
+        description="between two reads of an engine's answer once it started (a stream's chunks, its first chunk "
+        "after the headers); 0 = no limit",
+    )
+    gateway_total_timeout_s: float = Field(
+        default=0.0, ge=0,
+        description="a whole request, from its arrival to its last byte; 0 = no limit (a long generation is never "
+        "cut)",
+    )
+
     @field_validator("kafka_url", "redis_url")
     @classmethod
     def _not_blank(cls, v: str | None) -> str | None:

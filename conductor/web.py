@@ -10,10 +10,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any, TypeVar
 
 import uvicorn
+
+T = TypeVar("T")
 
 
 class _Server(uvicorn.Server):
@@ -52,3 +54,27 @@ async def serve(app: Any, sock: socket.socket, stop: asyncio.Event) -> None:
         server.should_exit = True
         stopper.cancel()
         await task
+
+
+async def cancel_on_disconnect(receive: Callable[[], Awaitable[Any]], work: Awaitable[T]) -> T | None:
+    """``work``'s result, or None when the client disconnects first: ``work`` is then cancelled.
+
+    Starlette goes on running a handler whose client went away (only a streamed body notices, and
+    only while it streams), so a gateway request would keep its engines generating for nobody.
+    ``receive`` is the request's ASGI ``receive``, called once its body has been read: the server
+    answers it only with ``http.disconnect``."""
+    task = asyncio.ensure_future(work)
+
+    async def gone() -> None:
+        while (await receive()).get("type") != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+            await asyncio.wait({task})  # its own clean-up runs (engine calls closed, outcome recorded)
+    return None if task.cancelled() else task.result()

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 import socket
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
@@ -18,7 +18,7 @@ from conductor.gateway.auth import ApiKeyGuard, Caller, KeyRing
 from conductor.gateway.directory import EngineDirectory
 from conductor.gateway.protocol import SloBounds, error_body
 from conductor.gateway.replies import ReplyInbox
-from conductor.gateway.service import Gateway, GatewayConfig
+from conductor.gateway.service import Gateway, GatewayConfig, UpstreamTimeouts
 from conductor.gateway.tokenizer import EngineTokenizer, LocalTokenizer, PromptTokenizer
 from conductor.settings import Settings
 from state.connect import open_client
@@ -28,8 +28,10 @@ from streams.topics import topics
 
 log = logging.getLogger(__name__)
 
-UPSTREAM_TIMEOUT = httpx.Timeout(60.0, connect=2.0)
-"""Connect fails fast (a dead engine is retried elsewhere); reads allow a long prefill."""
+KEEPALIVE_EXPIRY_S = 4.0
+"""Idle connections to engines are dropped before the engines' own keep-alive (uvicorn's 5 s in
+vLLM and SGLang) closes them: a request sent on a connection the engine is closing fails after
+it left, and such a failure is not routed again (the engine may have taken the request)."""
 
 
 def gateway_app(gw: Gateway, keys: KeyRing, metrics_text: Callable[[], str] = lambda: "") -> FastAPI:
@@ -41,6 +43,10 @@ def gateway_app(gw: Gateway, keys: KeyRing, metrics_text: Callable[[], str] = la
         caller: Caller = request.state.caller  # set by the guard on every /v1/ route
         return caller.bounds
 
+    async def until_disconnect(request: Request, work: Awaitable[Response]) -> Response:
+        # A client that goes away cancels its request's engine calls; nobody reads the 499.
+        return await web.cancel_on_disconnect(request.receive, work) or Response(status_code=499)
+
     async def body_of(request: Request) -> Any:
         try:
             return await request.json()
@@ -51,13 +57,13 @@ def gateway_app(gw: Gateway, keys: KeyRing, metrics_text: Callable[[], str] = la
         body = await body_of(request)
         if body is None:
             return JSONResponse(error_body("the body is not JSON", "invalid_json", param="body"), status_code=400)
-        return await gw.handle(body, request.headers, chat=False, bounds=bounds_of(request))
+        return await until_disconnect(request, gw.handle(body, request.headers, chat=False, bounds=bounds_of(request)))
 
     async def chat(request: Request) -> Response:
         body = await body_of(request)
         if body is None:
             return JSONResponse(error_body("the body is not JSON", "invalid_json", param="body"), status_code=400)
-        return await gw.handle(body, request.headers, chat=True, bounds=bounds_of(request))
+        return await until_disconnect(request, gw.handle(body, request.headers, chat=True, bounds=bounds_of(request)))
 
     async def models() -> Response:
         await gw.directory.refresh()
@@ -71,9 +77,10 @@ def gateway_app(gw: Gateway, keys: KeyRing, metrics_text: Callable[[], str] = la
                                                          "owned_by": "conductor"}]})
 
     async def health() -> Response:
-        if not gw.inbox.ready:
-            return JSONResponse(error_body("not reading its reply topic yet", "starting", kind="service_unavailable"),
-                                status_code=503)
+        down = gw.inbox.problem()  # not started, its task ended, its partition lost, or stalled
+        if down is not None:
+            code = "starting" if not gw.inbox.ready else "reply_inbox_down"
+            return JSONResponse(error_body(down, code, kind="service_unavailable"), status_code=503)
         return Response(status_code=200)
 
     async def prom() -> Response:
@@ -95,8 +102,8 @@ async def run_gateway(settings: Settings, config: GatewayConfig, sock: socket.so
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call is noise
     tps = topics(settings.topic_config())
     await ensure_topics(settings.kafka(), (tps.requests, tps.dispatch, tps.request_outcomes))
-    limits = httpx.Limits(max_connections=4096, max_keepalive_connections=1024)
-    client = httpx.AsyncClient(timeout=UPSTREAM_TIMEOUT, limits=limits)
+    limits = httpx.Limits(max_connections=4096, max_keepalive_connections=1024, keepalive_expiry=KEEPALIVE_EXPIRY_S)
+    client = httpx.AsyncClient(timeout=UpstreamTimeouts.of(settings).outside_requests(), limits=limits)
     view = None
     if settings.redis_url:
         view = RedisViewStore(open_client(settings.redis().connection_url(), decode_responses=False, **settings.redis().tls_options(),

@@ -5,14 +5,21 @@ a ``reply_to`` gateway, to that gateway's reply topic as well (``Topics.replies`
 gateway reads only that one-partition topic, so it never decodes anybody else's
 decisions, however many gateways and routers run. A reply nobody waits for (a request
 that timed out, a second decision after a router crash) is dropped.
+
+:meth:`ReplyInbox.problem` says why the inbox cannot answer (not started, its task ended, its
+consumer lost the partition, it stopped polling): the gateway's ``/health`` answers 503 with
+that reason, and requests get 503 ``reply_inbox_down`` at once instead of a decision timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
+from typing import Any
 
 from aiokafka import TopicPartition
 from aiokafka.errors import KafkaError
@@ -26,20 +33,37 @@ log = logging.getLogger(__name__)
 
 Answer = RoutingDecision | RoutingRejection
 
+STALL_S = 30.0
+"""An inbox that has not come back to poll its consumer for this long is not reading (a poll
+returns within 100 ms, records or not)."""
+
+
+class InboxClosed(RuntimeError):
+    """The inbox stopped: the decision a request waits for will never be read."""
+
 
 class ReplyInbox:
     """Futures by request id, resolved from the gateway's reply topic."""
 
-    def __init__(self, settings: Settings, gateway_id: str) -> None:
+    def __init__(self, settings: Settings, gateway_id: str, clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
         self.topic = topics(settings.topic_config()).replies(gateway_id)
         self._waiting: dict[str, asyncio.Future[Answer]] = {}
         self.counts: Counter[str] = Counter()
         self._ready = asyncio.Event()
+        self.clock = clock
+        self._polled_at = clock()
+        self._ended: str | None = None
+        self._assigned: Callable[[], bool] = lambda: True
+        self.task: asyncio.Task[Any] | None = None
+        """The task running :meth:`run` (set by it)."""
 
     def expect(self, request_id: str) -> asyncio.Future[Answer]:
         """A future for ``request_id``'s answer; register it *before* sending the request."""
         fut: asyncio.Future[Answer] = asyncio.get_running_loop().create_future()
+        if self._ended is not None:
+            fut.set_exception(InboxClosed(self._ended))
+            return fut
         self._waiting[request_id] = fut
         return fut
 
@@ -71,12 +95,46 @@ class ReplyInbox:
         """Reading the reply topic (requests sent from now on get their answers)."""
         return self._ready.is_set()
 
+    def problem(self) -> str | None:
+        """Why decisions cannot be read now, or None while the inbox reads its topic."""
+        if self._ended is not None:
+            return self._ended
+        if not self.ready:
+            return "not reading its reply topic yet"
+        if self.task is not None and self.task.done():
+            return "the reply inbox's task ended"
+        if not self._assigned():
+            return f"the reply consumer holds no assignment of {self.topic.name}"
+        stalled = self.clock() - self._polled_at
+        if stalled > STALL_S:
+            return f"the reply inbox has not polled its topic for {stalled:.0f}s"
+        return None
+
     async def wait_ready(self, timeout_s: float = 30.0) -> None:
         await asyncio.wait_for(self._ready.wait(), timeout_s)
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Create the reply topic, read it from now on, resolve futures until ``stop``."""
+        """Create the reply topic, read it from now on, resolve futures until ``stop``. However it
+        ends, :meth:`problem` says so from then on and every waiting request gets :class:`InboxClosed`."""
+        self.task = asyncio.current_task()
+        reason = "the reply inbox stopped"
+        try:
+            await self._read(stop)
+        except asyncio.CancelledError:
+            reason = "the reply inbox's task was cancelled"
+            raise
+        except Exception as e:
+            reason = f"the reply inbox failed: {type(e).__name__}: {e}"
+            log.error("%s; the gateway answers 503 until it is restarted", reason)
+            raise
+        finally:
+            self._ended = reason
+            for fut in self._waiting.values():
+                if not fut.done():
+                    fut.set_exception(InboxClosed(reason))
+                    fut.exception()  # retrieved here too: a request that gave up meanwhile leaves no warning
 
+    async def _read(self, stop: asyncio.Event) -> None:
         await ensure_topics(self.settings.kafka(), (self.topic,))
         # A short fetch wait: an idle gateway's first decision must not sit in the broker.
         wait_ms = self.settings.embedded_fetch_wait_ms if self.settings.embedded else 5
@@ -98,14 +156,15 @@ class ReplyInbox:
                 await cons.seek_to_end(tp)
             else:
                 await cons.seek_to_beginning(tp)  # the embedded broker's "latest" is wrong
+            self._assigned = lambda: tp in cons.assignment()
+            self._polled_at = self.clock()
             self._ready.set()
             while not stop.is_set():
                 batches = await cons.getmany(timeout_ms=100, max_records=1000)
+                self._polled_at = self.clock()
                 for records in batches.values():
                     for rec in records:
                         self.on_record(rec.value or b"")
         finally:
-            for fut in self._waiting.values():
-                if not fut.done():
-                    fut.cancel()
-            await cons.stop()
+            with contextlib.suppress(Exception):
+                await cons.stop()

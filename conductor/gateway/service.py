@@ -5,12 +5,17 @@
 - A rejection becomes 429/503/400 with an OpenAI-style error naming the reason and a
   ``Retry-After`` (:data:`conductor.gateway.protocol.REJECTION_STATUS`). No decision within
   ``decision_timeout_s`` becomes 503 ``decision_timeout``: a client never hangs on the log.
-- An engine that fails before the first output token reaches the client (connection refused,
-  5xx, a KV transfer its decode peer could not complete, a stream cut before its first
-  token) is excluded and a new routing request is sent (``retry_of``, ``exclude``: the
-  retry is in the log); after ``max_attempts`` the client gets 502 ``engine_failed``.
-  Once tokens have been relayed, a broken stream ends with an SSE error event (the
-  ``openai`` client raises it as ``APIError``), never a silent hang.
+- A call to an engine is re-routed only when nothing of the request runs there: the engine was
+  never reached (connection refused, connect timeout, a request it never fully received) or
+  it answered the call whole with a 5xx (503, a decode that could not pull the KV from its
+  prefill peer, ...). That instance is excluded and a new routing request is sent
+  (``retry_of``, ``exclude``: the retry is in the log); after ``max_attempts`` the client gets
+  502 ``engine_failed``. Once an engine has taken the request (its connection breaks while it
+  works, or a timeout by phase runs out: :class:`UpstreamTimeouts`), the client gets 504
+  ``upstream_timeout`` or 502 ``engine_failed`` with the reason, and the request is never run
+  again: the engine may still be generating it. Once tokens have been relayed, a broken stream
+  ends with an SSE error event (the ``openai`` client raises it as ``APIError``), never a
+  silent hang.
 - After each request a ``request_outcome`` record goes to ``request-outcomes``.
 """
 
@@ -24,9 +29,9 @@ import random
 import re
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import urlparse
 
 import httpx
@@ -53,7 +58,7 @@ from conductor.gateway.protocol import (
     vllm_decode_body,
     vllm_prefill_body,
 )
-from conductor.gateway.replies import ReplyInbox
+from conductor.gateway.replies import InboxClosed, ReplyInbox
 from conductor.gateway.tokenizer import PromptTokenizer, TokenizeError
 from conductor.settings import Settings
 from schemas import RequestOutcome, RoutingDecision, RoutingRejection, RoutingRequest, encode, envelope, headers
@@ -67,6 +72,19 @@ _TOKEN = re.compile(rb'"(?:text|content)":\s*"(?!")')
 """A non-empty ``text`` (completions) or ``delta.content`` (chat) in an SSE chunk's JSON."""
 _CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,96}")
 """A client's ``x-request-id`` the gateway keeps in its routing request id (as the log's key)."""
+MAX_SSE_EVENT_BYTES = 16 * 1024 * 1024
+"""The longest SSE event the relay holds while it waits for the event's end. The largest real
+one is a first chunk carrying a long prompt's ``prompt_token_ids`` (vLLM's ``return_token_ids``:
+~8 bytes a token, 8 MiB at 1M tokens); a stream whose event never ends is cut with an error."""
+MAX_ANSWER_BYTES = 64 * 1024 * 1024
+"""The largest answer read whole from an engine (a prefill half, a non-streamed completion)."""
+MAX_ERROR_BYTES = 64 * 1024
+"""What is read of an engine's error answer (its message goes to the client and the log)."""
+_NOT_REACHED = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.WriteError, httpx.WriteTimeout,
+                httpx.UnsupportedProtocol)
+"""Failures before the engine had the whole request: it cannot have started on it, so it is safe
+to send the request elsewhere."""
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -84,10 +102,57 @@ class GatewayConfig:
     """SGLang: the prefill instances' bootstrap port (default: the port of their URL)."""
 
 
+@dataclass(frozen=True)
+class UpstreamTimeouts:
+    """How long the gateway waits on an engine, by phase (settings ``gateway_*_timeout_s``; 0 = no limit).
+
+    A non-streamed generation sends nothing before its last token, so only ``total_s`` bounds
+    it, and that is off by default: a long generation is never cut."""
+
+    connect_s: float = 2.0
+    """Open a connection (or wait for a pooled one). Running out: the engine never had the request."""
+    first_byte_s: float = 120.0
+    """A streamed call's response headers (sent when the engine takes the request); a prefill
+    half's answer (its queue and prefill)."""
+    idle_s: float = 300.0
+    """Between two reads of an answer once it started (a stream's chunks; its first chunk after
+    the headers); also what writing a request may take."""
+    total_s: float = 0.0
+    """A whole request, from its arrival at the gateway to its last byte."""
+
+    @classmethod
+    def of(cls, settings: Settings) -> UpstreamTimeouts:
+        return cls(connect_s=settings.gateway_connect_timeout_s, first_byte_s=settings.gateway_first_byte_timeout_s,
+                   idle_s=settings.gateway_idle_timeout_s, total_s=settings.gateway_total_timeout_s)
+
+    def for_httpx(self) -> httpx.Timeout:
+        """What httpx bounds itself: connecting, waiting for a pooled connection, writing the request.
+        Reads are bounded by phase around the calls (``Gateway._phase``), not per socket read."""
+        return httpx.Timeout(connect=self.connect_s, pool=self.connect_s, write=self.idle_s or None, read=None)
+
+    def outside_requests(self) -> httpx.Timeout:
+        """The calls beside a request's hand-off (``/tokenize``, ``/v1/models``): every read within ``first_byte_s``."""
+        return httpx.Timeout(connect=self.connect_s, pool=self.connect_s, write=self.idle_s or None,
+                             read=self.first_byte_s or None)
+
+
 class EngineFailed(Exception):
+    """Nothing of the request runs on ``node`` (never reached, or it answered the call whole with
+    a 5xx): the request is routed again without it."""
+
     def __init__(self, node: str, message: str) -> None:
         super().__init__(message)
         self.node = node
+
+
+class EngineLost(Exception):
+    """``node`` had taken the request when the call failed (a timeout by phase, a connection that
+    broke while it worked): answered to the client (504 / 502), never run again."""
+
+    def __init__(self, node: str, message: str, *, timeout: bool = False) -> None:
+        super().__init__(message)
+        self.node = node
+        self.status, self.code = (504, "upstream_timeout") if timeout else (502, "engine_failed")
 
 
 class UpstreamClientError(Exception):
@@ -146,6 +211,7 @@ class Gateway:
         self.clock = clock
         self.topics = topics(settings.topic_config())
         self.metrics = GatewayMetrics()
+        self.timeouts = UpstreamTimeouts.of(settings)
         self._seq = itertools.count(1)
         self._rng = random.Random()
         self._reachable = sorted(config.engines)
@@ -168,6 +234,22 @@ class Gateway:
             self.metrics.requests.add(1, {"status": 400, "error": "invalid_body"})
             return JSONResponse(error_body(str(e), "invalid_value", param=e.param), status_code=400)
         tr = _Trace(request_id=self._request_id(hdrs.get("x-request-id")), t0=t0, stream=creq.stream)
+        down = self.inbox.problem()
+        if down is not None:
+            # Every decision would be lost: say so now rather than after the decision timeout.
+            return self._fail(tr, 503, "reply_inbox_down", f"the gateway cannot read its decisions: {down}",
+                              kind="service_unavailable", retry_after=5)
+        try:
+            return await self._route_and_serve(creq, slo, body, tr)
+        except asyncio.CancelledError:
+            # The client went away (conductor.web.cancel_on_disconnect): the engine calls are cancelled with it.
+            tr.status, tr.error, tr.message = 499, "client_closed", "the client closed the connection before the answer"
+            self._outcome(tr)
+            raise
+
+    async def _route_and_serve(self, creq: ClientRequest, slo: Slo, body: dict[str, Any], tr: _Trace) -> Response:
+        """Tokenize, then route and serve, routing again (up to ``max_attempts``) while an engine fails
+        before it took the request."""
         try:
             tokens = await self.tokenizer.tokens(creq)
         except TokenizeError as e:
@@ -186,6 +268,9 @@ class Gateway:
                 first = e.errors()[0]
                 return self._fail(tr, 400, "invalid_value", f"{first.get('loc')}: {first.get('msg')}",
                                   param="prompt")
+            except InboxClosed as e:
+                return self._fail(tr, 503, "reply_inbox_down", f"the gateway cannot read its decisions: {e}",
+                                  kind="service_unavailable", retry_after=5)
             tr.routing_ms += (self.clock() - t_r) * 1000.0
             if answer is None:
                 return self._fail(tr, *rejection_response(
@@ -202,6 +287,10 @@ class Gateway:
                             "routing again without it" if attempt + 1 < self.config.max_attempts else "giving up")
                 if e.node not in tr.excluded:
                     tr.excluded.append(e.node)
+            except EngineLost as e:
+                log.warning("request %s: %s failed after taking the request (%s); not run again", arid, e.node, e)
+                return self._fail(tr, e.status, e.code, f"{e} (instance {e.node}; it had taken the request, so "
+                                  "the request is not run again)", kind="server_error")
             except UpstreamClientError as e:
                 tr.status, tr.error = e.status, "engine_rejected"
                 self._outcome(tr)
@@ -300,7 +389,7 @@ class Gateway:
         pj: dict[str, Any] = {}
         if d.aggregated:
             # One engine prefills and decodes: no hand-off, one call.
-            resp = await self._open_decode(d_url + path, aggregated_body(body), d_hdrs, d, None)
+            resp = await self._open_decode(d_url + path, aggregated_body(body), d_hdrs, d, tr)
         elif d.prefill_group and d.chunk_boundaries:
             # CPP: member j pulls the KV before its chunk from member j-1, computes its chunk and
             # holds the KV up to its boundary; the decode instance pulls the whole KV from the last.
@@ -308,46 +397,33 @@ class Gateway:
             prev: str | None = None
             for node, end in zip(d.prefill_group, d.chunk_boundaries):
                 pj_j = await self._prefill(self._url(node, d) + path, cpp_chunk_body(body, creq.chat, end, params),
-                                           self._headers(arid, d, node), node, peer=prev)
+                                           self._headers(arid, d, node), node, tr, peer=prev)
                 pj = pj or pj_j  # the head's answer: its cached tokens are the request's reuse
                 params, prev = pj_j.get("kv_transfer_params"), node
                 if not isinstance(params, dict):
                     raise EngineFailed(node, "the CPP member's answer has no kv_transfer_params")
             assert params is not None  # the group has members, so the loop set it
-            resp = await self._open_decode(d_url + path, vllm_decode_body(body, params), d_hdrs, d, None,
+            resp = await self._open_decode(d_url + path, vllm_decode_body(body, params), d_hdrs, d, tr,
                                            kv_from=prev)
         elif self.config.protocol == "sglang":
-            u = urlparse(p_url)
-            ep = d.endpoints.get(d.prefill_instance)
-            prefill_body, decode_body = sglang_bodies(body, u.hostname or "127.0.0.1",
-                                                      self.config.bootstrap_port or (ep and ep.bootstrap_port)
-                                                      or u.port or 80,
-                                                      self._rng.getrandbits(63))
-            prefill = asyncio.create_task(self._prefill(p_url + path, prefill_body, hdrs, d.prefill_instance))
-            try:
-                resp = await self._open_decode(d_url + path, decode_body, d_hdrs, d, prefill)
-                pj = await prefill
-            except BaseException:
-                prefill.cancel()
-                raise
+            resp, pj = await self._sglang(p_url + path, d_url + path, body, hdrs, d_hdrs, d, tr)
         else:
-            pj = await self._prefill(p_url + path, vllm_prefill_body(body, creq.chat), hdrs, d.prefill_instance)
+            pj = await self._prefill(p_url + path, vllm_prefill_body(body, creq.chat), hdrs, d.prefill_instance, tr)
             params = pj.get("kv_transfer_params")
             if not isinstance(params, dict):
                 raise EngineFailed(d.prefill_instance, "the prefill answer has no kv_transfer_params "
                                    "(is the engine started with a KV connector?)")
-            resp = await self._open_decode(d_url + path, vllm_decode_body(body, params), d_hdrs, d, None)
+            resp = await self._open_decode(d_url + path, vllm_decode_body(body, params), d_hdrs, d, tr)
         tr.cached_tokens = _cached(pj)
         out_headers = {"x-conductor-request-id": tr.request_id, "x-conductor-prefill-instance": d.prefill_instance,
                        "x-conductor-decode-instance": d.decode_instance,
                        "x-conductor-routing-ms": f"{tr.decided_s * 1000.0:.3f}"}
         if not creq.stream:
+            content = await self._read(resp, tr, d.decode_instance, "the decode answer", MAX_ANSWER_BYTES)
             try:
-                data = json.loads(await resp.aread())
-            except (httpx.HTTPError, ValueError) as e:
-                raise EngineFailed(d.decode_instance, f"decode answer lost: {type(e).__name__}: {e}") from None
-            finally:
-                await resp.aclose()
+                data = json.loads(content)
+            except ValueError:
+                raise EngineLost(d.decode_instance, "the decode answer is not JSON") from None
             tr.ttft_s = self.clock() - tr.t0
             if isinstance(data, dict):
                 data.pop("kv_transfer_params", None)
@@ -359,75 +435,163 @@ class Gateway:
             return JSONResponse(data, headers=out_headers)
         it = resp.aiter_raw()
         try:
-            first = await it.__anext__()
-        except (httpx.HTTPError, StopAsyncIteration) as e:
+            first = await self._phase(anext(it), tr, d.decode_instance, "the stream's first chunk",
+                                      self.timeouts.idle_s)
+        except BaseException as e:
             await resp.aclose()
-            raise EngineFailed(d.decode_instance, f"stream ended before its first byte: {type(e).__name__}") from None
-        return StreamingResponse(self._relay(resp, it, first, creq, tr), media_type="text/event-stream",
-                                 headers=out_headers)
+            if isinstance(e, (httpx.HTTPError, StopAsyncIteration)):
+                raise EngineLost(d.decode_instance, f"the stream ended before its first byte: {type(e).__name__}") from None
+            raise
+        return RelayResponse(self._relay(resp, it, first, creq, tr), media_type="text/event-stream",
+                             headers=out_headers)
 
-    async def _prefill(self, url: str, body: dict[str, Any], hdrs: dict[str, str], node: str,
-                       peer: str | None = None) -> dict[str, Any]:
+    async def _sglang(self, p_url: str, d_url: str, body: dict[str, Any], hdrs: dict[str, str],
+                      d_hdrs: dict[str, str], d: RoutingDecision, tr: _Trace) -> tuple[httpx.Response, dict[str, Any]]:
+        """SGLang's hand-off: prefill and decode at once, meeting at the prefill's bootstrap room.
+        Whatever fails, nothing is left open: the other call is cancelled, or its response closed."""
+        u = urlparse(p_url)
+        ep = d.endpoints.get(d.prefill_instance)
+        prefill_body, decode_body = sglang_bodies(body, u.hostname or "127.0.0.1",
+                                                  self.config.bootstrap_port or (ep and ep.bootstrap_port)
+                                                  or u.port or 80,
+                                                  self._rng.getrandbits(63))
+        prefill = asyncio.ensure_future(self._prefill(p_url, prefill_body, hdrs, d.prefill_instance, tr))
         try:
-            r = await self.client.post(url, json=body, headers=hdrs)
+            resp = await self._open_decode(d_url, decode_body, d_hdrs, d, tr, prefill)
+            try:
+                return resp, await prefill
+            except BaseException:
+                await resp.aclose()  # the decode opened (a stream's headers are in) but its prefill failed
+                raise
+        except BaseException:
+            await _discard(prefill)
+            raise
+
+    async def _phase(self, aw: Awaitable[T], tr: _Trace, node: str, what: str, limit_s: float) -> T:
+        """``aw`` within ``limit_s`` (0: no limit) and what is left of the request's total timeout;
+        running out is :class:`EngineLost` (504): the engine had the request."""
+        limit: float | None = limit_s or None
+        which = f"{limit_s:g}s"
+        if self.timeouts.total_s:
+            left = self.timeouts.total_s - (self.clock() - tr.t0)
+            if limit is None or left < limit:
+                limit, which = max(0.0, left), f"{self.timeouts.total_s:g}s for the whole request"
+        try:
+            async with asyncio.timeout(limit):
+                return await aw
+        except TimeoutError:
+            raise EngineLost(node, f"no {what} within {which}", timeout=True) from None
+
+    async def _send(self, url: str, body: dict[str, Any], hdrs: dict[str, str], node: str, tr: _Trace, *,
+                    what: str, first_byte: bool) -> httpx.Response:
+        """POST ``body``; the response once its headers are in (the body not read yet). Headers wait
+        ``first_byte_s`` when ``first_byte``, else only the total. Never reached: :class:`EngineFailed`;
+        broken or timed out once the engine had the request: :class:`EngineLost`."""
+        req = self.client.build_request("POST", url, json=body, headers=hdrs, timeout=self.timeouts.for_httpx())
+        limit = self.timeouts.first_byte_s if first_byte else 0.0
+        try:
+            return await self._phase(self.client.send(req, stream=True), tr, node, f"answer to the {what}", limit)
+        except _NOT_REACHED as e:
+            raise EngineFailed(node, f"{what} not sent: {type(e).__name__}: {e}") from None
         except httpx.HTTPError as e:
-            raise EngineFailed(node, f"prefill request failed: {type(e).__name__}: {e}") from None
-        if peer is not None and r.status_code >= 500 and _error_code(r.content) == "kv_transfer_failed":
-            raise EngineFailed(peer, f"{node} could not pull the KV before its chunk: {r.text[:200]}")
-        if r.status_code >= 500:
-            raise EngineFailed(node, f"prefill answered {r.status_code}: {r.text[:200]}")
-        if r.status_code >= 400:
-            raise UpstreamClientError(r.status_code, _json_or_text(r.content))
+            raise EngineLost(node, f"{what}: the connection broke before the answer: {type(e).__name__}: {e}") from None
+
+    async def _read(self, resp: httpx.Response, tr: _Trace, node: str, what: str, limit: int) -> bytes:
+        """``resp``'s body (the response closed after): each read within ``idle_s``, at most ``limit`` bytes."""
+        out = bytearray()
+        it = resp.aiter_bytes()
         try:
-            out = r.json()
+            while True:
+                try:
+                    out += await self._phase(anext(it), tr, node, f"byte of {what}", self.timeouts.idle_s)
+                except StopAsyncIteration:
+                    return bytes(out)
+                if len(out) > limit:
+                    raise EngineLost(node, f"{what} is longer than {limit} bytes")
+        except httpx.HTTPError as e:
+            raise EngineLost(node, f"{what} broke off: {type(e).__name__}: {e}") from None
+        finally:
+            await resp.aclose()
+
+    async def _refusal(self, resp: httpx.Response, tr: _Trace, node: str, what: str) -> bytes:
+        """The start of an error answer (what names the error); an answer that breaks off gives what came."""
+        try:
+            return await self._read(resp, tr, node, what, MAX_ERROR_BYTES)
+        except EngineLost:
+            return b""
+
+    async def _prefill(self, url: str, body: dict[str, Any], hdrs: dict[str, str], node: str, tr: _Trace,
+                       peer: str | None = None) -> dict[str, Any]:
+        r = await self._send(url, body, hdrs, node, tr, what="prefill", first_byte=True)
+        if r.status_code >= 400:
+            content = await self._refusal(r, tr, node, "the prefill's error answer")
+            if peer is not None and r.status_code >= 500 and _error_code(content) == "kv_transfer_failed":
+                raise EngineFailed(peer, f"{node} could not pull the KV before its chunk: {content[:200]!r}")
+            if r.status_code >= 500:
+                raise EngineFailed(node, f"prefill answered {r.status_code}: {content[:200]!r}")
+            raise UpstreamClientError(r.status_code, _json_or_text(content))
+        content = await self._read(r, tr, node, "the prefill answer", MAX_ANSWER_BYTES)
+        try:
+            out = json.loads(content)
         except ValueError:
+            # Answered whole (the prefill is done, its KV waits for a decode that will not come): routed again.
             raise EngineFailed(node, "prefill answered with a body that is not JSON") from None
         return out if isinstance(out, dict) else {}
 
     async def _open_decode(self, url: str, body: dict[str, Any], hdrs: dict[str, str], d: RoutingDecision,
-                           prefill: asyncio.Task[dict[str, Any]] | None, kv_from: str | None = None) -> httpx.Response:
-        req = self.client.build_request("POST", url, json=body, headers=hdrs)
-        send = asyncio.create_task(self.client.send(req, stream=True))
-        if prefill is not None:
-            # SGLang: both run at once; a prefill that fails must not leave the decode waiting on its room.
-            await asyncio.wait({send, prefill}, return_when=asyncio.FIRST_COMPLETED)
-            failed = prefill.exception() if prefill.done() else None
-            if failed is not None and not send.done():
-                send.cancel()
-                raise failed
+                           tr: _Trace, prefill: asyncio.Future[dict[str, Any]] | None = None,
+                           kv_from: str | None = None) -> httpx.Response:
+        """The decode (or aggregated) call, open: its headers in, its body left to read. A streamed
+        call's headers wait ``first_byte_s``; a non-streamed one's come with its last token (total only)."""
+        node = d.decode_instance
+        send = asyncio.ensure_future(self._send(url, body, hdrs, node, tr, what="decode",
+                                                first_byte=bool(body.get("stream"))))
         try:
+            if prefill is not None:
+                # SGLang: both run at once; a prefill that fails must not leave the decode waiting on its room.
+                both: set[asyncio.Future[Any]] = {send, prefill}
+                await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
+                if prefill.done() and not prefill.cancelled() and (failed := prefill.exception()) is not None:
+                    raise failed
             resp = await send
-        except httpx.HTTPError as e:
-            raise EngineFailed(d.decode_instance, f"decode request failed: {type(e).__name__}: {e}") from None
+        except BaseException:
+            await _discard(send)
+            raise
         if resp.status_code < 400:
             return resp
-        content = await resp.aread()
-        await resp.aclose()
+        content = await self._refusal(resp, tr, node, "the decode's error answer")
         err = _json_or_text(content)
         if _error_code(content) == "kv_transfer_failed":  # the decode is fine; its prefill peer is not
             raise EngineFailed(kv_from or d.prefill_instance,
                                f"the decode instance could not pull the KV: {content[:200]!r}")
         if resp.status_code >= 500:
-            raise EngineFailed(d.decode_instance, f"decode answered {resp.status_code}: {content[:200]!r}")
+            raise EngineFailed(node, f"decode answered {resp.status_code}: {content[:200]!r}")
         raise UpstreamClientError(resp.status_code, err)
 
     async def _relay(self, resp: httpx.Response, it: AsyncIterator[bytes], first: bytes, creq: ClientRequest,
                      tr: _Trace) -> AsyncIterator[bytes]:
-        """Pass the decode's SSE events through, timing tokens; drop the usage chunk the client did not ask for."""
+        """Pass the decode's SSE events through, timing tokens; drop the usage chunk the client did not ask for.
+
+        Each chunk waits at most ``idle_s``; an event longer than :data:`MAX_SSE_EVENT_BYTES` ends
+        the stream with an error event instead of growing the buffer."""
         buf = b""
         last = None
         raw: bytes | None = first
+        node = tr.decision.decode_instance if tr.decision else "?"
         try:
             while True:
                 if raw is None:
                     try:
-                        raw = await it.__anext__()
+                        raw = await self._phase(anext(it), tr, node, "stream chunk", self.timeouts.idle_s)
                     except StopAsyncIteration:
                         break
                 now = self.clock()
                 buf += raw
                 raw = None
                 *events, buf = buf.split(b"\n\n")
+                if len(buf) > MAX_SSE_EVENT_BYTES:
+                    raise EngineLost(node, f"an SSE event of the decode stream is longer than {MAX_SSE_EVENT_BYTES} "
+                                     "bytes (it never ends?)")
                 out = []
                 tokens = 0
                 for ev in events:
@@ -459,11 +623,14 @@ class Gateway:
                     last = now
                 if out:
                     yield b"".join(out)
-        except httpx.HTTPError as e:
-            tr.error, tr.message = "engine_failed", f"the decode stream broke: {type(e).__name__}: {e}"
-            err = error_body(f"{tr.message} (instance {tr.decision.decode_instance if tr.decision else '?'})",
-                             "engine_failed", kind="server_error")
+        except (httpx.HTTPError, EngineLost) as e:
+            code = e.code if isinstance(e, EngineLost) else "engine_failed"
+            tr.error, tr.message = code, f"the decode stream broke: {type(e).__name__}: {e}"
+            err = error_body(f"{tr.message} (instance {node})", code, kind="server_error")
             yield b"data: " + json.dumps(err).encode() + b"\n\n"
+        except (asyncio.CancelledError, GeneratorExit):
+            tr.error, tr.message = "client_closed", "the client closed the stream"
+            raise
         finally:
             await resp.aclose()
             self._outcome(tr)
@@ -494,6 +661,29 @@ class Gateway:
         task = asyncio.ensure_future(self.producer.send(self.topics.request_outcomes.name, encode(env),
                                                         key=tr.request_id.encode(), headers=headers(env)))
         task.add_done_callback(_log_send_error)
+
+
+class RelayResponse(StreamingResponse):
+    """A streamed answer whose relay is always closed when the response ends, however it ends
+    (Starlette leaves an unfinished body iterator to the garbage collector): the relay's
+    ``finally`` closes the engine's stream and records the outcome at once."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()
+
+
+async def _discard(task: asyncio.Future[Any]) -> None:
+    """Cancel a call to an engine and wait for it to end; a response it opened meanwhile is closed."""
+    if not task.done():
+        task.cancel()
+        await asyncio.wait({task})
+    if not task.cancelled() and task.exception() is None and isinstance(task.result(), httpx.Response):
+        await task.result().aclose()
 
 
 def _log_send_error(t: asyncio.Future[Any]) -> None:
