@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from schemas.records import MAX_NAME
@@ -62,6 +62,45 @@ class ClientRequest:
     messages: tuple[dict[str, Any], ...] | None
     cache_salt: str | None
     lora_name: str | None
+    prompt_fields: Mapping[str, Any] = field(default_factory=dict)
+    """The body's other fields that shape the prompt the engine prefills (:data:`CHAT_PROMPT_FIELDS`,
+    :data:`COMPLETION_PROMPT_FIELDS`), as the client sent them: the gateway tokenizes with them."""
+
+
+CHAT_PROMPT_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "tools": list, "tool_choice": (str, dict), "documents": list, "reasoning_effort": str,
+    "chat_template": str, "chat_template_kwargs": dict, "add_generation_prompt": bool,
+    "continue_final_message": bool, "add_special_tokens": bool, "mm_processor_kwargs": dict,
+    "media_io_kwargs": dict, "response_format": dict, "truncate_prompt_tokens": int, "truncation_side": str,
+}
+"""Fields of vLLM's (0.32) chat request besides ``model`` and ``messages`` that change the token ids
+it prefills: the template's inputs (tools, documents, its kwargs, the generation prompt, a reasoning
+effort that turns thinking on), the template itself, special tokens, multimodal processing, truncation."""
+COMPLETION_PROMPT_FIELDS: dict[str, type | tuple[type, ...]] = {
+    "add_special_tokens": bool, "truncate_prompt_tokens": int, "truncation_side": str,
+}
+
+
+def prompt_fields(body: Mapping[str, Any], chat: bool) -> dict[str, Any]:
+    """The prompt-shaping fields of ``body`` (None = absent), type-checked; :class:`BadRequest` naming a bad one."""
+    out: dict[str, Any] = {}
+    for name, kind in (CHAT_PROMPT_FIELDS if chat else COMPLETION_PROMPT_FIELDS).items():
+        v = body.get(name)
+        if v is None:
+            continue
+        if not isinstance(v, kind) or (kind is int and isinstance(v, bool)):
+            raise BadRequest(name, f"{name} has the wrong type: {type(v).__name__}")
+        out[name] = v
+    if out.get("add_generation_prompt") and out.get("continue_final_message"):
+        raise BadRequest("continue_final_message", "continue_final_message and add_generation_prompt cannot both "
+                         "be true")
+    if out.get("truncate_prompt_tokens", -1) < -1:
+        raise BadRequest("truncate_prompt_tokens", "truncate_prompt_tokens must be -1 (the model's length) or >= 0")
+    if out.get("truncation_side", "left") not in ("left", "right"):
+        raise BadRequest("truncation_side", "truncation_side must be left or right")
+    if any(not isinstance(t, dict) for t in out.get("tools", ())):
+        raise BadRequest("tools", "each tool is an object")
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,6 +188,7 @@ def parse_body(body: Any, *, chat: bool, base_model: str | None = None) -> Clien
         chat=chat, model=model, stream=bool(stream), include_usage=bool((so or {}).get("include_usage")),
         max_tokens=mt, prompt_text=text, prompt_ids=ids, messages=msgs, cache_salt=salt,
         lora_name=model if base_model is not None and model != base_model else None,
+        prompt_fields=prompt_fields(body, chat),
     )
 
 

@@ -59,9 +59,10 @@ from conductor.gateway.protocol import (
     vllm_prefill_body,
 )
 from conductor.gateway.replies import InboxClosed, ReplyInbox
-from conductor.gateway.tokenizer import PromptTokenizer, TokenizeError
+from conductor.gateway.tokenizer import Prompt, PromptRejected, PromptTokenizer, TokenizeError
 from conductor.settings import Settings
-from schemas import RequestOutcome, RoutingDecision, RoutingRejection, RoutingRequest, encode, envelope, headers
+from schemas import MmItem, RequestOutcome, RoutingDecision, RoutingRejection, RoutingRequest, encode, envelope, headers
+from schemas.records import MAX_EXTRA_KEYS, MAX_NAME
 from streams.kafka import acknowledged
 from streams.topics import topics
 
@@ -194,6 +195,9 @@ class GatewayMetrics:
         self.routing = m.create_histogram("conductor_gateway_routing", unit="ms",
                                           description="tokenize + routing through the log, per request")
         self.retries = m.create_counter("conductor_gateway_retries", description="re-routes after an engine failed")
+        self.unhashed_media = m.create_counter(
+            "conductor_gateway_unhashed_media", description="chats with images or audio tokenized without the "
+            "items' hashes (the engine's render route off or absent): routed on the text before the first item")
 
 
 class Gateway:
@@ -251,11 +255,19 @@ class Gateway:
         """Tokenize, then route and serve, routing again (up to ``max_attempts``) while an engine fails
         before it took the request."""
         try:
-            tokens = await self.tokenizer.tokens(creq)
+            prompt = await self.tokenizer.prompt(creq)
         except TokenizeError as e:
             return self._fail(tr, 503, "tokenizer_unavailable", str(e), kind="service_unavailable",
                               retry_after=2)
-        tr.prompt_tokens = len(tokens)
+        except PromptRejected as e:
+            tr.status, tr.error = e.status, "prompt_rejected"
+            self._outcome(tr)
+            return JSONResponse(e.body, status_code=e.status)
+        tr.prompt_tokens = len(prompt.token_ids)
+        if prompt.unhashed_media:
+            self.metrics.unhashed_media.add(1)
+            log.debug("request %s: %d multimodal item(s) without their hash (the engine's render route is off or absent): "
+                      "routed on the text before the first", tr.request_id, prompt.unhashed_media)
         for attempt in range(self.config.max_attempts):
             arid = tr.request_id if attempt == 0 else f"{tr.request_id}.r{attempt}"
             tr.attempts.append(arid)
@@ -263,7 +275,7 @@ class Gateway:
                 self.metrics.retries.add(1)
             t_r = self.clock()
             try:
-                answer = await self._decide(arid, creq, slo, tokens, tr)
+                answer = await self._decide(arid, creq, slo, prompt, tr)
             except ValidationError as e:
                 first = e.errors()[0]
                 return self._fail(tr, 400, "invalid_value", f"{first.get('loc')}: {first.get('msg')}",
@@ -324,11 +336,14 @@ class Gateway:
         self._outcome(tr)
         return JSONResponse(body, status_code=status, headers=hdrs)
 
-    async def _decide(self, arid: str, creq: ClientRequest, slo: Slo, tokens: list[int],
+    async def _decide(self, arid: str, creq: ClientRequest, slo: Slo, prompt: Prompt,
                       tr: _Trace) -> RoutingDecision | RoutingRejection | None:
+        # Items past the schema's bounds are left out: the blocks from the first of them on match nothing.
+        mm = [MmItem(identifier=i, offset=o, length=n) for i, o, n in prompt.mm_items[:MAX_EXTRA_KEYS]
+              if 0 < len(i) <= MAX_NAME]
         req = RoutingRequest(
             request_id=arid, model=creq.model if creq.lora_name is None else (self.config.base_model or creq.model),
-            token_ids=tokens, prompt_tokens=len(tokens),
+            token_ids=prompt.token_ids, prompt_tokens=len(prompt.token_ids), mm_items=mm,
             expected_output_tokens=creq.max_tokens or DEFAULT_EXPECTED_OUTPUT,
             ttft_slo_s=slo.ttft_s, tbt_slo_ms=slo.tbt_ms, priority=slo.priority, lora_name=creq.lora_name,
             cache_salt=creq.cache_salt, reply_to=self.config.gateway_id, exclude=list(tr.excluded),

@@ -1,15 +1,35 @@
-"""Turning a client's prompt into the token ids the engines will see.
+"""Turning a client's prompt into the token ids the engines will prefill.
 
-By default the engine's own ``/tokenize`` (vLLM and SGLang serve one; chat templates are
-applied there), so the gateway's block keys are the engine's by construction. With
-``--tokenizer PATH`` a local ``tokenizer.json`` (the ``tokenizers`` library) tokenizes text
-prompts without a round trip; chat prompts still go to the engine, which owns the template.
+By default the engines' own endpoints, so the gateway's block keys are the engine's by construction:
+
+- A chat goes to vLLM's ``/v1/chat/completions/render`` (vLLM 0.32, served with
+  ``--enable-scale-out``): the client's own request,
+  rendered exactly as the engine renders it (tools, ``tool_choice``, documents, reasoning effort,
+  ``chat_template_kwargs``, the generation prompt, truncation...), answered with its token ids and,
+  for images and audio, each item's hash and placeholder range, which become the routing
+  request's ``mm_items`` (the router puts them into the block keys as vLLM does).
+- Where that route is off or absent (403: vLLM without ``--enable-scale-out``, its default;
+  404/405/501 without an OpenAI error: SGLang, an older vLLM; learnt once per engine URL), ``/tokenize`` with every field vLLM's ``TokenizeChatRequest`` takes
+  (:data:`TOKENIZE_CHAT_FIELDS`), the chat request's ``documents`` and ``reasoning_effort`` folded
+  into ``chat_template_kwargs`` the way the chat request folds them. Multimodal items are then
+  tokenized (their placeholders are in the ids) but carry no hash: the engine's blocks from the
+  first item on include the item's hash and never match, so such a request is routed on the text
+  before its first item (:attr:`Prompt.unhashed_media`, counted by the gateway). Not mirrored on
+  this path: ``tool_choice`` (only Kimi K3's template reads it), an engine started with
+  ``--exclude-tools-when-tool-choice-none``, ``truncate_prompt_tokens``.
+- A completion: ``/tokenize`` with its text and ``add_special_tokens``.
+
+An engine that refuses the prompt (4xx: a bad tool, an unknown model) refuses the client's
+request: :class:`PromptRejected` carries its answer to the client. With ``--tokenizer PATH`` a
+local ``tokenizer.json`` (the ``tokenizers`` library) tokenizes text completions without a round
+trip; chats still go to the engine, which owns the template.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import httpx
@@ -18,17 +38,96 @@ from tokenizers import Tokenizer
 from conductor.gateway.directory import EngineDirectory
 from conductor.gateway.protocol import ClientRequest
 
+RENDER_PATH = "/v1/chat/completions/render"
+TOKENIZE_CHAT_FIELDS = ("tools", "chat_template", "chat_template_kwargs", "add_generation_prompt",
+                        "continue_final_message", "add_special_tokens", "mm_processor_kwargs", "media_io_kwargs")
+"""What vLLM 0.32's ``/tokenize`` takes for a chat besides ``model`` and ``messages``."""
+_UNSET = (None, "auto")
+"""Values vLLM's ``merge_kwargs`` leaves out when it lays request fields over the template kwargs."""
+
 
 class TokenizeError(RuntimeError):
     """No tokenizer answered."""
 
 
+class PromptRejected(Exception):
+    """The engine's tokenizer refused the prompt (4xx): the client's error, its answer passed through."""
+
+    def __init__(self, status: int, body: Any) -> None:
+        super().__init__(f"the engine refused the prompt ({status})")
+        self.status, self.body = status, body
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """The token ids an engine will prefill, and what else goes into its block keys."""
+
+    token_ids: list[int]
+    mm_items: tuple[tuple[str, int, int], ...] = ()
+    """(identifier, offset, length) of each multimodal item, in prompt order (from vLLM's render)."""
+    unhashed_media: int = 0
+    """Multimodal parts tokenized without their hash (``/tokenize``): routed on the text before the first."""
+
+
 class PromptTokenizer(Protocol):
-    async def tokens(self, req: ClientRequest) -> list[int]: ...
+    async def prompt(self, req: ClientRequest) -> Prompt: ...
+
+
+def media_parts(req: ClientRequest) -> int:
+    """Content parts of a chat that are not text (images, audio, video, embeddings)."""
+    n = 0
+    for m in req.messages or ():
+        content = m.get("content")
+        if isinstance(content, list):
+            n += sum(1 for p in content if isinstance(p, dict) and p.get("type", "text") != "text")
+    return n
+
+
+def render_body(req: ClientRequest) -> dict[str, Any]:
+    """The chat as the engine would run it, for its render route (no tensors back: ids and hashes only)."""
+    return {"model": req.model, "messages": list(req.messages or ()), **req.prompt_fields, "mm_payload": "none"}
+
+
+def tokenize_body(req: ClientRequest) -> dict[str, Any]:
+    """vLLM's ``/tokenize`` request for ``req``: a chat's template inputs as its chat request would
+    pass them (``documents``, ``reasoning_effort`` and the thinking switch it implies laid over the
+    client's ``chat_template_kwargs``, as ``ChatCompletionRequest.build_chat_params`` does)."""
+    f = req.prompt_fields
+    if not req.chat:
+        body: dict[str, Any] = {"model": req.model, "prompt": req.prompt_text or ""}
+        if "add_special_tokens" in f:
+            body["add_special_tokens"] = f["add_special_tokens"]
+        return body
+    body = {"model": req.model, "messages": list(req.messages or ())}
+    body.update({k: f[k] for k in TOKENIZE_CHAT_FIELDS if k in f})
+    kwargs = dict(f.get("chat_template_kwargs") or {})
+    extra: dict[str, Any] = {"documents": f.get("documents"), "reasoning_effort": f.get("reasoning_effort")}
+    if f.get("reasoning_effort") is not None and "enable_thinking" not in kwargs:
+        extra["enable_thinking"] = f["reasoning_effort"] != "none"
+    kwargs.update({k: v for k, v in extra.items() if v not in _UNSET})
+    if kwargs:
+        body["chat_template_kwargs"] = kwargs
+    return body
+
+
+def rendered_prompt(answer: Any) -> Prompt:
+    """A render answer (vLLM's ``GenerateRequest``) as a :class:`Prompt`; TypeError (or KeyError,
+    ValueError) when it is not one."""
+    if not isinstance(answer, dict) or not isinstance(answer.get("token_ids"), list):
+        raise TypeError("the render answer has no token_ids")
+    ids = [int(t) for t in answer["token_ids"]]
+    items: list[tuple[str, int, int]] = []
+    features = answer.get("features") or {}
+    hashes: Mapping[str, Sequence[str]] = features.get("mm_hashes") or {}
+    places: Mapping[str, Sequence[Mapping[str, int]]] = features.get("mm_placeholders") or {}
+    for modality, hs in hashes.items():
+        for h, p in zip(hs, places.get(modality) or (), strict=True):
+            items.append((str(h), int(p["offset"]), int(p["length"])))
+    return Prompt(ids, tuple(sorted(items, key=lambda it: it[1])))
 
 
 class EngineTokenizer:
-    """POST /tokenize to the engines, round robin, the next one when one fails.
+    """The engines' render and ``/tokenize`` routes, round robin, the next engine when one fails.
 
     ``urls``: the engines' base URLs, or an :class:`~conductor.gateway.directory.EngineDirectory`
     (the engines found through the view, refreshed as they come and go)."""
@@ -41,19 +140,16 @@ class EngineTokenizer:
         self._urls = [] if isinstance(urls, EngineDirectory) else list(urls)
         self._next = itertools.count()
         self.model = model
+        self.renders: dict[str, bool] = {}
+        """Engine URL → whether it serves the render route (absent: not asked yet)."""
 
     @property
     def urls(self) -> list[str]:
         return self.directory.urls() if self.directory is not None else self._urls
 
-    async def tokens(self, req: ClientRequest) -> list[int]:
+    async def prompt(self, req: ClientRequest) -> Prompt:
         if req.prompt_ids is not None:
-            return list(req.prompt_ids)
-        body: dict[str, Any] = {"model": req.model}
-        if req.chat:
-            body.update(messages=list(req.messages or ()), add_generation_prompt=True)
-        else:
-            body["prompt"] = req.prompt_text or ""
+            return Prompt(list(req.prompt_ids))
         last: Exception | None = None
         if self.directory is not None:
             await self.directory.refresh()
@@ -64,18 +160,58 @@ class EngineTokenizer:
         for _ in range(len(urls)):
             url = urls[next(self._next) % len(urls)]
             try:
-                r = await self.client.post(f"{url}/tokenize", json=body)
-                if r.status_code >= 500:
-                    raise httpx.HTTPStatusError(f"{r.status_code}", request=r.request, response=r)
-                r.raise_for_status()
-                return [int(t) for t in r.json()["tokens"]]
+                if req.chat and self.renders.get(url, True):
+                    rendered = await self._render(url, req)
+                    if rendered is not None:
+                        return rendered
+                return await self._tokenize(url, req)
             except (httpx.HTTPError, KeyError, ValueError, TypeError) as e:
                 last = e
         raise TokenizeError(f"no engine could tokenize: {type(last).__name__}: {last}")
 
+    async def _render(self, url: str, req: ClientRequest) -> Prompt | None:
+        """The engine's rendering of the chat; None when its render route is off or absent (remembered)."""
+        r = await self.client.post(url + RENDER_PATH, json=render_body(req))
+        # 403: vLLM 0.32 answers every scale-out route so until started with --enable-scale-out.
+        if r.status_code == 403 or (r.status_code in (404, 405, 501) and not _openai_error(r)):
+            self.renders[url] = False
+            return None
+        _raise_for(r)
+        self.renders[url] = True
+        return rendered_prompt(r.json())
+
+    async def _tokenize(self, url: str, req: ClientRequest) -> Prompt:
+        r = await self.client.post(f"{url}/tokenize", json=tokenize_body(req))
+        _raise_for(r)
+        ids = [int(t) for t in r.json()["tokens"]]
+        return Prompt(ids, unhashed_media=media_parts(req) if req.chat else 0)
+
+
+def _openai_error(r: httpx.Response) -> bool:
+    """The answer is an OpenAI-style error object (the route exists and refused), not a bare 404."""
+    try:
+        body = r.json()
+    except ValueError:
+        return False
+    return isinstance(body, dict) and isinstance(body.get("error"), dict)
+
+
+def _raise_for(r: httpx.Response) -> None:
+    """A refusal of the prompt (400, 422, or another 4xx as an OpenAI error: an unknown model):
+    :class:`PromptRejected`; any other failure (a route the engine lacks, 5xx): an error to try
+    the next engine with."""
+    if r.status_code in (400, 422) or (400 <= r.status_code < 500 and _openai_error(r)):
+        try:
+            body = r.json()
+        except ValueError:
+            body = {"error": {"message": r.text[:500], "type": "invalid_request_error", "param": None,
+                              "code": "prompt_rejected"}}
+        raise PromptRejected(r.status_code, body)
+    r.raise_for_status()
+
 
 class LocalTokenizer:
-    """A ``tokenizer.json`` for text prompts; chat prompts go to ``fallback`` (the engine)."""
+    """A ``tokenizer.json`` for text completions; chats go to ``fallback`` (the engine)."""
 
     def __init__(self, path: str, fallback: PromptTokenizer | None) -> None:
         try:
@@ -84,11 +220,12 @@ class LocalTokenizer:
             raise ValueError(f"--tokenizer {path}: {e}") from None
         self.fallback = fallback
 
-    async def tokens(self, req: ClientRequest) -> list[int]:
+    async def prompt(self, req: ClientRequest) -> Prompt:
         if req.prompt_ids is not None:
-            return list(req.prompt_ids)
+            return Prompt(list(req.prompt_ids))
         if req.chat:
             if self.fallback is None:
                 raise TokenizeError("chat prompts need the engine's /tokenize (its chat template)")
-            return await self.fallback.tokens(req)
-        return list(self.tok.encode(req.prompt_text or "", add_special_tokens=True).ids)
+            return await self.fallback.prompt(req)
+        special = bool(req.prompt_fields.get("add_special_tokens", True))
+        return Prompt(list(self.tok.encode(req.prompt_text or "", add_special_tokens=special).ids))

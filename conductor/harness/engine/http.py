@@ -1,8 +1,11 @@
 """The emulated engine's HTTP face: the protocol vLLM and SGLang serve, so a gateway cannot tell.
 
 - ``POST /v1/completions``, ``POST /v1/chat/completions`` (JSON or SSE streaming, usage
-  with ``prompt_tokens_details.cached_tokens``), ``POST /tokenize``, ``GET /v1/models``,
-  ``GET /health``, ``GET /metrics``.
+  with ``prompt_tokens_details.cached_tokens``, ``prompt_token_ids`` with ``return_token_ids``),
+  ``POST /tokenize``, ``POST /v1/chat/completions/render``, ``GET /v1/models``,
+  ``GET /health``, ``GET /metrics``. A chat's prompt is rendered from its messages, tools and
+  template variables, which a chat request and a ``/tokenize`` request set as vLLM 0.32 sets
+  them (:func:`chat_template_vars`), so a gateway that drops a field gets other ids.
 - vLLM disaggregated serving: a request with ``kv_transfer_params.do_remote_decode``
   is prefilled here, answered with one token and the ``kv_transfer_params`` a decode
   instance needs (``do_remote_prefill``, ``remote_engine_id``, ``remote_request_id``,
@@ -56,15 +59,44 @@ def emulated_tokens(text: str) -> list[int]:
             for w in text.split()]
 
 
-def chat_prompt(messages: list[dict[str, Any]]) -> str:
-    """The emulated chat template (with the generation prompt)."""
+def chat_prompt(messages: list[dict[str, Any]], tools: list[Any] | None = None,
+                template_vars: dict[str, Any] | None = None) -> str:
+    """The emulated chat template. Like a real one it renders the tools and every template variable
+    (``chat_template_kwargs`` and what the request lays over them: :func:`chat_template_vars`); it ends
+    with the generation prompt (by default), nothing (``continue_final_message``), or an end of turn."""
+    v = dict(template_vars or {})
+    head = []
+    if tools:
+        head.append("<|tools|> " + " ".join(json.dumps(t, sort_keys=True, separators=(",", ":")) for t in tools))
+    head += [f"<|{k}|> {json.dumps(v[k], sort_keys=True, separators=(',', ':'))}" for k in sorted(v)
+             if k not in ("add_generation_prompt", "continue_final_message")]
     parts = []
     for m in messages:
         content = m.get("content")
         if isinstance(content, list):  # OpenAI content parts: keep the text ones
             content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
         parts.append(f"<|{m.get('role', 'user')}|> {content or ''}")
-    return " ".join(parts) + " <|assistant|>"
+    end = ("<|assistant|>" if v.get("add_generation_prompt", True)
+           else "" if v.get("continue_final_message") else "<|eot|>")
+    return " ".join([*head, *parts, end]).strip()
+
+
+def chat_template_vars(body: dict[str, Any], *, tokenize: bool) -> dict[str, Any]:
+    """The variables a chat template sees, as vLLM 0.32 lays a request's fields over its
+    ``chat_template_kwargs`` (unset values, None or "auto", left out): a chat request's generation
+    prompt, ``continue_final_message``, ``documents``, ``reasoning_effort`` (and the thinking switch it
+    implies); a ``/tokenize`` request's first two only."""
+    kwargs = dict(body.get("chat_template_kwargs") or {})
+    agp, cfm = body.get("add_generation_prompt", True), body.get("continue_final_message", False)
+    if agp and cfm:
+        raise BadRequest("continue_final_message", "Cannot set both `continue_final_message` and "
+                         "`add_generation_prompt` to True.")
+    over: dict[str, Any] = {"add_generation_prompt": agp, "continue_final_message": cfm}
+    if not tokenize:
+        over.update(documents=body.get("documents"), reasoning_effort=body.get("reasoning_effort"))
+        if body.get("reasoning_effort") is not None and "enable_thinking" not in kwargs:
+            over["enable_thinking"] = body["reasoning_effort"] != "none"
+    return kwargs | {k: x for k, x in over.items() if x not in (None, "auto")}
 
 
 def output_text(request_id: str, i: int) -> str:
@@ -84,13 +116,17 @@ def error(status: int, message: str, code: str, *, param: str | None = None, kin
                         status_code=status, headers=headers)
 
 
-def prompt_tokens(body: dict[str, Any], chat: bool) -> list[int]:
-    """Token ids of a completions ``prompt`` (text or ids) or a chat ``messages`` list."""
+def prompt_tokens(body: dict[str, Any], chat: bool, *, tokenize: bool = False) -> list[int]:
+    """Token ids of a completions ``prompt`` (text or ids) or a chat (``messages``, ``tools`` and the
+    template variables of a chat request, or of a ``/tokenize`` request when ``tokenize``)."""
     if chat:
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
             raise BadRequest("messages", "messages must be a non-empty list of {role, content} objects")
-        return emulated_tokens(chat_prompt(msgs))
+        tools = body.get("tools")
+        if tools is not None and not isinstance(tools, list):
+            raise BadRequest("tools", "tools must be a list")
+        return emulated_tokens(chat_prompt(msgs, tools, chat_template_vars(body, tokenize=tokenize)))
     p = body.get("prompt")
     if isinstance(p, str):
         return emulated_tokens(p)
@@ -249,7 +285,8 @@ class EngineHttp:
             made_n = 0
             while made_n < total:
                 made_n += await made.get()
-            return JSONResponse(comp.whole(total))
+            # vLLM's return_token_ids: the prompt as the engine prefilled it.
+            return JSONResponse(comp.whole(total, {"prompt_token_ids": tokens} if body.get("return_token_ids") else None))
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         return StreamingResponse(self._stream(comp, made, total, include_usage), media_type="text/event-stream")
 
@@ -356,12 +393,22 @@ class EngineHttp:
         body = await request.json()
         try:
             if "messages" in body:
-                tokens = prompt_tokens(body, chat=True)
+                tokens = prompt_tokens(body, chat=True, tokenize=True)
             else:
                 tokens = prompt_tokens({"prompt": body.get("prompt", body.get("text"))}, chat=False)
         except BadRequest as x:
             return error(400, str(x), "invalid_value", param=x.param)
         return JSONResponse({"count": len(tokens), "max_model_len": MAX_MODEL_LEN, "tokens": tokens})
+
+    async def render_chat(self, request: Request) -> Response:
+        """vLLM's ``/v1/chat/completions/render``: the chat request's prompt as the engine would run it
+        (``token_ids``; the emulated template keeps only text, so no multimodal ``features``)."""
+        try:
+            _, tokens, max_tokens = await self._read(request, chat=True)
+        except _Refused as x:
+            return x.response
+        return JSONResponse({"request_id": uuid.uuid4().hex, "token_ids": tokens, "features": None,
+                             "sampling_params": {"max_tokens": max_tokens}, "model": self.model})
 
     async def model_info(self) -> Response:
         # SGLang's /model_info (/get_model_info): what its router reads when a worker registers.
@@ -399,6 +446,7 @@ def engine_app(engine: EmulatedEngine, host: str, port: int) -> FastAPI:
     app.add_api_route("/v1/completions", completions, methods=["POST"])
     app.add_api_route("/v1/chat/completions", chat, methods=["POST"])
     app.add_api_route("/tokenize", h.tokenize, methods=["POST"])
+    app.add_api_route("/v1/chat/completions/render", h.render_chat, methods=["POST"])
     app.add_api_route("/v1/models", h.models, methods=["GET"])
     app.add_api_route("/health", health, methods=["GET"])
     for path in ("/model_info", "/get_model_info"):  # SGLang's names, read by its router
