@@ -26,6 +26,7 @@ from aiokafka.errors import KafkaError
 
 from conductor.settings import Settings
 from schemas import DecodeError, RoutingDecision, RoutingRejection, decode
+from streams.dead_letters import DeadLetters
 from streams.kafka import consumer, ensure_topics
 from streams.topics import topics
 
@@ -73,22 +74,25 @@ class ReplyInbox:
     def forget(self, request_id: str) -> None:
         self._waiting.pop(request_id, None)
 
-    def on_record(self, value: bytes) -> None:
+    def on_record(self, value: bytes) -> DecodeError | None:
+        """Answer the request ``value`` decides; a record that is no decision comes back as the
+        error to dead-letter it with."""
         try:
             body = decode(value).body
         except DecodeError as e:
             self.counts[f"bad_record:{e.reason}"] += 1
             log.warning("skipping a bad reply record: %s", e)
-            return
+            return e
         if not isinstance(body, (RoutingDecision, RoutingRejection)):
             self.counts["wrong_kind"] += 1
-            return
+            return DecodeError("wrong_kind", f"a {body.kind} record on a reply topic")
         fut = self._waiting.pop(body.request_id, None)
         if fut is None or fut.done():
             self.counts["unclaimed"] += 1
-            return
+            return None
         fut.set_result(body)
         self.counts["answered"] += 1
+        return None
 
     @property
     def ready(self) -> bool:
@@ -139,6 +143,9 @@ class ReplyInbox:
         # A short fetch wait: an idle gateway's first decision must not sit in the broker.
         wait_ms = self.settings.embedded_fetch_wait_ms if self.settings.embedded else 5
         cons = consumer(self.settings.kafka(), group_id=None, fetch_max_wait_ms=wait_ms)
+        # This gateway is its topic's one reader: it sets a bad record aside (on a producer of its own).
+        letters = DeadLetters(self.settings.kafka(), topics(self.settings.topic_config()).dead_letter,
+                              f"inbox-{self.topic.name}")
         await cons.start()
         try:
             tp = TopicPartition(self.topic.name, 0)
@@ -164,7 +171,12 @@ class ReplyInbox:
                 self._polled_at = self.clock()
                 for records in batches.values():
                     for rec in records:
-                        self.on_record(rec.value or b"")
+                        bad = self.on_record(rec.value or b"")
+                        if bad is not None:
+                            await letters.send(tp.topic, tp.partition, rec.offset, bad.reason, str(bad), rec.value,
+                                               rec.key)
         finally:
             with contextlib.suppress(Exception):
                 await cons.stop()
+            with contextlib.suppress(Exception):
+                await letters.close()

@@ -14,9 +14,10 @@ from hypothesis import strategies as st
 
 from conductor.admin.api import create_app
 from conductor.admin.feed import DeadLetterRow, LogFeed
+from conductor.gateway.replies import ReplyInbox
 from conductor.routing.router import Router, Unreadable
 from conductor.settings import load_settings
-from schemas import SCHEMA_VERSIONS, DeadLetter, decode, encode, envelope
+from schemas import SCHEMA_VERSIONS, DeadLetter, DecodeError, Heartbeat, decode, encode, envelope
 from schemas.records import MAX_KEY_BYTES, MAX_ORIGINAL_BYTES, MAX_TEXT
 from state.memory import InMemoryViewStore
 from state.reservations import InMemoryReservations
@@ -103,6 +104,14 @@ async def test_the_router_sets_aside_what_is_no_request_and_answers_a_readable_k
     key, out, _ = await router.handle_with_reply(b"", b"req-1")
     assert key == "req-1" and isinstance(out, Unreadable) and out.rejection is not None
     assert out.rejection.reason == "invalid_request" and reply is None
+
+
+def test_the_reply_inbox_hands_back_what_it_cannot_take():
+    inbox = ReplyInbox(S, "gw-1")
+    assert isinstance(inbox.on_record(os.urandom(100)), DecodeError)
+    wrong = inbox.on_record(encode(envelope(Heartbeat(role="prefill"), producer_id="n", producer_seq=0, ts_ms=1)))
+    assert isinstance(wrong, DecodeError) and wrong.reason == "wrong_kind"
+    assert inbox.counts["wrong_kind"] == 1
 
 
 class ClosableView(InMemoryViewStore):
