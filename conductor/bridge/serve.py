@@ -10,6 +10,7 @@ opens Kafka clients.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import re
 from collections import Counter
@@ -174,7 +175,6 @@ async def run_until_stopped(stop: asyncio.Event, *tasks: asyncio.Task[Any]) -> N
 # at each collection: an instrument's name can be registered once per meter (OpenTelemetry keeps the
 # first one and its callbacks), so a second set made for later bridges would never report.
 _LIVE: list[Bridge] = []
-_INSTRUMENTS_MADE: list[bool] = []
 
 
 def forget_bridges(bridges: list[Bridge]) -> None:
@@ -189,9 +189,12 @@ def bridge_instruments(new_bridges: list[Bridge]) -> None:
     scrape failures, the engine's own prefix-cache counters...), made on the first call and read
     from every live bridge at each collection."""
     _LIVE.extend(b for b in new_bridges if b not in _LIVE)
-    if _INSTRUMENTS_MADE:
-        return
-    _INSTRUMENTS_MADE.append(True)
+    _make_instruments()
+
+
+@functools.cache
+def _make_instruments() -> None:
+    """The bridges' instruments, once per process, over the live bridges."""
     bridges = _LIVE
 
     def observe(_: CallbackOptions) -> list[Observation]:
