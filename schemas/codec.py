@@ -84,6 +84,14 @@ def _discovery_v3(body: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
+@upcaster("routing_request", 3)
+@upcaster("routing_decision", 3)
+def _colocated_v4(body: dict[str, Any]) -> dict[str, Any]:
+    # v4 added ``decided_by`` (request and decision) and the decision's ``ordinal``, both optional:
+    # absent = decided by a router of ``requests`` at the request's offset, as every v3 record was.
+    return body
+
+
 @upcaster("blocks_removed", 1)
 def _blocks_removed_v1(body: dict[str, Any]) -> dict[str, Any]:
     # v2 added ``node``: absent = the producer's own blocks, as every v1 record meant.

@@ -208,6 +208,10 @@ class RoutingRequest(Record):
     reachable: Annotated[list[Name], Field(max_length=4096)] | None = None
     """v3, from a gateway: the decision must name only engines it can reach, those whose
     heartbeats announce an ``endpoint`` and these (its ``--engine`` overrides). None: any."""
+    decided_by: OptName = None
+    """v4: the process that already decided this request in its own process (a gateway's
+    colocated router) and wrote the decision to ``dispatch`` itself: the record is here for the
+    audit trail (``explain`` reads it), and routers skip it. None: a router decides it."""
 
     @model_validator(mode="after")
     def _tokens_or_chain(self) -> RoutingRequest:
@@ -284,6 +288,12 @@ class RoutingDecision(Record):
     endpoints: Annotated[dict[Name, Endpoint], Field(max_length=MAX_GROUP + 1)] = {}
     """How to reach each instance the decision names, as their heartbeats announced it
     (absent when the engine announced none: a gateway's ``--engine`` then says)."""
+    # v4: decisions made where the request arrived (a gateway's colocated router)
+    decided_by: OptName = None
+    """The process that decided in its own process (a gateway id); None: a router of ``requests``."""
+    ordinal: int | None = Field(default=None, ge=0)
+    """The turn order-based policies rotated by, when it is not the request's ``requests``
+    offset (a colocated router decides before its request is on the log): what ``explain`` uses."""
 
     @property
     def aggregated(self) -> bool:
@@ -579,8 +589,8 @@ BODY_TYPES: dict[str, type[Record]] = {t.model_fields["kind"].default: t for t i
 # ``schemas.codec`` whenever a body changes incompatibly.
 SCHEMA_VERSIONS: dict[str, int] = {kind: 1 for kind in BODY_TYPES}
 SCHEMA_VERSIONS["heartbeat"] = 3  # v2 added decode_context_tokens and zone; v3 endpoint, dp_rank, bootstrap_port, kv_transfer
-SCHEMA_VERSIONS["routing_request"] = 3  # v2 added cache_salt, exclude and retry_of; v3 reachable
-SCHEMA_VERSIONS["routing_decision"] = 3  # v2 added control_offset, block_size, model_profile, prefill_group, chunk_boundaries; v3 mode, options, endpoints
+SCHEMA_VERSIONS["routing_request"] = 4  # v2 added cache_salt, exclude and retry_of; v3 reachable; v4 decided_by
+SCHEMA_VERSIONS["routing_decision"] = 4  # v2 added control_offset, block_size, model_profile, prefill_group, chunk_boundaries; v3 mode, options, endpoints; v4 decided_by, ordinal
 SCHEMA_VERSIONS["routing_rejection"] = 2  # v2 added control_offset, block_size, model_profile
 SCHEMA_VERSIONS["kv_command"] = 3  # v2 added command_id (required), deadline_ms, token_ids, block_size; v3 by_node
 SCHEMA_VERSIONS["blocks_removed"] = 2  # v2 added node (a shared pool's blocks removed by another producer)
