@@ -43,6 +43,10 @@ GatewayMaxAttempts = Annotated[int, typer.Option(min=1, max=10, help="routing at
 GatewayInsecure = Annotated[bool, typer.Option("--insecure", help="serve with no API key configured: every "
     "request is anonymous (the default SLO bounds, no limits); without it the gateway refuses to start unless "
     "CONDUCTOR_GATEWAY_API_KEY or CONDUCTOR_GATEWAY_API_KEYS_FILE is set")]
+GatewayRouting = Annotated[str, typer.Option("--routing", help="colocated: decide in the gateway's own process (the "
+    "routers' code and shared reservations; the request and decision are on the log, acknowledged, before an engine "
+    "is called); log: send each routing request through the log to `conductor router` processes and wait for "
+    "the decision on this gateway's reply topic")]
 GatewayBootstrapPort = Annotated[int | None, typer.Option(min=1, max=65535, help="sglang: the prefill instances' "
     "bootstrap port [default: the port of their URL]")]
 
@@ -58,22 +62,25 @@ def gateway(
     max_attempts: GatewayMaxAttempts = 3,
     bootstrap_port: GatewayBootstrapPort = None,
     insecure: GatewayInsecure = False,
+    routing: GatewayRouting = "colocated",
 ) -> None:
     """Serve OpenAI's /v1/completions and /v1/chat/completions (SSE streaming too) in front of the engines.
 
-    Each request is tokenized, routed by Conductor through the log (requests → a router → this gateway's reply topic), handed from the chosen prefill instance to the chosen decode instance, and relayed to the client. Rejections answer 429 (SLO cannot be met, overloaded) or 503 (no live instance, view unavailable, no decision in time) with the reason as the error code and a Retry-After. A request_outcome record per request goes to request-outcomes.
+    Each request is tokenized, decided by Conductor (by default in the gateway's own process, the request and its decision acknowledged on the log before any engine is called; with --routing log, through the log: requests → a router → this gateway's reply topic), handed from the chosen prefill instance to the chosen decode instance, and relayed to the client. Rejections answer 429 (SLO cannot be met, overloaded) or 503 (no live instance, view unavailable, no decision in time) with the reason as the error code and a Retry-After. A request_outcome record per request goes to request-outcomes.
 
     Clients send an API key as `Authorization: Bearer <key>` (CONDUCTOR_GATEWAY_API_KEY, or CONDUCTOR_GATEWAY_API_KEYS_FILE with per-key limits: requests in flight, rate, the loosest SLO and highest priority; 401 for an unknown key, 429 with Retry-After over a limit). Client SLOs: headers x-conductor-ttft-slo-ms, x-conductor-tbt-slo-ms, x-conductor-priority, clamped to the key's bounds.
     """
     with exit_on():
         protocol = gateway_serve.engine_protocol(engine_protocol)
+        mode = gateway_serve.routing_mode(routing)
         engines = gateway_serve.engine_map(engine or [])
     s = settings_or_exit()
     need_kafka_url(s)
     with exit_on():
         config = gateway_serve.gateway_config(
             s, gateway_id=gateway_id, engines=engines, protocol=protocol, base_model=model,
-            decision_timeout_s=decision_timeout_s, max_attempts=max_attempts, bootstrap_port=bootstrap_port)
+            decision_timeout_s=decision_timeout_s, max_attempts=max_attempts, bootstrap_port=bootstrap_port,
+            routing=mode)
     with exit_on(soft_wrap=True):  # one line, however wide the terminal
         keys = key_ring(s, insecure=insecure)
     if keys.open:

@@ -20,6 +20,7 @@ from conductor.gateway.protocol import SloBounds, error_body
 from conductor.gateway.replies import ReplyInbox
 from conductor.gateway.service import Gateway, GatewayConfig, UpstreamTimeouts
 from conductor.gateway.tokenizer import EngineTokenizer, LocalTokenizer, PromptTokenizer
+from conductor.routing.local import LocalRouter
 from conductor.settings import Settings
 from state.connect import open_client
 from state.redis_view import RedisViewStore
@@ -77,10 +78,9 @@ def gateway_app(gw: Gateway, keys: KeyRing, metrics_text: Callable[[], str] = la
                                                          "owned_by": "conductor"}]})
 
     async def health() -> Response:
-        down = gw.inbox.problem()  # not started, its task ended, its partition lost, or stalled
+        down = gw.problem()  # its router or reply inbox: not started, ended, its partition lost, or stalled
         if down is not None:
-            code = "starting" if not gw.inbox.ready else "reply_inbox_down"
-            return JSONResponse(error_body(down, code, kind="service_unavailable"), status_code=503)
+            return JSONResponse(error_body(down[1], down[0], kind="service_unavailable"), status_code=503)
         return Response(status_code=200)
 
     async def prom() -> Response:
@@ -97,7 +97,7 @@ def gateway_app(gw: Gateway, keys: KeyRing, metrics_text: Callable[[], str] = la
 async def run_gateway(settings: Settings, config: GatewayConfig, sock: socket.socket, stop: asyncio.Event, *,
                       keys: KeyRing, tokenizer_path: str | None = None, metrics_text: Callable[[], str] = lambda: "",
                       on_ready: Callable[[Gateway], None] | None = None) -> None:
-    """Run one gateway on ``sock`` until ``stop``: its producer, its reply inbox, its HTTP server
+    """Run one gateway on ``sock`` until ``stop``: its producer, its colocated router or reply inbox, its HTTP server
     (behind ``keys``: :func:`conductor.gateway.auth.key_ring`)."""
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call is noise
     tps = topics(settings.topic_config())
@@ -118,19 +118,30 @@ async def run_gateway(settings: Settings, config: GatewayConfig, sock: socket.so
     tok: PromptTokenizer = LocalTokenizer(tokenizer_path, engine_tok) if tokenizer_path else engine_tok
     prod = producer(settings.kafka(), linger_ms=0)
     await prod.start()
-    inbox = ReplyInbox(settings, config.gateway_id)
-    gw = Gateway(settings, config, tok, client, prod, inbox)
+    local = inbox = inbox_task = None
+    if config.routing == "colocated":
+        local = LocalRouter(settings, producer_id=config.gateway_id, ack_timeout_s=config.decision_timeout_s)
+    else:
+        inbox = ReplyInbox(settings, config.gateway_id)
+    gw = Gateway(settings, config, tok, client, prod, inbox, local=local)
     gw.directory = directory
-    inbox_task = asyncio.create_task(inbox.run(stop))
     try:
-        await asyncio.wait_for(asyncio.shield(inbox.wait_ready(60)), 60)
+        if local is not None:
+            await local.start()
+        if inbox is not None:
+            inbox_task = asyncio.create_task(inbox.run(stop))
+            await asyncio.wait_for(asyncio.shield(inbox.wait_ready(60)), 60)
         if on_ready is not None:
             on_ready(gw)
         await web.serve(gateway_app(gw, keys, metrics_text), sock, stop)
     finally:
         stop.set()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await asyncio.wait_for(inbox_task, 5)
+        if inbox_task is not None:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.wait_for(inbox_task, 5)
+        if local is not None:
+            with contextlib.suppress(Exception):
+                await local.close()
         await prod.stop()
         await client.aclose()
         if view is not None:

@@ -16,7 +16,7 @@ from conductor.errors import ConfigError
 from conductor.gateway.app import run_gateway
 from conductor.gateway.auth import KeyRing
 from conductor.gateway.protocol import ENGINE_PROTOCOLS, EngineProtocol, parse_engine_map
-from conductor.gateway.service import GatewayConfig
+from conductor.gateway.service import ROUTING_MODES, GatewayConfig, RoutingMode
 from conductor.settings import Settings
 from streams.topics import topics
 
@@ -36,6 +36,14 @@ def engine_protocol(text: str) -> EngineProtocol:
     raise ConfigError(f"--engine-protocol must be one of {', '.join(ENGINE_PROTOCOLS)}")
 
 
+def routing_mode(text: str) -> RoutingMode:
+    """``text`` as a routing mode; :class:`ConfigError` naming ``--routing`` otherwise."""
+    for mode in ROUTING_MODES:
+        if text == mode:
+            return mode
+    raise ConfigError(f"--routing must be one of {', '.join(ROUTING_MODES)} (got {text!r})")
+
+
 def engine_map(items: Sequence[str]) -> dict[str, str]:
     """``--engine NODE_ID=URL`` items as {node id: base URL}; :class:`ConfigError` naming a bad one."""
     try:
@@ -46,16 +54,20 @@ def engine_map(items: Sequence[str]) -> dict[str, str]:
 
 def gateway_config(settings: Settings, *, gateway_id: str | None, engines: dict[str, str],
                    protocol: EngineProtocol, base_model: str | None = None, decision_timeout_s: float = 5.0,
-                   max_attempts: int = 3, bootstrap_port: int | None = None) -> GatewayConfig:
-    """The gateway's configuration; ``gateway_id`` must name a valid reply topic (default: :func:`default_gateway_id`)."""
+                   max_attempts: int = 3, bootstrap_port: int | None = None,
+                   routing: RoutingMode = "colocated") -> GatewayConfig:
+    """The gateway's configuration; ``gateway_id`` must name a valid reply topic (default: :func:`default_gateway_id`);
+    colocated routing needs the view (``redis_url``)."""
     gid = gateway_id or default_gateway_id()
     try:
         topics(settings.topic_config()).replies(gid)
     except ValueError as e:
         raise ConfigError(f"--gateway-id: {e}") from None
+    if routing == "colocated" and not settings.redis_url:
+        raise ConfigError("--routing colocated reads the view: set redis_url (CONDUCTOR_REDIS_URL), or use --routing log")
     return GatewayConfig(gateway_id=gid, engines=engines, protocol=protocol, base_model=base_model,
                          decision_timeout_s=decision_timeout_s, max_attempts=max_attempts,
-                         bootstrap_port=bootstrap_port)
+                         bootstrap_port=bootstrap_port, routing=routing)
 
 
 async def serve(config: GatewayConfig, settings: Settings, *, port: int, stop: asyncio.Event, keys: KeyRing,

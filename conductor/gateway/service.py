@@ -1,7 +1,12 @@
-"""One client request, end to end: tokenize → ask Conductor through the log → P/D hand-off → relay.
+"""One client request, end to end: tokenize → decide (logged) → P/D hand-off → relay.
 
-- The routing request goes onto ``requests`` with ``reply_to`` = this gateway; the answer
-  comes back on this gateway's reply topic (:mod:`conductor.gateway.replies`).
+- Colocated routing (the default, ``GatewayConfig.routing``): the gateway decides in its own
+  process (:class:`conductor.routing.local.LocalRouter`: the routers' code, their shared
+  reservations and control topic) and calls the engines once the broker acknowledged the
+  request (``decided_by`` = this gateway) and its decision; a broker that does not becomes
+  503 ``log_unavailable``. Through the log (``routing="log"``): the routing request goes onto
+  ``requests`` with ``reply_to`` = this gateway; the answer comes back on this gateway's reply
+  topic (:mod:`conductor.gateway.replies`).
 - A rejection becomes 429/503/400 with an OpenAI-style error naming the reason and a
   ``Retry-After`` (:data:`conductor.gateway.protocol.REJECTION_STATUS`). No decision within
   ``decision_timeout_s`` becomes 503 ``decision_timeout``: a client never hangs on the log.
@@ -31,7 +36,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 from urllib.parse import urlparse
 
 import httpx
@@ -86,6 +91,9 @@ _NOT_REACHED = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, htt
 """Failures before the engine had the whole request: it cannot have started on it, so it is safe
 to send the request elsewhere."""
 T = TypeVar("T")
+_JSON = {"content-type": "application/json"}
+RoutingMode = Literal["colocated", "log"]
+ROUTING_MODES: tuple[RoutingMode, ...] = ("colocated", "log")
 
 
 @dataclass(frozen=True)
@@ -101,6 +109,10 @@ class GatewayConfig:
     max_attempts: int = 3
     bootstrap_port: int | None = None
     """SGLang: the prefill instances' bootstrap port (default: the port of their URL)."""
+    routing: RoutingMode = "colocated"
+    """``colocated``: decide in this process (:class:`~conductor.routing.local.LocalRouter`) and
+    write the request and decision to the log before calling the engines; ``log``: send the
+    routing request onto ``requests`` and wait for a router's decision on the reply topic."""
 
 
 @dataclass(frozen=True)
@@ -204,14 +216,19 @@ class Gateway:
     """Serves OpenAI requests by asking Conductor and driving the chosen prefill/decode pair."""
 
     def __init__(self, settings: Settings, config: GatewayConfig, tokenizer: PromptTokenizer,
-                 client: httpx.AsyncClient, producer: Any, inbox: ReplyInbox,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 client: httpx.AsyncClient, producer: Any, inbox: ReplyInbox | None,
+                 clock: Callable[[], float] = time.perf_counter, *, local: LocalRouter | None = None) -> None:
+        """``local``: decide in this process (``config.routing`` colocated); else ``inbox`` reads
+        the routers' decisions (one of the two is needed)."""
+        if local is None and inbox is None:
+            raise ValueError("a gateway needs a colocated router or a reply inbox")
         self.settings = settings
         self.config = config
         self.tokenizer = tokenizer
         self.client = client
         self.producer = producer
         self.inbox = inbox
+        self.local = local
         self.clock = clock
         self.topics = topics(settings.topic_config())
         self.metrics = GatewayMetrics()
@@ -283,11 +300,14 @@ class Gateway:
             except InboxClosed as e:
                 return self._fail(tr, 503, "reply_inbox_down", f"the gateway cannot read its decisions: {e}",
                                   kind="service_unavailable", retry_after=5)
+            except LogUnavailable as e:
+                return self._fail(tr, 503, "log_unavailable", f"{e}; the request was not served",
+                                  kind="service_unavailable", retry_after=2)
             tr.routing_ms += (self.clock() - t_r) * 1000.0
             if answer is None:
                 return self._fail(tr, *rejection_response(
-                    "decision_timeout", f"no decision within {self.config.decision_timeout_s:g}s "
-                    "(are the routers running?)"))
+                    "decision_timeout", f"no decision within {self.config.decision_timeout_s:g}s " + (
+                        "(is the broker taking records?)" if self.local else "(are the routers running?)")))
             if isinstance(answer, RoutingRejection):
                 return self._fail(tr, *rejection_response(answer.reason, answer.message), code=answer.reason)
             tr.decision = answer
@@ -311,11 +331,32 @@ class Gateway:
                           f"every attempt failed; instances that failed: {', '.join(tr.excluded)}",
                           kind="server_error")
 
+    def problem(self) -> tuple[str, str] | None:
+        """(code, message) when no request can be decided now: the colocated router is not
+        running, or the reply inbox is not reading (not started, its task ended, its partition
+        lost, or stalled); None when requests can be decided."""
+        if self.local is not None:
+            down = self.local.problem()
+            if down is None:
+                return None
+            return ("starting" if not self.local.ready else "router_down"), down
+        assert self.inbox is not None
+        down = self.inbox.problem()
+        if down is None:
+            return None
+        return ("starting" if not self.inbox.ready else "reply_inbox_down",
+                f"the gateway cannot read its decisions: {down}")
+
+    def _waiting(self, request_id: str) -> bool:
+        deciding = self.local if self.local is not None else self.inbox
+        assert deciding is not None
+        return deciding.waiting(request_id)
+
     def _request_id(self, client_id: str | None) -> str:
         """``<gateway id>-<the client's x-request-id>`` when it is a usable, not in-flight id, else a random one."""
         if client_id and _CLIENT_ID.fullmatch(client_id):
             rid = f"{self.config.gateway_id}-{client_id}"
-            if not self.inbox.waiting(rid):
+            if not self._waiting(rid):
                 return rid
         return f"{self.config.gateway_id}-{uuid.uuid4().hex[:16]}"
 
@@ -341,14 +382,23 @@ class Gateway:
         # Items past the schema's bounds are left out: the blocks from the first of them on match nothing.
         mm = [MmItem(identifier=i, offset=o, length=n) for i, o, n in prompt.mm_items[:MAX_EXTRA_KEYS]
               if 0 < len(i) <= MAX_NAME]
+        local = self.local
+        gid = self.config.gateway_id
         req = RoutingRequest(
             request_id=arid, model=creq.model if creq.lora_name is None else (self.config.base_model or creq.model),
             token_ids=prompt.token_ids, prompt_tokens=len(prompt.token_ids), mm_items=mm,
             expected_output_tokens=creq.max_tokens or DEFAULT_EXPECTED_OUTPUT,
             ttft_slo_s=slo.ttft_s, tbt_slo_ms=slo.tbt_ms, priority=slo.priority, lora_name=creq.lora_name,
-            cache_salt=creq.cache_salt, reply_to=self.config.gateway_id, exclude=list(tr.excluded),
-            retry_of=tr.request_id if arid != tr.request_id else None, reachable=self._reachable,
+            cache_salt=creq.cache_salt, reply_to=None if local else gid, decided_by=gid if local else None,
+            exclude=list(tr.excluded), retry_of=tr.request_id if arid != tr.request_id else None,
+            reachable=self._reachable,
         )
+        if local is not None:
+            try:  # the decision and its request are on the log (acknowledged) when it returns
+                return await asyncio.wait_for(local.decide(req), self.config.decision_timeout_s)
+            except TimeoutError:
+                return None
+        assert self.inbox is not None
         fut = self.inbox.expect(arid)
         env = envelope(req, producer_id=self.config.gateway_id, producer_seq=next(self._seq),
                        ts_ms=time.time_ns() // 1_000_000)

@@ -273,6 +273,7 @@ def _outcome(rec: RoutingDecision | RoutingRejection) -> dict[str, Any]:
         "predicted_tbt_ms": rec.predicted_tbt_ms,
         "mode": rec.mode,
         "options": [o.model_dump() for o in rec.options],
+        "decided_by": rec.decided_by,
     }
 
 
@@ -355,6 +356,8 @@ async def explain(settings: Settings, request_id: str, *, max_records: int | Non
             if request_id not in requests:
                 raise AuditError(f"request {request_id!r} is not on {t.requests.name}")
             ordinal, req = requests[request_id]
+            if isinstance(rec, RoutingDecision) and rec.ordinal is not None:
+                ordinal = rec.ordinal  # decided where it arrived, before its request had an offset
             store = await _view_at(reads, settings, rec.watermark, at_ms)
         except (LogReadError, ViewStoreError) as e:
             raise AuditError(f"cannot re-derive the decision for {request_id!r}: {e}") from e

@@ -351,15 +351,17 @@ class Router:
         return build_cluster(snap, pending, block_size=self.settings.block_size, ttl_s=self.ttl_s, model=model,
                              age_ms=age_ms, memo=self._memo, exclude=exclude)
 
-    async def route(self, req: RoutingRequest, ordinal: int = 0,
-                    after: Awaitable[Any] | None = None) -> RoutingDecision | RoutingRejection:
+    async def route(self, req: RoutingRequest, ordinal: int = 0, after: Awaitable[Any] | None = None, *,
+                    decided_by: str | None = None) -> RoutingDecision | RoutingRejection:
         """Place one request (or reject it with a reason); records the reservation.
 
         ``ordinal`` is the request's position in the log (its ``requests`` offset), which
         order-based policies rotate by. ``after``: when several reads are in flight at once,
         what this decision waits for between its read and its decision (the previous
         request's decision), so decisions happen, and reserve, in the log's order whatever
-        order the reads come back in: the order `explain` re-derives them in."""
+        order the reads come back in: the order `explain` re-derives them in. ``decided_by``: the
+        process deciding where the request arrived (:mod:`conductor.routing.local`); its decision
+        records it and ``ordinal``, which is then not the request's offset."""
         t0 = time.perf_counter()
         seed = request_seed(self.settings.seed, req.request_id)
         try:
@@ -417,6 +419,8 @@ class Router:
                               age_ms=age_ms, degraded_reason=why if degraded else "",
                               rederivation={**self._rederivation(), "view_now_ms": snap.now_ms + int(age_ms)},
                               options=choice.options, endpoints=_endpoints(answer, of))
+        if decided_by is not None and isinstance(out, RoutingDecision):
+            out = out.model_copy(update={"decided_by": decided_by, "ordinal": ordinal})
         if isinstance(out, RoutingRejection):
             self.metrics.rejections.add(1, {"reason": out.reason})
             return out
@@ -469,8 +473,9 @@ class Router:
         """Turn one ``requests`` record (at ``offset``) into (dispatch key, body) or ("", DecodeError).
 
         Returns the body to produce: a decision, a rejection (an unreadable record whose key
-        names a request id, too), or the record's :class:`DecodeError` when no request id is
-        anywhere (the record is only dead-lettered).
+        names a request id, too), the record's :class:`DecodeError` when no request id is
+        anywhere (the record is only dead-lettered), or :data:`DECIDED` for a request its
+        ``decided_by`` decided and logged already (nothing to produce).
         """
         key_out, out, _ = await self.handle_with_reply(value, key, offset)
         if isinstance(out, Unreadable):
@@ -492,12 +497,19 @@ class Router:
             if not key_id:
                 return "", Unreadable(e, None), None
             return key_id, Unreadable(e, self.reject(key_id, "invalid_request", str(e))), None
+        if body.decided_by is not None:
+            return "", DECIDED, None
         try:
             out = await self.route(body, offset, after)
         except Exception as e:  # a bug must not turn one request into a crash loop of every replica
             log.exception("routing %s failed", body.request_id)
             out = self.reject(body.request_id, "invalid_request", f"router error: {type(e).__name__}: {e}")
         return (out.prefill_instance if isinstance(out, RoutingDecision) else out.request_id), out, body.reply_to
+
+
+DECIDED = object()
+"""What :meth:`Router.handle_with_reply` returns for a request decided where it arrived (its
+``decided_by``'s own decision is on ``dispatch`` already): nothing to produce."""
 
 
 @dataclass(frozen=True)
@@ -621,6 +633,8 @@ class RouterWorker:
                         with contextlib.suppress(ValueError):
                             await prod.partitions_for(t.replies(gateway).name)
                     for rec, (key, out, reply_to) in zip(records, handled):
+                        if out is DECIDED:
+                            continue
                         if isinstance(out, Unreadable):
                             sends.append(await letters.send(tp.topic, tp.partition, rec.offset, out.error.reason,
                                                             str(out.error), rec.value, rec.key))

@@ -12,8 +12,9 @@ import pytest
 from kvstream import read_all
 
 from conductor.harness.gateway_cluster import GatewayCluster
+from conductor.routing.explain import explain
 from conductor.settings import Settings
-from schemas import RequestOutcome, RoutingRequest
+from schemas import RequestOutcome, RoutingDecision, RoutingRequest
 from streams.topics import topics
 
 pytestmark = pytest.mark.timeout(240)
@@ -21,10 +22,12 @@ pytestmark = pytest.mark.timeout(240)
 
 
 
-@pytest.fixture
-async def cluster(settings: Settings, tmp_path: Path):  # type: ignore[no-untyped-def]
-    # A fast model clock: prefill ~ms, 8 output tokens at ~1 ms each.
-    async with GatewayCluster(settings, tmp_path / "logs", time_scale=20.0, max_output_tokens=8) as c:
+@pytest.fixture(params=["colocated", "log"])
+async def cluster(settings: Settings, tmp_path: Path, request: pytest.FixtureRequest):  # type: ignore[no-untyped-def]
+    # A fast model clock: prefill ~ms, 8 output tokens at ~1 ms each. Both ways of deciding:
+    # in the gateway's process (the default) and through the log (a router process).
+    async with GatewayCluster(settings, tmp_path / "logs", time_scale=20.0, max_output_tokens=8,
+                              gateway_args=["--routing", request.param]) as c:
         yield c
 
 
@@ -48,10 +51,22 @@ async def test_completions_and_chat_streaming_and_not(cluster: GatewayCluster, s
     text = "".join(c.choices[0].delta.content or "" for c in got if c.choices)
     assert text and got[-1].usage is not None and got[-1].usage.completion_tokens == 8
 
-    # Every request went through the log with this gateway as reply_to, and left an outcome.
+    # Every request is on the log and was decided once: by this gateway (colocated; the router
+    # skipped it) or by the router, answering this gateway's reply topic. Each left an outcome.
     tps = topics(settings.topic_config())
     reqs = [b for b in await read_all(settings, tps.requests.name, 4) if isinstance(b, RoutingRequest)]
-    assert len(reqs) == 4 and {r.reply_to for r in reqs} == {cluster.gateway_id}
+    decs = [b for b in await read_all(settings, tps.dispatch.name, 4) if isinstance(b, RoutingDecision)]
+    assert len(reqs) == 4 and sorted(d.request_id for d in decs) == sorted(r.request_id for r in reqs)
+    if "colocated" in cluster.gateway_args:
+        assert {r.decided_by for r in reqs} == {cluster.gateway_id} and {r.reply_to for r in reqs} == {None}
+        assert {d.decided_by for d in decs} == {cluster.gateway_id}
+        assert sorted(d.ordinal or 0 for d in decs) == [0, 1, 2, 3]
+    else:
+        assert {r.reply_to for r in reqs} == {cluster.gateway_id} and {r.decided_by for r in reqs} == {None}
+        assert {d.decided_by for d in decs} == {None}
+    # explain re-derives a decision either way, from the log alone.
+    ex = await explain(settings, decs[-1].request_id)
+    assert ex.matches, ex.differences
     outs = [b for b in await read_all(settings, tps.request_outcomes.name, 4) if isinstance(b, RequestOutcome)]
     assert len(outs) == 4 and all(o.status == 200 and o.error is None for o in outs)
     assert all(o.prefill_instance.startswith("prefill-") and o.decode_instance.startswith("decode-") for o in outs)

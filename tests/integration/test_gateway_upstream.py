@@ -31,7 +31,7 @@ from conductor import web
 from conductor.gateway import service
 from conductor.gateway.app import run_gateway
 from conductor.gateway.auth import key_ring
-from conductor.gateway.service import Gateway, GatewayConfig
+from conductor.gateway.service import Gateway, GatewayConfig, RoutingMode
 from conductor.routing.router import Router, RouterWorker, redis_stores
 from conductor.settings import Settings
 from schemas import Heartbeat, RequestOutcome, RoutingRequest, envelope
@@ -155,9 +155,9 @@ def refusing_url() -> str:
 
 @contextlib.asynccontextmanager
 async def stack(settings: Settings, nodes: dict[str, str], *, protocol: str = "vllm", urls: dict[str, str] | None = None,
-                **update: Any) -> AsyncIterator[Stack]:
+                routing: RoutingMode = "colocated", **update: Any) -> AsyncIterator[Stack]:
     """The fake engines, the view showing ``nodes`` (id → role) live, a router and a gateway in this
-    process; ``urls`` sends some nodes elsewhere than the fake engines."""
+    process (deciding as ``routing`` says); ``urls`` sends some nodes elsewhere than the fake engines."""
     settings = settings.model_copy(update={"heartbeat_ttl_s": 3600.0, **update})
     await ensure_topics(settings.kafka(), topics(settings.topic_config()).all())
     view, resv = redis_stores(settings, producer_id="gw-upstream-test")
@@ -171,7 +171,7 @@ async def stack(settings: Settings, nodes: dict[str, str], *, protocol: str = "v
     tasks = [asyncio.create_task(web.serve(engines.app(), esock, stop)),
              asyncio.create_task(RouterWorker(settings, Router(settings, view, resv), router_id="r-upstream").run(stop))]
     config = GatewayConfig(gateway_id=f"gw-up-{uuid.uuid4().hex[:8]}", engines={n: f"{engines.url}/{n}" for n in nodes} | (urls or {}),
-                           protocol=protocol, decision_timeout_s=10.0)
+                           protocol=protocol, decision_timeout_s=10.0, routing=routing)
     gsock = web.bind("127.0.0.1", 0)
     ready: asyncio.Future[Gateway] = asyncio.get_running_loop().create_future()
     tasks.append(asyncio.create_task(run_gateway(settings, config, gsock, stop, keys=key_ring(settings, insecure=True),
@@ -373,9 +373,9 @@ async def test_sglang_decode_is_closed_when_its_prefill_fails(settings: Settings
 
 
 async def test_health_is_503_with_the_reason_once_the_reply_inbox_is_dead(settings: Settings) -> None:
-    async with stack(settings, {"p0": "prefill", "d0": "decode"}) as s, s.client() as c:
+    async with stack(settings, {"p0": "prefill", "d0": "decode"}, routing="log") as s, s.client() as c:
         assert (await c.get("/health")).status_code == 200
-        assert s.gw.inbox.task is not None
+        assert s.gw.inbox is not None and s.gw.inbox.task is not None
         s.gw.inbox.task.cancel()
         await asyncio.wait({s.gw.inbox.task})
         h = await c.get("/health")
@@ -385,6 +385,20 @@ async def test_health_is_503_with_the_reason_once_the_reply_inbox_is_dead(settin
         r = await c.post("/v1/completions", json=completion())
         assert r.status_code == 503 and r.json()["error"]["code"] == "reply_inbox_down"
         assert time.monotonic() - t0 < 2.0  # not a decision timeout
+
+
+async def test_health_is_503_once_the_colocated_router_stops_following_control(settings: Settings) -> None:
+    async with stack(settings, {"p0": "prefill", "d0": "decode"}) as s, s.client() as c:
+        assert (await c.get("/health")).status_code == 200
+        local = s.gw.local
+        assert local is not None and local._control_task is not None and s.gw.inbox is None
+        local._control_task.cancel()
+        await asyncio.wait({local._control_task})
+        h = await c.get("/health")
+        assert h.status_code == 503 and h.json()["error"]["code"] == "router_down"
+        assert "control topic" in h.json()["error"]["message"]
+        r = await c.post("/v1/completions", json=completion())
+        assert r.status_code == 503 and r.json()["error"]["code"] == "router_down"
 
 
 async def test_a_client_that_goes_away_cancels_the_engine_calls(settings: Settings) -> None:

@@ -1,0 +1,225 @@
+"""A router in the caller's own process: decide where the request is, then log it.
+
+A gateway (or the endpoint picker) that routes through the log pays a round trip through the
+broker twice per request (its request onto ``requests``, a router's fetch, the decision back on
+its reply topic). :class:`LocalRouter` runs the same :class:`~conductor.routing.router.Router`
+in the caller's process instead:
+
+1. read the view and decide (reads overlap; decisions happen one after another in arrival
+   order, each seeing the reservations of those before it, as a router's batch does);
+2. write the request (``decided_by`` = this process, so the routers of ``requests`` skip it)
+   and its decision (``decided_by``, and the ``ordinal`` it was decided at) to the log, and
+   wait for the broker's acknowledgement of both;
+3. only then hand the decision back: the caller calls the engines on a decision the log holds,
+   so ``dispatch`` stays the system of record and ``conductor explain`` re-derives it unchanged.
+
+Reservations are the routers' own (:class:`~state.reservations.RedisReservations`): every
+gateway and router shares them through Redis, so several gateways do not overbook one
+instance. The control topic is followed as a router follows it, and the decision index is
+written after the acknowledgement, as the router worker does.
+
+A decision once begun runs to its end even when its caller goes away (a client that hung
+up): its reservation is taken, so its record belongs on the log.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import time
+from typing import Any
+
+from conductor.errors import ConductorError
+from conductor.routing.router import ControlFollower, Router, decision_index, redis_stores
+from conductor.settings import Settings
+from schemas import RoutingDecision, RoutingRejection, RoutingRequest, encode, envelope, headers
+from state.decisions import DecisionIndex, DecisionPosition
+from streams.kafka import acknowledged, ensure_topics, producer
+from streams.topics import topics
+
+log = logging.getLogger(__name__)
+
+CONTROL_POLL_MS = 200
+"""How long one poll of the control topic waits: a control record reaches the router within this."""
+INDEX_BATCH = 256
+"""Decision-index entries written in one Redis round trip."""
+
+
+class LogUnavailable(ConductorError):
+    """The broker did not acknowledge a decision: it was not served (the log is the system of record)."""
+
+
+class LocalRouter:
+    """Decides requests in this process and writes each request and decision to the log.
+
+    ``producer_id`` names this process in the log (the records' producer, the decisions'
+    ``decided_by``, the reservations' owner); a gateway uses its gateway id. ``router``:
+    one to use instead of the settings' (tests); ``ack_timeout_s``: how long a decision
+    waits for the broker before :class:`LogUnavailable`."""
+
+    def __init__(self, settings: Settings, *, producer_id: str, router: Router | None = None,
+                 ack_timeout_s: float = 5.0) -> None:
+        self.settings = settings
+        self.producer_id = producer_id
+        self.topics = topics(settings.topic_config())
+        self.ack_timeout_s = ack_timeout_s
+        self._router = router
+        self._producer: Any = None
+        self._control: ControlFollower | None = None
+        self._control_task: asyncio.Task[None] | None = None
+        self._index: DecisionIndex | None = None
+        self._index_queue: list[DecisionPosition] = []
+        self._index_task: asyncio.Task[None] | None = None
+        self._seq = itertools.count(1)
+        self._ordinal = itertools.count()
+        self._tail: asyncio.Future[None] | None = None
+        self._deciding: set[str] = set()
+        self._started = False
+        self.decided = 0
+
+    @property
+    def router(self) -> Router:
+        if self._router is None:
+            raise RuntimeError("LocalRouter.start() was not called")
+        return self._router
+
+    # --- life ---------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Make the topics, start the producer, the shared reservations and the control follower
+        (caught up before the first decision, as a router is)."""
+        t = self.topics
+        await ensure_topics(self.settings.kafka(), (t.requests, t.dispatch, t.control))
+        if self._router is None:
+            view, reservations = redis_stores(self.settings, producer_id=self.producer_id)
+            self._router = Router(self.settings, view, reservations)
+            self._index = decision_index(self.settings, getattr(reservations, "client", None))
+        self._producer = producer(self.settings.kafka(), linger_ms=0)
+        await self._producer.start()
+        await self.router.start()
+        self._control = ControlFollower(self.settings, self.router)
+        await self._control.start()
+        self._control_task = asyncio.create_task(self._follow_control(self._control))
+        self._started = True
+
+    async def close(self) -> None:
+        """Wait for the decisions in flight, then stop following and close the producer."""
+        if self._tail is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(asyncio.shield(self._tail), self.ack_timeout_s)
+        if self._control_task is not None:
+            self._control_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._control_task
+        if self._index_task is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._index_task, 5.0)
+        if self._index is not None:
+            with contextlib.suppress(Exception):
+                await self._index.close()
+        if self._router is not None:
+            await self._router.close()
+        if self._control is not None:
+            await self._control.stop()
+        if self._producer is not None:
+            await self._producer.stop()
+        self._started = False
+
+    def problem(self) -> str | None:
+        """Why this router cannot decide now (None: it can)."""
+        if not self._started:
+            return "the colocated router is starting"
+        if self._control_task is not None and self._control_task.done():
+            return "the colocated router stopped following the control topic"
+        return None
+
+    @property
+    def ready(self) -> bool:
+        return self._started
+
+    def waiting(self, request_id: str) -> bool:
+        """Whether ``request_id`` is being decided now (a caller picks another id for a new request)."""
+        return request_id in self._deciding
+
+    # --- one request -----------------------------------------------------------------
+
+    async def decide(self, req: RoutingRequest) -> RoutingDecision | RoutingRejection:
+        """Decide ``req``, write it and its answer to the log, and return the answer once the broker
+        acknowledged both (:class:`LogUnavailable` when it did not within ``ack_timeout_s``)."""
+        if not self._started:
+            raise LogUnavailable("the colocated router is not started")
+        if req.decided_by != self.producer_id:
+            req = req.model_copy(update={"decided_by": self.producer_id, "reply_to": None})
+        loop = asyncio.get_running_loop()
+        before, done = self._tail, loop.create_future()
+        self._tail = done
+        self._deciding.add(req.request_id)
+        task = asyncio.ensure_future(self._decide_and_log(req, before, done))
+        task.add_done_callback(lambda _: self._deciding.discard(req.request_id))
+        return await asyncio.shield(task)  # a caller that goes away does not unmake a decision
+
+    async def _decide_and_log(self, req: RoutingRequest, before: asyncio.Future[None] | None,
+                              done: asyncio.Future[None]) -> RoutingDecision | RoutingRejection:
+        ordinal = next(self._ordinal)
+        try:
+            out = await self.router.route(req, ordinal, before, decided_by=self.producer_id)
+        except Exception as e:  # a bug must not leave the caller without an answer
+            log.exception("routing %s failed", req.request_id)
+            out = self.router.reject(req.request_id, "invalid_request", f"router error: {type(e).__name__}: {e}")
+        finally:
+            if before is not None:
+                await before  # an early rejection returns before its turn: the next still waits its turn
+            if not done.done():
+                done.set_result(None)
+        await self._log(req, out)
+        return out
+
+    async def _log(self, req: RoutingRequest, out: RoutingDecision | RoutingRejection) -> None:
+        t, prod = self.topics, self._producer
+        now_ms = time.time_ns() // 1_000_000
+        env_req = envelope(req, producer_id=self.producer_id, producer_seq=next(self._seq), ts_ms=now_ms)
+        env_out = envelope(out, producer_id=self.producer_id, producer_seq=next(self._seq), ts_ms=now_ms)
+        key = out.prefill_instance if isinstance(out, RoutingDecision) else out.request_id
+        try:
+            sends = [
+                await prod.send(t.requests.name, encode(env_req), key=req.request_id.encode(), headers=headers(env_req)),
+                await prod.send(t.dispatch.name, encode(env_out), key=key.encode(), headers=headers(env_out)),
+            ]
+            await asyncio.wait_for(acknowledged(prod, sends, warn_after_s=1.0, what=f"decision {req.request_id}"),
+                                   self.ack_timeout_s)
+        except (TimeoutError, OSError, ConductorError) as e:
+            raise LogUnavailable(f"the broker did not take the decision for {req.request_id} within "
+                                 f"{self.ack_timeout_s:g}s: {e or type(e).__name__}") from e
+        except Exception as e:  # aiokafka's errors: the same for the caller
+            raise LogUnavailable(f"the decision for {req.request_id} was not logged: {type(e).__name__}: {e}") from e
+        self.decided += 1
+        if self._index is not None:
+            at_req, at_out = sends[0].result(), sends[1].result()
+            self._index_queue.append(DecisionPosition(out.request_id, at_out.partition, at_out.offset, env_out.ts_ms,
+                                                      at_req.partition, at_req.offset))
+            if self._index_task is None or self._index_task.done():
+                self._index_task = asyncio.create_task(self._write_index(self._index))
+
+    async def _write_index(self, index: DecisionIndex) -> None:
+        """Write the queued decision positions, a batch at a time, until none is left."""
+        while self._index_queue:
+            batch, self._index_queue = self._index_queue[:INDEX_BATCH], self._index_queue[INDEX_BATCH:]
+            try:
+                await index.record(batch)
+            except Exception as e:  # noqa: BLE001 - explain falls back to a scan for these
+                log.warning("decision index: %d entries not written: %s", len(batch), e)
+
+    async def _follow_control(self, control: ControlFollower) -> None:
+        while True:
+            try:
+                await control.poll(timeout_ms=CONTROL_POLL_MS)
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - said by problem(); the next poll tries again
+                log.warning("control topic: %s", e)
+                await asyncio.sleep(1.0)
+
+
+__all__ = ["LocalRouter", "LogUnavailable"]
