@@ -18,7 +18,7 @@ from __future__ import annotations
 import csv
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -60,6 +60,16 @@ class ModelProfile(BaseModel):
     rack_bandwidth: float = Field(gt=0, description="node -> node, same rack (RDMA)")
     cross_rack_bandwidth: float = Field(gt=0, description="node -> node across racks")
     transfer_latency_s: float = Field(default=0.0, ge=0, description="set-up cost of one remote transfer")
+
+    # --- measured (``fit_outcomes``: what the engines did under this profile's predictions) ---
+    queue_wait_scale: float = Field(default=1.0, ge=0, description="real queue wait / the wait predicted "
+                                    "from a heartbeat's queued tokens (the queue's measured drain rate)")
+    ttft_error_p50: float | None = Field(default=None, ge=0, description="observed |predicted - real| / real TTFT, median")
+    ttft_error_p90: float | None = Field(default=None, ge=0, description="the same, 90th percentile: early "
+                                         "rejection's margin for the prediction's own error")
+    tbt_error_p50: float | None = Field(default=None, ge=0)
+    tbt_error_p90: float | None = Field(default=None, ge=0)
+    fit_rows: int = Field(default=0, ge=0, description="outcomes the measured fields were fitted on (0: hand-set)")
 
     def flops(self, tokens: float) -> float:
         """FLOPs of prefilling ``tokens`` tokens from scratch."""
@@ -252,3 +262,194 @@ def read_timings_csv(path: Path) -> list[tuple[float, float, float]]:
     except OSError as e:
         raise ConfigError(f"cannot read {path}: {e}") from None
     return rows
+
+
+# --- fitting from served requests ----------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class OutcomeSample:
+    """One served request as the cost model sees it: what was predicted from, and what happened.
+
+    ``ttft_s`` is the engine-side TTFT (the gateway's, less its routing: what ``predicted_ttft_s``
+    predicts); ``queue_s`` the queue wait the decision predicted (:func:`predicted_queue_s`)."""
+
+    prompt_tokens: int
+    reused_tokens: int
+    queue_s: float
+    ttft_s: float
+    predicted_ttft_s: float | None = None
+    tbt_ms: float | None = None
+    predicted_tbt_ms: float | None = None
+
+
+def predicted_queue_s(profile: ModelProfile, predicted_ttft_s: float, prompt_tokens: int, reused_tokens: int) -> float:
+    """The queue-wait part of a decision's predicted TTFT under ``profile``: the rest is the prefill of
+    what the decision did not reuse (a remote prefix's copy counts as wait: its cost is small beside it)."""
+    return max(0.0, predicted_ttft_s - profile.prefill_seconds(prompt_tokens, min(reused_tokens, prompt_tokens - 1)))
+
+
+@dataclass(frozen=True, slots=True)
+class CostFit:
+    """A profile refitted from served requests, with its out-of-sample relative errors."""
+
+    profile: ModelProfile
+    rows: int
+    ttft_errors: tuple[float, ...]
+    """|predicted - real| / real TTFT of each sample, each predicted by a fit that did not see it."""
+    tbt_errors: tuple[float, ...]
+    form: str = "parametric"
+
+
+def _nonneg_lstsq(x: np.ndarray, y: np.ndarray, names: Sequence[str], keep: Sequence[str] = ()) -> dict[str, float]:
+    """Least squares with every coefficient >= 0: the most negative one is dropped (fixed at 0)
+    until none is (a small active-set NNLS; the columns are few). ``keep`` columns are never dropped."""
+    active = list(range(x.shape[1]))
+    while True:
+        coef, *_ = np.linalg.lstsq(x[:, active], y, rcond=None)
+        neg = [(c, i) for c, i in zip(coef, active) if c < 0 and names[i] not in keep]
+        if not neg:
+            out = dict.fromkeys(names, 0.0)
+            out.update({names[i]: max(0.0, float(c)) for c, i in zip(coef, active)})
+            return out
+        active.remove(min(neg)[1])
+        if not active:
+            return dict.fromkeys(names, 0.0)
+
+
+def _prefill_design(base: ModelProfile, samples: Sequence[OutcomeSample]) -> np.ndarray:
+    n = np.array([float(s.prompt_tokens) for s in samples])
+    c = np.array([float(min(s.reused_tokens, max(s.prompt_tokens - 1, 0))) for s in samples])
+    scale = base.l / base.effective_flops
+    return np.column_stack([np.ones_like(n), scale * base.d * (n * n - c * c), scale * base.d * base.d * (n - c),
+                            np.array([s.queue_s for s in samples])])
+
+
+_TTFT_TERMS = ("prefill_overhead_s", "a", "b", "queue_wait_scale")
+
+
+def _fit_ttft(base: ModelProfile, samples: Sequence[OutcomeSample]) -> dict[str, float]:
+    y = np.array([s.ttft_s for s in samples])
+    # Weighted by 1/y: the relative error is what the policy's SLO test and early rejection feel.
+    w = 1.0 / np.maximum(y, 1e-6)
+    x = _prefill_design(base, samples)
+    return _nonneg_lstsq(x * w[:, None], y * w, _TTFT_TERMS)
+
+
+def _ttft_with(base: ModelProfile, coef: Mapping[str, float], samples: Sequence[OutcomeSample]) -> np.ndarray:
+    return np.asarray(_prefill_design(base, samples) @ np.array([coef[k] for k in _TTFT_TERMS]))
+
+
+def _fit_tbt(base: ModelProfile, samples: Sequence[OutcomeSample]) -> tuple[float, float] | None:
+    """(step_overhead_s, scale) with which ``decode_step_seconds`` maps the base's predicted TBT
+    onto the observed one: ``tbt = 1000 * step_overhead_s + scale * (pred - 1000 * base.step_overhead_s)``."""
+    rows = [(s.predicted_tbt_ms, s.tbt_ms) for s in samples if s.tbt_ms and s.predicted_tbt_ms is not None]
+    if len(rows) < 3:
+        return None
+    pred, obs = (np.array(v) for v in zip(*rows))
+    w = 1.0 / np.maximum(obs, 1e-6)
+    var = pred - 1000.0 * base.step_overhead_s
+    coef = _nonneg_lstsq(np.column_stack([np.ones_like(var), var]) * w[:, None], obs * w, ("c", "scale"))
+    scale = max(coef["scale"], 1e-9)
+    return coef["c"] / 1000.0 + scale * base.step_overhead_s, scale
+
+
+def _tbt_profile(base: ModelProfile, fit: tuple[float, float]) -> dict[str, float]:
+    overhead, scale = fit
+    return {"step_overhead_s": max(0.0, overhead), "per_sequence_s": base.per_sequence_s * scale,
+            "hbm_bandwidth": base.hbm_bandwidth / scale}
+
+
+def _rel(pred: np.ndarray, obs: np.ndarray) -> list[float]:
+    return [float(v) for v in np.abs(pred - obs) / np.maximum(obs, 1e-9)]
+
+
+def _folds(n: int, k: int) -> list[np.ndarray]:
+    idx = np.arange(n)
+    return [idx[i::k] for i in range(k)]
+
+
+def fit_outcomes(samples: Sequence[OutcomeSample], base: ModelProfile, *, folds: int = 5,
+                 name: str | None = None) -> CostFit:
+    """Refit ``base`` to served requests: prefill (a fixed cost, linear and quadratic in the tokens
+    not reused, FAST'25's form), the queue's drain rate (``queue_wait_scale``) and the decode step
+    (its fixed cost and its scale against batch and context).
+
+    ``l``, ``d``, the FLOP/s, the KV bytes and the bandwidths of transfers stay ``base``'s. The
+    errors set on the profile (``ttft_error_p50``...) are out of sample: each sample predicted by
+    a fit on the other folds, so early rejection's margin is what a new request meets."""
+    if len(samples) < 4:
+        raise ConfigError(f"fitting needs at least 4 served requests, got {len(samples)}")
+    bad = next((s for s in samples if not (s.ttft_s > 0 and s.prompt_tokens > 0 and math.isfinite(s.ttft_s))), None)
+    if bad is not None:
+        raise ConfigError(f"a sample needs ttft_s > 0 and prompt_tokens > 0, got {bad}")
+    coef = _fit_ttft(base, samples)
+    obs = np.array([s.ttft_s for s in samples])
+    pred = np.empty_like(obs)
+    k = min(folds, len(samples))
+    tbt_fit = _fit_tbt(base, samples)
+    tbt_errs: list[float] = []
+    for test in _folds(len(samples), k):
+        train = [samples[i] for i in range(len(samples)) if i not in set(test.tolist())]
+        part = [samples[i] for i in test]
+        pred[test] = _ttft_with(base, _fit_ttft(base, train) if len(train) >= 4 else coef, part)
+        f = _fit_tbt(base, train) if tbt_fit is not None else None
+        if f is not None:
+            sb = base.model_copy(update=_tbt_profile(base, f))
+            tbt_errs += _tbt_errors(base, sb, part)
+    ttft_errs = _rel(pred, obs)
+    update: dict[str, Any] = {"prefill_overhead_s": coef["prefill_overhead_s"], "a": coef["a"], "b": coef["b"],
+                              "queue_wait_scale": coef["queue_wait_scale"] * base.queue_wait_scale}
+    if tbt_fit is not None:
+        update.update(_tbt_profile(base, tbt_fit))
+    update.update(
+        name=name or (base.name if base.name.endswith("-fit") else f"{base.name}-fit"),
+        description=f"{base.name.removesuffix('-fit')} refitted from {len(samples)} served requests",
+        ttft_error_p50=_quantile(ttft_errs, 0.5), ttft_error_p90=_quantile(ttft_errs, 0.9),
+        tbt_error_p50=_quantile(tbt_errs, 0.5), tbt_error_p90=_quantile(tbt_errs, 0.9), fit_rows=len(samples))
+    return CostFit(base.model_copy(update=update), len(samples), tuple(ttft_errs), tuple(tbt_errs))
+
+
+def _tbt_errors(base: ModelProfile, fitted: ModelProfile, samples: Sequence[OutcomeSample]) -> list[float]:
+    """Relative TBT errors of ``fitted`` on samples predicted under ``base`` (mapped by the affine
+    relation between the two decode models, which is exact for ``_tbt_profile``'s fit)."""
+    out = []
+    for s in samples:
+        if s.tbt_ms and s.predicted_tbt_ms is not None:
+            scale = base.hbm_bandwidth / fitted.hbm_bandwidth
+            p = 1000.0 * fitted.step_overhead_s + scale * (s.predicted_tbt_ms - 1000.0 * base.step_overhead_s)
+            out.append(abs(p - s.tbt_ms) / s.tbt_ms)
+    return out
+
+
+def prediction_errors(samples: Sequence[OutcomeSample]) -> tuple[list[float], list[float]]:
+    """(TTFT, TBT) relative errors of the predictions the samples carry (as decided)."""
+    ttft = [abs(s.predicted_ttft_s - s.ttft_s) / s.ttft_s for s in samples
+            if s.predicted_ttft_s is not None and s.ttft_s > 0]
+    tbt = [abs(s.predicted_tbt_ms - s.tbt_ms) / s.tbt_ms for s in samples
+           if s.predicted_tbt_ms is not None and s.tbt_ms]
+    return ttft, tbt
+
+
+def predict_ttft(profile: ModelProfile, s: OutcomeSample, base: ModelProfile) -> float:
+    """What ``profile`` predicts for a sample whose queue wait ``s.queue_s`` was predicted under ``base``."""
+    scale = profile.queue_wait_scale / base.queue_wait_scale if base.queue_wait_scale > 0 else 0.0
+    return scale * s.queue_s + profile.prefill_seconds(s.prompt_tokens, min(s.reused_tokens, s.prompt_tokens - 1))
+
+
+def _quantile(values: Sequence[float], q: float) -> float | None:
+    return round(float(np.quantile(np.array(values), q)), 6) if values else None
+
+
+def fit_moved(old: ModelProfile, new: ModelProfile, threshold: float) -> bool:
+    """Whether ``new`` predicts differently enough from ``old`` to be published: the TTFT of a
+    short, a middle and a long prompt, or the decode step, moves by more than ``threshold``
+    (relative), or ``old`` was never fitted."""
+    if old.fit_rows == 0:
+        return True
+    for n in (32, 512, 4096):
+        a, b = old.prefill_seconds(n), new.prefill_seconds(n)
+        if abs(a - b) > threshold * max(a, 1e-9):
+            return True
+    a, b = old.decode_step_seconds(8, 8 * 1024), new.decode_step_seconds(8, 8 * 1024)
+    return abs(a - b) > threshold * max(a, 1e-9) or abs(old.queue_wait_scale - new.queue_wait_scale) > threshold

@@ -105,6 +105,14 @@ def _dead_letter_v1(body: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
+@upcaster("request_outcome", 1)
+@upcaster("control", 1)
+def _fitted_costs_v2(body: dict[str, Any]) -> dict[str, Any]:
+    # v2 added optional fields (outcome: the TTFT split and what predicted it; control: set_profile's
+    # profile and model): absent = not measured, no profile, as every v1 record was.
+    return body
+
+
 @upcaster("routing_request", 1)
 def _routing_request_v1(body: dict[str, Any]) -> dict[str, Any]:
     # v2 added cache_salt, exclude and retry_of, all with defaults: nothing to fill in.

@@ -339,7 +339,7 @@ class RoutingRejection(Record):
 
 # --- runtime control (topic control, one partition: one total order) -------------
 
-ControlAction = Literal["set_policy", "set_params", "cordon", "drain", "uncordon"]
+ControlAction = Literal["set_policy", "set_params", "cordon", "drain", "uncordon", "set_profile"]
 
 
 class ControlCommand(Record):
@@ -348,7 +348,9 @@ class ControlCommand(Record):
     ``set_policy`` switches the policy (``params`` replace the old ones); ``set_params``
     replaces the current policy's parameters; ``cordon`` and ``drain`` stop new requests
     to ``node_id`` (running ones finish; ``drain`` says the node is going away);
-    ``uncordon`` takes it back.
+    ``uncordon`` takes it back. ``set_profile`` (v2) replaces the cost model the policy
+    predicts with by ``profile`` (a :class:`~conductor.profiles.ModelProfile` as a dict, fitted
+    from the engines' measurements, with its observed prediction error).
     """
 
     kind: Literal["control"] = "control"
@@ -359,11 +361,18 @@ class ControlCommand(Record):
     reason: Text = ""
     operator: OptName = None
     """Who asked (the admin token's scope name or a CLI user), for the audit trail."""
+    profile: Annotated[dict[Name, Scalar], Field(max_length=MAX_PARAMS)] | None = None
+    """v2, ``set_profile``: the whole model profile, field by field (validated by the routers:
+    one they cannot build is skipped like a bad policy)."""
+    model: OptName = None
+    """v2, ``set_profile``: the model the profile was fitted on (None: every model)."""
 
     @model_validator(mode="after")
     def _complete(self) -> ControlCommand:
         if self.action == "set_policy" and not self.policy:
             raise ValueError("set_policy needs policy")
+        if self.action == "set_profile" and not self.profile:
+            raise ValueError("set_profile needs profile")
         if self.action in ("cordon", "drain", "uncordon") and not self.node_id:
             raise ValueError(f"{self.action} needs node_id")
         return self
@@ -408,6 +417,21 @@ class RequestOutcome(Record):
     """Tokenizing + the request's round trip through the log to its decision (all attempts)."""
     total_s: float = Field(default=0.0, ge=0)
     stream: bool = False
+    # v2: the TTFT split as the gateway sees it, and what the prediction was made with
+    model: OptName = None
+    """The model the client asked for (what a fitted cost model is kept per)."""
+    decided_s: float | None = Field(default=None, ge=0)
+    """Arrival to the (last) decision: parse, tokenize, routing. ``ttft_s - decided_s`` is what
+    the decision's ``predicted_ttft_s`` predicts (queue, prefill, transfer, first token)."""
+    prefill_s: float | None = Field(default=None, ge=0)
+    """Wall time of the prefill call(s) of a P/D hand-off (None when aggregated)."""
+    decode_ttft_s: float | None = Field(default=None, ge=0)
+    """From sending the decode (or aggregated) call to its first token."""
+    reused_tokens: int | None = Field(default=None, ge=0, le=MAX_TOKENS)
+    """The decision's predicted reuse (``cached_tokens`` is what the engine reported)."""
+    mode: Mode | None = None
+    control_offset: int | None = Field(default=None, ge=-1)
+    """The decision's control offset: which cost model predicted it."""
 
 
 # --- KV balance commands (topics kv-commands and kv-command-results) -----------
@@ -595,6 +619,8 @@ SCHEMA_VERSIONS["routing_rejection"] = 2  # v2 added control_offset, block_size,
 SCHEMA_VERSIONS["kv_command"] = 3  # v2 added command_id (required), deadline_ms, token_ids, block_size; v3 by_node
 SCHEMA_VERSIONS["blocks_removed"] = 2  # v2 added node (a shared pool's blocks removed by another producer)
 SCHEMA_VERSIONS["dead_letter"] = 2  # v2 added original_size, original_sha256, key and key_size
+SCHEMA_VERSIONS["request_outcome"] = 2  # v2 added model, decided_s, prefill_s, decode_ttft_s, reused_tokens, mode, control_offset
+SCHEMA_VERSIONS["control"] = 2  # v2 added set_profile with profile and model
 
 
 class Envelope(Record):

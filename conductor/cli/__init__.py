@@ -8,12 +8,25 @@ from __future__ import annotations
 
 import sys
 
-from conductor.cli import admin, audit, balance, chaos, control, dev, engines, gateway, pipeline, routing, simulate
+from conductor.cli import (
+    admin,
+    audit,
+    balance,
+    chaos,
+    control,
+    dev,
+    engines,
+    fit,
+    gateway,
+    pipeline,
+    routing,
+    simulate,
+)
 from conductor.cli.common import GROUPS, app, err
 from conductor.errors import ConductorError
 
 # Order is the order of --help.
-COMMAND_MODULES = (dev, pipeline, routing, control, admin, gateway, balance, audit, chaos, simulate, engines)
+COMMAND_MODULES = (dev, pipeline, routing, fit, control, admin, gateway, balance, audit, chaos, simulate, engines)
 for _module in COMMAND_MODULES:
     _module.register(GROUPS)
 

@@ -194,6 +194,11 @@ class _Trace:
     routing_ms: float = 0.0
     decided_s: float = 0.0
     """From the request's arrival to its (last) decision: parse, tokenize, route through the log."""
+    model: str | None = None
+    prefill_s: float = 0.0
+    """Wall time of the prefill call(s) of a hand-off (the last attempt's)."""
+    decode_sent: float | None = None
+    """When the decode (or aggregated) call was sent (the clock's time)."""
     status: int = 200
     error: str | None = None
     message: str = ""
@@ -254,7 +259,8 @@ class Gateway:
         except BadRequest as e:
             self.metrics.requests.add(1, {"status": 400, "error": "invalid_body"})
             return JSONResponse(error_body(str(e), "invalid_value", param=e.param), status_code=400)
-        tr = _Trace(request_id=self._request_id(hdrs.get("x-request-id")), t0=t0, stream=creq.stream)
+        tr = _Trace(request_id=self._request_id(hdrs.get("x-request-id")), t0=t0, stream=creq.stream,
+                    model=creq.model)
         down = self.inbox.problem()
         if down is not None:
             # Every decision would be lost: say so now rather than after the decision timeout.
@@ -312,6 +318,7 @@ class Gateway:
                 return self._fail(tr, *rejection_response(answer.reason, answer.message), code=answer.reason)
             tr.decision = answer
             tr.decided_s = self.clock() - tr.t0
+            tr.prefill_s, tr.decode_sent = 0.0, None
             try:
                 return await self._serve(creq, body, answer, arid, tr)
             except EngineFailed as e:
@@ -587,6 +594,14 @@ class Gateway:
 
     async def _prefill(self, url: str, body: dict[str, Any], hdrs: dict[str, str], node: str, tr: _Trace,
                        peer: str | None = None) -> dict[str, Any]:
+        t_p = self.clock()
+        try:
+            return await self._prefill_call(url, body, hdrs, node, tr, peer)
+        finally:
+            tr.prefill_s += self.clock() - t_p
+
+    async def _prefill_call(self, url: str, body: dict[str, Any], hdrs: dict[str, str], node: str, tr: _Trace,
+                            peer: str | None) -> dict[str, Any]:
         r = await self._send(url, body, hdrs, node, tr, what="prefill", first_byte=True)
         if r.status_code >= 400:
             content = await self._refusal(r, tr, node, "the prefill's error answer")
@@ -609,6 +624,7 @@ class Gateway:
         """The decode (or aggregated) call, open: its headers in, its body left to read. A streamed
         call's headers wait ``first_byte_s``; a non-streamed one's come with its last token (total only)."""
         node = d.decode_instance
+        tr.decode_sent = self.clock()
         send = asyncio.ensure_future(self._send(url, body, hdrs, node, tr, what="decode",
                                                 first_byte=bool(body.get("stream"))))
         try:
@@ -713,6 +729,12 @@ class Gateway:
             predicted_tbt_ms=d.predicted_tbt_ms if d else None, ttft_s=tr.ttft_s,
             tbt_p50_ms=percentile(tr.gaps_ms, 50), tbt_p99_ms=percentile(tr.gaps_ms, 99),
             routing_ms=tr.routing_ms or None, total_s=max(0.0, self.clock() - tr.t0), stream=tr.stream,
+            model=tr.model, decided_s=tr.decided_s if d else None,
+            prefill_s=tr.prefill_s if d and not d.aggregated and tr.prefill_s else None,
+            decode_ttft_s=(tr.t0 + tr.ttft_s - tr.decode_sent
+                           if tr.ttft_s is not None and tr.decode_sent is not None else None),
+            reused_tokens=d.reused_tokens if d else None, mode=d.mode if d else None,
+            control_offset=d.control_offset if d else None,
         )
         self.outcomes.append(o)
         del self.outcomes[:-1000]

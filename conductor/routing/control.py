@@ -7,7 +7,11 @@ with :func:`apply_control` (pure: no I/O, no clock), so all replicas, the
 simulator and ``conductor explain`` reach the same :class:`ControlState` for the
 same offset. A decision records that offset.
 
-A command that names an unknown policy or bad parameters is skipped (the state
+``set_profile`` swaps the cost model the policy predicts with for one fitted from the engines'
+measurements (``conductor fit``); a decision's control offset then names the profile it
+was made under as well, so ``explain`` re-derives it with that profile.
+
+A command that names an unknown policy, bad parameters or a profile that does not validate is skipped (the state
 keeps its previous policy and notes why in ``last_error``) but its offset still
 counts: every reader skips it the same way.
 """
@@ -19,6 +23,8 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
+from conductor.errors import ConfigError
+from conductor.profiles import ModelProfile, profile_from_dict
 from schemas import ControlCommand
 
 PolicyCheck = Callable[[str | None, dict[str, Any]], None]
@@ -41,6 +47,8 @@ class ControlState:
     """Control records applied (skipped ones not counted)."""
     history: tuple[dict[str, Any], ...] = field(default=())
     """The last few applied or skipped commands, newest last (for the admin API)."""
+    profile: ModelProfile | None = None
+    """The cost model set at run time (``set_profile``); ``None``: the one configured at start-up."""
 
     @property
     def excluded(self) -> frozenset[str]:
@@ -64,6 +72,7 @@ class ControlState:
             "last_error": self.last_error,
             "changes": self.changes,
             "history": list(self.history),
+            "profile": None if self.profile is None else self.profile.name,
         }
 
 
@@ -81,7 +90,16 @@ def apply_control(
              "node_id": cmd.node_id, "reason": cmd.reason, "operator": cmd.operator}
     new: ControlState
     error = ""
-    if cmd.action in ("set_policy", "set_params"):
+    if cmd.action == "set_profile":
+        entry["profile"] = str((cmd.profile or {}).get("name"))
+        try:
+            prof = profile_from_dict(dict(cmd.profile or {}), source=f"offset {offset}: set_profile")
+        except ConfigError as e:
+            error = f"{e} (skipped)"
+            new = replace(state, offset=offset, last_error=error)
+        else:
+            new = replace(state, offset=offset, profile=prof, last_error="", changes=state.changes + 1)
+    elif cmd.action in ("set_policy", "set_params"):
         name = cmd.policy if cmd.action == "set_policy" else (cmd.policy or state.policy)
         params = dict(cmd.params)
         try:

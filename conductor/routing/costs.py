@@ -68,9 +68,10 @@ class Costs:
         if q <= 0:
             return 0.0
         k = inst.queued_requests
+        scale = self.profile.queue_wait_scale  # 1 unless fitted: the queue's measured drain rate
         if k <= 1:
-            return self.prefill_s(q, 0)
-        return k * self.prefill_s(q / k, 0)
+            return scale * self.prefill_s(q, 0)
+        return scale * k * self.prefill_s(q / k, 0)
 
     def local_reuse(self, inst: Instance, request: PolicyRequest, block_size: int) -> Reuse:
         """Cheapest way to prefill on ``inst`` using only its own cache (possibly none of it)."""

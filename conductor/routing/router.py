@@ -263,7 +263,13 @@ class Router:
         self.control = after
         if after.last_error:
             log.error("control %s", after.last_error)
-        if (after.policy, after.params) != (before.policy, before.params):
+        new_profile = after.profile is not None and after.profile != before.profile
+        if new_profile:
+            assert after.profile is not None
+            self.profile = after.profile
+            self._indexes.clear()  # they cost queues with the old profile
+            log.info("control offset %d: cost model %s", offset, self.profile.name)
+        if new_profile or (after.policy, after.params) != (before.policy, before.params):
             name = after.policy or self.settings.policy
             params = dict(after.params) if after.params is not None else self.settings.policy_params
             self.policy = make_policy(name, params, self.profile)

@@ -7,11 +7,16 @@ rest; the lowest TTFT wins, not the longest match. Decode: among instances with
 room for the request whose predicted TBT (with it added) meets the SLO, the least
 loaded, picked at random within a low-load band. When no pair can meet the SLOs
 the request is rejected before any compute is spent (prediction-based early
-rejection, Mooncake arXiv v3 §7). The rejection test counts the predicted queue
-wait ``queue_wait_safety`` times: the wait is estimated from a heartbeat's queued
-tokens as equal-length prompts, which under load is optimistic (long prompts cost
-quadratically), while the request's own prefill estimate is not; see
-docs/simulation/ANALYSIS.md for the measurement behind the default.
+rejection, Mooncake arXiv v3 §7). The rejection test holds the prediction to the SLO with a
+margin for its own error: with a profile fitted from served requests (``conductor fit``: it
+carries its observed TTFT error), a request is rejected when ``predicted x (1 + error p90)``
+exceeds the budget, i.e. when it would miss the SLO in more than about one case in ten of
+the requests the model mispredicts most. A hand-set profile has no measured error; the test
+then counts the predicted queue wait ``queue_wait_safety`` times (2 by default): the wait is
+estimated from a heartbeat's queued tokens as equal-length prompts, which under load is
+optimistic (long prompts cost quadratically), while the request's own prefill estimate is not;
+see docs/simulation/ANALYSIS.md for the measurement behind that default. Setting
+``queue_wait_safety`` explicitly keeps that rule, fitted profile or not.
 
 Priority (the request's ``priority``, -100..100, recorded on ``requests`` so ``explain``
 re-derives with it) moves where early rejection draws the line: the SLO budget is scaled by
@@ -100,11 +105,12 @@ class KvCacheCentricParams(PolicyParams):
         description="a request's priority (-100..100) scales the SLO budget early rejection holds it to by "
         "1 + priority_shift x priority/100: low priority is shed first, leaving the queues' headroom to the rest",
     )
-    queue_wait_safety: float = Field(
-        default=2.0,
+    queue_wait_safety: float | None = Field(
+        default=None,
         ge=1.0,
         description="early rejection counts the predicted queue wait this many times (the wait estimate "
-        "is optimistic under load; 1 = trust it)",
+        "is optimistic under load; 1 = trust it); unset: the profile's measured TTFT error p90 as the margin "
+        "when the profile was fitted (conductor fit), else 2",
     )
     decode_low_load_band: float = Field(
         default=0.1, ge=0, description="decode picks at random among TBTs within (1 + band) x the lowest"
@@ -153,6 +159,21 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
                 return every
             dec = every
         return placement(pre.instance, dec[0], pre.reuse, pre.ttft_s, dec[1])
+
+    def _guarded(self, ttft: float, wait: float) -> float:
+        """The TTFT early rejection holds to the budget: the prediction with a margin for its error
+        (the fitted profile's measured p90, or ``queue_wait_safety`` x the queue wait)."""
+        safety = self.p.queue_wait_safety
+        measured = self.profile.ttft_error_p90
+        if safety is None and measured is not None:
+            return ttft * (1.0 + measured)
+        return ttft + ((2.0 if safety is None else safety) - 1.0) * wait
+
+    def _margin_text(self, wait: float) -> str:
+        safety = self.p.queue_wait_safety
+        if safety is None and self.profile.ttft_error_p90 is not None:
+            return f"with the model's measured error p90 {self.profile.ttft_error_p90:.0%} added"
+        return f"with its queue wait {wait:.3f}s counted x{2.0 if safety is None else safety:g}"
 
     def _budgets(self, request: PolicyRequest) -> tuple[float, float]:
         """(TTFT budget s, TBT budget ms): the request's SLOs x the margin, scaled by its priority."""
@@ -207,7 +228,7 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
             ttfts.append(w + r.cost_s)
             lo = min(lo, w + r.cost_s)
         chosen = pick_lowest(range(len(pool)), ttfts, rng, tol=p.prefill_tie_s, node_id=lambda i: pool[i].node_id)
-        if p.early_rejection and ttfts[chosen] + (p.queue_wait_safety - 1.0) * waits[chosen] > self._budgets(request)[0]:
+        if p.early_rejection and self._guarded(ttfts[chosen], waits[chosen]) > self._budgets(request)[0]:
             return None
         return PrefillPlan(pool[chosen], reuses[chosen], ttfts[chosen])
 
@@ -315,21 +336,21 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
         # Admitting work whose TTFT lands just under the SLO by an optimistic wait estimate
         # fills queues until most of it misses (measured in the simulator), so the wait
         # part of the prediction must clear the budget with a safety factor.
-        extra = p.queue_wait_safety - 1.0
-        if p.early_rejection and ttft + extra * waits[chosen] > ttft_budget:
+        guard = self._guarded
+        if p.early_rejection and guard(ttft, waits[chosen]) > ttft_budget:
             # The fastest instance fails the guarded check; one with a shorter queue may pass it.
-            safe = [i for i in range(len(pool)) if ttfts[i] + extra * waits[i] <= ttft_budget]
+            safe = [i for i in range(len(pool)) if guard(ttfts[i], waits[i]) <= ttft_budget]
             if safe:
                 chosen = pick_lowest(safe, [ttfts[i] for i in safe], rng, tol=p.prefill_tie_s,
                                      node_id=lambda i: pool[i][0].node_id)
                 ttft = ttfts[chosen]
-        guarded = ttft + extra * waits[chosen]
+        guarded = guard(ttft, waits[chosen])
         single_fits = guarded <= ttft_budget if p.early_rejection else ttft <= ttft_budget
         if not single_fits and p.cpp and request.prompt_tokens >= p.cpp_min_tokens and len(prefills) > 1:
             # Only a request no single instance can serve in time pays for a pipeline.
             group = self._pipeline(request, prefills, reuses, waits, ttfts, bs)  # pool == prefills with CPP
             if group is not None:
-                g_guarded = group.finish_s + extra * max(waits[i] for i in group.members)
+                g_guarded = guard(group.finish_s, max(waits[i] for i in group.members))
                 if (g_guarded <= ttft_budget) if p.early_rejection else (group.finish_s < ttft):
                     return PrefillPlan(prefills[group.members[0]], reuses[group.members[0]], group.finish_s,
                                        tuple(prefills[i].node_id for i in group.members), group.boundaries)
@@ -342,8 +363,8 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
                 )
             return Rejection(
                 "ttft_slo",
-                f"best predicted TTFT {ttft:.3f}s on {pool[chosen][0].node_id}, {guarded:.3f}s with its queue wait "
-                f"{waits[chosen]:.3f}s counted x{p.queue_wait_safety:g}, exceeds the SLO {request.ttft_slo_s:g}s"
+                f"best predicted TTFT {ttft:.3f}s on {pool[chosen][0].node_id}, {guarded:.3f}s {self._margin_text(waits[chosen])}, "
+                f"exceeds the SLO {request.ttft_slo_s:g}s"
                 f"{_at(request, ttft_budget, 's')} "
                 f"on every one of {len(prefills)} prefill instances" + (" and every CPP group" if p.cpp else ""),
             )

@@ -1,0 +1,121 @@
+"""``conductor fit``: the cost-model agent's process (the fit itself: :mod:`conductor.routing.fitting`).
+
+A small aiokafka consumer, not a Faust agent: it keeps a window of a few hundred samples in
+memory and writes nothing but the rare ``set_profile`` record, so it needs no table, no
+changelog and no consumer group. On start it folds the ``control`` topic (the profiles already
+published, and the offsets they took effect at), then follows ``request-outcomes`` from its end
+and ``control`` after what it folded. A restarted fitter starts a fresh window under the profile
+in force. One fitter per cluster (two would publish twice: harmless, each record is a whole
+profile, but noisy).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterable
+from typing import Any
+
+from aiokafka import TopicPartition
+from opentelemetry import metrics
+
+from conductor.profiles import load_profile
+from conductor.routing.control_log import control_records, publish_control
+from conductor.routing.fitting import CostFitter, FitConfig, sample_of
+from conductor.settings import Settings
+from schemas import ControlCommand, DecodeError, RequestOutcome, decode
+from streams.kafka import consumer, end_offsets, ensure_topics
+from streams.topics import topics
+
+log = logging.getLogger(__name__)
+
+
+class FitMetrics:
+    """Prediction error as decided (the profile in force), and the fit's own out-of-sample error."""
+
+    def __init__(self) -> None:
+        m = metrics.get_meter(__name__)
+        self.ttft_error = m.create_histogram(
+            "conductor_fit_ttft_prediction_error", unit="1",
+            description="|predicted - real| / real TTFT of each served request, as its decision predicted it")
+        self.tbt_error = m.create_histogram(
+            "conductor_fit_tbt_prediction_error", unit="1",
+            description="|predicted - real| / real TBT (p50 of the request's token gaps)")
+        self.fitted_error = m.create_gauge(
+            "conductor_fit_ttft_error", unit="1",
+            description="the published fit's out-of-sample TTFT error, by quantile (p50, p90)")
+        self.fitted_tbt_error = m.create_gauge(
+            "conductor_fit_tbt_error", unit="1", description="the published fit's out-of-sample TBT error, by quantile")
+        self.published = m.create_counter("conductor_fit_published", description="set_profile records published")
+
+    def outcome(self, fitter: CostFitter, o: RequestOutcome) -> None:
+        s = sample_of(o, fitter.profile_at(o.control_offset))
+        if s is None or s.predicted_ttft_s is None:
+            return
+        self.ttft_error.record(abs(s.predicted_ttft_s - s.ttft_s) / s.ttft_s)
+        if s.tbt_ms and s.predicted_tbt_ms is not None:
+            self.tbt_error.record(abs(s.predicted_tbt_ms - s.tbt_ms) / s.tbt_ms)
+
+    def profile(self, fitter: CostFitter) -> None:
+        p = fitter.published
+        for q, v, t in (("p50", p.ttft_error_p50, p.tbt_error_p50), ("p90", p.ttft_error_p90, p.tbt_error_p90)):
+            if v is not None:
+                self.fitted_error.set(v, {"quantile": q})
+            if t is not None:
+                self.fitted_tbt_error.set(t, {"quantile": q})
+
+
+async def run_fit_worker(settings: Settings, config: FitConfig, *, stop: asyncio.Event | None = None) -> None:
+    """Follow outcomes and control until ``stop``; publish each fit that moved."""
+    t = topics(settings.topic_config())
+    await ensure_topics(settings.kafka(), (t.request_outcomes, t.control))
+    fitter = CostFitter(load_profile(settings.model_profile), config)
+    done = -1
+    for offset, cmd in await control_records(settings):
+        fitter.on_control(offset, cmd)
+        done = offset
+    m = FitMetrics()
+    m.profile(fitter)
+    log.info("fitting %s from %s (profile in force: %s)", config.model or "every model", t.request_outcomes.name,
+             fitter.published.name)
+    c = consumer(settings.kafka(), group_id=None, fetch_max_wait_ms=200)
+    await c.start()
+    try:
+        parts = [TopicPartition(t.request_outcomes.name, p)
+                 for p in sorted(c.partitions_for_topic(t.request_outcomes.name) or {0})]
+        ctl = TopicPartition(t.control.name, 0)
+        c.assign([*parts, ctl])
+        ends = await end_offsets(c, parts)
+        for tp in parts:
+            c.seek(tp, ends[tp])
+        c.seek(ctl, done + 1)
+        while stop is None or not stop.is_set():
+            batch = await c.getmany(timeout_ms=500)
+            for tp, recs in batch.items():
+                await _take(settings, fitter, m, tp.topic == t.control.name, ((r.offset, r.value) for r in recs))
+    finally:
+        await c.stop()
+
+
+async def _take(settings: Settings, fitter: CostFitter, m: FitMetrics, control: bool,
+                recs: Iterable[tuple[int, Any]]) -> None:
+    for offset, value in recs:
+        try:
+            body = decode(value).body
+        except DecodeError:
+            continue  # the owners of these topics dead-letter what they cannot read
+        if control and isinstance(body, ControlCommand):
+            fitter.on_control(offset, body)
+            m.profile(fitter)
+        elif isinstance(body, RequestOutcome):
+            m.outcome(fitter, body)
+            cmd = fitter.on_outcome(body)
+            if cmd is not None:
+                at = await publish_control(settings, cmd, producer_id="conductor-fit")
+                fitter.on_control(at, cmd)
+                m.published.add(1)
+                m.profile(fitter)
+                log.info("control offset %d: published %s (%s)", at, cmd.profile and cmd.profile.get("name"), cmd.reason)
+
+
+__all__ = ["FitMetrics", "run_fit_worker"]

@@ -1,0 +1,140 @@
+"""The cost model learned from served requests: outcomes in, ``set_profile`` control records out.
+
+:class:`CostFitter` is the pure part of ``conductor fit`` (:mod:`conductor.routing.fit_worker`
+reads the topics and publishes): it keeps a sliding window of served requests per model, each
+paired with the profile its decision was made under (the outcome names its decision's control
+offset; the fitter folds the ``set_profile`` records it sees; a window holds the requests of one
+profile: a new one starts it again), refits the profile
+(:func:`~conductor.profiles.fit_outcomes`) every ``refit_every`` new requests, and returns a
+``set_profile`` command when the fit moved beyond ``threshold`` from the one in force. The
+routers apply it in log order, so every later decision records the offset of the profile it
+was made with and ``explain`` re-derives it exactly.
+
+The outcome carries what the fit needs of its decision (predicted TTFT and TBT, predicted
+reuse, control offset), so no join with ``dispatch`` is needed: one topic, one record per request.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+from conductor.errors import ConfigError
+from conductor.profiles import CostFit, ModelProfile, OutcomeSample, fit_moved, fit_outcomes, predicted_queue_s
+from schemas import ControlCommand, RequestOutcome
+
+log = logging.getLogger(__name__)
+
+ALL_MODELS = "*"
+"""The window key when the fitter pools every model (``FitConfig.model`` None)."""
+
+
+@dataclass(frozen=True, slots=True)
+class FitConfig:
+    window: int = 400
+    """Served requests kept per model (the newest)."""
+    min_rows: int = 30
+    """No fit before this many."""
+    refit_every: int = 20
+    """Refit after this many new requests."""
+    threshold: float = 0.10
+    """Publish when the fit's predictions move by more than this (relative)."""
+    model: str | None = None
+    """Fit this model's requests only (routers hold one profile); None: every model pooled."""
+
+    def __post_init__(self) -> None:
+        if self.window < 4 or self.min_rows < 4 or self.min_rows > self.window:
+            raise ConfigError(f"fit window {self.window} and min_rows {self.min_rows}: need 4 <= min_rows <= window")
+        if self.refit_every < 1 or not self.threshold >= 0:
+            raise ConfigError("fit refit_every must be >= 1 and threshold >= 0")
+
+
+def sample_of(o: RequestOutcome, profile: ModelProfile) -> OutcomeSample | None:
+    """The fit's view of one outcome decided under ``profile``; None when it was not served
+    with a first token and a prediction (rejections, failures, outcomes of v1 gateways)."""
+    if (o.status != 200 or o.error is not None or o.ttft_s is None or o.decided_s is None
+            or o.predicted_ttft_s is None or o.prompt_tokens <= 0):
+        return None
+    ttft = o.ttft_s - o.decided_s
+    if ttft <= 0:
+        return None
+    reused = o.reused_tokens or 0
+    return OutcomeSample(
+        prompt_tokens=o.prompt_tokens, reused_tokens=reused,
+        queue_s=predicted_queue_s(profile, o.predicted_ttft_s, o.prompt_tokens, reused),
+        ttft_s=ttft, predicted_ttft_s=o.predicted_ttft_s,
+        tbt_ms=o.tbt_p50_ms if o.output_tokens > 1 else None, predicted_tbt_ms=o.predicted_tbt_ms)
+
+
+class CostFitter:
+    """Outcomes and control records in log order in; ``set_profile`` commands out."""
+
+    def __init__(self, base: ModelProfile, config: FitConfig | None = None) -> None:
+        self.config = config or FitConfig()
+        self._offsets: list[int] = [-1]
+        self._profiles: list[ModelProfile] = [base]
+        self.windows: dict[str, deque[OutcomeSample]] = {}
+        self._since: dict[str, int] = {}
+        self.last_fit: dict[str, CostFit] = {}
+        self.published: ModelProfile = base
+        """The profile in force (the last ``set_profile`` seen or returned)."""
+
+    def profile_at(self, offset: int | None) -> ModelProfile:
+        """The profile a decision of control offset ``offset`` was made under."""
+        i = bisect.bisect_right(self._offsets, -1 if offset is None else offset) - 1
+        return self._profiles[max(i, 0)]
+
+    def on_control(self, offset: int, cmd: ControlCommand) -> None:
+        if cmd.action != "set_profile" or not cmd.profile or offset <= self._offsets[-1]:
+            return
+        try:
+            prof = ModelProfile.model_validate(dict(cmd.profile))
+        except ValueError as e:
+            log.warning("control offset %d: set_profile skipped: %s", offset, e)
+            return
+        self._offsets.append(offset)
+        self._profiles.append(prof)
+        self.published = prof
+
+    def on_outcome(self, o: RequestOutcome) -> ControlCommand | None:
+        """Take one outcome; a ``set_profile`` to publish when a refit moved enough."""
+        cfg = self.config
+        if cfg.model is not None and o.model != cfg.model:
+            return None
+        s = sample_of(o, self.profile_at(o.control_offset))
+        if s is None:
+            return None
+        key = (o.model or "default") if cfg.model is not None else ALL_MODELS
+        win = self.windows.setdefault(key, deque(maxlen=cfg.window))
+        win.append(s)
+        self._since[key] = self._since.get(key, 0) + 1
+        if len(win) < cfg.min_rows or self._since[key] < cfg.refit_every:
+            return None
+        self._since[key] = 0
+        return self.refit(key)
+
+    def refit(self, key: str) -> ControlCommand | None:
+        # Every sample's queue wait was derived under the profile its decision used, and the fit
+        # maps those waits onto real ones: refit from the profile in force, keeping its l, d, FLOP/s.
+        base = self.published
+        try:
+            fit = fit_outcomes(list(self.windows[key]), base)
+        except ConfigError as e:
+            log.info("no fit yet: %s", e)
+            return None
+        self.last_fit[key] = fit
+        if not fit_moved(base, fit.profile, self.config.threshold):
+            return None
+        self.published = fit.profile
+        # The window's queue waits were predicted under the old profile: start a new window.
+        self.windows[key].clear()
+        return ControlCommand(
+            action="set_profile", profile=fit.profile.model_dump(), model=None if key == ALL_MODELS else key,
+            reason=f"fitted on {fit.rows} served requests: TTFT error p50 {fit.profile.ttft_error_p50:.1%}, "
+                   f"p90 {fit.profile.ttft_error_p90:.1%} (out of sample)",
+            operator="conductor-fit")
+
+
+__all__ = ["ALL_MODELS", "CostFitter", "FitConfig", "sample_of"]
