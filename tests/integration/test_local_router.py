@@ -1,0 +1,112 @@
+"""The colocated router (conductor.routing.local) on the real broker and Redis: two gateways'
+routers share their reservations, every decision is on the log before it is handed back, a
+router of ``requests`` leaves decided requests alone, explain re-derives them, and a broker
+that does not take the decision is said, not served."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+
+import pytest
+from kvstream import read_all
+
+from conductor.routing.explain import explain
+from conductor.routing.local import LocalRouter, LogUnavailable
+from conductor.routing.router import Router, RouterWorker, redis_stores
+from conductor.settings import Settings
+from schemas import Heartbeat, RoutingDecision, RoutingRequest, encode, envelope, headers
+from state.view import SourcePosition
+from streams.kafka import ensure_topics, producer
+from streams.topics import topics
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+PROMPT = list(range(1, 4097))  # 4,096 tokens: a prefill long enough that a queue of one shows
+
+
+def request(rid: str, tokens: list[int] = PROMPT) -> RoutingRequest:
+    return RoutingRequest(request_id=rid, token_ids=tokens, prompt_tokens=len(tokens), expected_output_tokens=16,
+                          ttft_slo_s=600.0)
+
+
+@contextlib.asynccontextmanager
+async def cluster(settings: Settings) -> AsyncIterator[Settings]:
+    """Two idle prefill instances and one decode instance live in the view; a router of ``requests`` running."""
+    s = settings.model_copy(update={"heartbeat_ttl_s": 3600.0, "policy": "kvcache-centric"})
+    await ensure_topics(s.kafka(), topics(s.topic_config()).all())
+    view, resv = redis_stores(s, producer_id="test-local")
+    now = int(time.time() * 1000)
+    beats = [envelope(Heartbeat(role=role, rack="r0"), producer_id=node, producer_seq=0, ts_ms=now)
+             for node, role in {"p0": "prefill", "p1": "prefill", "d0": "decode"}.items()]
+    prod = producer(s.kafka())
+    await prod.start()
+    try:  # on the topic (explain replays it), and into the view at their positions, as the stream worker folds them
+        for b in beats:
+            md = await prod.send_and_wait(topics(s.topic_config()).heartbeats.name, encode(b),
+                                          key=b.producer_id.encode(), headers=headers(b))
+            await view.apply([(b, SourcePosition(md.topic, md.partition, md.offset))])
+    finally:
+        await prod.stop()
+    stop = asyncio.Event()
+    worker = asyncio.create_task(RouterWorker(s, Router(s, view, resv), router_id="r-standalone").run(stop))
+    try:
+        yield s
+    finally:
+        stop.set()
+        await asyncio.wait_for(worker, 30)
+        await resv.clear()
+        await view.close()
+
+
+async def test_two_gateways_share_reservations_and_every_decision_is_logged_once(settings: Settings) -> None:
+    async with cluster(settings) as s:
+        a, b = LocalRouter(s, producer_id="gw-a"), LocalRouter(s, producer_id="gw-b")
+        await a.start()
+        await b.start()
+        try:
+            first = await a.decide(request("a-1"))
+            assert isinstance(first, RoutingDecision) and first.decided_by == "gw-a" and first.ordinal == 0
+            # b learns a's reservation through Redis (no heartbeat has counted it yet) ...
+            deadline = time.monotonic() + 10
+            resv = b.router.reservations
+            while getattr(resv, "applied", 0) < 1 and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            assert getattr(resv, "applied", 0) >= 1
+            # ... so the same-sized prompt (nothing of it cached) goes to the other, idle prefill instance.
+            second = await b.decide(request("b-1", [t + 10_000 for t in PROMPT]))
+            assert isinstance(second, RoutingDecision) and second.decided_by == "gw-b"
+            assert second.prefill_instance != first.prefill_instance
+            # Decisions in arrival order, each numbered: the turn explain re-derives with.
+            more = await asyncio.gather(*(a.decide(request(f"a-{i}", [t + 20_000 * i for t in PROMPT]))
+                                          for i in range(2, 6)))
+            assert [d.ordinal for d in more if isinstance(d, RoutingDecision)] == [1, 2, 3, 4]
+        finally:
+            await a.close()
+            await b.close()
+        t = topics(s.topic_config())
+        reqs = [r for r in await read_all(s, t.requests.name, 6) if isinstance(r, RoutingRequest)]
+        assert sorted(r.request_id for r in reqs) == ["a-1", "a-2", "a-3", "a-4", "a-5", "b-1"]
+        assert {r.request_id: r.decided_by for r in reqs} == {rid: f"gw-{rid[0]}" for rid in ["a-1", "a-2", "a-3", "a-4",
+                                                                                               "a-5", "b-1"]}
+        # Asking for one more than there should be: the stand-alone router has 3 s to (wrongly) decide them again.
+        decs = [d for d in await read_all(s, t.dispatch.name, 7, wait_s=3.0) if isinstance(d, RoutingDecision)]
+        assert sorted(d.request_id for d in decs) == sorted(r.request_id for r in reqs)  # once each
+        ex = await explain(s, "b-1")
+        assert ex.matches, ex.differences
+        assert ex.reservations >= 1  # a's decision was in flight when b decided, and explain counts it
+
+
+async def test_a_decision_the_broker_does_not_take_is_said_not_handed_back(settings: Settings) -> None:
+    async with cluster(settings) as s:
+        local = LocalRouter(s, producer_id="gw-c", ack_timeout_s=2.0)
+        await local.start()
+        try:
+            assert local.problem() is None
+            await local._producer.stop()  # the broker is out of reach for this producer
+            with pytest.raises(LogUnavailable, match="c-1"):
+                await local.decide(request("c-1"))
+        finally:
+            await local.close()
