@@ -40,7 +40,7 @@ async def cluster(settings: Settings) -> AsyncIterator[Settings]:
     view, resv = redis_stores(s, producer_id="test-local")
     now = int(time.time() * 1000)
     beats = [envelope(Heartbeat(role=role, rack="r0"), producer_id=node, producer_seq=0, ts_ms=now)
-             for node, role in {"p0": "prefill", "p1": "prefill", "d0": "decode"}.items()]
+             for node, role in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"))]
     prod = producer(s.kafka())
     await prod.start()
     try:  # on the topic (explain replays it), and into the view at their positions, as the stream worker folds them
