@@ -39,8 +39,9 @@ async def cluster(settings: Settings) -> AsyncIterator[Settings]:
     await ensure_topics(s.kafka(), topics(s.topic_config()).all())
     view, resv = redis_stores(s, producer_id="test-local")
     now = int(time.time() * 1000)
-    beats = [envelope(Heartbeat(role=role, rack="r0"), producer_id=node, producer_seq=0, ts_ms=now)
-             for node, role in (("p0", "prefill"), ("p1", "prefill"), ("d0", "decode"))]
+    beats = [envelope(Heartbeat(role="prefill", rack="r0"), producer_id=node, producer_seq=0, ts_ms=now)
+             for node in ("p0", "p1")]
+    beats.append(envelope(Heartbeat(role="decode", rack="r0"), producer_id="d0", producer_seq=0, ts_ms=now))
     prod = producer(s.kafka())
     await prod.start()
     try:  # on the topic (explain replays it), and into the view at their positions, as the stream worker folds them
