@@ -219,13 +219,14 @@ def fit_profile(rows: Iterable[Sequence[float]], base: ModelProfile | None = Non
     x_a = scale * base.d * (n * n - c * c)
     x_b = scale * base.d * base.d * (n - c)
     design = np.column_stack([np.ones_like(n), x_a, x_b])
-    coef, *_ = np.linalg.lstsq(design, y, rcond=None)
-    if coef[0] < 0:  # a negative fixed cost is unphysical: refit through the origin
-        coef = np.concatenate([[0.0], np.linalg.lstsq(design[:, 1:], y, rcond=None)[0]])
+    # Every coefficient is a cost, never negative: least squares over the columns that stay
+    # non-negative (an engine whose prefill time hardly grows with the prompt, a small model on
+    # a fast machine, fits with a = 0 or b = 0 instead of failing).
+    coef = _nonnegative_lstsq(design, y)
     overhead, a, b = (float(v) for v in coef)
-    if a < 0 or b < 0:
-        raise ConfigError(f"the timings do not fit the model (a={a:.3g}, b={b:.3g}); need more varied lengths")
-    pred = design @ np.array([overhead, a, b])
+    if a == 0 and b == 0:
+        raise ConfigError("the timings do not grow with the prompt (a = b = 0); need more varied lengths")
+    pred = design @ coef
     profile = base.model_copy(
         update={
             "name": f"{base.name}-fit",
@@ -241,6 +242,72 @@ def fit_profile(rows: Iterable[Sequence[float]], base: ModelProfile | None = Non
         rmse_s=float(np.sqrt(np.mean((pred - y) ** 2))),
         max_rel_error=float(np.max(np.abs(pred - y) / y)),
     )
+
+def _nonnegative_lstsq(design: np.ndarray, y: np.ndarray) -> np.ndarray:
+    """Least squares with every coefficient >= 0: the best fit over the subsets of columns whose
+    unconstrained fit has no negative coefficient (few columns: all subsets are tried)."""
+    cols = design.shape[1]
+    best, best_sse = np.zeros(cols), float(np.sum(y * y))
+    for mask in range(1, 1 << cols):
+        keep = [j for j in range(cols) if mask >> j & 1]
+        sub, *_ = np.linalg.lstsq(design[:, keep], y, rcond=None)
+        if np.any(sub < 0):
+            continue
+        coef = np.zeros(cols)
+        coef[keep] = sub
+        sse = float(np.sum((design @ coef - y) ** 2))
+        if sse < best_sse - 1e-18:
+            best, best_sse = coef, sse
+    return best
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeFit:
+    """A profile whose decode step was refitted, and how well it explains the measured steps."""
+
+    profile: ModelProfile
+    rows: int
+    rmse_s: float
+    max_rel_error: float
+
+
+MIN_CONTEXT_COST_S = 1e-15
+"""Seconds per context token below which a fit calls the context free (the profile's
+``kv_bytes_per_token / hbm_bandwidth`` must stay finite)."""
+
+
+def fit_decode(rows: Iterable[Sequence[float]], base: ModelProfile) -> DecodeFit:
+    """Fit the decode step to (batch size, context tokens, step seconds) rows.
+
+    ``decode_step_seconds`` is ``step_overhead + batch * per_sequence + (weights + context *
+    kv_bytes_per_token) / hbm_bandwidth``: linear in (1, batch, context), fitted by non-negative
+    least squares. ``kv_bytes_per_token`` stays that of ``base`` (transfers use it); the fit sets
+    ``hbm_bandwidth`` from the context coefficient, ``weight_bytes`` from the fixed one
+    (``step_overhead_s`` 0: the two are one term) and ``per_sequence_s``.
+    """
+    data = [(float(b), float(c), float(s)) for b, c, s in rows]
+    if len(data) < 3:
+        raise ConfigError(f"fitting the decode step needs at least 3 rows, got {len(data)}")
+    for i, (batch, ctx, secs) in enumerate(data):
+        if not (batch >= 1 and ctx >= 0 and secs > 0) or not all(map(math.isfinite, (batch, ctx, secs))):
+            raise ConfigError(f"decode row {i + 1}: need batch >= 1, context >= 0 and seconds > 0, "
+                              f"got {(batch, ctx, secs)}")
+    arr = np.array(data)
+    design = np.column_stack([np.ones(len(arr)), arr[:, 0], arr[:, 1]])
+    y = arr[:, 2]
+    coef = _nonnegative_lstsq(design, y)
+    fixed, per_seq, per_ctx = (float(v) for v in coef)
+    per_ctx = max(per_ctx, MIN_CONTEXT_COST_S)
+    hbm = base.kv_bytes_per_token / per_ctx
+    if fixed <= 0:  # weights are read every step: some fixed cost is physical
+        fixed = float(np.min(y)) * 1e-3
+    profile = base.model_copy(update={
+        "hbm_bandwidth": hbm, "weight_bytes": fixed * hbm, "step_overhead_s": 0.0, "per_sequence_s": per_seq,
+    })
+    pred = np.array([profile.decode_step_seconds(int(b), int(c)) for b, c, _ in data])
+    return DecodeFit(profile=profile, rows=len(data), rmse_s=float(np.sqrt(np.mean((pred - y) ** 2))),
+                     max_rel_error=float(np.max(np.abs(pred - y) / y)))
+
 
 
 def read_timings_csv(path: Path) -> list[tuple[float, float, float]]:

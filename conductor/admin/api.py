@@ -140,9 +140,11 @@ def create_app(settings: Settings, *, insecure: bool = False, feed: LogFeed | No
         except (ConductorError, OSError) as e:
             raise HTTPException(503, f"the view is unreachable: {e}") from None
         out = view_summary(snap, settings.heartbeat_ttl_s, feed.control.node_status)
-        hits = feed.stats()["hit_rate_by_instance"]
+        stats = feed.stats()
+        hits, reuse = stats["hit_rate_by_instance"], stats["reuse_ratio_by_instance"]
         for n in out["nodes"]:
-            n["hit_rate"] = hits.get(n["node_id"])
+            n["hit_rate"] = hits.get(n["node_id"])  # share of its decisions that reused any prefix
+            n["reuse_ratio"] = reuse.get(n["node_id"])  # prompt tokens reused, token-weighted
         return out
 
     @app.get("/api/decisions", tags=["decisions"], dependencies=[read])
@@ -157,7 +159,10 @@ def create_app(settings: Settings, *, insecure: bool = False, feed: LogFeed | No
 
     @app.get("/api/stats", tags=["decisions"], dependencies=[read])
     async def stats(window_s: float = Query(10.0, gt=0, le=3600)) -> dict[str, Any]:
-        """Decisions per second, reuse ratio, predicted TTFT, rejections by reason."""
+        """Decisions per second, reuse ratio (tokens) and the engines' reported cache hits, predicted
+        against observed TTFT (p50/p90 over the window, and ``ttft_series``: p50 per window over the
+        last 30 windows), rejections by reason, per-instance reuse (``hit_rate_by_instance``: share of
+        decisions reusing any prefix; ``reuse_ratio_by_instance``: tokens)."""
         return feed.stats(window_s)
 
     explaining = asyncio.Lock()  # one at a time: each holds the view it rebuilt

@@ -20,6 +20,8 @@ th{background:#eee}td.l,th.l{text-align:left}
 .dead{color:#b00}.cordoned,.draining{color:#a60}
 #err{color:#b00;min-height:1.2em}
 pre{background:#fff;border:1px solid #ddd;padding:.5rem;max-height:22rem;overflow:auto}
+#ttft-chart{background:#fff;border:1px solid #ddd;border-radius:6px;margin-bottom:1rem}
+.legend{font-size:.8rem;color:#555;margin:-.6rem 0 1rem}.pred{color:#2563eb}.obs{color:#ea580c}
 """
 
 CONSOLE_HTML = """<!doctype html>
@@ -31,8 +33,8 @@ CONSOLE_HTML = """<!doctype html>
 <div id="err" role="alert"></div>
 <div class="tiles">
  <div class="tile"><b id="dps">-</b><span>decisions / s (10 s)</span></div>
- <div class="tile"><b id="reuse">-</b><span>reuse ratio (tokens read, not recomputed)</span></div>
- <div class="tile"><b id="ttft">-</b><span>TTFT p50 predicted / observed (s)</span></div>
+ <div class="tile"><b id="reuse">-</b><span>reuse ratio: prompt tokens planned from cache / engines' reported (10 s)</span></div>
+ <div class="tile"><b id="ttft">-</b><span>TTFT p50 predicted / observed (s, 10 s; observed at the gateways, routing excluded)</span></div>
  <div class="tile"><b id="rejected">-</b><span>rejections by reason (10 s)</span></div>
  <div class="tile"><b id="stale">-</b><span>view staleness: newest heartbeat (s)</span></div>
  <div class="tile"><b id="live">-</b><span>live instances</span></div>
@@ -40,15 +42,21 @@ CONSOLE_HTML = """<!doctype html>
 <table id="nodes" aria-label="instances">
  <thead><tr><th class="l">instance</th><th class="l">role</th><th class="l">live</th><th class="l">status</th>
  <th>queue</th><th>running</th><th>KV use</th><th>HBM blocks</th><th>DRAM blocks</th><th>SSD blocks</th>
- <th>hit rate</th><th>heartbeat age (s)</th></tr></thead>
+ <th title="prompt tokens its decisions reuse over their prompt tokens">reuse (tokens)</th>
+ <th title="share of its decisions that reuse any prefix, however short">requests with a hit</th>
+ <th>heartbeat age (s)</th></tr></thead>
  <tbody></tbody>
 </table>
+<svg id="ttft-chart" width="640" height="160" role="img" aria-label="TTFT p50 over time, predicted and observed"></svg>
+<div class="legend">TTFT p50 per 10 s, last 5 minutes: <span class="pred">predicted</span> /
+ <span class="obs">observed</span> (the same requests' outcomes)</div>
 <form id="explain-form"><label>Explain request id <input id="rid" name="rid" size="32" required></label>
  <button type="submit">Explain</button></form>
 <pre id="explain-out" hidden></pre>
 <script>
 "use strict";
 const $ = (id) => document.getElementById(id);
+const pct = (v, d) => v === null || v === undefined ? "-" : (100 * v).toFixed(d) + "%";
 const fmt = (v, d) => v === null || v === undefined ? "-" : (typeof v === "number" ? v.toFixed(d) : String(v));
 async function get(path) {
   const r = await fetch(path, {credentials: "same-origin", headers: {"Accept": "application/json"}});
@@ -73,7 +81,8 @@ function renderNodes(c) {
     cell(tr, n.queue_depth); cell(tr, n.running_requests);
     cell(tr, n.kv_use === null ? "-" : (100 * n.kv_use).toFixed(1) + "%");
     cell(tr, n.blocks.hbm || 0); cell(tr, n.blocks.dram || 0); cell(tr, n.blocks.ssd || 0);
-    cell(tr, n.hit_rate === null || n.hit_rate === undefined ? "-" : (100 * n.hit_rate).toFixed(0) + "%");
+    cell(tr, pct(n.reuse_ratio, 1));
+    cell(tr, pct(n.hit_rate, 0));
     cell(tr, fmt(n.heartbeat_age_s, 1));
   }
   $("live").textContent = c.totals.live_nodes + " / " + c.totals.nodes;
@@ -81,10 +90,30 @@ function renderNodes(c) {
 }
 function renderStats(s) {
   $("dps").textContent = fmt(s.decisions_per_s, 1);
-  $("reuse").textContent = s.reuse_ratio === null ? "-" : (100 * s.reuse_ratio).toFixed(1) + "%";
+  $("reuse").textContent = pct(s.reuse_ratio, 1) + " / " + pct(s.engine_cache_hit_ratio, 1);
   $("ttft").textContent = fmt(s.predicted_ttft_p50_s, 2) + " / " + fmt(s.observed_ttft_p50_s, 2);
+  renderSeries(s.ttft_series || []);
   const r = Object.entries(s.rejections_by_reason);
   $("rejected").textContent = r.length ? r.map(([k, v]) => k + " " + v).join(", ") : "0";
+}
+function renderSeries(points) {
+  const svg = $("ttft-chart"), W = 640, H = 160, pad = 28, ns = "http://www.w3.org/2000/svg";
+  svg.replaceChildren();
+  const vals = points.flatMap(p => [p.predicted_ttft_p50_s, p.observed_ttft_p50_s]).filter(v => v !== null);
+  if (!points.length || !vals.length) {
+    const t = document.createElementNS(ns, "text"); t.setAttribute("x", pad); t.setAttribute("y", H / 2);
+    t.textContent = "no served request yet"; svg.appendChild(t); return;
+  }
+  const top = Math.max(...vals) * 1.1 || 1, t0 = points[0].t_ms, t1 = Math.max(points[points.length - 1].t_ms, t0 + 1);
+  const x = (t) => pad + (W - 2 * pad) * (t - t0) / (t1 - t0), y = (v) => H - pad - (H - 2 * pad) * v / top;
+  for (const [key, color] of [["predicted_ttft_p50_s", "#2563eb"], ["observed_ttft_p50_s", "#ea580c"]]) {
+    const line = document.createElementNS(ns, "polyline");
+    line.setAttribute("points", points.filter(p => p[key] !== null).map(p => x(p.t_ms) + "," + y(p[key])).join(" "));
+    line.setAttribute("fill", "none"); line.setAttribute("stroke", color); line.setAttribute("stroke-width", "2");
+    line.dataset.series = key; svg.appendChild(line);
+  }
+  const label = document.createElementNS(ns, "text"); label.setAttribute("x", 2); label.setAttribute("y", 12);
+  label.setAttribute("font-size", "11"); label.textContent = fmt(top, 2) + " s"; svg.appendChild(label);
 }
 async function poll() {
   try {

@@ -1,9 +1,20 @@
 """What the admin API shows from the log: recent decisions, dead letters, the control state.
 
-One consumer (no group: every admin process sees everything) follows ``dispatch`` and
-``dead-letter`` from their last ``keep`` records, ``requests`` for prompt sizes, and
-``control`` from the start (folded with the same check every router applies), and
-keeps bounded in-memory windows. Nothing here decides anything; it is a read model.
+One consumer (no group: every admin process sees everything) follows ``dispatch``,
+``dead-letter`` and ``request-outcomes`` (what the gateways observed) from their last ``keep``
+records, ``requests`` for prompt sizes, and ``control`` from the start (folded with the same
+check every router applies), and keeps bounded in-memory windows. Nothing here decides
+anything; it is a read model.
+
+Two reuse figures, two definitions (the console labels them so):
+
+* ``reuse_ratio`` (and ``reuse_ratio_by_instance``): prompt tokens the decisions planned to read
+  from cache over all their prompt tokens, token-weighted;
+* ``hit_rate_by_instance``: the share of an instance's decisions that reused any prefix at all
+  (a request whose system prompt alone is cached counts as a hit). A chat fleet sits near 100 %
+  here with a token reuse of a few per cent: most requests share a short prefix.
+* ``engine_cache_hit_ratio``: the prompt tokens the engines themselves reported as cached
+  (``request-outcomes``), over all prompt tokens: the realised counterpart of ``reuse_ratio``.
 """
 
 from __future__ import annotations
@@ -21,7 +32,16 @@ from aiokafka import TopicPartition
 from conductor.routing.control import ControlState, apply_control
 from conductor.routing.control_log import policy_check
 from conductor.settings import Settings
-from schemas import ControlCommand, DeadLetter, DecodeError, RoutingDecision, RoutingRejection, RoutingRequest, decode
+from schemas import (
+    ControlCommand,
+    DeadLetter,
+    DecodeError,
+    RequestOutcome,
+    RoutingDecision,
+    RoutingRejection,
+    RoutingRequest,
+    decode,
+)
 from streams.kafka import consumer, end_offsets, ensure_topics
 from streams.topics import topics
 
@@ -45,6 +65,40 @@ class DecisionRow:
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
+
+
+@dataclass(frozen=True, slots=True)
+class OutcomeRow:
+    """What a gateway observed of one served request (``request-outcomes``)."""
+
+    at_ms: int
+    request_id: str
+    prefill_instance: str | None
+    prompt_tokens: int
+    cached_tokens: int
+    predicted_ttft_s: float | None
+    ttft_s: float
+    """The gateway's TTFT less its routing time: what ``predicted_ttft_s`` predicts."""
+    client_ttft_s: float
+    """The gateway's TTFT as the client saw it (arrival to first token, routing included)."""
+
+    @classmethod
+    def of(cls, o: RequestOutcome, at_ms: int) -> OutcomeRow | None:
+        """The row of a served request's outcome; None for a rejection, a failure or no first token."""
+        if o.status != 200 or o.error is not None or o.ttft_s is None:
+            return None
+        engine = o.ttft_s - (o.routing_ms or 0.0) / 1000.0
+        return cls(at_ms, o.request_id, o.prefill_instance, o.prompt_tokens, o.cached_tokens, o.predicted_ttft_s,
+                   max(engine, 0.0), o.ttft_s)
+
+
+SERIES_POINTS = 30
+"""Buckets of ``ttft_series`` in ``stats`` (each ``window_s`` long): the console's chart."""
+
+
+def _p(values: list[float], q: float) -> float | None:
+    """The ``q`` quantile of sorted ``values`` (nearest rank below), None when empty."""
+    return values[int(q * (len(values) - 1))] if values else None
 
 
 @dataclass
@@ -71,6 +125,7 @@ class LogFeed:
     keep: int = 2000
     decisions: collections.deque[DecisionRow] = field(default_factory=collections.deque)
     dead_letters: collections.deque[DeadLetterRow] = field(default_factory=collections.deque)
+    outcomes: collections.deque[OutcomeRow] = field(default_factory=collections.deque)
     control: ControlState = field(default_factory=ControlState)
     prompt_tokens: collections.OrderedDict[str, int] = field(default_factory=collections.OrderedDict)
     ready: asyncio.Event = field(default_factory=asyncio.Event)
@@ -99,7 +154,8 @@ class LogFeed:
         t = self.topics
         while True:
             try:
-                await ensure_topics(self.settings.kafka(), (t.requests, t.dispatch, t.dead_letter, t.control))
+                await ensure_topics(self.settings.kafka(),
+                                    (t.requests, t.dispatch, t.dead_letter, t.control, t.request_outcomes))
                 c = consumer(self.settings.kafka(), group_id=None)
                 await c.start()
                 try:
@@ -116,7 +172,7 @@ class LogFeed:
     async def _follow(self, c: Any) -> None:
         t = self.topics
         tps = []
-        for topic in (t.requests, t.dispatch, t.dead_letter, t.control):
+        for topic in (t.requests, t.dispatch, t.dead_letter, t.control, t.request_outcomes):
             parts = c.partitions_for_topic(topic.name) or set()
             if not parts:
                 await c.topics()
@@ -159,6 +215,16 @@ class LogFeed:
                 self.dead_letters.popleft()
         elif topic == t.control.name and isinstance(b, ControlCommand):
             self.control = apply_control(self.control, b, offset, self._check)
+        elif topic == t.request_outcomes.name and isinstance(b, RequestOutcome):
+            self.on_outcome(b, env.ts_ms)
+
+    def on_outcome(self, o: RequestOutcome, at_ms: int) -> None:
+        row = OutcomeRow.of(o, at_ms)
+        if row is None:
+            return
+        self.outcomes.append(row)
+        while len(self.outcomes) > self.keep:
+            self.outcomes.popleft()
 
     def on_dispatch(self, b: RoutingDecision | RoutingRejection, at_ms: int) -> None:
         dec = b if isinstance(b, RoutingDecision) else None
@@ -186,34 +252,69 @@ class LogFeed:
         return None
 
     def stats(self, window_s: float = 10.0, now_ms: int | None = None) -> dict[str, Any]:
-        """Decisions per second, reuse ratio, predicted TTFT and rejections over the window."""
+        """Decisions per second, reuse, predicted against observed TTFT and rejections over the
+        window; per-instance reuse over the decisions kept; TTFT over time (``ttft_series``)."""
         now_ms = now_ms or int(time.time() * 1000)
-        recent = [d for d in self.decisions if d.at_ms >= now_ms - window_s * 1000]
+        since = now_ms - window_s * 1000
+        recent = [d for d in self.decisions if d.at_ms >= since]
         placed = [d for d in recent if not d.rejected]
-        sized = [d for d in placed if d.prompt_tokens]
         reasons = collections.Counter(d.reason for d in recent if d.rejected)
         ttfts = sorted(d.predicted_ttft_s for d in placed if d.predicted_ttft_s is not None)
-        per_instance: dict[str, dict[str, int]] = {}
+        served = [o for o in self.outcomes if o.at_ms >= since]
+        observed = sorted(o.ttft_s for o in served)
+        per_instance: dict[str, list[DecisionRow]] = {}
         for d in self.decisions:
-            if d.rejected or d.prefill_instance is None:
-                continue
-            row = per_instance.setdefault(d.prefill_instance, {"decisions": 0, "hits": 0})
-            row["decisions"] += 1
-            row["hits"] += 1 if d.reused_tokens else 0
+            if not d.rejected and d.prefill_instance is not None:
+                per_instance.setdefault(d.prefill_instance, []).append(d)
+        engine_prompt = sum(o.prompt_tokens for o in served)
         return {
             "window_s": window_s,
             "decisions_per_s": round(len(recent) / window_s, 3),
             "placed": len(placed),
             "rejected": len(recent) - len(placed),
             "rejections_by_reason": dict(reasons),
-            "reuse_ratio": round(sum(d.reused_tokens for d in sized) / sum(d.prompt_tokens or 0 for d in sized), 4)
-            if sized else None,
-            "predicted_ttft_p50_s": ttfts[len(ttfts) // 2] if ttfts else None,
-            "predicted_ttft_p90_s": ttfts[int(0.9 * (len(ttfts) - 1))] if ttfts else None,
-            "observed_ttft_p50_s": None,  # needs the request-outcomes topic (gateway, issue 12)
-            "hit_rate_by_instance": {k: round(v["hits"] / v["decisions"], 4) for k, v in per_instance.items()},
+            "reuse_ratio": _reuse_ratio(placed),
+            "engine_cache_hit_ratio": round(sum(o.cached_tokens for o in served) / engine_prompt, 4)
+            if engine_prompt else None,
+            "predicted_ttft_p50_s": _p(ttfts, 0.5),
+            "predicted_ttft_p90_s": _p(ttfts, 0.9),
+            "observed_ttft_p50_s": _p(observed, 0.5),
+            "observed_ttft_p90_s": _p(observed, 0.9),
+            "client_ttft_p50_s": _p(sorted(o.client_ttft_s for o in served), 0.5),
+            "observed_requests": len(served),
+            "ttft_series": self.ttft_series(window_s, now_ms),
+            "hit_rate_by_instance": {k: round(sum(1 for d in v if d.reused_tokens) / len(v), 4)
+                                     for k, v in per_instance.items()},
+            "reuse_ratio_by_instance": {k: _reuse_ratio(v) for k, v in per_instance.items()},
             "total_decisions_seen": len(self.decisions),
         }
 
+    def ttft_series(self, bucket_s: float, now_ms: int) -> list[dict[str, Any]]:
+        """Predicted against observed TTFT of the served requests, p50 per ``bucket_s`` bucket, the
+        last :data:`SERIES_POINTS` buckets, oldest first (a bucket with no request is left out).
+        Both figures come from the same requests' outcomes: the prediction their decision made,
+        the TTFT the gateway saw less its routing."""
+        width = bucket_s * 1000
+        first = now_ms - SERIES_POINTS * width
+        buckets: dict[int, list[OutcomeRow]] = {}
+        for o in self.outcomes:
+            if o.at_ms > first:
+                buckets.setdefault(int((o.at_ms - first - 1) // width), []).append(o)
+        out = []
+        for i in sorted(buckets):
+            rows = buckets[i]
+            predicted = sorted(o.predicted_ttft_s for o in rows if o.predicted_ttft_s is not None)
+            out.append({"t_ms": int(first + (i + 1) * width), "requests": len(rows),
+                        "predicted_ttft_p50_s": _p(predicted, 0.5),
+                        "observed_ttft_p50_s": _p(sorted(o.ttft_s for o in rows), 0.5)})
+        return out
 
-__all__ = ["DeadLetterRow", "DecisionRow", "LogFeed"]
+
+def _reuse_ratio(decisions: list[DecisionRow]) -> float | None:
+    """Tokens the decisions reuse over their prompt tokens (those whose prompt size is known)."""
+    sized = [d for d in decisions if d.prompt_tokens]
+    total = sum(d.prompt_tokens or 0 for d in sized)
+    return round(sum(d.reused_tokens for d in sized) / total, 4) if total else None
+
+
+__all__ = ["DeadLetterRow", "DecisionRow", "LogFeed", "OutcomeRow"]

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from conductor.cli.common import (
     JsonLine,
@@ -24,6 +25,7 @@ from conductor.cli.common import (
 from conductor.harness.bench.explain import run_explain_bench
 from conductor.harness.bench.route import run_route_bench
 from conductor.harness.bench.stack import with_redis, with_servers
+from conductor.harness.calibrate import CalibrateConfig, SweepPlan, calibrate_engine, write_profile
 from conductor.profiles import fit_profile, list_profiles, load_profile, read_timings_csv
 from conductor.routing import serve as router_serve
 from conductor.routing.policies import list_policies
@@ -211,6 +213,119 @@ def profile_fit(csv_path: CsvPath, base: BaseProfile = None, out: OutFile = None
                 "profile": prof})
 
 
+EngineUrl = Annotated[str, typer.Option("--engine", help="the engine's base URL (OpenAI-compatible: /v1/completions "
+    "streamed, /v1/models), e.g. http://10.0.0.5:8000")]
+Lengths = Annotated[str, typer.Option("--lengths", help="prefill sweep: prompt lengths in tokens, comma-separated")]
+CachedFractions = Annotated[str, typer.Option("--cached", help="prefill sweep: fractions of each prompt sent first "
+    "(then cached by the engine's prefix cache), comma-separated, each in [0, 1)")]
+Batches = Annotated[str, typer.Option("--batches", help="decode sweep: streams at once, comma-separated")]
+Contexts = Annotated[str, typer.Option("--contexts", help="decode sweep: prompt tokens of each stream, comma-separated")]
+DecodeTokens = Annotated[int, typer.Option("--decode-tokens", min=3, help="decode sweep: tokens each stream generates")]
+Repeats = Annotated[int, typer.Option("--repeats", min=1, help="passes over each grid (more: steadier medians)")]
+Warmup = Annotated[int, typer.Option("--warmup", min=0, help="unmeasured requests first")]
+CalBlock = Annotated[int, typer.Option("--block-size", min=1, help="the engine's tokens per KV block: a warmed "
+    "prefix counts as cached to whole blocks when the engine does not report cached tokens")]
+CalModel = Annotated[str | None, typer.Option("--model", help="model name sent [default: the first of /v1/models]")]
+CalName = Annotated[str | None, typer.Option("--name", help="the profile's name [default: <base>-calibrated]")]
+CalOut = Annotated[Path, typer.Option("--out", dir_okay=False, help="where the profile JSON goes")]
+Timings = Annotated[Path | None, typer.Option("--timings", dir_okay=False, help="also write the measured prefills "
+    "as tokens,cached,seconds (what `profile fit --csv` reads)")]
+CalSeed = Annotated[int, typer.Option("--seed", help="seed of the random token ids")]
+Vocab = Annotated[int, typer.Option("--vocab", min=100, help="token ids are drawn below this (and from a tenth of it)")]
+IgnoreEos = Annotated[bool, typer.Option("--ignore-eos/--no-ignore-eos", help="send vLLM's ignore_eos so every "
+    "decode stream runs its --decode-tokens (off for engines that refuse unknown fields)")]
+
+
+def _ints(flag: str, text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        err.print(f"[red]error:[/red] {flag}: not comma-separated integers: {text!r}")
+        raise typer.Exit(2) from None
+
+
+def _floats(flag: str, text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        err.print(f"[red]error:[/red] {flag}: not comma-separated numbers: {text!r}")
+        raise typer.Exit(2) from None
+
+
+def profile_calibrate(
+    engine: EngineUrl,
+    out: CalOut = Path("profile-calibrated.json"),
+    lengths: Lengths = "64,256,512,1024,1536",
+    cached: CachedFractions = "0,0.5,0.9",
+    batches: Batches = "1,2,4,8",
+    contexts: Contexts = "64,512",
+    decode_tokens: DecodeTokens = 24,
+    repeats: Repeats = 2,
+    warmup: Warmup = 2,
+    block_size: CalBlock = 16,
+    base: BaseProfile = None,
+    model: CalModel = None,
+    name: CalName = None,
+    timings: Timings = None,
+    seed: CalSeed = 0,
+    vocab: Vocab = 1000,
+    ignore_eos: IgnoreEos = True,
+    json_out: JsonLine = False,
+) -> None:
+    """Measure a live engine and write a model profile fitted to it (a cluster starts from it with CONDUCTOR_MODEL_PROFILE=<the --out file>).
+
+    The sweep, each grid --repeats times, one engine and nothing else on it:
+
+    prefill: for every prompt length (--lengths) and cached fraction (--cached), a prompt of fresh random token ids; with a fraction above 0 its first fraction x length tokens are sent first, so the engine's prefix cache holds them; then the whole prompt, alone, streamed with one output token: its time to first token is the engine's TTFT with an empty queue. Cached tokens are those the engine reports (usage.prompt_tokens_details.cached_tokens: vLLM with --enable-prompt-tokens-details), else the warmed prefix to whole --block-size blocks.
+
+    decode: for every batch size (--batches) and context (--contexts), that many streams at once, each generating --decode-tokens; the median gap between a stream's tokens while all are decoding is the step time of that batch and context.
+
+    The prefill coefficients (a, b, fixed overhead) are fitted to (tokens, cached, TTFT) as `conductor profile fit` does, the decode step (per-sequence cost, context cost, fixed cost) to (batch, context, step); l, d, FLOP/s and KV bytes per token stay those of --base. Prints the fit, its RMSE and the TTFT/TBT prediction error p50/p90 of the base and of the calibrated profile on the sweep; --json prints them as one JSON line. A progress bar on stderr.
+
+    Example: conductor profile calibrate --engine http://127.0.0.1:8000 --out vllm-a100.json --repeats 3
+    """
+    s = settings_or_exit()
+    with exit_on():
+        plan = SweepPlan(prompt_lengths=_ints("--lengths", lengths), cached_fractions=_floats("--cached", cached),
+                         batch_sizes=_ints("--batches", batches), decode_contexts=_ints("--contexts", contexts),
+                         decode_tokens=decode_tokens, repeats=repeats, warmup=warmup, block_size=block_size)
+        config = CalibrateConfig(engine=engine, plan=plan, base=load_profile(base or s.model_profile), model=model,
+                                 name=name, seed=seed, vocab=vocab, ignore_eos=ignore_eos)
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=err, transient=True) as bar:
+            task = bar.add_task("calibrating", total=plan.requests())
+
+            def progress(label: str, done: int, total: int) -> None:
+                bar.update(task, description=label, completed=done, total=total)
+
+            cal = asyncio.run(calibrate_engine(config, progress))
+    write_profile(cal.profile, out)
+    if timings is not None:
+        cal.write_timings(timings)
+    summary = cal.summary() | {"out": str(out)}
+    if json_out:
+        print_json(summary)
+        return
+    for note in cal.notes:
+        err.print(f"note: {note}")
+    te, be = cal.ttft_error, cal.tbt_error
+    typer.echo(f"{cal.model} at {cal.engine}: {len(cal.prefill)} prefills, {len(cal.decode)} decode batches "
+               f"in {cal.wall_s:.1f} s")
+    typer.echo(f"prefill: a={cal.profile.a:.4g} b={cal.profile.b:.4g} overhead={cal.profile.prefill_overhead_s:.4g} s "
+               f"(RMSE {cal.prefill_rmse_s:.3g} s)")
+    typer.echo(f"TTFT error p50/p90: {_pct(te.get('base'))} with {cal.base}, {_pct(te.get('calibrated'))} calibrated")
+    if be:
+        typer.echo(f"decode step error p50/p90: {_pct(be.get('base'))} with {cal.base}, "
+                   f"{_pct(be.get('calibrated'))} calibrated")
+    typer.echo(f"profile written to {out}: CONDUCTOR_MODEL_PROFILE={out}")
+
+
+def _pct(err_: dict[str, float] | None) -> str:
+    if not err_:
+        return "-"
+    return f"{100 * err_['p50']:.1f} % / {100 * err_['p90']:.1f} %"
+
+
 def register(groups: dict[str, typer.Typer]) -> None:
     app = groups["app"]
     app.command("router")(router_cmd)
@@ -221,3 +336,4 @@ def register(groups: dict[str, typer.Typer]) -> None:
     profile_app.command("list")(profile_list)
     profile_app.command("show")(profile_show)
     profile_app.command("fit")(profile_fit)
+    profile_app.command("calibrate")(profile_calibrate)
