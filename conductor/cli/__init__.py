@@ -16,6 +16,7 @@ from conductor.cli import (
     control,
     dev,
     engines,
+    epp,
     fit,
     gateway,
     pipeline,
@@ -26,7 +27,7 @@ from conductor.cli.common import GROUPS, app, err
 from conductor.errors import ConductorError
 
 # Order is the order of --help.
-COMMAND_MODULES = (dev, pipeline, routing, fit, control, admin, gateway, balance, audit, chaos, simulate, engines)
+COMMAND_MODULES = (dev, pipeline, routing, fit, control, admin, gateway, epp, balance, audit, chaos, simulate, engines)
 for _module in COMMAND_MODULES:
     _module.register(GROUPS)
 

@@ -56,5 +56,9 @@ class EngineDirectory:
         out.update(dict.fromkeys(u for n, u in sorted(self._found.items()) if n not in self.overrides))
         return list(out)
 
+    def found(self) -> dict[str, str]:
+        """Node id → base URL of the live engines the view announced at the last read (no overrides)."""
+        return dict(self._found)
+
     def __len__(self) -> int:
         return len(set(self.overrides) | set(self._found))

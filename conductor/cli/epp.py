@@ -1,0 +1,103 @@
+"""``conductor epp`` (Conductor as the Gateway API Inference Extension's endpoint picker) and ``conductor bench epp``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from conductor.cli.common import (
+    JsonLine,
+    exit_on,
+    need_kafka_url,
+    print_json,
+    print_result,
+    run_until_signalled,
+    settings_or_exit,
+)
+from conductor.epp import serve as epp_serve
+from conductor.gateway import serve as gateway_serve
+from conductor.harness.bench.epp import run_epp_bench
+from conductor.telemetry import setup_metrics
+
+EppPort = Annotated[int, typer.Option("--port", min=0, max=65535, help="gRPC port on CONDUCTOR_BIND_HOST (0 = a free "
+    "one; the Inference Extension's pickers serve ext_proc on 9002)")]
+EppEngine = Annotated[list[str] | None, typer.Option("--engine", help="NODE_ID=http://HOST:PORT: override the URL an "
+    "engine's heartbeats announce, or name one that announces none (repeat for each); the destination the proxy is "
+    "told is its HOST:PORT [default: the engines found through the view: `conductor bridge --engine-url`]")]
+EppId = Annotated[str | None, typer.Option("--epp-id", help="names this picker on the log (its producer id, its reply "
+    "topic with --decide log) [default: epp-HOST-PID]")]
+EppModel = Annotated[str | None, typer.Option("--model", help="the engines' base model: another model name in a "
+    "request is a LoRA adapter (it enters the block keys)")]
+EppDecide = Annotated[str, typer.Option("--decide", help="log: each request onto `requests`, a router's decision "
+    "back on this picker's reply topic (as the gateway routes)")]
+EppDecisionTimeoutS = Annotated[float, typer.Option(min=0.05, help="answer 503 decision_timeout after this long")]
+EppBodyMode = Annotated[str, typer.Option("--body-mode", help="the proxy's ext_proc request_body_mode when its first "
+    "message does not say (Envoy 1.32+ does): full-duplex (FULL_DUPLEX_STREAMED, the Inference Extension's) or "
+    "buffered (BUFFERED)")]
+EppMaxBody = Annotated[int, typer.Option(min=1024, help="a longer request body is answered 413")]
+EppTokenizer = Annotated[str | None, typer.Option("--tokenizer", help="a tokenizer.json for text prompts "
+    "[default: the engines' /tokenize]")]
+EppTlsCert = Annotated[Path | None, typer.Option("--tls-cert", help="serve gRPC over TLS with this PEM certificate "
+    "chain (with --tls-key) [default: plaintext, as inside a mesh or a pod network]")]
+EppTlsKey = Annotated[Path | None, typer.Option("--tls-key", help="the PEM private key of --tls-cert")]
+EppHealth = Annotated[bool, typer.Option("--health/--no-health", help="serve gRPC health (grpc.health.v1) beside "
+    "ext_proc: liveness, readiness and the ext_proc service, for Kubernetes' grpc probes")]
+
+
+def epp(
+    port: EppPort = 9002,
+    engine: EppEngine = None,
+    epp_id: EppId = None,
+    model: EppModel = None,
+    decide: EppDecide = "log",
+    decision_timeout_s: EppDecisionTimeoutS = 5.0,
+    body_mode: EppBodyMode = "full-duplex",
+    max_body_bytes: EppMaxBody = 16 * 1024 * 1024,
+    tokenizer: EppTokenizer = None,
+    tls_cert: EppTlsCert = None,
+    tls_key: EppTlsKey = None,
+    health: EppHealth = True,
+) -> None:
+    """Be the endpoint picker of a Gateway API Inference Extension gateway (Envoy's ext_proc over gRPC).
+
+    The proxy (Envoy, kgateway, Istio, GKE's gateway) streams each request's headers and body to this service; Conductor tokenizes the OpenAI body, decides with its policy (the decision on `dispatch`, as any other: `conductor explain` re-derives it), and answers with the decode instance's HOST:PORT in the x-gateway-destination-endpoint header and the envoy.lb dynamic metadata (route cache cleared), and, for a disaggregated decision, the prefill instance's in x-prefiller-host-port (llm-d's routing sidecar on the decode pod runs the prefill there first). A rejection is an immediate response: 429 (the SLOs cannot be met, overloaded) or 503 (no live instance, view unavailable, no decision in time) with the reason as the OpenAI error code; a bad body 400 naming the field. Client SLOs: headers x-conductor-ttft-slo-ms, x-conductor-tbt-slo-ms, x-conductor-priority. Prints one JSON ready line.
+    """
+    with exit_on():
+        engines = gateway_serve.engine_map(engine or [])
+        tls = epp_serve.tls_config(tls_cert, tls_key)
+    s = settings_or_exit()
+    need_kafka_url(s)
+    with exit_on():
+        config = epp_serve.epp_config(s, epp_id=epp_id, engines=engines, base_model=model, decide=decide,
+                                      decision_timeout_s=decision_timeout_s, body_mode=body_mode,
+                                      max_body_bytes=max_body_bytes)
+    setup_metrics("conductor-epp", s.bind_host, s.metrics_port)
+    with exit_on():
+        run_until_signalled(lambda stop: epp_serve.serve(config, s, port=port, stop=stop, tls=tls,
+                                                         health_service=health, tokenizer_path=tokenizer,
+                                                         on_ready=print_json))
+
+
+BenchEppRequests = Annotated[int, typer.Option(min=10, help="requests timed on each path")]
+BenchEppConcurrency = Annotated[int, typer.Option(min=1, help="requests in flight at once on each path")]
+
+
+def bench_epp(
+    requests: BenchEppRequests = 200,
+    concurrency: BenchEppConcurrency = 1,
+    json_out: JsonLine = False,
+) -> None:
+    """Decision latency of `conductor epp` over gRPC against the gateway's own decision path, on the same cluster.
+
+    Starts (on CONDUCTOR_KAFKA_URL/REDIS_URL, or the embedded ones) a worker, a router, 2 prefill + 2 decode emulated engines, `conductor gateway` and `conductor epp`; sends the same completions to each. EPP: the time from sending a request's headers and body over one ext_proc stream to the answer naming the destination (parse, tokenize, decide, log). Gateway: the routing_ms of its request_outcome (tokenize + decide through the log), the same work. Fields: epp_ms_p50, epp_ms_p99, gateway_routing_ms_p50, gateway_routing_ms_p99, requests, errors.
+    """
+    s = settings_or_exit()
+    out = run_epp_bench(s, requests=requests, concurrency=concurrency)
+    print_result(out, json_out)
+
+
+def register(groups: dict[str, typer.Typer]) -> None:
+    groups["app"].command("epp")(epp)
+    groups["bench"].command("epp")(bench_epp)

@@ -1,0 +1,1 @@
+"""``conductor epp``: Conductor as the endpoint picker of the Gateway API Inference Extension (README.md)."""

@@ -1,0 +1,297 @@
+"""One ext_proc stream, one HTTP request: headers → body (whole or in chunks) → a decision → the answer.
+
+- The request headers are read and held: in full-duplex mode their answer waits for the body's
+  end (it carries the destination); buffered, they are answered at once (go on) and the body's
+  answer carries the destination.
+- At the body's end (``end_of_stream`` on the last of however many body messages, or the
+  trailers): the OpenAI body is checked (:func:`conductor.gateway.protocol.parse_body`, 400
+  naming the field), the prompt tokenized as the gateway does (the engines' render route or
+  ``/tokenize``, or a local ``tokenizer.json``), a :class:`~schemas.RoutingRequest` built as the
+  gateway builds it, and the decider asked (:mod:`conductor.epp.decide`: the request and the
+  decision go to the log before the answer).
+- A decision becomes the destination header and metadata (the decode instance), the prefill
+  header (disaggregated), the route cache cleared (:func:`conductor.epp.protocol.routed`); a
+  rejection an ``ImmediateResponse`` with 429/503 and the reason (:func:`~conductor.epp.protocol.rejected`).
+- A request with no body (``GET /v1/models``) goes to a live engine in turn: nothing to decide.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from opentelemetry import metrics
+from pydantic import ValidationError
+
+from conductor.epp.decide import Decider
+from conductor.epp.protocol import (
+    BODY_MODES,
+    BUFFERED,
+    DESTINATION_HEADER,
+    FULL_DUPLEX,
+    BadEndpoint,
+    Pick,
+    bad_request,
+    header_map,
+    headers_only,
+    host_port,
+    immediate,
+    is_chat,
+    passthrough,
+    pick_of,
+    rejected,
+    routed,
+    subset_hint,
+    unavailable,
+)
+from conductor.gateway.directory import EngineDirectory
+from conductor.gateway.protocol import DEFAULT_EXPECTED_OUTPUT, BadRequest, error_body, parse_body, parse_slo
+from conductor.gateway.replies import InboxClosed
+from conductor.gateway.tokenizer import PromptRejected, PromptTokenizer, TokenizeError
+from schemas import MmItem, RoutingDecision, RoutingRequest
+from schemas.records import MAX_EXTRA_KEYS, MAX_NAME
+
+log = logging.getLogger(__name__)
+
+_CLIENT_ID = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._:-")
+Responses = list[pb.ProcessingResponse]
+
+
+@dataclass(frozen=True)
+class EppConfig:
+    """``conductor epp``'s configuration (checked by :func:`conductor.epp.serve.epp_config`)."""
+
+    epp_id: str
+    """Names the picker as a producer on the log (and its reply topic in ``log`` mode)."""
+    engines: dict[str, str] = field(default_factory=dict)
+    """Node id → base URL, overriding what the node's heartbeats announce (``--engine``)."""
+    base_model: str | None = None
+    """The engines' base model; another ``model`` in a request is a LoRA adapter name."""
+    decide: str = "log"
+    decision_timeout_s: float = 5.0
+    body_mode: str = "full-duplex"
+    """What the proxy's ext_proc filter is configured with when its first message does not say
+    (``protocol_config``, Envoy 1.32+): ``full-duplex`` (FULL_DUPLEX_STREAMED, the Inference
+    Extension's) or ``buffered``."""
+    max_body_bytes: int = 16 * 1024 * 1024
+    """A body longer than this is answered 413 (the picker holds the whole body to decide)."""
+
+
+class EppMetrics:
+    def __init__(self) -> None:
+        m = metrics.get_meter(__name__)
+        self.requests = m.create_counter("conductor_epp_requests", description="requests picked for, by status and reason")
+        self.decision = m.create_histogram("conductor_epp_decision", unit="ms", description="body end to the "
+                                           "picker's answer: parse, tokenize, decide and log")
+
+
+@dataclass
+class _Stream:
+    """What one HTTP request's ext_proc stream has shown so far."""
+
+    mode: int
+    headers: dict[str, str] = field(default_factory=dict)
+    subset: list[str] | None = None
+    body: bytearray = field(default_factory=bytearray)
+    decided: bool = False
+    headers_answered: bool = False
+
+
+class Picker:
+    """The endpoint picker's logic over ext_proc messages (no gRPC here: :class:`ExternalProcessor` serves it)."""
+
+    def __init__(self, config: EppConfig, decider: Decider, tokenizer: PromptTokenizer, directory: EngineDirectory,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.config = config
+        self.decider = decider
+        self.tokenizer = tokenizer
+        self.directory = directory
+        self.clock = clock
+        self.metrics = EppMetrics()
+        self._turn = itertools.count()
+        self._reachable = sorted(config.engines)
+        self.decisions: list[RoutingDecision] = []
+        """The last decisions (bounded), for tests and the bench."""
+
+    def stream(self) -> _Stream:
+        return _Stream(mode=BODY_MODES[self.config.body_mode])
+
+    async def on_message(self, st: _Stream, req: pb.ProcessingRequest) -> Responses:
+        """The answers to one message of the stream (none while the body is still coming)."""
+        if req.HasField("protocol_config") and req.protocol_config.request_body_mode:
+            st.mode = req.protocol_config.request_body_mode
+        which = req.WhichOneof("request")
+        if which == "request_headers":
+            return await self._on_headers(st, req)
+        if which == "request_body":
+            if st.decided:  # more body after the answer (never in the modes served): pass it on
+                return [pb.ProcessingResponse(request_body=pb.BodyResponse())]
+            st.body += req.request_body.body
+            if len(st.body) > self.config.max_body_bytes:
+                st.decided = True
+                return [immediate(413, error_body(f"the body is longer than {self.config.max_body_bytes} bytes",
+                                                  "body_too_large", param="body"))]
+            if req.request_body.end_of_stream or req.request_body.end_of_stream_without_message:
+                return await self._decide(st)
+            return []
+        if which == "request_trailers" and not st.decided:
+            out = await self._decide(st)  # the body ended with the trailers
+            if out and not out[0].HasField("immediate_response"):
+                out.append(pb.ProcessingResponse(request_trailers=pb.TrailersResponse()))
+            return out
+        answer = passthrough(req, st.mode)
+        return [answer] if answer is not None else []
+
+    async def _on_headers(self, st: _Stream, req: pb.ProcessingRequest) -> Responses:
+        st.headers = header_map(req.request_headers)
+        st.subset = subset_hint(req)
+        if req.request_headers.end_of_stream:
+            st.decided = True
+            return [self._any_engine(st)]
+        if st.mode not in (FULL_DUPLEX, BUFFERED):
+            st.decided = True
+            return [immediate(500, error_body(
+                "conductor epp decides on the request body: configure the ext_proc filter's request_body_mode as "
+                "FULL_DUPLEX_STREAMED or BUFFERED", "epp_misconfigured", kind="server_error"))]
+        if st.mode == BUFFERED:
+            st.headers_answered = True
+            return [pb.ProcessingResponse(request_headers=pb.HeadersResponse())]
+        return []  # full duplex: the headers' answer carries the destination, once the body is in
+
+    def _any_engine(self, st: _Stream) -> pb.ProcessingResponse:
+        """A request with no body: the next live engine in turn (within the proxy's subset)."""
+        urls = self.directory.urls()
+        allowed = [u for u in urls if st.subset is None or _hp(u) in st.subset]
+        if not allowed:
+            return unavailable("no live engine is known (none announces an endpoint, no --engine given)"
+                               if not urls else "no known engine is in the proxy's endpoint subset", "no_live_instance")
+        dest = host_port(allowed[next(self._turn) % len(allowed)])
+        return headers_only(Pick(dest, None, {DESTINATION_HEADER: dest}))
+
+    async def _decide(self, st: _Stream) -> Responses:
+        st.decided = True
+        t0 = self.clock()
+        out = await self._answer(st)
+        status = 200
+        if out and out[0].HasField("immediate_response"):
+            status = out[0].immediate_response.status.code
+        self.metrics.requests.add(1, {"status": status})
+        self.metrics.decision.record((self.clock() - t0) * 1000.0)
+        return out
+
+    async def _answer(self, st: _Stream) -> Responses:
+        await self.directory.refresh()
+        body = bytes(st.body)
+        chat = is_chat(st.headers.get(":path", ""))
+        if chat is None:
+            return [immediate(404, error_body(f"conductor epp picks for POST /v1/completions and "
+                                              f"/v1/chat/completions, not {st.headers.get(':path', '')!r}",
+                                              "unknown_route", param=":path"))]
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            return [bad_request("the body is not JSON", "invalid_json", param="body")]
+        try:
+            creq = parse_body(parsed, chat=chat, base_model=self.config.base_model)
+            slo = parse_slo(st.headers)
+        except BadRequest as e:
+            return [bad_request(str(e), "invalid_value", param=e.param)]
+        exclude: list[str] = []
+        if st.subset is not None:
+            known = self._known_urls()
+            exclude = sorted(n for n, u in known.items() if _hp(u) not in st.subset)
+            if len(exclude) == len(known):
+                return [unavailable("no engine Conductor knows is in the proxy's endpoint subset "
+                                    f"{st.subset[:8]}", "no_live_instance")]
+        try:
+            prompt = await self.tokenizer.prompt(creq)
+        except TokenizeError as e:
+            return [unavailable(str(e), "tokenizer_unavailable", retry_after=2)]
+        except PromptRejected as e:
+            return [immediate(e.status, e.body if isinstance(e.body, Mapping) else
+                              error_body(str(e.body), "prompt_rejected"))]
+        mm = [MmItem(identifier=i, offset=o, length=n) for i, o, n in prompt.mm_items[:MAX_EXTRA_KEYS]
+              if 0 < len(i) <= MAX_NAME]
+        try:
+            req = RoutingRequest(
+                request_id=self._request_id(st.headers.get("x-request-id")),
+                model=creq.model if creq.lora_name is None else (self.config.base_model or creq.model),
+                token_ids=prompt.token_ids, prompt_tokens=len(prompt.token_ids), mm_items=mm,
+                expected_output_tokens=creq.max_tokens or DEFAULT_EXPECTED_OUTPUT,
+                ttft_slo_s=slo.ttft_s, tbt_slo_ms=slo.tbt_ms, priority=slo.priority, lora_name=creq.lora_name,
+                cache_salt=creq.cache_salt, exclude=exclude[:64], reachable=self._reachable,
+            )
+        except ValidationError as e:
+            first = e.errors()[0]
+            return [bad_request(f"{first.get('loc')}: {first.get('msg')}", "invalid_value", param="prompt")]
+        try:
+            answer = await self.decider.decide(req)
+        except TimeoutError:
+            return [rejected("decision_timeout", f"no decision within {self.config.decision_timeout_s:g}s "
+                             "(are the routers running?)")]
+        except InboxClosed as e:
+            return [unavailable(f"the picker cannot read its decisions: {e}", "reply_inbox_down")]
+        if not isinstance(answer, RoutingDecision):
+            return [rejected(answer.reason, answer.message)]
+        self.decisions.append(answer)
+        del self.decisions[:-1000]
+        try:
+            pick = pick_of(answer, self._urls(answer))
+        except (KeyError, BadEndpoint) as e:
+            return [unavailable(f"decision {answer.request_id} names an instance with no usable endpoint: {e}",
+                                "no_endpoint")]
+        if st.mode == BUFFERED or st.headers_answered:
+            return routed(pick, body, BUFFERED)
+        return routed(pick, body, FULL_DUPLEX)
+
+    def _known_urls(self) -> dict[str, str]:
+        return {**self.directory.found(), **self.config.engines}
+
+    def _urls(self, d: RoutingDecision) -> dict[str, str]:
+        """Node → base URL of each instance ``d`` names: ``--engine`` first, else the announced endpoint."""
+        out: dict[str, str] = {}
+        for node in {d.prefill_instance, d.decode_instance}:
+            url = self.config.engines.get(node)
+            if url is None:
+                ep = d.endpoints.get(node)
+                if ep is None:
+                    raise KeyError(f"{node}: its heartbeats announce no endpoint and no --engine {node}=URL was given")
+                url = ep.url
+            out[node] = url
+        return out
+
+    def _request_id(self, client_id: str | None) -> str:
+        """``<epp id>-<x-request-id>`` (Envoy sets one on every request) when usable, else a random one."""
+        if client_id and len(client_id) <= 96 and set(client_id) <= _CLIENT_ID:
+            return f"{self.config.epp_id}-{client_id}"
+        return f"{self.config.epp_id}-{uuid.uuid4().hex[:16]}"
+
+
+def _hp(url: str) -> str:
+    try:
+        return host_port(url)
+    except BadEndpoint:
+        return ""
+
+
+class ExternalProcessor:
+    """``envoy.service.ext_proc.v3.ExternalProcessor/Process`` over :class:`Picker`: one stream per HTTP request."""
+
+    def __init__(self, picker: Picker) -> None:
+        self.picker = picker
+
+    async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
+                      context: Any) -> AsyncIterator[pb.ProcessingResponse]:
+        st = self.picker.stream()
+        async for req in request_iterator:
+            for answer in await self.picker.on_message(st, req):
+                yield answer
+                if answer.HasField("immediate_response"):
+                    return  # the proxy answers the client; the stream is over

@@ -1,0 +1,136 @@
+"""``conductor bench epp``: the endpoint picker's decision latency over gRPC against the gateway's own.
+
+Starts a stream worker, a router, 2 prefill + 2 decode emulated engines with no compute time,
+``conductor gateway`` and ``conductor epp`` in front of them (both deciding through the log, on
+the same routers), and sends the same completions to each, their prompts as token ids (no
+tokenizer round trip on either path: what is timed is the decision):
+
+- EPP: one ext_proc stream per request over real gRPC (:class:`~conductor.harness.epp_cluster.EnvoySide`,
+  full duplex, headers and body in one message each), from the first message sent to the
+  answer that names the destination, measured by the client (gRPC, parse, the routing request
+  and its decision through the log, the answer);
+- gateway: the ``routing_ms`` of each ``request_outcome`` (the routing request and its decision
+  through the log, measured inside the gateway), for the same requests.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from tempfile import TemporaryDirectory
+from typing import Any
+
+import httpx
+
+from conductor.gateway.protocol import percentile
+from conductor.harness.bench.stack import with_servers
+from conductor.harness.epp_cluster import EnvoySide, EppCluster
+from conductor.settings import Settings
+from schemas import RequestOutcome, decode
+from streams.kafka import consumer
+from streams.topics import topics
+
+ZERO_COMPUTE = 1e9
+"""The engines' time scale: every model step takes ~0 s, so only the request path is timed."""
+
+SYSTEM = list(range(1000, 1256))
+"""A shared 256-token system prefix (token ids): realistic block sharing for the router."""
+
+
+def _body(i: int) -> dict[str, Any]:
+    return {"model": "default", "prompt": SYSTEM + [5000 + i % 1000] * 32, "max_tokens": 1}
+
+
+async def _load(concurrency: int, requests: int, one: Callable[[int], Awaitable[float]]) -> tuple[list[float], int, float]:
+    """``requests`` calls of ``one``, ``concurrency`` at a time: (seconds of each success, errors, wall seconds)."""
+    took: list[float] = []
+    errors = 0
+    turns = iter(range(requests))
+
+    async def worker() -> None:
+        nonlocal errors
+        for i in turns:
+            try:
+                took.append(await one(i))
+            except Exception:  # noqa: BLE001 - counted, the bench goes on
+                errors += 1
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    return took, errors, time.perf_counter() - t0
+
+
+def _ms(xs: list[float], q: float) -> float | None:
+    v = percentile(xs, q)
+    return None if v is None else round(v, 2)
+
+
+async def _routing_ms(settings: Settings, since_ms: int) -> list[float]:
+    """The gateway's ``routing_ms`` of every outcome at or after ``since_ms``."""
+    cons = consumer(settings.kafka(), topics(settings.topic_config()).request_outcomes.name, group_id=None,
+                    fetch_max_wait_ms=50)
+    await cons.start()
+    out: list[float] = []
+    try:
+        idle = 0
+        while idle < 3:
+            got = await cons.getmany(timeout_ms=300)
+            idle = 0 if got else idle + 1
+            for recs in got.values():
+                for r in recs:
+                    env = decode(r.value)
+                    if env.ts_ms >= since_ms and isinstance(env.body, RequestOutcome) and env.body.routing_ms:
+                        out.append(env.body.routing_ms)
+    finally:
+        await cons.stop()
+    return out
+
+
+def run_epp_bench(settings: Settings, *, requests: int = 200, concurrency: int = 1) -> dict[str, Any]:
+    """Run the bench (starting the embedded broker and Redis when no URLs are set); one result dict."""
+    with with_servers(settings) as s, TemporaryDirectory(prefix="conductor-bench-epp-") as tmp:
+        return asyncio.run(_bench(s, Path(tmp), requests, concurrency))
+
+
+async def _bench(settings: Settings, tmp: Path, requests: int, concurrency: int) -> dict[str, Any]:
+    logging.getLogger("httpx").setLevel(logging.WARNING)
+    tag = uuid.uuid4().hex[:8]
+    s = settings.model_copy(update={"topic_prefix": f"bench-epp-{tag}.", "view_namespace": f"bepp{tag}",
+                                    "metrics_port": 0, "data_dir": tmp / "data"})
+    async with EppCluster(s, tmp / "logs", time_scale=ZERO_COMPUTE, with_gateway=True) as c, \
+            EnvoySide(c.epp_address) as envoy, \
+            httpx.AsyncClient(timeout=60, headers=c.auth_headers) as client:
+        gw = c.gateway_url + "/v1/completions"
+
+        async def via_epp(i: int) -> float:
+            t0 = time.perf_counter()
+            a = await envoy.request(json.dumps(_body(i)).encode())
+            if a.status != 200:
+                raise RuntimeError(f"{a.status}: {a.error}")
+            return time.perf_counter() - t0
+
+        async def via_gateway(i: int) -> float:
+            t0 = time.perf_counter()
+            r = await client.post(gw, json=_body(i))
+            r.raise_for_status()
+            return time.perf_counter() - t0
+
+        for i in range(20):  # warm up connections, caches and the router
+            await via_epp(i)
+            await via_gateway(i)
+        epp, epp_errors, epp_wall = await _load(concurrency, requests, via_epp)
+        since = time.time_ns() // 1_000_000
+        _, gw_errors, _ = await _load(concurrency, requests, via_gateway)
+        routing = await _routing_ms(s, since)
+    return {
+        "requests": requests, "concurrency": concurrency, "prefill": 2, "decode": 2, "decide": "log",
+        "epp_ms_p50": _ms([x * 1000 for x in epp], 50), "epp_ms_p99": _ms([x * 1000 for x in epp], 99),
+        "epp_decisions_per_s": round(len(epp) / epp_wall, 1) if epp_wall else None,
+        "gateway_routing_ms_p50": _ms(routing, 50), "gateway_routing_ms_p99": _ms(routing, 99),
+        "errors": epp_errors + gw_errors,
+    }
