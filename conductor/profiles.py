@@ -395,11 +395,19 @@ def _prefill_design(base: ModelProfile, samples: Sequence[OutcomeSample]) -> np.
 _TTFT_TERMS = ("prefill_overhead_s", "a", "b", "queue_wait_scale")
 
 
+MIN_QUEUED = 4
+"""Samples with a predicted queue wait needed to fit the queue's drain rate (else it stays)."""
+
+
 def _fit_ttft(base: ModelProfile, samples: Sequence[OutcomeSample]) -> dict[str, float]:
     y = np.array([s.ttft_s for s in samples])
     # Weighted by 1/y: the relative error is what the policy's SLO test and early rejection feel.
     w = 1.0 / np.maximum(y, 1e-6)
     x = _prefill_design(base, samples)
+    if int(np.sum(x[:, 3] > 1e-9)) < MIN_QUEUED:
+        # Too few requests met a queue to measure it: its drain rate stays the base's (scale 1).
+        coef = _nonneg_lstsq(x[:, :3] * w[:, None], (y - x[:, 3]) * w, _TTFT_TERMS[:3])
+        return {**coef, "queue_wait_scale": 1.0}
     return _nonneg_lstsq(x * w[:, None], y * w, _TTFT_TERMS)
 
 
@@ -418,7 +426,7 @@ def _fit_tbt(base: ModelProfile, samples: Sequence[OutcomeSample]) -> tuple[floa
     var = pred - 1000.0 * base.step_overhead_s
     coef = _nonneg_lstsq(np.column_stack([np.ones_like(var), var]) * w[:, None], obs * w, ("c", "scale"))
     scale = max(coef["scale"], 1e-9)
-    return coef["c"] / 1000.0 + scale * base.step_overhead_s, scale
+    return coef["c"] / 1000.0, scale
 
 
 def _tbt_profile(base: ModelProfile, fit: tuple[float, float]) -> dict[str, float]:

@@ -28,6 +28,7 @@ from conductor.harness.bench.stack import with_redis, with_servers
 from conductor.harness.calibrate import CalibrateConfig, SweepPlan, calibrate_engine, write_profile
 from conductor.profiles import fit_profile, list_profiles, load_profile, read_timings_csv
 from conductor.routing import serve as router_serve
+from conductor.routing.control_log import current_control
 from conductor.routing.policies import list_policies
 from conductor.telemetry import setup_metrics
 
@@ -176,11 +177,22 @@ def profile_list(json_out: Annotated[bool, typer.Option("--json")] = False) -> N
             typer.echo(f"{p.name}: {p.description}")
 
 
-def profile_show(name: Annotated[str, typer.Argument(help="a profile name or a .json file")]) -> None:
-    """Print one profile and what it predicts for a few prompt lengths."""
+def profile_show(name: Annotated[str | None, typer.Argument(
+        help="a profile name or a .json file [default: the one the routers use now: the last fit `conductor fit` "
+        "published on the control topic, else CONDUCTOR_MODEL_PROFILE]")] = None) -> None:
+    """Print one profile (its fitted error too: ttft_error_p50/p90, tbt_error_p50/p90, fit_rows) and what it
+    predicts for a few prompt lengths."""
+    source = name
     with exit_on():
-        p = load_profile(name)
-    out = p.model_dump()
+        if name is None:
+            s = settings_or_exit()
+            require_servers(s, kafka=True)
+            st = asyncio.run(current_control(s))
+            p = st.profile or load_profile(s.model_profile)
+            source = f"control offset {st.offset} (set_profile)" if st.profile else f"{s.model_profile} (configured)"
+        else:
+            p = load_profile(name)
+    out = {"source": source, **p.model_dump()}
     out["predicted"] = {
         f"prefill_s@{n}": round(p.prefill_seconds(n), 4) for n in (1024, 8192, 32768, 131072)
     } | {"decode_step_ms@b32x4k": round(1000 * p.decode_step_seconds(32, 32 * 4096), 2),

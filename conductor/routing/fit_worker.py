@@ -29,6 +29,9 @@ from streams.topics import topics
 
 log = logging.getLogger(__name__)
 
+ERROR_BUCKETS = (0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.4, 0.6, 0.8, 1.0, 1.5, 2.0, 5.0, 10.0)
+"""Relative error buckets: fine where a good model lives (p50 <= 15 %, p90 <= 40 %)."""
+
 
 class FitMetrics:
     """Prediction error as decided (the profile in force), and the fit's own out-of-sample error."""
@@ -37,10 +40,12 @@ class FitMetrics:
         m = metrics.get_meter(__name__)
         self.ttft_error = m.create_histogram(
             "conductor_fit_ttft_prediction_error", unit="1",
-            description="|predicted - real| / real TTFT of each served request, as its decision predicted it")
+            description="|predicted - real| / real TTFT of each served request, as its decision predicted it",
+            explicit_bucket_boundaries_advisory=ERROR_BUCKETS)
         self.tbt_error = m.create_histogram(
             "conductor_fit_tbt_prediction_error", unit="1",
-            description="|predicted - real| / real TBT (p50 of the request's token gaps)")
+            description="|predicted - real| / real TBT (p50 of the request's token gaps)",
+            explicit_bucket_boundaries_advisory=ERROR_BUCKETS)
         self.fitted_error = m.create_gauge(
             "conductor_fit_ttft_error", unit="1",
             description="the published fit's out-of-sample TTFT error, by quantile (p50, p90)")

@@ -19,7 +19,10 @@ from __future__ import annotations
 import bisect
 import logging
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+import numpy as np
 
 from conductor.errors import ConfigError
 from conductor.profiles import CostFit, ModelProfile, OutcomeSample, fit_moved, fit_outcomes, predicted_queue_s
@@ -137,4 +140,27 @@ class CostFitter:
             operator="conductor-fit")
 
 
-__all__ = ["ALL_MODELS", "CostFitter", "FitConfig", "sample_of"]
+def prediction_error_summary(outcomes: Iterable[RequestOutcome], time_scale: float = 1.0) -> dict[str, float | None]:
+    """TTFT and TBT prediction error (|predicted - real| / real, p50 and p90) of served requests'
+    outcomes, as their decisions predicted them. ``time_scale``: real seconds are this many
+    model seconds (an emulated engine run faster than its profile)."""
+    ttft: list[float] = []
+    tbt: list[float] = []
+    for o in outcomes:
+        if o.status != 200 or o.error is not None or o.ttft_s is None or o.decided_s is None:
+            continue
+        real = (o.ttft_s - o.decided_s) * time_scale
+        if o.predicted_ttft_s is not None and real > 0:
+            ttft.append(abs(o.predicted_ttft_s - real) / real)
+        if o.tbt_p50_ms and o.output_tokens > 1 and o.predicted_tbt_ms is not None:
+            real_tbt = o.tbt_p50_ms * time_scale
+            tbt.append(abs(o.predicted_tbt_ms - real_tbt) / real_tbt)
+
+    def q(v: list[float], p: float) -> float | None:
+        return round(float(np.quantile(np.array(v), p)), 4) if v else None
+
+    return {"ttft_prediction_error_p50": q(ttft, 0.5), "ttft_prediction_error_p90": q(ttft, 0.9),
+            "tbt_prediction_error_p50": q(tbt, 0.5), "tbt_prediction_error_p90": q(tbt, 0.9)}
+
+
+__all__ = ["ALL_MODELS", "CostFitter", "FitConfig", "prediction_error_summary", "sample_of"]

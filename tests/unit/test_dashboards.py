@@ -17,6 +17,7 @@ from conductor.balance.worker import Balancer
 from conductor.bridge.scrape import EngineLoad
 from conductor.bridge.serve import bridge_instruments
 from conductor.bridge.translate import NodeTranslator
+from conductor.routing.fit_worker import FitMetrics
 from conductor.routing.router import RouterMetrics, RouterWorker
 from conductor.settings import load_settings
 from conductor.telemetry import scrape, setup_metrics
@@ -68,6 +69,12 @@ def exported() -> set[str]:
     b = Balancer(load_settings(kafka_url="k:9092"), BalanceParams())
     b._commands.add(1, {"action": "replicate"})
     b._bad.add(1)
+    f = FitMetrics()
+    f.ttft_error.record(0.1)
+    f.tbt_error.record(0.1)
+    f.fitted_error.set(0.1, {"quantile": "p90"})
+    f.fitted_tbt_error.set(0.1, {"quantile": "p90"})
+    f.published.add(1)
     names = set(re.findall(r"^(conductor_\w+?)(?:\{| )", scrape(), re.MULTILINE))
     return names | {n[: -len(s)] for n in names for s in SUFFIXES if n.endswith(s)}
 

@@ -10,7 +10,9 @@ conversation trace's slice, rendered as text as ``bench live --engines vllm`` do
    fit`` does) and its ``set_profile`` is published on ``control``; the model forms are compared
    on the same samples, out of sample (5 folds): the profile's parametric form against a
    log-linear and a piecewise-linear one;
-3. **after**: the rest of the slice, decided under the fitted profile;
+3. **after**: the rest of the slice, decided under the fitted profile, with the fitter running
+   as ``conductor fit`` runs (:func:`~conductor.routing.fit_worker.run_fit_worker`: it refits
+   on its sliding window and publishes when the fit moves);
 4. **rejection** (``--slo-ms``): the after phase's requests again with a TTFT SLO; each rejected
    request is then sent once more without the SLO (one at a time, the sample let through), and
    the share that missed the SLO anyway is early rejection's precision.
@@ -22,6 +24,7 @@ routing (``ttft_s - decided_s``: what the decision predicts).
 from __future__ import annotations
 
 import asyncio
+import json
 import math
 import time
 import uuid
@@ -34,18 +37,16 @@ import numpy as np
 import openai
 
 from conductor.harness.bench.live import quiet_clients, servers, trace_slice
-from conductor.harness.bench.live_vllm import MODEL, VllmLiveError, VllmLiveOptions, vllm_prompt
+from conductor.harness.bench.live_vllm import MODEL, VllmLiveError, VllmLiveOptions, read_outcomes, vllm_prompt
 from conductor.harness.demo import DemoRequest
 from conductor.harness.devstack import free_port
 from conductor.harness.vllm_cluster import VllmGatewayCluster, VllmNode
 from conductor.harness.vllm_kit import VllmEngine, kit_available, kit_dir, start_engines, tiny_model_dir
 from conductor.profiles import ModelProfile, OutcomeSample, fit_outcomes, load_profile, predict_ttft, prediction_errors
-from conductor.routing.control_log import publish_control
+from conductor.routing.control_log import control_records, publish_control
+from conductor.routing.fit_worker import run_fit_worker
 from conductor.routing.fitting import CostFitter, FitConfig, sample_of
 from conductor.settings import Settings
-from schemas import RequestOutcome, decode
-from streams.kafka import consumer
-from streams.topics import topics
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,16 @@ class FitBenchOptions:
     slo_ms: float | None = None
     """Run the rejection phase with this TTFT SLO (ms)."""
     seed: int = 0
+    window: int = 200
+    refit_every: int = 20
+    threshold: float = 0.10
+
+
+def _dump(path: Path, groups: dict[str, Sequence[OutcomeSample]]) -> None:
+    """The samples as JSON lines (for fitting other model forms offline)."""
+    with open(path, "w") as f:
+        for phase, samples in groups.items():
+            f.writelines(json.dumps({"phase": phase, **asdict(smp)}) + "\n" for smp in samples)
 
 
 async def _ask(client: openai.AsyncOpenAI, prompt: str, max_tokens: int, rid: str,
@@ -100,25 +111,6 @@ async def _replay(c: VllmGatewayCluster, reqs: Sequence[DemoRequest], opts: FitB
     finally:
         await client.close()
     return [(f"{c.gateway_id}-{rid}", ttft, status) for rid, ttft, status in done]
-
-
-async def read_outcomes(settings: Settings, ids: Sequence[str], wait_s: float = 30.0) -> dict[str, RequestOutcome]:
-    """The gateway outcomes of these request ids (as many as arrive within ``wait_s``)."""
-    cons = consumer(settings.kafka(), topics(settings.topic_config()).request_outcomes.name, group_id=None,
-                    fetch_max_wait_ms=50)
-    await cons.start()
-    want, found = set(ids), dict[str, RequestOutcome]()
-    try:
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline and not want <= set(found):
-            for recs in (await cons.getmany(timeout_ms=200)).values():
-                for r in recs:
-                    b = decode(r.value).body
-                    if isinstance(b, RequestOutcome) and b.request_id in want:
-                        found[b.request_id] = b
-    finally:
-        await cons.stop()
-    return found
 
 
 def _q(v: Sequence[float], p: float) -> float | None:
@@ -221,12 +213,24 @@ async def _run(settings: Settings, opts: FitBenchOptions, reqs: list[DemoRequest
                                       "tbt_error_p50", "tbt_error_p90", "fit_rows")}
             out["control_offset"] = offset
             await asyncio.sleep(2.0)  # the router folds control within its poll
-            # after: the fitted profile
-            sent = await _replay(c, after_reqs, opts, "after")
-            outs_after = await read_outcomes(settings, [rid for rid, _, _ in sent])
-            after = [s for o in outs_after.values() if o.control_offset == offset
+            # after: the fitted profile, refined online by the fitter as `conductor fit` runs it
+            stop = asyncio.Event()
+            worker = asyncio.create_task(run_fit_worker(settings, FitConfig(
+                window=opts.window, min_rows=min(30, opts.window), refit_every=opts.refit_every,
+                threshold=opts.threshold), stop=stop))
+            await asyncio.sleep(2.0)
+            try:
+                sent = await _replay(c, after_reqs, opts, "after")
+                outs_after = await read_outcomes(settings, [rid for rid, _, _ in sent])
+            finally:
+                stop.set()
+                await asyncio.wait_for(worker, 30)
+            after = [s for o in outs_after.values() if (o.control_offset or -1) >= offset
                      and (s := sample_of(o, fitted)) is not None]
             out["after"] = error_summary(after)
+            out["profiles_published"] = sum(1 for _, cmd in await control_records(settings)
+                                            if cmd.action == "set_profile")
+            _dump(log_dir / "samples.jsonl", {"before": samples, "after": after})
             if opts.slo_ms:
                 out["rejection"] = await _rejection(c, settings, after_reqs, opts)
     finally:
@@ -283,4 +287,4 @@ def run_fit_bench(settings: Settings, opts: FitBenchOptions) -> dict[str, Any]:
             "logs": str(log_dir), "wall_s": round(time.monotonic() - t0, 1), **out}
 
 
-__all__ = ["FitBenchOptions", "compare_forms", "error_summary", "read_outcomes", "run_fit_bench"]
+__all__ = ["FitBenchOptions", "compare_forms", "error_summary", "run_fit_bench"]

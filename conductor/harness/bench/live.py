@@ -34,7 +34,7 @@ import logging
 import os
 import re
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -54,7 +54,11 @@ from conductor.harness.demo import (
 )
 from conductor.harness.devstack import EmbeddedStack, free_port
 from conductor.harness.gateway_cluster import GatewayCluster, SglangRouterCluster, sglang_router_missing
+from conductor.routing.fitting import prediction_error_summary
 from conductor.settings import Settings
+from schemas import RequestOutcome, decode
+from streams.kafka import consumer
+from streams.topics import topics
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +161,32 @@ async def replay(base_url: str, stats: RunStats, requests: list[DemoRequest], *,
         await client.close()
 
 
+async def read_outcomes(settings: Settings, ids: Sequence[str] | None = None, wait_s: float = 30.0,
+                        idle_s: float = 2.0) -> dict[str, RequestOutcome]:
+    """The gateway outcomes on ``settings``' topic: of these request ids (as many as arrive within
+    ``wait_s``), or every one there (until ``idle_s`` without a new one)."""
+    cons = consumer(settings.kafka(), topics(settings.topic_config()).request_outcomes.name, group_id=None,
+                    fetch_max_wait_ms=50)
+    await cons.start()
+    want = set(ids) if ids is not None else None
+    found: dict[str, RequestOutcome] = {}
+    try:
+        deadline = time.monotonic() + wait_s
+        last = time.monotonic()
+        while time.monotonic() < deadline and (want is None or not want <= set(found)):
+            if want is None and time.monotonic() - last > idle_s:
+                break
+            for recs in (await cons.getmany(timeout_ms=200)).values():
+                for r in recs:
+                    b = decode(r.value).body
+                    if isinstance(b, RequestOutcome) and (want is None or b.request_id in want):
+                        found[b.request_id] = b
+                        last = time.monotonic()
+    finally:
+        await cons.stop()
+    return found
+
+
 def side_summary(stats: RunStats, reports: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
     """The side's figures: TTFT (model time), reuse, rejections and errors, per-instance prefills."""
     for row in reports:
@@ -220,6 +250,8 @@ async def _conductor_side(s: Settings, opts: LiveOptions, requests: list[DemoReq
                             api_key=c.api_key)
         await asyncio.sleep(0.5)  # the engines' last report lines
         out = side_summary(stats, c.reports, wall)
+        # Each decision's prediction against its request's gateway TTFT less routing, in model time.
+        out.update(prediction_error_summary((await read_outcomes(s, wait_s=15.0)).values(), time_scale=opts.speed))
     return {"router": "conductor", "policy": s.policy, "hand_off": "sglang bootstrap room (gateway)", **out}
 
 

@@ -38,12 +38,13 @@ import httpx
 import openai
 
 from conductor.bridge.scrape import parse_load
-from conductor.harness.bench.live import LiveBenchError, block_words, quiet_clients, servers, trace_slice
+from conductor.harness.bench.live import LiveBenchError, block_words, quiet_clients, read_outcomes, servers, trace_slice
 from conductor.harness.demo import DemoRequest, Processes, percentile
 from conductor.harness.devstack import free_port
 from conductor.harness.gateway_cluster import sglang_router_missing
 from conductor.harness.vllm_cluster import VllmGatewayCluster, VllmNode
 from conductor.harness.vllm_kit import VllmEngine, kit_available, kit_dir, start_engines, tiny_model_dir
+from conductor.routing.fitting import prediction_error_summary
 from conductor.settings import Settings, child_environment
 
 log = logging.getLogger(__name__)
@@ -204,7 +205,9 @@ async def _side(name: str, settings: Settings, opts: VllmLiveOptions, requests: 
                 stats = await replay(c.gateway_url, requests, opts, name, api_key=c.api_key)
                 wall = time.monotonic() - t0
                 after = await prefix_counters(urls)
-            return {"router": "conductor", "policy": settings.policy, **summary(stats, before, after, wall)}
+                # What each decision predicted against what its request took (gateway TTFT less routing).
+                errors = prediction_error_summary((await read_outcomes(settings, wait_s=15.0)).values())
+            return {"router": "conductor", "policy": settings.policy, **summary(stats, before, after, wall), **errors}
         policy = "cache_aware" if name == "peer" else "round_robin"
         procs = Processes(side_dir, cwd=None)
         port = free_port(settings.bind_host)
@@ -300,6 +303,10 @@ def run_vllm_demo(settings: Settings, opts: VllmLiveOptions, policy: str, baseli
         "policy": policy, "baseline_policy": baseline, **run,
         "served": a["served"], "rejected": a["rejected"], "errors": a["errors"],
         "reuse_ratio": a["engine_prefix_hit_ratio"], "ttft_p50_s": a["ttft_p50_s"], "ttft_p90_s": a["ttft_p90_s"],
+        "ttft_prediction_error_p50": a.get("ttft_prediction_error_p50"),
+        "ttft_prediction_error_p90": a.get("ttft_prediction_error_p90"),
+        "baseline_ttft_prediction_error_p50": b.get("ttft_prediction_error_p50"),
+        "baseline_ttft_prediction_error_p90": b.get("ttft_prediction_error_p90"),
         "baseline_served": b["served"], "baseline_rejected": b["rejected"], "baseline_errors": b["errors"],
         "baseline_reuse_ratio": b["engine_prefix_hit_ratio"], "baseline_ttft_p50_s": b["ttft_p50_s"],
         "baseline_ttft_p90_s": b["ttft_p90_s"],
