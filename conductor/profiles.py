@@ -60,7 +60,6 @@ class ModelProfile(BaseModel):
     rack_bandwidth: float = Field(gt=0, description="node -> node, same rack (RDMA)")
     cross_rack_bandwidth: float = Field(gt=0, description="node -> node across racks")
     transfer_latency_s: float = Field(default=0.0, ge=0, description="set-up cost of one remote transfer")
-
     # --- measured (``fit_outcomes``: what the engines did under this profile's predictions) ---
     queue_wait_scale: float = Field(default=1.0, ge=0, description="real queue wait / the wait predicted "
                                     "from a heartbeat's queued tokens (the queue's measured drain rate)")
@@ -178,7 +177,13 @@ def profile_from_dict(data: dict[str, Any], *, source: str = "profile") -> Model
 def load_profile(name: str) -> ModelProfile:
     """The shipped profile ``name``, or a JSON file path; :class:`ConfigError` if unknown."""
     if name.endswith(".json") and Path(name).is_file():
-        return profile_from_dict(json.loads(Path(name).read_text()), source=name)
+        try:
+            data = json.loads(Path(name).read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"model profile {name}: cannot read it as JSON: {e}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"model profile {name}: not a JSON object")
+        return profile_from_dict(data, source=f"model profile {name}")
     entry = _profile_dir().joinpath(f"{name}.json")
     if name.startswith(CLUSTER_PREFIX) or not entry.is_file():
         raise ConfigError(f"unknown model profile {name!r}; known: {', '.join(list_profiles())}")
@@ -242,6 +247,7 @@ def fit_profile(rows: Iterable[Sequence[float]], base: ModelProfile | None = Non
         rmse_s=float(np.sqrt(np.mean((pred - y) ** 2))),
         max_rel_error=float(np.max(np.abs(pred - y) / y)),
     )
+
 
 def _nonnegative_lstsq(design: np.ndarray, y: np.ndarray) -> np.ndarray:
     """Least squares with every coefficient >= 0: the best fit over the subsets of columns whose
@@ -307,7 +313,6 @@ def fit_decode(rows: Iterable[Sequence[float]], base: ModelProfile) -> DecodeFit
     pred = np.array([profile.decode_step_seconds(int(b), int(c)) for b, c, _ in data])
     return DecodeFit(profile=profile, rows=len(data), rmse_s=float(np.sqrt(np.mean((pred - y) ** 2))),
                      max_rel_error=float(np.max(np.abs(pred - y) / y)))
-
 
 
 def read_timings_csv(path: Path) -> list[tuple[float, float, float]]:

@@ -204,6 +204,22 @@ class Settings(BaseSettings):
             raise ValueError("must start with redis://, rediss://, unix:// or (a Redis Cluster) redis+cluster://")
         return v
 
+    @field_validator("model_profile")
+    @classmethod
+    def _profile_file(cls, v: str) -> str:
+        # A path (a file `conductor profile calibrate` or `profile fit` wrote) must hold a JSON
+        # object; its fields are checked where it is loaded (conductor.profiles.load_profile).
+        if v.endswith(".json") or os.sep in v:
+            try:
+                data = json.loads(Path(v).read_text())
+            except OSError as e:
+                raise ValueError(f"cannot read the profile file {v}: {e.strerror or e}") from None
+            except ValueError as e:
+                raise ValueError(f"the profile file {v} is not JSON: {e}") from None
+            if not isinstance(data, dict):
+                raise ValueError(f"the profile file {v} holds no JSON object")
+        return v
+
     @field_validator("topology_file")
     @classmethod
     def _topology_loads(cls, v: Path | None) -> Path | None:

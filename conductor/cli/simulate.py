@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from conductor.cli.common import err, print_json, settings_or_exit
+from conductor.cli.common import err, exit_on, print_json, settings_or_exit
+from conductor.harness.bench.live_vllm import VllmLiveOptions
+from conductor.harness.bench.sim_vllm import SimFidelityOptions, run_sim_fidelity
 from conductor.harness.sim.run import DEFAULT_CLUSTER_PROFILE, DEFAULT_TARGET, SimulateConfig, run_simulation
 
 Trace = Annotated[Path | None, typer.Option(
@@ -22,9 +26,15 @@ Since = Annotated[str | None, typer.Option(
     "[default: the oldest record]")]
 Until = Annotated[str | None, typer.Option(
     "--until", help="--from-topics: end of the range (same forms) [default: the newest record]")]
-Calibrate = Annotated[str, typer.Option(
+Calibrate = Annotated[str | None, typer.Option(
     "--calibrate", help="--from-topics: scale (prefill compute scaled until the recorded policy's simulated TTFT p50 "
-    "matches the observed one), fit (prefill coefficients fitted to the observed prompt/cached/TTFT) or off")]
+    "matches the observed one), fit (prefill coefficients fitted to the observed prompt/cached/TTFT) or off "
+    "[default: scale; off with --profile]")]
+ModelProfileOpt = Annotated[str | None, typer.Option(
+    "--profile", "--model-profile", help="the cost model the simulated engines run on: a profile name, a JSON file "
+    "(`conductor profile calibrate` measures one on a live engine) or, with --from-topics, 'control' (the last "
+    "set_profile on the control topic: the fit `conductor fit` publishes) [default: the cluster profile's; with "
+    "--from-topics CONDUCTOR_MODEL_PROFILE]")]
 Policy = Annotated[str, typer.Option(
     "--policy", help="comma-separated policy names, or 'all'; with --from-topics 'recorded' names the policy the "
     "cluster ran; NAME:VARIANT runs NAME with the --params given under 'NAME:VARIANT' (ablations)")]
@@ -70,7 +80,8 @@ def simulate(
     from_topics: FromTopics = False,
     since: Since = None,
     until: Until = None,
-    calibrate_mode: Calibrate = "scale",
+    calibrate_mode: Calibrate = None,
+    model_profile: ModelProfileOpt = None,
     policy: Policy = "all",
     cluster: Cluster = None,
     profile: ClusterProfileName = DEFAULT_CLUSTER_PROFILE,
@@ -101,10 +112,14 @@ def simulate(
 
     What-if on this cluster's own traffic (what would least-loaded have done over the last day):
     conductor simulate --from-topics --since 1d --policy recorded,least-loaded --report whatif
+
+    The same on the engines' measured costs: --profile calibrated.json (conductor profile calibrate) or --profile control (the fitted profile on the control topic).
     """
     s = settings_or_exit()
     config = SimulateConfig(
-        trace=trace, from_topics=from_topics, since=since, until=until, calibrate=calibrate_mode, policy=policy,
+        trace=trace, from_topics=from_topics, since=since, until=until,
+        calibrate=calibrate_mode or ("scale" if model_profile is None else "off"), model_profile=model_profile,
+        policy=policy,
         cluster=cluster, cluster_profile=profile, speed=speed, capacity=capacity, target=target,
         tbt_slo_ms=tbt_slo_ms, ttft_slo_s=ttft_slo_s, view_delay_ms=view_delay_ms, limit=limit, params=params,
         seed=seed, balance=balance, balance_params=balance_params, json_out=json_out, report=report, cpp=cpp,
@@ -131,5 +146,45 @@ def _summary_line(name: str, summary: dict[str, Any], capacity: bool) -> str:
     )
 
 
+FidDuration = Annotated[float, typer.Option("--duration", min=1.0, help="seconds of the trace slice to send")]
+FidSpeed = Annotated[float, typer.Option("--speed", min=0.01, help="arrival speed-up of the slice")]
+FidSample = Annotated[int, typer.Option("--sample", min=1, help="keep every Nth request of the slice")]
+FidEngines = Annotated[int, typer.Option("--engines", min=1, max=8, help="aggregated vLLM engines")]
+FidMax = Annotated[int | None, typer.Option("--max-requests", min=1, help="send at most this many requests")]
+FidRepeats = Annotated[int, typer.Option("--repeats", min=1, help="passes over the calibration grid")]
+FidOut = Annotated[Path | None, typer.Option("--profile-out", dir_okay=False, help="write the calibrated profile "
+    "here [default: the run's log folder]")]
+
+
+def bench_sim_fidelity(duration: FidDuration = 60.0, speed: FidSpeed = 10.0, sample: FidSample = 6,
+                       engines: FidEngines = 2, max_requests: FidMax = None, repeats: FidRepeats = 3,
+                       profile_out: FidOut = None, json_out: JsonOut = False) -> None:
+    """Check the simulator against a real run: calibrate, record, simulate from the topics, compare.
+
+    On real vLLM CPU engines (scripts/vllm-kit): `profile calibrate`'s sweep against the first engine; the demo's trace slice through Conductor (every record on an embedded broker's topics) by the openai client; then `simulate --from-topics --policy recorded` with the calibrated --profile, with the configured profile as it is, and with it scaled to the observed TTFT p50 (--calibrate scale). Prints each simulated TTFT p50/p90 against the clients' (vs_client: simulated / observed - 1) and against the gateway's TTFT less routing (what the simulator models).
+    """
+    s = settings_or_exit()
+    live = VllmLiveOptions(duration_s=duration, speed=speed, sample=sample, engines=engines,
+                           max_requests=max_requests)
+    plan = dataclasses.replace(SimFidelityOptions().plan, repeats=repeats)
+    with exit_on():
+        out = run_sim_fidelity(s, SimFidelityOptions(live=live, plan=plan, profile_out=profile_out))
+    if json_out:
+        print_json(out)
+        return
+    c = out["observed_client_ttft"]
+    err.print(f"observed (clients): TTFT p50 {c['p50']} s, p90 {c['p90']} s over {out['sent']} requests")
+    for name, sim in out["simulated"].items():
+        v = sim["vs_client"]
+        err.print(f"simulated, {name}: p50 {sim['ttft_p50_s']} s ({_signed(v['p50'])}), "
+                  f"p90 {sim['ttft_p90_s']} s ({_signed(v['p90'])})")
+    typer.echo(json.dumps(out, indent=1))
+
+
+def _signed(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:+.1f} %"
+
+
 def register(groups: dict[str, typer.Typer]) -> None:
     groups["app"].command("simulate")(simulate)
+    groups["bench"].command("sim-fidelity")(bench_sim_fidelity)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -19,8 +20,10 @@ from conductor.harness.calibrate import (
     prediction_errors,
     prefill_medians,
     relative_errors,
+    write_profile,
 )
 from conductor.profiles import DEFAULT_PROFILE, ModelProfile, fit_decode, fit_profile, load_profile
+from conductor.settings import load_settings
 
 
 @pytest.fixture(scope="module")
@@ -149,3 +152,20 @@ def test_calibrate_refuses_a_bad_grid_before_calling_the_engine() -> None:
     assert r.exit_code == 2 and "--cached" in r.output
     r = CliRunner().invoke(app, ["profile", "calibrate", "--engine", "ftp://x", "--lengths", "64,128"])
     assert r.exit_code == 2 and "--engine" in r.output
+
+
+def test_a_profile_file_is_a_setting_checked_at_start_up(tmp_path: Path, base: ModelProfile) -> None:
+    """CONDUCTOR_MODEL_PROFILE=<the file calibrate wrote>: a cluster starts from it; a missing or
+    broken file fails the settings naming the field, a wrong field fails the load naming both."""
+    good = tmp_path / "cal.json"
+    write_profile(base.model_copy(update={"name": "cal", "prefill_overhead_s": 0.02}), good)
+    s = load_settings(kafka_url=None, redis_url=None, model_profile=str(good))
+    assert load_profile(s.model_profile).prefill_overhead_s == 0.02
+    (tmp_path / "cut.json").write_text('{"name": ')
+    (tmp_path / "list.json").write_text("[]")
+    for path, why in (("missing.json", "cannot read"), ("cut.json", "not JSON"), ("list.json", "no JSON object")):
+        with pytest.raises(ConfigError, match=f"model_profile.*{why}"):
+            load_settings(kafka_url=None, redis_url=None, model_profile=str(tmp_path / path))
+    (tmp_path / "bad.json").write_text(base.model_copy(update={"l": 1}).model_dump_json().replace('"l":1', '"l":0'))
+    with pytest.raises(ConfigError, match=r"model profile .*bad.json: l: "):
+        load_profile(str(tmp_path / "bad.json"))

@@ -8,6 +8,7 @@ import random
 from typer.testing import CliRunner
 
 from conductor.cli import app
+from conductor.profiles import load_profile
 
 REQUIRED = ("policy", "requests", "ttft_mean_s", "ttft_p90_s", "tbt_p90_ms", "slo_attainment", "goodput_rps",
             "reuse_ratio", "reuse_upper_bound", "rejected", "sim_wall_s")
@@ -49,3 +50,24 @@ def test_bad_trace_line_exits_2_naming_the_line(tmp_path) -> None:
     res = CliRunner().invoke(app, ["simulate", "--trace", str(trace), "--policy", "random"])
     assert res.exit_code != 0
     assert "bad.jsonl:2" in str(res.exception) or "bad.jsonl:2" in res.output
+
+
+def test_a_profile_file_drives_the_simulated_engines(tmp_path) -> None:
+    """``--profile FILE`` (what ``conductor profile calibrate`` writes): prefill 4x slower than the
+    cluster profile's model gives a slower simulated TTFT; the report names the file."""
+    trace = tmp_path / "t.jsonl"
+    tiny_trace(trace, n=60)
+    base = load_profile("llama3-70b-a800x8")
+    slow = base.model_copy(update={"name": "slow", "effective_flops": base.effective_flops / 4})
+    path = tmp_path / "slow.json"
+    path.write_text(slow.model_dump_json())
+    args = ["simulate", "--trace", str(trace), "--policy", "round-robin", "--cluster", "2P1D", "--json"]
+    rows = []
+    for extra in ([], ["--profile", str(path)]):
+        res = CliRunner().invoke(app, args + extra + ["--report", str(tmp_path / f"r{len(extra)}")])
+        assert res.exit_code == 0, res.output
+        rows.append(json.loads(next(line for line in res.stdout.splitlines() if line.startswith("{"))))
+    assert rows[1]["ttft_p50_s"] > 2 * rows[0]["ttft_p50_s"]
+    assert f"--profile {path}" in (tmp_path / "r2" / "README.md").read_text()
+    bad = CliRunner().invoke(app, args + ["--profile", "control"])
+    assert bad.exit_code != 0 and "--from-topics" in (bad.output + str(bad.exception))

@@ -176,3 +176,25 @@ def test_fit_calibration_refits_the_prefill_coefficients_to_the_observations() -
     before = abs(cal.simulated_ttft_p50_s - cal.observed_ttft_p50_s)
     assert abs(cal.calibrated_ttft_p50_s - cal.observed_ttft_p50_s) < before
     assert "fitted to 40 observed" in cal.describe()
+
+
+def test_off_keeps_a_given_profile_and_says_how_well_it_matches() -> None:
+    """A profile measured on the engines (``simulate --profile FILE``): no calibration, but the
+    recorded policy is simulated once and its TTFT p50/p90 set against the observed ones."""
+    reqs, hbs, _ = _traffic_envelopes(n=40, seed=5)
+    t = recorded_traffic(reqs, hbs, [], base=_base(), block_size=BS)
+    measured = scale_compute(load_profile(t.cluster.model_profile), 2.0)
+    bench = Bench(t.records, t.cluster, bucket_ms=1.0, profile=measured)
+    for o in bench.run("round-robin", 1.0)[1].outcomes:
+        rid = t.request_ids[o.index]
+        t.observed[rid] = RequestOutcome(request_id=rid, gateway="gw", status=200, ttft_s=o.ttft_s)
+
+    def simulate(p):
+        bench.profile = p
+        return bench.run("round-robin", 1.0)[1]
+
+    same, cal = calibrate(t, measured, simulate, policy="round-robin", method="off")
+    assert same is measured and cal.method == "off" and cal.requests == 40
+    assert cal.calibrated_ttft_p50_s == pytest.approx(cal.observed_ttft_p50_s)
+    assert cal.calibrated_ttft_p90_s == pytest.approx(cal.observed_ttft_p90_s)
+    assert cal.error_p50 == pytest.approx(0.0) and "the profile as given" in cal.describe()

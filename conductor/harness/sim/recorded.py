@@ -266,13 +266,21 @@ class Calibration:
     iterations: int = 0
     fit_rmse_s: float | None = None
     note: str = ""
+    observed_ttft_p90_s: float | None = None
+    calibrated_ttft_p90_s: float | None = None
+    """The recorded policy's simulated TTFT p90 with the profile the runs use (as ``calibrated_ttft_p50_s``)."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def describe(self) -> str:
-        if self.method == "off" or self.requests == 0:
+        if self.requests == 0:
             return f"none ({self.note or 'off'})"
+        if self.method == "off":
+            return (f"none, the profile as given: `{self.policy}` simulated TTFT p50 {_s(self.calibrated_ttft_p50_s)}, "
+                    f"p90 {_s(self.calibrated_ttft_p90_s)} against {_s(self.observed_ttft_p50_s)}, "
+                    f"{_s(self.observed_ttft_p90_s)} observed over {self.requests} requests; per-request error p50 "
+                    f"{_pct(self.error_p50)}")
         what = (f"prefill compute x{self.compute_scale:.3g} after {self.iterations} runs" if self.method == "scale"
                 else f"prefill coefficients fitted to {self.requests} observed (prompt, cached, TTFT), "
                      f"RMSE {self.fit_rmse_s:.3g} s")
@@ -311,6 +319,16 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
+def _p90(values: list[float]) -> float | None:
+    """The 90th percentile (linear between ranks), None when empty."""
+    if not values:
+        return None
+    v = sorted(values)
+    pos = 0.9 * (len(v) - 1)
+    lo = int(pos)
+    return v[lo] + (v[min(lo + 1, len(v) - 1)] - v[lo]) * (pos - lo)
+
+
 def calibrate(
     traffic: RecordedTraffic,
     profile: ModelProfile,
@@ -327,12 +345,13 @@ def calibrate(
     ``scale`` multiplies prefill compute by ``k`` and moves ``k`` by observed/simulated TTFT
     p50 until they agree within ``tolerance`` (queueing makes the relation non-linear, so it
     iterates); ``fit`` refits the prefill coefficients to the observed TTFTs as if they
-    were compute only (queueing and transfers fold into the coefficients).
+    were compute only (queueing and transfers fold into the coefficients); ``off`` keeps the
+    profile (one given with ``--profile``, measured already) and says how well it matches.
     """
     if method not in ("scale", "fit", "off"):
         raise ConfigError(f"--calibrate: expected scale, fit or off, not {method!r}")
     observed = [v for rid in traffic.request_ids if (v := traffic.observed_ttft_s(rid)) is not None]
-    if method == "off" or not observed:
+    if not observed:
         note = "off" if method == "off" else "no served request-outcomes in the range: the profile as it is"
         return profile, Calibration("off", policy, 0, _median(observed), None, None, None, note=note)
     first = simulate(profile)
@@ -343,8 +362,11 @@ def calibrate(
     sim0 = _median([s for s, _ in pairs])
     obs = _median([o for _, o in pairs])
     assert sim0 is not None and obs is not None
-    cal = Calibration(method, policy, len(pairs), obs, sim0, sim0, None, iterations=1)
-    if method == "fit":
+    cal = Calibration(method, policy, len(pairs), obs, sim0, sim0, None, iterations=1,
+                      observed_ttft_p90_s=_p90([o for _, o in pairs]))
+    if method == "off":
+        result = first
+    elif method == "fit":
         rows = []
         for rid in traffic.request_ids:
             o, v = traffic.observed.get(rid), traffic.observed_ttft_s(rid)
@@ -373,5 +395,6 @@ def calibrate(
     pairs = _pairs(traffic, result)
     cal.requests = len(pairs)
     cal.calibrated_ttft_p50_s = _median([s for s, _ in pairs])
+    cal.calibrated_ttft_p90_s = _p90([s for s, _ in pairs])
     cal.error_p50 = _median([abs(s - o) / o for s, o in pairs])
     return profile, cal

@@ -18,6 +18,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from aiokafka.errors import KafkaError
 from pydantic import ValidationError
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
@@ -32,7 +33,8 @@ from conductor.harness.sim.recorded import Calibration, RecordedTraffic, calibra
 from conductor.harness.sim.report import PolicyRun, write_report
 from conductor.harness.sim.session import Bench
 from conductor.harness.sim.session import Progress as ProgressCallback
-from conductor.profiles import ModelProfile
+from conductor.profiles import ModelProfile, load_profile
+from conductor.routing.control_log import current_control
 from conductor.routing.policies import POLICIES
 from conductor.settings import Settings
 from conductor.topology import Topology, load_topology
@@ -42,6 +44,8 @@ from streams.topics import topics
 DEFAULT_CLUSTER_PROFILE = "paper-16p8d"
 DEFAULT_TARGET = 0.9
 BALANCE_MODES = {"on": [True], "off": [False], "both": [False, True]}
+CONTROL_PROFILE = "control"
+"""``--profile control``: the last ``set_profile`` record on the control topic."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +82,10 @@ class SimulateConfig:
     cpp: str | None = None
     topology: Path | None = None
     workload: str = "trace"
+    model_profile: str | None = None
+    """The cost model the simulated engines run on: a profile name or file (``conductor profile
+    calibrate`` writes one), or ``control`` (the last ``set_profile`` on the control topic: the
+    cluster's fitted model); None: the cluster profile's (a trace) or the settings' (the topics)."""
 
     def __post_init__(self) -> None:
         if (self.trace is None) == (not self.from_topics):
@@ -87,6 +95,8 @@ class SimulateConfig:
         self.policies()
         if self.balance not in BALANCE_MODES:
             raise ConfigError(f"--balance: expected on, off or both, not {self.balance!r}")
+        if self.model_profile == CONTROL_PROFILE and not self.from_topics:
+            raise ConfigError(f"--profile {CONTROL_PROFILE}: the control topic's fitted profile goes with --from-topics")
 
     def policies(self) -> list[str]:
         """Policy names; with ``from_topics`` the name 'recorded' stands for the policy the
@@ -100,6 +110,11 @@ class SimulateConfig:
             raise ConfigError(f"--policy: unknown {', '.join(unknown) or '(empty)'}; known: all, {', '.join(POLICIES)}")
         return names
 
+    def default_calibration(self) -> str:
+        """``--calibrate``'s default: ``scale`` on the settings' profile, ``off`` on a profile given
+        (a calibrated or fitted one is the engines' measured behaviour already)."""
+        return "scale" if self.model_profile is None else "off"
+
     def cpp_override(self) -> bool | None:
         if self.cpp not in (None, "on", "off"):
             raise ConfigError(f"--cpp: expected on or off, got {self.cpp!r}")
@@ -111,10 +126,11 @@ class SimulateConfig:
         if self.from_topics:
             parts = ["--from-topics", *[a for f, v in (("--since", self.since), ("--until", self.until)) if v
                                         for a in (f, v)]]
-            parts += ["--calibrate", self.calibrate] if self.calibrate != "scale" else []
+            parts += ["--calibrate", self.calibrate] if self.calibrate != self.default_calibration() else []
         else:
             parts = ["--trace", str(self.trace)]
         parts += ["--policy", self.policy]
+        parts += ["--profile", self.model_profile] if self.model_profile is not None else []
         for flag, value in (("--cluster", self.cluster), ("--speed", self.speed), ("--tbt-slo-ms", self.tbt_slo_ms),
                             ("--ttft-slo-s", self.ttft_slo_s), ("--view-delay-ms", self.view_delay_ms),
                             ("--limit", self.limit), ("--params", self.params), ("--seed", self.seed),
@@ -192,8 +208,11 @@ def _prepare(settings: Settings, config: SimulateConfig, console: Console) -> _S
     if config.from_topics:
         return _prepare_recorded(settings, config, console, prof, names, topo, seed, balance)
     assert config.trace is not None  # SimulateConfig holds one of the two
+    model = load_profile(config.model_profile) if config.model_profile is not None else None
+    if model is not None:
+        prof = prof.model_copy(update={"model_profile": config.model_profile})
     bench = Bench(config.trace, prof, seed=seed, limit=config.limit, params=_params(config.params), topology=topo,
-                  cpp=cpp, workload=config.workload, balance=balance)
+                  cpp=cpp, workload=config.workload, balance=balance, profile=model)
     return _Setup(bench, names, speed, topo)
 
 
@@ -208,14 +227,18 @@ def _prepare_recorded(settings: Settings, config: SimulateConfig, console: Conso
         prof = prof.model_copy(update={"tbt_slo_ms": settings.tbt_slo_ms})
     prof = prof.model_copy(update={"model_profile": settings.model_profile,
                                    "default_speed": config.speed if config.speed is not None else 1.0})
+    model = _model_profile(settings, config.model_profile, console)
     speed = prof.default_speed
     traffic = _recorded(settings, prof, config.since, config.until, console)
     prof = traffic.cluster
     recorded = traffic.recorded_policy or settings.policy
     names = list(dict.fromkeys(recorded if n == "recorded" else n for n in names))
     run_params = {recorded: traffic.recorded_params or dict(settings.policy_params), **_params(config.params)}
+    if model is not None:
+        named = model.name if config.model_profile == CONTROL_PROFILE else config.model_profile
+        prof = prof.model_copy(update={"model_profile": named})
     bench = Bench(traffic.records, prof, seed=seed, limit=config.limit, params=run_params, bucket_ms=1.0,
-                  topology=topo, cpp=config.cpp_override(), workload=config.workload, balance=balance)
+                  topology=topo, cpp=config.cpp_override(), workload=config.workload, balance=balance, profile=model)
     console.print(f"recorded: {len(bench.records)} requests on {prof.prefill_instances}P{prof.decode_instances}D, "
                   f"policy {recorded}, {len(traffic.observed)} observed outcomes"
                   + (f"; left out {traffic.skipped}" if traffic.skipped else ""))
@@ -340,6 +363,24 @@ def _recorded(settings: Settings, base: ClusterProfile, since: str | None, until
         except LogReadError as e:
             raise ConfigError(f"--from-topics: {e}") from None
     return recorded_traffic(reqs, hbs, outs, disp, base=base, block_size=settings.block_size, since_ms=lo, until_ms=hi)
+
+
+def _model_profile(settings: Settings, name: str | None, console: Console) -> ModelProfile | None:
+    """The profile ``--profile`` names: None (not given), a name or file, or the control topic's last
+    ``set_profile`` (``control``; :class:`ConfigError` when the topic holds none)."""
+    if name is None:
+        return None
+    if name != CONTROL_PROFILE:
+        return load_profile(name)
+    with console.status(f"reading {topics(settings.topic_config()).control.name}"):
+        try:
+            state = asyncio.run(current_control(settings))
+        except KafkaError as e:
+            raise ConfigError(f"--profile control: cannot read the control topic: {e}") from None
+    if state.profile is None:
+        raise ConfigError("--profile control: no set_profile record on the control topic (is `conductor fit` running?)")
+    console.print(f"profile: {state.profile.name} (control offset {state.offset})")
+    return state.profile
 
 
 def _run_with(bench: Bench, profile: ModelProfile, policy: str, speed: float) -> SimResult:
