@@ -9,6 +9,7 @@ import typer
 
 from conductor.cli.common import (
     JsonLine,
+    err,
     exit_on,
     need_kafka_url,
     print_json,
@@ -27,12 +28,15 @@ EppEngine = Annotated[list[str] | None, typer.Option("--engine", help="NODE_ID=h
     "engine's heartbeats announce, or name one that announces none (repeat for each); the destination the proxy is "
     "told is its HOST:PORT [default: the engines found through the view: `conductor bridge --engine-url`]")]
 EppId = Annotated[str | None, typer.Option("--epp-id", help="names this picker on the log (its producer id, its reply "
-    "topic with --decide log) [default: epp-HOST-PID]")]
+    "topic with --routing log) [default: epp-HOST-PID]")]
 EppModel = Annotated[str | None, typer.Option("--model", help="the engines' base model: another model name in a "
     "request is a LoRA adapter (it enters the block keys)")]
-EppDecide = Annotated[str, typer.Option("--decide", help="log: each request onto `requests`, a router's decision "
-    "back on this picker's reply topic (as the gateway routes)")]
-EppDecisionTimeoutS = Annotated[float, typer.Option(min=0.05, help="answer 503 decision_timeout after this long")]
+EppRouting = Annotated[str, typer.Option("--routing", help="colocated: decide in this process (the routers' policy "
+    "over the Redis view, reservations shared through Redis), the request and its decision written to the log with "
+    "the broker's acknowledgement before the answer; log: each request onto `requests`, a router's decision back on "
+    "this picker's reply topic (needs `conductor router` running)")]
+EppDecisionTimeoutS = Annotated[float, typer.Option(min=0.05, help="--routing log: answer 503 decision_timeout after "
+    "this long; colocated: 503 log_unavailable when the broker has not acknowledged the decision by then")]
 EppBodyMode = Annotated[str, typer.Option("--body-mode", help="the proxy's ext_proc request_body_mode when its first "
     "message does not say (Envoy 1.32+ does): full-duplex (FULL_DUPLEX_STREAMED, the Inference Extension's) or "
     "buffered (BUFFERED)")]
@@ -51,7 +55,7 @@ def epp(
     engine: EppEngine = None,
     epp_id: EppId = None,
     model: EppModel = None,
-    decide: EppDecide = "log",
+    routing: EppRouting = "colocated",
     decision_timeout_s: EppDecisionTimeoutS = 5.0,
     body_mode: EppBodyMode = "full-duplex",
     max_body_bytes: EppMaxBody = 16 * 1024 * 1024,
@@ -70,7 +74,7 @@ def epp(
     s = settings_or_exit()
     need_kafka_url(s)
     with exit_on():
-        config = epp_serve.epp_config(s, epp_id=epp_id, engines=engines, base_model=model, decide=decide,
+        config = epp_serve.epp_config(s, epp_id=epp_id, engines=engines, base_model=model, routing=routing,
                                       decision_timeout_s=decision_timeout_s, body_mode=body_mode,
                                       max_body_bytes=max_body_bytes)
     setup_metrics("conductor-epp", s.bind_host, s.metrics_port)
@@ -82,19 +86,25 @@ def epp(
 
 BenchEppRequests = Annotated[int, typer.Option(min=10, help="requests timed on each path")]
 BenchEppConcurrency = Annotated[int, typer.Option(min=1, help="requests in flight at once on each path")]
+BenchEppRouting = Annotated[str, typer.Option("--routing", help="how both the picker and the gateway decide: "
+    "colocated (each in its own process) or log (through the routers)")]
 
 
 def bench_epp(
     requests: BenchEppRequests = 200,
     concurrency: BenchEppConcurrency = 1,
+    routing: BenchEppRouting = "colocated",
     json_out: JsonLine = False,
 ) -> None:
     """Decision latency of `conductor epp` over gRPC against the gateway's own decision path, on the same cluster.
 
-    Starts (on CONDUCTOR_KAFKA_URL/REDIS_URL, or the embedded ones) a worker, a router, 2 prefill + 2 decode emulated engines, `conductor gateway` and `conductor epp`; sends the same completions to each. EPP: the time from sending a request's headers and body over one ext_proc stream to the answer naming the destination (parse, tokenize, decide, log). Gateway: the routing_ms of its request_outcome (tokenize + decide through the log), the same work. Fields: epp_ms_p50, epp_ms_p99, gateway_routing_ms_p50, gateway_routing_ms_p99, requests, errors.
+    Starts (on CONDUCTOR_KAFKA_URL/REDIS_URL, or the embedded ones) a worker, a router, 2 prefill + 2 decode emulated engines, `conductor gateway` and `conductor epp`; sends the same completions to each (prompts as token ids: no tokenizer call on either path), both deciding as --routing says. EPP: the time from sending a request's headers and body over one ext_proc stream to the answer naming the destination (gRPC, parse, decide, the decision acknowledged on the log). Gateway: the routing_ms of its request_outcome (decide, the decision acknowledged on the log), measured inside the gateway. Fields: epp_ms_p50, epp_ms_p99, gateway_routing_ms_p50, gateway_routing_ms_p99, requests, errors.
     """
+    if routing not in ("colocated", "log"):
+        err.print(f"[red]error:[/red] --routing must be colocated or log, not {routing!r}")
+        raise typer.Exit(2)
     s = settings_or_exit()
-    out = run_epp_bench(s, requests=requests, concurrency=concurrency)
+    out = run_epp_bench(s, requests=requests, concurrency=concurrency, routing=routing)
     print_result(out, json_out)
 
 

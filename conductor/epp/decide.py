@@ -4,7 +4,7 @@ Both write the routing request and its decision to the log before the picker ans
 proxy, so ``dispatch`` stays the record of every decision and ``conductor explain`` re-derives
 it; they differ in where :meth:`~conductor.routing.router.Router.route` runs:
 
-- ``local`` (:class:`conductor.routing.local.LocalRouter`): in this process, reading the view and
+- ``colocated`` (:class:`conductor.routing.local.LocalRouter`): in this process, reading the view and
   sharing reservations through Redis, the request and the decision sent with the broker's
   acknowledgement (the request marked ``decided_by``: routers skip it);
 - ``log`` (:class:`LogDecider`): the request goes onto ``requests`` with ``reply_to`` = the
@@ -20,6 +20,7 @@ import time
 from typing import Any, Literal, Protocol
 
 from conductor.gateway.replies import ReplyInbox
+from conductor.routing.local import LocalRouter
 from conductor.settings import Settings
 from schemas import RoutingDecision, RoutingRejection, RoutingRequest, encode, envelope, headers
 from streams.kafka import acknowledged, ensure_topics, producer
@@ -27,8 +28,8 @@ from streams.topics import topics
 
 log = logging.getLogger(__name__)
 
-DecideMode = Literal["log"]
-DECIDE_MODES: tuple[DecideMode, ...] = ("log",)
+Routing = Literal["colocated", "log"]
+ROUTINGS: tuple[Routing, ...] = ("colocated", "log")
 
 
 class Decider(Protocol):
@@ -99,6 +100,9 @@ class LogDecider:
             await self._prod.stop()
 
 
-def make_decider(settings: Settings, mode: DecideMode, *, producer_id: str, timeout_s: float) -> Decider:
-    """The decider of ``mode``."""
-    return LogDecider(settings, producer_id=producer_id, timeout_s=timeout_s)
+def make_decider(settings: Settings, mode: Routing, *, producer_id: str, timeout_s: float) -> Decider:
+    """The decider of ``mode``; ``timeout_s`` bounds a log-mode round trip and a local decision's
+    wait for the broker's acknowledgement."""
+    if mode == "log":
+        return LogDecider(settings, producer_id=producer_id, timeout_s=timeout_s)
+    return LocalRouter(settings, producer_id=producer_id, ack_timeout_s=timeout_s)

@@ -18,7 +18,7 @@ import httpx
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from conductor.epp.decide import DECIDE_MODES, DecideMode, make_decider
+from conductor.epp.decide import ROUTINGS, Routing, make_decider
 from conductor.epp.protocol import BODY_MODES
 from conductor.epp.service import EppConfig, ExternalProcessor, Picker
 from conductor.errors import ConfigError
@@ -69,7 +69,7 @@ def tls_config(cert: Path | None, key: Path | None) -> Tls | None:
 
 
 def epp_config(settings: Settings, *, epp_id: str | None, engines: dict[str, str], base_model: str | None = None,
-               decide: str = "log", decision_timeout_s: float = 5.0, body_mode: str = "full-duplex",
+               routing: str = "colocated", decision_timeout_s: float = 5.0, body_mode: str = "full-duplex",
                max_body_bytes: int = 16 * 1024 * 1024) -> EppConfig:
     """The picker's configuration; :class:`ConfigError` naming the option at fault."""
     eid = epp_id or default_epp_id()
@@ -77,26 +77,26 @@ def epp_config(settings: Settings, *, epp_id: str | None, engines: dict[str, str
         topics(settings.topic_config()).replies(eid)  # the id names a reply topic in log mode
     except ValueError as e:
         raise ConfigError(f"--epp-id: {e}") from None
-    if decide not in DECIDE_MODES:
-        raise ConfigError(f"--decide must be one of {', '.join(DECIDE_MODES)}, not {decide!r}")
+    if routing not in ROUTINGS:
+        raise ConfigError(f"--routing must be one of {', '.join(ROUTINGS)}, not {routing!r}")
     if body_mode not in BODY_MODES:
         raise ConfigError(f"--body-mode must be one of {', '.join(BODY_MODES)}, not {body_mode!r}")
-    return EppConfig(epp_id=eid, engines=engines, base_model=base_model, decide=decide,
+    return EppConfig(epp_id=eid, engines=engines, base_model=base_model, routing=routing,
                      decision_timeout_s=decision_timeout_s, body_mode=body_mode, max_body_bytes=max_body_bytes)
 
 
-def _mode(decide: str) -> DecideMode:
-    for m in DECIDE_MODES:
-        if m == decide:
+def _routing(text: str) -> Routing:
+    for m in ROUTINGS:
+        if m == text:
             return m
-    raise ConfigError(f"--decide must be one of {', '.join(DECIDE_MODES)}")
+    raise ConfigError(f"--routing must be one of {', '.join(ROUTINGS)}")
 
 
 async def serve(config: EppConfig, settings: Settings, *, port: int, stop: asyncio.Event, tls: Tls | None = None,
                 health_service: bool = True, tokenizer_path: str | None = None,
                 on_ready: Callable[[dict[str, Any]], None] = lambda _: None) -> None:
     """Serve the picker (and gRPC health) on ``port`` of the settings' bind host (0: a free one) until
-    ``stop``. ``on_ready`` gets the ready line (id, address, TLS, decide mode) once decisions can be made."""
+    ``stop``. ``on_ready`` gets the ready line (id, address, TLS, routing) once decisions can be made."""
     logging.getLogger("httpx").setLevel(logging.WARNING)
     client = httpx.AsyncClient(timeout=httpx.Timeout(connect=settings.gateway_connect_timeout_s,
                                                      read=settings.gateway_first_byte_timeout_s or None,
@@ -110,7 +110,7 @@ async def serve(config: EppConfig, settings: Settings, *, port: int, stop: async
                                 ttl_s=settings.heartbeat_ttl_s)
     engine_tok = EngineTokenizer(client, directory)
     tok: PromptTokenizer = LocalTokenizer(tokenizer_path, engine_tok) if tokenizer_path else engine_tok
-    decider = make_decider(settings, _mode(config.decide), producer_id=config.epp_id,
+    decider = make_decider(settings, _routing(config.routing), producer_id=config.epp_id,
                            timeout_s=config.decision_timeout_s)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     picker = Picker(config, decider, tok, directory)
@@ -135,7 +135,7 @@ async def serve(config: EppConfig, settings: Settings, *, port: int, stop: async
             await checks.set("liveness", health_pb2.HealthCheckResponse.SERVING)
             health_task = asyncio.create_task(_keep_health(checks, decider.problem, stop))
         on_ready({"event": "ready", "epp_id": config.epp_id, "address": f"{settings.bind_host}:{bound}",
-                  "port": bound, "tls": tls is not None, "decide": config.decide, "body_mode": config.body_mode,
+                  "port": bound, "tls": tls is not None, "routing": config.routing, "body_mode": config.body_mode,
                   "health": health_service})
         await stop.wait()
     finally:

@@ -55,6 +55,7 @@ from conductor.gateway.directory import EngineDirectory
 from conductor.gateway.protocol import DEFAULT_EXPECTED_OUTPUT, BadRequest, error_body, parse_body, parse_slo
 from conductor.gateway.replies import InboxClosed
 from conductor.gateway.tokenizer import PromptRejected, PromptTokenizer, TokenizeError
+from conductor.routing.local import LogUnavailable
 from schemas import MmItem, RoutingDecision, RoutingRequest
 from schemas.records import MAX_EXTRA_KEYS, MAX_NAME
 
@@ -74,7 +75,9 @@ class EppConfig:
     """Node id → base URL, overriding what the node's heartbeats announce (``--engine``)."""
     base_model: str | None = None
     """The engines' base model; another ``model`` in a request is a LoRA adapter name."""
-    decide: str = "log"
+    routing: str = "colocated"
+    """``colocated``: a router in this process (:class:`conductor.routing.local.LocalRouter`); ``log``:
+    the routers through the log (:class:`conductor.epp.decide.LogDecider`)."""
     decision_timeout_s: float = 5.0
     body_mode: str = "full-duplex"
     """What the proxy's ext_proc filter is configured with when its first message does not say
@@ -238,6 +241,8 @@ class Picker:
                              "(are the routers running?)")]
         except InboxClosed as e:
             return [unavailable(f"the picker cannot read its decisions: {e}", "reply_inbox_down")]
+        except LogUnavailable as e:  # decided here but not on the log: not served (the log is the record)
+            return [unavailable(str(e), "log_unavailable", retry_after=2)]
         if not isinstance(answer, RoutingDecision):
             return [rejected(answer.reason, answer.message)]
         self.decisions.append(answer)

@@ -76,8 +76,9 @@ async def test_routed_in_one_message_in_chunks_and_buffered_each_decision_on_dis
                  if isinstance(b, RoutingDecision)}
     for name, a in answers.items():
         rid = f"{cluster.epp_id}-{name}"
-        assert rid in reqs and reqs[rid].prompt_tokens > 0
+        assert rid in reqs and reqs[rid].prompt_tokens > 0 and reqs[rid].decided_by == cluster.epp_id
         d = decisions[rid]
+        assert d.decided_by == cluster.epp_id  # decided in the picker's own process (colocated)
         assert (d.prefill_instance, d.decode_instance) == (a.headers["x-conductor-prefill-instance"],
                                                            a.headers["x-conductor-decode-instance"])
         ex = await explain(settings, rid)
@@ -139,3 +140,16 @@ async def test_health_and_a_request_with_no_body(cluster: EppCluster) -> None:
         models = await envoy.request(None, method="GET", path="/v1/models")
     assert models.status == 200 and models.clears_route_cache
     assert models.headers["x-gateway-destination-endpoint"] in {host_port(u) for u in cluster.engine_urls.values()}
+
+
+async def test_routed_through_the_log_by_the_routers(settings: Settings, tmp_path: Path) -> None:
+    async with EppCluster(settings, tmp_path / "logs", time_scale=20.0, max_output_tokens=8,
+                          epp_args=["--routing", "log"]) as c, c.envoy() as envoy:
+        a = await envoy.request(completion(), headers={"x-request-id": "via-log"}, chunks=3)
+        assert a.status == 200 and a.headers["x-conductor-decode-instance"].startswith("decode-")
+        tps = topics(settings.topic_config())
+        req = next(b for b in await read_all(settings, tps.requests.name, 1) if isinstance(b, RoutingRequest))
+        # A router decided it (no decided_by) and answered on the picker's reply topic.
+        assert req.request_id == f"{c.epp_id}-via-log" and req.reply_to == c.epp_id and req.decided_by is None
+        d = next(b for b in await read_all(settings, tps.dispatch.name, 1) if isinstance(b, RoutingDecision))
+        assert d.decided_by is None and d.decode_instance == a.headers["x-conductor-decode-instance"]

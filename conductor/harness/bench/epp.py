@@ -1,16 +1,16 @@
 """``conductor bench epp``: the endpoint picker's decision latency over gRPC against the gateway's own.
 
 Starts a stream worker, a router, 2 prefill + 2 decode emulated engines with no compute time,
-``conductor gateway`` and ``conductor epp`` in front of them (both deciding through the log, on
-the same routers), and sends the same completions to each, their prompts as token ids (no
+``conductor gateway`` and ``conductor epp`` in front of them (both deciding the same way:
+``colocated``, each in its own process, or through the log, on the same routers), and sends the same completions to each, their prompts as token ids (no
 tokenizer round trip on either path: what is timed is the decision):
 
 - EPP: one ext_proc stream per request over real gRPC (:class:`~conductor.harness.epp_cluster.EnvoySide`,
   full duplex, headers and body in one message each), from the first message sent to the
-  answer that names the destination, measured by the client (gRPC, parse, the routing request
-  and its decision through the log, the answer);
-- gateway: the ``routing_ms`` of each ``request_outcome`` (the routing request and its decision
-  through the log, measured inside the gateway), for the same requests.
+  answer that names the destination, measured by the client (gRPC, parse, the decision and its
+  acknowledgement on the log, the answer);
+- gateway: the ``routing_ms`` of each ``request_outcome`` (the decision and its acknowledgement on
+  the log, measured inside the gateway), for the same requests.
 """
 
 from __future__ import annotations
@@ -91,18 +91,21 @@ async def _routing_ms(settings: Settings, since_ms: int) -> list[float]:
     return out
 
 
-def run_epp_bench(settings: Settings, *, requests: int = 200, concurrency: int = 1) -> dict[str, Any]:
-    """Run the bench (starting the embedded broker and Redis when no URLs are set); one result dict."""
+def run_epp_bench(settings: Settings, *, requests: int = 200, concurrency: int = 1,
+                  routing: str = "colocated") -> dict[str, Any]:
+    """Run the bench (starting the embedded broker and Redis when no URLs are set); one result dict.
+    ``routing``: how both the picker and the gateway decide (``colocated`` or ``log``)."""
     with with_servers(settings) as s, TemporaryDirectory(prefix="conductor-bench-epp-") as tmp:
-        return asyncio.run(_bench(s, Path(tmp), requests, concurrency))
+        return asyncio.run(_bench(s, Path(tmp), requests, concurrency, routing))
 
 
-async def _bench(settings: Settings, tmp: Path, requests: int, concurrency: int) -> dict[str, Any]:
+async def _bench(settings: Settings, tmp: Path, requests: int, concurrency: int, routing: str) -> dict[str, Any]:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     tag = uuid.uuid4().hex[:8]
     s = settings.model_copy(update={"topic_prefix": f"bench-epp-{tag}.", "view_namespace": f"bepp{tag}",
                                     "metrics_port": 0, "data_dir": tmp / "data"})
-    async with EppCluster(s, tmp / "logs", time_scale=ZERO_COMPUTE, with_gateway=True) as c, \
+    async with EppCluster(s, tmp / "logs", time_scale=ZERO_COMPUTE, with_gateway=True,
+                          epp_args=["--routing", routing], gateway_args=["--routing", routing]) as c, \
             EnvoySide(c.epp_address) as envoy, \
             httpx.AsyncClient(timeout=60, headers=c.auth_headers) as client:
         gw = c.gateway_url + "/v1/completions"
@@ -126,11 +129,11 @@ async def _bench(settings: Settings, tmp: Path, requests: int, concurrency: int)
         epp, epp_errors, epp_wall = await _load(concurrency, requests, via_epp)
         since = time.time_ns() // 1_000_000
         _, gw_errors, _ = await _load(concurrency, requests, via_gateway)
-        routing = await _routing_ms(s, since)
+        routing_ms = await _routing_ms(s, since)
     return {
-        "requests": requests, "concurrency": concurrency, "prefill": 2, "decode": 2, "decide": "log",
+        "requests": requests, "concurrency": concurrency, "prefill": 2, "decode": 2, "routing": routing,
         "epp_ms_p50": _ms([x * 1000 for x in epp], 50), "epp_ms_p99": _ms([x * 1000 for x in epp], 99),
         "epp_decisions_per_s": round(len(epp) / epp_wall, 1) if epp_wall else None,
-        "gateway_routing_ms_p50": _ms(routing, 50), "gateway_routing_ms_p99": _ms(routing, 99),
+        "gateway_routing_ms_p50": _ms(routing_ms, 50), "gateway_routing_ms_p99": _ms(routing_ms, 99),
         "errors": epp_errors + gw_errors,
     }
