@@ -176,6 +176,19 @@ class Settings(BaseSettings):
         "cut)",
     )
 
+    # --- the gateway's backpressure (conductor/gateway/README.md) ------------------------------
+    gateway_max_in_flight: int = Field(
+        default=1024, ge=0,
+        description="client requests one gateway process serves at once (a stream counts until it ends); "
+        "beyond it a request is answered 429 gateway_busy with Retry-After at once, never queued or failed; "
+        "0 = no limit",
+    )
+    gateway_engine_max_in_flight: int = Field(
+        default=256, ge=0,
+        description="requests one gateway has open on one engine (prefill or decode) at once; a decision naming "
+        "an engine at its bound is answered 429 engine_busy with Retry-After; 0 = no limit",
+    )
+
     @field_validator("kafka_url", "redis_url")
     @classmethod
     def _not_blank(cls, v: str | None) -> str | None:

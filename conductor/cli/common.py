@@ -76,15 +76,18 @@ def need_kafka_url(s: Settings) -> None:
         raise typer.Exit(2)
 
 
-def run_until_signalled(main: Callable[[asyncio.Event], Awaitable[T]]) -> T:
-    """``main(stop)`` in a new event loop, ``stop`` set by SIGINT/SIGTERM (see :func:`stop_on_signals`)."""
+def run_until_signalled(main: Callable[[asyncio.Event], Awaitable[T]], *,
+                        loop_factory: Callable[[], asyncio.AbstractEventLoop] | None = None) -> T:
+    """``main(stop)`` in a new event loop (``loop_factory``'s, e.g. :func:`conductor.web.loop_factory`'s
+    uvloop; default asyncio's), ``stop`` set by SIGINT/SIGTERM (see :func:`stop_on_signals`)."""
 
     async def run() -> T:
         stop = asyncio.Event()
         stop_on_signals(stop)
         return await main(stop)
 
-    return asyncio.run(run())
+    with asyncio.Runner(loop_factory=loop_factory) as runner:
+        return runner.run(run())
 
 
 def require_servers(s: Settings, *, kafka: bool = False, redis: bool = False, timeout_s: float = 3.0) -> None:

@@ -151,6 +151,8 @@ EmulatedMooncakeMaster = Annotated[str | None, typer.Option("--mooncake-master",
     "there, prefixes the router reads from the pool are read back from it, a demote to DRAM without --dram-blocks "
     "goes there, and this engine carries out the balance worker's replicate into the pool (puts of blocks it holds) "
     "and evict from it (forced removes); the pool is the view's store node --pool-node-id")]
+EmulatedTokenizer = Annotated[str | None, typer.Option("--tokenizer", help="a tokenizer.json for text prompts "
+    "(/tokenize and generation), as a real engine tokenizes [default: the emulated one id per word]")]
 EmulatedPoolNodeId = Annotated[str, typer.Option("--pool-node-id", help="the shared pool's node id in the view")]
 EmulatedPoolSegmentMb = Annotated[int, typer.Option("--pool-segment-mb", min=1, help="memory this engine mounts into "
     "the pool (MB)")]
@@ -180,6 +182,7 @@ def engine(
     pool_node_id: EmulatedPoolNodeId = POOL_NODE,
     pool_segment_mb: EmulatedPoolSegmentMb = 256,
     pool_block_bytes: EmulatedPoolBlockBytes = None,
+    tokenizer: EmulatedTokenizer = None,
 ) -> None:
     """Run an emulated prefill/decode instance that speaks vLLM's KV-event protocol.
 
@@ -195,7 +198,7 @@ def engine(
             kv_blocks=kv_blocks, dram_blocks=dram_blocks, time_scale=time_scale,
             max_output_tokens=max_output_tokens, heartbeat_s=heartbeat_s, report=report, http_port=http_port,
             model=model, metrics_port=metrics_port, self_heartbeat=self_heartbeat, rack=rack, zone=zone,
-            kv_commands=kv_commands,
+            kv_commands=kv_commands, tokenizer=tokenizer,
             pool=PoolOptions(mooncake_master, pool_node_id, pool_segment_mb, pool_block_bytes)
             if mooncake_master is not None else None,
         )

@@ -7,6 +7,7 @@ from typing import Annotated
 
 import typer
 
+from conductor import web
 from conductor.cli.common import (
     JsonLine,
     err,
@@ -32,8 +33,9 @@ GatewayEngine = Annotated[list[str] | None, typer.Option("--engine", help="NODE_
     "its heartbeats carry) [default: the engines found through the view: `conductor bridge --engine-url`]")]
 GatewayEngineProtocol = Annotated[str, typer.Option("--engine-protocol", help="the P/D hand-off: vllm "
     "(kv_transfer_params, prefill then decode) or sglang (bootstrap room)")]
-GatewayTokenizer = Annotated[str | None, typer.Option("--tokenizer", help="a tokenizer.json for text prompts "
-    "[default: the engines' /tokenize]")]
+GatewayTokenizer = Annotated[str | None, typer.Option("--tokenizer", help="the engines' tokenizer.json (or the "
+    "model directory holding it): text prompts tokenized in the gateway, no round trip; chats still go to the engine, "
+    "which owns the template [default: the engines' /tokenize]")]
 GatewayId = Annotated[str | None, typer.Option("--gateway-id", help="names this gateway's reply topic "
     "[default: gw-HOST-PID]")]
 GatewayModel = Annotated[str | None, typer.Option("--model", help="the engines' base model: another model name in a "
@@ -89,7 +91,7 @@ def gateway(
     setup_metrics("conductor-gateway", s.bind_host, s.metrics_port)
     run_until_signalled(lambda stop: gateway_serve.serve(
         config, s, port=port, stop=stop, keys=keys, tokenizer_path=tokenizer, metrics_text=scrape,
-        on_ready=print_json))
+        on_ready=print_json), loop_factory=web.loop_factory())
 
 
 # --- conductor bench gateway | live -------------------------------------------------
@@ -99,21 +101,29 @@ BenchGatewayClients = Annotated[list[int], typer.Option("--clients", min=1, help
     "(repeat for several levels)")]
 BenchGatewayRequestsPerClient = Annotated[int, typer.Option(min=1, help="requests each client sends back to back")]
 BenchGatewayMaxTokens = Annotated[int, typer.Option(min=1, help="output tokens per request")]
+BenchGatewayLocalTokenizer = Annotated[bool, typer.Option("--local-tokenizer/--engine-tokenizer", help="the engines "
+    "and the gateway share a tokenizer.json (the gateway tokenizes with no round trip), or the gateway asks an "
+    "engine's /tokenize")]
+BenchGatewayArg = Annotated[list[str] | None, typer.Option("--gateway-arg", help="one more `conductor gateway` "
+    "option for the gateway under test (repeat; e.g. --gateway-arg=--routing --gateway-arg=log)")]
 
 
 def bench_gateway(
     clients: BenchGatewayClients = DEFAULT_LEVELS,
     requests_per_client: BenchGatewayRequestsPerClient = 10,
     max_tokens: BenchGatewayMaxTokens = 8,
+    gateway_arg: BenchGatewayArg = None,
+    local_tokenizer: BenchGatewayLocalTokenizer = True,
     json_out: JsonLine = False,
 ) -> None:
     """Gateway overhead over calling the chosen engines directly, with zero-compute emulated engines.
 
-    Starts (on CONDUCTOR_KAFKA_URL/REDIS_URL, or the embedded ones) a worker, a router, 2 prefill + 2 decode engines and a gateway; measures time to first token straight to a prefill/decode pair and through the gateway at each concurrency. Fields: gateway_overhead_ms_p50, gateway_overhead_ms_p99, requests_per_s, errors (headline: the first level; per level under "levels").
+    Starts (on CONDUCTOR_KAFKA_URL/REDIS_URL, or the embedded ones) a worker, a router, 2 prefill + 2 decode engines and a gateway. At each concurrency: (1) paired: every client sends each of its prompts both through the gateway and straight to a prefill/decode pair (the order alternating), and a request's overhead is its gateway time to first token minus its own direct one; (2) throughput: the same clients send the same number of requests through the gateway only. Fields (headline: the first level; per level under "levels"): gateway_overhead_ms_p50, _p90, _p99 (percentiles of the per-request paired differences; before 2026-11 they were p(gateway) minus p(direct)), requests_per_s (phase 2, one gateway process), throttled (429s, counted apart: the client waits its Retry-After), errors (every other failure), ttft and routing percentiles.
     """
     s = settings_or_exit()
     out = run_gateway_bench(s, levels=tuple(clients), requests_per_client=requests_per_client,
-                            max_tokens=max_tokens)
+                            max_tokens=max_tokens, gateway_args=gateway_arg or [],
+                            local_tokenizer=local_tokenizer)
     print_result(out, json_out)
 
 

@@ -12,6 +12,7 @@ from typing import Annotated
 import typer
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from conductor import web
 from conductor.cli.common import (
     JsonLine,
     err,
@@ -60,7 +61,7 @@ def router_cmd(router_id: RouterId = None) -> None:
     setup_metrics("conductor-router", s.bind_host, s.metrics_port)
     err.print(f"router {worker.router_id}: policy {worker.router.policy.name} {worker.router.params}")
     with contextlib.suppress(KeyboardInterrupt):
-        run_until_signalled(lambda stop: router_serve.serve(worker, stop))
+        run_until_signalled(lambda stop: router_serve.serve(worker, stop), loop_factory=web.loop_factory())
     err.print(f"router {worker.router_id}: routed {worker.routed} request(s)")
 
 

@@ -14,6 +14,7 @@ from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from conductor import web
+from conductor.gateway.admission import InFlightBound
 from conductor.gateway.auth import ApiKeyGuard, Caller, KeyRing
 from conductor.gateway.directory import EngineDirectory
 from conductor.gateway.protocol import SloBounds, error_body
@@ -35,10 +36,14 @@ vLLM and SGLang) closes them: a request sent on a connection the engine is closi
 it left, and such a failure is not routed again (the engine may have taken the request)."""
 
 
-def gateway_app(gw: Gateway, keys: KeyRing, metrics_text: Callable[[], str] = lambda: "") -> FastAPI:
-    """The gateway's routes behind its API keys (:class:`~conductor.gateway.auth.ApiKeyGuard`)."""
+def gateway_app(gw: Gateway, keys: KeyRing, metrics_text: Callable[[], str] = lambda: "", *,
+                max_in_flight: int = 0) -> FastAPI:
+    """The gateway's routes behind its API keys (:class:`~conductor.gateway.auth.ApiKeyGuard`) and its
+    bound of requests in flight (``max_in_flight``, 0 = none: :class:`~conductor.gateway.admission.InFlightBound`)."""
     app = FastAPI(title="conductor gateway", docs_url=None, redoc_url=None)
     app.add_middleware(ApiKeyGuard, keys=keys)
+    # Outermost: a full gateway answers 429 before it reads anything else of the request.
+    app.add_middleware(InFlightBound, limit=max_in_flight)
 
     def bounds_of(request: Request) -> SloBounds:
         caller: Caller = request.state.caller  # set by the guard on every /v1/ route
@@ -50,7 +55,7 @@ def gateway_app(gw: Gateway, keys: KeyRing, metrics_text: Callable[[], str] = la
 
     async def body_of(request: Request) -> Any:
         try:
-            return await request.json()
+            return web.json_body(await request.body())
         except ValueError:
             return None
 
@@ -133,7 +138,7 @@ async def run_gateway(settings: Settings, config: GatewayConfig, sock: socket.so
             await asyncio.wait_for(asyncio.shield(inbox.wait_ready(60)), 60)
         if on_ready is not None:
             on_ready(gw)
-        await web.serve(gateway_app(gw, keys, metrics_text), sock, stop)
+        await web.serve(gateway_app(gw, keys, metrics_text, max_in_flight=settings.gateway_max_in_flight), sock, stop)
     finally:
         stop.set()
         if inbox_task is not None:

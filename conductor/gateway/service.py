@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import random
 import re
@@ -42,8 +41,9 @@ from urllib.parse import urlparse
 import httpx
 from opentelemetry import metrics
 from pydantic import ValidationError
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 
+from conductor.gateway.admission import RETRY_AFTER_S, EngineBusy, EngineSlots
 from conductor.gateway.directory import EngineDirectory
 from conductor.gateway.protocol import (
     DEFAULT_EXPECTED_OUTPUT,
@@ -64,8 +64,11 @@ from conductor.gateway.protocol import (
     vllm_prefill_body,
 )
 from conductor.gateway.replies import InboxClosed, ReplyInbox
+from conductor.gateway.sse import EventTooLong, SseScan
 from conductor.gateway.tokenizer import Prompt, PromptRejected, PromptTokenizer, TokenizeError
+from conductor.routing.local import LocalRouter, LogUnavailable
 from conductor.settings import Settings
+from conductor.web import FastJSONResponse, json_body, json_bytes
 from schemas import MmItem, RequestOutcome, RoutingDecision, RoutingRejection, RoutingRequest, encode, envelope, headers
 from schemas.records import MAX_EXTRA_KEYS, MAX_NAME
 from streams.kafka import acknowledged
@@ -73,9 +76,6 @@ from streams.topics import topics
 
 log = logging.getLogger(__name__)
 
-_USAGE = re.compile(rb'"usage":\s*\{')
-_TOKEN = re.compile(rb'"(?:text|content)":\s*"(?!")')
-"""A non-empty ``text`` (completions) or ``delta.content`` (chat) in an SSE chunk's JSON."""
 _CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,96}")
 """A client's ``x-request-id`` the gateway keeps in its routing request id (as the log's key)."""
 MAX_SSE_EVENT_BYTES = 16 * 1024 * 1024
@@ -238,6 +238,7 @@ class Gateway:
         self.topics = topics(settings.topic_config())
         self.metrics = GatewayMetrics()
         self.timeouts = UpstreamTimeouts.of(settings)
+        self.engine_slots = EngineSlots(settings.gateway_engine_max_in_flight)
         self._seq = itertools.count(1)
         self._rng = random.Random()
         self._reachable = sorted(config.engines)
@@ -258,14 +259,13 @@ class Gateway:
             slo = parse_slo(hdrs, bounds)
         except BadRequest as e:
             self.metrics.requests.add(1, {"status": 400, "error": "invalid_body"})
-            return JSONResponse(error_body(str(e), "invalid_value", param=e.param), status_code=400)
+            return FastJSONResponse(error_body(str(e), "invalid_value", param=e.param), status_code=400)
         tr = _Trace(request_id=self._request_id(hdrs.get("x-request-id")), t0=t0, stream=creq.stream,
                     model=creq.model)
-        down = self.inbox.problem()
+        down = self.problem()
         if down is not None:
             # Every decision would be lost: say so now rather than after the decision timeout.
-            return self._fail(tr, 503, "reply_inbox_down", f"the gateway cannot read its decisions: {down}",
-                              kind="service_unavailable", retry_after=5)
+            return self._fail(tr, 503, down[0], down[1], kind="service_unavailable", retry_after=5)
         try:
             return await self._route_and_serve(creq, slo, body, tr)
         except asyncio.CancelledError:
@@ -285,7 +285,7 @@ class Gateway:
         except PromptRejected as e:
             tr.status, tr.error = e.status, "prompt_rejected"
             self._outcome(tr)
-            return JSONResponse(e.body, status_code=e.status)
+            return FastJSONResponse(e.body, status_code=e.status)
         tr.prompt_tokens = len(prompt.token_ids)
         if prompt.unhashed_media:
             self.metrics.unhashed_media.add(1)
@@ -326,6 +326,8 @@ class Gateway:
                             "routing again without it" if attempt + 1 < self.config.max_attempts else "giving up")
                 if e.node not in tr.excluded:
                     tr.excluded.append(e.node)
+            except EngineBusy as e:
+                return self._fail(tr, 429, "engine_busy", str(e), kind="requests", retry_after=RETRY_AFTER_S)
             except EngineLost as e:
                 log.warning("request %s: %s failed after taking the request (%s); not run again", arid, e.node, e)
                 return self._fail(tr, e.status, e.code, f"{e} (instance {e.node}; it had taken the request, so "
@@ -333,7 +335,7 @@ class Gateway:
             except UpstreamClientError as e:
                 tr.status, tr.error = e.status, "engine_rejected"
                 self._outcome(tr)
-                return JSONResponse(e.body, status_code=e.status)
+                return FastJSONResponse(e.body, status_code=e.status)
         return self._fail(tr, 502, "engine_failed",
                           f"every attempt failed; instances that failed: {', '.join(tr.excluded)}",
                           kind="server_error")
@@ -382,7 +384,7 @@ class Gateway:
             hdrs["Retry-After"] = str(retry_after)
         tr.status, tr.error, tr.message = status, code, message
         self._outcome(tr)
-        return JSONResponse(body, status_code=status, headers=hdrs)
+        return FastJSONResponse(body, status_code=status, headers=hdrs)
 
     async def _decide(self, arid: str, creq: ClientRequest, slo: Slo, prompt: Prompt,
                       tr: _Trace) -> RoutingDecision | RoutingRejection | None:
@@ -454,6 +456,22 @@ class Gateway:
 
     async def _serve(self, creq: ClientRequest, body: dict[str, Any], d: RoutingDecision, arid: str,
                      tr: _Trace) -> Response:
+        """The hand-off, holding a slot on each engine the decision names (:class:`EngineSlots`; one at
+        its bound: :class:`EngineBusy`, before any call) until the answer is sent whole."""
+        held = self.engine_slots.take((d.prefill_instance, *(d.prefill_group or ()), d.decode_instance))
+        try:
+            resp = await self._hand_off(creq, body, d, arid, tr)
+        except BaseException:
+            held.release()
+            raise
+        if isinstance(resp, RelayResponse):
+            resp.on_close = held.release
+        else:
+            held.release()
+        return resp
+
+    async def _hand_off(self, creq: ClientRequest, body: dict[str, Any], d: RoutingDecision, arid: str,
+                        tr: _Trace) -> Response:
         p_url, d_url = self._url(d.prefill_instance, d), self._url(d.decode_instance, d)
         path = "/v1/chat/completions" if creq.chat else "/v1/completions"
         hdrs = self._headers(arid, d, d.prefill_instance)
@@ -493,7 +511,7 @@ class Gateway:
         if not creq.stream:
             content = await self._read(resp, tr, d.decode_instance, "the decode answer", MAX_ANSWER_BYTES)
             try:
-                data = json.loads(content)
+                data = json_body(content)
             except ValueError:
                 raise EngineLost(d.decode_instance, "the decode answer is not JSON") from None
             tr.ttft_s = self.clock() - tr.t0
@@ -504,7 +522,7 @@ class Gateway:
                 if d.aggregated:
                     tr.cached_tokens = _cached(data)
             self._outcome(tr)
-            return JSONResponse(data, headers=out_headers)
+            return FastJSONResponse(data, headers=out_headers)
         it = resp.aiter_raw()
         try:
             first = await self._phase(anext(it), tr, d.decode_instance, "the stream's first chunk",
@@ -559,7 +577,8 @@ class Gateway:
         """POST ``body``; the response once its headers are in (the body not read yet). Headers wait
         ``first_byte_s`` when ``first_byte``, else only the total. Never reached: :class:`EngineFailed`;
         broken or timed out once the engine had the request: :class:`EngineLost`."""
-        req = self.client.build_request("POST", url, json=body, headers=hdrs, timeout=self.timeouts.for_httpx())
+        req = self.client.build_request("POST", url, content=json_bytes(body), headers={**hdrs, **_JSON},
+                                        timeout=self.timeouts.for_httpx())
         limit = self.timeouts.first_byte_s if first_byte else 0.0
         try:
             return await self._phase(self.client.send(req, stream=True), tr, node, f"answer to the {what}", limit)
@@ -612,7 +631,7 @@ class Gateway:
             raise UpstreamClientError(r.status_code, _json_or_text(content))
         content = await self._read(r, tr, node, "the prefill answer", MAX_ANSWER_BYTES)
         try:
-            out = json.loads(content)
+            out = json_body(content)
         except ValueError:
             # Answered whole (the prefill is done, its KV waits for a decode that will not come): routed again.
             raise EngineFailed(node, "prefill answered with a body that is not JSON") from None
@@ -655,7 +674,7 @@ class Gateway:
 
         Each chunk waits at most ``idle_s``; an event longer than :data:`MAX_SSE_EVENT_BYTES` ends
         the stream with an error event instead of growing the buffer."""
-        buf = b""
+        scan = SseScan(drop_usage=not creq.include_usage, max_event_bytes=MAX_SSE_EVENT_BYTES)
         last = None
         raw: bytes | None = first
         node = tr.decision.decode_instance if tr.decision else "?"
@@ -667,34 +686,17 @@ class Gateway:
                     except StopAsyncIteration:
                         break
                 now = self.clock()
-                buf += raw
+                try:
+                    out, tokens = scan.feed(raw)
+                except EventTooLong as e:
+                    raise EngineLost(node, str(e)) from None
                 raw = None
-                *events, buf = buf.split(b"\n\n")
-                if len(buf) > MAX_SSE_EVENT_BYTES:
-                    raise EngineLost(node, f"an SSE event of the decode stream is longer than {MAX_SSE_EVENT_BYTES} "
-                                     "bytes (it never ends?)")
-                out = []
-                tokens = 0
-                for ev in events:
-                    # Byte checks, not a JSON parse per token: only a chunk with usage is parsed
-                    # (once per stream), so relaying costs the gateway little CPU per token.
-                    if ev.startswith(b"data: ") and ev[6:7] == b"{":
-                        if _USAGE.search(ev):
-                            try:
-                                obj = json.loads(ev[6:])
-                            except ValueError:
-                                obj = {}
-                            usage = obj.get("usage") or {}
-                            tr.output_tokens = int(usage.get("completion_tokens") or tr.output_tokens)
-                            if tr.decision is not None and tr.decision.aggregated:
-                                tr.cached_tokens = _cached(obj) or tr.cached_tokens
-                            if not obj.get("choices") and not creq.include_usage:
-                                continue
-                            if _has_token(obj):
-                                tokens += 1
-                        elif _TOKEN.search(ev):
-                            tokens += 1
-                    out.append(ev + b"\n\n")
+                if scan.usage is not None:
+                    usage = scan.usage.get("usage") or {}
+                    tr.output_tokens = int(usage.get("completion_tokens") or tr.output_tokens)
+                    if tr.decision is not None and tr.decision.aggregated:
+                        tr.cached_tokens = _cached(scan.usage) or tr.cached_tokens
+                    scan.usage = None
                 if tokens:
                     if tr.ttft_s is None:
                         tr.ttft_s = now - tr.t0
@@ -703,12 +705,12 @@ class Gateway:
                         tr.gaps_ms.extend([(now - last) * 1000.0 / tokens] * tokens)
                     last = now
                 if out:
-                    yield b"".join(out)
+                    yield out
         except (httpx.HTTPError, EngineLost) as e:
             code = e.code if isinstance(e, EngineLost) else "engine_failed"
             tr.error, tr.message = code, f"the decode stream broke: {type(e).__name__}: {e}"
             err = error_body(f"{tr.message} (instance {node})", code, kind="server_error")
-            yield b"data: " + json.dumps(err).encode() + b"\n\n"
+            yield b"data: " + json_bytes(err) + b"\n\n"
         except (asyncio.CancelledError, GeneratorExit):
             tr.error, tr.message = "client_closed", "the client closed the stream"
             raise
@@ -755,13 +757,20 @@ class RelayResponse(StreamingResponse):
     (Starlette leaves an unfinished body iterator to the garbage collector): the relay's
     ``finally`` closes the engine's stream and records the outcome at once."""
 
+    on_close: Callable[[], None] | None = None
+    """Called once the response has ended (the engine slots it held given back)."""
+
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            aclose = getattr(self.body_iterator, "aclose", None)
-            if aclose is not None:
-                await aclose()
+            try:
+                aclose = getattr(self.body_iterator, "aclose", None)
+                if aclose is not None:
+                    await aclose()
+            finally:
+                if self.on_close is not None:
+                    self.on_close()
 
 
 async def _discard(task: asyncio.Future[Any]) -> None:
@@ -780,7 +789,7 @@ def _log_send_error(t: asyncio.Future[Any]) -> None:
 
 def _json_or_text(content: bytes) -> Any:
     try:
-        return json.loads(content)
+        return json_body(content)
     except ValueError:
         return error_body(content[:500].decode(errors="replace"), "engine_error", kind="server_error")
 
@@ -799,9 +808,3 @@ def _cached(j: dict[str, Any]) -> int:
     except (TypeError, ValueError):
         return 0
 
-
-def _has_token(obj: dict[str, Any]) -> bool:
-    for c in obj.get("choices") or ():
-        if c.get("text") or (c.get("delta") or {}).get("content"):
-            return True
-    return False

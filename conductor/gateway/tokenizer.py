@@ -28,6 +28,7 @@ trip; chats still go to the engine, which owns the template.
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -211,9 +212,15 @@ def _raise_for(r: httpx.Response) -> None:
 
 
 class LocalTokenizer:
-    """A ``tokenizer.json`` for text completions; chats go to ``fallback`` (the engine)."""
+    """The engines' ``tokenizer.json`` for text completions, no round trip; chats go to ``fallback`` (the engine).
+
+    ``path``: the file, or the model's directory holding it (a Hugging Face snapshot, as vLLM loads
+    it). The ids are the engine's own: its ``/tokenize`` encodes a text prompt with the same file
+    and ``add_special_tokens`` (tests/vllm/test_gateway_tokenizer_vllm.py)."""
 
     def __init__(self, path: str, fallback: PromptTokenizer | None) -> None:
+        if os.path.isdir(path):
+            path = os.path.join(path, "tokenizer.json")
         try:
             self.tok = Tokenizer.from_file(path)
         except Exception as e:  # noqa: BLE001 — the library raises bare Exception (bad JSON, missing file)

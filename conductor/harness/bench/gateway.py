@@ -1,12 +1,22 @@
 """``conductor bench gateway``: what the gateway adds over calling the chosen engines directly.
 
 Starts a stream worker, a router, 2 prefill + 2 decode emulated engines with no compute
-time (``time_scale`` 1e9: every model step is ~0 s), and a gateway. For each concurrency
-level, that many streaming clients send requests back to back, first straight to a
-prefill/decode pair (the vLLM hand-off done by the client itself), then through the
-gateway. Overhead = the gateway's time to first token minus the direct one, at p50 and
-p99 (tokenize + the routing request's round trip through Kafka and the router + the
-relay). Routing time per request is read from the gateway's ``request_outcome`` records.
+time (``time_scale`` 1e9: every model step is ~0 s), and a gateway (its default routing
+unless ``gateway_args`` says otherwise). At each concurrency level:
+
+1. **Paired**: that many streaming clients each send their requests one after the other, every
+   prompt twice — through the gateway and straight to a prefill/decode pair (the vLLM hand-off
+   done by the client itself), the order alternating from one request to the next. A request's
+   overhead is its gateway time to first token minus its own direct one; the ``gateway_overhead_ms_*``
+   fields are percentiles of those per-request differences (before, they were p(gateway) minus
+   p(direct), which is no distribution of anything: its p99 could be below its p50).
+2. **Throughput**: the same number of clients send the same number of requests through the
+   gateway only: ``requests_per_s`` (one gateway process), and what it refused.
+
+A 429 (the gateway's backpressure, or an SLO rejection) is counted as ``throttled``, not as an
+error; the client waits the ``Retry-After`` it was given before its next request. ``errors``
+counts everything else that failed (any status other than 200 and 429, a stream with no token).
+Routing time per request is read from the gateway's ``request_outcome`` records.
 """
 
 from __future__ import annotations
@@ -16,10 +26,13 @@ import logging
 import tempfile
 import time
 import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import httpx
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 from conductor.gateway.protocol import percentile, vllm_decode_body, vllm_prefill_body
 from conductor.harness.devstack import EmbeddedStack
@@ -30,6 +43,19 @@ from streams.kafka import consumer
 from streams.topics import topics
 
 ZERO_COMPUTE = 1e9
+PAIRS = (("prefill-0", "decode-0"), ("prefill-1", "decode-1"))
+"""The pairs the direct side calls, in turn (the gateway spreads over all four engines too)."""
+
+
+def bench_tokenizer(path: Path) -> Path:
+    """A ``tokenizer.json`` for the bench's prompts (its words, digits one by one), written to ``path``:
+    the engines tokenize with it as real engines do with theirs, and so can the gateway."""
+    words = ["[UNK]", "you", "are", "a", "helpful", "assistant", "question", *"0123456789"]
+    tok = Tokenizer(models.WordLevel({w: 100 + i for i, w in enumerate(words)}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(),
+                                                 pre_tokenizers.Digits(individual_digits=True)])
+    tok.save(str(path))
+    return path
 
 
 def _body(i: int, max_tokens: int) -> dict[str, Any]:
@@ -38,10 +64,24 @@ def _body(i: int, max_tokens: int) -> dict[str, Any]:
             "max_tokens": max_tokens, "stream": True}
 
 
+class Throttled(Exception):
+    """Answered 429 (backpressure or an SLO rejection): counted apart from errors."""
+
+    def __init__(self, retry_after_s: float) -> None:
+        super().__init__(f"429, retry after {retry_after_s:g}s")
+        self.retry_after_s = retry_after_s
+
+
 async def _stream_ttft(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> float:
     t0 = time.perf_counter()
     ttft = None
     async with client.stream("POST", url, json=body) as r:
+        if r.status_code == 429:
+            await r.aread()
+            try:
+                raise Throttled(float(r.headers.get("retry-after") or 1))
+            except ValueError:
+                raise Throttled(1.0) from None
         if r.status_code != 200:
             await r.aread()
             raise RuntimeError(f"{r.status_code}: {r.text[:200]}")
@@ -62,22 +102,105 @@ async def _direct(client: httpx.AsyncClient, p_url: str, d_url: str, body: dict[
     return (time.perf_counter() - t0) + await _stream_ttft(client, d_url + "/v1/completions", dbody)
 
 
-async def _load(concurrency: int, requests: int, one: Any) -> tuple[list[float], int, float]:
-    ttfts: list[float] = []
-    errors = 0
+@dataclass
+class _Tally:
+    """One phase's results: TTFTs (s) by side, paired overheads (s), refusals and failures."""
+
+    via: list[float] = field(default_factory=list)
+    direct: list[float] = field(default_factory=list)
+    overhead: list[float] = field(default_factory=list)
+    throttled: int = 0
+    errors: int = 0
+    first_error: str = ""
+    wall_s: float = 0.0
+
+    def failed(self, e: Exception) -> None:
+        self.errors += 1
+        self.first_error = self.first_error or f"{type(e).__name__}: {e}"[:300]
+
+
+async def _clients(concurrency: int, requests: int, one: Callable[[int], Awaitable[None]]) -> float:
+    """``concurrency`` clients sharing ``requests`` request numbers, each one after the other; the wall time."""
     next_i = iter(range(requests))
 
-    async def worker() -> None:
-        nonlocal errors
+    async def client() -> None:
         for i in next_i:
-            try:
-                ttfts.append(await one(i))
-            except Exception:  # noqa: BLE001 - counted, the bench goes on
-                errors += 1
+            await one(i)
 
     t0 = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    return ttfts, errors, time.perf_counter() - t0
+    await asyncio.gather(*(client() for _ in range(concurrency)))
+    return time.perf_counter() - t0
+
+
+async def _load(concurrency: int, requests: int, one: Any) -> tuple[list[float], int, float]:
+    """``one(i)``'s TTFTs over ``concurrency`` clients, failures counted (any kind): (TTFTs, errors, wall s)."""
+    ttfts: list[float] = []
+    errors = 0
+
+    async def count(i: int) -> None:
+        nonlocal errors
+        try:
+            ttfts.append(await one(i))
+        except Exception:  # noqa: BLE001 - counted, the bench goes on
+            errors += 1
+
+    wall = await _clients(concurrency, requests, count)
+    return ttfts, errors, wall
+
+
+async def _paired(concurrency: int, requests: int, via: Callable[[int], Awaitable[float]],
+                  direct: Callable[[int], Awaitable[float]]) -> _Tally:
+    """Every request number both ways, the order alternating; a pair counts when both sides answered."""
+    t = _Tally()
+
+    async def one(i: int) -> None:
+        g = d = None
+        for side in ((via, direct) if i % 2 == 0 else (direct, via)):
+            try:
+                got = await side(i)
+            except Throttled as e:
+                t.throttled += 1
+                await asyncio.sleep(e.retry_after_s)
+                continue
+            except Exception as e:  # noqa: BLE001 - counted, the bench goes on
+                t.failed(e)
+                continue
+            if side is via:
+                g = got
+            else:
+                d = got
+        if g is not None:
+            t.via.append(g)
+        if d is not None:
+            t.direct.append(d)
+        if g is not None and d is not None:
+            t.overhead.append(g - d)
+
+    t.wall_s = await _clients(concurrency, requests, one)
+    return t
+
+
+async def _gateway_only(concurrency: int, requests: int, via: Callable[[int], Awaitable[float]]) -> _Tally:
+    t = _Tally()
+
+    async def one(i: int) -> None:
+        try:
+            t.via.append(await via(i))
+        except Throttled as e:
+            t.throttled += 1
+            await asyncio.sleep(e.retry_after_s)
+        except Exception as e:  # noqa: BLE001 - counted, the bench goes on
+            t.failed(e)
+
+    t.wall_s = await _clients(concurrency, requests, one)
+    return t
+
+
+def _from(side: Callable[[int], Awaitable[float]], base: int) -> Callable[[int], Awaitable[float]]:
+    """``side`` on request numbers from ``base`` on."""
+    async def shifted(i: int) -> float:
+        return await side(base + i)
+    return shifted
 
 
 def _rounded(v: float | None, scale: float = 1.0) -> float | None:
@@ -89,9 +212,23 @@ def _ms_or_none(xs: list[float], q: float) -> float | None:
     return _rounded(percentile(xs, q), 1000)
 
 
-def _overhead_ms(via: list[float], direct: list[float], q: float) -> float | None:
-    v, d = _ms_or_none(via, q), _ms_or_none(direct, q)
-    return None if v is None or d is None else round(v - d, 2)
+def _level(conc: int, n: int, paired: _Tally, load: _Tally, routing: list[float]) -> dict[str, Any]:
+    return {
+        "clients": conc, "requests": n,
+        "gateway_overhead_ms_p50": _ms_or_none(paired.overhead, 50),
+        "gateway_overhead_ms_p90": _ms_or_none(paired.overhead, 90),
+        "gateway_overhead_ms_p99": _ms_or_none(paired.overhead, 99),
+        "pairs": len(paired.overhead),
+        "requests_per_s": round(len(load.via) / load.wall_s, 1) if load.wall_s else None,
+        "gateway_processes": 1,
+        "errors": paired.errors + load.errors, "throttled": paired.throttled + load.throttled,
+        "first_error": paired.first_error or load.first_error or None,
+        "ttft_ms_p50_gateway": _ms_or_none(paired.via, 50), "ttft_ms_p99_gateway": _ms_or_none(paired.via, 99),
+        "ttft_ms_p50_direct": _ms_or_none(paired.direct, 50), "ttft_ms_p99_direct": _ms_or_none(paired.direct, 99),
+        "ttft_ms_p50_gateway_only": _ms_or_none(load.via, 50), "ttft_ms_p99_gateway_only": _ms_or_none(load.via, 99),
+        "routing_ms_p50": _rounded(percentile(routing, 50)),
+        "routing_ms_p99": _rounded(percentile(routing, 99)),
+    }
 
 
 async def _routing_ms(settings: Settings, since_ms: int) -> list[float]:
@@ -114,8 +251,12 @@ async def _routing_ms(settings: Settings, since_ms: int) -> list[float]:
 
 
 def run_gateway_bench(settings: Settings, *, levels: tuple[int, ...], requests_per_client: int,
-                      max_tokens: int) -> dict[str, Any]:
-    """Run the bench (starting the embedded broker and Redis when no URLs are set); one result dict."""
+                      max_tokens: int, gateway_args: list[str] | None = None,
+                      local_tokenizer: bool = True) -> dict[str, Any]:
+    """Run the bench (starting the embedded broker and Redis when no URLs are set); one result dict.
+    ``gateway_args``: more ``conductor gateway`` options (e.g. ``--routing log``); ``local_tokenizer``:
+    the engines and the gateway share a ``tokenizer.json`` (:func:`bench_tokenizer`), else the
+    gateway asks an engine's ``/tokenize``."""
     stack = None
     tmp = Path(tempfile.mkdtemp(prefix="conductor-bench-gw-"))
     if not (settings.kafka_url and settings.redis_url):
@@ -124,45 +265,52 @@ def run_gateway_bench(settings: Settings, *, levels: tuple[int, ...], requests_p
         settings = settings.model_copy(update={"kafka_url": st.kafka_url, "redis_url": st.redis_url,
                                                "profile": "embedded"})
     try:
-        return asyncio.run(_bench(settings, tmp, levels, requests_per_client, max_tokens))
+        tok = bench_tokenizer(tmp / "tokenizer.json") if local_tokenizer else None
+        return asyncio.run(_bench(settings, tmp, levels, requests_per_client, max_tokens, list(gateway_args or []), tok))
     finally:
         if stack is not None:
             stack.down()
 
 
 async def _bench(settings: Settings, tmp: Path, levels: tuple[int, ...], requests_per_client: int,
-                 max_tokens: int) -> dict[str, Any]:
+                 max_tokens: int, gateway_args: list[str], tokenizer: Path | None) -> dict[str, Any]:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     tag = uuid.uuid4().hex[:8]
     s = settings.model_copy(update={"topic_prefix": f"bench-gw-{tag}.", "view_namespace": f"bgw{tag}",
                                     "metrics_port": 0, "data_dir": tmp / "data"})
-    out: dict[str, Any] = {"prefill": 2, "decode": 2, "max_tokens": max_tokens, "levels": {}}
-    async with GatewayCluster(s, tmp / "logs", time_scale=ZERO_COMPUTE) as c:
+    tok_args = ["--tokenizer", str(tokenizer)] if tokenizer is not None else []
+    out: dict[str, Any] = {"prefill": 2, "decode": 2, "max_tokens": max_tokens, "gateway_args": gateway_args,
+                           "tokenizer": "local" if tokenizer is not None else "engine", "levels": {}}
+    async with GatewayCluster(s, tmp / "logs", time_scale=ZERO_COMPUTE, gateway_args=[*tok_args, *gateway_args],
+                              engine_args=tok_args) as c:
         limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
         # The key goes to the engines too on the direct path: they ignore it.
         async with httpx.AsyncClient(timeout=60, limits=limits, headers=c.auth_headers) as client:
             gw = c.gateway_url + "/v1/completions"
-            p_url, d_url = c.engine_urls["prefill-0"], c.engine_urls["decode-0"]
-            for _ in range(20):  # warm up connections, caches and the router
-                await _stream_ttft(client, gw, _body(0, max_tokens))
+            pairs = [(c.engine_urls[p], c.engine_urls[d]) for p, d in PAIRS]
+
+            async def via(i: int) -> float:
+                return await _stream_ttft(client, gw, _body(i, max_tokens))
+
+            async def direct(i: int) -> float:
+                p_url, d_url = pairs[i % len(pairs)]
+                return await _direct(client, p_url, d_url, _body(i, max_tokens))
+
+            for i in range(20):  # warm up connections, caches and the router
+                await via(i)
+                await direct(i)
+            base = 0
             for conc in levels:
                 n = conc * requests_per_client
-                direct, derr, _ = await _load(conc, n, lambda i: _direct(client, p_url, d_url, _body(i, max_tokens)))
                 since = time.time_ns() // 1_000_000
-                via, gerr, wall = await _load(conc, n, lambda i: _stream_ttft(client, gw, _body(i, max_tokens)))
+                paired = await _paired(conc, n, _from(via, base), _from(direct, base))
                 routing = await _routing_ms(s, since)
-                out["levels"][str(conc)] = {
-                    "clients": conc, "requests": n,
-                    "gateway_overhead_ms_p50": _overhead_ms(via, direct, 50),
-                    "gateway_overhead_ms_p99": _overhead_ms(via, direct, 99),
-                    "requests_per_s": round(len(via) / wall, 1), "errors": gerr + derr,
-                    "ttft_ms_p50_gateway": _ms_or_none(via, 50), "ttft_ms_p99_gateway": _ms_or_none(via, 99),
-                    "ttft_ms_p50_direct": _ms_or_none(direct, 50), "ttft_ms_p99_direct": _ms_or_none(direct, 99),
-                    "routing_ms_p50": _rounded(percentile(routing, 50)),
-                    "routing_ms_p99": _rounded(percentile(routing, 99)),
-                }
+                load = await _gateway_only(conc, n, _from(via, base + n))
+                base += 2 * n  # fresh prompts for every phase: no phase reuses another's tails
+                out["levels"][str(conc)] = _level(conc, n, paired, load, routing)
     first = out["levels"][str(levels[0])]
-    for k in ("gateway_overhead_ms_p50", "gateway_overhead_ms_p99", "requests_per_s", "errors"):
+    for k in ("gateway_overhead_ms_p50", "gateway_overhead_ms_p90", "gateway_overhead_ms_p99", "requests_per_s"):
         out[k] = first[k]  # the headline fields: the first (lowest) concurrency level
     out["errors"] = sum(v["errors"] for v in out["levels"].values())
+    out["throttled"] = sum(v["throttled"] for v in out["levels"].values())
     return out

@@ -33,7 +33,7 @@ import hashlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +41,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import make_asgi_app
+from tokenizers import Tokenizer
 
 from conductor.harness.engine.emulated import EmulatedEngine
 from conductor.harness.engine.metrics import engine_registry
@@ -116,9 +117,11 @@ def error(status: int, message: str, code: str, *, param: str | None = None, kin
                         status_code=status, headers=headers)
 
 
-def prompt_tokens(body: dict[str, Any], chat: bool, *, tokenize: bool = False) -> list[int]:
+def prompt_tokens(body: dict[str, Any], chat: bool, *, tokenize: bool = False,
+                  encode: Callable[[str], list[int]] = emulated_tokens) -> list[int]:
     """Token ids of a completions ``prompt`` (text or ids) or a chat (``messages``, ``tools`` and the
-    template variables of a chat request, or of a ``/tokenize`` request when ``tokenize``)."""
+    template variables of a chat request, or of a ``/tokenize`` request when ``tokenize``); text is
+    tokenized by ``encode`` (the engine's ``--tokenizer``, else :func:`emulated_tokens`)."""
     if chat:
         msgs = body.get("messages")
         if not isinstance(msgs, list) or not msgs or not all(isinstance(m, dict) for m in msgs):
@@ -126,14 +129,14 @@ def prompt_tokens(body: dict[str, Any], chat: bool, *, tokenize: bool = False) -
         tools = body.get("tools")
         if tools is not None and not isinstance(tools, list):
             raise BadRequest("tools", "tools must be a list")
-        return emulated_tokens(chat_prompt(msgs, tools, chat_template_vars(body, tokenize=tokenize)))
+        return encode(chat_prompt(msgs, tools, chat_template_vars(body, tokenize=tokenize)))
     p = body.get("prompt")
     if isinstance(p, str):
-        return emulated_tokens(p)
+        return encode(p)
     if isinstance(p, list) and p and all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in p):
         return list(p)
     if isinstance(p, list) and len(p) == 1 and isinstance(p[0], str):
-        return emulated_tokens(p[0])
+        return encode(p[0])
     raise BadRequest("prompt", "prompt must be a string or a list of token ids")
 
 
@@ -208,8 +211,14 @@ class _Refused(Exception):
 class EngineHttp:
     """The HTTP routes of one emulated engine (built by :func:`engine_app`)."""
 
-    def __init__(self, engine: EmulatedEngine, host: str, port: int, client: httpx.AsyncClient | None = None) -> None:
+    def __init__(self, engine: EmulatedEngine, host: str, port: int, client: httpx.AsyncClient | None = None,
+                 tokenizer: str | None = None) -> None:
         self.engine = engine
+        self.encode: Callable[[str], list[int]] = emulated_tokens
+        """How text becomes ids: a ``tokenizer.json`` when given (as a real engine's), else the emulated words."""
+        if tokenizer is not None:
+            tok = Tokenizer.from_file(tokenizer)
+            self.encode = lambda text: list(tok.encode(text).ids)
         self.host, self.port = host, port
         self.client = client or httpx.AsyncClient(timeout=httpx.Timeout(BOOTSTRAP_WAIT_S + 5, connect=2.0))
         self.kv: dict[str, _Kv] = {}
@@ -299,7 +308,7 @@ class EngineHttp:
         if not isinstance(body, dict):
             raise _Refused(error(400, "the body must be a JSON object", "invalid_json"))
         try:
-            return body, prompt_tokens(body, chat), max_tokens_of(body)
+            return body, prompt_tokens(body, chat, encode=self.encode), max_tokens_of(body)
         except BadRequest as x:
             raise _Refused(error(400, str(x), "invalid_value", param=x.param)) from x
 
@@ -393,9 +402,9 @@ class EngineHttp:
         body = await request.json()
         try:
             if "messages" in body:
-                tokens = prompt_tokens(body, chat=True, tokenize=True)
+                tokens = prompt_tokens(body, chat=True, tokenize=True, encode=self.encode)
             else:
-                tokens = prompt_tokens({"prompt": body.get("prompt", body.get("text"))}, chat=False)
+                tokens = prompt_tokens({"prompt": body.get("prompt", body.get("text"))}, chat=False, encode=self.encode)
         except BadRequest as x:
             return error(400, str(x), "invalid_value", param=x.param)
         return JSONResponse({"count": len(tokens), "max_model_len": MAX_MODEL_LEN, "tokens": tokens})
@@ -429,9 +438,10 @@ class EngineHttp:
             {"id": self.model, "object": "model", "created": 0, "owned_by": "conductor-emulated",
              "max_model_len": MAX_MODEL_LEN}]})
 
-def engine_app(engine: EmulatedEngine, host: str, port: int) -> FastAPI:
-    """The FastAPI app of one emulated engine reachable at ``http://host:port``."""
-    h = EngineHttp(engine, host, port)
+def engine_app(engine: EmulatedEngine, host: str, port: int, tokenizer: str | None = None) -> FastAPI:
+    """The FastAPI app of one emulated engine reachable at ``http://host:port`` (text tokenized by
+    ``tokenizer``, a ``tokenizer.json``, when given)."""
+    h = EngineHttp(engine, host, port, tokenizer=tokenizer)
     app = FastAPI(title=f"conductor emulated engine {engine.config.node_id}", docs_url=None, redoc_url=None)
 
     async def completions(request: Request) -> Response:

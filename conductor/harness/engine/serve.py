@@ -87,6 +87,8 @@ class EngineServeConfig:
     zone: str | None = None
     kv_commands: bool = True
     pool: PoolOptions | None = None
+    tokenizer: str | None = None
+    """A ``tokenizer.json`` for text prompts (``/tokenize`` and generation), as a real engine's; default: one id per word."""
 
     def engine_config(self, settings: Settings) -> EngineConfig:
         return EngineConfig(
@@ -117,7 +119,7 @@ class EngineNode:
         stream = decisions_for(s, cfg.node_id, since_ms=self.started_ms - CLOCK_SLACK_MS, stop=stop)
         tasks = [asyncio.create_task(self.engine.run(stream))]
         if self.sock is not None:
-            app = engine_app(self.engine, s.bind_host, self.sock.getsockname()[1])
+            app = engine_app(self.engine, s.bind_host, self.sock.getsockname()[1], tokenizer=cfg.tokenizer)
             tasks.append(asyncio.create_task(web.serve(app, self.sock, stop)))
         if cfg.kv_commands and cfg.role != "decode":
             executor = EngineCommandExecutor(self.engine, self.command_results)
