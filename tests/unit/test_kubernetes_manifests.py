@@ -54,7 +54,8 @@ ENV_NAME = re.compile(r"\bCONDUCTOR_[A-Z0-9_]+\b")
 
 # What each command serves over HTTP besides the metrics server that every one of them starts
 # on CONDUCTOR_METRICS_PORT (conductor.telemetry.setup_metrics): see served_ports().
-SERVERS = {"worker": "faust", "gateway": "gateway", "admin": "admin", "router": None, "balance": None, "bridge": None}
+SERVERS = {"worker": "faust", "gateway": "gateway", "admin": "admin", "router": None, "balance": None, "bridge": None,
+           "epp": "grpc"}
 VLLM_PATHS = {"/health", "/metrics", "/v1/models"}
 """What the vLLM OpenAI server answers (tests/vllm run it) on its --port."""
 
@@ -454,6 +455,11 @@ def served_ports(command: Any, args: list[str], env: dict[str, str]) -> dict[int
     elif server == "admin":
         port = ctx.params["port"] or s.get("admin_port") or Settings.model_fields["admin_port"].default
         ports[int(port)] = _paths("admin")
+    elif server == "grpc":  # ext_proc, and gRPC health beside it (as grpc:<service>)
+        from conductor.epp.serve import HEALTH_SERVICES
+
+        services = {"liveness", *HEALTH_SERVICES} if ctx.params["health"] else set()
+        ports[int(ctx.params["port"])] = {f"grpc:{name}" for name in services}
     return ports
 
 
@@ -488,6 +494,12 @@ def test_every_port_and_probe_is_served(rendered):
         for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
             probe = c.get(kind)
             if probe is None:
+                continue
+            if "grpc" in probe:  # a gRPC health service the process serves on that port
+                port = int(probe["grpc"]["port"])
+                assert f"grpc:{probe['grpc'].get('service', '')}" in (served.get(port) or ()), (
+                    f"{where}: {kind} asks gRPC health {probe['grpc']} of a port that serves {served.get(port)}")
+                checked += 1
                 continue
             assert "httpGet" in probe, f"{where}: {kind} should ask an HTTP path the process serves"
             port = _port_number(c, probe["httpGet"]["port"])
@@ -548,3 +560,45 @@ def test_autoscalers_read_metrics_the_code_exports():
     named = {m["pods"]["metric"]["name"] for r in render(KUBE / "base") if r["kind"] == "HorizontalPodAutoscaler"
              for m in r["spec"]["metrics"] if m["type"] == "Pods"}
     assert named and named <= set(made), f"autoscalers name {sorted(named - set(made))}, which no adapter rule makes"
+
+
+# --- the Inference Extension ------------------------------------------------------------------
+
+INFERENCE_KINDS = {("inference.networking.k8s.io/v1", "InferencePool"), ("gateway.networking.k8s.io/v1", "HTTPRoute")}
+"""Custom resources of ../inference-extension: no schema in kubernetes-validate; their links are checked here."""
+
+
+def test_the_inference_pool_points_a_gateway_at_conductor_epp():
+    """The InferencePool selects the vLLM pods on a port they serve, its endpoint picker is the
+    conductor-epp Service on the port it forwards to `conductor epp`'s ext_proc, and the HTTPRoute
+    sends to the pool."""
+    extension = render(KUBE / "inference-extension")
+    assert {(r["apiVersion"], r["kind"]) for r in extension} == INFERENCE_KINDS
+    for r in extension:
+        with pytest.raises(kv.SchemaNotFoundError):  # not core: checked below instead
+            kv.validate(r, KUBERNETES_VERSION, strict=True)
+    base = _by_name(render(KUBE / "base"))
+    pool = next(r for r in extension if r["kind"] == "InferencePool")
+    spec = pool["spec"]
+    engines = _selects(spec["selector"]["matchLabels"], list(base.values()))
+    assert {e["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"] for e in engines} == {
+        "prefill", "decode"}
+    for e in engines:
+        vllm = next(c for s in pod_specs(e) for c in s["containers"] if c["image"].startswith("vllm/"))
+        served = {int(p["containerPort"]) for p in vllm["ports"]}
+        assert {p["number"] for p in spec["targetPorts"]} <= served, f"{e['metadata']['name']} serves {served}"
+    ref = spec["endpointPickerRef"]
+    assert ref.get("kind", "Service") == "Service" and ref["failureMode"] in ("FailOpen", "FailClose")
+    service = base[("Service", ref["name"])]
+    port = next(p for p in service["spec"]["ports"] if p["port"] == ref["port"]["number"])
+    pickers = _selects(service["spec"]["selector"], list(base.values()))
+    assert [p["metadata"]["name"] for p in pickers] == ["conductor-epp"]
+    container = pickers[0]["spec"]["template"]["spec"]["containers"][0]
+    cmd, _, rest = _command_of(container["args"])
+    assert cmd.name == "epp"
+    grpc_port = int(cmd.make_context("epp", rest).params["port"])
+    assert _port_number(container, port["targetPort"]) == grpc_port
+    route = next(r for r in extension if r["kind"] == "HTTPRoute")
+    backends = [b for rule in route["spec"]["rules"] for b in rule["backendRefs"]]
+    assert backends == [{"group": "inference.networking.k8s.io", "kind": "InferencePool",
+                         "name": pool["metadata"]["name"]}]
