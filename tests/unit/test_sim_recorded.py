@@ -198,3 +198,19 @@ def test_off_keeps_a_given_profile_and_says_how_well_it_matches() -> None:
     assert cal.calibrated_ttft_p50_s == pytest.approx(cal.observed_ttft_p50_s)
     assert cal.calibrated_ttft_p90_s == pytest.approx(cal.observed_ttft_p90_s)
     assert cal.error_p50 == pytest.approx(0.0) and "the profile as given" in cal.describe()
+
+
+def test_engines_and_policy_can_run_on_different_profiles() -> None:
+    """A measured profile times the simulated engines; the policy still predicts with the routers'
+    profile, as the recorded decisions did."""
+    reqs, hbs, _ = _traffic_envelopes(n=20, seed=6)
+    t = recorded_traffic(reqs, hbs, [], base=_base(), block_size=BS)
+    routers = load_profile(t.cluster.model_profile)
+    measured = scale_compute(routers, 5.0)
+    alone = Bench(t.records, t.cluster, bucket_ms=1.0, profile=measured).run("least-loaded", 1.0)[1]
+    split = Bench(t.records, t.cluster, bucket_ms=1.0, profile=measured, policy_profile=routers)
+    res = split.run("least-loaded", 1.0)[1]
+    by_index = {o.index: o for o in alone.outcomes}
+    for o in res.outcomes:
+        assert o.ttft_s == pytest.approx(by_index[o.index].ttft_s)  # the engines' time: the measured profile
+        assert o.predicted_ttft_s < by_index[o.index].predicted_ttft_s / 2  # the policy's: the routers' (5x faster)

@@ -234,11 +234,16 @@ def _prepare_recorded(settings: Settings, config: SimulateConfig, console: Conso
     recorded = traffic.recorded_policy or settings.policy
     names = list(dict.fromkeys(recorded if n == "recorded" else n for n in names))
     run_params = {recorded: traffic.recorded_params or dict(settings.policy_params), **_params(config.params)}
+    routers = None
     if model is not None:
+        # The engines run on the measured profile; the policies predict with the routers' own, as
+        # the recorded decisions did (else a what-if would credit them with what they never knew).
+        routers = _routers_profile(prof.model_profile)
         named = model.name if config.model_profile == CONTROL_PROFILE else config.model_profile
         prof = prof.model_copy(update={"model_profile": named})
     bench = Bench(traffic.records, prof, seed=seed, limit=config.limit, params=run_params, bucket_ms=1.0,
-                  topology=topo, cpp=config.cpp_override(), workload=config.workload, balance=balance, profile=model)
+                  topology=topo, cpp=config.cpp_override(), workload=config.workload, balance=balance, profile=model,
+                  policy_profile=routers)
     console.print(f"recorded: {len(bench.records)} requests on {prof.prefill_instances}P{prof.decode_instances}D, "
                   f"policy {recorded}, {len(traffic.observed)} observed outcomes"
                   + (f"; left out {traffic.skipped}" if traffic.skipped else ""))
@@ -381,6 +386,14 @@ def _model_profile(settings: Settings, name: str | None, console: Console) -> Mo
         raise ConfigError("--profile control: no set_profile record on the control topic (is `conductor fit` running?)")
     console.print(f"profile: {state.profile.name} (control offset {state.offset})")
     return state.profile
+
+
+def _routers_profile(name: str) -> ModelProfile | None:
+    """The profile the recorded decisions name (their ``model_profile``), if it still loads."""
+    try:
+        return load_profile(name)
+    except ConfigError:
+        return None
 
 
 def _run_with(bench: Bench, profile: ModelProfile, policy: str, speed: float) -> SimResult:

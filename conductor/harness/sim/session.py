@@ -40,6 +40,7 @@ class Bench:
         workload: str = "trace",
         balance: BalanceParams | None = None,
         profile: ModelProfile | None = None,
+        policy_profile: ModelProfile | None = None,
     ) -> None:
         self.records = read_trace(trace) if isinstance(trace, (str, Path)) else trace
         if workload == "long-context":
@@ -52,7 +53,10 @@ class Bench:
             self.records = self.records[:limit]
         self.cluster = cluster
         self.profile = profile if profile is not None else load_profile(cluster.model_profile)
-        """The cost model (a calibrated one for recorded traffic)."""
+        """The cost model the simulated engines run on (a calibrated one for recorded traffic)."""
+        self.policy_profile = policy_profile
+        """The cost model the policies predict with, when not the engines' (recorded traffic on a
+        measured profile: the routers predicted with theirs); None: ``profile``."""
         self.seed = seed
         self.params = params or {}
         self.bucket_ms = bucket_ms
@@ -88,7 +92,7 @@ class Bench:
         params = dict(self.params.get(policy) or {})
         if self.cpp is not None and "cpp" in POLICIES[base].Params.model_fields:
             params["cpp"] = self.cpp
-        pol = make_policy(base, params, self.profile, self.topology)
+        pol = make_policy(base, params, self.policy_profile or self.profile, self.topology)
         label = f"{policy}{' +balance' if balance else ''} @ {speed:.3g}x"
         cb = (lambda done: progress(label, done, len(reqs))) if progress is not None else None
         t0 = time.perf_counter()
