@@ -63,6 +63,9 @@ class ModelProfile(BaseModel):
     # --- measured (``fit_outcomes``: what the engines did under this profile's predictions) ---
     queue_wait_scale: float = Field(default=1.0, ge=0, description="real queue wait / the wait predicted "
                                     "from a heartbeat's queued tokens (the queue's measured drain rate)")
+    running_wait_s: float = Field(default=0.0, ge=0, description="TTFT added by each request already running on "
+                                  "the instance (its steps are shared with them: decodes on an aggregated engine, "
+                                  "chunked prefills)")
     ttft_error_p50: float | None = Field(default=None, ge=0, description="observed |predicted - real| / real TTFT, median")
     ttft_error_p90: float | None = Field(default=None, ge=0, description="the same, 90th percentile: early "
                                          "rejection's margin for the prediction's own error")
@@ -353,12 +356,18 @@ class OutcomeSample:
     predicted_ttft_s: float | None = None
     tbt_ms: float | None = None
     predicted_tbt_ms: float | None = None
+    running: float = 0.0
+    """Requests running on the instance when this one was decided (as the router counts them:
+    the heartbeat's and its own in-flight decisions; the fitter counts overlapping requests)."""
 
 
-def predicted_queue_s(profile: ModelProfile, predicted_ttft_s: float, prompt_tokens: int, reused_tokens: int) -> float:
+def predicted_queue_s(profile: ModelProfile, predicted_ttft_s: float, prompt_tokens: int, reused_tokens: int,
+                      running: float = 0.0) -> float:
     """The queue-wait part of a decision's predicted TTFT under ``profile``: the rest is the prefill of
-    what the decision did not reuse (a remote prefix's copy counts as wait: its cost is small beside it)."""
-    return max(0.0, predicted_ttft_s - profile.prefill_seconds(prompt_tokens, min(reused_tokens, prompt_tokens - 1)))
+    what the decision did not reuse and the running requests' share (a remote prefix's copy counts as
+    wait: its cost is small beside it)."""
+    return max(0.0, predicted_ttft_s - profile.running_wait_s * running
+               - profile.prefill_seconds(prompt_tokens, min(reused_tokens, prompt_tokens - 1)))
 
 
 @dataclass(frozen=True, slots=True)
@@ -394,10 +403,10 @@ def _prefill_design(base: ModelProfile, samples: Sequence[OutcomeSample]) -> np.
     c = np.array([float(min(s.reused_tokens, max(s.prompt_tokens - 1, 0))) for s in samples])
     scale = base.l / base.effective_flops
     return np.column_stack([np.ones_like(n), scale * base.d * (n * n - c * c), scale * base.d * base.d * (n - c),
-                            np.array([s.queue_s for s in samples])])
+                            np.array([s.running for s in samples]), np.array([s.queue_s for s in samples])])
 
 
-_TTFT_TERMS = ("prefill_overhead_s", "a", "b", "queue_wait_scale")
+_TTFT_TERMS = ("prefill_overhead_s", "a", "b", "running_wait_s", "queue_wait_scale")
 
 
 MIN_QUEUED = 4
@@ -409,9 +418,9 @@ def _fit_ttft(base: ModelProfile, samples: Sequence[OutcomeSample]) -> dict[str,
     # Weighted by 1/y: the relative error is what the policy's SLO test and early rejection feel.
     w = 1.0 / np.maximum(y, 1e-6)
     x = _prefill_design(base, samples)
-    if int(np.sum(x[:, 3] > 1e-9)) < MIN_QUEUED:
+    if int(np.sum(x[:, 4] > 1e-9)) < MIN_QUEUED:
         # Too few requests met a queue to measure it: its drain rate stays the base's (scale 1).
-        coef = _nonneg_lstsq(x[:, :3] * w[:, None], (y - x[:, 3]) * w, _TTFT_TERMS[:3])
+        coef = _nonneg_lstsq(x[:, :4] * w[:, None], (y - x[:, 4]) * w, _TTFT_TERMS[:4])
         return {**coef, "queue_wait_scale": 1.0}
     return _nonneg_lstsq(x * w[:, None], y * w, _TTFT_TERMS)
 
@@ -479,7 +488,8 @@ def fit_outcomes(samples: Sequence[OutcomeSample], base: ModelProfile, *, folds:
             tbt_errs += _tbt_errors(base, sb, part)
     ttft_errs = _rel(pred, obs)
     update: dict[str, Any] = {"prefill_overhead_s": coef["prefill_overhead_s"], "a": coef["a"], "b": coef["b"],
-                              "queue_wait_scale": coef["queue_wait_scale"] * base.queue_wait_scale}
+                              "queue_wait_scale": coef["queue_wait_scale"] * base.queue_wait_scale,
+                              "running_wait_s": coef["running_wait_s"]}
     if tbt_fit is not None:
         update.update(_tbt_profile(base, tbt_fit))
     update.update(
@@ -514,7 +524,8 @@ def prediction_errors(samples: Sequence[OutcomeSample]) -> tuple[list[float], li
 def predict_ttft(profile: ModelProfile, s: OutcomeSample, base: ModelProfile) -> float:
     """What ``profile`` predicts for a sample whose queue wait ``s.queue_s`` was predicted under ``base``."""
     scale = profile.queue_wait_scale / base.queue_wait_scale if base.queue_wait_scale > 0 else 0.0
-    return scale * s.queue_s + profile.prefill_seconds(s.prompt_tokens, min(s.reused_tokens, s.prompt_tokens - 1))
+    return (scale * s.queue_s + profile.running_wait_s * s.running
+            + profile.prefill_seconds(s.prompt_tokens, min(s.reused_tokens, s.prompt_tokens - 1)))
 
 
 def _quantile(values: Sequence[float], q: float) -> float | None:
@@ -532,4 +543,6 @@ def fit_moved(old: ModelProfile, new: ModelProfile, threshold: float) -> bool:
         if abs(a - b) > threshold * max(a, 1e-9):
             return True
     a, b = old.decode_step_seconds(8, 8 * 1024), new.decode_step_seconds(8, 8 * 1024)
-    return abs(a - b) > threshold * max(a, 1e-9) or abs(old.queue_wait_scale - new.queue_wait_scale) > threshold
+    ra, rb = old.running_wait_s * 8, new.running_wait_s * 8  # eight requests running
+    return (abs(a - b) > threshold * max(a, 1e-9) or abs(old.queue_wait_scale - new.queue_wait_scale) > threshold
+            or abs(ra - rb) > threshold * max(ra, old.prefill_seconds(512), 1e-9))

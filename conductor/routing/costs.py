@@ -59,19 +59,22 @@ class Costs:
         return v
 
     def queue_wait_s(self, inst: Instance) -> float:
-        """Prefill time of what is already queued on ``inst``.
+        """Prefill time of what is already queued on ``inst``, plus what its running requests add.
 
         With a request count, the backlog is costed as that many equal prompts (the
-        quadratic term of one prompt of the summed length would overstate it).
+        quadratic term of one prompt of the summed length would overstate it). A fitted
+        profile's ``running_wait_s`` adds the share of the instance's steps its running
+        requests (its batch, the router's in-flight decisions included) take from a new one.
         """
+        running = self.profile.running_wait_s * inst.batch_size
         q = inst.queued_prefill_tokens
         if q <= 0:
-            return 0.0
+            return running
         k = inst.queued_requests
         scale = self.profile.queue_wait_scale  # 1 unless fitted: the queue's measured drain rate
         if k <= 1:
-            return scale * self.prefill_s(q, 0)
-        return scale * k * self.prefill_s(q / k, 0)
+            return running + scale * self.prefill_s(q, 0)
+        return running + scale * k * self.prefill_s(q / k, 0)
 
     def local_reuse(self, inst: Instance, request: PolicyRequest, block_size: int) -> Reuse:
         """Cheapest way to prefill on ``inst`` using only its own cache (possibly none of it)."""

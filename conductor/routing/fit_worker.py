@@ -97,24 +97,26 @@ async def run_fit_worker(settings: Settings, config: FitConfig, *, stop: asyncio
         while stop is None or not stop.is_set():
             batch = await c.getmany(timeout_ms=500)
             for tp, recs in batch.items():
-                await _take(settings, fitter, m, tp.topic == t.control.name, ((r.offset, r.value) for r in recs))
+                await _take(settings, fitter, m, tp.topic == t.control.name,
+                            ((r.offset, r.value, r.timestamp) for r in recs))
     finally:
         await c.stop()
 
 
 async def _take(settings: Settings, fitter: CostFitter, m: FitMetrics, control: bool,
-                recs: Iterable[tuple[int, Any]]) -> None:
-    for offset, value in recs:
+                recs: Iterable[tuple[int, Any, int]]) -> None:
+    for offset, value, ts in recs:
         try:
-            body = decode(value).body
+            env = decode(value)
         except DecodeError:
             continue  # the owners of these topics dead-letter what they cannot read
+        body = env.body
         if control and isinstance(body, ControlCommand):
             fitter.on_control(offset, body)
             m.profile(fitter)
         elif isinstance(body, RequestOutcome):
             m.outcome(fitter, body)
-            cmd = fitter.on_outcome(body)
+            cmd = fitter.on_outcome(body, env.ts_ms or ts)
             if cmd is not None:
                 at = await publish_control(settings, cmd, producer_id="conductor-fit")
                 fitter.on_control(at, cmd)

@@ -17,6 +17,7 @@ reuse, control offset), so no join with ``dispatch`` is needed: one topic, one r
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
 from collections import deque
 from collections.abc import Iterable
@@ -71,14 +72,48 @@ def sample_of(o: RequestOutcome, profile: ModelProfile) -> OutcomeSample | None:
         tbt_ms=o.tbt_p50_ms if o.output_tokens > 1 else None, predicted_tbt_ms=o.predicted_tbt_ms)
 
 
+@dataclass(frozen=True, slots=True)
+class Span:
+    """When a served request held its instance: from its decision to its end (ms since the epoch)."""
+
+    node: str
+    decided_ms: float
+    end_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class _Entry:
+    sample: OutcomeSample
+    span: Span | None
+    profile: ModelProfile
+    predicted_ttft_s: float
+
+
+def span_of(o: RequestOutcome, ts_ms: int | None) -> Span | None:
+    """The span of a served outcome published at ``ts_ms`` (its envelope's time: the request's end)."""
+    if ts_ms is None or o.decided_s is None or not o.prefill_instance:
+        return None
+    start = ts_ms - 1000.0 * o.total_s
+    return Span(o.prefill_instance, start + 1000.0 * o.decided_s, float(ts_ms))
+
+
+def running_at(span: Span, spans: Iterable[Span]) -> int:
+    """Requests holding ``span``'s instance when it was decided (what the router counts as its batch)."""
+    return sum(1 for x in spans if x.node == span.node and x.decided_ms < span.decided_ms < x.end_ms and x != span)
+
+
 class CostFitter:
-    """Outcomes and control records in log order in; ``set_profile`` commands out."""
+    """Outcomes and control records in log order in; ``set_profile`` commands out.
+
+    The running requests a decision met are counted from the outcomes themselves: those whose
+    span (decision to end) on the same instance covers its decision instant."""
 
     def __init__(self, base: ModelProfile, config: FitConfig | None = None) -> None:
         self.config = config or FitConfig()
         self._offsets: list[int] = [-1]
         self._profiles: list[ModelProfile] = [base]
-        self.windows: dict[str, deque[OutcomeSample]] = {}
+        self.windows: dict[str, deque[_Entry]] = {}
+        self.spans: deque[Span] = deque(maxlen=4 * self.config.window)
         self._since: dict[str, int] = {}
         self.last_fit: dict[str, CostFit] = {}
         self.published: ModelProfile = base
@@ -101,29 +136,47 @@ class CostFitter:
         self._profiles.append(prof)
         self.published = prof
 
-    def on_outcome(self, o: RequestOutcome) -> ControlCommand | None:
-        """Take one outcome; a ``set_profile`` to publish when a refit moved enough."""
+    def on_outcome(self, o: RequestOutcome, ts_ms: int | None = None) -> ControlCommand | None:
+        """Take one outcome (``ts_ms``: its envelope's time); a ``set_profile`` to publish when a
+        refit moved enough."""
         cfg = self.config
+        span = span_of(o, ts_ms) if o.status == 200 and o.error is None else None
+        if span is not None:
+            self.spans.append(span)  # every model's requests share the instance
         if cfg.model is not None and o.model != cfg.model:
             return None
-        s = sample_of(o, self.profile_at(o.control_offset))
-        if s is None:
+        prof = self.profile_at(o.control_offset)
+        s = sample_of(o, prof)
+        if s is None or o.predicted_ttft_s is None:
             return None
         key = (o.model or "default") if cfg.model is not None else ALL_MODELS
         win = self.windows.setdefault(key, deque(maxlen=cfg.window))
-        win.append(s)
+        win.append(_Entry(s, span, prof, o.predicted_ttft_s))
         self._since[key] = self._since.get(key, 0) + 1
         if len(win) < cfg.min_rows or self._since[key] < cfg.refit_every:
             return None
         self._since[key] = 0
         return self.refit(key)
 
+    def samples(self, key: str) -> list[OutcomeSample]:
+        """The window's samples with the running requests each met (and its queue wait without them)."""
+        spans = list(self.spans)
+        out = []
+        for e in self.windows.get(key, ()):
+            s = e.sample
+            if e.span is not None:
+                n = running_at(e.span, spans)
+                s = dataclasses.replace(s, running=float(n), queue_s=predicted_queue_s(
+                    e.profile, e.predicted_ttft_s, s.prompt_tokens, s.reused_tokens, float(n)))
+            out.append(s)
+        return out
+
     def refit(self, key: str) -> ControlCommand | None:
         # Every sample's queue wait was derived under the profile its decision used, and the fit
         # maps those waits onto real ones: refit from the profile in force, keeping its l, d, FLOP/s.
         base = self.published
         try:
-            fit = fit_outcomes(list(self.windows[key]), base)
+            fit = fit_outcomes(self.samples(key), base)
         except ConfigError as e:
             log.info("no fit yet: %s", e)
             return None
@@ -163,4 +216,5 @@ def prediction_error_summary(outcomes: Iterable[RequestOutcome], time_scale: flo
             "tbt_prediction_error_p50": q(tbt, 0.5), "tbt_prediction_error_p90": q(tbt, 0.9)}
 
 
-__all__ = ["ALL_MODELS", "CostFitter", "FitConfig", "prediction_error_summary", "sample_of"]
+__all__ = ["ALL_MODELS", "CostFitter", "FitConfig", "Span", "prediction_error_summary", "running_at", "sample_of",
+           "span_of"]

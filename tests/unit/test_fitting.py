@@ -161,3 +161,34 @@ def test_prediction_error_summary_of_outcomes() -> None:
     assert s["ttft_prediction_error_p50"] == pytest.approx(0.25, abs=0.01)
     assert s["tbt_prediction_error_p50"] == pytest.approx((17.0 - 8.0) / 8.0)
     assert prediction_error_summary([])["ttft_prediction_error_p90"] is None
+
+
+def test_the_fitter_counts_the_requests_a_decision_met_and_fits_their_share() -> None:
+    """An engine whose TTFT grows by 20 ms per request running on it: the fitter counts them from
+    the outcomes' spans (decision to end, on the same instance) and fits ``running_wait_s``."""
+    f = CostFitter(BASE, FitConfig(window=200, min_rows=60, refit_every=1000))
+    rng = random.Random(3)
+    spans: list[tuple[float, float]] = []
+    for i in range(60):
+        decided = 1000.0 * i
+        running = sum(1 for a, b in spans if a < decided < b)
+        prompt = rng.randrange(100, 2000)
+        ttft = 0.030 + 50e-6 * prompt + 0.020 * running
+        end = decided + 1000.0 * ttft + rng.choice([500.0, 3000.0, 6000.0])
+        spans.append((decided, end))
+        o = outcome(i, prompt, decided_s=0.0, ttft_s=ttft, total_s=(end - decided) / 1000.0, prefill_instance="p0")
+        f.on_outcome(o, int(end))
+    # Outcomes arrive when requests end (out of decision order): the counts come from every span.
+    samples = f.samples("*")
+    assert max(s.running for s in samples) >= 2
+    fitted = fit_outcomes(samples, BASE).profile
+    assert fitted.running_wait_s == pytest.approx(0.020, rel=0.05)
+    assert fitted.ttft_error_p90 is not None and fitted.ttft_error_p90 < 0.05
+
+
+def test_the_router_costs_running_requests_with_a_fitted_profile() -> None:
+    from conductor.routing.costs import Costs
+    fitted = BASE.model_copy(update={"running_wait_s": 0.02})
+    busy, idle = Instance("p0", "both", batch_size=5), Instance("p1", "both")
+    assert Costs(BASE).queue_wait_s(busy) == 0.0  # hand-set: the batch costs a new request nothing
+    assert Costs(fitted).queue_wait_s(busy) == pytest.approx(0.1) and Costs(fitted).queue_wait_s(idle) == 0.0

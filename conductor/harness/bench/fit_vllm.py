@@ -36,8 +36,8 @@ from typing import Any
 import numpy as np
 import openai
 
-from conductor.harness.bench.live import quiet_clients, servers, trace_slice
-from conductor.harness.bench.live_vllm import MODEL, VllmLiveError, VllmLiveOptions, read_outcomes, vllm_prompt
+from conductor.harness.bench.live import quiet_clients, read_outcome_records, read_outcomes, servers, trace_slice
+from conductor.harness.bench.live_vllm import MODEL, VllmLiveError, VllmLiveOptions, vllm_prompt
 from conductor.harness.demo import DemoRequest
 from conductor.harness.devstack import free_port
 from conductor.harness.vllm_cluster import VllmGatewayCluster, VllmNode
@@ -193,14 +193,18 @@ async def _run(settings: Settings, opts: FitBenchOptions, reqs: list[DemoRequest
             before_reqs, after_reqs = reqs[: opts.before], reqs[opts.before: opts.before + opts.after]
             # before: the hand-set profile
             sent = await _replay(c, before_reqs, opts, "before")
-            outs = await read_outcomes(settings, [rid for rid, _, _ in sent])
+            recs = await read_outcome_records(settings, [rid for rid, _, _ in sent])
+            outs = {k: o for k, (o, _) in recs.items()}
             fitter = CostFitter(base, FitConfig(window=max(len(outs), 4), min_rows=max(min(len(outs), 30), 4),
                                                 refit_every=10**6))
-            samples = [s for o in outs.values() if (s := sample_of(o, base)) is not None]
+            for o, ts in recs.values():
+                fitter.on_outcome(o, ts)
+            samples = fitter.samples("*")  # with the running requests each met
             out["before"] = error_summary(samples)
+            if len(samples) < 20:
+                raise VllmLiveError(f"only {len(samples)} of {len(before_reqs)} requests were served with a "
+                                    f"prediction; logs in {log_dir}")
             out["forms"] = compare_forms(samples, base)
-            for o in outs.values():
-                fitter.on_outcome(o)
             cmd = fitter.refit("*")
             if cmd is None:
                 raise VllmLiveError("the fit did not move the profile (too few outcomes?)")
@@ -225,7 +229,8 @@ async def _run(settings: Settings, opts: FitBenchOptions, reqs: list[DemoRequest
             finally:
                 stop.set()
                 await asyncio.wait_for(worker, 30)
-            after = [s for o in outs_after.values() if (o.control_offset or -1) >= offset
+            after = [s for o in outs_after.values()
+                     if (o.control_offset if o.control_offset is not None else -1) >= offset
                      and (s := sample_of(o, fitted)) is not None]
             out["after"] = error_summary(after)
             out["profiles_published"] = sum(1 for _, cmd in await control_records(settings)

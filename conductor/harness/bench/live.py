@@ -161,15 +161,15 @@ async def replay(base_url: str, stats: RunStats, requests: list[DemoRequest], *,
         await client.close()
 
 
-async def read_outcomes(settings: Settings, ids: Sequence[str] | None = None, wait_s: float = 30.0,
-                        idle_s: float = 2.0) -> dict[str, RequestOutcome]:
-    """The gateway outcomes on ``settings``' topic: of these request ids (as many as arrive within
-    ``wait_s``), or every one there (until ``idle_s`` without a new one)."""
+async def read_outcome_records(settings: Settings, ids: Sequence[str] | None = None, wait_s: float = 30.0,
+                               idle_s: float = 2.0) -> dict[str, tuple[RequestOutcome, int]]:
+    """The gateway outcomes on ``settings``' topic with their envelopes' times (ms): of these request
+    ids (as many as arrive within ``wait_s``), or every one there (until ``idle_s`` without a new one)."""
     cons = consumer(settings.kafka(), topics(settings.topic_config()).request_outcomes.name, group_id=None,
                     fetch_max_wait_ms=50)
     await cons.start()
     want = set(ids) if ids is not None else None
-    found: dict[str, RequestOutcome] = {}
+    found: dict[str, tuple[RequestOutcome, int]] = {}
     try:
         deadline = time.monotonic() + wait_s
         last = time.monotonic()
@@ -178,13 +178,20 @@ async def read_outcomes(settings: Settings, ids: Sequence[str] | None = None, wa
                 break
             for recs in (await cons.getmany(timeout_ms=200)).values():
                 for r in recs:
-                    b = decode(r.value).body
+                    env = decode(r.value)
+                    b = env.body
                     if isinstance(b, RequestOutcome) and (want is None or b.request_id in want):
-                        found[b.request_id] = b
+                        found[b.request_id] = (b, env.ts_ms)
                         last = time.monotonic()
     finally:
         await cons.stop()
     return found
+
+
+async def read_outcomes(settings: Settings, ids: Sequence[str] | None = None, wait_s: float = 30.0,
+                        idle_s: float = 2.0) -> dict[str, RequestOutcome]:
+    """:func:`read_outcome_records` without the times."""
+    return {k: o for k, (o, _) in (await read_outcome_records(settings, ids, wait_s, idle_s)).items()}
 
 
 def side_summary(stats: RunStats, reports: list[dict[str, Any]], wall_s: float) -> dict[str, Any]:
