@@ -40,6 +40,8 @@ DP_RANK_HEADER = "x-data-parallel-rank"
 REQUEST_ID_HEADER = "x-conductor-request-id"
 PREFILL_INSTANCE_HEADER = "x-conductor-prefill-instance"
 DECODE_INSTANCE_HEADER = "x-conductor-decode-instance"
+ROUTING_MS_HEADER = "x-conductor-routing-ms"
+"""The picker's own time for the request, from the body's end to its answer (ms), as the gateway's header."""
 
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED

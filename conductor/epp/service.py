@@ -23,7 +23,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
@@ -36,6 +36,7 @@ from conductor.epp.protocol import (
     BUFFERED,
     DESTINATION_HEADER,
     FULL_DUPLEX,
+    ROUTING_MS_HEADER,
     BadEndpoint,
     Pick,
     bad_request,
@@ -105,6 +106,8 @@ class _Stream:
     body: bytearray = field(default_factory=bytearray)
     decided: bool = False
     headers_answered: bool = False
+    t0: float = 0.0
+    """When the body ended (the picker's clock)."""
 
 
 class Picker:
@@ -180,7 +183,7 @@ class Picker:
 
     async def _decide(self, st: _Stream) -> Responses:
         st.decided = True
-        t0 = self.clock()
+        t0 = st.t0 = self.clock()
         out = await self._answer(st)
         status = 200
         if out and out[0].HasField("immediate_response"):
@@ -252,6 +255,7 @@ class Picker:
         except (KeyError, BadEndpoint) as e:
             return [unavailable(f"decision {answer.request_id} names an instance with no usable endpoint: {e}",
                                 "no_endpoint")]
+        pick = replace(pick, headers={**pick.headers, ROUTING_MS_HEADER: f"{(self.clock() - st.t0) * 1000.0:.3f}"})
         if st.mode == BUFFERED or st.headers_answered:
             return routed(pick, body, BUFFERED)
         return routed(pick, body, FULL_DUPLEX)

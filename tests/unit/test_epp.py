@@ -139,6 +139,7 @@ async def test_full_duplex_holds_the_headers_until_the_last_chunk_then_answers_h
     hdrs = set_headers(head)
     assert hdrs["x-gateway-destination-endpoint"] == "10.0.0.2:8001"
     assert hdrs["x-prefiller-host-port"] == "10.0.0.1:8000" and hdrs["content-length"] == str(len(BODY))
+    assert float(hdrs["x-conductor-routing-ms"]) >= 0  # the picker's own time, as the gateway's header
     assert json_format.MessageToDict(head.dynamic_metadata) == {
         "envoy.lb": {"x-gateway-destination-endpoint": "10.0.0.2:8001"}}
     sb = rest.request_body.response.body_mutation.streamed_response

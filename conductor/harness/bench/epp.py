@@ -8,7 +8,8 @@ tokenizer round trip on either path: what is timed is the decision):
 - EPP: one ext_proc stream per request over real gRPC (:class:`~conductor.harness.epp_cluster.EnvoySide`,
   full duplex, headers and body in one message each), from the first message sent to the
   answer that names the destination, measured by the client (gRPC, parse, the decision and its
-  acknowledgement on the log, the answer);
+  acknowledgement on the log, the answer): ``epp_ms``; and the picker's own time from the body's
+  end to its answer (its ``x-conductor-routing-ms`` header): ``epp_inside_ms``;
 - gateway: the ``routing_ms`` of each ``request_outcome`` (the decision and its acknowledgement on
   the log, measured inside the gateway), for the same requests.
 """
@@ -110,12 +111,16 @@ async def _bench(settings: Settings, tmp: Path, requests: int, concurrency: int,
             httpx.AsyncClient(timeout=60, headers=c.auth_headers) as client:
         gw = c.gateway_url + "/v1/completions"
 
+        inside: list[float] = []
+
         async def via_epp(i: int) -> float:
             t0 = time.perf_counter()
             a = await envoy.request(json.dumps(_body(i)).encode())
             if a.status != 200:
                 raise RuntimeError(f"{a.status}: {a.error}")
-            return time.perf_counter() - t0
+            took = time.perf_counter() - t0
+            inside.append(float(a.headers["x-conductor-routing-ms"]))
+            return took
 
         async def via_gateway(i: int) -> float:
             t0 = time.perf_counter()
@@ -126,6 +131,7 @@ async def _bench(settings: Settings, tmp: Path, requests: int, concurrency: int,
         for i in range(20):  # warm up connections, caches and the router
             await via_epp(i)
             await via_gateway(i)
+        inside.clear()
         epp, epp_errors, epp_wall = await _load(concurrency, requests, via_epp)
         since = time.time_ns() // 1_000_000
         _, gw_errors, _ = await _load(concurrency, requests, via_gateway)
@@ -133,6 +139,7 @@ async def _bench(settings: Settings, tmp: Path, requests: int, concurrency: int,
     return {
         "requests": requests, "concurrency": concurrency, "prefill": 2, "decode": 2, "routing": routing,
         "epp_ms_p50": _ms([x * 1000 for x in epp], 50), "epp_ms_p99": _ms([x * 1000 for x in epp], 99),
+        "epp_inside_ms_p50": _ms(inside, 50), "epp_inside_ms_p99": _ms(inside, 99),
         "epp_decisions_per_s": round(len(epp) / epp_wall, 1) if epp_wall else None,
         "gateway_routing_ms_p50": _ms(routing_ms, 50), "gateway_routing_ms_p99": _ms(routing_ms, 99),
         "errors": epp_errors + gw_errors,
