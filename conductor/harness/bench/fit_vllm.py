@@ -129,30 +129,33 @@ def error_summary(samples: Sequence[OutcomeSample]) -> dict[str, Any]:
 # --- the model forms compared ---------------------------------------------------------
 
 
-def _features(samples: Sequence[OutcomeSample]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _features(samples: Sequence[OutcomeSample]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     n = np.array([float(s.prompt_tokens) for s in samples])
     c = np.array([float(min(s.reused_tokens, s.prompt_tokens - 1)) for s in samples])
-    return n - c, c, np.array([s.queue_s for s in samples])
+    return n - c, c, np.array([s.queue_s for s in samples]), np.array([s.running for s in samples])
 
 
 def _loglinear(train: Sequence[OutcomeSample], test: Sequence[OutcomeSample]) -> np.ndarray:
-    """log TTFT linear in log(1 + new tokens), log(1 + cached tokens), log(1 + queue wait in ms)."""
+    """log TTFT linear in log(1 + new tokens), log(1 + cached tokens), log(1 + queue wait in ms),
+    log(1 + running requests)."""
     def x(ss: Sequence[OutcomeSample]) -> np.ndarray:
-        new, cached, q = _features(ss)
-        return np.column_stack([np.ones_like(new), np.log1p(new), np.log1p(cached), np.log1p(q * 1000.0)])
+        new, cached, q, run = _features(ss)
+        return np.column_stack([np.ones_like(new), np.log1p(new), np.log1p(cached), np.log1p(q * 1000.0),
+                                np.log1p(run)])
     coef, *_ = np.linalg.lstsq(x(train), np.log([s.ttft_s for s in train]), rcond=None)
     return np.asarray(np.exp(x(test) @ coef))
 
 
 def _piecewise(train: Sequence[OutcomeSample], test: Sequence[OutcomeSample], knots: int = 4) -> np.ndarray:
-    """TTFT piecewise linear in new tokens (hinges at the training quantiles), plus cached tokens and
-    the queue wait, fitted on relative error."""
+    """TTFT piecewise linear in new tokens (hinges at the training quantiles) and in running requests,
+    plus cached tokens and the queue wait, fitted on relative error."""
     new_tr = _features(train)[0]
     ks = np.quantile(new_tr, np.linspace(0, 1, knots + 1)[1:-1])
 
     def x(ss: Sequence[OutcomeSample]) -> np.ndarray:
-        new, cached, q = _features(ss)
-        return np.column_stack([np.ones_like(new), new, *[np.maximum(new - k, 0) for k in ks], cached, q])
+        new, cached, q, run = _features(ss)
+        return np.column_stack([np.ones_like(new), new, *[np.maximum(new - k, 0) for k in ks], cached, q, run,
+                                np.maximum(run - 4, 0)])
     y = np.array([s.ttft_s for s in train])
     w = 1.0 / y
     coef, *_ = np.linalg.lstsq(x(train) * w[:, None], y * w, rcond=None)
@@ -212,7 +215,8 @@ async def _run(settings: Settings, opts: FitBenchOptions, reqs: list[DemoRequest
             fitter.on_control(offset, cmd)
             fitted = fitter.published
             out["fitted"] = {k: v for k, v in fitted.model_dump().items()
-                             if k in ("prefill_overhead_s", "a", "b", "queue_wait_scale", "step_overhead_s",
+                             if k in ("prefill_overhead_s", "a", "b", "queue_wait_scale", "running_wait_s",
+                                      "step_overhead_s",
                                       "per_sequence_s", "hbm_bandwidth", "ttft_error_p50", "ttft_error_p90",
                                       "tbt_error_p50", "tbt_error_p90", "fit_rows")}
             out["control_offset"] = offset
