@@ -58,8 +58,13 @@ SloMs = Annotated[float | None, typer.Option(min=1.0, help="then send the after-
 Trace = Annotated[Path | None, typer.Option(help="trace JSONL [default: the bundled conversation trace]")]
 
 
+Speed = Annotated[float, typer.Option(min=0.01, help="replay the trace this many times faster")]
+Sample = Annotated[int, typer.Option(min=1, help="one conversation in SAMPLE")]
+
+
 def bench_fit(before: Before = 80, after: After = 80, slo_ms: SloMs = None, engines: Annotated[int, typer.Option(
-        min=1, max=4, help="aggregated vLLM engines")] = 2, trace: Trace = None, json_out: JsonLine = False) -> None:
+        min=1, max=4, help="aggregated vLLM engines")] = 2, speed: Speed = 3.0, sample: Sample = 6,
+        trace: Trace = None, json_out: JsonLine = False) -> None:
     """TTFT/TBT prediction error on real vLLM engines before and after the fit (`conductor fit`'s).
 
     Fresh vLLM CPU engines (the kit: scripts/vllm-kit) behind a whole cluster; the conversation
@@ -70,7 +75,7 @@ def bench_fit(before: Before = 80, after: After = 80, slo_ms: SloMs = None, engi
     s = settings_or_exit()
     with exit_on():
         out = run_fit_bench(s, FitBenchOptions(before=before, after=after, slo_ms=slo_ms, engines=engines,
-                                               trace=trace))
+                                               speed=speed, sample=sample, duration_s=120.0, trace=trace))
     print_result(out, json_out)
 
 

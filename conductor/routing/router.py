@@ -272,7 +272,7 @@ class Router:
         if new_profile or (after.policy, after.params) != (before.policy, before.params):
             name = after.policy or self.settings.policy
             params = dict(after.params) if after.params is not None else self.settings.policy_params
-            self.policy = make_policy(name, params, self.profile)
+            self.policy = make_policy(name, params, self.profile, self.settings.cluster_topology())
             self.params = {k: v for k, v in self.policy.params.items() if isinstance(v, (bool, int, float, str))}
             log.info("control offset %d: policy %s %s", offset, self.policy.name, self.params)
         if after.excluded != before.excluded:

@@ -26,7 +26,7 @@ from conductor.routing.explain import explain
 from conductor.routing.fitting import CostFitter, FitConfig, prediction_error_summary
 from conductor.settings import Settings
 
-pytestmark = [pytest.mark.vllm, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 
 @pytest.fixture
