@@ -355,6 +355,23 @@ async def calibrate_engine(config: CalibrateConfig, progress: Progress | None = 
     return cal
 
 
+def merged(calibrations: Sequence[Calibration], base: ModelProfile, name: str) -> Calibration:
+    """One calibration of alike engines swept at the same time (each its own sweep): the profile
+    fitted to all their samples; wall time the longest sweep's."""
+    if not calibrations:
+        raise ConfigError("no calibration to merge")
+    prefill = [s for c in calibrations for s in c.prefill]
+    decode = [s for c in calibrations for s in c.decode]
+    profile, pre_rmse, dec_rmse, notes = fit_calibration(prefill, decode, base, name)
+    first = calibrations[0]
+    cal = Calibration(engine=", ".join(c.engine for c in calibrations), model=first.model, base=base.name,
+                      profile=profile, prefill=prefill, decode=decode, prefill_rmse_s=pre_rmse,
+                      decode_rmse_s=dec_rmse, notes=sorted({n for c in calibrations for n in c.notes} | set(notes)),
+                      wall_s=max(c.wall_s for c in calibrations))
+    cal.ttft_error, cal.tbt_error = prediction_errors(prefill, decode, {"base": base, "calibrated": profile})
+    return cal
+
+
 def prediction_errors(prefill: Sequence[PrefillSample], decode: Sequence[DecodeSample],
                       profiles: dict[str, ModelProfile]) -> tuple[dict[str, dict[str, float]], dict[str, dict[str, float]]]:
     """TTFT and decode-step relative error p50/p90 of each profile against the grid points' medians."""
@@ -386,5 +403,5 @@ def write_profile(profile: ModelProfile, path: Path) -> None:
 
 
 __all__ = ["CalibrateConfig", "Calibration", "DecodeSample", "EngineCallError", "PrefillSample", "SweepPlan",
-           "calibrate_engine", "decode_medians", "decode_sample", "fit_calibration", "prediction_errors",
+           "calibrate_engine", "decode_medians", "decode_sample", "fit_calibration", "merged", "prediction_errors",
            "prefill_medians", "relative_errors", "write_profile"]

@@ -11,12 +11,14 @@ from typer.testing import CliRunner
 from conductor.cli import app
 from conductor.errors import ConfigError
 from conductor.harness.calibrate import (
+    Calibration,
     DecodeSample,
     PrefillSample,
     SweepPlan,
     decode_medians,
     decode_sample,
     fit_calibration,
+    merged,
     prediction_errors,
     prefill_medians,
     relative_errors,
@@ -169,3 +171,16 @@ def test_a_profile_file_is_a_setting_checked_at_start_up(tmp_path: Path, base: M
     (tmp_path / "bad.json").write_text(base.model_copy(update={"l": 1}).model_dump_json().replace('"l":1', '"l":0'))
     with pytest.raises(ConfigError, match=r"model profile .*bad.json: l: "):
         load_profile(str(tmp_path / "bad.json"))
+
+
+def test_merged_fits_the_samples_of_every_engine(base: ModelProfile) -> None:
+    def one(engine: str, lengths: tuple[int, ...]) -> Calibration:
+        pre = [PrefillSample(n, 0, 0, True, 0.01 + 1e-4 * n) for n in lengths]
+        dec = [DecodeSample(b, 100 * b, 0.002 * b, 10) for b in (1, 2, 4)]
+        prof, rmse, drmse, _ = fit_calibration(pre, dec, base, "x")
+        return Calibration(engine, "m", base.name, prof, pre, dec, rmse, drmse, wall_s=len(lengths))
+
+    cal = merged([one("a", (64, 256, 512)), one("b", (1024, 1536, 2048))], base, "both")
+    assert cal.engine == "a, b" and len(cal.prefill) == 6 and len(cal.decode) == 6 and cal.wall_s == 3
+    assert cal.profile.name == "both" and cal.profile.prefill_seconds(1024) == pytest.approx(0.01 + 0.1024, rel=0.02)
+    assert cal.ttft_error["calibrated"]["p90"] < 0.02

@@ -4,8 +4,9 @@ On real vLLM engines (the CPU build and tiny model of ``scripts/vllm-kit``, ever
 aggregated, ``--enable-prompt-tokens-details`` so the outcomes carry the engines' own cached
 tokens):
 
-1. **calibrate**: ``conductor profile calibrate``'s sweep against the first engine (all are
-   alike) gives a profile of the engines' measured costs;
+1. **calibrate**: ``conductor profile calibrate``'s sweep against every engine at once (they
+   are alike; on a small machine they share its cores, as in the run), with the cluster up,
+   gives one profile of the engines' measured costs;
 2. **record**: the demo's trace slice goes through Conductor (worker, router, a bridge per
    engine, the gateway) with every record on the topics of an embedded broker, sent by the
    official ``openai`` client at the trace's times; the clients' TTFTs are kept;
@@ -13,6 +14,8 @@ tokens):
    with ``--profile <the calibrated file>`` (no calibration to the outcomes), once with the
    configured profile as it is, once with the configured profile scaled to the observed TTFT
    p50 (today's default ``--calibrate scale``, which sees the outcomes it is compared with);
+   and once with ``--profile control`` after the profile ``conductor fit`` would fit to the
+   run's outcomes is published there as ``set_profile``;
 4. compare each simulated TTFT p50/p90 with what the clients observed (and with the gateway's
    TTFT less its routing, what the simulator models: arrival at the router to first token).
 """
@@ -29,17 +32,20 @@ from typing import Any
 
 from rich.console import Console
 
-from conductor.errors import ConductorError
+from conductor.errors import ConductorError, ConfigError
 from conductor.harness.bench.live import quiet_clients, read_outcomes, servers, trace_slice
 from conductor.harness.bench.live_vllm import MODEL, VllmLiveOptions, replay
-from conductor.harness.calibrate import CalibrateConfig, SweepPlan, calibrate_engine, write_profile
+from conductor.harness.calibrate import CalibrateConfig, SweepPlan, calibrate_engine, merged, write_profile
 from conductor.harness.demo import DemoRequest, percentile
 from conductor.harness.devstack import free_port
 from conductor.harness.sim.run import SimulateConfig, run_simulation
 from conductor.harness.vllm_cluster import VllmGatewayCluster, VllmNode
 from conductor.harness.vllm_kit import BLOCK_SIZE, VllmEngine, kit_available, kit_dir, start_engines, tiny_model_dir
-from conductor.profiles import load_profile
+from conductor.profiles import ModelProfile, fit_outcomes, load_profile
+from conductor.routing.control_log import publish_control
+from conductor.routing.fitting import sample_of
 from conductor.settings import Settings
+from schemas import ControlCommand, RequestOutcome
 
 log = logging.getLogger(__name__)
 
@@ -74,22 +80,42 @@ async def _record(s: Settings, opts: SimFidelityOptions, requests: list[DemoRequ
                           extra_args=("--enable-prompt-tokens-details",))
                for i in range(live.engines)]
     await start_engines(*engines)
+    base = load_profile(s.model_profile)
     try:
-        cal = await calibrate_engine(CalibrateConfig(engine=engines[0].url, plan=opts.plan,
-                                                     base=load_profile(s.model_profile), model=MODEL,
-                                                     name="tiny-llama-vllm-cpu", seed=live.seed))
         nodes = [VllmNode(f"vllm-{i}", "both", e) for i, e in enumerate(engines)]
         async with VllmGatewayCluster(s, log_dir / "cluster", nodes=nodes, model=MODEL) as c:
+            # Every engine swept at once, the cluster up: the engines share the machine's cores as
+            # they will in the run (one engine alone takes every core and measures several times
+            # faster than two busy at once on a small machine).
+            each = await asyncio.gather(*(calibrate_engine(CalibrateConfig(
+                engine=e.url, plan=opts.plan, base=base, model=MODEL, seed=live.seed + i)) for i, e in enumerate(engines)))
+            cal = merged(each, base, "tiny-llama-vllm-cpu")
             t0 = time.monotonic()
             stats = await replay(c.gateway_url, requests, live, "conductor", api_key=c.api_key)
             wall = time.monotonic() - t0
             outcomes = await read_outcomes(s, wait_s=15.0)
+            fitted = await _publish_fit(s, base, list(outcomes.values()))
     finally:
         await asyncio.gather(*(e.stop() for e in engines), return_exceptions=True)
     engine_side = [o.ttft_s - (o.routing_ms or 0.0) / 1000.0 for o in outcomes.values()
                    if o.status == 200 and o.error is None and o.ttft_s is not None]
-    return {"calibration": cal, "client_ttft": list(stats.ttft), "engine_ttft": engine_side,
+    return {"calibration": cal, "fitted": fitted, "client_ttft": list(stats.ttft), "engine_ttft": engine_side,
             "sent": stats.sent, "statuses": dict(stats.statuses), "wall_s": wall, "outcomes": len(outcomes)}
+
+
+async def _publish_fit(s: Settings, base: ModelProfile, outcomes: list[RequestOutcome]) -> str | None:
+    """What ``conductor fit`` would publish after this run: the profile fitted to its served
+    requests (``profiles.fit_outcomes``), as a ``set_profile`` on ``control``; its name, or None
+    when too few requests were served to fit."""
+    samples = [x for o in outcomes if (x := sample_of(o, base)) is not None]
+    try:
+        fit = fit_outcomes(samples, base, name="fitted-from-outcomes")
+    except ConfigError as e:
+        log.warning("no fit from the outcomes: %s", e)
+        return None
+    await publish_control(s, ControlCommand(action="set_profile", profile=fit.profile.model_dump(),
+                                            reason="bench sim-fidelity"), producer_id="bench-sim-fidelity")
+    return fit.profile.name
 
 
 def _simulate(s: Settings, profile: str | None, calibrate: str) -> dict[str, Any]:
@@ -139,6 +165,8 @@ def run_sim_fidelity(settings: Settings, opts: SimFidelityOptions) -> dict[str, 
             "configured_profile": _simulate(s, None, "off"),
             "configured_scaled_to_outcomes": _simulate(s, None, "scale"),
         }
+        if rec["fitted"] is not None:
+            sims["fitted_on_control"] = _simulate(s, "control", "off")
     client, engine = _pcts(rec["client_ttft"]), _pcts(rec["engine_ttft"])
     return {
         "bench": "sim-fidelity",
