@@ -18,7 +18,7 @@ import httpx
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from conductor.epp.decide import ROUTINGS, Routing, make_decider
+from conductor.epp.decide import ROUTINGS, Decider, Routing, make_decider
 from conductor.epp.protocol import BODY_MODES
 from conductor.epp.service import EppConfig, ExternalProcessor, Picker
 from conductor.errors import ConfigError
@@ -94,9 +94,10 @@ def _routing(text: str) -> Routing:
 
 async def serve(config: EppConfig, settings: Settings, *, port: int, stop: asyncio.Event, tls: Tls | None = None,
                 health_service: bool = True, tokenizer_path: str | None = None,
-                on_ready: Callable[[dict[str, Any]], None] = lambda _: None) -> None:
+                on_ready: Callable[[dict[str, Any]], None] = lambda _: None, decider: Decider | None = None) -> None:
     """Serve the picker (and gRPC health) on ``port`` of the settings' bind host (0: a free one) until
-    ``stop``. ``on_ready`` gets the ready line (id, address, TLS, routing) once decisions can be made."""
+    ``stop``. ``on_ready`` gets the ready line (id, address, TLS, routing) once decisions can be made.
+    ``decider``: one to use instead of the configured routing's (tests)."""
     logging.getLogger("httpx").setLevel(logging.WARNING)
     client = httpx.AsyncClient(timeout=httpx.Timeout(connect=settings.gateway_connect_timeout_s,
                                                      read=settings.gateway_first_byte_timeout_s or None,
@@ -110,8 +111,9 @@ async def serve(config: EppConfig, settings: Settings, *, port: int, stop: async
                                 ttl_s=settings.heartbeat_ttl_s)
     engine_tok = EngineTokenizer(client, directory)
     tok: PromptTokenizer = LocalTokenizer(tokenizer_path, engine_tok) if tokenizer_path else engine_tok
-    decider = make_decider(settings, _routing(config.routing), producer_id=config.epp_id,
-                           timeout_s=config.decision_timeout_s)
+    if decider is None:
+        decider = make_decider(settings, _routing(config.routing), producer_id=config.epp_id,
+                               timeout_s=config.decision_timeout_s)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     picker = Picker(config, decider, tok, directory)
     pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(picker), server)
@@ -119,13 +121,13 @@ async def serve(config: EppConfig, settings: Settings, *, port: int, stop: async
     if health_service:
         health_pb2_grpc.add_HealthServicer_to_server(checks, server)
     address = f"{settings.bind_host}:{port}"
-    try:
-        bound = (server.add_secure_port(address, grpc.ssl_server_credentials([(tls.key, tls.cert)]))
-                 if tls is not None else server.add_insecure_port(address))
-    except RuntimeError as e:
-        raise ConfigError(f"--port {port}: cannot listen on {address}: {e}") from None
     health_task: asyncio.Task[None] | None = None
     try:
+        try:
+            bound = (server.add_secure_port(address, grpc.ssl_server_credentials([(tls.key, tls.cert)]))
+                     if tls is not None else server.add_insecure_port(address))
+        except RuntimeError as e:
+            raise ConfigError(f"--port {port}: cannot listen on {address}: {e}") from None
         await directory.refresh(force=True)
         if not len(directory):
             log.warning("no engine known yet: none announces an endpoint in the view and no --engine was given")
