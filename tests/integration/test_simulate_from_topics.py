@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from conductor.profiles import load_profile
+from conductor.routing.control_log import publish_control
 from conductor.settings import Settings, settings_env
-from schemas import Heartbeat, RequestOutcome, RoutingDecision, RoutingRequest, encode, envelope
+from schemas import ControlCommand, Heartbeat, RequestOutcome, RoutingDecision, RoutingRequest, encode, envelope
 from streams import kafka
 from streams.topics import topics
 
@@ -104,3 +106,35 @@ async def test_an_empty_range_says_so(settings: Settings) -> None:
     )
     assert out.returncode != 0
     assert "no routing requests recorded in the time range" in out.stderr.decode()
+
+
+async def test_the_fitted_profile_on_control_drives_the_simulated_engines(settings: Settings) -> None:
+    """``--profile control``: the last ``set_profile`` on the control topic (what ``conductor fit``
+    publishes) times the simulated engines, with no calibration to the outcomes; none there: a
+    clear error."""
+    now = int(time.time() * 1000)
+    await _record(settings, now)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CONDUCTOR_")}
+    env.update(settings_env(settings))
+    args = [sys.executable, "-c", "from conductor.cli import main; main()", "simulate", "--from-topics",
+            "--since", "10m", "--policy", "recorded", "--profile", "control", "--json"]
+
+    none = await asyncio.to_thread(subprocess.run, args, env=env, capture_output=True, timeout=300, check=False)
+    assert none.returncode != 0 and b"no set_profile record" in none.stderr + none.stdout
+
+    base = load_profile(settings.model_profile)
+    runs = {}
+    for name, slower in (("fit-slow", 8.0), ("fit-fast", 1.0)):
+        fitted = base.model_copy(update={"name": name, "description": "a test fit",
+                                         "effective_flops": base.effective_flops / slower})
+        await publish_control(settings, ControlCommand(action="set_profile", profile=fitted.model_dump()))
+        out = await asyncio.to_thread(subprocess.run, args, env=env, capture_output=True, timeout=300, check=False)
+        assert out.returncode == 0, out.stderr.decode()[-3000:]
+        assert f"profile: {name}" in out.stderr.decode()  # the last set_profile, read back
+        runs[name] = next(json.loads(line) for line in out.stdout.decode().splitlines() if line.startswith("{"))
+    for r in runs.values():
+        cal = r["calibration"]
+        assert cal["method"] == "off" and cal["compute_scale"] == 1.0 and cal["requests"] == 60
+        assert cal["calibrated_ttft_p50_s"] == pytest.approx(r["ttft_p50_s"], rel=0.05)
+        assert cal["observed_ttft_p90_s"] is not None and cal["calibrated_ttft_p90_s"] is not None
+    assert runs["fit-slow"]["ttft_p50_s"] > 3 * runs["fit-fast"]["ttft_p50_s"]

@@ -113,7 +113,8 @@ async def _publish_fit(s: Settings, base: ModelProfile, outcomes: list[RequestOu
     except ConfigError as e:
         log.warning("no fit from the outcomes: %s", e)
         return None
-    await publish_control(s, ControlCommand(action="set_profile", profile=fit.profile.model_dump(),
+    profile = fit.profile.model_copy(update={"description": f"fitted to {fit.rows} served requests"})
+    await publish_control(s, ControlCommand(action="set_profile", profile=profile.model_dump(),
                                             reason="bench sim-fidelity"), producer_id="bench-sim-fidelity")
     return fit.profile.name
 
