@@ -35,7 +35,13 @@ async def cluster(settings: Settings, tmp_path: Path):  # type: ignore[no-untype
         yield c
 
 
-async def test_routed_in_one_message_in_chunks_and_buffered_each_decision_on_dispatch(
+async def test_routed_rejected_and_health_on_one_cluster(cluster: EppCluster, settings: Settings) -> None:
+    await routed_in_one_message_in_chunks_and_buffered_each_decision_on_dispatch(cluster, settings)
+    await rejections_and_bad_bodies_are_immediate_responses(cluster, settings)
+    await health_and_a_request_with_no_body(cluster)
+
+
+async def routed_in_one_message_in_chunks_and_buffered_each_decision_on_dispatch(
         cluster: EppCluster, settings: Settings) -> None:
     body = completion()
     async with cluster.envoy() as envoy:
@@ -85,14 +91,16 @@ async def test_routed_in_one_message_in_chunks_and_buffered_each_decision_on_dis
         assert ex.matches, ex.differences
 
 
-async def test_rejections_and_bad_bodies_are_immediate_responses(cluster: EppCluster, settings: Settings) -> None:
+async def rejections_and_bad_bodies_are_immediate_responses(cluster: EppCluster, settings: Settings) -> None:
     async with cluster.envoy() as envoy:
-        slo = await envoy.request(completion("a b c d " * 200), headers={"x-conductor-ttft-slo-ms": "0.001"})
-        nothing = await envoy.request(completion(model="no-such-model"), chunks=2)
-        not_json = await envoy.request(b'{"model": "default", "prompt": ', chunks=2)
-        bad_field = await envoy.request(completion(max_tokens=-3))
-        bad_header = await envoy.request(completion(), headers={"x-conductor-tbt-slo-ms": "soon"}, mode="buffered")
-        wrong_route = await envoy.request(completion(), path="/v1/embeddings")
+        slo = await envoy.request(completion("a b c d " * 200), headers={"x-conductor-ttft-slo-ms": "0.001",
+                                                                          "x-request-id": "slo"})
+        nothing = await envoy.request(completion(model="no-such-model"), chunks=2, headers={"x-request-id": "nothing"})
+        not_json = await envoy.request(b'{"model": "default", "prompt": ', chunks=2, headers={"x-request-id": "b1"})
+        bad_field = await envoy.request(completion(max_tokens=-3), headers={"x-request-id": "b2"})
+        bad_header = await envoy.request(completion(), headers={"x-conductor-tbt-slo-ms": "soon", "x-request-id": "b3"},
+                                         mode="buffered")
+        wrong_route = await envoy.request(completion(), path="/v1/embeddings", headers={"x-request-id": "b4"})
     assert slo.status == 429 and slo.error["code"] == "ttft_slo" and "rejected by Conductor" in slo.error["message"]
     assert slo.headers["retry-after"] == "1"
     assert nothing.status == 503 and nothing.error["code"] == "no_live_instance"
@@ -104,10 +112,11 @@ async def test_rejections_and_bad_bodies_are_immediate_responses(cluster: EppClu
         assert a.headers["content-type"] == "application/json" and "x-gateway-destination-endpoint" not in a.headers
     # The two rejections are on dispatch with their reasons; the bad bodies never reached the log.
     tps = topics(settings.topic_config())
-    rejections = [b for b in await read_all(settings, tps.dispatch.name, 2) if isinstance(b, RoutingRejection)]
-    assert sorted(r.reason for r in rejections) == ["no_live_instance", "ttft_slo"]
-    reqs = [b for b in await read_all(settings, tps.requests.name, 2, wait_s=2) if isinstance(b, RoutingRequest)]
-    assert len(reqs) == 2
+    rejections = {b.request_id: b.reason for b in await read_all(settings, tps.dispatch.name, 6)
+                  if isinstance(b, RoutingRejection)}
+    assert rejections == {f"{cluster.epp_id}-slo": "ttft_slo", f"{cluster.epp_id}-nothing": "no_live_instance"}
+    ids = {b.request_id for b in await read_all(settings, tps.requests.name, 6, wait_s=2) if isinstance(b, RoutingRequest)}
+    assert {f"{cluster.epp_id}-{i}" for i in ("slo", "nothing", "b1", "b2", "b3", "b4")} & ids == set(rejections)
 
 
 async def test_a_dead_engine_is_left_out_then_no_live_instance_is_a_503(cluster: EppCluster, settings: Settings) -> None:
@@ -125,7 +134,7 @@ async def test_a_dead_engine_is_left_out_then_no_live_instance_is_a_503(cluster:
     assert gone.headers["retry-after"] == "5"
 
 
-async def test_health_and_a_request_with_no_body(cluster: EppCluster) -> None:
+async def health_and_a_request_with_no_body(cluster: EppCluster) -> None:
     async with grpc.aio.insecure_channel(cluster.epp_address) as ch:
         stub = health_pb2_grpc.HealthStub(ch)
         deadline = time.monotonic() + 10
