@@ -151,13 +151,13 @@ FidSpeed = Annotated[float, typer.Option("--speed", min=0.01, help="arrival spee
 FidSample = Annotated[int, typer.Option("--sample", min=1, help="keep every Nth request of the slice")]
 FidEngines = Annotated[int, typer.Option("--engines", min=1, max=8, help="aggregated vLLM engines")]
 FidMax = Annotated[int | None, typer.Option("--max-requests", min=1, help="send at most this many requests")]
-FidRepeats = Annotated[int, typer.Option("--repeats", min=1, help="passes over the calibration grid")]
+FidRepeats = Annotated[int, typer.Option("--repeats", min=1, help="passes over the calibration grid (swept before the recording and again after it)")]
 FidOut = Annotated[Path | None, typer.Option("--profile-out", dir_okay=False, help="write the calibrated profile "
     "here [default: the run's log folder]")]
 
 
 def bench_sim_fidelity(duration: FidDuration = 60.0, speed: FidSpeed = 10.0, sample: FidSample = 6,
-                       engines: FidEngines = 2, max_requests: FidMax = None, repeats: FidRepeats = 3,
+                       engines: FidEngines = 2, max_requests: FidMax = None, repeats: FidRepeats = 2,
                        profile_out: FidOut = None, json_out: JsonOut = False) -> None:
     """Check the simulator against a real run: calibrate, record, simulate from the topics, compare.
 

@@ -1,6 +1,7 @@
 """The live console in a real browser (Debian's chromium, headless, driven by selenium):
-sign in with a token, see the four instances with their blocks, explain a request id, and a
-screenshot of what an operator sees.
+sign in with a token, see the four instances with their blocks, the observed TTFT beside the
+predicted one and their chart (from the gateways' outcomes on the log), explain a request id,
+and a screenshot of what an operator sees.
 
 Needs ``chromium`` and ``chromium-driver`` (apt); deselect with ``-m "not browser"``.
 """
@@ -19,8 +20,10 @@ import uvicorn
 from pydantic import SecretStr
 
 from conductor.admin.api import create_app
-from schemas import BlocksStored, Heartbeat, envelope
+from schemas import BlocksStored, Heartbeat, RequestOutcome, RoutingDecision, encode, envelope
 from state.redis_view import RedisViewStore
+from streams import kafka
+from streams.topics import topics
 
 pytestmark = [pytest.mark.integration, pytest.mark.browser]
 
@@ -52,6 +55,27 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+async def _served(settings, now: int) -> None:
+    """Three requests a gateway served, their decisions and outcomes on the log."""
+    t = topics(settings.topic_config())
+    await kafka.ensure_topics(settings.kafka(), t.all())
+    prod = kafka.producer(settings.kafka())
+    await prod.start()
+    try:
+        for i, ttft in enumerate((0.8, 1.2, 1.6)):
+            rid = f"served-{i}"
+            await prod.send_and_wait(t.dispatch.name, encode(envelope(
+                RoutingDecision(request_id=rid, prefill_instance="prefill-0", decode_instance="decode-0",
+                                reused_tokens=16, predicted_ttft_s=0.5, predicted_tbt_ms=10, policy="kvcache-centric"),
+                producer_id="router", producer_seq=i, ts_ms=now)), key=b"prefill-0")
+            await prod.send_and_wait(t.request_outcomes.name, encode(envelope(
+                RequestOutcome(request_id=rid, gateway="gw", status=200, prefill_instance="prefill-0",
+                               prompt_tokens=500, cached_tokens=16, predicted_ttft_s=0.5, ttft_s=ttft),
+                producer_id="gw", producer_seq=i, ts_ms=now)), key=rid.encode())
+    finally:
+        await prod.stop()
 
 
 async def test_console_shows_four_instances_with_blocks(settings, tmp_path):
@@ -97,6 +121,15 @@ async def test_console_shows_four_instances_with_blocks(settings, tmp_path):
             assert int(cells[7]) > 0, f"{node} shows no HBM blocks: {cells}"
             assert cells[6] == "40.0%"  # KV use from the heartbeat
         assert browser.find_element(By.ID, "live").text == "4 / 4"
+        # Observed TTFT from the outcomes (it stayed "-" when the feed did not read them), and the chart.
+        await _served(settings, int(time.time() * 1000))
+        wait.until(lambda b: b.find_element(By.ID, "ttft").text == "0.50 / 1.20")
+        points = browser.execute_script(
+            "return ['predicted_ttft_p50_s', 'observed_ttft_p50_s'].map(k => "
+            "document.querySelector('#ttft-chart polyline[data-series=' + k + ']').getAttribute('points'));")
+        assert all(p.strip() for p in points), points
+        headers = browser.execute_script("return Array.from(document.querySelectorAll('#nodes th')).map(h => h.textContent);")
+        assert "reuse (tokens)" in headers and "requests with a hit" in headers
         assert browser.find_element(By.ID, "err").text == ""
 
         browser.find_element(By.ID, "rid").send_keys("no-such-request")

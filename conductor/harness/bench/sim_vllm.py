@@ -6,7 +6,7 @@ tokens):
 
 1. **calibrate**: ``conductor profile calibrate``'s sweep against every engine at once (they
    are alike; on a small machine they share its cores, as in the run), with the cluster up,
-   gives one profile of the engines' measured costs;
+   before the recording and again after it, gives one profile of the engines' measured costs;
 2. **record**: the demo's trace slice goes through Conductor (worker, router, a bridge per
    engine, the gateway) with every record on the topics of an embedded broker, sent by the
    official ``openai`` client at the trace's times; the clients' TTFTs are kept;
@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import io
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +36,7 @@ from rich.console import Console
 from conductor.errors import ConductorError, ConfigError
 from conductor.harness.bench.live import quiet_clients, read_outcomes, servers, trace_slice
 from conductor.harness.bench.live_vllm import MODEL, VllmLiveOptions, replay
-from conductor.harness.calibrate import CalibrateConfig, SweepPlan, calibrate_engine, merged, write_profile
+from conductor.harness.calibrate import CalibrateConfig, Calibration, SweepPlan, calibrate_engine, merged, write_profile
 from conductor.harness.demo import DemoRequest, percentile
 from conductor.harness.devstack import free_port
 from conductor.harness.sim.run import SimulateConfig, run_simulation
@@ -59,9 +60,11 @@ class SimFidelityOptions:
     live: VllmLiveOptions = field(default_factory=VllmLiveOptions)
     plan: SweepPlan = field(default_factory=lambda: SweepPlan(
         prompt_lengths=(64, 512, 1024, 2048), cached_fractions=(0.0, 0.5, 0.9), batch_sizes=(1, 2, 4),
-        decode_contexts=(256, 1024), decode_tokens=16, repeats=3, block_size=BLOCK_SIZE))
+        decode_contexts=(256, 1024), decode_tokens=16, repeats=2, block_size=BLOCK_SIZE))
     profile_out: Path | None = None
     """Where the calibrated profile goes [default: the run's data folder]."""
+    calibrate_after: bool = True
+    """Sweep the engines again after the recording and fit on both sweeps."""
 
 
 def _pcts(values: list[float]) -> dict[str, float | None]:
@@ -86,21 +89,32 @@ async def _record(s: Settings, opts: SimFidelityOptions, requests: list[DemoRequ
         async with VllmGatewayCluster(s, log_dir / "cluster", nodes=nodes, model=MODEL) as c:
             # Every engine swept at once, the cluster up: the engines share the machine's cores as
             # they will in the run (one engine alone takes every core and measures several times
-            # faster than two busy at once on a small machine).
-            each = await asyncio.gather(*(calibrate_engine(CalibrateConfig(
-                engine=e.url, plan=opts.plan, base=base, model=MODEL, seed=live.seed + i)) for i, e in enumerate(engines)))
-            cal = merged(each, base, "tiny-llama-vllm-cpu")
+            # faster than two busy at once on a small machine). Swept before the recording and
+            # again after it, the fit on both: a shared machine's load drifts during a run.
+            async def sweep(seed: int) -> list[Calibration]:
+                return list(await asyncio.gather(*(calibrate_engine(CalibrateConfig(
+                    engine=e.url, plan=opts.plan, base=base, model=MODEL, seed=seed + i))
+                    for i, e in enumerate(engines))))
+
+            before = await sweep(live.seed)
+            load = {"calibration_before": round(os.getloadavg()[0], 1)}
             t0 = time.monotonic()
             stats = await replay(c.gateway_url, requests, live, "conductor", api_key=c.api_key)
             wall = time.monotonic() - t0
+            load["recording"] = round(os.getloadavg()[0], 1)
             outcomes = await read_outcomes(s, wait_s=15.0)
             fitted = await _publish_fit(s, base, list(outcomes.values()))
+            after = await sweep(live.seed + 1000) if opts.calibrate_after else []
+            if after:
+                load["calibration_after"] = round(os.getloadavg()[0], 1)
+            cal = merged(before + after, base, "tiny-llama-vllm-cpu")
     finally:
         await asyncio.gather(*(e.stop() for e in engines), return_exceptions=True)
     engine_side = [o.ttft_s - (o.routing_ms or 0.0) / 1000.0 for o in outcomes.values()
                    if o.status == 200 and o.error is None and o.ttft_s is not None]
     return {"calibration": cal, "fitted": fitted, "client_ttft": list(stats.ttft), "engine_ttft": engine_side,
-            "sent": stats.sent, "statuses": dict(stats.statuses), "wall_s": wall, "outcomes": len(outcomes)}
+            "sent": stats.sent, "statuses": dict(stats.statuses), "wall_s": wall, "outcomes": len(outcomes),
+            "load": load}
 
 
 async def _publish_fit(s: Settings, base: ModelProfile, outcomes: list[RequestOutcome]) -> str | None:
@@ -188,6 +202,7 @@ def run_sim_fidelity(settings: Settings, opts: SimFidelityOptions) -> dict[str, 
         "options": {"duration_s": live.duration_s, "speed": live.speed, "sample": live.sample,
                     "max_output_tokens": live.max_output_tokens, "repeats": opts.plan.repeats},
         "record_wall_s": round(rec["wall_s"], 1),
+        "load_average_1m": rec["load"],
         "wall_s": round(time.monotonic() - t_all, 1),
     }
 
