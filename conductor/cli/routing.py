@@ -293,7 +293,7 @@ def profile_calibrate(
 
     decode: for every batch size (--batches) and context (--contexts), that many streams at once, each generating --decode-tokens; the median gap between a stream's tokens while all are decoding is the step time of that batch and context.
 
-    The prefill coefficients (a, b, fixed overhead) are fitted to (tokens, cached, TTFT) as `conductor profile fit` does, the decode step (per-sequence cost, context cost, fixed cost) to (batch, context, step); l, d, FLOP/s and KV bytes per token stay those of --base. Prints the fit, its RMSE and the TTFT/TBT prediction error p50/p90 of the base and of the calibrated profile on the sweep; --json prints them as one JSON line. A progress bar on stderr.
+    The prefill coefficients (a, b, fixed overhead) are fitted to each grid point's median (tokens, cached, TTFT) as `conductor profile fit` does (non-negative least squares), the decode step (per-sequence cost, context cost, fixed cost) to each point's median (batch, context, step); l, d, FLOP/s and KV bytes per token stay those of --base. Prints the fit, its RMSE and the TTFT/TBT prediction error p50/p90 of the base and of the calibrated profile on the sweep; --json prints them as one JSON line. A progress bar on stderr.
 
     Example: conductor profile calibrate --engine http://127.0.0.1:8000 --out vllm-a100.json --repeats 3
     """
