@@ -123,8 +123,6 @@ class Picker:
         self.metrics = EppMetrics()
         self._turn = itertools.count()
         self._reachable = sorted(config.engines)
-        self.decisions: list[RoutingDecision] = []
-        """The last decisions (bounded), for tests and the bench."""
 
     def stream(self) -> _Stream:
         return _Stream(mode=BODY_MODES[self.config.body_mode])
@@ -160,6 +158,7 @@ class Picker:
         st.subset = subset_hint(req)
         if req.request_headers.end_of_stream:
             st.decided = True
+            await self.directory.refresh()
             return [self._any_engine(st)]
         if st.mode not in (FULL_DUPLEX, BUFFERED):
             st.decided = True
@@ -248,8 +247,6 @@ class Picker:
             return [unavailable(str(e), "log_unavailable", retry_after=2)]
         if not isinstance(answer, RoutingDecision):
             return [rejected(answer.reason, answer.message)]
-        self.decisions.append(answer)
-        del self.decisions[:-1000]
         try:
             pick = pick_of(answer, self._urls(answer))
         except (KeyError, BadEndpoint) as e:
