@@ -26,6 +26,7 @@ import logging
 import tempfile
 import time
 import uuid
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -111,12 +112,23 @@ class _Tally:
     overhead: list[float] = field(default_factory=list)
     throttled: int = 0
     errors: int = 0
+    errors_direct: int = 0
+    """Of ``errors``, those of the direct side (the engines themselves failing, e.g. on a saturated machine)."""
+    kinds: Counter[str] = field(default_factory=Counter)
     first_error: str = ""
     wall_s: float = 0.0
 
-    def failed(self, e: Exception) -> None:
+    def failed(self, e: Exception, *, direct: bool = False) -> None:
         self.errors += 1
+        self.errors_direct += direct
+        self.kinds[("direct " if direct else "gateway ") + _kind(e)] += 1
         self.first_error = self.first_error or f"{type(e).__name__}: {e}"[:300]
+
+
+def _kind(e: Exception) -> str:
+    """A failure's kind: the exception's type and, for an HTTP status, the status."""
+    text = str(e)
+    return f"{type(e).__name__} {text[:3]}" if text[:3].isdigit() else type(e).__name__
 
 
 async def _clients(concurrency: int, requests: int, one: Callable[[int], Awaitable[None]]) -> float:
@@ -163,7 +175,7 @@ async def _paired(concurrency: int, requests: int, via: Callable[[int], Awaitabl
                 await asyncio.sleep(e.retry_after_s)
                 continue
             except Exception as e:  # noqa: BLE001 - counted, the bench goes on
-                t.failed(e)
+                t.failed(e, direct=side is direct)
                 continue
             if side is via:
                 g = got
@@ -222,6 +234,9 @@ def _level(conc: int, n: int, paired: _Tally, load: _Tally, routing: list[float]
         "requests_per_s": round(len(load.via) / load.wall_s, 1) if load.wall_s else None,
         "gateway_processes": 1,
         "errors": paired.errors + load.errors, "throttled": paired.throttled + load.throttled,
+        "errors_gateway": paired.errors - paired.errors_direct + load.errors,
+        "errors_direct": paired.errors_direct,
+        "error_kinds": dict(paired.kinds + load.kinds),
         "first_error": paired.first_error or load.first_error or None,
         "ttft_ms_p50_gateway": _ms_or_none(paired.via, 50), "ttft_ms_p99_gateway": _ms_or_none(paired.via, 99),
         "ttft_ms_p50_direct": _ms_or_none(paired.direct, 50), "ttft_ms_p99_direct": _ms_or_none(paired.direct, 99),
@@ -313,4 +328,5 @@ async def _bench(settings: Settings, tmp: Path, levels: tuple[int, ...], request
         out[k] = first[k]  # the headline fields: the first (lowest) concurrency level
     out["errors"] = sum(v["errors"] for v in out["levels"].values())
     out["throttled"] = sum(v["throttled"] for v in out["levels"].values())
+    out["errors_gateway"] = sum(v["errors_gateway"] for v in out["levels"].values())
     return out
