@@ -3,6 +3,7 @@ always null: the feed did not read request-outcomes)."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -50,7 +51,7 @@ async def test_observed_ttft_and_its_series_come_from_request_outcomes(settings)
             st = c.get("/api/stats", params={"window_s": 600}, headers=auth).json()
             if st["observed_requests"] == 3 or time.monotonic() > deadline:
                 break
-            time.sleep(0.1)
+            await asyncio.sleep(0.1)
     assert st["observed_requests"] == 3, st
     assert st["observed_ttft_p50_s"] == pytest.approx(0.5)
     assert st["predicted_ttft_p50_s"] == pytest.approx(0.4)
