@@ -183,6 +183,12 @@ class Settings(BaseSettings):
         "beyond it a request is answered 429 gateway_busy with Retry-After at once, never queued or failed; "
         "0 = no limit",
     )
+    gateway_max_deciding: int = Field(
+        default=64, ge=0,
+        description="requests one gateway process decides at once (the view's reads, the log's acknowledgements); "
+        "beyond it a request is answered 429 gateway_busy with Retry-After at once instead of waiting into the "
+        "decision timeout (503); 0 = no limit",
+    )
     gateway_engine_max_in_flight: int = Field(
         default=256, ge=0,
         description="requests one gateway has open on one engine (prefill or decode) at once; a decision naming "

@@ -6,6 +6,8 @@ Two bounds (settings; 0 = none):
   their arrival until the whole answer is sent (a stream to its end, or the client gone).
   :class:`InFlightBound` is ASGI middleware in front of the generation routes: a request beyond
   the bound is answered ``429 gateway_busy`` at once, before its body is read; nothing queues.
+- ``gateway_max_deciding``: requests being decided at once (:class:`DecidingBound`): past it,
+  ``429 gateway_busy`` before the view is read or anything is written to the log.
 - ``gateway_engine_max_in_flight``: requests this gateway has open on one engine (prefill or
   decode instance, each member of a CPP group). :class:`EngineSlots` is asked once a decision
   names the engines; one at its bound makes the request ``429 engine_busy`` before any engine
@@ -82,6 +84,27 @@ class InFlightBound:
         finally:
             self.in_flight -= 1
             m.in_flight.add(-1)
+
+
+@dataclass
+class DecidingBound:
+    """At most ``limit`` requests being decided at once (0: no limit): the decision's work (the
+    view's reads, the log's acknowledgements) is what piles up first when the gateway or its
+    broker is starved, and a pile-up past the decision timeout became 503s; beyond the bound a
+    request is 429 ``gateway_busy`` at once instead."""
+
+    limit: int
+    deciding: int = 0
+
+    def take(self) -> bool:
+        if self.limit and self.deciding >= self.limit:
+            instruments().throttled.add(1, {"reason": "deciding"})
+            return False
+        self.deciding += 1
+        return True
+
+    def give(self) -> None:
+        self.deciding -= 1
 
 
 class EngineBusy(Exception):

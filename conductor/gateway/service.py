@@ -43,7 +43,7 @@ from opentelemetry import metrics
 from pydantic import ValidationError
 from starlette.responses import Response, StreamingResponse
 
-from conductor.gateway.admission import RETRY_AFTER_S, EngineBusy, EngineSlots
+from conductor.gateway.admission import RETRY_AFTER_S, DecidingBound, EngineBusy, EngineSlots
 from conductor.gateway.directory import EngineDirectory
 from conductor.gateway.protocol import (
     DEFAULT_EXPECTED_OUTPUT,
@@ -239,6 +239,7 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.timeouts = UpstreamTimeouts.of(settings)
         self.engine_slots = EngineSlots(settings.gateway_engine_max_in_flight)
+        self.deciding = DecidingBound(settings.gateway_max_deciding)
         self._seq = itertools.count(1)
         self._rng = random.Random()
         self._reachable = sorted(config.engines)
@@ -297,6 +298,10 @@ class Gateway:
             if attempt:
                 self.metrics.retries.add(1)
             t_r = self.clock()
+            if not self.deciding.take():
+                return self._fail(tr, 429, "gateway_busy", f"the gateway is deciding {self.deciding.deciding} "
+                                  "requests, its bound (gateway_max_deciding): retry after the Retry-After seconds",
+                                  kind="requests", retry_after=RETRY_AFTER_S)
             try:
                 answer = await self._decide(arid, creq, slo, prompt, tr)
             except ValidationError as e:
@@ -309,6 +314,8 @@ class Gateway:
             except LogUnavailable as e:
                 return self._fail(tr, 503, "log_unavailable", f"{e}; the request was not served",
                                   kind="service_unavailable", retry_after=2)
+            finally:
+                self.deciding.give()
             tr.routing_ms += (self.clock() - t_r) * 1000.0
             if answer is None:
                 return self._fail(tr, *rejection_response(

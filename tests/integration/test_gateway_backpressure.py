@@ -85,3 +85,14 @@ async def test_a_decision_naming_an_engine_at_its_bound_is_429_engine_busy_and_i
         assert s.gw.engine_slots.open == {}
         busy = [o for o in s.gw.outcomes if o.status == 429]
         assert busy and all(o.error == "engine_busy" for o in busy)
+
+
+async def test_more_requests_deciding_at_once_than_the_bound_get_429_not_a_decision_timeout(settings: Settings) -> None:
+    # A decision waits on the view and on the broker's acknowledgements: 12 arriving together
+    # overlap there, and past a bound of 1 they are turned away at once.
+    async with stack(settings, {"p0": "prefill", "d0": "decode"}, gateway_max_in_flight=0,
+                     gateway_engine_max_in_flight=0, gateway_max_deciding=1) as s:
+        s.engines.on["d0"] = slow_stream
+        got = await burst(s, 12)
+        check_served_or_throttled(got, "gateway_busy", 1)
+        assert s.gw.deciding.deciding == 0
