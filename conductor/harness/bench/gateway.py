@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import tempfile
 import time
 import uuid
@@ -208,6 +209,15 @@ async def _gateway_only(concurrency: int, requests: int, via: Callable[[int], Aw
     return t
 
 
+def _cpu_s(pid: int) -> float | None:
+    """A process's user + system CPU seconds (Linux ``/proc``); None where there is none."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _from(side: Callable[[int], Awaitable[float]], base: int) -> Callable[[int], Awaitable[float]]:
     """``side`` on request numbers from ``base`` on."""
     async def shifted(i: int) -> float:
@@ -224,7 +234,8 @@ def _ms_or_none(xs: list[float], q: float) -> float | None:
     return _rounded(percentile(xs, q), 1000)
 
 
-def _level(conc: int, n: int, paired: _Tally, load: _Tally, routing: list[float]) -> dict[str, Any]:
+def _level(conc: int, n: int, paired: _Tally, load: _Tally, routing: list[float],
+           cpu_s: float | None) -> dict[str, Any]:
     return {
         "clients": conc, "requests": n,
         "gateway_overhead_ms_p50": _ms_or_none(paired.overhead, 50),
@@ -233,6 +244,7 @@ def _level(conc: int, n: int, paired: _Tally, load: _Tally, routing: list[float]
         "pairs": len(paired.overhead),
         "requests_per_s": round(len(load.via) / load.wall_s, 1) if load.wall_s else None,
         "gateway_processes": 1,
+        "gateway_cpu_ms_per_request": round(1000 * cpu_s / len(load.via), 2) if cpu_s and load.via else None,
         "errors": paired.errors + load.errors, "throttled": paired.throttled + load.throttled,
         "errors_gateway": paired.errors - paired.errors_direct + load.errors,
         "errors_direct": paired.errors_direct,
@@ -302,6 +314,7 @@ async def _bench(settings: Settings, tmp: Path, levels: tuple[int, ...], request
         # The key goes to the engines too on the direct path: they ignore it.
         async with httpx.AsyncClient(timeout=60, limits=limits, headers=c.auth_headers) as client:
             gw = c.gateway_url + "/v1/completions"
+            gw_pid = next(p.pid for name, p in c.procs.procs if name == "gateway")
             pairs = [(c.engine_urls[p], c.engine_urls[d]) for p, d in PAIRS]
 
             async def via(i: int) -> float:
@@ -320,9 +333,12 @@ async def _bench(settings: Settings, tmp: Path, levels: tuple[int, ...], request
                 since = time.time_ns() // 1_000_000
                 paired = await _paired(conc, n, _from(via, base), _from(direct, base))
                 routing = await _routing_ms(s, since)
+                cpu0 = _cpu_s(gw_pid)
                 load = await _gateway_only(conc, n, _from(via, base + n))
+                cpu1 = _cpu_s(gw_pid)
+                cpu = cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None
                 base += 2 * n  # fresh prompts for every phase: no phase reuses another's tails
-                out["levels"][str(conc)] = _level(conc, n, paired, load, routing)
+                out["levels"][str(conc)] = _level(conc, n, paired, load, routing, cpu)
     first = out["levels"][str(levels[0])]
     for k in ("gateway_overhead_ms_p50", "gateway_overhead_ms_p90", "gateway_overhead_ms_p99", "requests_per_s"):
         out[k] = first[k]  # the headline fields: the first (lowest) concurrency level
