@@ -432,7 +432,7 @@ def _ttft_with(base: ModelProfile, coef: Mapping[str, float], samples: Sequence[
 def _fit_tbt(base: ModelProfile, samples: Sequence[OutcomeSample]) -> tuple[float, float] | None:
     """(step_overhead_s, scale) with which ``decode_step_seconds`` maps the base's predicted TBT
     onto the observed one: ``tbt = 1000 * step_overhead_s + scale * (pred - 1000 * base.step_overhead_s)``."""
-    rows = [(s.predicted_tbt_ms, s.tbt_ms) for s in samples if s.tbt_ms and s.predicted_tbt_ms is not None]
+    rows = [(s.predicted_tbt_ms, s.tbt_ms) for s in samples if _step_time(s)]
     if len(rows) < 3:
         return None
     pred, obs = (np.array(v) for v in zip(*rows))
@@ -441,6 +441,14 @@ def _fit_tbt(base: ModelProfile, samples: Sequence[OutcomeSample]) -> tuple[floa
     coef = _nonneg_lstsq(np.column_stack([np.ones_like(var), var]) * w[:, None], obs * w, ("c", "scale"))
     scale = max(coef["scale"], 1e-9)
     return coef["c"] / 1000.0, scale
+
+
+MIN_TBT_MS = 1.0
+"""Token gaps shorter than this are tokens that reached the gateway in one chunk, not a decode step."""
+
+
+def _step_time(s: OutcomeSample) -> bool:
+    return s.tbt_ms is not None and s.tbt_ms >= MIN_TBT_MS and s.predicted_tbt_ms is not None
 
 
 def _tbt_profile(base: ModelProfile, fit: tuple[float, float]) -> dict[str, float]:
@@ -505,7 +513,7 @@ def _tbt_errors(base: ModelProfile, fitted: ModelProfile, samples: Sequence[Outc
     relation between the two decode models, which is exact for ``_tbt_profile``'s fit)."""
     out = []
     for s in samples:
-        if s.tbt_ms and s.predicted_tbt_ms is not None:
+        if _step_time(s) and s.tbt_ms is not None and s.predicted_tbt_ms is not None:
             scale = base.hbm_bandwidth / fitted.hbm_bandwidth
             p = 1000.0 * fitted.step_overhead_s + scale * (s.predicted_tbt_ms - 1000.0 * base.step_overhead_s)
             out.append(abs(p - s.tbt_ms) / s.tbt_ms)
