@@ -69,6 +69,9 @@ class ModelProfile(BaseModel):
     ttft_error_p50: float | None = Field(default=None, ge=0, description="observed |predicted - real| / real TTFT, median")
     ttft_error_p90: float | None = Field(default=None, ge=0, description="the same, 90th percentile: early "
                                          "rejection's margin for the prediction's own error")
+    ttft_ratio_p90: float | None = Field(default=None, ge=0, description="real / predicted TTFT, 90th percentile: "
+                                         "early rejection's margin (nine in ten requests take at most this "
+                                         "multiple of their prediction)")
     tbt_error_p50: float | None = Field(default=None, ge=0)
     tbt_error_p90: float | None = Field(default=None, ge=0)
     fit_rows: int = Field(default=0, ge=0, description="outcomes the measured fields were fitted on (0: hand-set)")
@@ -495,6 +498,7 @@ def fit_outcomes(samples: Sequence[OutcomeSample], base: ModelProfile, *, folds:
             sb = base.model_copy(update=_tbt_profile(base, f))
             tbt_errs += _tbt_errors(base, sb, part)
     ttft_errs = _rel(pred, obs)
+    ratios = [float(v) for v in obs / np.maximum(pred, 1e-9)]
     update: dict[str, Any] = {"prefill_overhead_s": coef["prefill_overhead_s"], "a": coef["a"], "b": coef["b"],
                               "queue_wait_scale": coef["queue_wait_scale"] * base.queue_wait_scale,
                               "running_wait_s": coef["running_wait_s"]}
@@ -504,6 +508,7 @@ def fit_outcomes(samples: Sequence[OutcomeSample], base: ModelProfile, *, folds:
         name=name or (base.name if base.name.endswith("-fit") else f"{base.name}-fit"),
         description=f"{base.name.removesuffix('-fit')} refitted from {len(samples)} served requests",
         ttft_error_p50=_quantile(ttft_errs, 0.5), ttft_error_p90=_quantile(ttft_errs, 0.9),
+        ttft_ratio_p90=_quantile(ratios, 0.9),
         tbt_error_p50=_quantile(tbt_errs, 0.5), tbt_error_p90=_quantile(tbt_errs, 0.9), fit_rows=len(samples))
     return CostFit(base.model_copy(update=update), len(samples), tuple(ttft_errs), tuple(tbt_errs))
 

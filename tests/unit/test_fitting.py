@@ -44,6 +44,7 @@ def test_the_fit_recovers_an_engine_and_reports_its_error_out_of_sample() -> Non
     assert p.prefill_seconds(1000) == pytest.approx(0.030 + 0.050, rel=0.02)
     assert p.queue_wait_scale == pytest.approx(3.0, rel=0.02)
     assert p.ttft_error_p90 is not None and p.ttft_error_p90 < 0.01 and p.fit_rows == 120
+    assert p.ttft_ratio_p90 == pytest.approx(1.0, abs=0.01)
     assert p.name == f"{BASE.name}-fit" and p.l == BASE.l and p.kv_bytes_per_token == BASE.kv_bytes_per_token
     s = samples(1, seed=7)[0]
     assert predict_ttft(p, s, BASE) == pytest.approx(s.ttft_s, rel=0.01)
@@ -55,6 +56,7 @@ def test_noise_shows_in_the_reported_error() -> None:
     fit = fit_outcomes(samples(200, noise=0.3), BASE)
     assert fit.profile.ttft_error_p50 is not None and 0.05 < fit.profile.ttft_error_p50 < 0.3
     assert fit.profile.ttft_error_p90 is not None and fit.profile.ttft_error_p90 >= fit.profile.ttft_error_p50
+    assert fit.profile.ttft_ratio_p90 is not None and 1.05 < fit.profile.ttft_ratio_p90 < 1.6
 
 
 def test_too_few_or_bad_samples_are_a_clear_error() -> None:
@@ -152,6 +154,10 @@ def test_early_rejection_holds_the_prediction_plus_its_measured_error_to_the_slo
     assert isinstance(_decide(fitted, 2.5 * ttft), Placement)
     # Setting queue_wait_safety keeps its rule (no queue here: admitted), fitted profile or not.
     assert isinstance(_decide(fitted, slo, queue_wait_safety=2.0), Placement)
+    # Real / predicted p90 is the margin when the fit measured it: 1.4x passes, 1.6x does not.
+    assert isinstance(_decide(fitted.model_copy(update={"ttft_ratio_p90": 1.4}), slo), Placement)
+    out = _decide(fitted.model_copy(update={"ttft_ratio_p90": 1.6}), slo)
+    assert isinstance(out, Rejection) and "x1.60, the model's measured real/predicted p90" in out.message
 
 
 def test_prediction_error_summary_of_outcomes() -> None:

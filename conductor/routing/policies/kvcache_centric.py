@@ -9,9 +9,9 @@ loaded, picked at random within a low-load band. When no pair can meet the SLOs
 the request is rejected before any compute is spent (prediction-based early
 rejection, Mooncake arXiv v3 §7). The rejection test holds the prediction to the SLO with a
 margin for its own error: with a profile fitted from served requests (``conductor fit``: it
-carries its observed TTFT error), a request is rejected when ``predicted x (1 + error p90)``
-exceeds the budget, i.e. when it would miss the SLO in more than about one case in ten of
-the requests the model mispredicts most. A hand-set profile has no measured error; the test
+carries its observed, out-of-sample errors), a request is rejected when ``predicted x (real /
+predicted, p90)`` exceeds the budget, i.e. when requests predicted like it missed the SLO more
+than about one time in ten (a profile with only ``ttft_error_p90``: ``predicted x (1 + it)``). A hand-set profile has no measured error; the test
 then counts the predicted queue wait ``queue_wait_safety`` times (2 by default): the wait is
 estimated from a heartbeat's queued tokens as equal-length prompts, which under load is
 optimistic (long prompts cost quadratically), while the request's own prefill estimate is not;
@@ -162,15 +162,21 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
 
     def _guarded(self, ttft: float, wait: float) -> float:
         """The TTFT early rejection holds to the budget: the prediction with a margin for its error
-        (the fitted profile's measured p90, or ``queue_wait_safety`` x the queue wait)."""
+        (the fitted profile's measured p90 of real / predicted, else of the relative error; or
+        ``queue_wait_safety`` x the queue wait)."""
         safety = self.p.queue_wait_safety
-        measured = self.profile.ttft_error_p90
-        if safety is None and measured is not None:
-            return ttft * (1.0 + measured)
+        if safety is None:
+            prof = self.profile
+            if prof.ttft_ratio_p90 is not None:
+                return ttft * max(prof.ttft_ratio_p90, 1.0)
+            if prof.ttft_error_p90 is not None:
+                return ttft * (1.0 + prof.ttft_error_p90)
         return ttft + ((2.0 if safety is None else safety) - 1.0) * wait
 
     def _margin_text(self, wait: float) -> str:
         safety = self.p.queue_wait_safety
+        if safety is None and self.profile.ttft_ratio_p90 is not None:
+            return f"x{max(self.profile.ttft_ratio_p90, 1.0):.2f}, the model's measured real/predicted p90"
         if safety is None and self.profile.ttft_error_p90 is not None:
             return f"with the model's measured error p90 {self.profile.ttft_error_p90:.0%} added"
         return f"with its queue wait {wait:.3f}s counted x{2.0 if safety is None else safety:g}"
