@@ -34,8 +34,8 @@ def fit(window: Window = 400, min_rows: MinRows = 30, refit_every: RefitEvery = 
     decode step against batch and context) on a sliding window, and publishes it on the control
     topic when its predictions moved by more than --threshold. Every router applies it in log
     order; decisions record its control offset, so `conductor explain` re-derives them with it.
-    The published profile carries its out-of-sample TTFT/TBT error (p50, p90): early rejection
-    uses the p90 as its margin (kvcache-centric with queue_wait_safety unset).
+    The published profile carries its out-of-sample TTFT/TBT error (p50, p90) and the p90 of real /
+    predicted TTFT, early rejection's margin (kvcache-centric with queue_wait_safety unset).
     Metrics: conductor_fit_ttft_prediction_error, conductor_fit_tbt_prediction_error (histograms),
     conductor_fit_ttft_error{quantile} (gauges).
     """
