@@ -235,7 +235,8 @@ Batches = Annotated[str, typer.Option("--batches", help="decode sweep: streams a
 Contexts = Annotated[str, typer.Option("--contexts", help="decode sweep: prompt tokens of each stream, comma-separated")]
 DecodeTokens = Annotated[int, typer.Option("--decode-tokens", min=3, help="decode sweep: tokens each stream generates")]
 Repeats = Annotated[int, typer.Option("--repeats", min=1, help="passes over each grid (more: steadier medians)")]
-Warmup = Annotated[int, typer.Option("--warmup", min=0, help="unmeasured requests first")]
+Warmup = Annotated[int, typer.Option("--warmup", min=0, help="unmeasured requests first, cycling over --lengths "
+    "(an engine's first prefill of a length is slow)")]
 CalBlock = Annotated[int, typer.Option("--block-size", min=1, help="the engine's tokens per KV block: a warmed "
     "prefix counts as cached to whole blocks when the engine does not report cached tokens")]
 CalModel = Annotated[str | None, typer.Option("--model", help="model name sent [default: the first of /v1/models]")]
@@ -274,7 +275,7 @@ def profile_calibrate(
     contexts: Contexts = "64,512",
     decode_tokens: DecodeTokens = 24,
     repeats: Repeats = 2,
-    warmup: Warmup = 2,
+    warmup: Warmup = 5,
     block_size: CalBlock = 16,
     base: BaseProfile = None,
     model: CalModel = None,

@@ -58,8 +58,9 @@ class SweepPlan:
     """Prompt tokens of each stream in the decode sweep."""
     decode_tokens: int = 24
     repeats: int = 2
-    warmup: int = 2
-    """Unmeasured requests first (an engine's first requests are slow)."""
+    warmup: int = 5
+    """Unmeasured requests first, cycling over the prompt lengths (an engine's first prefill of a
+    length is slow: kernels chosen, memory mapped)."""
     block_size: int = 16
     """The engine's KV block: a warmed prefix counts as cached to whole blocks when the engine
     does not report its cached tokens."""
@@ -319,8 +320,8 @@ async def calibrate_engine(config: CalibrateConfig, progress: Progress | None = 
     async with httpx.AsyncClient(timeout=config.timeout_s) as client:
         model = config.model or await _served_model(client, url)
         engine = _Engine(client, url, model, config.ignore_eos)
-        for _ in range(plan.warmup):
-            await engine.complete(prompt(plan.prompt_lengths[0]), 2)
+        for i in range(plan.warmup):
+            await engine.complete(prompt(plan.prompt_lengths[i % len(plan.prompt_lengths)]), 2)
             done += 1
             say("warm-up", done, total)
         prefill: list[PrefillSample] = []

@@ -27,7 +27,7 @@ from conductor.profiles import DEFAULT_PROFILE, load_profile
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(420)]
 
 SHORT = SweepPlan(prompt_lengths=(64, 512, 1536), cached_fractions=(0.0, 0.75), batch_sizes=(1, 2, 4),
-                  decode_contexts=(64,), decode_tokens=8, repeats=2, warmup=2, block_size=BLOCK_SIZE)
+                  decode_contexts=(64,), decode_tokens=8, repeats=3, warmup=6, block_size=BLOCK_SIZE)
 
 
 @pytest.fixture(scope="module")
