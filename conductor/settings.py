@@ -184,7 +184,7 @@ class Settings(BaseSettings):
         "0 = no limit",
     )
     gateway_max_deciding: int = Field(
-        default=64, ge=0,
+        default=16, ge=0,
         description="requests one gateway process decides at once (the view's reads, the log's acknowledgements); "
         "beyond it a request is answered 429 gateway_busy with Retry-After at once instead of waiting into the "
         "decision timeout (503); 0 = no limit",
