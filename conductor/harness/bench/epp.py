@@ -29,12 +29,10 @@ from typing import Any
 import httpx
 
 from conductor.gateway.protocol import percentile
+from conductor.harness.bench.gateway import routing_ms_since
 from conductor.harness.bench.stack import with_servers
 from conductor.harness.epp_cluster import EnvoySide, EppCluster
 from conductor.settings import Settings
-from schemas import RequestOutcome, decode
-from streams.kafka import consumer
-from streams.topics import topics
 
 ZERO_COMPUTE = 1e9
 """The engines' time scale: every model step takes ~0 s, so only the request path is timed."""
@@ -69,27 +67,6 @@ async def _load(concurrency: int, requests: int, one: Callable[[int], Awaitable[
 def _ms(xs: list[float], q: float) -> float | None:
     v = percentile(xs, q)
     return None if v is None else round(v, 2)
-
-
-async def _routing_ms(settings: Settings, since_ms: int) -> list[float]:
-    """The gateway's ``routing_ms`` of every outcome at or after ``since_ms``."""
-    cons = consumer(settings.kafka(), topics(settings.topic_config()).request_outcomes.name, group_id=None,
-                    fetch_max_wait_ms=50)
-    await cons.start()
-    out: list[float] = []
-    try:
-        idle = 0
-        while idle < 3:
-            got = await cons.getmany(timeout_ms=300)
-            idle = 0 if got else idle + 1
-            for recs in got.values():
-                for r in recs:
-                    env = decode(r.value)
-                    if env.ts_ms >= since_ms and isinstance(env.body, RequestOutcome) and env.body.routing_ms:
-                        out.append(env.body.routing_ms)
-    finally:
-        await cons.stop()
-    return out
 
 
 def run_epp_bench(settings: Settings, *, requests: int = 200, concurrency: int = 1,
@@ -135,7 +112,7 @@ async def _bench(settings: Settings, tmp: Path, requests: int, concurrency: int,
         epp, epp_errors, epp_wall = await _load(concurrency, requests, via_epp)
         since = time.time_ns() // 1_000_000
         _, gw_errors, _ = await _load(concurrency, requests, via_gateway)
-        routing_ms = await _routing_ms(s, since)
+        routing_ms = await routing_ms_since(s, since)
     return {
         "requests": requests, "concurrency": concurrency, "prefill": 2, "decode": 2, "routing": routing,
         "epp_ms_p50": _ms([x * 1000 for x in epp], 50), "epp_ms_p99": _ms([x * 1000 for x in epp], 99),

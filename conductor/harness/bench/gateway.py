@@ -258,7 +258,8 @@ def _level(conc: int, n: int, paired: _Tally, load: _Tally, routing: list[float]
     }
 
 
-async def _routing_ms(settings: Settings, since_ms: int) -> list[float]:
+async def routing_ms_since(settings: Settings, since_ms: int) -> list[float]:
+    """The gateways' ``routing_ms`` of every outcome at or after ``since_ms`` (read to the topic's end)."""
     cons = consumer(settings.kafka(), topics(settings.topic_config()).request_outcomes.name, group_id=None, fetch_max_wait_ms=50)
     await cons.start()
     out: list[float] = []
@@ -332,7 +333,7 @@ async def _bench(settings: Settings, tmp: Path, levels: tuple[int, ...], request
                 n = conc * requests_per_client
                 since = time.time_ns() // 1_000_000
                 paired = await _paired(conc, n, _from(via, base), _from(direct, base))
-                routing = await _routing_ms(s, since)
+                routing = await routing_ms_since(s, since)
                 cpu0 = _cpu_s(gw_pid)
                 load = await _gateway_only(conc, n, _from(via, base + n))
                 cpu1 = _cpu_s(gw_pid)
