@@ -1,5 +1,5 @@
 """`conductor epp`'s server without a cluster: TLS, gRPC health, the ready line, and bad options
-failing at start-up naming the option (a fake decider; the protocol itself: test_epp.py)."""
+failing at start-up naming the option (a fake decider; the protocol itself: test_epp_picker.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from test_epp import ENGINES, FakeDecider
+from test_epp_picker import ENGINES, FakeDecider
 from typer.testing import CliRunner
 
 from conductor.cli import app
