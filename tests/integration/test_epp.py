@@ -20,7 +20,7 @@ from conductor.settings import Settings
 from schemas import RoutingDecision, RoutingRejection, RoutingRequest
 from streams.topics import topics
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.epp, pytest.mark.integration, pytest.mark.timeout(240)]
 
 PROMPT = "the quick brown fox jumps over the lazy dog " * 8
 
