@@ -110,3 +110,23 @@ def test_a_topic_whose_message_limit_cannot_take_a_dead_letter_is_named() -> Non
     assert config_problems(kv, {"max.message.bytes": "1048588"}) == []
     (problem,) = config_problems(kv, {"max.message.bytes": "65536"})
     assert "65536" in problem and kv.name in problem
+
+
+def test_the_dispatch_path_leaves_requests_a_gateway_brings_by_http() -> None:
+    class NoPublisher:
+        def start(self) -> None: ...
+
+    eng = EmulatedEngine(EngineConfig("p0", "prefill", 16, kv_blocks=100), load_profile("llama3-70b-a800x8"),
+                         NoPublisher())  # type: ignore[arg-type]
+    dec = RoutingDecision(request_id="r", prefill_instance="p0", decode_instance="d0", reused_tokens=0,
+                          predicted_ttft_s=1.0, predicted_tbt_ms=10.0, policy="x")
+
+    def assignment(**kw: str) -> Assignment:
+        req = RoutingRequest(request_id="r", block_keys=[1], prompt_tokens=640, **kw)  # type: ignore[arg-type]
+        return Assignment(decision=dec, request=req, request_ts_ms=0, decision_ts_ms=0, prefill=True, decode=False)
+
+    eng.submit(assignment(reply_to="gw-1"))  # routed through the log for a gateway
+    eng.submit(assignment(decided_by="gw-1"))  # decided in a gateway's (or picker's) own process
+    assert not eng.state.queue  # both come by HTTP: run from dispatch too, each would be prefilled twice
+    eng.submit(assignment())
+    assert len(eng.state.queue) == 1

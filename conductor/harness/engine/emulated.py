@@ -14,7 +14,8 @@ decode instance admits a request when the router predicted its prefill would
 end), or HTTP requests (``conductor.harness.engine.http``, the gateway path: a decode
 instance waits for its prefill peer's KV transfer). Both share one prefill queue
 and one continuous-batching decode loop. Decisions of requests a gateway sent
-(``reply_to`` set) arrive by HTTP, so the dispatch path skips them.
+(``reply_to`` set, or decided in the gateway's process: ``decided_by``) arrive by HTTP, so the
+dispatch path skips them.
 
 Emulation shortcuts, on purpose: a prefill instance runs one request at a time;
 decode instances publish no KV events (their KV is per request).
@@ -206,8 +207,8 @@ class EmulatedEngine:
 
     def submit(self, a: Assignment) -> None:
         """Queue an assignment (prefill part, decode part, or both)."""
-        if a.request is not None and a.request.reply_to:
-            return  # a gateway's request: the gateway brings it here by HTTP
+        if a.request is not None and (a.request.reply_to or a.request.decided_by):
+            return  # a gateway's (or picker's) request: it comes here by HTTP
         if a.prefill:
             self.state.queue.append((a, self.clock_ms(), None))
             self._prefill_work.set()
