@@ -22,13 +22,8 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from google.protobuf import json_format, struct_pb2
-from pydantic import SecretStr
 
-from conductor.harness.demo import Processes
 from conductor.harness.gateway_cluster import ClusterError, GatewayCluster
-from conductor.settings import child_environment
-from streams.kafka import ensure_topics
-from streams.topics import topics
 
 MODES = {"full-duplex": processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED,
          "buffered": processing_mode_pb2.ProcessingMode.BUFFERED}
@@ -43,27 +38,15 @@ class EppCluster(GatewayCluster):
     epp_id: str = ""
 
     async def __aenter__(self) -> Self:
-        s = self.settings
-        await ensure_topics(s.kafka(), topics(s.topic_config()).all())
-        env = child_environment(s)
-        self.procs = Processes(self.log_dir, cwd=None)
+        env = await self._start_cluster()
         try:
-            await self.procs.start("worker", ["worker"], env)
-            await self.procs.start("router", ["-v", "router"], env)
-            await self._start_engines(env)
-            await self._wait_live(set(self.engine_procs))
             engines = [a for n, u in self.engine_urls.items() for a in ("--engine", f"{n}={u}")]
             self.epp_id = f"epp-test-{time.time_ns() % 10**9}"
             epp = await self.procs.start("epp", ["epp", "--port", "0", "--epp-id", self.epp_id, *engines,
                                                  *self.epp_args], env, stdout_pipe=True)
             self.epp_address = (await self._ready_line("epp", epp))["address"]
             if self.with_gateway:
-                self.gateway_id = f"gw-test-{time.time_ns() % 10**9}"
-                self.api_key = self.api_key or f"sk-test-{secrets.token_urlsafe(18)}"
-                gw_env = child_environment(s.model_copy(update={"gateway_api_key": SecretStr(self.api_key)}))
-                gw = await self.procs.start("gateway", ["gateway", "--port", "0", "--gateway-id", self.gateway_id,
-                                                        *engines, *self.gateway_args], gw_env, stdout_pipe=True)
-                self.gateway_url = (await self._ready_line("gateway", gw))["url"]
+                await self._start_gateway(engines)
         except BaseException:
             await self._stop_all()
             raise

@@ -75,6 +75,19 @@ class GatewayCluster:
         return {"Authorization": f"Bearer {self.api_key}"}
 
     async def __aenter__(self) -> Self:
+        await self._start_cluster()
+        try:
+            overrides = {} if self.discover else self.engine_urls
+            await self._start_gateway(["--engine-protocol", self.protocol,
+                                       *[a for n, u in overrides.items() for a in ("--engine", f"{n}={u}")]])
+        except BaseException:
+            await self._stop_all()
+            raise
+        return self
+
+    async def _start_cluster(self) -> dict[str, str]:
+        """Topics, the stream worker, a router, the engines (and their bridges), all live; the
+        children's environment. Everything started is stopped again if a part fails."""
         s = self.settings
         await ensure_topics(s.kafka(), topics(s.topic_config()).all())
         env = child_environment(s)
@@ -86,18 +99,19 @@ class GatewayCluster:
             if self.bridges:
                 await self._start_bridges(env)
             await self._wait_live(set(self.engine_procs))
-            self.gateway_id = f"gw-test-{time.time_ns() % 10**9}"
-            overrides = {} if self.discover else self.engine_urls
-            args = ["gateway", "--port", "0", "--gateway-id", self.gateway_id, "--engine-protocol", self.protocol,
-                    *[a for n, u in overrides.items() for a in ("--engine", f"{n}={u}")], *self.gateway_args]
-            self.api_key = self.api_key or f"sk-test-{secrets.token_urlsafe(18)}"
-            gw_env = child_environment(s.model_copy(update={"gateway_api_key": SecretStr(self.api_key)}))
-            gw = await self.procs.start("gateway", args, gw_env, stdout_pipe=True)
-            self.gateway_url = (await self._ready_line("gateway", gw))["url"]
         except BaseException:
             await self._stop_all()
             raise
-        return self
+        return env
+
+    async def _start_gateway(self, args: list[str]) -> None:
+        """``conductor gateway`` with ``args`` and :attr:`gateway_args`, behind :attr:`api_key` (made up when empty)."""
+        self.gateway_id = f"gw-test-{time.time_ns() % 10**9}"
+        self.api_key = self.api_key or f"sk-test-{secrets.token_urlsafe(18)}"
+        gw_env = child_environment(self.settings.model_copy(update={"gateway_api_key": SecretStr(self.api_key)}))
+        gw = await self.procs.start("gateway", ["gateway", "--port", "0", "--gateway-id", self.gateway_id, *args,
+                                                *self.gateway_args], gw_env, stdout_pipe=True)
+        self.gateway_url = (await self._ready_line("gateway", gw))["url"]
 
     async def _start_engines(self, env: dict[str, str]) -> None:
         """Every prefill and decode engine, serving HTTP; their URLs in ``engine_urls``."""
