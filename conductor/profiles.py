@@ -209,11 +209,15 @@ class ProfileFit:
     max_rel_error: float
 
 
-def fit_profile(rows: Iterable[Sequence[float]], base: ModelProfile | None = None) -> ProfileFit:
+def fit_profile(rows: Iterable[Sequence[float]], base: ModelProfile | None = None,
+                relative: bool = False) -> ProfileFit:
     """Least-squares fit of ``a``, ``b`` and ``prefill_overhead_s`` to (tokens, cached, seconds) rows.
 
     ``l``, ``d`` and ``effective_flops`` stay those of ``base`` (the default profile);
-    only the coefficients move, so the fitted profile stays comparable to it.
+    only the coefficients move, so the fitted profile stays comparable to it. With ``relative``
+    the residuals are weighted by 1 / seconds: the fit minimises the relative error (what every
+    prediction error here reports), so one slow row does not pull the short prompts' predictions
+    up to its own scale.
     """
 
     base = base or load_profile(DEFAULT_PROFILE)
@@ -233,7 +237,8 @@ def fit_profile(rows: Iterable[Sequence[float]], base: ModelProfile | None = Non
     # Every coefficient is a cost, never negative: least squares over the columns that stay
     # non-negative (an engine whose prefill time hardly grows with the prompt, a small model on
     # a fast machine, fits with a = 0 or b = 0 instead of failing).
-    coef = _nonnegative_lstsq(design, y)
+    weight = 1.0 / y if relative else np.ones_like(y)
+    coef = _nonnegative_lstsq(design * weight[:, None], y * weight)
     overhead, a, b = (float(v) for v in coef)
     if a == 0 and b == 0:
         raise ConfigError("the timings do not grow with the prompt (a = b = 0); need more varied lengths")

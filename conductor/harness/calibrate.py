@@ -15,7 +15,7 @@ The sweep (:class:`SweepPlan`) has two parts, each point run ``repeats`` times:
   and context.
 
 Then :func:`conductor.profiles.fit_profile` fits the prefill coefficients to (tokens, cached,
-TTFT) and :func:`conductor.profiles.fit_decode` the decode step to (batch, context, step); the
+TTFT) by relative error (the error every prediction here is judged by) and :func:`conductor.profiles.fit_decode` the decode step to (batch, context, step); the
 result is a :class:`~conductor.profiles.ModelProfile` file a cluster starts from
 (``CONDUCTOR_MODEL_PROFILE=<file>``). Token ids, not text, make every length exact on any
 tokenizer.
@@ -207,7 +207,7 @@ def fit_calibration(prefill: Sequence[PrefillSample], decode: Sequence[DecodeSam
                     name: str) -> tuple[ModelProfile, float, float | None, list[str]]:
     """(profile, prefill RMSE, decode RMSE or None, notes): ``base`` refitted to the medians of
     the samples' grid points (pure)."""
-    pre = fit_profile(prefill_medians(prefill), base=base)
+    pre = fit_profile(prefill_medians(prefill), base=base, relative=True)
     prof, notes = pre.profile, []
     dec_rmse: float | None = None
     rows = decode_medians(decode)

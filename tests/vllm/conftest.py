@@ -28,6 +28,17 @@ START_TIMEOUT_S = 420.0
 """Three engines starting at once on a 2-core machine: ~100 s each measured, with room."""
 
 
+CHAT_TEMPLATE = (
+    "{%- if tools %}<tools>{{ tools | tojson }}</tools>{% endif -%}"
+    "{%- if documents %}<docs>{{ documents | tojson }}</docs>{% endif -%}"
+    "{%- if enable_thinking is defined %}<think>{{ enable_thinking }}</think>{% endif -%}"
+    "{%- for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor -%}"
+    "{%- if add_generation_prompt %}<|assistant|>{% endif -%}"
+)
+"""The aggregated engine's chat template (the tiny model has none): it renders tools, documents, a
+template kwarg and the generation prompt, so test_gateway_chat_vllm sees each of them change the ids."""
+
+
 @dataclass(frozen=True)
 class VllmEngines:
     """The session's engines: one aggregated (no KV connector), one P/D pair over NIXL (``kv_both`` each)."""
@@ -59,11 +70,20 @@ def tiny_model(vllm_kit: Path) -> Path:
 @pytest.fixture(scope="session")
 async def vllm_engines(vllm_kit: Path, tiny_model: Path,
                        tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[VllmEngines]:
-    """The three engines, started concurrently once per session and always stopped; logs in a session temp dir."""
+    """The three engines, started concurrently once per session and always stopped; logs in a session temp dir.
+
+    The aggregated engine also serves what the single-engine tests need, so none starts an engine
+    of its own (a start is 70-100 s here): a chat template (``CHAT_TEMPLATE``), the render route
+    (``--enable-scale-out``) and the cached tokens of each prompt in its usage
+    (``--enable-prompt-tokens-details``)."""
     logs = tmp_path_factory.mktemp("vllm-logs")
+    template = logs / "chat.jinja"
+    template.write_text(CHAT_TEMPLATE)
     common = {"kit": vllm_kit, "block_size": BLOCK_SIZE, "start_timeout_s": START_TIMEOUT_S}
     engines = VllmEngines(
-        aggregated=VllmEngine(tiny_model, logs, name="vllm-agg", **common),  # type: ignore[arg-type]
+        aggregated=VllmEngine(tiny_model, logs, name="vllm-agg", **common,  # type: ignore[arg-type]
+                              extra_args=("--chat-template", str(template), "--enable-scale-out",
+                                          "--enable-prompt-tokens-details")),
         prefill=VllmEngine(tiny_model, logs, name="vllm-p", pd=True, **common),  # type: ignore[arg-type]
         decode=VllmEngine(tiny_model, logs, name="vllm-d", pd=True, **common),  # type: ignore[arg-type]
     )

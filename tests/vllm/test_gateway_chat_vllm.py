@@ -1,16 +1,14 @@
 """A chat with tools tokenizes, through the gateway's tokenizer, to the ids real vLLM prefills
 (issue 27, item 9; the ``vllm`` marker, tests/vllm/README.md).
 
-An engine of its own, started with a chat template that renders tools, documents, a template
-kwarg and the generation prompt (the tiny model has none) and with ``--enable-scale-out`` (its
-render route is off, answering 403, without it): the gateway's tokenizer asks it by its render
+The session's aggregated engine, started with a chat template that renders tools, documents, a
+template kwarg and the generation prompt (conftest's ``CHAT_TEMPLATE``: the tiny model has none)
+and with ``--enable-scale-out`` (its render route is off, answering 403, without it): the gateway's tokenizer asks it by its render
 route and by ``/tokenize`` (as for an engine without the render route), and both answers equal
 ``prompt_token_ids`` of the chat completion itself (``return_token_ids``)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -18,35 +16,15 @@ import pytest
 
 from conductor.gateway.protocol import parse_body
 from conductor.gateway.tokenizer import EngineTokenizer
-from conductor.harness.vllm_kit import BLOCK_SIZE, VllmEngine
+from conductor.harness.vllm_kit import VllmEngine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
-TEMPLATE = (
-    "{%- if tools %}<tools>{{ tools | tojson }}</tools>{% endif -%}"
-    "{%- if documents %}<docs>{{ documents | tojson }}</docs>{% endif -%}"
-    "{%- if enable_thinking is defined %}<think>{{ enable_thinking }}</think>{% endif -%}"
-    "{%- for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}</s>{% endfor -%}"
-    "{%- if add_generation_prompt %}<|assistant|>{% endif -%}"
-)
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
                                          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
 MSGS = [{"role": "system", "content": "you answer with a tool call"},
         {"role": "user", "content": "what is the weather in Paris today?"},
         {"role": "assistant", "content": "let me look"}]
-
-
-@pytest.fixture
-async def chat_engine(vllm_kit: Path, tiny_model: Path, tmp_path: Path) -> AsyncIterator[VllmEngine]:
-    template = tmp_path / "tools.jinja"
-    template.write_text(TEMPLATE)
-    engine = VllmEngine(tiny_model, tmp_path, name="vllm-chat", kit=vllm_kit, block_size=BLOCK_SIZE,
-                        extra_args=("--chat-template", str(template), "--enable-scale-out"), start_timeout_s=420.0)
-    await engine.start()
-    try:
-        yield engine
-    finally:
-        await engine.stop()
 
 
 @pytest.mark.parametrize("fields", [
@@ -55,23 +33,23 @@ async def chat_engine(vllm_kit: Path, tiny_model: Path, tmp_path: Path) -> Async
      "chat_template_kwargs": {"enable_thinking": False}, "add_generation_prompt": False,
      "continue_final_message": True},
 ], ids=["tools", "tools+documents+kwargs+continue"])
-async def test_a_chat_with_tools_tokenizes_to_what_vllm_prefills(chat_engine: VllmEngine,
+async def test_a_chat_with_tools_tokenizes_to_what_vllm_prefills(vllm_aggregated: VllmEngine,
                                                                  fields: dict[str, Any]) -> None:
-    body = {"model": chat_engine.model, "messages": MSGS, "max_tokens": 1, **fields}
+    body = {"model": vllm_aggregated.model, "messages": MSGS, "max_tokens": 1, **fields}
     async with httpx.AsyncClient(timeout=120) as http:
-        r = await http.post(chat_engine.url + "/v1/chat/completions", json={**body, "return_token_ids": True})
+        r = await http.post(vllm_aggregated.url + "/v1/chat/completions", json={**body, "return_token_ids": True})
         assert r.status_code == 200, r.text
         prefilled = r.json()["prompt_token_ids"]
 
         creq = parse_body(body, chat=True)
-        rendering = EngineTokenizer(http, [chat_engine.url])
+        rendering = EngineTokenizer(http, [vllm_aggregated.url])
         assert (await rendering.prompt(creq)).token_ids == prefilled
-        assert rendering.renders == {chat_engine.url: True}  # vLLM 0.32 serves the render route
-        tokenizing = EngineTokenizer(http, [chat_engine.url])
-        tokenizing.renders[chat_engine.url] = False
+        assert rendering.renders == {vllm_aggregated.url: True}  # vLLM 0.32 serves the render route
+        tokenizing = EngineTokenizer(http, [vllm_aggregated.url])
+        tokenizing.renders[vllm_aggregated.url] = False
         assert (await tokenizing.prompt(creq)).token_ids == prefilled
 
         # What the gateway sent before: the messages and a generation prompt, nothing else.
-        before = await http.post(chat_engine.url + "/tokenize",
-                                 json={"model": chat_engine.model, "messages": MSGS, "add_generation_prompt": True})
+        before = await http.post(vllm_aggregated.url + "/tokenize",
+                                 json={"model": vllm_aggregated.model, "messages": MSGS, "add_generation_prompt": True})
         assert before.json()["tokens"] != prefilled

@@ -1,13 +1,12 @@
 """The gateway's local tokenizer (``--tokenizer``: the model's ``tokenizer.json``, no round trip) gives
 the ids real vLLM prefills for text prompts (issue 26, item 2; the ``vllm`` marker, tests/vllm/README.md).
 
-An engine of its own serving the kit's tiny model; the gateway's :class:`LocalTokenizer` reads the
+The session's aggregated engine, serving the kit's tiny model; the gateway's :class:`LocalTokenizer` reads the
 same model directory. Each prompt, with and without special tokens, is compared with the engine's
 ``/tokenize`` and with ``prompt_token_ids`` of the completion itself (``return_token_ids``)."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -15,7 +14,7 @@ import pytest
 
 from conductor.gateway.protocol import parse_body
 from conductor.gateway.tokenizer import LocalTokenizer
-from conductor.harness.vllm_kit import BLOCK_SIZE, VllmEngine
+from conductor.harness.vllm_kit import VllmEngine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
@@ -27,28 +26,18 @@ PROMPTS = [
 ]
 
 
-@pytest.fixture
-async def engine(vllm_kit: Path, tiny_model: Path, tmp_path: Path) -> AsyncIterator[VllmEngine]:
-    e = VllmEngine(tiny_model, tmp_path, name="vllm-tok", kit=vllm_kit, block_size=BLOCK_SIZE, start_timeout_s=420.0)
-    await e.start()
-    try:
-        yield e
-    finally:
-        await e.stop()
-
-
-async def test_local_tokenizer_gives_the_ids_vllm_prefills(engine: VllmEngine, tiny_model: Path) -> None:
+async def test_local_tokenizer_gives_the_ids_vllm_prefills(vllm_aggregated: VllmEngine, tiny_model: Path) -> None:
     local = LocalTokenizer(str(tiny_model), fallback=None)  # the model directory, as vLLM was given
     async with httpx.AsyncClient(timeout=120) as http:
         for text in PROMPTS:
             for special in (True, False):
-                body = {"model": engine.model, "prompt": text, "max_tokens": 1, "add_special_tokens": special}
+                body = {"model": vllm_aggregated.model, "prompt": text, "max_tokens": 1, "add_special_tokens": special}
                 ours = (await local.prompt(parse_body(body, chat=False))).token_ids
-                r = await http.post(engine.url + "/tokenize",
-                                    json={"model": engine.model, "prompt": text, "add_special_tokens": special})
+                r = await http.post(vllm_aggregated.url + "/tokenize",
+                                    json={"model": vllm_aggregated.model, "prompt": text, "add_special_tokens": special})
                 assert r.status_code == 200, r.text
                 assert ours == r.json()["tokens"], (text, special)
-                r = await http.post(engine.url + "/v1/completions", json={**body, "return_token_ids": True})
+                r = await http.post(vllm_aggregated.url + "/v1/completions", json={**body, "return_token_ids": True})
                 assert r.status_code == 200, r.text
                 # vLLM puts a completion's prompt ids on its choice (a chat's at the top)
                 assert ours == r.json()["choices"][0]["prompt_token_ids"], (text, special)
