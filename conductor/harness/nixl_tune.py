@@ -5,7 +5,7 @@ thread polls UCX without ever sleeping, so each engine with a NIXL connector kee
 even when idle (two P/D engines load a 2-core machine to 13-17 and slow the third engine's TTFT
 from ~15 ms to 0.1-10 s). The kit's copy of this file (``conductor_nixl_tune.py`` in its
 site-packages; a ``.pth`` line calls :func:`install` at every start) makes the agent take the delay in
-``CONDUCTOR_NIXL_PTHR_DELAY_US`` instead; in a process without that variable it does nothing.
+``KIT_NIXL_PTHR_DELAY_US`` instead; in a process without that variable it does nothing.
 
 It runs in the kit's own venv, where Conductor is not installed: standard library only.
 """
@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 from typing import Any
 
-ENV = "CONDUCTOR_NIXL_PTHR_DELAY_US"
+ENV = "KIT_NIXL_PTHR_DELAY_US"
 
 
 def _patch(bindings: ModuleType, delay_us: int) -> None:
@@ -63,7 +63,7 @@ class _Finder(importlib.abc.MetaPathFinder):
 
 
 def install() -> None:
-    """Hook NIXL's import when ``CONDUCTOR_NIXL_PTHR_DELAY_US`` holds a number of microseconds."""
+    """Hook NIXL's import when ``KIT_NIXL_PTHR_DELAY_US`` holds a number of microseconds."""
     value = os.environ.get(ENV, "")
     if value.isdigit():
         sys.meta_path.insert(0, _Finder(int(value)))

@@ -63,7 +63,7 @@ ENGINE_ENV = {
 }
 NIXL_PTHR_DELAY_US = "1000"
 """NIXL's progress-thread delay in the kit's engines (``conductor/harness/nixl_tune.py``; a parent's
-``CONDUCTOR_NIXL_PTHR_DELAY_US`` wins): idle P/D engines then use ~3 % of a core each, not 100 %."""
+``KIT_NIXL_PTHR_DELAY_US`` wins): idle P/D engines then use ~3 % of a core each, not 100 %."""
 NIXL_TUNE_MODULE = "conductor_nixl_tune"
 NIXL_TUNE_PTH = "conductor-nixl-tune.pth"
 

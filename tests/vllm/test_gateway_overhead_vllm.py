@@ -2,7 +2,7 @@
 
 A measurement, not a timed test: it prints the paired overhead's distribution (the numbers in
 README and docs/benchmarks.md come from
-`CONDUCTOR_OVERHEAD_PAIRS=24 scripts/test -m vllm tests/vllm/test_gateway_overhead_vllm.py -s`)
+`OVERHEAD_PAIRS=24 scripts/test -m vllm tests/vllm/test_gateway_overhead_vllm.py -s`)
 and checks only what must hold whatever the machine's load: every request of both sides got its
 tokens, and every gateway decision was the P/D pair, made in the gateway's own process and logged.
 """
@@ -27,9 +27,9 @@ from streams.topics import topics
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 PRE, DEC = "vllm-p", "vllm-d"
-PAIRS = int(os.environ.get("CONDUCTOR_OVERHEAD_PAIRS", "8"))
+PAIRS = int(os.environ.get("OVERHEAD_PAIRS", "8"))
 """Pairs sent one at a time (each pair is 2-20 s on two CPU engines): 8 keeps the suite short; the
-figures in docs/benchmarks.md were taken with CONDUCTOR_OVERHEAD_PAIRS=24."""
+figures in docs/benchmarks.md were taken with OVERHEAD_PAIRS=24."""
 
 
 @pytest.fixture
