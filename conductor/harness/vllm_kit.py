@@ -330,7 +330,7 @@ class VllmEngine:
         # The parent's CONDUCTOR_* and VLLM_* settings are not the engine's business.
         env = inherited_environment(lambda k: k.startswith(("CONDUCTOR_", "VLLM_")))
         env.update(ENGINE_ENV)
-        env[nixl_tune.ENV] = os.environ.get(nixl_tune.ENV, NIXL_PTHR_DELAY_US)
+        env.setdefault(nixl_tune.ENV, NIXL_PTHR_DELAY_US)  # inherited above when the caller set it
         if self.nixl_port is not None:
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.nixl_port)
         return env

@@ -160,26 +160,35 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
             dec = every
         return placement(pre.instance, dec[0], pre.reuse, pre.ttft_s, dec[1])
 
-    def _guarded(self, ttft: float, wait: float) -> float:
-        """The TTFT early rejection holds to the budget: the prediction with a margin for its error
-        (the fitted profile's measured p90 of real / predicted, else of the relative error; or
-        ``queue_wait_safety`` x the queue wait)."""
+    def _margin(self) -> tuple[str, float]:
+        """Early rejection's margin for the prediction's own error: ``("ratio", x)`` (the fitted
+        profile's measured p90 of real / predicted, at least 1), else ``("error", e)`` (its p90 of
+        the relative error), else ``("wait", k)`` (the queue wait counted ``queue_wait_safety`` times)."""
         safety = self.p.queue_wait_safety
         if safety is None:
             prof = self.profile
             if prof.ttft_ratio_p90 is not None:
-                return ttft * max(prof.ttft_ratio_p90, 1.0)
+                return "ratio", max(prof.ttft_ratio_p90, 1.0)
             if prof.ttft_error_p90 is not None:
-                return ttft * (1.0 + prof.ttft_error_p90)
-        return ttft + ((2.0 if safety is None else safety) - 1.0) * wait
+                return "error", prof.ttft_error_p90
+        return "wait", 2.0 if safety is None else safety
+
+    def _guarded(self, ttft: float, wait: float) -> float:
+        """The TTFT early rejection holds to the budget: the prediction with :meth:`_margin`."""
+        kind, x = self._margin()
+        if kind == "ratio":
+            return ttft * x
+        if kind == "error":
+            return ttft * (1.0 + x)
+        return ttft + (x - 1.0) * wait
 
     def _margin_text(self, wait: float) -> str:
-        safety = self.p.queue_wait_safety
-        if safety is None and self.profile.ttft_ratio_p90 is not None:
-            return f"x{max(self.profile.ttft_ratio_p90, 1.0):.2f}, the model's measured real/predicted p90"
-        if safety is None and self.profile.ttft_error_p90 is not None:
-            return f"with the model's measured error p90 {self.profile.ttft_error_p90:.0%} added"
-        return f"with its queue wait {wait:.3f}s counted x{2.0 if safety is None else safety:g}"
+        kind, x = self._margin()
+        if kind == "ratio":
+            return f"x{x:.2f}, the model's measured real/predicted p90"
+        if kind == "error":
+            return f"with the model's measured error p90 {x:.0%} added"
+        return f"with its queue wait {wait:.3f}s counted x{x:g}"
 
     def _budgets(self, request: PolicyRequest) -> tuple[float, float]:
         """(TTFT budget s, TBT budget ms): the request's SLOs x the margin, scaled by its priority."""
