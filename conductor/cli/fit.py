@@ -10,7 +10,6 @@ from typing import Annotated
 import typer
 
 from conductor.cli.common import JsonLine, exit_on, print_result, require_servers, settings_or_exit
-from conductor.harness.bench.fit_vllm import FitBenchOptions, run_fit_bench
 from conductor.routing.fit_worker import run_fit_worker
 from conductor.routing.fitting import FitConfig
 from conductor.telemetry import setup_metrics
@@ -72,6 +71,8 @@ def bench_fit(before: Before = 80, after: After = 80, slo_ms: SloMs = None, engi
     forms compared out of sample (parametric, log-linear, piecewise-linear) and, with --slo-ms,
     early rejection's precision.
     """
+    from conductor.harness.bench.fit_vllm import FitBenchOptions, run_fit_bench  # the harness extra's client
+
     s = settings_or_exit()
     with exit_on():
         out = run_fit_bench(s, FitBenchOptions(before=before, after=after, slo_ms=slo_ms, engines=engines,

@@ -10,8 +10,6 @@ from typing import Annotated, Any
 import typer
 
 from conductor.cli.common import err, exit_on, print_json, settings_or_exit
-from conductor.harness.bench.live_vllm import VllmLiveOptions
-from conductor.harness.bench.sim_vllm import SimFidelityOptions, run_sim_fidelity
 from conductor.harness.sim.run import DEFAULT_CLUSTER_PROFILE, DEFAULT_TARGET, SimulateConfig, run_simulation
 
 Trace = Annotated[Path | None, typer.Option(
@@ -163,6 +161,9 @@ def bench_sim_fidelity(duration: FidDuration = 60.0, speed: FidSpeed = 10.0, sam
 
     On real vLLM CPU engines (scripts/vllm-kit): `profile calibrate`'s sweep against the first engine; the demo's trace slice through Conductor (every record on an embedded broker's topics) by the openai client; then `simulate --from-topics --policy recorded` with the calibrated --profile, with the configured profile as it is, and with it scaled to the observed TTFT p50 (--calibrate scale). Prints each simulated TTFT p50/p90 against the clients' (vs_client: simulated / observed - 1) and against the gateway's TTFT less routing (what the simulator models).
     """
+    from conductor.harness.bench.live_vllm import VllmLiveOptions  # the official client: the harness extra's
+    from conductor.harness.bench.sim_vllm import SimFidelityOptions, run_sim_fidelity
+
     s = settings_or_exit()
     live = VllmLiveOptions(duration_s=duration, speed=speed, sample=sample, engines=engines,
                            max_requests=max_requests)

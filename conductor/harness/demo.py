@@ -44,9 +44,8 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import openai
 from pydantic import SecretStr
 from rich.console import Console, Group
 from rich.live import Live
@@ -61,6 +60,9 @@ from schemas import Role, RoutingDecision, RoutingRejection, decode
 from state.redis_view import RedisViewStore
 from streams.kafka import consumer, ensure_topics, producer
 from streams.topics import topics
+
+if TYPE_CHECKING:
+    import openai
 
 log = logging.getLogger(__name__)
 
@@ -463,6 +465,8 @@ class _DemoRun:
             raise DemoError(f"the gateway did not start:\n{self.procs.log_tail('gateway')}")
         self.tasks.append(asyncio.create_task(_drain(gw)))
         key = self.s.gateway_api_key.get_secret_value() if self.s.gateway_api_key else "none"
+        import openai  # the harness extra's: imported when a run starts, so the product's install imports this module
+
         self.client = openai.AsyncOpenAI(base_url=gw_ready["openai_base_url"], api_key=key, max_retries=0,
                                          timeout=300.0)
         self.tasks.append(asyncio.create_task(self._follow_dispatch()))
@@ -634,6 +638,8 @@ async def ask_completion(client: openai.AsyncOpenAI, stats: RunStats, request_id
 
     ``request_id`` is the id the engines see (their reports' key) unless the gateway names it in
     ``x-conductor-request-id``; ``client_id`` goes out as ``x-request-id``."""
+    import openai  # the harness extra's (see _DemoRun.start)
+
     t0 = time.perf_counter()
     try:
         # The token ids ride in ``extra_body``, which the SDK sends as is: given as ``prompt``, the SDK

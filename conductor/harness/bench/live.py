@@ -40,7 +40,6 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-import openai
 
 from conductor.errors import ConductorError
 from conductor.harness.demo import (
@@ -135,6 +134,8 @@ async def replay(base_url: str, stats: RunStats, requests: list[DemoRequest], *,
     Returns the wall seconds from the first send to the last answer. A request still unanswered
     ``drain_s`` after the last arrival is cancelled and counted as ``unanswered``.
     """
+    import openai  # the harness extra's: imported when a run starts (cli/gateway.py imports this module for PEERS)
+
     client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key=api_key, max_retries=0, timeout=300.0)
     tasks: list[asyncio.Task[None]] = []
     t0 = time.monotonic()
