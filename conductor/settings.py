@@ -227,7 +227,7 @@ class Settings(BaseSettings):
     @classmethod
     def _profile_file(cls, v: str) -> str:
         # A path (a file `conductor profile calibrate` or `profile fit` wrote) must hold a JSON
-        # object; its fields are checked where it is loaded (conductor.profiles.load_profile).
+        # object; its fields are checked where it is loaded (conductor.costmodel.profiles.load_profile).
         if v.endswith(".json") or os.sep in v:
             try:
                 data = json.loads(Path(v).read_text())

@@ -349,7 +349,7 @@ class ControlCommand(Record):
     replaces the current policy's parameters; ``cordon`` and ``drain`` stop new requests
     to ``node_id`` (running ones finish; ``drain`` says the node is going away);
     ``uncordon`` takes it back. ``set_profile`` (v2) replaces the cost model the policy
-    predicts with by ``profile`` (a :class:`~conductor.profiles.ModelProfile` as a dict, fitted
+    predicts with by ``profile`` (a :class:`~conductor.costmodel.profiles.ModelProfile` as a dict, fitted
     from the engines' measurements, with its observed prediction error).
     """
 

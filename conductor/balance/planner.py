@@ -91,7 +91,7 @@ class BalanceParams(BaseModel):
 
 
 class BalanceCosts(Protocol):
-    """What the cost rule needs of a model profile (``conductor.profiles.ModelProfile`` fits)."""
+    """What the cost rule needs of a model profile (``conductor.costmodel.profiles.ModelProfile`` fits)."""
 
     def prefill_seconds(self, total_tokens: int, cached_tokens: int = 0) -> float: ...
 

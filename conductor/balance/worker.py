@@ -33,7 +33,7 @@ from typing import Any
 from opentelemetry import metrics
 
 from conductor.balance.planner import BalanceParams, Cooldown, hot_and_cold, plan, sliding_heat
-from conductor.profiles import load_profile
+from conductor.costmodel.profiles import load_profile
 from conductor.settings import Settings
 from schemas import DecodeError, KvCommand, RoutingRequest, decode, encode, envelope, headers, request_chain_keys
 from state.redis_view import RedisViewStore

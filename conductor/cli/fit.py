@@ -10,8 +10,8 @@ from typing import Annotated
 import typer
 
 from conductor.cli.common import JsonLine, exit_on, print_result, require_servers, settings_or_exit
+from conductor.costmodel.fitting import FitConfig
 from conductor.routing.fit_worker import run_fit_worker
-from conductor.routing.fitting import FitConfig
 from conductor.telemetry import setup_metrics
 
 Window = Annotated[int, typer.Option(min=4, help="served requests kept per model (the newest)")]

@@ -23,11 +23,11 @@ from conductor.cli.common import (
     run_until_signalled,
     settings_or_exit,
 )
+from conductor.costmodel.profiles import fit_profile, list_profiles, load_profile, read_timings_csv
 from conductor.harness.bench.explain import run_explain_bench
 from conductor.harness.bench.route import run_route_bench
 from conductor.harness.bench.stack import with_redis, with_servers
 from conductor.harness.calibrate import CalibrateConfig, SweepPlan, calibrate_engine, write_profile
-from conductor.profiles import fit_profile, list_profiles, load_profile, read_timings_csv
 from conductor.routing import serve as router_serve
 from conductor.routing.control_log import current_control
 from conductor.routing.policies import list_policies

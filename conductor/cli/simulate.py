@@ -39,7 +39,7 @@ Policy = Annotated[str, typer.Option(
 Cluster = Annotated[str | None, typer.Option(
     "--cluster", help="instance counts as <P>P<D>D, e.g. 16P8D [default: the cluster profile's]")]
 ClusterProfileName = Annotated[str, typer.Option(
-    "--cluster-profile", help="cluster profile: a name (conductor/profiles/cluster-<name>.json) or a JSON path")]
+    "--cluster-profile", help="cluster profile: a name (conductor/costmodel/data/cluster-<name>.json) or a JSON path")]
 Speed = Annotated[float | None, typer.Option(
     "--speed", min=1e-6, help="arrival speed-up: 2 = twice the trace's rate [default: the cluster profile's]")]
 Capacity = Annotated[bool, typer.Option(

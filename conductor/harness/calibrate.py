@@ -14,9 +14,9 @@ The sweep (:class:`SweepPlan`) has two parts, each point run ``repeats`` times:
   a stream's tokens while every stream is decoding are the decode step time of that batch
   and context.
 
-Then :func:`conductor.profiles.fit_profile` fits the prefill coefficients to (tokens, cached,
-TTFT) by relative error (the error every prediction here is judged by) and :func:`conductor.profiles.fit_decode` the decode step to (batch, context, step); the
-result is a :class:`~conductor.profiles.ModelProfile` file a cluster starts from
+Then :func:`conductor.costmodel.profiles.fit_profile` fits the prefill coefficients to (tokens, cached,
+TTFT) by relative error (the error every prediction here is judged by) and :func:`conductor.costmodel.profiles.fit_decode` the decode step to (batch, context, step); the
+result is a :class:`~conductor.costmodel.profiles.ModelProfile` file a cluster starts from
 (``CONDUCTOR_MODEL_PROFILE=<file>``). Token ids, not text, make every length exact on any
 tokenizer.
 """
@@ -39,8 +39,8 @@ from typing import Any
 
 import httpx
 
+from conductor.costmodel.profiles import ModelProfile, fit_decode, fit_profile
 from conductor.errors import ConfigError
-from conductor.profiles import ModelProfile, fit_decode, fit_profile
 
 Progress = Callable[[str, int, int], None]
 """(what is being measured, units done, units in all)."""

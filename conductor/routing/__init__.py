@@ -1,8 +1,6 @@
 """Routing: ``requests`` → view snapshot + reservations → policy → ``dispatch``.
 
 - :mod:`.snapshot`: what a policy sees (``ClusterSnapshot``, ``Instance``, ``PolicyRequest``, ``IndexView``).
-- :mod:`.costs`: the cost model (prefill, prefix copies, queue wait, decode step) the policies
-  and the index share.
 - :mod:`.index`: the cluster picture kept from read to read (``ClusterIndex``).
 - :mod:`.policies`: the policies, pure functions of (request, snapshot, params, seeded rng).
 - :mod:`.router`: the routing worker (one decision at a time) and its Kafka loop.

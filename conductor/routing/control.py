@@ -23,8 +23,8 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any
 
+from conductor.costmodel.profiles import ModelProfile, profile_from_dict
 from conductor.errors import ConfigError
-from conductor.profiles import ModelProfile, profile_from_dict
 from schemas import ControlCommand
 
 PolicyCheck = Callable[[str | None, dict[str, Any]], None]

@@ -13,7 +13,7 @@ from typing import Any
 
 from aiokafka import TopicPartition
 
-from conductor.profiles import load_profile
+from conductor.costmodel.profiles import load_profile
 from conductor.routing.control import ControlState, fold_control
 from conductor.routing.policies import make_policy
 from conductor.settings import Settings

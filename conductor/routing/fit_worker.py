@@ -1,4 +1,4 @@
-"""``conductor fit``: the cost-model agent's process (the fit itself: :mod:`conductor.routing.fitting`).
+"""``conductor fit``: the cost-model agent's process (the fit itself: :mod:`conductor.costmodel.fitting`).
 
 A small aiokafka consumer, not a Faust agent: it keeps a window of a few hundred samples in
 memory and writes nothing but the rare ``set_profile`` record, so it needs no table, no
@@ -19,9 +19,9 @@ from typing import Any
 from aiokafka import TopicPartition
 from opentelemetry import metrics
 
-from conductor.profiles import load_profile
+from conductor.costmodel.fitting import CostFitter, FitConfig, sample_of
+from conductor.costmodel.profiles import load_profile
 from conductor.routing.control_log import control_records, publish_control
-from conductor.routing.fitting import CostFitter, FitConfig, sample_of
 from conductor.settings import Settings
 from schemas import ControlCommand, DecodeError, RequestOutcome, decode
 from streams.kafka import consumer, end_offsets, ensure_topics

@@ -28,8 +28,8 @@ import bisect
 import heapq
 from collections.abc import Callable, Collection, Iterable
 
-from conductor.profiles import ModelProfile
-from conductor.routing.costs import Costs, decode_load
+from conductor.costmodel.costs import Costs, decode_load
+from conductor.costmodel.profiles import ModelProfile
 from conductor.routing.snapshot import (
     NO_PREFIX,
     ClusterSnapshot,

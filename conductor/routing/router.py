@@ -38,8 +38,8 @@ from typing import Any
 from aiokafka import TopicPartition
 from opentelemetry import metrics
 
+from conductor.costmodel.profiles import ModelProfile, load_profile
 from conductor.errors import ConfigError, ViewStoreError
-from conductor.profiles import ModelProfile, load_profile
 from conductor.routing.control import ControlState, apply_control
 from conductor.routing.decision import decision_record, decision_reservations, rejection_record
 from conductor.routing.index import ClusterIndex

@@ -11,7 +11,7 @@ from collections.abc import Callable, Collection, Hashable, Iterable, Iterator, 
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar, overload
 
-from conductor.profiles import ModelProfile
+from conductor.costmodel.profiles import ModelProfile
 from schemas import TIERS, Role, Tier, can_hand_off
 from state.view import NodeState, ViewSnapshot
 
@@ -52,19 +52,6 @@ class Instance:
     @property
     def can_hand_off(self) -> bool:
         return can_hand_off(self.role, self.handoff)
-
-    @property
-    def best_prefix(self) -> int:
-        return self.prefix_blocks[2]
-
-    def prefix_tier(self, blocks: int) -> Tier | None:
-        """Slowest tier needed to read the first ``blocks`` blocks from this node."""
-        if blocks <= 0:
-            return None
-        for tier, n in zip(TIERS, self.prefix_blocks):
-            if blocks <= n:
-                return tier
-        return None
 
 
 class LazyInstances(Sequence[Instance]):

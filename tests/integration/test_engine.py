@@ -12,9 +12,9 @@ import pytest
 
 from conductor.bridge.publisher import EventPublisher
 from conductor.bridge.runner import Bridge, BridgeConfig, kafka_sink
+from conductor.costmodel.profiles import load_profile
 from conductor.harness.engine.emulated import EmulatedEngine, EngineConfig, PrefixCache, engine_hashes
 from conductor.harness.engine.serve import EngineServeConfig, engine_node
-from conductor.profiles import load_profile
 from conductor.settings import Settings
 from schemas import (
     BlocksStored,

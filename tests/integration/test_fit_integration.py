@@ -9,10 +9,10 @@ import time
 
 import pytest
 
-from conductor.profiles import load_profile
+from conductor.costmodel.fitting import CostFitter, FitConfig
+from conductor.costmodel.profiles import load_profile
 from conductor.routing.control_log import current_control, publish_control
 from conductor.routing.explain import explain
-from conductor.routing.fitting import CostFitter, FitConfig
 from conductor.routing.router import Router, RouterWorker, redis_stores
 from schemas import (
     BlocksStored,

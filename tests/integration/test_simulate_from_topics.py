@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conductor.profiles import load_profile
+from conductor.costmodel.profiles import load_profile
 from conductor.routing.control_log import publish_control
 from conductor.settings import Settings, settings_env
 from schemas import ControlCommand, Heartbeat, RequestOutcome, RoutingDecision, RoutingRequest, encode, envelope

@@ -8,8 +8,8 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conductor.profiles import DEFAULT_PROFILE, load_profile
-from conductor.routing.costs import Reuse
+from conductor.costmodel.costs import Reuse
+from conductor.costmodel.profiles import DEFAULT_PROFILE, load_profile
 from conductor.routing.policies import make_policy
 from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
 from conductor.topology import Link, LinkClasses, RackSpec, Topology

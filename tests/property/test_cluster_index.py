@@ -13,7 +13,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conductor.profiles import DEFAULT_PROFILE, load_profile
+from conductor.costmodel.profiles import DEFAULT_PROFILE, load_profile
 from conductor.routing.index import ClusterIndex
 from conductor.routing.policies import make_policy
 from conductor.routing.snapshot import PolicyRequest, build_cluster

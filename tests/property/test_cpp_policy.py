@@ -7,7 +7,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conductor.profiles import DEFAULT_PROFILE, load_profile
+from conductor.costmodel.profiles import DEFAULT_PROFILE, load_profile
 from conductor.routing.policies import Placement, make_policy
 from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
 

@@ -9,6 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from conductor.cli import app
+from conductor.costmodel.profiles import DEFAULT_PROFILE, ModelProfile, fit_decode, fit_profile, load_profile
 from conductor.errors import ConfigError
 from conductor.harness.calibrate import (
     Calibration,
@@ -24,7 +25,6 @@ from conductor.harness.calibrate import (
     relative_errors,
     write_profile,
 )
-from conductor.profiles import DEFAULT_PROFILE, ModelProfile, fit_decode, fit_profile, load_profile
 from conductor.settings import load_settings
 
 

@@ -8,11 +8,11 @@ import random
 
 import pytest
 
+from conductor.costmodel.profiles import DEFAULT_PROFILE, ModelProfile, load_profile
 from conductor.harness.sim.cluster import ClusterProfile
 from conductor.harness.sim.engine import Simulation
 from conductor.harness.sim.network import Network
 from conductor.harness.sim.trace import TraceRecord, TraceRequest, long_context
-from conductor.profiles import DEFAULT_PROFILE, ModelProfile, load_profile
 from conductor.routing.decision import decision_record, decision_reservations
 from conductor.routing.policies import Placement, Rejection, make_policy
 from conductor.routing.policies.cpp import chunk_boundaries, pipeline_finish, plan_pipeline

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from conductor.bridge.wire import EngineBlockRemoved, EngineBlockStored
+from conductor.costmodel.profiles import load_profile
 from conductor.harness.engine.emulated import EmulatedEngine, EngineConfig, engine_hashes
 from conductor.harness.engine.executor import EngineCommandExecutor
-from conductor.profiles import load_profile
 from schemas import KvCommand, chain_keys
 
 BS = 4

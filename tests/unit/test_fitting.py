@@ -8,10 +8,17 @@ import random
 import msgpack
 import pytest
 
+from conductor.costmodel.fitting import CostFitter, FitConfig, prediction_error_summary, sample_of
+from conductor.costmodel.profiles import (
+    DEFAULT_PROFILE,
+    OutcomeSample,
+    fit_moved,
+    fit_outcomes,
+    load_profile,
+    predict_ttft,
+)
 from conductor.errors import ConfigError
-from conductor.profiles import DEFAULT_PROFILE, OutcomeSample, fit_moved, fit_outcomes, load_profile, predict_ttft
 from conductor.routing.control import ControlState, apply_control
-from conductor.routing.fitting import CostFitter, FitConfig, prediction_error_summary, sample_of
 from conductor.routing.policies import Placement, Rejection, make_policy
 from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
 from schemas import SCHEMA_VERSIONS, ControlCommand, RequestOutcome, decode, encode, envelope
@@ -193,7 +200,7 @@ def test_the_fitter_counts_the_requests_a_decision_met_and_fits_their_share() ->
 
 
 def test_the_router_costs_running_requests_with_a_fitted_profile() -> None:
-    from conductor.routing.costs import Costs
+    from conductor.costmodel.costs import Costs
     fitted = BASE.model_copy(update={"running_wait_s": 0.02})
     busy, idle = Instance("p0", "both", batch_size=5), Instance("p1", "both")
     assert Costs(BASE).queue_wait_s(busy) == 0.0  # hand-set: the batch costs a new request nothing

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from conductor.profiles import DEFAULT_PROFILE, load_profile
+from conductor.costmodel.profiles import DEFAULT_PROFILE, load_profile
 from conductor.routing.policies import POLICIES, Placement, Rejection, make_policy
 from conductor.routing.policies.mode import decide_mode
 from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conductor.costmodel.profiles import DEFAULT_PROFILE, load_profile
 from conductor.errors import ConfigError
-from conductor.profiles import DEFAULT_PROFILE, load_profile
 from conductor.routing.policies import POLICIES, Placement, Rejection, list_policies, make_policy
 from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
 

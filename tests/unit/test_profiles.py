@@ -7,8 +7,15 @@ from pathlib import Path
 
 import pytest
 
+from conductor.costmodel.profiles import (
+    DEFAULT_PROFILE,
+    ModelProfile,
+    fit_profile,
+    list_profiles,
+    load_profile,
+    read_timings_csv,
+)
 from conductor.errors import ConfigError
-from conductor.profiles import DEFAULT_PROFILE, ModelProfile, fit_profile, list_profiles, load_profile, read_timings_csv
 
 
 @pytest.fixture(scope="module")

@@ -263,7 +263,7 @@ def test_policies_and_profile_fit_commands(tmp_path) -> None:
     from typer.testing import CliRunner
 
     from conductor.cli import app
-    from conductor.profiles import DEFAULT_PROFILE, load_profile
+    from conductor.costmodel.profiles import DEFAULT_PROFILE, load_profile
 
     runner = CliRunner()
     res = runner.invoke(app, ["policies", "--json"])

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conductor.costmodel.profiles import ModelProfile
 from conductor.harness.sim.cache import LruBlockCache, TieredPool
 from conductor.harness.sim.capacity import find_capacity
 from conductor.harness.sim.cluster import ClusterProfile, load_cluster
@@ -18,7 +19,6 @@ from conductor.harness.sim.errors import SimulationError, TraceError
 from conductor.harness.sim.summary import percentile
 from conductor.harness.sim.trace import TraceRequest, parse_lines, reuse_upper_bound, schedule
 from conductor.harness.sim.view import DelayedView
-from conductor.profiles import ModelProfile
 from conductor.routing.policies import make_policy
 
 # A profile whose costs are easy to compute by hand:

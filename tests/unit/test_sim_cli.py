@@ -8,7 +8,7 @@ import random
 from typer.testing import CliRunner
 
 from conductor.cli import app
-from conductor.profiles import load_profile
+from conductor.costmodel.profiles import load_profile
 
 REQUIRED = ("policy", "requests", "ttft_mean_s", "ttft_p90_s", "tbt_p90_ms", "slo_attainment", "goodput_rps",
             "reuse_ratio", "reuse_upper_bound", "rejected", "sim_wall_s")

@@ -7,6 +7,7 @@ import random
 
 import pytest
 
+from conductor.costmodel.profiles import load_profile
 from conductor.errors import ConfigError
 from conductor.harness.sim.cluster import load_cluster
 from conductor.harness.sim.errors import SimulationError
@@ -19,7 +20,6 @@ from conductor.harness.sim.recorded import (
     scale_compute,
 )
 from conductor.harness.sim.session import Bench
-from conductor.profiles import load_profile
 from schemas import Heartbeat, RequestOutcome, RoutingDecision, RoutingRequest, envelope
 from schemas.records import request_chain_keys
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 import asyncio
 import math
 
+from conductor.costmodel.profiles import load_profile
 from conductor.harness.sim import engine
 from conductor.harness.sim.cluster import ClusterProfile
 from conductor.harness.sim.engine import Outcome, Simulation
 from conductor.harness.sim.view import view_ms
-from conductor.profiles import load_profile
 from conductor.routing import explain
 from conductor.routing.policies import make_policy
 from conductor.routing.router import Router

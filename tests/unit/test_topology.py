@@ -11,9 +11,9 @@ from types import SimpleNamespace
 import pytest
 
 from conductor.balance.planner import BalanceParams, Cooldown, plan
+from conductor.costmodel.profiles import DEFAULT_PROFILE, load_profile
 from conductor.errors import ConfigError
 from conductor.harness.engine.serve import placed_heartbeats
-from conductor.profiles import DEFAULT_PROFILE, load_profile
 from conductor.routing.policies import make_policy
 from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
 from conductor.settings import load_settings

@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from conductor.costmodel.profiles import DEFAULT_PROFILE, load_profile
 from conductor.harness.calibrate import (
     CalibrateConfig,
     SweepPlan,
@@ -29,7 +30,6 @@ from conductor.harness.calibrate import (
     write_profile,
 )
 from conductor.harness.vllm_kit import BLOCK_SIZE, VllmEngine
-from conductor.profiles import DEFAULT_PROFILE, load_profile
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(420)]
 

@@ -4,7 +4,7 @@ prediction error against the hand-set profile's measured (the ``vllm`` marker; t
 A cluster (worker, router, bridge, gateway: every part its own process) in front of the session's
 aggregated engine. Requests of varied lengths, a few at a time, through the gateway: their
 outcomes are decided under the configured 70B profile; the fitter (``conductor fit``'s
-:class:`~conductor.routing.fitting.CostFitter`) fits them and its ``set_profile`` goes on the
+:class:`~conductor.costmodel.fitting.CostFitter`) fits them and its ``set_profile`` goes on the
 control topic; the next requests are decided under the fit. What counts is each decision's own
 prediction against the TTFT its request took at the gateway (less routing)."""
 
@@ -18,12 +18,12 @@ from pathlib import Path
 import openai
 import pytest
 
+from conductor.costmodel.fitting import CostFitter, FitConfig, prediction_error_summary
+from conductor.costmodel.profiles import load_profile
 from conductor.harness.bench.live import read_outcome_records, read_outcomes
 from conductor.harness.vllm_cluster import VllmGatewayCluster, VllmNode
-from conductor.profiles import load_profile
 from conductor.routing.control_log import publish_control
 from conductor.routing.explain import explain
-from conductor.routing.fitting import CostFitter, FitConfig, prediction_error_summary
 from conductor.settings import Settings
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]

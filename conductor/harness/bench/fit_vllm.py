@@ -6,7 +6,7 @@ conversation trace's slice, rendered as text as ``bench live --engines vllm`` do
 
 1. **before**: the first part of the slice under the configured (hand-set) profile; every
    request's gateway outcome read back from ``request-outcomes``;
-2. **fit**: :class:`~conductor.routing.fitting.CostFitter` takes those outcomes (as ``conductor
+2. **fit**: :class:`~conductor.costmodel.fitting.CostFitter` takes those outcomes (as ``conductor
    fit`` does) and its ``set_profile`` is published on ``control``; the model forms are compared
    on the same samples, out of sample (5 folds): the profile's parametric form against a
    log-linear and a piecewise-linear one;
@@ -36,16 +36,23 @@ from typing import Any
 import numpy as np
 import openai
 
+from conductor.costmodel.fitting import CostFitter, FitConfig, sample_of
+from conductor.costmodel.profiles import (
+    ModelProfile,
+    OutcomeSample,
+    fit_outcomes,
+    load_profile,
+    predict_ttft,
+    prediction_errors,
+)
 from conductor.harness.bench.live import quiet_clients, read_outcome_records, read_outcomes, servers, trace_slice
 from conductor.harness.bench.live_vllm import MODEL, VllmLiveError, VllmLiveOptions, vllm_prompt
 from conductor.harness.demo import DemoRequest
 from conductor.harness.devstack import free_port
 from conductor.harness.vllm_cluster import VllmGatewayCluster, VllmNode
 from conductor.harness.vllm_kit import VllmEngine, kit_available, kit_dir, start_engines, tiny_model_dir
-from conductor.profiles import ModelProfile, OutcomeSample, fit_outcomes, load_profile, predict_ttft, prediction_errors
 from conductor.routing.control_log import control_records, publish_control
 from conductor.routing.fit_worker import run_fit_worker
-from conductor.routing.fitting import CostFitter, FitConfig, sample_of
 from conductor.settings import Settings
 
 

@@ -40,7 +40,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-
+from conductor.costmodel.fitting import prediction_error_summary
 from conductor.errors import ConductorError
 from conductor.harness.demo import (
     TRACE_BLOCK_TOKENS,
@@ -53,7 +53,6 @@ from conductor.harness.demo import (
 )
 from conductor.harness.devstack import EmbeddedStack, free_port
 from conductor.harness.gateway_cluster import GatewayCluster, SglangRouterCluster, sglang_router_missing
-from conductor.routing.fitting import prediction_error_summary
 from conductor.settings import Settings
 from schemas import RequestOutcome, decode
 from streams.kafka import consumer

@@ -38,13 +38,13 @@ import httpx
 import openai
 
 from conductor.bridge.scrape import parse_load
+from conductor.costmodel.fitting import prediction_error_summary
 from conductor.harness.bench.live import LiveBenchError, block_words, quiet_clients, read_outcomes, servers, trace_slice
 from conductor.harness.demo import DemoRequest, Processes, percentile
 from conductor.harness.devstack import free_port
 from conductor.harness.gateway_cluster import sglang_router_missing
 from conductor.harness.vllm_cluster import VllmGatewayCluster, VllmNode
 from conductor.harness.vllm_kit import VllmEngine, kit_available, kit_dir, start_engines, tiny_model_dir
-from conductor.routing.fitting import prediction_error_summary
 from conductor.settings import Settings, child_environment
 
 log = logging.getLogger(__name__)

@@ -20,9 +20,9 @@ from prometheus_client.core import HistogramMetricFamily
 from prometheus_client.registry import Collector
 
 from conductor.bridge.scrape import MetricsScraper, heartbeat_of
+from conductor.costmodel.profiles import load_profile
 from conductor.harness.engine.emulated import EmulatedEngine, EngineConfig
 from conductor.harness.engine.metrics import engine_registry
-from conductor.profiles import load_profile
 from schemas import encode, envelope
 
 VLLM_HISTOGRAMS = (

@@ -33,6 +33,8 @@ from typing import Any
 
 from rich.console import Console
 
+from conductor.costmodel.fitting import sample_of
+from conductor.costmodel.profiles import ModelProfile, fit_outcomes, load_profile
 from conductor.errors import ConductorError, ConfigError
 from conductor.harness.bench.live import quiet_clients, read_outcomes, servers, trace_slice
 from conductor.harness.bench.live_vllm import MODEL, VllmLiveOptions, replay
@@ -42,9 +44,7 @@ from conductor.harness.devstack import free_port
 from conductor.harness.sim.run import SimulateConfig, run_simulation
 from conductor.harness.vllm_cluster import VllmGatewayCluster, VllmNode
 from conductor.harness.vllm_kit import BLOCK_SIZE, VllmEngine, kit_available, kit_dir, start_engines, tiny_model_dir
-from conductor.profiles import ModelProfile, fit_outcomes, load_profile
 from conductor.routing.control_log import publish_control
-from conductor.routing.fitting import sample_of
 from conductor.settings import Settings
 from schemas import ControlCommand, RequestOutcome
 

@@ -1,6 +1,6 @@
 """Cluster profiles: how many instances of each kind, their cache and memory sizes, the SLOs.
 
-Profiles are JSON files named ``cluster-<name>.json`` under ``conductor/profiles/``
+Profiles are JSON files named ``cluster-<name>.json`` under ``conductor/costmodel/data/``
 (or any path); ``--cluster 16P8D`` overrides the instance counts of the chosen one.
 """
 
@@ -15,7 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from conductor.harness.sim.errors import SimulationError
 
-PROFILE_DIR = Path(__file__).resolve().parents[2] / "profiles"
+PROFILE_DIR = Path(__file__).resolve().parents[2] / "costmodel" / "data"
 DEFAULT_CLUSTER = "paper-16p8d"
 
 
@@ -74,7 +74,7 @@ def list_clusters() -> list[str]:
 
 
 def load_cluster(name_or_path: str = DEFAULT_CLUSTER) -> ClusterProfile:
-    """A profile by name (``conductor/profiles/cluster-<name>.json``) or by file path."""
+    """A profile by name (``conductor/costmodel/data/cluster-<name>.json``) or by file path."""
     path = Path(name_or_path)
     if not (path.suffix == ".json" and path.exists()):
         path = PROFILE_DIR / f"cluster-{name_or_path}.json"

@@ -25,7 +25,7 @@ from schemas.blocks import chain_from_precomputed
 
 
 class CostModel(Protocol):
-    """What the simulator needs of a model profile (``conductor.profiles.ModelProfile``)."""
+    """What the simulator needs of a model profile (``conductor.costmodel.profiles.ModelProfile``)."""
 
     kv_bytes_per_token: int
 

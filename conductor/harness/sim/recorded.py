@@ -26,12 +26,12 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
+from conductor.costmodel.profiles import ModelProfile, fit_profile
 from conductor.errors import ConfigError
 from conductor.harness.sim.cluster import ClusterProfile
 from conductor.harness.sim.engine import SimResult
 from conductor.harness.sim.errors import SimulationError
 from conductor.harness.sim.trace import TraceRecord
-from conductor.profiles import ModelProfile, fit_profile
 from schemas import Envelope, Heartbeat, RequestOutcome, RoutingDecision, RoutingRejection, RoutingRequest
 from schemas.records import request_chain_keys
 

@@ -24,6 +24,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn
 
 from conductor.balance.planner import BalanceParams
+from conductor.costmodel.profiles import ModelProfile, load_profile
 from conductor.errors import ConfigError
 from conductor.harness.sim.capacity import find_capacity
 from conductor.harness.sim.cluster import ClusterProfile, load_cluster
@@ -33,7 +34,6 @@ from conductor.harness.sim.recorded import Calibration, RecordedTraffic, calibra
 from conductor.harness.sim.report import PolicyRun, write_report
 from conductor.harness.sim.session import Bench
 from conductor.harness.sim.session import Progress as ProgressCallback
-from conductor.profiles import ModelProfile, load_profile
 from conductor.routing.control_log import current_control
 from conductor.routing.policies import POLICIES
 from conductor.settings import Settings

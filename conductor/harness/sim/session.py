@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from conductor.balance.planner import BalanceParams
+from conductor.costmodel.profiles import ModelProfile, load_profile
 from conductor.harness.sim.balance import BalanceLoop
 from conductor.harness.sim.capacity import CapacitySearch, find_capacity
 from conductor.harness.sim.cluster import ClusterProfile
@@ -15,7 +16,6 @@ from conductor.harness.sim.engine import SimResult, Simulation
 from conductor.harness.sim.errors import SimulationError
 from conductor.harness.sim.summary import summarize
 from conductor.harness.sim.trace import TraceRecord, TraceRequest, long_context, read_trace, reuse_upper_bound, schedule
-from conductor.profiles import ModelProfile, load_profile
 from conductor.routing.policies import POLICIES, make_policy
 from conductor.topology import Topology
 

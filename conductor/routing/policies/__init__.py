@@ -10,9 +10,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from conductor.costmodel.costs import Costs, Reuse
+from conductor.costmodel.profiles import ModelProfile
 from conductor.errors import ConfigError
-from conductor.profiles import ModelProfile
-from conductor.routing.costs import Costs, Reuse
 from conductor.routing.policies.base import (
     REJECT_CODES,
     BasePolicy,

@@ -1,7 +1,7 @@
 """What every policy returns, what it is built from, and the base its classes share.
 
 Pure: no I/O, no clock, randomness only from the ``random.Random`` passed to
-``decide``. The estimates come from :mod:`conductor.routing.costs`.
+``decide``. The estimates come from :mod:`conductor.costmodel.costs`.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from typing import Any, ClassVar, Generic, Protocol, TypeVar, get_args, runtime_
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from conductor.profiles import ModelProfile
-from conductor.routing.costs import Costs
+from conductor.costmodel.costs import Costs
+from conductor.costmodel.profiles import ModelProfile
 from conductor.routing.snapshot import ClusterSnapshot, PolicyRequest
 from conductor.topology import Topology
 from schemas import Tier

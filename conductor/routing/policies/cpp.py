@@ -26,7 +26,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from conductor.profiles import ModelProfile
+from conductor.costmodel.profiles import ModelProfile
 from conductor.topology import Link
 
 STAGES = 16

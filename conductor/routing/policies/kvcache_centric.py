@@ -40,7 +40,7 @@ from typing import Any
 
 from pydantic import Field
 
-from conductor.routing.costs import CopyPlan, PlaceKey, Reuse, tbt_of_load
+from conductor.costmodel.costs import CopyPlan, PlaceKey, Reuse, tbt_of_load
 from conductor.routing.policies.base import Decision, PolicyParams, Rejection, slo_budgets
 from conductor.routing.policies.cpp import STAGES, plan_pipeline
 from conductor.routing.policies.parts import RoleSplitPolicy, pick_lowest, placement

@@ -29,7 +29,7 @@ import random
 from dataclasses import dataclass
 from typing import Final, Literal
 
-from conductor.routing.costs import Costs
+from conductor.costmodel.costs import Costs
 from conductor.routing.policies.base import BasePolicy, Decision, Placement, Policy, RejectCode, Rejection, slo_budgets
 from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
 from schemas import Mode

@@ -20,7 +20,7 @@ import random
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from conductor.routing.costs import Costs, Reuse
+from conductor.costmodel.costs import Costs, Reuse
 from conductor.routing.policies.base import BasePolicy, Decision, P, Placement, Rejection
 from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
 

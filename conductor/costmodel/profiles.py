@@ -9,7 +9,7 @@ utilisation). A decode step is memory-bound: it streams the weights once plus th
 KV cache of every sequence in the batch from HBM. KV transfers move
 ``kv_bytes_per_token`` per token at the bandwidth of the tier or link.
 
-Profiles ship as JSON files in ``conductor/profiles/``; ``fit_profile`` refits the
+Profiles ship as JSON files in ``conductor/costmodel/data/``; ``fit_profile`` refits the
 prefill coefficients from measured timings.
 """
 
@@ -155,7 +155,7 @@ class ModelProfile(BaseModel):
 
 
 def _profile_dir() -> resources.abc.Traversable:
-    return resources.files("conductor").joinpath("profiles")
+    return resources.files("conductor.costmodel").joinpath("data")
 
 
 CLUSTER_PREFIX = "cluster-"

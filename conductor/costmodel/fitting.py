@@ -5,7 +5,7 @@ reads the topics and publishes): it keeps a sliding window of served requests pe
 paired with the profile its decision was made under (the outcome names its decision's control
 offset; the fitter folds the ``set_profile`` records it sees; a window holds the requests of one
 profile: a new one starts it again), refits the profile
-(:func:`~conductor.profiles.fit_outcomes`) every ``refit_every`` new requests, and returns a
+(:func:`~conductor.costmodel.profiles.fit_outcomes`) every ``refit_every`` new requests, and returns a
 ``set_profile`` command when the fit moved beyond ``threshold`` from the one in force. The
 routers apply it in log order, so every later decision records the offset of the profile it
 was made with and ``explain`` re-derives it exactly.
@@ -25,8 +25,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from conductor.costmodel.profiles import (
+    CostFit,
+    ModelProfile,
+    OutcomeSample,
+    fit_moved,
+    fit_outcomes,
+    predicted_queue_s,
+)
 from conductor.errors import ConfigError
-from conductor.profiles import CostFit, ModelProfile, OutcomeSample, fit_moved, fit_outcomes, predicted_queue_s
 from schemas import ControlCommand, RequestOutcome
 
 log = logging.getLogger(__name__)

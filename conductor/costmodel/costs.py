@@ -1,19 +1,51 @@
 """The cost model: what a prefill, a prefix copy, a queue and a decode step are predicted to
-cost, from a :class:`~conductor.profiles.ModelProfile` and a topology.
+cost, from a :class:`~conductor.costmodel.profiles.ModelProfile` and a topology.
 
 The policies cost their options with it and the cluster index orders instances by it (queue
-wait, decode load), so both read the same numbers; it imports neither. Pure: no I/O, no clock.
+wait, decode load), so both read the same numbers; it imports neither: what it reads of an
+instance and a request is said by :class:`CostedInstance` and :class:`CostedRequest` (routing's
+``Instance`` and ``PolicyRequest`` are both). Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from conductor.profiles import ModelProfile
-from conductor.routing.snapshot import Instance, PolicyRequest
-from conductor.topology import Link, Topology, flat_topology
+from conductor.costmodel.profiles import ModelProfile
+from conductor.topology import Link, Located, Topology, flat_topology
 from schemas import TIERS, Tier
+
+
+class CostedInstance(Located, Protocol):
+    """What the cost model reads of an instance (``conductor.routing.snapshot.Instance``)."""
+
+    @property
+    def prefix_blocks(self) -> tuple[int, int, int]: ...
+    @property
+    def queued_prefill_tokens(self) -> int: ...
+    @property
+    def queued_requests(self) -> int: ...
+    @property
+    def batch_size(self) -> int: ...
+    @property
+    def decode_context_tokens(self) -> int: ...
+    @property
+    def free_kv_blocks(self) -> int: ...
+    @property
+    def total_kv_blocks(self) -> int: ...
+
+
+class CostedRequest(Protocol):
+    """What the cost model reads of a request (``conductor.routing.snapshot.PolicyRequest``)."""
+
+    @property
+    def prompt_tokens(self) -> int: ...
+    @property
+    def chain_len(self) -> int: ...
+    @property
+    def expected_output_tokens(self) -> int: ...
+
 
 PlaceKey = tuple[str | None, str | None, str | None]
 """What the links from and to an instance depend on (:meth:`Costs.place_key`)."""
@@ -58,7 +90,7 @@ class Costs:
             v = self._prefill[key] = self.profile.prefill_seconds(total, cached)
         return v
 
-    def queue_wait_s(self, inst: Instance) -> float:
+    def queue_wait_s(self, inst: CostedInstance) -> float:
         """Prefill time of what is already queued on ``inst``, plus what its running requests add.
 
         With a request count, the backlog is costed as that many equal prompts (the
@@ -76,21 +108,21 @@ class Costs:
             return running + scale * self.prefill_s(q, 0)
         return running + scale * k * self.prefill_s(q / k, 0)
 
-    def local_reuse(self, inst: Instance, request: PolicyRequest, block_size: int) -> Reuse:
+    def local_reuse(self, inst: CostedInstance, request: CostedRequest, block_size: int) -> Reuse:
         """Cheapest way to prefill on ``inst`` using only its own cache (possibly none of it)."""
         blocks, tier, cost = self.local_plan(inst.prefix_blocks, request, block_size)
         return Reuse(blocks, inst.node_id if blocks else None, tier, cost)
 
-    def link(self, a: Instance, b: Instance) -> Link:
+    def link(self, a: CostedInstance, b: CostedInstance) -> Link:
         """The link a transfer from ``a`` to ``b`` crosses."""
         return self.links[self.link_index(a, b)]
 
-    def place_key(self, a: Instance) -> PlaceKey:
+    def place_key(self, a: CostedInstance) -> PlaceKey:
         """What the link from or to ``a`` depends on: its rack and zone (and its id when the
         topology file places nodes by id)."""
         return (a.node_id if self.topology.nodes else None, a.rack, a.zone)
 
-    def link_index(self, a: Instance, b: Instance, key: tuple[Any, ...] | None = None) -> int:
+    def link_index(self, a: CostedInstance, b: CostedInstance, key: tuple[Any, ...] | None = None) -> int:
         """Index in :attr:`links` of the link from ``a`` to ``b``, memoised per
         ``(place_key(a), place_key(b))`` (pass it as ``key`` when already built)."""
         if key is None:
@@ -107,19 +139,19 @@ class Costs:
         """The memo of :meth:`link_index` (for hot loops that look links up inline)."""
         return self._paths
 
-    def remote_reuse(self, holder: Instance, request: PolicyRequest, block_size: int, link: int) -> Reuse | None:
+    def remote_reuse(self, holder: CostedInstance, request: CostedRequest, block_size: int, link: int) -> Reuse | None:
         """Cheapest prefill on another node reading ``holder``'s prefix over ``links[link]``."""
         opt = self.remote_plan(holder.prefix_blocks, request, block_size, link)
         if opt is None:
             return None
         return Reuse(opt[0], holder.node_id, opt[1], opt[2])
 
-    def local_plan(self, prefix: tuple[int, int, int], request: PolicyRequest,
+    def local_plan(self, prefix: tuple[int, int, int], request: CostedRequest,
                    block_size: int) -> tuple[int, Tier | None, float]:
         """(blocks, slowest tier, cost) of :meth:`local_reuse` for any instance holding ``prefix``."""
         return self._local_cost(prefix, request.chain_len, request.prompt_tokens, block_size)
 
-    def remote_plan(self, prefix: tuple[int, int, int], request: PolicyRequest, block_size: int,
+    def remote_plan(self, prefix: tuple[int, int, int], request: CostedRequest, block_size: int,
                     link: int) -> CopyPlan | None:
         """(blocks, slowest tier, cost) of :meth:`remote_reuse` for any holder of ``prefix``
         (it depends on the shape only), or None."""
@@ -181,16 +213,16 @@ class Costs:
         self._remote[key] = out
         return out
 
-    def decode_blocks_needed(self, request: PolicyRequest, block_size: int) -> int:
+    def decode_blocks_needed(self, request: CostedRequest, block_size: int) -> int:
         return -(-(request.prompt_tokens + request.expected_output_tokens) // block_size)
 
-    def decode_fits(self, inst: Instance, request: PolicyRequest, block_size: int) -> bool:
+    def decode_fits(self, inst: CostedInstance, request: CostedRequest, block_size: int) -> bool:
         """Whether ``inst`` has free KV blocks for the whole request (unknown capacity fits)."""
         if inst.total_kv_blocks <= 0:
             return True
         return inst.free_kv_blocks >= self.decode_blocks_needed(request, block_size)
 
-    def tbt_ms(self, inst: Instance, request: PolicyRequest) -> float:
+    def tbt_ms(self, inst: CostedInstance, request: CostedRequest) -> float:
         """Predicted decode step time on ``inst`` with this request added to its batch.
 
         The request joins with its prompt as context; its growth over the output is
@@ -201,7 +233,7 @@ class Costs:
         )
 
 
-def decode_load(profile: ModelProfile, inst: Instance) -> float:
+def decode_load(profile: ModelProfile, inst: CostedInstance) -> float:
     """The part of a decode step's predicted time that differs between instances: the
     predicted TBT of any request is an increasing function of it (``decode_step_seconds`` is
     linear in the batch and the context): :func:`tbt_of_load`."""
