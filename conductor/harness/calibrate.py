@@ -28,7 +28,6 @@ import csv
 import itertools
 import json
 import logging
-import math
 import random
 import statistics
 import time
@@ -41,6 +40,7 @@ import httpx
 
 from conductor.costmodel.profiles import ModelProfile, fit_decode, fit_profile
 from conductor.errors import ConfigError
+from conductor.stats import percentile
 
 Progress = Callable[[str, int, int], None]
 """(what is being measured, units done, units in all)."""
@@ -170,18 +170,10 @@ class Calibration:
 
 def relative_errors(pred: Sequence[float], observed: Sequence[float]) -> dict[str, float]:
     """p50 and p90 of |predicted - observed| / observed."""
-    errs = sorted(abs(p - o) / o for p, o in zip(pred, observed, strict=True) if o > 0)
+    errs = [abs(p - o) / o for p, o in zip(pred, observed, strict=True) if o > 0]
     if not errs:
         return {}
-    return {"p50": round(_quantile(errs, 0.5), 4), "p90": round(_quantile(errs, 0.9), 4)}
-
-
-def _quantile(values: Sequence[float], q: float) -> float:
-    """Linear-interpolated quantile of sorted ``values``."""
-    pos = q * (len(values) - 1)
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(values) - 1)
-    return values[lo] + (values[hi] - values[lo]) * (pos - lo)
+    return {"p50": round(percentile(errs, 50, empty=0.0), 4), "p90": round(percentile(errs, 90, empty=0.0), 4)}
 
 
 def prefill_medians(samples: Sequence[PrefillSample]) -> list[tuple[int, int, float]]:

@@ -56,6 +56,7 @@ from conductor.errors import ConductorError
 from conductor.harness.devstack import EmbeddedStack, free_port
 from conductor.harness.sim.trace import read_trace, schedule
 from conductor.settings import Settings, child_environment
+from conductor.stats import percentile
 from schemas import Role, RoutingDecision, RoutingRejection, decode
 from state.redis_view import RedisViewStore
 from streams.kafka import consumer, ensure_topics, producer
@@ -155,18 +156,6 @@ def load_slice(path: Path, speed: float, sample: int, horizon_s: float) -> list[
         if pick % sample == 0:
             out.append(DemoRequest(len(out), r.arrival_s, r.input_length, r.output_length, tuple(r.hash_ids)))
     return out
-
-
-# --- statistics ------------------------------------------------------------------
-
-
-def percentile(xs: list[float], p: float) -> float | None:
-    if not xs:
-        return None
-    s = sorted(xs)
-    k = (len(s) - 1) * p
-    lo, hi = int(k), min(int(k) + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (k - lo)
 
 
 @dataclass
@@ -290,19 +279,19 @@ class RunStats:
             "decodes_done": self.decodes,
             "reuse_ratio": r(self.reuse_ratio),
             "routed_reuse_ratio": r(self.routed_reuse_tokens / self.routed_prompt_tokens if self.routed_prompt_tokens else 0.0),
-            "ttft_p50_s": r(percentile(self.ttft, 0.5)),
-            "ttft_p90_s": r(percentile(self.ttft, 0.9)),
+            "ttft_p50_s": r(percentile(self.ttft, 50)),
+            "ttft_p90_s": r(percentile(self.ttft, 90)),
             "ttft_mean_s": r(statistics.fmean(self.ttft) if self.ttft else None),
-            "ttft_prediction_error_p50": r(percentile(self.ttft_error, 0.5)),
-            "ttft_prediction_error_p90": r(percentile(self.ttft_error, 0.9)),
-            "tbt_p50_ms": r(percentile(self.tbt, 0.5), 2),
-            "tbt_p90_ms": r(percentile(self.tbt, 0.9), 2),
-            "client_ttft_wall_p50_s": r(percentile([w for w, _ in self.client_ttft.values()], 0.5), 4),
+            "ttft_prediction_error_p50": r(percentile(self.ttft_error, 50)),
+            "ttft_prediction_error_p90": r(percentile(self.ttft_error, 90)),
+            "tbt_p50_ms": r(percentile(self.tbt, 50), 2),
+            "tbt_p90_ms": r(percentile(self.tbt, 90), 2),
+            "client_ttft_wall_p50_s": r(percentile([w for w, _ in self.client_ttft.values()], 50), 4),
             "client_ttft_not_emulated_p50_s": r(percentile(
                 [max(w - self.emulated_s[rid] / self.speed, 0.0) for rid, (w, _) in self.client_ttft.items()
-                 if rid in self.emulated_s], 0.5), 4),
-            "gateway_routing_ms_p50": r(percentile([g * 1000.0 for _, g in self.client_ttft.values()], 0.5), 2),
-            "gateway_routing_ms_p99": r(percentile([g * 1000.0 for _, g in self.client_ttft.values()], 0.99), 2),
+                 if rid in self.emulated_s], 50), 4),
+            "gateway_routing_ms_p50": r(percentile([g * 1000.0 for _, g in self.client_ttft.values()], 50), 2),
+            "gateway_routing_ms_p99": r(percentile([g * 1000.0 for _, g in self.client_ttft.values()], 99), 2),
             "client_errors": dict(self.client_errors),
         }
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 from hypothesis import given, settings
@@ -16,7 +15,6 @@ from conductor.harness.sim.cluster import ClusterProfile, load_cluster
 from conductor.harness.sim.decode import DecodeInstance, DecodeJob
 from conductor.harness.sim.engine import Simulation
 from conductor.harness.sim.errors import SimulationError, TraceError
-from conductor.harness.sim.summary import percentile
 from conductor.harness.sim.trace import TraceRequest, parse_lines, reuse_upper_bound, schedule
 from conductor.harness.sim.view import DelayedView
 from conductor.routing.policies import make_policy
@@ -219,11 +217,6 @@ def test_cluster_spec_and_default_profile() -> None:
         c.with_counts("16X")
     with pytest.raises(SimulationError, match="unknown cluster profile"):
         load_cluster("nope")
-
-
-def test_percentile_interpolates() -> None:
-    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == pytest.approx(2.5)
-    assert percentile([5.0], 90) == 5.0 and math.isnan(percentile([], 50))
 
 
 def test_decode_load_counts_waiting_and_in_flight_requests() -> None:

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from conductor.stats import percentile
 from schemas import BlocksMigrated, BlocksRemoved, Envelope, Heartbeat, Tier, envelope
 from schemas.errors import ConductorError
 
@@ -239,12 +240,12 @@ def measure_latency(pool: MooncakePool, *, size: int, count: int) -> dict[str, f
             raise PoolError(f"bench get returned {len(got)} bytes, not {size}")
     pool.store.batch_remove(names, force=True)
 
-    def pct(xs: list[float], q: float) -> float:
-        return round(1000 * sorted(xs)[min(len(xs) - 1, int(q * len(xs)))], 3)
+    def pct(xs: list[float], p: float) -> float:
+        return round(1000 * percentile(xs, p, empty=0.0), 3)
 
     return {"size_bytes": size, "count": count, "put_ms_p50": round(1000 * statistics.median(puts), 3),
-            "put_ms_p99": pct(puts, 0.99), "get_ms_p50": round(1000 * statistics.median(gets), 3),
-            "get_ms_p99": pct(gets, 0.99), "put_gb_per_s": round(size / statistics.median(puts) / 1e9, 3),
+            "put_ms_p99": pct(puts, 99), "get_ms_p50": round(1000 * statistics.median(gets), 3),
+            "get_ms_p99": pct(gets, 99), "put_gb_per_s": round(size / statistics.median(puts) / 1e9, 3),
             "get_gb_per_s": round(size / statistics.median(gets) / 1e9, 3)}
 
 

@@ -32,6 +32,7 @@ from conductor.harness.sim.cluster import ClusterProfile
 from conductor.harness.sim.engine import SimResult
 from conductor.harness.sim.errors import SimulationError
 from conductor.harness.sim.trace import TraceRecord
+from conductor.stats import percentile
 from schemas import Envelope, Heartbeat, RequestOutcome, RoutingDecision, RoutingRejection, RoutingRequest
 from schemas.records import request_chain_keys
 
@@ -319,16 +320,6 @@ def _median(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def _p90(values: list[float]) -> float | None:
-    """The 90th percentile (linear between ranks), None when empty."""
-    if not values:
-        return None
-    v = sorted(values)
-    pos = 0.9 * (len(v) - 1)
-    lo = int(pos)
-    return v[lo] + (v[min(lo + 1, len(v) - 1)] - v[lo]) * (pos - lo)
-
-
 def calibrate(
     traffic: RecordedTraffic,
     profile: ModelProfile,
@@ -363,7 +354,7 @@ def calibrate(
     obs = _median([o for _, o in pairs])
     assert sim0 is not None and obs is not None
     cal = Calibration(method, policy, len(pairs), obs, sim0, sim0, None, iterations=1,
-                      observed_ttft_p90_s=_p90([o for _, o in pairs]))
+                      observed_ttft_p90_s=percentile([o for _, o in pairs], 90))
     if method == "off":
         result = first
     elif method == "fit":
@@ -395,6 +386,6 @@ def calibrate(
     pairs = _pairs(traffic, result)
     cal.requests = len(pairs)
     cal.calibrated_ttft_p50_s = _median([s for s, _ in pairs])
-    cal.calibrated_ttft_p90_s = _p90([s for s, _ in pairs])
+    cal.calibrated_ttft_p90_s = percentile([s for s, _ in pairs], 90)
     cal.error_p50 = _median([abs(s - o) / o for s, o in pairs])
     return profile, cal

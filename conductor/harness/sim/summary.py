@@ -8,19 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from conductor.harness.sim.engine import PATH_CLASS, Outcome, SimResult
-
-
-def percentile(sorted_values: Sequence[float], q: float) -> float:
-    """Linear-interpolated ``q``-th percentile (0..100) of already sorted values; NaN if empty."""
-    n = len(sorted_values)
-    if n == 0:
-        return math.nan
-    if n == 1:
-        return float(sorted_values[0])
-    pos = (n - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, n - 1)
-    return float(sorted_values[lo] + (sorted_values[hi] - sorted_values[lo]) * (pos - lo))
+from conductor.stats import percentile
 
 
 def load_imbalance(busy: Sequence[float]) -> float:
@@ -67,8 +55,8 @@ def summarize(
     dbusy = [v["tokens"] for v in result.decode_load.values()]
     reasons = Counter(o.rejected for o in outs if o.rejected is not None)
 
-    def r(x: float, nd: int = 4) -> float | None:
-        return None if math.isnan(x) else round(x, nd)
+    def r(x: float | None, nd: int = 4) -> float | None:
+        return None if x is None or math.isnan(x) else round(x, nd)
 
     return {
         "policy": policy,
