@@ -64,23 +64,6 @@ class DecisionIndex(Protocol):
     async def close(self) -> None: ...
 
 
-class InMemoryDecisionIndex:
-    """The index in a dict (tests, and a router without Redis)."""
-
-    def __init__(self) -> None:
-        self.entries: dict[str, DecisionPosition] = {}
-
-    async def record(self, positions: Sequence[DecisionPosition]) -> None:
-        for p in positions:
-            self.entries[p.request_id] = p
-
-    async def lookup(self, request_ids: Sequence[str]) -> dict[str, DecisionPosition]:
-        return {r: self.entries[r] for r in request_ids if r in self.entries}
-
-    async def close(self) -> None:
-        return None
-
-
 class RedisDecisionIndex:
     """The index in the view's Redis namespace, each entry kept ``ttl_s``."""
 
@@ -128,4 +111,4 @@ class RedisDecisionIndex:
         await self.client.aclose()
 
 
-__all__ = ["DecisionIndex", "DecisionPosition", "InMemoryDecisionIndex", "RedisDecisionIndex"]
+__all__ = ["DecisionIndex", "DecisionPosition", "RedisDecisionIndex"]

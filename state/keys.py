@@ -245,16 +245,6 @@ def entry_holders(value: bytes, slot_nodes: dict[int, str]) -> dict[str, tuple[s
     return out
 
 
-def block_key_bytes(key: int) -> bytes:
-    """A block key as stored: 8 bytes, big-endian."""
-    return key.to_bytes(BLOCK_KEY_BYTES, "big")
-
-
-def pack_block_keys(keys: Iterable[int]) -> bytes:
-    """Block keys back to back, 8 bytes each (what the write script takes)."""
-    return b"".join(k.to_bytes(BLOCK_KEY_BYTES, "big") for k in keys)
-
-
 def blocks_field(tier: int) -> str:
     """The node attribute counting its blocks in ``tier`` (an index into ``schemas.TIERS``)."""
     return f"b{tier}"

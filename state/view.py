@@ -209,11 +209,6 @@ class RebuildingView(GenerationalView, Protocol):
 # --- the prefix walk, shared by both stores ---------------------------------------
 
 
-def slot_mask(slots: int) -> int:
-    """Bits 0, 3, 6, ... for ``slots`` node slots (bit ``3*slot + tier`` holds a block in a tier)."""
-    return int("001" * slots, 2) if slots > 0 else 0
-
-
 def longest_prefixes(masks: Iterable[int], slot_nodes: dict[int, str]) -> dict[str, tuple[int, int, int]]:
     """Per node, the longest contiguous prefix of a chain it holds, cumulatively per tier.
 

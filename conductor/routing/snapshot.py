@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Protocol, TypeVar, overload
 
 from conductor.costmodel.profiles import ModelProfile
-from schemas import TIERS, Role, Tier, can_hand_off
+from schemas import Role, can_hand_off
 from state.view import NodeState, ViewSnapshot
 
 K = TypeVar("K", bound=Hashable)
