@@ -23,8 +23,6 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-import numpy as np
-
 from conductor.costmodel.profiles import (
     CostFit,
     ModelProfile,
@@ -34,6 +32,7 @@ from conductor.costmodel.profiles import (
     predicted_queue_s,
 )
 from conductor.errors import ConfigError
+from conductor.stats import percentile
 from schemas import ControlCommand, RequestOutcome
 
 log = logging.getLogger(__name__)
@@ -217,10 +216,11 @@ def prediction_error_summary(outcomes: Iterable[RequestOutcome], time_scale: flo
             tbt.append(abs(o.predicted_tbt_ms - real_tbt) / real_tbt)
 
     def q(v: list[float], p: float) -> float | None:
-        return round(float(np.quantile(np.array(v), p)), 4) if v else None
+        x = percentile(v, p)
+        return None if x is None else round(x, 4)
 
-    return {"ttft_prediction_error_p50": q(ttft, 0.5), "ttft_prediction_error_p90": q(ttft, 0.9),
-            "tbt_prediction_error_p50": q(tbt, 0.5), "tbt_prediction_error_p90": q(tbt, 0.9)}
+    return {"ttft_prediction_error_p50": q(ttft, 50), "ttft_prediction_error_p90": q(ttft, 90),
+            "tbt_prediction_error_p50": q(tbt, 50), "tbt_prediction_error_p90": q(tbt, 90)}
 
 
 __all__ = ["ALL_MODELS", "CostFitter", "FitConfig", "Span", "prediction_error_summary", "running_at", "sample_of",

@@ -28,6 +28,7 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from conductor.errors import ConfigError
+from conductor.stats import percentile
 from conductor.topology import Link
 
 DEFAULT_PROFILE = "llama3-70b-a800x8"
@@ -512,9 +513,9 @@ def fit_outcomes(samples: Sequence[OutcomeSample], base: ModelProfile, *, folds:
     update.update(
         name=name or (base.name if base.name.endswith("-fit") else f"{base.name}-fit"),
         description=f"{base.name.removesuffix('-fit')} refitted from {len(samples)} served requests",
-        ttft_error_p50=_quantile(ttft_errs, 0.5), ttft_error_p90=_quantile(ttft_errs, 0.9),
-        ttft_ratio_p90=_quantile(ratios, 0.9),
-        tbt_error_p50=_quantile(tbt_errs, 0.5), tbt_error_p90=_quantile(tbt_errs, 0.9), fit_rows=len(samples))
+        ttft_error_p50=_percentile(ttft_errs, 50), ttft_error_p90=_percentile(ttft_errs, 90),
+        ttft_ratio_p90=_percentile(ratios, 90),
+        tbt_error_p50=_percentile(tbt_errs, 50), tbt_error_p90=_percentile(tbt_errs, 90), fit_rows=len(samples))
     return CostFit(base.model_copy(update=update), len(samples), tuple(ttft_errs), tuple(tbt_errs))
 
 
@@ -546,8 +547,9 @@ def predict_ttft(profile: ModelProfile, s: OutcomeSample, base: ModelProfile) ->
             + profile.prefill_seconds(s.prompt_tokens, min(s.reused_tokens, s.prompt_tokens - 1)))
 
 
-def _quantile(values: Sequence[float], q: float) -> float | None:
-    return round(float(np.quantile(np.array(values), q)), 6) if values else None
+def _percentile(values: Sequence[float], p: float) -> float | None:
+    v = percentile(values, p)
+    return None if v is None else round(v, 6)
 
 
 def fit_moved(old: ModelProfile, new: ModelProfile, threshold: float) -> bool:

@@ -54,6 +54,7 @@ from conductor.harness.vllm_kit import VllmEngine, kit_available, kit_dir, start
 from conductor.routing.control_log import control_records, publish_control
 from conductor.routing.fit_worker import run_fit_worker
 from conductor.settings import Settings
+from conductor.stats import percentile
 
 
 @dataclass(frozen=True)
@@ -121,16 +122,17 @@ async def _replay(c: VllmGatewayCluster, reqs: Sequence[DemoRequest], opts: FitB
 
 
 def _q(v: Sequence[float], p: float) -> float | None:
-    return None if not v else round(float(np.quantile(np.array(v), p)), 4)
+    x = percentile(v, p)
+    return None if x is None else round(x, 4)
 
 
 def error_summary(samples: Sequence[OutcomeSample]) -> dict[str, Any]:
     ttft, tbt = prediction_errors(samples)
-    return {"samples": len(samples), "ttft_prediction_error_p50": _q(ttft, 0.5),
-            "ttft_prediction_error_p90": _q(ttft, 0.9),
-            "tbt_prediction_error_p50": _q(tbt, 0.5), "tbt_prediction_error_p90": _q(tbt, 0.9),
-            "ttft_p50_s": _q([s.ttft_s for s in samples], 0.5), "ttft_p90_s": _q([s.ttft_s for s in samples], 0.9),
-            "predicted_ttft_p50_s": _q([s.predicted_ttft_s or 0.0 for s in samples], 0.5)}
+    return {"samples": len(samples), "ttft_prediction_error_p50": _q(ttft, 50),
+            "ttft_prediction_error_p90": _q(ttft, 90),
+            "tbt_prediction_error_p50": _q(tbt, 50), "tbt_prediction_error_p90": _q(tbt, 90),
+            "ttft_p50_s": _q([s.ttft_s for s in samples], 50), "ttft_p90_s": _q([s.ttft_s for s in samples], 90),
+            "predicted_ttft_p50_s": _q([s.predicted_ttft_s or 0.0 for s in samples], 50)}
 
 
 # --- the model forms compared ---------------------------------------------------------
@@ -183,7 +185,7 @@ def compare_forms(samples: Sequence[OutcomeSample], base: ModelProfile, folds: i
         for name, pred in (("parametric", par), ("log_linear", _loglinear(train, test)),
                            ("piecewise_linear", _piecewise(train, test))):
             errs[name] += [float(v) for v in np.abs(pred - obs) / obs]
-    return {k: {"p50": round(float(np.quantile(v, 0.5)), 4), "p90": round(float(np.quantile(v, 0.9)), 4)}
+    return {k: {"p50": round(percentile(v, 50, empty=math.nan), 4), "p90": round(percentile(v, 90, empty=math.nan), 4)}
             for k, v in errs.items() if v}
 
 
