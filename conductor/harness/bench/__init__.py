@@ -14,11 +14,3 @@
 """
 
 from __future__ import annotations
-
-
-def percentile(xs: list[float], q: float) -> float:
-    """The ``q`` quantile of ``xs`` by nearest rank (0 for no samples)."""
-    if not xs:
-        return 0.0
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, max(0, round(q * (len(xs) - 1))))]

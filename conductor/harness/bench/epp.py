@@ -28,11 +28,11 @@ from typing import Any
 
 import httpx
 
-from conductor.gateway.protocol import percentile
 from conductor.harness.bench.gateway import routing_ms_since
 from conductor.harness.bench.stack import with_servers
 from conductor.harness.epp_cluster import EnvoySide, EppCluster
 from conductor.settings import Settings
+from conductor.stats import percentile
 
 ZERO_COMPUTE = 1e9
 """The engines' time scale: every model step takes ~0 s, so only the request path is timed."""

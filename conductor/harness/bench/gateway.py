@@ -36,10 +36,11 @@ from typing import Any
 import httpx
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from conductor.gateway.protocol import percentile, vllm_decode_body, vllm_prefill_body
+from conductor.gateway.protocol import vllm_decode_body, vllm_prefill_body
 from conductor.harness.devstack import EmbeddedStack
 from conductor.harness.gateway_cluster import GatewayCluster
 from conductor.settings import Settings
+from conductor.stats import percentile
 from schemas import RequestOutcome, decode
 from streams.kafka import consumer
 from streams.topics import topics

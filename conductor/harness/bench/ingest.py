@@ -33,9 +33,9 @@ from typing import Any
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
-from conductor.harness.bench import percentile
 from conductor.harness.devstack import EmbeddedStack, free_port
 from conductor.settings import child_environment
+from conductor.stats import percentile
 from schemas import BlocksRemoved, BlocksStored, Heartbeat, chain_from_precomputed, encode, envelope, headers
 from state.redis_view import RedisViewStore
 from streams.kafka import ensure_topics, producer
@@ -155,8 +155,8 @@ async def run_ingest_bench(
             "block_events_per_s": round(phase1.blocks / phase1.seconds, 1),
             "records_per_s": round(phase1.records / phase1.seconds, 1),
             "blocks_per_record": round(phase1.blocks / max(phase1.kv_records, 1), 1),
-            "staleness_ms_p50": round(percentile(stale, 0.50) * 1000, 2),
-            "staleness_ms_p99": round(percentile(stale, 0.99) * 1000, 2),
+            "staleness_ms_p50": round(percentile(stale, 50, empty=0.0) * 1000, 2),
+            "staleness_ms_p99": round(percentile(stale, 99, empty=0.0) * 1000, 2),
             "view_bytes_per_block": round((mem1 - run.mem0) / max(n_blocks, 1), 1),
             "offered_block_events_per_s": cfg.offered_rate,
             "staleness_samples": len(stale),

@@ -42,18 +42,11 @@ from typing import Any
 
 from conductor.costmodel.fitting import prediction_error_summary
 from conductor.errors import ConductorError
-from conductor.harness.demo import (
-    TRACE_BLOCK_TOKENS,
-    DemoRequest,
-    RunStats,
-    ask_completion,
-    default_trace,
-    load_slice,
-    percentile,
-)
+from conductor.harness.demo import TRACE_BLOCK_TOKENS, DemoRequest, RunStats, ask_completion, default_trace, load_slice
 from conductor.harness.devstack import EmbeddedStack, free_port
 from conductor.harness.gateway_cluster import GatewayCluster, SglangRouterCluster, sglang_router_missing
 from conductor.settings import Settings
+from conductor.stats import percentile
 from schemas import RequestOutcome, decode
 from streams.kafka import consumer
 from streams.topics import topics
@@ -240,8 +233,8 @@ def both_served(conductor: dict[str, Any], peer: dict[str, Any]) -> dict[str, An
     out: dict[str, Any] = {"both_served": len(common)}
     for name, side in (("conductor", a), ("peer", b)):
         xs = [side[i] for i in common]
-        out[f"{name}_ttft_p50_s_both_served"] = pct(xs, 0.5)
-        out[f"{name}_ttft_p90_s_both_served"] = pct(xs, 0.9)
+        out[f"{name}_ttft_p50_s_both_served"] = pct(xs, 50)
+        out[f"{name}_ttft_p90_s_both_served"] = pct(xs, 90)
     return out
 
 

@@ -40,12 +40,13 @@ import openai
 from conductor.bridge.scrape import parse_load
 from conductor.costmodel.fitting import prediction_error_summary
 from conductor.harness.bench.live import LiveBenchError, block_words, quiet_clients, read_outcomes, servers, trace_slice
-from conductor.harness.demo import DemoRequest, Processes, percentile
+from conductor.harness.demo import DemoRequest, Processes
 from conductor.harness.devstack import free_port
 from conductor.harness.gateway_cluster import sglang_router_missing
 from conductor.harness.vllm_cluster import VllmGatewayCluster, VllmNode
 from conductor.harness.vllm_kit import VllmEngine, kit_available, kit_dir, start_engines, tiny_model_dir
 from conductor.settings import Settings, child_environment
+from conductor.stats import percentile
 
 log = logging.getLogger(__name__)
 
@@ -171,8 +172,8 @@ def summary(stats: SideStats, before: tuple[float, float], after: tuple[float, f
         "rejected": rejected,
         "errors": stats.sent - served - rejected,
         "statuses": dict(stats.statuses),
-        "ttft_p50_s": pct(0.5),
-        "ttft_p90_s": pct(0.9),
+        "ttft_p50_s": pct(50),
+        "ttft_p90_s": pct(90),
         "engine_prefix_hit_ratio": round(hits / queries, 4) if queries > 0 else None,
         "engine_prefix_hit_tokens": int(hits),
         "engine_prefix_query_tokens": int(queries),

@@ -20,10 +20,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from conductor.harness.bench import percentile
 from conductor.routing.policies import Decision, Policy
 from conductor.routing.router import Router, redis_stores
 from conductor.routing.snapshot import ClusterSnapshot, PolicyRequest
+from conductor.stats import percentile
 from schemas import Heartbeat, Role, RoutingDecision, RoutingRequest, envelope
 from state.fold import AddBlocks
 from state.reader import RawSnapshotReader
@@ -394,8 +394,8 @@ def _result(run: _RouteRun, t: _Timings, loaded: _Loaded, *, instances: int, dec
     node_reads = dict(getattr(view, "node_reads", {}))
     cache = dict(getattr(view, "stats", {}))
     policy_ms, holders = run.timed.policy_ms, run.timed.holders
-    d50, m50 = percentile(t.lat, 0.50), percentile(t.base, 0.50)
-    d99, m99 = percentile(t.lat, 0.99), percentile(t.base, 0.99)
+    d50, m50 = percentile(t.lat, 50, empty=0.0), percentile(t.base, 50, empty=0.0)
+    d99, m99 = percentile(t.lat, 99, empty=0.0), percentile(t.base, 99, empty=0.0)
     return {
         "bench": "route",
         "policy": run.timed.name,
@@ -408,8 +408,8 @@ def _result(run: _RouteRun, t: _Timings, loaded: _Loaded, *, instances: int, dec
         "decision_ms_p50": round(d50, 4),
         "decision_ms_p99": round(d99, 4),
         "decision_ms_max": round(max(t.lat), 4),
-        "policy_ms_p50": round(percentile(policy_ms, 0.50), 4),
-        "policy_ms_p99": round(percentile(policy_ms, 0.99), 4),
+        "policy_ms_p50": round(percentile(policy_ms, 50, empty=0.0), 4),
+        "policy_ms_p99": round(percentile(policy_ms, 99, empty=0.0), 4),
         "prefix_holders_mean": round(statistics.fmean(holders), 1) if holders else 0.0,
         "decisions_per_s": round(decisions / t.busy_s, 1),
         "mget128_ms_p50": round(m50, 4),

@@ -39,13 +39,14 @@ from conductor.errors import ConductorError, ConfigError
 from conductor.harness.bench.live import quiet_clients, read_outcomes, servers, trace_slice
 from conductor.harness.bench.live_vllm import MODEL, VllmLiveOptions, replay
 from conductor.harness.calibrate import CalibrateConfig, Calibration, SweepPlan, calibrate_engine, merged, write_profile
-from conductor.harness.demo import DemoRequest, percentile
+from conductor.harness.demo import DemoRequest
 from conductor.harness.devstack import free_port
 from conductor.harness.sim.run import SimulateConfig, run_simulation
 from conductor.harness.vllm_cluster import VllmGatewayCluster, VllmNode
 from conductor.harness.vllm_kit import BLOCK_SIZE, VllmEngine, kit_available, kit_dir, start_engines, tiny_model_dir
 from conductor.routing.control_log import publish_control
 from conductor.settings import Settings
+from conductor.stats import percentile
 from schemas import ControlCommand, RequestOutcome
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ def _pcts(values: list[float]) -> dict[str, float | None]:
         v = percentile(values, p)
         return None if v is None else round(v, 4)
 
-    return {"p50": r(0.5), "p90": r(0.9)}
+    return {"p50": r(50), "p90": r(90)}
 
 
 async def _record(s: Settings, opts: SimFidelityOptions, requests: list[DemoRequest], kit: Path,

@@ -20,9 +20,9 @@ from typing import Any
 
 import redis.asyncio as aioredis
 
-from conductor.harness.bench import percentile
 from conductor.harness.devstack import free_port, redis_binary
 from conductor.harness.valkey_cluster import ValkeyCluster
+from conductor.stats import percentile
 from state.connect import open_client
 from state.fold import AddBlocks
 from state.reader import RawSnapshotReader
@@ -185,7 +185,7 @@ async def _time_reads(name: str, fn: Callable[[], Awaitable[Any]], admin: Any, r
     stats = await admin.info("commandstats")
     server_us = sum(v["usec"] for k, v in stats.items() if k != "cmdstat_config") / reads
     return {
-        f"{name}_ms_p50": round(percentile(lat, 0.5), 3),
-        f"{name}_ms_p99": round(percentile(lat, 0.99), 3),
+        f"{name}_ms_p50": round(percentile(lat, 50, empty=0.0), 3),
+        f"{name}_ms_p99": round(percentile(lat, 99, empty=0.0), 3),
         f"{name}_server_us": round(server_us, 1),
     }
