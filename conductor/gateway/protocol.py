@@ -293,14 +293,6 @@ def sglang_bodies(body: Mapping[str, Any], host: str, port: int, room: int) -> t
     return prefill, decode
 
 
-def percentile(xs: Sequence[float], p: float) -> float | None:
-    """Nearest-rank percentile (None for no values)."""
-    if not xs:
-        return None
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, math.ceil(p / 100 * len(s)) - 1))]
-
-
 def parse_engine_map(items: Sequence[str]) -> dict[str, str]:
     """``ID=URL`` items → {node id: base URL}; raise ValueError naming the bad item."""
     out: dict[str, str] = {}

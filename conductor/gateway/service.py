@@ -57,7 +57,6 @@ from conductor.gateway.protocol import (
     error_body,
     parse_body,
     parse_slo,
-    percentile,
     rejection_response,
     sglang_bodies,
     vllm_decode_body,
@@ -68,6 +67,7 @@ from conductor.gateway.sse import EventTooLong, SseScan
 from conductor.gateway.tokenizer import Prompt, PromptRejected, PromptTokenizer, TokenizeError
 from conductor.routing.local import LocalRouter, LogUnavailable
 from conductor.settings import Settings
+from conductor.stats import percentile
 from conductor.web import FastJSONResponse, json_body, json_bytes
 from schemas import MmItem, RequestOutcome, RoutingDecision, RoutingRejection, RoutingRequest, encode, envelope, headers
 from schemas.records import MAX_EXTRA_KEYS, MAX_NAME
