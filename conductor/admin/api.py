@@ -20,7 +20,7 @@ from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
 from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic import BaseModel, Field
 
-from conductor.admin.auth import SESSION_TTL_S, Scope, granted, tokens_for
+from conductor.admin.auth import SESSION_TTL_S, Scope, Tokens, granted, tokens_for
 from conductor.admin.cluster import view_summary
 from conductor.admin.console import CONSOLE_HTML, LOGIN_HTML
 from conductor.admin.feed import LogFeed
@@ -85,37 +85,45 @@ def create_app(settings: Settings, *, insecure: bool = False, feed: LogFeed | No
         "signed session cookie, on every endpoint except /health (open only when started --insecure).",
         lifespan=lifespan,
     )
+    # Registered in this order (the OpenAPI document lists the paths so).
+    _health_and_console(app, tokens, feed)
+    read, admin = _needs(tokens, "read"), _needs(tokens, "admin")
+    _cluster_and_decisions(app, settings, feed, view, read)
+    _dead_letter_queue(app, settings, feed, read, admin)
+    _policy(app, settings, feed, read, admin)
+    return app
 
-    def scope_of(request: Request) -> Scope | None:
-        """The bearer token's scope, else the session cookie's (which holds no token)."""
-        header = request.headers.get("authorization")
-        if header:
-            return tokens.scope_of(header)
-        return tokens.session_scope(request.cookies.get(COOKIE), time.time())
 
-    def need(scope: Scope) -> Any:
-        def check(request: Request) -> str:
-            has = scope_of(request)
-            ok = granted(has, scope)
-            if ok is None:
-                raise HTTPException(401, "a bearer token is required", headers={"WWW-Authenticate": "Bearer"})
-            if not ok:
-                raise HTTPException(403, f"this token has no {scope} scope")
-            return has or ""
+def _scope_of(tokens: Tokens, request: Request) -> Scope | None:
+    """The bearer token's scope, else the session cookie's (which holds no token)."""
+    header = request.headers.get("authorization")
+    if header:
+        return tokens.scope_of(header)
+    return tokens.session_scope(request.cookies.get(COOKIE), time.time())
 
-        return Depends(check)
 
-    read, admin = need("read"), need("admin")
+def _needs(tokens: Tokens, scope: Scope) -> Any:
+    """A FastAPI dependency: 401 without a token or session, 403 without ``scope``; else the scope held."""
+    def check(request: Request) -> str:
+        has = _scope_of(tokens, request)
+        ok = granted(has, scope)
+        if ok is None:
+            raise HTTPException(401, "a bearer token is required", headers={"WWW-Authenticate": "Bearer"})
+        if not ok:
+            raise HTTPException(403, f"this token has no {scope} scope")
+        return has or ""
 
-    # --- health and the console --------------------------------------------------------
+    return Depends(check)
 
+
+def _health_and_console(app: FastAPI, tokens: Tokens, feed: LogFeed) -> None:
     @app.get("/health", tags=["health"])
     async def health() -> dict[str, Any]:
         return {"ok": True, "feed_ready": feed.ready.is_set(), "feed_error": feed.error or None}
 
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     async def console(request: Request) -> HTMLResponse:
-        if granted(scope_of(request), "read") is None:
+        if granted(_scope_of(tokens, request), "read") is None:
             return HTMLResponse(LOGIN_HTML, status_code=401)
         return HTMLResponse(CONSOLE_HTML)
 
@@ -130,8 +138,8 @@ def create_app(settings: Settings, *, insecure: bool = False, feed: LogFeed | No
                             httponly=True, samesite="strict", secure=request.url.scheme == "https")
         return {"scope": scope}
 
-    # --- the cluster and its decisions ------------------------------------------------------
 
+def _cluster_and_decisions(app: FastAPI, settings: Settings, feed: LogFeed, view: Any, read: Any) -> None:
     @app.get("/api/cluster", tags=["cluster"], dependencies=[read])
     async def cluster() -> dict[str, Any]:
         """Nodes: role, liveness, epoch, load, KV use, blocks per tier, heartbeat age, control status."""
@@ -181,8 +189,8 @@ def create_app(settings: Settings, *, insecure: bool = False, feed: LogFeed | No
             except ConductorError as e:
                 raise HTTPException(404, str(e)) from None
 
-    # --- the dead-letter queue ---------------------------------------------------------------
 
+def _dead_letter_queue(app: FastAPI, settings: Settings, feed: LogFeed, read: Any, admin: Any) -> None:
     @app.get("/api/dead-letters", tags=["dead letters"], dependencies=[read])
     async def dead_letters(limit: int = Query(100, ge=1, le=2000)) -> dict[str, Any]:
         rows = list(reversed(feed.dead_letters))[:limit]
@@ -219,8 +227,9 @@ def create_app(settings: Settings, *, insecure: bool = False, feed: LogFeed | No
         return {"topic": target.name, "partition": md.partition, "offset": md.offset,
                 "key": key.decode("utf-8", "backslashreplace") if key else None}
 
-    # --- the policy (through the control topic) --------------------------------------------------
 
+def _policy(app: FastAPI, settings: Settings, feed: LogFeed, read: Any, admin: Any) -> None:
+    """The policy and the nodes' rotation: read from the feed's control state, changed through the control topic."""
     @app.get("/api/policies", tags=["policy"], dependencies=[read])
     async def policies() -> list[dict[str, Any]]:
         return list_policies()
@@ -261,8 +270,6 @@ def create_app(settings: Settings, *, insecure: bool = False, feed: LogFeed | No
                           body: NodeChange | None = None, scope: str = admin) -> JSONResponse:
         """Take a node out of rotation (cordon, drain: running requests finish) or back (uncordon)."""
         return await publish({"action": action, "node_id": node_id, "reason": body.reason if body else ""}, scope)
-
-    return app
 
 
 def _key_of(original: bytes) -> bytes | None:
