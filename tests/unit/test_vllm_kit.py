@@ -12,6 +12,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from conductor.harness import nixl_tune
+from conductor.harness.settings import HarnessSettings, load_harness_settings
 from conductor.harness.vllm_kit import (
     KIT_PINS,
     MODEL_FILES,
@@ -27,7 +28,7 @@ from conductor.harness.vllm_kit import (
     make_tiny_model,
     tiny_model_dir,
 )
-from conductor.settings import load_settings
+from conductor.settings import HARNESS_VARIABLES, child_environment, load_settings
 
 
 def test_the_tiny_model_is_the_same_bytes_every_time(tmp_path: Path) -> None:
@@ -101,9 +102,13 @@ def test_nixl_tune_gives_the_agent_its_delay(tmp_path: Path, monkeypatch: pytest
 
 def test_kit_dir_from_the_settings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.delenv("CONDUCTOR_VLLM_KIT", raising=False)
-    assert kit_dir(load_settings()) == default_kit_dir() == Path.home() / ".cache" / "conductor" / "vllm-kit"
+    assert kit_dir(load_harness_settings()) == default_kit_dir() == Path.home() / ".cache" / "conductor" / "vllm-kit"
     monkeypatch.setenv("CONDUCTOR_VLLM_KIT", str(tmp_path / "kit"))
-    assert kit_dir(load_settings()) == tmp_path / "kit"
+    assert kit_dir(load_harness_settings()) == tmp_path / "kit"
+    # the product's settings accept the harness's variable and pass it on to child processes
+    settings = load_settings()
+    assert "vllm_kit" not in type(settings).model_fields
+    assert child_environment(settings)["CONDUCTOR_VLLM_KIT"] == str(tmp_path / "kit")
 
 
 def test_engine_command_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -133,3 +138,8 @@ def test_engine_command_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     assert len({agg.port, agg.zmq_port, agg.replay_port, pd.port, pd.zmq_port, pd.replay_port, pd.nixl_port}) == 7
     with pytest.raises(ValueError, match="multiple of 32"):
         VllmEngine(tmp_path, tmp_path, block_size=16)
+
+
+def test_the_product_settings_know_every_harness_variable() -> None:
+    # Settings cannot import the harness (the layers): its list of the harness's names is kept by this test
+    assert set(HarnessSettings.model_fields) == HARNESS_VARIABLES

@@ -18,8 +18,9 @@ import pytest
 
 from conductor.harness.bench.ingest import start_worker_process, stop_worker_process
 from conductor.harness.devstack import free_port
+from conductor.harness.settings import load_harness_settings
 from conductor.harness.vllm_kit import BLOCK_SIZE, VllmEngine, kit_available, kit_dir, start_engines, tiny_model_dir
-from conductor.settings import Settings, load_settings
+from conductor.settings import Settings
 from state.redis_view import RedisViewStore
 from streams.kafka import ensure_topics
 from streams.topics import topics
@@ -54,7 +55,7 @@ class VllmEngines:
 @pytest.fixture(scope="session")
 def vllm_kit() -> Path:
     """The kit's directory; skips the test (with the command that makes the kit) when it is not installed."""
-    kit = kit_dir(load_settings())
+    kit = kit_dir(load_harness_settings())
     reason = kit_available(kit)
     if reason:
         pytest.skip(reason)

@@ -49,6 +49,7 @@ from conductor.harness.bench.live import quiet_clients, read_outcome_records, re
 from conductor.harness.bench.live_vllm import MODEL, VllmLiveError, VllmLiveOptions, vllm_prompt
 from conductor.harness.demo import DemoRequest
 from conductor.harness.devstack import free_port
+from conductor.harness.settings import load_harness_settings
 from conductor.harness.vllm_cluster import VllmGatewayCluster, VllmNode
 from conductor.harness.vllm_kit import VllmEngine, kit_available, kit_dir, start_engines, tiny_model_dir
 from conductor.routing.control_log import control_records, publish_control
@@ -282,7 +283,7 @@ async def _rejection(c: VllmGatewayCluster, settings: Settings, reqs: Sequence[D
 
 
 def run_fit_bench(settings: Settings, opts: FitBenchOptions) -> dict[str, Any]:
-    kit = kit_dir(settings)
+    kit = kit_dir(load_harness_settings())
     why = kit_available(kit)
     if why:
         raise VllmLiveError(why)

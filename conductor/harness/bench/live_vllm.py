@@ -43,6 +43,7 @@ from conductor.harness.bench.live import LiveBenchError, block_words, quiet_clie
 from conductor.harness.demo import DemoRequest, Processes
 from conductor.harness.devstack import free_port
 from conductor.harness.gateway_cluster import sglang_router_missing
+from conductor.harness.settings import load_harness_settings
 from conductor.harness.vllm_cluster import VllmGatewayCluster, VllmNode
 from conductor.harness.vllm_kit import VllmEngine, kit_available, kit_dir, start_engines, tiny_model_dir
 from conductor.settings import Settings, child_environment
@@ -247,7 +248,7 @@ async def _router_ready(base: str, procs: Processes, timeout_s: float = 60.0) ->
 
 def _run_sides(settings: Settings, opts: VllmLiveOptions, what: str) -> tuple[dict[str, Any], dict[str, Any]]:
     """Every side of ``opts.sides`` on fresh real engines: (side → summary, what the run was)."""
-    kit = kit_dir(settings)
+    kit = kit_dir(load_harness_settings())
     why = kit_available(kit)
     if why:
         raise VllmLiveError(why)

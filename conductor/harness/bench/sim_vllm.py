@@ -41,6 +41,7 @@ from conductor.harness.bench.live_vllm import MODEL, VllmLiveOptions, replay
 from conductor.harness.calibrate import CalibrateConfig, Calibration, SweepPlan, calibrate_engine, merged, write_profile
 from conductor.harness.demo import DemoRequest
 from conductor.harness.devstack import free_port
+from conductor.harness.settings import load_harness_settings
 from conductor.harness.sim.run import SimulateConfig, run_simulation
 from conductor.harness.vllm_cluster import VllmGatewayCluster, VllmNode
 from conductor.harness.vllm_kit import BLOCK_SIZE, VllmEngine, kit_available, kit_dir, start_engines, tiny_model_dir
@@ -154,7 +155,7 @@ def _versus(sim: dict[str, Any], observed: dict[str, float | None]) -> dict[str,
 
 def run_sim_fidelity(settings: Settings, opts: SimFidelityOptions) -> dict[str, Any]:
     """Calibrate, record, simulate, compare: one result dict (see the module's docstring)."""
-    kit = kit_dir(settings)
+    kit = kit_dir(load_harness_settings())
     why = kit_available(kit)
     if why:
         raise SimFidelityError(why)
