@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from conductor.costmodel.costs import Costs
 from conductor.costmodel.profiles import ModelProfile
+from conductor.routing.policies.stages import DECIDE, Mark
 from conductor.routing.snapshot import ClusterSnapshot, PolicyRequest
 from conductor.topology import Topology
 from schemas import Tier
@@ -130,6 +131,14 @@ class BasePolicy(Generic[P]):
 
     def decide(self, request: PolicyRequest, snapshot: ClusterSnapshot, rng: random.Random) -> Decision:
         raise NotImplementedError
+
+    def decide_staged(self, request: PolicyRequest, snapshot: ClusterSnapshot, rng: random.Random,
+                      mark: Mark) -> Decision:
+        """:meth:`decide`, its stages reported to ``mark`` as they end (:mod:`.stages`); a policy
+        not split into stages is one, ``decide``."""
+        out = self.decide(request, snapshot, rng)
+        mark(DECIDE)
+        return out
 
     def __repr__(self) -> str:
         return f"<policy {self.name} {self.params}>"

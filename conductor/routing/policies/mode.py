@@ -27,15 +27,29 @@ from __future__ import annotations
 import dataclasses
 import random
 from dataclasses import dataclass
-from typing import Final, Literal
+from typing import Final, Literal, Protocol, runtime_checkable
 
 from conductor.costmodel.costs import Costs
 from conductor.routing.policies.base import BasePolicy, Decision, Placement, Policy, RejectCode, Rejection, slo_budgets
+from conductor.routing.policies.stages import DECIDE, MODE, Mark, StagedPolicy, no_mark
 from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
 from schemas import Mode
 
 AGGREGATED: Final = "aggregated"
 DISAGGREGATED: Final = "disaggregated"
+
+
+@runtime_checkable
+class EarlyRejecting(Protocol):
+    """The parameters of a policy that rejects by prediction (``kvcache-centric``'s): the SLO
+    margin and the priority's shift its budgets use, and whether it rejects at all."""
+
+    @property
+    def slo_margin(self) -> float: ...
+    @property
+    def priority_shift(self) -> float: ...
+    @property
+    def early_rejection(self) -> bool: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,32 +98,48 @@ def _option(mode: Mode, p: Placement, fits: bool) -> Option:
     return Option(mode, p.prefill, p.decode, p.predicted_ttft_s, p.predicted_tbt_ms, fits)
 
 
-def decide_mode(policy: Policy, request: PolicyRequest, snapshot: ClusterSnapshot, rng: random.Random) -> ModeChoice:
+def decide_mode(policy: Policy, request: PolicyRequest, snapshot: ClusterSnapshot, rng: random.Random,
+                mark: Mark = no_mark) -> ModeChoice:
     """``policy``'s answer where every instance can hand KV off; otherwise the mode (and the
-    instances) by predicted cost, with both options' costs."""
+    instances) by predicted cost, with both options' costs. ``mark``: told of each stage as it
+    ends (the policy's, when it reports them, then :data:`~.stages.MODE`)."""
+    def decide(snap: ClusterSnapshot) -> Decision:
+        if isinstance(policy, StagedPolicy):
+            return policy.decide_staged(request, snap, rng, mark)
+        out = policy.decide(request, snap, rng)
+        mark(DECIDE)
+        return out
+
     if snapshot.index is not None and not snapshot.index.both_count:
-        return ModeChoice(policy.decide(request, snapshot, rng))  # without listing the instances
+        return ModeChoice(decide(snapshot))  # without listing the instances
     insts = snapshot.instances
     both = [i for i in insts if i.role == "both"]
     if not both:
-        return ModeChoice(policy.decide(request, snapshot, rng))
+        return ModeChoice(decide(snapshot))
     if not isinstance(policy, BasePolicy):
         raise TypeError(f"policy {policy.name!r} has no cost model to weigh the aggregated options with")
     costs, p = policy.costs, policy.p
     # The SLO margin, the priority's shift and early rejection are parameters of the policies that have them.
-    margin = float(getattr(p, "slo_margin", 1.0))
-    shift = float(getattr(p, "priority_shift", 0.0))
+    margin, shift, rejects = 1.0, 0.0, False
+    if isinstance(p, EarlyRejecting):
+        margin, shift, rejects = float(p.slo_margin), float(p.priority_shift), bool(p.early_rejection)
     below = p.aggregate_below_tokens
-    rejects = bool(getattr(p, "early_rejection", False))
     bs = snapshot.block_size
     ttft_budget, tbt_budget = slo_budgets(request, margin, shift)
 
     if all(i.can_hand_off for i in both):
-        pd = policy.decide(request, snapshot, rng)
+        pd = decide(snapshot)
     else:  # the policy places hand-offs only among instances that can carry them out
         able = tuple(i for i in insts if i.role != "both" or i.can_hand_off)
-        pd = policy.decide(request, dataclasses.replace(snapshot, instances=able, index=None), rng)
+        pd = decide(dataclasses.replace(snapshot, instances=able, index=None))
+    choice = _weigh(costs, request, pd, both, bs, ttft_budget, tbt_budget, below, rejects)
+    mark(MODE)
+    return choice
 
+
+def _weigh(costs: Costs, request: PolicyRequest, pd: Decision, both: list[Instance], bs: int, ttft_budget: float,
+           tbt_budget: float, below: int, rejects: bool) -> ModeChoice:
+    """The hand-off ``pd`` against each ``both`` instance run aggregated: which mode, with the options' costs."""
     aggs = {i.node_id: _aggregated(costs, request, i, bs, ttft_budget, tbt_budget) for i in both}
     # The best aggregated option: the lowest TTFT among those that fit, else among all (node id breaks ties).
     pool = [a for a in aggs.values() if a[1]] or list(aggs.values())
