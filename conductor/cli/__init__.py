@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import sys
 
+from rich.markup import escape
+
 from conductor.cli import (
     admin,
     audit,
@@ -36,12 +38,12 @@ def main() -> None:
     try:
         app()
     except ConductorError as e:
-        err.print(f"[red]error:[/red] {e}")
+        err.print(f"[red]error:[/red] {escape(str(e))}")
         sys.exit(2)
     except (ModuleNotFoundError, BaseExceptionGroup) as e:  # a harness command without the harness extra
         if (missing := harness_library_missing(e)) is None:
             raise
-        err.print(f"[red]error:[/red] {missing}")
+        err.print(f"[red]error:[/red] {escape(missing)}")
         sys.exit(2)
 
 

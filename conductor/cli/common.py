@@ -18,6 +18,7 @@ import redis as redis_sync
 import typer
 from redis.exceptions import RedisClusterException
 from rich.console import Console
+from rich.markup import escape
 
 from conductor.errors import ConductorError
 from conductor.settings import Settings, load_settings
@@ -70,7 +71,7 @@ def settings_or_exit(**overrides: object) -> Settings:
     try:
         return load_settings(**overrides)
     except ConductorError as e:
-        err.print(f"[red]error:[/red] {e}")
+        err.print(f"[red]error:[/red] {escape(str(e))}")
         raise typer.Exit(2) from None
 
 
@@ -81,7 +82,7 @@ def exit_on(*kinds: type[Exception], soft_wrap: bool = False) -> Iterator[None]:
     try:
         yield
     except caught as e:
-        err.print(f"[red]error:[/red] {e}", soft_wrap=soft_wrap)
+        err.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=soft_wrap)  # an error's [...] is text, not markup
         raise typer.Exit(2) from None
 
 
