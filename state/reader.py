@@ -8,7 +8,7 @@ client CPU than the read itself, and that CPU is what bounds one router's throug
 node hash travels only when the view's version moved since the last read.
 
 It speaks plain ``redis://`` (with ``user:password@`` and a ``/db``); for ``rediss://`` and
-the rest, read through ``RedisViewStore`` (``conductor.routing.router.redis_stores`` picks).
+the rest, read through ``RedisViewStore`` (``conductor.routing.stores.redis_stores`` picks).
 """
 
 from __future__ import annotations

@@ -27,8 +27,9 @@ from aiokafka import TopicPartition
 from conductor.routing.control_log import control_records
 from conductor.routing.decision import decision_reservations
 from conductor.routing.policies import BasePolicy
-from conductor.routing.router import Router, decision_index
+from conductor.routing.router import Router
 from conductor.routing.snapshot import ClusterSnapshot
+from conductor.routing.stores import decision_index
 from conductor.settings import Settings
 from schemas import DecodeError, Envelope, RoutingDecision, RoutingRejection, RoutingRequest, decode
 from schemas.errors import ConductorError, ViewStoreError

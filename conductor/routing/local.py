@@ -32,7 +32,9 @@ import time
 from typing import Any
 
 from conductor.errors import ConductorError
-from conductor.routing.router import ControlFollower, Router, decision_index, redis_stores
+from conductor.routing.control_follow import ControlFollower
+from conductor.routing.router import Router
+from conductor.routing.stores import decision_index, redis_stores
 from conductor.settings import Settings
 from schemas import RoutingDecision, RoutingRejection, RoutingRequest, encode, envelope, headers
 from state.decisions import DecisionIndex, DecisionPosition

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import asyncio
 
-from conductor.routing.router import Router, RouterWorker, decision_index, default_router_id, redis_stores
+from conductor.routing.router import Router
+from conductor.routing.stores import decision_index, default_router_id, redis_stores
+from conductor.routing.worker import RouterWorker
 from conductor.settings import Settings
 
 

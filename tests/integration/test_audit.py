@@ -8,7 +8,9 @@ import time
 import pytest
 
 from conductor.routing.explain import AuditError, explain
-from conductor.routing.router import Router, RouterWorker, redis_stores
+from conductor.routing.router import Router
+from conductor.routing.stores import redis_stores
+from conductor.routing.worker import RouterWorker
 from schemas import BlocksStored, Heartbeat, RoutingDecision, RoutingRequest, chain_keys, decode, encode, envelope
 from state.redis_view import RedisViewStore
 from streams import kafka

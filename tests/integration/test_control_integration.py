@@ -11,7 +11,9 @@ import pytest
 from conductor.errors import ConfigError
 from conductor.routing.control_log import current_control, publish_control
 from conductor.routing.explain import explain
-from conductor.routing.router import Router, RouterWorker, redis_stores
+from conductor.routing.router import Router
+from conductor.routing.stores import redis_stores
+from conductor.routing.worker import RouterWorker
 from schemas import (
     BlocksStored,
     ControlCommand,

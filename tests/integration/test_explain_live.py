@@ -21,7 +21,9 @@ from pydantic import SecretStr
 from conductor.admin.api import create_app
 from conductor.admin.feed import LogFeed
 from conductor.routing.explain import explain
-from conductor.routing.router import Router, RouterWorker, decision_index, redis_stores
+from conductor.routing.router import Router
+from conductor.routing.stores import decision_index, redis_stores
+from conductor.routing.worker import RouterWorker
 from conductor.settings import Settings, settings_env
 from schemas import BlocksStored, Heartbeat, RoutingDecision, RoutingRequest, chain_keys, decode, encode, envelope
 from state.memory import InMemoryViewStore

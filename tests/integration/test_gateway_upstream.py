@@ -32,7 +32,9 @@ from conductor.gateway import service
 from conductor.gateway.app import run_gateway
 from conductor.gateway.auth import key_ring
 from conductor.gateway.service import Gateway, GatewayConfig, RoutingMode
-from conductor.routing.router import Router, RouterWorker, redis_stores
+from conductor.routing.router import Router
+from conductor.routing.stores import redis_stores
+from conductor.routing.worker import RouterWorker
 from conductor.settings import Settings
 from schemas import Heartbeat, RequestOutcome, RoutingRequest, envelope
 from streams.kafka import ensure_topics

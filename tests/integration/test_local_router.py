@@ -15,7 +15,9 @@ from kvstream import read_all
 
 from conductor.routing.explain import explain
 from conductor.routing.local import LocalRouter, LogUnavailable
-from conductor.routing.router import Router, RouterWorker, redis_stores
+from conductor.routing.router import Router
+from conductor.routing.stores import redis_stores
+from conductor.routing.worker import RouterWorker
 from conductor.settings import Settings
 from schemas import Heartbeat, RoutingDecision, RoutingRequest, encode, envelope, headers
 from state.view import SourcePosition

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from conductor.cli import app
 from conductor.harness.gateway_cluster import GatewayCluster
-from conductor.routing.router import decision_index, redis_stores
+from conductor.routing.stores import decision_index, redis_stores
 from conductor.settings import Settings, load_settings, settings_env
 from schemas import AllBlocksCleared, BlocksRemoved, BlocksStored, Heartbeat, envelope
 from state.acl import acl_rules

@@ -14,9 +14,12 @@ import tests.contract.test_view_contract as contract
 from conductor.harness.bench.ingest import start_worker_process, stop_worker_process
 from conductor.harness.devstack import free_port
 from conductor.routing.explain import explain
-from conductor.routing.router import RawSnapshotReader, Router, RouterWorker, redis_stores
+from conductor.routing.router import Router
+from conductor.routing.stores import redis_stores
+from conductor.routing.worker import RouterWorker
 from conductor.settings import load_settings
 from schemas import BlocksStored, Heartbeat, RoutingDecision, RoutingRequest, chain_keys, decode, encode, envelope
+from state.reader import RawSnapshotReader
 from state.redis_view import RedisViewStore
 from streams import kafka
 from streams.topics import topics

@@ -8,7 +8,9 @@ import time
 import pytest
 
 from conductor.errors import ViewStoreError
-from conductor.routing.router import Router, RouterWorker, redis_stores, request_seed
+from conductor.routing.router import Router, request_seed
+from conductor.routing.stores import redis_stores
+from conductor.routing.worker import RouterWorker
 from schemas import (
     BlocksStored,
     DeadLetter,
@@ -133,7 +135,7 @@ async def test_bench_route_with_a_warm_tracking_reader_decides_without_round_tri
 
 
 async def test_raw_snapshot_reader_matches_the_view_store(settings) -> None:
-    from conductor.routing.router import RawSnapshotReader
+    from state.reader import RawSnapshotReader
 
     reader, _resv = redis_stores(settings, producer_id="raw-test")
     assert isinstance(reader, RawSnapshotReader)
@@ -231,7 +233,7 @@ async def test_raw_reader_logs_in_with_the_urls_user_and_password(settings) -> N
     import redis.asyncio as aioredis
 
     from conductor.errors import ViewStoreError
-    from conductor.routing.router import RawSnapshotReader
+    from state.reader import RawSnapshotReader
 
     admin = aioredis.from_url(settings.redis_url)
     user, password = f"reader-{settings.view_namespace}", "s3cret:@/x"

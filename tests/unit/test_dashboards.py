@@ -18,7 +18,8 @@ from conductor.bridge.scrape import EngineLoad
 from conductor.bridge.serve import bridge_instruments
 from conductor.bridge.translate import NodeTranslator
 from conductor.routing.fit_worker import FitMetrics
-from conductor.routing.router import RouterMetrics, RouterWorker
+from conductor.routing.router import RouterMetrics
+from conductor.routing.worker import RouterWorker
 from conductor.settings import load_settings
 from conductor.telemetry import scrape, setup_metrics
 from streams.ingest import IngestMetrics

@@ -543,7 +543,7 @@ def test_autoscalers_read_metrics_the_code_exports():
     """Each custom metric an autoscaler names is one the Prometheus adapter's rules make, from a
     series a Conductor process exports."""
     from conductor.gateway.service import GatewayMetrics
-    from conductor.routing.router import RouterWorker
+    from conductor.routing.worker import RouterWorker
     from conductor.settings import load_settings
     from conductor.telemetry import scrape, setup_metrics
 

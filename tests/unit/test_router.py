@@ -358,7 +358,7 @@ async def test_reads_that_come_back_out_of_order_still_decide_in_log_order() -> 
     import asyncio
     from types import SimpleNamespace
 
-    from conductor.routing.router import RouterWorker
+    from conductor.routing.worker import RouterWorker
 
     router, view, _resv = make_router("least-loaded")
     before = now_ms() - 1000
@@ -394,7 +394,7 @@ async def test_reads_that_come_back_out_of_order_still_decide_in_log_order() -> 
 
 
 async def test_the_view_reader_is_chosen_by_settings_and_a_tracking_reader_needs_plain_resp():
-    from conductor.routing.router import redis_stores
+    from conductor.routing.stores import redis_stores
     from state.reader import RawSnapshotReader
     from state.tracking import TrackingSnapshotReader
 

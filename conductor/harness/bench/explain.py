@@ -18,7 +18,9 @@ from typing import Any
 from aiokafka import AIOKafkaProducer, TopicPartition
 
 from conductor.routing.explain import explain
-from conductor.routing.router import Router, RouterWorker, decision_index, redis_stores
+from conductor.routing.router import Router
+from conductor.routing.stores import decision_index, redis_stores
+from conductor.routing.worker import RouterWorker
 from conductor.settings import Settings
 from schemas import BlocksStored, Heartbeat, Role, RoutingDecision, RoutingRequest, chain_keys, decode, encode, envelope
 from state.redis_view import RedisViewStore

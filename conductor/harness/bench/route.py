@@ -21,8 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conductor.routing.policies import Decision, Policy
-from conductor.routing.router import Router, redis_stores
+from conductor.routing.router import Router
 from conductor.routing.snapshot import ClusterSnapshot, PolicyRequest
+from conductor.routing.stores import redis_stores
 from conductor.stats import percentile
 from schemas import Heartbeat, Role, RoutingDecision, RoutingRequest, envelope
 from state.fold import AddBlocks
