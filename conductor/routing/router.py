@@ -33,7 +33,7 @@ import socket
 import time
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 from aiokafka import TopicPartition
 from opentelemetry import metrics
@@ -44,7 +44,8 @@ from conductor.routing.control import ControlState, apply_control
 from conductor.routing.decision import decision_record, decision_reservations, rejection_record
 from conductor.routing.index import ClusterIndex
 from conductor.routing.policies import Placement, Policy, Rejection, make_policy
-from conductor.routing.policies.mode import decide_mode
+from conductor.routing.policies.mode import ModeChoice, decide_mode
+from conductor.routing.policies.stages import CLUSTER, VIEW_READ, StageTimes
 from conductor.routing.snapshot import ClusterSnapshot, Instance, InstanceMemo, PolicyRequest, build_cluster
 from conductor.settings import Settings
 from schemas import (
@@ -177,6 +178,35 @@ class _LastView:
     at: float  # time.monotonic() of the read
 
 
+@dataclass(frozen=True, slots=True)
+class _Read:
+    """What a decision is made on: a read (or, degraded, the last one's node states) and its age."""
+
+    snap: ViewSnapshot
+    pending: dict[str, Load] | None
+    degraded: bool
+    age_ms: float
+    why: str
+
+
+@runtime_checkable
+class SharedReservations(Protocol):
+    """Reservations shared between replicas (``state.reservations.RedisReservations``): a local
+    copy kept current by following the others', started and closed with the router."""
+
+    @property
+    def local(self) -> InMemoryReservations: ...
+    async def start(self, now_ms: int) -> None: ...
+    async def close(self) -> None: ...
+
+
+@runtime_checkable
+class HealthTellingView(Protocol):
+    """A view that can say whether it is the truth (``state.redis_view.RedisViewStore``)."""
+
+    async def view_health(self) -> tuple[bool, str]: ...
+
+
 class RouterMetrics:
     """The router's instruments (no-ops until ``setup_metrics`` installs a provider)."""
 
@@ -199,6 +229,10 @@ class RouterMetrics:
         )
         self.routed_prompt = m.create_counter(
             "conductor_router_routed_prompt_tokens", description="prompt tokens placed, by prefill instance"
+        )
+        self.stages = m.create_histogram(
+            "conductor_router_stage_latency", unit="ms",
+            description="each stage of a decision (view_read, cluster, the policy's stages, mode), by stage",
         )
 
 
@@ -231,8 +265,10 @@ class Router:
         self.metrics = RouterMetrics()
         self._last: _LastView | None = None
         self._memo: InstanceMemo = {}
-        local = getattr(reservations, "local", reservations)
+        local = reservations.local if isinstance(reservations, SharedReservations) else reservations
         self._local = local if incremental and isinstance(local, InMemoryReservations) else None
+        self.on_stages: Callable[[dict[str, float]], None] | None = None
+        """Told each decision's stage times, in ms (``explain``, the route bench)."""
         self._indexes: dict[tuple[str | None, frozenset[str]], ClusterIndex] = {}
         self._health: tuple[float, bool, str] | None = None  # (clock, healthy, reason) of the last check
         self.ttl_s = settings.heartbeat_ttl_s
@@ -240,15 +276,13 @@ class Router:
 
     async def start(self) -> None:
         """Start following the shared reservations (a no-op for in-memory ones)."""
-        start = getattr(self.reservations, "start", None)
-        if start is not None:
-            await start(int(time.time() * 1000))
+        if isinstance(self.reservations, SharedReservations):
+            await self.reservations.start(int(time.time() * 1000))
 
     async def close(self) -> None:
         """Share the last reservations and stop following."""
-        close = getattr(self.reservations, "close", None)
-        if close is not None:
-            await close()
+        if isinstance(self.reservations, SharedReservations):
+            await self.reservations.close()
 
     # --- runtime control (the control topic, in log order) ------------------------------
 
@@ -369,14 +403,44 @@ class Router:
         process deciding where the request arrived (:mod:`conductor.routing.local`); its decision
         records it and ``ordinal``, which is then not the request's offset."""
         t0 = time.perf_counter()
+        times = StageTimes(time.perf_counter)
         seed = request_seed(self.settings.seed, req.request_id)
         try:
             chain = self.chain_of(req)
         except InvalidRequest as e:
             return self.reject(req.request_id, "invalid_request", str(e), seed=seed)
         preq = self.policy_request(req, len(chain), ordinal)
-        degraded = False
-        age_ms = 0.0
+        times.start()
+        r = await self._read_or_last(req, chain, after, seed)
+        if isinstance(r, RoutingRejection):
+            return r
+        times.mark(VIEW_READ)
+        cluster, choice, exclude = self._decide(req, preq, r, seed, times)
+        snap, age_ms = r.snap, r.age_ms
+        answer = choice.decision
+        if isinstance(answer, Rejection) and answer.reason == "no_live_instance":
+            answer = Rejection(answer.reason, f"{answer.message} ({why_none(snap, self.ttl_s, req.model, exclude, self.control.excluded)})")
+        self.metrics.latency.record((time.perf_counter() - t0) * 1000.0)
+        self._report_stages(times)
+        out = decision_record(req, answer, block_size=self.settings.block_size, policy=self.policy.name,
+                              params=self.params, seed=seed, watermark=cluster.watermark, degraded=r.degraded,
+                              age_ms=age_ms, degraded_reason=r.why if r.degraded else "",
+                              rederivation={**self._rederivation(), "view_now_ms": snap.now_ms + int(age_ms)},
+                              options=choice.options, endpoints=_endpoints(answer, _instance_of(cluster)))
+        if decided_by is not None and isinstance(out, RoutingDecision):
+            out = out.model_copy(update={"decided_by": decided_by, "ordinal": ordinal})
+        if isinstance(out, RoutingRejection):
+            self.metrics.rejections.add(1, {"reason": out.reason})
+            return out
+        await self._reserve(req, out, snap.now_ms + int(age_ms))
+        self._count(req, out)
+        return out
+
+    async def _read_or_last(self, req: RoutingRequest, chain: Sequence[int], after: Awaitable[Any] | None,
+                            seed: int) -> _Read | RoutingRejection:
+        """One view read and the reservations pending against it; when the view is unreachable or
+        not the truth, the last read's node states (degraded, prefixes unknown) while they are
+        younger than ``max_snapshot_age_s``, else the rejection that says so."""
         why = ""
         try:
             healthy, why = await self.view_health()
@@ -384,6 +448,7 @@ class Router:
                 raise _Unhealthy(why)
             snap, pending = await self.read(chain, after)
             self._last = _LastView(ViewSnapshot(snap.now_ms, snap.nodes, {}, snap.watermark), self.clock())
+            return _Read(snap, pending, False, 0.0, why)
         except (ViewStoreError, OSError, TimeoutError, _Unhealthy) as e:
             last = self._last
             age_ms = (self.clock() - last.at) * 1000.0 if last else float("inf")
@@ -396,59 +461,59 @@ class Router:
                     + " and the last snapshot is " + ("missing" if last is None else f"{age_ms / 1000:.1f}s old"),
                     seed=seed,
                 )
-            degraded = True
             if after is not None:
                 await after
             snap = last.snapshot  # node states only: prefixes of this chain are unknown
             pending = await self.reservations.pending(_since(snap), snap.now_ms + int(age_ms))
+            return _Read(snap, pending, True, age_ms, why)
+
+    def _decide(self, req: RoutingRequest, preq: PolicyRequest, r: _Read, seed: int,
+                times: StageTimes) -> tuple[ClusterSnapshot, ModeChoice, Collection[str]]:
+        """The picture (:meth:`cluster`) and the decision on it, with the instances left out."""
         # Cordoned and draining nodes take no new requests; a retry names the instances that failed it;
         # a gateway's request names no engine it cannot reach.
         exclude: Collection[str] = req.exclude
-        cluster = self.cluster(snap, pending, req.model, age_ms, exclude)
-        choice = decide_mode(self.policy, preq, cluster, random.Random(seed))
-        of = _instance_of(cluster)
-        if req.reachable is not None and _names_unreachable(choice.decision, of, req.reachable):
+        cluster = self.cluster(r.snap, r.pending, req.model, r.age_ms, exclude)
+        times.mark(CLUSTER)
+        choice = decide_mode(self.policy, preq, cluster, random.Random(seed), times.mark)
+        if req.reachable is not None and _names_unreachable(choice.decision, _instance_of(cluster), req.reachable):
             # Rare (every engine announces its URL): decide again without the engines this
             # gateway cannot reach, so the answer is the same whenever it is re-derived.
             reachable = set(req.reachable)
             exclude = {i.node_id for i in cluster.instances
                        if i.endpoint is None and i.role != "store" and i.node_id not in reachable}.union(exclude)
-            cluster = self.cluster(snap, pending, req.model, age_ms, exclude)
-            choice = decide_mode(self.policy, preq, cluster, random.Random(seed))
-            of = _instance_of(cluster)
-        answer = choice.decision
-        if isinstance(answer, Rejection) and answer.reason == "no_live_instance":
-            answer = Rejection(answer.reason, f"{answer.message} ({why_none(snap, self.ttl_s, req.model, exclude, self.control.excluded)})")
-        self.metrics.latency.record((time.perf_counter() - t0) * 1000.0)
-        out = decision_record(req, answer, block_size=self.settings.block_size, policy=self.policy.name,
-                              params=self.params, seed=seed, watermark=cluster.watermark, degraded=degraded,
-                              age_ms=age_ms, degraded_reason=why if degraded else "",
-                              rederivation={**self._rederivation(), "view_now_ms": snap.now_ms + int(age_ms)},
-                              options=choice.options, endpoints=_endpoints(answer, of))
-        if decided_by is not None and isinstance(out, RoutingDecision):
-            out = out.model_copy(update={"decided_by": decided_by, "ordinal": ordinal})
-        if isinstance(out, RoutingRejection):
-            self.metrics.rejections.add(1, {"reason": out.reason})
-            return out
-        await self._reserve(req, out, snap.now_ms + int(age_ms))
+            cluster = self.cluster(r.snap, r.pending, req.model, r.age_ms, exclude)
+            times.mark(CLUSTER)
+            choice = decide_mode(self.policy, preq, cluster, random.Random(seed), times.mark)
+        return cluster, choice, exclude
+
+    def _report_stages(self, times: StageTimes) -> None:
+        """Each stage's time into the metrics (and to :attr:`on_stages`)."""
+        ms = times.ms()
+        for stage, v in ms.items():
+            self.metrics.stages.record(v, {"stage": stage})
+        if self.on_stages is not None:
+            self.on_stages(ms)
+
+    def _count(self, req: RoutingRequest, out: RoutingDecision) -> None:
+        """A placement into the metrics: reuse, the instances, the prompt tokens routed and reused."""
         self.metrics.reuse.record(out.reused_tokens / req.prompt_tokens if req.prompt_tokens else 0.0)
         self.metrics.decisions.add(1, {"prefill": out.prefill_instance, "decode": out.decode_instance})
         node = {"node": out.prefill_instance}
         self.metrics.routed_prompt.add(req.prompt_tokens, node)
         if out.reuse_source == out.prefill_instance:
             self.metrics.predicted_reuse.add(out.reused_tokens, node)
-        return out
 
     async def view_health(self) -> tuple[bool, str]:
         """Whether the view is the truth (it has a generation and no partition is being rebuilt
         from the log), asked of the view at most every ``HEALTH_EVERY_S``; views that cannot
         tell (in-memory, replays) are always healthy."""
-        check = getattr(self.view, "view_health", None)
-        if check is None:
+        view = self.view
+        if not isinstance(view, HealthTellingView):
             return True, ""
         now = self.clock()
         if self._health is None or now - self._health[0] >= HEALTH_EVERY_S:
-            healthy, why = await check()
+            healthy, why = await view.view_health()
             if not healthy and why.startswith("view unreachable"):
                 healthy = True  # the read itself fails and says so (view_unavailable)
             if (healthy, why) != (self._health or (0, True, ""))[1:]:

@@ -23,13 +23,17 @@ if TYPE_CHECKING:
     from conductor.routing.policies.base import Decision
     from conductor.routing.snapshot import ClusterSnapshot, PolicyRequest
 
+VIEW_READ: Final = "view_read"
+"""The router's: the view read and the reservations pending against it."""
+CLUSTER: Final = "cluster"
+"""The router's: the policy's picture of the read (the cluster index brought up to it)."""
 CANDIDATES: Final = "candidates"
 PREFILL_PLAN: Final = "prefill_plan"
 ADMISSION: Final = "admission"
 DECODE_PICK: Final = "decode_pick"
 MODE: Final = "mode"
 DECIDE: Final = "decide"
-STAGE_NAMES: Final = (CANDIDATES, PREFILL_PLAN, ADMISSION, DECODE_PICK, MODE, DECIDE)
+STAGE_NAMES: Final = (VIEW_READ, CLUSTER, CANDIDATES, PREFILL_PLAN, ADMISSION, DECODE_PICK, MODE, DECIDE)
 """Every stage a decision may report, in the order :class:`StageTimes` lists them."""
 
 Mark = Callable[[str], None]
@@ -75,5 +79,5 @@ class StageTimes:
         return {n: self.seconds[n] * 1000.0 for n in names}
 
 
-__all__ = ["ADMISSION", "CANDIDATES", "DECIDE", "DECODE_PICK", "MODE", "PREFILL_PLAN", "STAGE_NAMES", "Mark",
-           "StageTimes", "StagedPolicy", "no_mark"]
+__all__ = ["ADMISSION", "CANDIDATES", "CLUSTER", "DECIDE", "DECODE_PICK", "MODE", "PREFILL_PLAN", "STAGE_NAMES",
+           "VIEW_READ", "Mark", "StageTimes", "StagedPolicy", "no_mark"]
