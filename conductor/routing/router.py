@@ -23,23 +23,18 @@ possibly a newer view); dispatchers drop a second decision for a request id.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import hashlib
 import logging
-import os
 import random
-import socket
 import time
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from aiokafka import TopicPartition
 from opentelemetry import metrics
 
 from conductor.costmodel.profiles import ModelProfile, load_profile
-from conductor.errors import ConfigError, ViewStoreError
+from conductor.errors import ViewStoreError
 from conductor.routing.control import ControlState, apply_control
 from conductor.routing.decision import decision_record, decision_reservations, rejection_record
 from conductor.routing.index import ClusterIndex
@@ -52,28 +47,16 @@ from schemas import (
     ControlCommand,
     DecodeError,
     Endpoint,
-    Envelope,
     RejectReason,
     RoutingDecision,
     RoutingRejection,
     RoutingRequest,
     decode,
-    encode,
-    envelope,
-    headers,
     request_chain_keys,
 )
 from schemas.records import MAX_BLOCKS
-from state.connect import HiredisPackedConnection, open_client
-from state.decisions import DecisionIndex, DecisionPosition, RedisDecisionIndex
-from state.reader import RawSnapshotReader
-from state.redis_view import RedisViewStore
-from state.reservations import InMemoryReservations, Load, RedisReservations, ReservationStore
-from state.tracking import TrackingSnapshotReader
+from state.reservations import InMemoryReservations, Load, ReservationStore
 from state.view import ViewReader, ViewSnapshot
-from streams.dead_letters import DeadLetters
-from streams.kafka import acknowledged, consumer, end_offsets, ensure_topics, producer
-from streams.topics import topics
 
 log = logging.getLogger(__name__)
 
@@ -592,10 +575,6 @@ class Unreadable:
     rejection: RoutingRejection | None
 
 
-def default_router_id() -> str:
-    return f"router-{socket.gethostname()}-{os.getpid()}"
-
-
 def _key_text(key: bytes | None) -> str:
     if not key:
         return ""
@@ -605,250 +584,4 @@ def _key_text(key: bytes | None) -> str:
         return ""
 
 
-# --- the Kafka loop -------------------------------------------------------------------
-
-
-class RouterWorker:
-    """Consumes ``requests`` in a consumer group and produces onto ``dispatch``."""
-
-    GROUP = "conductor-router"
-
-    def __init__(self, settings: Settings, router: Router, *, router_id: str | None = None,
-                 decisions: DecisionIndex | None = None) -> None:
-
-        self.settings = settings
-        self.router = router
-        self.decisions = decisions
-        """Where each decision landed on dispatch, for `explain` (written after the broker's ack,
-        in the background; None: not kept, explain scans)."""
-        self._indexing: asyncio.Task[None] | None = None
-        self.topics = topics(settings.topic_config())
-        self.router_id = router_id or default_router_id()
-        self._seq = 0
-        self.routed = 0
-        self.lag: dict[int, int] = {}  # requests partition → records not yet routed (the last fetch's view)
-
-        def observe_lag(_: Any) -> list[metrics.Observation]:
-            return [metrics.Observation(v, {"partition": str(p)}) for p, v in self.lag.items()]
-
-        metrics.get_meter(__name__).create_observable_gauge(
-            "conductor_router_consumer_lag", callbacks=[observe_lag],
-            description="requests not yet routed by this router, per partition")
-
-    def _wrap(self, body: Any) -> Envelope:
-        self._seq += 1
-        return envelope(body, producer_id=self.router_id, producer_seq=self._seq, ts_ms=int(time.time() * 1000))
-
-    def _in_order(self, records: Sequence[Any]) -> list[Awaitable[tuple[str, Any, str | None]]]:
-        """One handling per record, each deciding only after the one before it is done."""
-        loop = asyncio.get_running_loop()
-        out: list[Awaitable[tuple[str, Any, str | None]]] = []
-        before: asyncio.Future[None] | None = None
-        for rec in records:
-            done: asyncio.Future[None] = loop.create_future()
-            out.append(self._handle_then(rec, before, done))
-            before = done
-        return out
-
-    async def _handle_then(self, rec: Any, after: asyncio.Future[None] | None,
-                           done: asyncio.Future[None]) -> tuple[str, Any, str | None]:
-        try:
-            return await self.router.handle_with_reply(rec.value, rec.key, rec.offset, after)
-        finally:
-            if after is not None:
-                await after  # a rejection may return early: the next decision still waits for the earlier ones
-            if not done.done():
-                done.set_result(None)
-
-    async def run(self, stop: asyncio.Event, ready: asyncio.Event | None = None) -> None:
-
-        t = self.topics
-        await ensure_topics(self.settings.kafka(), (t.requests, t.dispatch, t.dead_letter, t.control))
-        prod = producer(self.settings.kafka(), linger_ms=0)  # a waiting gateway's reply goes out at once
-        # The embedded broker answers a fetch only when its wait runs out, new records or not:
-        # a short wait keeps a waiting gateway's decision from sitting there (Kafka returns early).
-        cons = consumer(self.settings.kafka(), t.requests.name, group_id=self.settings.topic_prefix + self.GROUP,
-                        **({"fetch_max_wait_ms": self.settings.embedded_fetch_wait_ms} if self.settings.embedded else {}))
-        control = ControlFollower(self.settings, self.router)
-        letters = DeadLetters(self.settings.kafka(), t.dead_letter, self.router_id, producer=prod, wrap=self._wrap)
-        await prod.start()
-        await control.start()  # caught up with every control record before the first decision
-        await cons.start()
-        await self.router.start()
-        try:
-            if ready is not None:
-                ready.set()
-            while not stop.is_set():
-                await control.poll()
-                batches = await cons.getmany(timeout_ms=200, max_records=500)
-                if not batches:
-                    continue
-                sends = []
-                placed: list[tuple[int, Envelope, Any, int, int]] = []  # (send, env, decision, request position)
-                n = self.settings.router_concurrency
-                for tp, records in batches.items():
-                    hw = cons.highwater(tp)
-                    if hw is not None:
-                        self.lag[tp.partition] = max(0, hw - records[-1].offset - 1)
-                    # Up to n view reads in flight at once; the decisions still happen one after
-                    # another in offset order (each waits for the one before it between its read
-                    # and its decision), so each sees the reservations of those before it, and
-                    # the order of dispatch is the order they were made in.
-                    handled = []
-                    for i in range(0, len(records), n):
-                        handled += await asyncio.gather(*self._in_order(records[i : i + n]))
-                    # Metadata of every reply topic first, before this batch's first send: a new
-                    # topic's metadata fetch that ran while a dispatch batch waited in the producer was
-                    # seen to strand that batch (its delivery never came, the loop stalled for good).
-                    for gateway in {r for _, _, r in handled if r}:
-                        with contextlib.suppress(ValueError):
-                            await prod.partitions_for(t.replies(gateway).name)
-                    for rec, (key, out, reply_to) in zip(records, handled):
-                        if out is DECIDED:
-                            continue
-                        if isinstance(out, Unreadable):
-                            sends.append(await letters.send(tp.topic, tp.partition, rec.offset, out.error.reason,
-                                                            str(out.error), rec.value, rec.key))
-                            if out.rejection is None:
-                                continue
-                            out = out.rejection
-                        env = self._wrap(out)
-                        raw, hdrs = encode(env), headers(env)
-                        placed.append((len(sends), env, out, tp.partition, rec.offset))
-                        sends.append(await prod.send(t.dispatch.name, raw, key=key.encode(), headers=hdrs))
-                        if reply_to:
-                            # The waiting gateway reads only its own topic; dispatch stays the audit log.
-                            try:
-                                reply = t.replies(reply_to)
-                            except ValueError as e:
-                                log.warning("request %s: no reply sent: %s", out.request_id, e)
-                            else:
-                                sends.append(await prod.send(reply.name, raw, key=out.request_id.encode(),
-                                                             headers=hdrs))
-                        self.routed += 1
-                await acknowledged(prod, sends, warn_after_s=10.0, what="dispatch record(s)")
-                await self._index(sends, placed)
-                await cons.commit()
-        finally:
-            if self._indexing is not None:
-                with contextlib.suppress(Exception):
-                    await self._indexing
-            await self.router.close()
-            await cons.stop()
-            await control.stop()
-            await prod.stop()
-
-
-    async def _index(self, sends: Sequence[Any], placed: Sequence[tuple[int, Envelope, Any, int, int]]) -> None:
-        """Hand the batch's dispatch positions to the decision index, in the background; a
-        batch waits only if the one before it is still being written (Redis slower than routing)."""
-        if self.decisions is None or not placed:
-            return
-        positions = []
-        for i, env, out, req_partition, req_offset in placed:
-            md = sends[i].result()
-            positions.append(DecisionPosition(out.request_id, md.partition, md.offset, env.ts_ms, req_partition,
-                                              req_offset))
-        if self._indexing is not None and not self._indexing.done():
-            await asyncio.wait([self._indexing])
-        self._indexing = asyncio.create_task(self._write_index(self.decisions, positions))
-
-    @staticmethod
-    async def _write_index(index: DecisionIndex, positions: list[DecisionPosition]) -> None:
-        try:
-            await index.record(positions)
-        except ViewStoreError as e:  # explain falls back to a scan for these
-            log.warning("%s", e)
-
-
-class ControlFollower:
-    """Reads the one-partition ``control`` topic from the start (every replica, no group) and
-    hands each record to :meth:`Router.apply_control` in offset order."""
-
-    def __init__(self, settings: Settings, router: Router) -> None:
-        self.settings = settings
-        self.router = router
-        self.topic = topics(settings.topic_config()).control
-        self._cons: Any = None
-        self.position = 0  # the next offset to read
-
-    async def start(self, catch_up_timeout_s: float = 10.0) -> None:
-        tp = TopicPartition(self.topic.name, 0)
-        self._cons = consumer(self.settings.kafka(), group_id=None)
-        await self._cons.start()
-        self._cons.assign([tp])
-        end = (await end_offsets(self._cons, [tp]))[tp]
-        await self._cons.seek_to_beginning(tp)
-        deadline = time.monotonic() + catch_up_timeout_s
-        while self.position < end and time.monotonic() < deadline:
-            await self.poll(timeout_ms=200)
-
-    async def poll(self, timeout_ms: int = 0) -> None:
-        got = await self._cons.getmany(timeout_ms=timeout_ms, max_records=100)
-        for msgs in got.values():
-            for m in msgs:
-                self.position = m.offset + 1
-                try:
-                    env = decode(m.value or b"")
-                except DecodeError as e:
-                    log.error("control offset %d unreadable, skipped: %s", m.offset, e)
-                    continue
-                if isinstance(env.body, ControlCommand):
-                    self.router.apply_control(env.body, m.offset)
-
-    async def stop(self) -> None:
-        if self._cons is not None:
-            await self._cons.stop()
-
-
-def redis_stores(settings: Settings, producer_id: str | None = None) -> tuple[Any, Any]:
-    """The Redis view reader and reservation log of ``settings``, with short timeouts.
-
-    Timeouts are short on purpose: a router that waits on a dead Redis answers nobody;
-    one that fails fast answers from its last snapshot.
-    """
-
-
-    if not settings.redis_url:
-        raise ViewStoreError("redis_url is not set (start the embedded stack with `conductor dev up`)")
-    url = settings.redis().connection_url()
-    client = open_client(
-        url, decode_responses=False, **settings.redis().tls_options(), socket_timeout=0.5, socket_connect_timeout=0.5,
-        health_check_interval=0, connection_class=HiredisPackedConnection,
-    )
-    view = RedisViewStore(client, settings.view_namespace)
-    # The raw reader speaks plain RESP (with AUTH user password), to one server or to the
-    # primary of the namespace's one slot of a Redis Cluster; TLS (rediss://) and unix sockets
-    # read through redis-py.
-    raw = url.startswith(("redis://", "redis+cluster://"))
-    if settings.view_reader == "tracking":
-        if not raw:
-            raise ConfigError("view_reader (CONDUCTOR_VIEW_READER) 'tracking' needs a redis:// or redis+cluster:// "
-                              f"URL (CONDUCTOR_REDIS_URL is {url.split('://')[0]}://); use 'raw'")
-        reader: Any = TrackingSnapshotReader(url, settings.view_namespace, cache_keys=settings.view_cache_keys,
-                                             store=view)
-    else:
-        reader = RawSnapshotReader(url, settings.view_namespace, store=view) if raw else view
-    return (reader,
-            RedisReservations(client, settings.view_namespace, settings.reservation_ttl_s,
-                              producer_id=producer_id or default_router_id()))
-
-
-def decision_index(settings: Settings, client: Any = None) -> RedisDecisionIndex | None:
-    """The decision index of ``settings`` (None when ``decision_index_ttl_s`` is 0), on ``client``
-    (the reservations' connection, for a router) or on a connection of its own."""
-    ttl_s = settings.decision_index_ttl_s
-    if settings.audit_retention_ms >= 0:
-        ttl_s = min(ttl_s, settings.audit_retention_ms / 1000)
-    if ttl_s <= 0 or not settings.redis_url:
-        return None
-    if client is None:
-        client = open_client(settings.redis().connection_url(), decode_responses=False,
-                             **settings.redis().tls_options(), socket_timeout=5.0, socket_connect_timeout=5.0)
-    return RedisDecisionIndex(client, settings.view_namespace, ttl_s)
-
-
-__all__ = [
-    "InvalidRequest", "RawSnapshotReader", "Router", "RouterWorker", "decision_index", "default_router_id",
-    "redis_stores", "request_seed",
-]
+__all__ = ["InvalidRequest", "Router", "request_seed"]
