@@ -70,6 +70,8 @@ def _print_explanation(out: Console, ex: Explanation) -> None:
         td.add_row(r["instance"], str(r["batch_size"]), str(r["context_tokens"]), str(r["free_kv_blocks"]),
                    str(r.get("fits", "-")), _num(r.get("tbt_ms"), ".1f"))
     out.print(td)
+    if ex.stage_ms:
+        out.print("stages of the re-derivation (ms): " + ", ".join(f"{k} {v:.3f}" for k, v in ex.stage_ms.items()))
 
 
 def _num(v: Any, fmt: str) -> str:

@@ -36,7 +36,7 @@ from schemas.errors import ConductorError, ViewStoreError
 from state.decisions import DecisionIndex, DecisionPosition
 from state.memory import InMemoryViewStore
 from state.reservations import InMemoryReservations
-from state.view import ViewSnapshot
+from state.view import NodeState, ViewSnapshot
 from streams.ingest import Ingestor, RawRecord
 from streams.spans import LogReadError, Span, SpanReader
 from streams.topics import topics
@@ -72,6 +72,9 @@ class Explanation:
     """The control offset the decision was made under (-1: no control record yet)."""
     control: dict[str, Any] = field(default_factory=dict)
     """The control state re-derived at that offset (policy, params, cordoned and draining nodes)."""
+    stage_ms: dict[str, float] = field(default_factory=dict)
+    """Each stage's time in this re-derivation, in ms (``policies/stages.py``; this process's
+    times: the deciding router's are in its metrics, ``conductor_router_stage_latency``)."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -254,8 +257,14 @@ class _ViewAt:
     async def snapshot(self, chain: Any, *, now_ms: int | None = None) -> ViewSnapshot:
         return self.store.snapshot_sync(chain, self.now_ms if now_ms is None else now_ms)
 
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.store, name)
+    async def nodes(self) -> list[NodeState]:
+        return await self.store.nodes()
+
+    async def watermark(self) -> dict[str, int]:
+        return await self.store.watermark()
+
+    async def dump(self) -> dict[str, Any]:
+        return await self.store.dump()
 
 
 def _outcome(rec: RoutingDecision | RoutingRejection) -> dict[str, Any]:
@@ -393,6 +402,8 @@ async def explain(settings: Settings, request_id: str, *, max_records: int | Non
     snap, pending = await router.read(chain)
     cluster = router.cluster(snap, pending, req.model, 0.0, req.exclude)
     prefill_rows, decode_rows = _estimates(router, cluster, req, len(chain))
+    stage_ms: dict[str, float] = {}
+    router.on_stages = stage_ms.update
     again = await router.route(req, ordinal)
     if again.seed != rec.seed:
         raise AuditError(f"seed {again.seed} differs from the recorded {rec.seed}: is CONDUCTOR_SEED the same?")
@@ -402,13 +413,14 @@ async def explain(settings: Settings, request_id: str, *, max_records: int | Non
         request_id=request_id, recorded=recorded, rederived=rederived, matches=not diffs, differences=diffs,
         policy=rec.policy or "", seed=rec.seed, watermark=dict(rec.watermark), decided_at_ms=at_ms,
         prefill=prefill_rows, decode=decode_rows, reservations=n_resv,
-        control_offset=rec.control_offset, control=router.control.as_dict(),
+        control_offset=rec.control_offset, control=router.control.as_dict(), stage_ms=stage_ms,
     )
 
 
 def _read_at(env: Envelope) -> int:
     """When the router read the view for this decision (its ``view_now_ms``; before v3, the envelope's ts)."""
-    at = getattr(env.body, "view_now_ms", None)
+    body = env.body
+    at = body.view_now_ms if isinstance(body, (RoutingDecision, RoutingRejection)) else None
     return at if at is not None else env.ts_ms
 
 
