@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conductor.routing.policies import Decision, Policy
+from conductor.routing.policies.stages import DECIDE, Mark, StagedPolicy
 from conductor.routing.router import Router
 from conductor.routing.snapshot import ClusterSnapshot, PolicyRequest
 from conductor.routing.stores import redis_stores
@@ -299,8 +300,16 @@ class _TimedPolicy:
         self.holders: list[int] = []
 
     def decide(self, req: PolicyRequest, snap: ClusterSnapshot, r: random.Random) -> Decision:
+        return self.decide_staged(req, snap, r, lambda _: None)
+
+    def decide_staged(self, req: PolicyRequest, snap: ClusterSnapshot, r: random.Random, mark: Mark) -> Decision:
+        """The inner policy's stages, as the router would see them without the wrapper."""
         t = time.perf_counter()
-        out = self.inner.decide(req, snap, r)
+        if isinstance(self.inner, StagedPolicy):
+            out = self.inner.decide_staged(req, snap, r, mark)
+        else:
+            out = self.inner.decide(req, snap, r)
+            mark(DECIDE)
         self.policy_ms.append((time.perf_counter() - t) * 1000.0)
         ix = snap.index
         self.holders.append(len(ix.holders) if ix is not None
