@@ -190,21 +190,8 @@ def _best_reuse(costs: Costs, request: PolicyRequest, bs: int, holders: Sequence
     place = costs.topology.place
     # Instances holding no prefix of the chain at the same place have the same options.
     by_place: dict[tuple[object, ...] | None, Reuse] = {}
-    in_rack: dict[str | None, list[tuple[float, int]]] = {}
-    same_plan = by_link[same_li][2] if same_li >= 0 else {}
+    rack_options = _rack_options(racks, by_link[same_li][2] if same_li >= 0 else {}, shapes)
     keys: list[PlaceKey | None] = [None] * len(holders)  # holders' place keys, made when needed
-
-    def rack_options(rack: str | None) -> list[tuple[float, int]]:
-        opts = in_rack.get(rack)
-        if opts is None:
-            opts = []
-            for i in racks.get(rack, ()):
-                o = same_plan.get(shapes[i])
-                if o is not None:
-                    opts.append((o[2], i))
-            opts.sort()  # cost, then snapshot order
-            in_rack[rack] = opts
-        return opts
 
     def best_reuse(inst: Instance) -> Reuse:
         ik = place_key(inst) if by_link else None
@@ -264,6 +251,26 @@ def _best_reuse(costs: Costs, request: PolicyRequest, bs: int, holders: Sequence
         return out
 
     return best_reuse
+
+
+def _rack_options(racks: Mapping[str | None, Sequence[int]], same_plan: Mapping[Shape, CopyPlan],
+                  shapes: Sequence[Shape]) -> Callable[[str | None], list[tuple[float, int]]]:
+    """Rack → its holders' same-rack copies as (cost, holder index), cheapest first (found once per rack)."""
+    in_rack: dict[str | None, list[tuple[float, int]]] = {}
+
+    def rack_options(rack: str | None) -> list[tuple[float, int]]:
+        opts = in_rack.get(rack)
+        if opts is None:
+            opts = []
+            for i in racks.get(rack, ()):
+                o = same_plan.get(shapes[i])
+                if o is not None:
+                    opts.append((o[2], i))
+            opts.sort()  # cost, then snapshot order
+            in_rack[rack] = opts
+        return opts
+
+    return rack_options
 
 
 def cpp_group(costs: Costs, request: PolicyRequest, c: Costed, bs: int, max_group: int) -> CppGroup | None:
