@@ -135,6 +135,21 @@ class Settings(BaseSettings):
     model_profile: str = Field(default="llama3-70b-a800x8")
     seed: int = Field(default=0, ge=0, description="base seed of the routing tie-breaks")
     reservation_ttl_s: float = Field(default=10.0, gt=0)
+    pending_ttl_s: float = Field(
+        default=5.0, gt=0,
+        description="how long a decision's placed blocks count as reusable on its instances before the engine's "
+        "KV events confirm them (sooner if they do, or if the request fails; state/pending.py)",
+    )
+    pending_lru_blocks: int = Field(
+        default=16_384, ge=0,
+        description="blocks remembered per instance that publishes no KV events, least recently placed "
+        "forgotten first, when its KV cache size is not known (state/pending.py)",
+    )
+    inflight_lease_s: float = Field(
+        default=300.0, gt=0,
+        description="a request charged to the in-flight ledger and never released (its gateway died) stops "
+        "counting this long after its last news (state/inflight.py)",
+    )
     max_snapshot_age_s: float = Field(default=5.0, gt=0)
     router_concurrency: int = Field(
         default=2, ge=1, le=64, description="view reads a router keeps in flight (pipelined on one connection)"

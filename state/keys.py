@@ -35,6 +35,9 @@ several primaries, several namespaces (models, clusters) do.
 ``ns|base``   a random value set when the view is cleared: a reader whose base differs
     re-reads the whole node hash (versions of a cleared view mean nothing to it).
 ``ns|resv-log``  stream of the routers' in-flight reservations (:mod:`state.reservations`).
+``ns|pend-log``  stream of the decisions' pending blocks (:mod:`state.pending`, shared by
+    :mod:`state.shared_log`).
+``ns|infl-log``  stream of the in-flight ledger's charges and releases (:mod:`state.inflight`).
 """
 
 from __future__ import annotations
@@ -280,8 +283,9 @@ def parse_stream(kv: bytes | None, hbs: bytes | None) -> NodeStream:
 class ViewKeys:
     """The key names of one view namespace (computed once: the router builds keys per read)."""
 
-    __slots__ = ("all_pattern", "base", "block_pattern", "block_prefix", "changes", "free", "generation", "meta",
-                 "nodes", "ns", "prefix", "rebuild", "reservations", "retired", "slots", "version", "watermark")
+    __slots__ = ("all_pattern", "base", "block_pattern", "block_prefix", "changes", "free", "generation",
+                 "inflight", "meta", "nodes", "ns", "pending", "prefix", "rebuild", "reservations", "retired", "slots",
+                 "version", "watermark")
 
     def __init__(self, ns: str) -> None:
         if any(c in ns for c in "|{}"):
@@ -306,6 +310,8 @@ class ViewKeys:
         self.generation = f"{p}gen"
         self.rebuild = f"{p}rebuild"
         self.reservations = f"{p}resv-log"
+        self.pending = f"{p}pend-log"
+        self.inflight = f"{p}infl-log"
 
     def block(self, key: int) -> bytes:
         return self.block_prefix + key.to_bytes(BLOCK_KEY_BYTES, "big")

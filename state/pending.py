@@ -1,0 +1,452 @@
+"""Pending blocks: what a decision just placed, known to every router before the engine says so.
+
+A decision records, at once, the block hashes its prefill instance will hold (and, for a
+disaggregated placement, the decode instance after the pull). Later decisions count a pending
+block as reusable on that instance exactly as a confirmed one (the trust is the caller's to
+state; this store only says what is pending). A pending block ends
+
+- when the engine's own KV events confirm it (:meth:`InMemoryPendingBlocks.confirm`): from then
+  on the view answers for it;
+- when its request fails or is cancelled (``release``);
+- ``ttl`` after the decision.
+
+**The rule, and why it replays exactly.** Everything is a time-stamped operation (``Placed``,
+``Released``, ``Confirmed``; times on the view's clock, passed in, never read here). A
+placement of block ``b`` on node ``n`` at ``t0`` is pending at ``now`` iff
+``t0 <= now < t0 + ttl``, no release of its request at ``tr`` with ``t0 <= tr <= now``, and
+no confirmation of ``(n, b)`` at ``tc`` with ``t0 <= tc <= now``. That is a function of the
+*set* of operations and ``now``, not of the order they arrived in, so two routers that got
+the same operations agree, and ``explain`` re-derives the pending set from the log
+(:func:`pending_from_log`). Because a pending block counts the same as a confirmed one, the
+reuse a decision sees is ``confirmed ∪ pending`` and the moment a confirmation lands changes
+nothing while the engine still holds the block: the only effect of confirming is that an
+eviction the engine reports afterwards is believed at once, instead of ``ttl`` later. A
+re-derivation given no confirmations can therefore differ only for a block evicted within
+``ttl`` of being placed.
+
+**Engines without KV events** (``set_capacity``): no confirmation will ever come, so a
+placement that outlives its ``ttl`` unreleased *settles* into the instance's own record, an
+LRU of ``capacity`` blocks (settling in time order, ``(t0, request, node, position)``: a block
+placed again moves to the front; the least recently placed leave when full). That record is
+the only reuse knowledge for such an instance; :meth:`~InMemoryPendingBlocks.prefixes`
+answers from it and the pending placements together.
+
+A query costs in proportion to the prompt and the instances holding its first blocks, not to
+the cluster: the store indexes block -> instance -> placements.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict, deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+NEVER = 1 << 62
+"""A time after every real one (an entry not released / not confirmed)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Placed:
+    """``node`` will hold ``blocks`` (a chain, in order) because of ``request_id``, decided at ``at_ms``."""
+
+    request_id: str
+    at_ms: int
+    node: str
+    blocks: tuple[int, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Released:
+    """``request_id`` failed or was cancelled at ``at_ms``: its placements made at or before then end."""
+
+    request_id: str
+    at_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class Confirmed:
+    """The engine of ``node`` reported ``blocks`` stored; seen at ``at_ms`` on the view's clock."""
+
+    node: str
+    at_ms: int
+    blocks: tuple[int, ...]
+
+
+PendingOp = Placed | Released | Confirmed
+
+
+@dataclass(frozen=True, slots=True)
+class PendingPrefix:
+    """One instance's reusable prefix of a chain, counting its pending blocks: ``chain[:length]``,
+    of which ``chain[start:length]`` are pending (or, for an instance without KV events, in
+    its own record) and ``chain[:start]`` what the caller said was confirmed."""
+
+    start: int
+    length: int
+
+    @property
+    def pending(self) -> int:
+        """How many blocks the pending record adds to the confirmed prefix."""
+        return self.length - self.start
+
+
+class PendingStore(Protocol):
+    """The pending record a router reads and writes: in memory (:class:`InMemoryPendingBlocks`)
+    or shared through Redis (:class:`state.shared_log.RedisPendingBlocks`). No call waits on I/O."""
+
+    def record(self, request_id: str, placements: Mapping[str, Sequence[int]], at_ms: int) -> Any:
+        """A decision made at ``at_ms`` places, on each node, the chain it will hold."""
+        ...
+
+    def release(self, request_id: str, at_ms: int) -> None:
+        """``request_id`` failed or was cancelled at ``at_ms`` (idempotent; unknown: a no-op)."""
+        ...
+
+    def confirm(self, node: str, blocks: Sequence[int], at_ms: int) -> None:
+        """The engine of ``node`` reported ``blocks`` stored, seen at ``at_ms``."""
+        ...
+
+    def set_capacity(self, node: str, blocks: int | None) -> None:
+        """``node`` publishes no KV events and caches ``blocks`` blocks (None: it does publish)."""
+        ...
+
+    def prefixes(self, chain: Sequence[int], now_ms: int,
+                 held: Mapping[str, int] | None = None) -> dict[str, PendingPrefix]:
+        """Per instance, the prefix of ``chain`` reusable with its pending blocks counted."""
+        ...
+
+    def holds(self, node: str, block: int, now_ms: int) -> bool:
+        """Whether ``block`` is pending on ``node`` (or in its LRU record) at ``now_ms``."""
+        ...
+
+
+@dataclass(slots=True)
+class _Entry:
+    """One block of one placement; ``released_at`` / ``confirmed_at``: the earliest matching time."""
+
+    at_ms: int
+    released_at: int = NEVER
+    confirmed_at: int = NEVER
+
+
+@dataclass(slots=True)
+class _Group:
+    """One ``Placed`` operation's entries, by block."""
+
+    op: Placed
+    entries: list[_Entry] = field(default_factory=list)
+
+
+class InMemoryPendingBlocks:
+    """The pending record of one process (tests, the simulator, explain, and each router's copy
+    of the shared log). ``now`` passed to queries should not go backwards: expired placements
+    are dropped (and settled into the LRU records) when a later time is seen."""
+
+    def __init__(self, ttl_ms: int, capacity: Mapping[str, int] | None = None) -> None:
+        if ttl_ms <= 0:
+            raise ValueError("ttl_ms must be positive")
+        self.ttl_ms = ttl_ms
+        self._now = -NEVER
+        self._groups: dict[tuple[str, str, int], _Group] = {}
+        self._by_request: dict[str, set[tuple[str, str, int]]] = {}
+        self._at: dict[int, dict[str, list[_Entry]]] = {}
+        self._expiry: list[tuple[int, str, str, tuple[str, str, int]]] = []
+        # releases and confirmations kept 2 x ttl for placements that arrive after them (another
+        # replica's record reaching this one late)
+        self._releases: dict[str, list[int]] = {}
+        self._confirms: dict[tuple[str, int], list[int]] = {}
+        self._marks: deque[tuple[int, str, Any]] = deque()
+        self._done: set[tuple[str, str, int]] = set()
+        """Placements expired in the last ``2 x ttl`` (a repeat of one stays a no-op)."""
+        self._capacity: dict[str, int] = {}
+        self._lru: dict[str, OrderedDict[int, None]] = {}
+        self._lru_holders: dict[int, set[str]] = {}
+        for node, cap in (capacity or {}).items():
+            self.set_capacity(node, cap)
+
+    # --- writing --------------------------------------------------------------------------
+
+    def record(self, request_id: str, placements: Mapping[str, Sequence[int]], at_ms: int) -> list[Placed]:
+        """Record a decision's placements (node -> the chain it will hold) made at ``at_ms``;
+        returns the operations applied (what a shared store publishes)."""
+        ops = [Placed(request_id, at_ms, node, tuple(blocks)) for node, blocks in placements.items() if blocks]
+        for op in ops:
+            self.apply(op)
+        return ops
+
+    def release(self, request_id: str, at_ms: int) -> None:
+        """``request_id`` failed or was cancelled: its placements up to ``at_ms`` end (idempotent;
+        an unknown request is a no-op)."""
+        self.apply(Released(request_id, at_ms))
+
+    def confirm(self, node: str, blocks: Sequence[int], at_ms: int) -> None:
+        """The engine of ``node`` reported ``blocks`` stored (seen at ``at_ms``): their pending
+        placements made at or before then end. Ignored for an instance without KV events."""
+        self.apply(Confirmed(node, at_ms, tuple(blocks)))
+
+    def apply(self, op: PendingOp) -> None:
+        """Apply one operation, whatever order operations come in (a repeat is a no-op)."""
+        if isinstance(op, Placed):
+            self._place(op)
+        elif isinstance(op, Released):
+            self._release(op)
+        else:
+            self._confirm(op)
+
+    def set_capacity(self, node: str, blocks: int | None) -> None:
+        """Mark ``node`` as an engine without KV events whose cache holds ``blocks`` blocks (its
+        record is trimmed to that); None: it publishes events again (its record is dropped)."""
+        if blocks is None:
+            self._capacity.pop(node, None)
+            for b in self._lru.pop(node, OrderedDict()):
+                self._drop_holder(b, node)
+            return
+        if blocks < 0:
+            raise ValueError("capacity must be >= 0 blocks")
+        self._capacity[node] = blocks
+        self._trim(node)
+
+    # --- reading --------------------------------------------------------------------------
+
+    def prefixes(self, chain: Sequence[int], now_ms: int,
+                 held: Mapping[str, int] | None = None) -> dict[str, PendingPrefix]:
+        """Per instance whose reusable prefix of ``chain`` the pending record extends: that
+        prefix. ``held``: per instance, the prefix the view confirms (its blocks count as held;
+        the pending walk continues from there). Instances the record adds nothing to are absent."""
+        self.expire(now_ms)
+        out: dict[str, PendingPrefix] = {}
+        n = len(chain)
+        if not n:
+            return out
+        held = held or {}
+        first = chain[0]
+        candidates = set(self._at.get(first, ()))
+        candidates.update(self._lru_holders.get(first, ()))
+        candidates.difference_update(held)  # their walk starts elsewhere
+        for node, h in held.items():
+            if h < n:
+                candidates.add(node)
+        for node in candidates:
+            start = min(max(held.get(node, 0), 0), n)
+            i = start
+            while i < n and self.holds(node, chain[i], now_ms):
+                i += 1
+            if i > start:
+                out[node] = PendingPrefix(start, i)
+        return out
+
+    def holds(self, node: str, block: int, now_ms: int) -> bool:
+        """Whether ``block`` is pending on ``node`` at ``now_ms`` (or in its LRU record)."""
+        lru = self._lru.get(node)
+        if lru is not None and block in lru:
+            return True
+        entries = self._at.get(block, {}).get(node)
+        if not entries:
+            return False
+        ttl, evented = self.ttl_ms, node not in self._capacity
+        for e in entries:
+            if (e.at_ms <= now_ms < e.at_ms + ttl and e.released_at > now_ms
+                    and (not evented or e.confirmed_at > now_ms)):
+                return True
+        return False
+
+    def record_of(self, node: str) -> list[int]:
+        """An instance's settled LRU record, least recently placed first (empty for an instance
+        with KV events)."""
+        return list(self._lru.get(node, ()))
+
+    def pending_requests(self) -> set[str]:
+        """The requests with a placement not yet expired (for tests and metrics)."""
+        return set(self._by_request)
+
+    # --- time -----------------------------------------------------------------------------
+
+    def expire(self, now_ms: int) -> None:
+        """Drop the placements past their ``ttl`` at ``now_ms``, settling those of instances
+        without KV events into their LRU record, in time order."""
+        if now_ms <= self._now:
+            return
+        self._now = now_ms
+        ttl = self.ttl_ms
+        heap = self._expiry
+        while heap and heap[0][0] + ttl <= now_ms:
+            key = heapq.heappop(heap)[3]
+            group = self._groups.pop(key)
+            rid = group.op.request_id
+            keys = self._by_request.get(rid)
+            if keys is not None:
+                keys.discard(key)
+                if not keys:
+                    del self._by_request[rid]
+            self._unindex(group)
+            self._settle(group)
+            self._done.add(key)
+            self._marks.append((key[2] + ttl, "done", key))
+        marks = self._marks
+        while marks and marks[0][0] + 2 * ttl <= now_ms:
+            t, kind, what = marks.popleft()
+            if kind == "done":
+                self._done.discard(what)
+                continue
+            table: dict[Any, list[int]] = self._releases if kind == "released" else self._confirms
+            times = table.get(what)
+            if times is None:
+                continue
+            if t in times:
+                times.remove(t)
+            if not times:
+                del table[what]
+
+    # --- inside ---------------------------------------------------------------------------
+
+    def _place(self, op: Placed) -> None:
+        key = (op.request_id, op.node, op.at_ms)
+        if key in self._groups or key in self._done or not op.blocks:
+            return
+        ttl = self.ttl_ms
+        t0 = op.at_ms
+        released = min((t for t in self._releases.get(op.request_id, ()) if t0 <= t < t0 + ttl), default=NEVER)
+        group = _Group(op)
+        if t0 + ttl <= self._now:  # arrived after its ttl: settle it (or drop it) at once
+            group.entries = [_Entry(t0, released) for _ in op.blocks]
+            self._settle(group)
+            self._done.add(key)
+            self._marks.append((self._now, "done", key))
+            return
+        confirms = self._confirms
+        at = self._at
+        for b in op.blocks:
+            c = confirms.get((op.node, b))
+            e = _Entry(t0, released,
+                       NEVER if c is None else min((t for t in c if t0 <= t < t0 + ttl), default=NEVER))
+            group.entries.append(e)
+            at.setdefault(b, {}).setdefault(op.node, []).append(e)
+        self._groups[key] = group
+        self._by_request.setdefault(op.request_id, set()).add(key)
+        heapq.heappush(self._expiry, (t0, op.request_id, op.node, key))
+
+    def _release(self, op: Released) -> None:
+        times = self._releases.setdefault(op.request_id, [])
+        if op.at_ms in times:
+            return
+        times.append(op.at_ms)
+        self._marks.append((op.at_ms, "released", op.request_id))
+        ttl = self.ttl_ms
+        for key in self._by_request.get(op.request_id, ()):
+            group = self._groups[key]
+            if group.op.at_ms <= op.at_ms < group.op.at_ms + ttl:
+                for e in group.entries:
+                    e.released_at = min(e.released_at, op.at_ms)
+
+    def _confirm(self, op: Confirmed) -> None:
+        ttl, tc = self.ttl_ms, op.at_ms
+        for b in op.blocks:
+            times = self._confirms.setdefault((op.node, b), [])
+            if tc in times:
+                continue
+            times.append(tc)
+            self._marks.append((tc, "confirmed", (op.node, b)))
+            for e in self._at.get(b, {}).get(op.node, ()):
+                if e.at_ms <= tc < e.at_ms + ttl:
+                    e.confirmed_at = min(e.confirmed_at, tc)
+
+    def _unindex(self, group: _Group) -> None:
+        at, node = self._at, group.op.node
+        for b, e in zip(group.op.blocks, group.entries, strict=True):
+            per_node = at.get(b)
+            if per_node is None:
+                continue
+            entries = per_node.get(node)
+            if entries is None:
+                continue
+            entries[:] = [x for x in entries if x is not e]
+            if not entries:
+                del per_node[node]
+                if not per_node:
+                    del at[b]
+
+    def _settle(self, group: _Group) -> None:
+        node = group.op.node
+        if node not in self._capacity:
+            return
+        lru = self._lru.setdefault(node, OrderedDict())
+        holders = self._lru_holders
+        for b, e in zip(group.op.blocks, group.entries, strict=True):
+            if e.released_at != NEVER:
+                continue
+            if b in lru:
+                lru.move_to_end(b)
+            else:
+                lru[b] = None
+                holders.setdefault(b, set()).add(node)
+        self._trim(node)
+
+    def _trim(self, node: str) -> None:
+        lru = self._lru.get(node)
+        if lru is None:
+            return
+        cap = self._capacity.get(node, 0)
+        while len(lru) > cap:
+            b, _ = lru.popitem(last=False)
+            self._drop_holder(b, node)
+
+    def _drop_holder(self, block: int, node: str) -> None:
+        nodes = self._lru_holders.get(block)
+        if nodes is not None:
+            nodes.discard(node)
+            if not nodes:
+                del self._lru_holders[block]
+
+
+def pending_from_log(ops: Iterable[PendingOp], now_ms: int, ttl_ms: int,
+                     capacity: Mapping[str, int] | None = None) -> InMemoryPendingBlocks:
+    """The pending record at ``now_ms`` after ``ops`` (any order; those stamped after ``now_ms``
+    do not count yet): what ``explain`` re-derives a decision's pending blocks with."""
+    store = InMemoryPendingBlocks(ttl_ms, capacity)
+    for op in ops:
+        if op.at_ms <= now_ms:
+            store.apply(op)
+    store.expire(now_ms)
+    return store
+
+
+# --- the shared log's form of an operation (JSON-able lists) ----------------------------------
+
+def encode_op(op: PendingOp) -> list[Any]:
+    """``op`` as a JSON-able list (the shared log's form)."""
+    if isinstance(op, Placed):
+        return ["P", op.request_id, op.at_ms, op.node, list(op.blocks)]
+    if isinstance(op, Released):
+        return ["R", op.request_id, op.at_ms]
+    return ["C", op.node, op.at_ms, list(op.blocks)]
+
+
+def decode_op(item: Any) -> PendingOp:
+    """The operation :func:`encode_op` wrote; ValueError for anything else."""
+    try:
+        tag = item[0]
+        if tag == "P":
+            return Placed(str(item[1]), int(item[2]), str(item[3]), tuple(int(b) for b in item[4]))
+        if tag == "R":
+            return Released(str(item[1]), int(item[2]))
+        if tag == "C":
+            return Confirmed(str(item[1]), int(item[2]), tuple(int(b) for b in item[3]))
+    except (TypeError, IndexError, KeyError) as e:
+        raise ValueError(f"not a pending-block operation: {str(item)[:200]}") from e
+    raise ValueError(f"not a pending-block operation: {str(item)[:200]}")
+
+
+__all__ = [
+    "Confirmed",
+    "InMemoryPendingBlocks",
+    "PendingOp",
+    "PendingPrefix",
+    "PendingStore",
+    "Placed",
+    "Released",
+    "decode_op",
+    "encode_op",
+    "pending_from_log",
+]

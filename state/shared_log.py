@@ -1,0 +1,264 @@
+"""Decision-time records shared by every process through a Redis stream, read from memory.
+
+The pending blocks (:mod:`state.pending`) and the in-flight ledger (:mod:`state.inflight`) are
+folds of time-stamped operations whose result does not depend on the order they arrive in.
+So sharing them is only moving operations: each process applies its own at once to its
+in-memory copy, appends them in small batches to a stream (``ns|pend-log``, ``ns|infl-log``,
+trimmed to the span that can still matter), and follows everyone else's into the same copy.
+Reads never wait on Redis; another process sees an operation ``flush_after_s`` plus one round
+trip after it was made. A Redis outage only delays what the others see (logged; retried with
+the next batch). :class:`SharedLog` is the stream part, written once for both.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, cast
+
+import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
+from redis.exceptions import RedisError
+
+from .inflight import Finished, FirstToken, InMemoryInflight, InstanceLoad
+from .inflight import decode_op as decode_inflight
+from .inflight import encode_op as encode_inflight
+from .keys import ViewKeys
+from .pending import Confirmed, InMemoryPendingBlocks, PendingPrefix, Released
+from .pending import decode_op as decode_pending
+from .pending import encode_op as encode_pending
+
+MAX_BUFFERED = 100_000
+StreamEntry = tuple[bytes, dict[bytes, bytes]]
+log = logging.getLogger(__name__)
+
+
+class SharedLog:
+    """One Redis stream of operations: ``append`` buffers (flushed after ``flush_after_s``),
+    ``start`` catches up on the last ``retain_ms`` and follows; every other producer's
+    operation is handed to ``apply`` (a JSON-decoded item; a ValueError skips it)."""
+
+    def __init__(self, client: aioredis.Redis | RedisCluster, key: str, *, producer_id: str, retain_ms: int,
+                 apply: Callable[[Any], None], flush_after_s: float = 0.01, block_ms: int = 100) -> None:
+        self.client = client
+        self.key = key
+        self.producer_id = producer_id
+        self.retain_ms = retain_ms
+        self.flush_after_s = flush_after_s
+        self.block_ms = block_ms
+        self._apply_one = apply
+        self._buffer: list[tuple[int, Any]] = []
+        self._timer: asyncio.TimerHandle | None = None
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._follower: asyncio.Task[None] | None = None
+        self._stopping = False
+        self._last_id = b"0-0"
+        self.applied = 0
+        """Operations of other producers applied (for tests and metrics)."""
+
+    def append(self, item: Any, at_ms: int) -> None:
+        """Share ``item`` (JSON-able, stamped ``at_ms``) with the next batch."""
+        self._buffer.append((at_ms, item))
+        if self._timer is None:
+            try:
+                loop = asyncio.get_running_loop()
+            except RuntimeError:  # no loop (a synchronous caller): the next flush() sends it
+                return
+            self._timer = loop.call_later(self.flush_after_s, self._flush_soon)
+
+    def _flush_soon(self) -> None:
+        self._timer = None
+        task = asyncio.ensure_future(self.flush())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def flush(self) -> None:
+        """Append the buffered operations to the stream now."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self._buffer:
+            return
+        batch, self._buffer = self._buffer, []
+        newest = max(at for at, _ in batch)
+        try:
+            await self.client.xadd(
+                self.key, {"p": self.producer_id, "o": json.dumps([item for _, item in batch], separators=(",", ":"))},
+                minid=max(newest - self.retain_ms, 0), approximate=True,
+            )
+        except (RedisError, OSError) as e:
+            # Retried with the next batch; past MAX_BUFFERED the oldest go (long past mattering).
+            self._buffer = (batch + self._buffer)[-MAX_BUFFERED:]
+            log.warning("%d operation(s) not shared on %s yet: %s", len(self._buffer), self.key, e)
+
+    async def start(self, now_ms: int) -> None:
+        """Catch up on the stream's last ``retain_ms`` and follow it from there."""
+        if self._follower is not None:
+            return
+        self._stopping = False
+        self._last_id = f"{max(now_ms - self.retain_ms, 0)}-0".encode()
+        try:
+            while True:
+                entries = cast(list[StreamEntry],
+                               await self.client.xrange(self.key, min=b"(" + self._last_id, count=1000))
+                if not entries:
+                    break
+                self._apply(entries)
+        except (RedisError, OSError) as e:
+            log.warning("%s not readable yet: %s", self.key, e)
+        self._follower = asyncio.ensure_future(self._follow())
+
+    async def _follow(self) -> None:
+        failing = False
+        # Stopped by a flag, not by cancelling (a task cancelled inside XREAD BLOCK can hang in
+        # the driver's clean-up: state/reservations.py); each read blocks at most ``block_ms``.
+        while not self._stopping:
+            try:
+                res = cast(list[tuple[bytes, list[StreamEntry]]] | None,
+                           await self.client.xread({self.key: self._last_id}, block=self.block_ms, count=1000))
+            except asyncio.CancelledError:
+                raise
+            except (RedisError, OSError) as e:
+                (log.debug if failing else log.warning)("%s unreachable: %s", self.key, e)
+                failing = True
+                await asyncio.sleep(0.2)
+                continue
+            failing = False
+            for _, entries in res or ():
+                self._apply(entries)
+
+    def _apply(self, entries: Sequence[StreamEntry]) -> None:
+        me = self.producer_id.encode()
+        for eid, fields in entries:
+            self._last_id = eid
+            if fields.get(b"p") == me:
+                continue  # applied when made
+            try:
+                items = json.loads(fields.get(b"o", b"[]"))
+            except ValueError:
+                log.warning("skipping a malformed entry %r of %s", eid, self.key)
+                continue
+            for item in items if isinstance(items, list) else ():
+                try:
+                    self._apply_one(item)
+                    self.applied += 1
+                except ValueError as e:
+                    log.warning("skipping an operation of %s: %s", self.key, e)
+
+    async def close(self, timeout_s: float = 2.0) -> None:
+        """Stop following and share what is buffered; returns within about ``timeout_s`` plus one
+        read's block time whatever Redis does."""
+        self._stopping = True
+        follower, self._follower = self._follower, None
+        if follower is not None:
+            done, _ = await asyncio.wait({follower}, timeout=self.block_ms / 1000 + timeout_s / 2)
+            if not done:
+                follower.cancel()
+                await asyncio.wait({follower}, timeout=0.2)
+                log.warning("the follower of %s did not stop in time; abandoned it", self.key)
+        try:
+            await asyncio.wait_for(self.flush(), timeout_s / 2)
+        except TimeoutError:
+            log.warning("%d operation(s) not shared on %s at shutdown", len(self._buffer), self.key)
+
+    async def clear(self) -> None:
+        """Delete the stream (benchmarks and tests)."""
+        self._buffer.clear()
+        await self.client.delete(self.key)
+
+
+class RedisPendingBlocks:
+    """:class:`~state.pending.InMemoryPendingBlocks` shared by every router, gateway and picker
+    (``ns|pend-log``). Call :meth:`start` once and :meth:`close` at the end; writes and reads
+    never wait on Redis."""
+
+    def __init__(self, client: aioredis.Redis | RedisCluster, namespace: str, ttl_ms: int, *, producer_id: str,
+                 capacity: Mapping[str, int] | None = None, flush_after_s: float = 0.01,
+                 block_ms: int = 100) -> None:
+        self.local = InMemoryPendingBlocks(ttl_ms, capacity)
+        self.log = SharedLog(client, ViewKeys(namespace).pending, producer_id=producer_id, retain_ms=2 * ttl_ms,
+                             apply=lambda item: self.local.apply(decode_pending(item)),
+                             flush_after_s=flush_after_s, block_ms=block_ms)
+
+    def record(self, request_id: str, placements: Mapping[str, Sequence[int]], at_ms: int) -> None:
+        for op in self.local.record(request_id, placements, at_ms):
+            self.log.append(encode_pending(op), at_ms)
+
+    def release(self, request_id: str, at_ms: int) -> None:
+        self.local.release(request_id, at_ms)
+        self.log.append(encode_pending(Released(request_id, at_ms)), at_ms)
+
+    def confirm(self, node: str, blocks: Sequence[int], at_ms: int) -> None:
+        self.local.confirm(node, blocks, at_ms)
+        self.log.append(encode_pending(Confirmed(node, at_ms, tuple(blocks))), at_ms)
+
+    def set_capacity(self, node: str, blocks: int | None) -> None:
+        self.local.set_capacity(node, blocks)
+
+    def prefixes(self, chain: Sequence[int], now_ms: int,
+                 held: Mapping[str, int] | None = None) -> dict[str, PendingPrefix]:
+        return self.local.prefixes(chain, now_ms, held)
+
+    def holds(self, node: str, block: int, now_ms: int) -> bool:
+        return self.local.holds(node, block, now_ms)
+
+    async def start(self, now_ms: int) -> None:
+        await self.log.start(now_ms)
+
+    async def flush(self) -> None:
+        await self.log.flush()
+
+    async def close(self, timeout_s: float = 2.0) -> None:
+        await self.log.close(timeout_s)
+
+    async def clear(self) -> None:
+        await self.log.clear()
+
+
+class RedisInflight:
+    """:class:`~state.inflight.InMemoryInflight` shared by every gateway, router and picker
+    (``ns|infl-log``). Call :meth:`start` once and :meth:`close` at the end; writes and reads
+    never wait on Redis."""
+
+    def __init__(self, client: aioredis.Redis | RedisCluster, namespace: str, lease_ms: int, *, producer_id: str,
+                 flush_after_s: float = 0.01, block_ms: int = 100) -> None:
+        self.local = InMemoryInflight(lease_ms)
+        self.log = SharedLog(client, ViewKeys(namespace).inflight, producer_id=producer_id, retain_ms=2 * lease_ms,
+                             apply=lambda item: self.local.apply(decode_inflight(item)),
+                             flush_after_s=flush_after_s, block_ms=block_ms)
+
+    def charge(self, request_id: str, prefill_node: str, decode_node: str, uncached_tokens: int,
+               context_tokens: int, now_ms: int) -> None:
+        op = self.local.charge(request_id, prefill_node, decode_node, uncached_tokens, context_tokens, now_ms)
+        self.log.append(encode_inflight(op), now_ms)
+
+    def first_token(self, request_id: str, now_ms: int) -> None:
+        self.local.first_token(request_id, now_ms)
+        self.log.append(encode_inflight(FirstToken(request_id, now_ms)), now_ms)
+
+    def finish(self, request_id: str, now_ms: int) -> None:
+        self.local.finish(request_id, now_ms)
+        self.log.append(encode_inflight(Finished(request_id, now_ms)), now_ms)
+
+    def load(self, node: str, now_ms: int) -> InstanceLoad:
+        return self.local.load(node, now_ms)
+
+    def loads(self, now_ms: int) -> dict[str, InstanceLoad]:
+        return self.local.loads(now_ms)
+
+    async def start(self, now_ms: int) -> None:
+        await self.log.start(now_ms)
+
+    async def flush(self) -> None:
+        await self.log.flush()
+
+    async def close(self, timeout_s: float = 2.0) -> None:
+        await self.log.close(timeout_s)
+
+    async def clear(self) -> None:
+        await self.log.clear()
+
+
+__all__ = ["RedisInflight", "RedisPendingBlocks", "SharedLog"]
