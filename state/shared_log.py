@@ -58,6 +58,11 @@ class SharedLog:
         self.applied = 0
         """Operations of other producers applied (for tests and metrics)."""
 
+    @property
+    def position(self) -> bytes:
+        """The id of the last stream entry read (``b"0-0"`` before any)."""
+        return self._last_id
+
     def append(self, item: Any, at_ms: int) -> None:
         """Share ``item`` (JSON-able, stamped ``at_ms``) with the next batch."""
         self._buffer.append((at_ms, item))
