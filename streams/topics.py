@@ -6,9 +6,33 @@ No other module writes a topic name; they ask :func:`topics` for the
 
 from __future__ import annotations
 
+from collections.abc import Awaitable
 from dataclasses import dataclass
+from typing import Any, Protocol
+
+from schemas import Envelope, decode, encode, headers
 
 DAY_MS = 86_400_000
+
+
+class Producer(Protocol):
+    """What a topic sends with (``aiokafka.AIOKafkaProducer``): queue one record, get its delivery."""
+
+    def send(self, topic: str, value: bytes, key: bytes | None = None, partition: int | None = None,
+             timestamp_ms: int | None = None, headers: list[tuple[str, bytes]] | None = None) -> Awaitable[Any]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Encoded:
+    """An envelope as it crosses the wire: its msgpack value and its Kafka headers (made once,
+    when one record goes to two topics)."""
+
+    value: bytes
+    headers: list[tuple[str, bytes]]
+
+    @classmethod
+    def of(cls, env: Envelope) -> Encoded:
+        return cls(encode(env), headers(env))
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +60,18 @@ class Topic:
     replication_factor: int
     configs: tuple[tuple[str, str], ...] = ()
     """Topic configs it is created with (``retention.ms``, ``cleanup.policy``...)."""
+
+    def send(self, producer: Producer, record: Envelope | Encoded, key: str, *,
+             partition: int | None = None) -> Awaitable[Any]:
+        """Queue ``record`` under ``key`` (what :attr:`key` says); await it for the delivery future.
+        Every record is written here: its value, key and headers made in one place."""
+        wire = record if isinstance(record, Encoded) else Encoded.of(record)
+        return producer.send(self.name, wire.value, key=key.encode(), partition=partition, headers=wire.headers)
+
+    def decode(self, value: bytes | None) -> Envelope:
+        """One record's value as its envelope; :class:`~schemas.DecodeError` when it is none (a
+        record with no value included). Every reader decodes here."""
+        return decode(value if value is not None else b"")
 
 
 @dataclass(frozen=True, slots=True)

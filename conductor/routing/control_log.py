@@ -11,14 +11,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from aiokafka import TopicPartition
-
 from conductor.costmodel.profiles import load_profile
 from conductor.routing.control import ControlState, fold_control
 from conductor.routing.policies import make_policy
 from conductor.settings import Settings
-from schemas import ControlCommand, DecodeError, decode, encode, envelope, headers
-from streams.kafka import consumer, end_offsets, ensure_topics, producer
+from schemas import ControlCommand, envelope
+from streams.follow import Earliest, Follower, OnBad
+from streams.kafka import ensure_topics, producer
 from streams.topics import topics
 
 
@@ -43,8 +42,7 @@ async def publish_control(settings: Settings, cmd: ControlCommand, *, producer_i
     try:
         env = envelope(cmd, producer_id=producer_id, producer_seq=time.time_ns() // 1000,
                        ts_ms=int(time.time() * 1000))
-        md = await prod.send_and_wait(t.control.name, encode(env), key=(cmd.node_id or cmd.policy or cmd.action).encode(),
-                                      headers=headers(env), partition=0)
+        md = await (await t.control.send(prod, env, cmd.node_id or cmd.policy or cmd.action, partition=0))
         return int(md.offset)
     finally:
         await prod.stop()
@@ -52,37 +50,20 @@ async def publish_control(settings: Settings, cmd: ControlCommand, *, producer_i
 
 async def control_records(settings: Settings, upto: int | None = None) -> list[tuple[int, ControlCommand]]:
     """The ``control`` topic's commands with their offsets (up to ``upto`` inclusive)."""
-    name = topics(settings.topic_config()).control.name
-    c = consumer(settings.kafka(), group_id=None)
-    await c.start()
+    topic = topics(settings.topic_config()).control
     out: list[tuple[int, ControlCommand]] = []
-    try:
-        if not (c.partitions_for_topic(name) or set()):
-            await c.topics()
-            if not (c.partitions_for_topic(name) or set()):
-                return out
-        tp = TopicPartition(name, 0)
-        c.assign([tp])
-        end = (await end_offsets(c, [tp]))[tp]
+    # Another's topic: an unreadable record is skipped here (the fold skips it the same way).
+    async with Follower(settings.kafka(), [(topic, Earliest())], on_bad=OnBad.SKIP, name="control reader",
+                        max_records=None, track_end=True) as follower:
+        end = follower.ends.get((topic.name, 0), 0)
         if upto is not None:
             end = min(end, upto + 1)
-        await c.seek_to_beginning(tp)
-        pos = 0
         deadline = time.monotonic() + 10.0
-        while pos < end and time.monotonic() < deadline:
-            for msgs in (await c.getmany(tp, timeout_ms=200)).values():
-                for m in msgs:
-                    if m.offset >= end:
-                        break
-                    pos = m.offset + 1
-                    try:
-                        body = decode(m.value).body
-                    except DecodeError:
-                        continue
-                    if isinstance(body, ControlCommand):
-                        out.append((m.offset, body))
-    finally:
-        await c.stop()
+        while follower.positions.get((topic.name, 0), 0) < end and time.monotonic() < deadline:
+            for batch in await follower.fetch():
+                for rec in batch.records:
+                    if rec.offset < end and rec.env is not None and isinstance(rec.env.body, ControlCommand):
+                        out.append((rec.offset, rec.env.body))
     return out
 
 

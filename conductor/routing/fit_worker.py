@@ -13,19 +13,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterable
-from typing import Any
 
-from aiokafka import TopicPartition
 from opentelemetry import metrics
 
 from conductor.costmodel.fitting import CostFitter, FitConfig, sample_of
 from conductor.costmodel.profiles import load_profile
 from conductor.routing.control_log import control_records, publish_control
 from conductor.settings import Settings
-from schemas import ControlCommand, DecodeError, RequestOutcome, decode
-from streams.kafka import consumer, end_offsets, ensure_topics
-from streams.topics import topics
+from schemas import ControlCommand, RequestOutcome
+from streams.follow import At, Follower, Latest, OnBad, Record, Start
+from streams.kafka import ensure_topics
+from streams.topics import Topic, topics
 
 log = logging.getLogger(__name__)
 
@@ -83,46 +81,28 @@ async def run_fit_worker(settings: Settings, config: FitConfig, *, stop: asyncio
     m.profile(fitter)
     log.info("fitting %s from %s (profile in force: %s)", config.model or "every model", t.request_outcomes.name,
              fitter.published.name)
-    c = consumer(settings.kafka(), group_id=None, fetch_max_wait_ms=200)
-    await c.start()
-    try:
-        parts = [TopicPartition(t.request_outcomes.name, p)
-                 for p in sorted(c.partitions_for_topic(t.request_outcomes.name) or {0})]
-        ctl = TopicPartition(t.control.name, 0)
-        c.assign([*parts, ctl])
-        ends = await end_offsets(c, parts)
-        for tp in parts:
-            c.seek(tp, ends[tp])
-        c.seek(ctl, done + 1)
-        while stop is None or not stop.is_set():
-            batch = await c.getmany(timeout_ms=500)
-            for tp, recs in batch.items():
-                await _take(settings, fitter, m, tp.topic == t.control.name,
-                            ((r.offset, r.value, r.timestamp) for r in recs))
-    finally:
-        await c.stop()
+    # Other owners' topics: what does not decode is skipped (they dead-letter it).
+    starts: list[tuple[Topic, Start]] = [(t.request_outcomes, Latest()), (t.control, At({0: done + 1}))]
+    async with Follower(settings.kafka(), starts, on_bad=OnBad.SKIP, name="fit worker", fetch_wait_ms=200,
+                        poll_ms=500, max_records=None) as follower:
+        async for rec in follower.records(stop or asyncio.Event()):
+            await _take(settings, fitter, m, rec.topic == t.control.name, rec)
 
 
-async def _take(settings: Settings, fitter: CostFitter, m: FitMetrics, control: bool,
-                recs: Iterable[tuple[int, Any, int]]) -> None:
-    for offset, value, ts in recs:
-        try:
-            env = decode(value)
-        except DecodeError:
-            continue  # the owners of these topics dead-letter what they cannot read
-        body = env.body
-        if control and isinstance(body, ControlCommand):
-            fitter.on_control(offset, body)
+async def _take(settings: Settings, fitter: CostFitter, m: FitMetrics, control: bool, rec: Record) -> None:
+    body = rec.env.body if rec.env is not None else None
+    if control and isinstance(body, ControlCommand):
+        fitter.on_control(rec.offset, body)
+        m.profile(fitter)
+    elif isinstance(body, RequestOutcome):
+        m.outcome(fitter, body)
+        cmd = fitter.on_outcome(body, (rec.env.ts_ms if rec.env is not None else 0) or rec.timestamp_ms)
+        if cmd is not None:
+            at = await publish_control(settings, cmd, producer_id="conductor-fit")
+            fitter.on_control(at, cmd)
+            m.published.add(1)
             m.profile(fitter)
-        elif isinstance(body, RequestOutcome):
-            m.outcome(fitter, body)
-            cmd = fitter.on_outcome(body, env.ts_ms or ts)
-            if cmd is not None:
-                at = await publish_control(settings, cmd, producer_id="conductor-fit")
-                fitter.on_control(at, cmd)
-                m.published.add(1)
-                m.profile(fitter)
-                log.info("control offset %d: published %s (%s)", at, cmd.profile and cmd.profile.get("name"), cmd.reason)
+            log.info("control offset %d: published %s (%s)", at, cmd.profile and cmd.profile.get("name"), cmd.reason)
 
 
 __all__ = ["FitMetrics", "run_fit_worker"]

@@ -26,17 +26,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import time
+from collections.abc import Awaitable
 from typing import Any
 
 from conductor.errors import ConductorError
 from conductor.routing.control_follow import ControlFollower
+from conductor.routing.ordered import Turns
 from conductor.routing.router import Router
 from conductor.routing.stores import decision_index, redis_stores
 from conductor.settings import Settings
-from schemas import RoutingDecision, RoutingRejection, RoutingRequest, encode, envelope, headers
+from schemas import RoutingDecision, RoutingRejection, RoutingRequest, envelope
 from state.decisions import DecisionIndex, DecisionPosition
 from streams.kafka import acknowledged, ensure_topics, producer
 from streams.topics import topics
@@ -76,7 +79,7 @@ class LocalRouter:
         self._index_task: asyncio.Task[None] | None = None
         self._seq = itertools.count(1)
         self._ordinal = itertools.count()
-        self._tail: asyncio.Future[None] | None = None
+        self._turns = Turns()
         self._deciding: set[str] = set()
         self._started = False
         self.decided = 0
@@ -108,9 +111,9 @@ class LocalRouter:
 
     async def close(self) -> None:
         """Wait for the decisions in flight, then stop following and close the producer."""
-        if self._tail is not None:
+        if self._turns.last is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(asyncio.shield(self._tail), self.ack_timeout_s)
+                await asyncio.wait_for(asyncio.shield(self._turns.last), self.ack_timeout_s)
         if self._control_task is not None:
             self._control_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
@@ -154,29 +157,24 @@ class LocalRouter:
             raise LogUnavailable("the colocated router is not started")
         if req.decided_by != self.producer_id:
             req = req.model_copy(update={"decided_by": self.producer_id, "reply_to": None})
-        loop = asyncio.get_running_loop()
-        before, done = self._tail, loop.create_future()
-        self._tail = done
         self._deciding.add(req.request_id)
-        task = asyncio.ensure_future(self._decide_and_log(req, before, done))
+        task = asyncio.ensure_future(self._decide_and_log(req, self._turns.take(functools.partial(self._decide, req))))
         task.add_done_callback(lambda _: self._deciding.discard(req.request_id))
         return await asyncio.shield(task)  # a caller that goes away does not unmake a decision
 
-    async def _decide_and_log(self, req: RoutingRequest, before: asyncio.Future[None] | None,
-                              done: asyncio.Future[None]) -> RoutingDecision | RoutingRejection:
-        ordinal = next(self._ordinal)
-        try:
-            out = await self.router.route(req, ordinal, before, decided_by=self.producer_id)
-        except Exception as e:  # a bug must not leave the caller without an answer
-            log.exception("routing %s failed", req.request_id)
-            out = self.router.reject(req.request_id, "invalid_request", f"router error: {type(e).__name__}: {e}")
-        finally:
-            if before is not None:
-                await before  # an early rejection returns before its turn: the next still waits its turn
-            if not done.done():
-                done.set_result(None)
+    async def _decide_and_log(self, req: RoutingRequest,
+                              turn: Awaitable[RoutingDecision | RoutingRejection]) -> RoutingDecision | RoutingRejection:
+        out = await turn  # the next request's decision may begin while this one is logged
         await self._log(req, out)
         return out
+
+    async def _decide(self, req: RoutingRequest, after: Awaitable[None] | None) -> RoutingDecision | RoutingRejection:
+        ordinal = next(self._ordinal)
+        try:
+            return await self.router.route(req, ordinal, after, decided_by=self.producer_id)
+        except Exception as e:  # a bug must not leave the caller without an answer
+            log.exception("routing %s failed", req.request_id)
+            return self.router.reject(req.request_id, "invalid_request", f"router error: {type(e).__name__}: {e}")
 
     async def _log(self, req: RoutingRequest, out: RoutingDecision | RoutingRejection) -> None:
         t, prod = self.topics, self._producer
@@ -186,8 +184,8 @@ class LocalRouter:
         key = out.prefill_instance if isinstance(out, RoutingDecision) else out.request_id
         try:
             sends = [
-                await prod.send(t.requests.name, encode(env_req), key=req.request_id.encode(), headers=headers(env_req)),
-                await prod.send(t.dispatch.name, encode(env_out), key=key.encode(), headers=headers(env_out)),
+                await t.requests.send(prod, env_req, req.request_id),
+                await t.dispatch.send(prod, env_out, key),
             ]
             await asyncio.wait_for(acknowledged(prod, sends, warn_after_s=1.0, what=f"decision {req.request_id}"),
                                    self.ack_timeout_s)

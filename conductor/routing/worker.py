@@ -13,23 +13,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import time
-from collections.abc import Awaitable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from opentelemetry import metrics
 
 from conductor.errors import ViewStoreError
 from conductor.routing.control_follow import ControlFollower
+from conductor.routing.ordered import Turns
 from conductor.routing.router import DECIDED, Router, Unreadable
 from conductor.routing.stores import default_router_id
 from conductor.settings import Settings
-from schemas import Envelope, encode, envelope, headers
+from schemas import Envelope, envelope
 from state.decisions import DecisionIndex, DecisionPosition
 from streams.dead_letters import DeadLetters
-from streams.kafka import acknowledged, consumer, ensure_topics, producer
-from streams.topics import topics
+from streams.follow import Earliest, Follower, OnBad, Record
+from streams.kafka import acknowledged, ensure_topics, producer
+from streams.topics import Encoded, topics
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +54,7 @@ class RouterWorker:
         self.topics = topics(settings.topic_config())
         self.router_id = router_id or default_router_id()
         self._seq = 0
+        self._turns = Turns()
         self.routed = 0
         self.lag: dict[int, int] = {}  # requests partition → records not yet routed (the last fetch's view)
 
@@ -65,83 +69,56 @@ class RouterWorker:
         self._seq += 1
         return envelope(body, producer_id=self.router_id, producer_seq=self._seq, ts_ms=int(time.time() * 1000))
 
-    def _in_order(self, records: Sequence[Any]) -> list[Awaitable[tuple[str, Any, str | None]]]:
-        """One handling per record, each deciding only after the one before it is done."""
-        loop = asyncio.get_running_loop()
-        out: list[Awaitable[tuple[str, Any, str | None]]] = []
-        before: asyncio.Future[None] | None = None
-        for rec in records:
-            done: asyncio.Future[None] = loop.create_future()
-            out.append(self._handle_then(rec, before, done))
-            before = done
-        return out
-
-    async def _handle_then(self, rec: Any, after: asyncio.Future[None] | None,
-                           done: asyncio.Future[None]) -> tuple[str, Any, str | None]:
-        try:
-            return await self.router.handle_with_reply(rec.value, rec.key, rec.offset, after)
-        finally:
-            if after is not None:
-                await after  # a rejection may return early: the next decision still waits for the earlier ones
-            if not done.done():
-                done.set_result(None)
-
     async def run(self, stop: asyncio.Event, ready: asyncio.Event | None = None) -> None:
-
-        t = self.topics
-        await ensure_topics(self.settings.kafka(), (t.requests, t.dispatch, t.dead_letter, t.control))
-        prod = producer(self.settings.kafka(), linger_ms=0)  # a waiting gateway's reply goes out at once
+        """Route until ``stop``: each fetched batch decided in offset order, its answers
+        acknowledged by the broker, then its offsets committed. ``ready`` is set once the
+        control topic is caught up and the consumer started."""
+        t, s = self.topics, self.settings
+        await ensure_topics(s.kafka(), (t.requests, t.dispatch, t.dead_letter, t.control))
+        prod = producer(s.kafka(), linger_ms=0)  # a waiting gateway's reply goes out at once
+        letters = DeadLetters(s.kafka(), t.dead_letter, self.router_id, producer=prod, wrap=self._wrap)
         # The embedded broker answers a fetch only when its wait runs out, new records or not:
         # a short wait keeps a waiting gateway's decision from sitting there (Kafka returns early).
-        cons = consumer(self.settings.kafka(), t.requests.name, group_id=self.settings.topic_prefix + self.GROUP,
-                        **({"fetch_max_wait_ms": self.settings.embedded_fetch_wait_ms} if self.settings.embedded else {}))
-        control = ControlFollower(self.settings, self.router)
-        letters = DeadLetters(self.settings.kafka(), t.dead_letter, self.router_id, producer=prod, wrap=self._wrap)
+        requests = Follower(s.kafka(), [(t.requests, Earliest())], on_bad=OnBad.DEAD_LETTER_AND_ANSWER,
+                            name=self.router_id, group=s.topic_prefix + self.GROUP, letters=letters,
+                            fetch_wait_ms=s.embedded_fetch_wait_ms if s.embedded else None)
+        control = ControlFollower(s, self.router)
         await prod.start()
         await control.start()  # caught up with every control record before the first decision
-        await cons.start()
+        await requests.start()
         await self.router.start()
         try:
             if ready is not None:
                 ready.set()
             while not stop.is_set():
                 await control.poll()
-                batches = await cons.getmany(timeout_ms=200, max_records=500)
+                batches = await requests.fetch()
                 if not batches:
                     continue
-                sends = []
+                sends: list[Any] = []
                 placed: list[tuple[int, Envelope, Any, int, int]] = []  # (send, env, decision, request position)
-                n = self.settings.router_concurrency
-                for tp, records in batches.items():
-                    hw = cons.highwater(tp)
-                    if hw is not None:
-                        self.lag[tp.partition] = max(0, hw - records[-1].offset - 1)
-                    # Up to n view reads in flight at once; the decisions still happen one after
-                    # another in offset order (each waits for the one before it between its read
-                    # and its decision), so each sees the reservations of those before it, and
-                    # the order of dispatch is the order they were made in.
-                    handled = []
-                    for i in range(0, len(records), n):
-                        handled += await asyncio.gather(*self._in_order(records[i : i + n]))
+                for batch in batches:
+                    if batch.highwater is not None and batch.records:
+                        self.lag[batch.partition] = max(0, batch.highwater - batch.records[-1].offset - 1)
+                    handled = await self._decide(batch.records)
                     # Metadata of every reply topic first, before this batch's first send: a new
                     # topic's metadata fetch that ran while a dispatch batch waited in the producer was
                     # seen to strand that batch (its delivery never came, the loop stalled for good).
                     for gateway in {r for _, _, r in handled if r}:
                         with contextlib.suppress(ValueError):
                             await prod.partitions_for(t.replies(gateway).name)
-                    for rec, (key, out, reply_to) in zip(records, handled):
+                    for rec, (key, out, reply_to) in zip(batch.records, handled):
                         if out is DECIDED:
                             continue
                         if isinstance(out, Unreadable):
-                            sends.append(await letters.send(tp.topic, tp.partition, rec.offset, out.error.reason,
-                                                            str(out.error), rec.value, rec.key))
+                            sends.append(await requests.dead_letter(rec, out.error))
                             if out.rejection is None:
                                 continue
                             out = out.rejection
                         env = self._wrap(out)
-                        raw, hdrs = encode(env), headers(env)
-                        placed.append((len(sends), env, out, tp.partition, rec.offset))
-                        sends.append(await prod.send(t.dispatch.name, raw, key=key.encode(), headers=hdrs))
+                        wire = Encoded.of(env)
+                        placed.append((len(sends), env, out, rec.partition, rec.offset))
+                        sends.append(await t.dispatch.send(prod, wire, key))
                         if reply_to:
                             # The waiting gateway reads only its own topic; dispatch stays the audit log.
                             try:
@@ -149,21 +126,33 @@ class RouterWorker:
                             except ValueError as e:
                                 log.warning("request %s: no reply sent: %s", out.request_id, e)
                             else:
-                                sends.append(await prod.send(reply.name, raw, key=out.request_id.encode(),
-                                                             headers=hdrs))
+                                sends.append(await reply.send(prod, wire, out.request_id))
                         self.routed += 1
                 await acknowledged(prod, sends, warn_after_s=10.0, what="dispatch record(s)")
                 await self._index(sends, placed)
-                await cons.commit()
+                await requests.commit()
         finally:
             if self._indexing is not None:
                 with contextlib.suppress(Exception):
                     await self._indexing
             await self.router.close()
-            await cons.stop()
+            await requests.stop()
             await control.stop()
             await prod.stop()
 
+    async def _decide(self, records: Sequence[Record]) -> list[tuple[str, Any, str | None]]:
+        """Each record handled by the router, up to ``router_concurrency`` view reads in flight at
+        once; the decisions still happen one after another in offset order (each waits for the one
+        before it between its read and its decision, :class:`~conductor.routing.ordered.Turns`), so
+        each sees the reservations of those before it, and dispatch's order is the order they were
+        made in."""
+        n = self.settings.router_concurrency
+        handled: list[tuple[str, Any, str | None]] = []
+        for i in range(0, len(records), n):
+            handled += await asyncio.gather(*(
+                self._turns.take(functools.partial(self.router.handle_with_reply, r.value, r.key, r.offset))
+                for r in records[i : i + n]))
+        return handled
 
     async def _index(self, sends: Sequence[Any], placed: Sequence[tuple[int, Envelope, Any, int, int]]) -> None:
         """Hand the batch's dispatch positions to the decision index, in the background; a

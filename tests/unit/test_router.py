@@ -386,7 +386,7 @@ async def test_reads_that_come_back_out_of_order_still_decide_in_log_order() -> 
     recs = [SimpleNamespace(value=encode(envelope(token_request(f"o{i}"), producer_id="gw", producer_seq=i,
                                                   ts_ms=now_ms())), key=f"o{i}".encode(), offset=i)
             for i in range(4)]
-    outs = await asyncio.gather(*worker._in_order(recs))
+    outs = await worker._decide(recs)  # type: ignore[arg-type]
     # the i-th request of the log was decided i-th and saw the i reservations before it
     assert decided == [("o0", 0), ("o1", 1), ("o2", 2), ("o3", 3)]
     assert [o[1].request_id for o in outs] == ["o0", "o1", "o2", "o3"]
