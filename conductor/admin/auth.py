@@ -59,10 +59,6 @@ class Tokens:
             return "read"
         return None
 
-    def allows(self, authorization: str | None, needed: Scope) -> bool | None:
-        """True: allowed; False: authenticated but not for this; None: not authenticated."""
-        return granted(self.scope_of(authorization), needed)
-
     # --- the console's session cookie ---------------------------------------------------------
 
     def session(self, scope: Scope, now_s: float) -> str:
