@@ -27,23 +27,21 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from aiokafka import TopicPartition
-
 from conductor.routing.control import ControlState, apply_control
 from conductor.routing.control_log import policy_check
 from conductor.settings import Settings
 from schemas import (
     ControlCommand,
     DeadLetter,
-    DecodeError,
+    Envelope,
     RequestOutcome,
     RoutingDecision,
     RoutingRejection,
     RoutingRequest,
-    decode,
 )
-from streams.kafka import consumer, end_offsets, ensure_topics
-from streams.topics import topics
+from streams.follow import Earliest, Follower, OnBad, Start, Tail
+from streams.kafka import ensure_topics
+from streams.topics import Topic, topics
 
 log = logging.getLogger(__name__)
 
@@ -156,12 +154,7 @@ class LogFeed:
             try:
                 await ensure_topics(self.settings.kafka(),
                                     (t.requests, t.dispatch, t.dead_letter, t.control, t.request_outcomes))
-                c = consumer(self.settings.kafka(), group_id=None)
-                await c.start()
-                try:
-                    await self._follow(c)
-                finally:
-                    await c.stop()
+                await self._follow()
             except asyncio.CancelledError:
                 raise
             except Exception as e:  # noqa: BLE001 - the broker went away: say so, retry
@@ -169,38 +162,25 @@ class LogFeed:
                 log.warning("admin feed: %s; retrying in 2s", self.error)
                 await asyncio.sleep(2.0)
 
-    async def _follow(self, c: Any) -> None:
+    async def _follow(self) -> None:
         t = self.topics
-        tps = []
-        for topic in (t.requests, t.dispatch, t.dead_letter, t.control, t.request_outcomes):
-            parts = c.partitions_for_topic(topic.name) or set()
-            if not parts:
-                await c.topics()
-                parts = c.partitions_for_topic(topic.name) or set()
-            tps += [TopicPartition(topic.name, p) for p in sorted(parts)]
-        c.assign(tps)
-        ends = await end_offsets(c, tps)
-        for tp in tps:
-            tail = 0 if tp.topic == t.control.name else max(0, ends[tp] - self.keep)
-            c.seek(tp, tail)
-        self.error = ""
-        caught_up = {tp for tp in tps if ends[tp] > 0}
-        while True:
-            got = await c.getmany(timeout_ms=200, max_records=2000)
-            for tp, msgs in got.items():
-                for m in msgs:
-                    self._on_record(tp.topic, tp.partition, m.offset, m.value, m.timestamp)
-                if msgs and msgs[-1].offset + 1 >= ends.get(tp, 0):
-                    caught_up.discard(tp)
-            if not caught_up:
-                self.ready.set()
+        # Control from its start (the state is its whole fold); the others' last ``keep`` records.
+        # A record that does not decode is counted (``skipped``): its topic's own consumer sets it aside.
+        starts: list[tuple[Topic, Start]] = [
+            (topic, Earliest() if topic == t.control else Tail(self.keep))
+            for topic in (t.requests, t.dispatch, t.dead_letter, t.control, t.request_outcomes)]
+        async with Follower(self.settings.kafka(), starts, on_bad=OnBad.SKIP, name="admin feed", max_records=2000,
+                            counts=self.skipped, count_prefix="", track_end=True) as follower:
+            self.error = ""
+            async for batches in follower.polls(asyncio.Event()):
+                for batch in batches:
+                    for rec in batch.records:
+                        if rec.env is not None:
+                            self._on_record(rec.topic, rec.partition, rec.offset, rec.env)
+                if follower.caught_up:
+                    self.ready.set()
 
-    def _on_record(self, topic: str, partition: int, offset: int, value: bytes | None, ts: int) -> None:
-        try:
-            env = decode(value or b"")
-        except DecodeError as e:
-            self.skipped[e.reason] += 1
-            return  # its topic's own consumer dead-letters it (streams.dead_letters)
+    def _on_record(self, topic: str, partition: int, offset: int, env: Envelope) -> None:
         b = env.body
         t = self.topics
         if topic == t.requests.name and isinstance(b, RoutingRequest):

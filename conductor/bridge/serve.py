@@ -25,8 +25,9 @@ from conductor.bridge.commands import VllmCommandExecutor
 from conductor.bridge.runner import Bridge, BridgeConfig, endpoint_of_metrics, kafka_sink, rank_configs
 from conductor.errors import ConfigError
 from conductor.settings import Settings
-from schemas import DecodeError, KvCommand, decode
-from streams.kafka import consumer, ensure_topics, producer
+from schemas import KvCommand
+from streams.follow import Earliest, Follower, OnBad
+from streams.kafka import ensure_topics, producer
 from streams.topics import topics
 
 log = logging.getLogger(__name__)
@@ -136,24 +137,18 @@ async def commands_for(settings: Settings, node_id: str, stop: asyncio.Event | N
     Read in the node's own consumer group; offsets are committed after the commands were handed
     over (the generator resumed): at-least-once, made safe by the commands' ids."""
     t = topics(settings.topic_config())
-    c = consumer(settings.kafka(), t.kv_commands.name, group_id=f"{settings.topic_prefix}kv-exec-{node_id}")
-    await c.start()
-    try:
-        while stop is None or not stop.is_set():
-            batches = await c.getmany(timeout_ms=200, max_records=500)
-            for records in batches.values():
-                for r in records:
-                    try:
-                        body = decode(r.value).body
-                    except DecodeError as e:
-                        log.warning("kv-commands %d@%d: %s", r.partition, r.offset, e)
-                        continue
+    # kv-commands' owner (the balancer's side) sets bad records aside: a node logs them and goes on.
+    follower = Follower(settings.kafka(), [(t.kv_commands, Earliest())], on_bad=OnBad.LOG_AND_SKIP,
+                        name=f"kv-exec-{node_id}", group=f"{settings.topic_prefix}kv-exec-{node_id}")
+    async with follower:
+        async for batches in follower.polls(stop or asyncio.Event()):
+            for batch in batches:
+                for rec in batch.records:
+                    body = rec.env.body if rec.env is not None else None
                     if isinstance(body, KvCommand) and body.executor == node_id:
                         yield body
             if batches:
-                await c.commit()
-    finally:
-        await c.stop()
+                await follower.commit()
 
 
 async def run_until_stopped(stop: asyncio.Event, *tasks: asyncio.Task[Any]) -> None:

@@ -21,13 +21,10 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from aiokafka import TopicPartition
-from aiokafka.errors import KafkaError
-
 from conductor.settings import Settings
-from schemas import DecodeError, RoutingDecision, RoutingRejection, decode
-from streams.dead_letters import DeadLetters
-from streams.kafka import consumer, ensure_topics
+from schemas import DecodeError, Envelope, RoutingDecision, RoutingRejection
+from streams.follow import Follower, OnBad, Since
+from streams.kafka import ensure_topics
 from streams.topics import topics
 
 log = logging.getLogger(__name__)
@@ -78,11 +75,16 @@ class ReplyInbox:
         """Answer the request ``value`` decides; a record that is no decision comes back as the
         error to dead-letter it with."""
         try:
-            body = decode(value).body
+            env = self.topic.decode(value)
         except DecodeError as e:
             self.counts[f"bad_record:{e.reason}"] += 1
             log.warning("skipping a bad reply record: %s", e)
             return e
+        return self.on_envelope(env)
+
+    def on_envelope(self, env: Envelope) -> DecodeError | None:
+        """:meth:`on_record` for a record decoded already."""
+        body = env.body
         if not isinstance(body, (RoutingDecision, RoutingRejection)):
             self.counts["wrong_kind"] += 1
             return DecodeError("wrong_kind", f"a {body.kind} record on a reply topic")
@@ -142,41 +144,25 @@ class ReplyInbox:
         await ensure_topics(self.settings.kafka(), (self.topic,))
         # A short fetch wait: an idle gateway's first decision must not sit in the broker.
         wait_ms = self.settings.embedded_fetch_wait_ms if self.settings.embedded else 5
-        cons = consumer(self.settings.kafka(), group_id=None, fetch_max_wait_ms=wait_ms)
         # This gateway is its topic's one reader: it sets a bad record aside (on a producer of its own).
-        letters = DeadLetters(self.settings.kafka(), topics(self.settings.topic_config()).dead_letter,
-                              f"inbox-{self.topic.name}")
-        await cons.start()
+        follower = Follower(self.settings.kafka(), [(self.topic, Since(int(time.time() * 1000) - 1000))],
+                            on_bad=OnBad.DEAD_LETTER, name=f"inbox-{self.topic.name}",
+                            dead_letter=topics(self.settings.topic_config()).dead_letter, fetch_wait_ms=wait_ms,
+                            poll_ms=100, max_records=1000, counts=self.counts)
         try:
-            tp = TopicPartition(self.topic.name, 0)
-            cons.assign([tp])
-            since = int(time.time() * 1000) - 1000
-            found = {}
-            try:
-                found = await cons.offsets_for_times({tp: since})
-            except KafkaError as e:  # a broker without timestamp lookups: read from the start
-                log.info("offsets by time unavailable (%s); reading the reply topic from its start", e)
-            hit = found.get(tp)
-            if hit is not None:
-                cons.seek(tp, hit.offset)
-            elif self.settings.profile == "production":
-                await cons.seek_to_end(tp)
-            else:
-                await cons.seek_to_beginning(tp)  # the embedded broker's "latest" is wrong
-            self._assigned = lambda: tp in cons.assignment()
+            await follower.start()
+            self._assigned = follower.assigned
             self._polled_at = self.clock()
             self._ready.set()
             while not stop.is_set():
-                batches = await cons.getmany(timeout_ms=100, max_records=1000)
+                batches = await follower.fetch()
                 self._polled_at = self.clock()
-                for records in batches.values():
-                    for rec in records:
-                        bad = self.on_record(rec.value or b"")
+                for batch in batches:
+                    for rec in batch.records:
+                        assert rec.env is not None  # (DEAD_LETTER: only what decodes comes through)
+                        bad = self.on_envelope(rec.env)
                         if bad is not None:
-                            await letters.send(tp.topic, tp.partition, rec.offset, bad.reason, str(bad), rec.value,
-                                               rec.key)
+                            await follower.dead_letter(rec, bad)
         finally:
             with contextlib.suppress(Exception):
-                await cons.stop()
-            with contextlib.suppress(Exception):
-                await letters.close()
+                await follower.stop()
