@@ -699,7 +699,7 @@ def run_demo(settings: Settings, opts: DemoOptions) -> dict[str, Any]:
     if not console.is_terminal:
         console = Console(stderr=True, width=max(console.width, 120))  # a log file, not a window
     # The dashboard is the demo's output; per-record logs go to the processes' log files.
-    for name in ("conductor.bridge", "aiokafka", "conductor.routing.dispatch", "httpx", "httpx2", "openai"):
+    for name in ("conductor.bridge", "aiokafka", "conductor.harness.dispatch", "httpx", "httpx2", "openai"):
         logging.getLogger(name).setLevel(logging.WARNING)
     trace = opts.trace or default_trace()
     if not trace.exists():

@@ -29,9 +29,9 @@ import pytest
 from conductor.bridge.runner import Bridge, BridgeConfig, kafka_sink
 from conductor.bridge.serve import EngineRole
 from conductor.harness.devstack import free_port
+from conductor.harness.dispatch import Assignment
 from conductor.harness.engine.emulated import EmulatedEngine
 from conductor.harness.engine.serve import EngineServeConfig, engine_node
-from conductor.routing.dispatch import Assignment
 from conductor.settings import Settings, child_environment
 from schemas import (
     KvCommand,

@@ -123,7 +123,7 @@ async def test_engine_executes_its_decisions_and_the_bridge_publishes_token_deri
 
 
 def _assignment(rid: str, tokens: list[int], *, prefill: bool, decode_: bool, out: int = 4, ts_ms: int = 0):  # type: ignore[no-untyped-def]
-    from conductor.routing.dispatch import Assignment
+    from conductor.harness.dispatch import Assignment
 
     req = RoutingRequest(request_id=rid, token_ids=tokens, prompt_tokens=len(tokens), expected_output_tokens=out)
     dec = RoutingDecision(request_id=rid, prefill_instance="n0", decode_instance="n0", reused_tokens=0,

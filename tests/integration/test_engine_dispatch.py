@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from conductor.routing.dispatch import _Joiner, decisions_for
+from conductor.harness.dispatch import _Joiner, decisions_for
 from conductor.settings import Settings
 from schemas import RoutingDecision, RoutingRequest, encode, envelope, headers
 from streams.kafka import ensure_topics, producer

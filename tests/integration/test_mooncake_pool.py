@@ -20,10 +20,10 @@ from conductor.bridge.publisher import EventPublisher
 from conductor.bridge.runner import Bridge, BridgeConfig, kafka_sink
 from conductor.bridge.serve import commands_for
 from conductor.costmodel.profiles import load_profile
+from conductor.harness.dispatch import Assignment, decisions_for
 from conductor.harness.engine.emulated import EmulatedEngine, EngineConfig
 from conductor.harness.engine.executor import EngineCommandExecutor
 from conductor.harness.engine.pool import POOL_NODE, LocalMaster, MooncakePool, PoolIndex, PoolLink, object_key
-from conductor.routing.dispatch import Assignment, decisions_for
 from conductor.settings import Settings
 from schemas import (
     KvCommand,

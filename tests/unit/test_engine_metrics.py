@@ -7,9 +7,9 @@ from prometheus_client import generate_latest
 
 from conductor.bridge.scrape import MetricsError, heartbeat_of, parse_load
 from conductor.costmodel.profiles import load_profile
+from conductor.harness.dispatch import Assignment
 from conductor.harness.engine.emulated import EmulatedEngine, EngineConfig
 from conductor.harness.engine.metrics import engine_registry
-from conductor.routing.dispatch import Assignment
 from schemas import RoutingDecision, RoutingRequest, vllm_block_extras
 from streams.kafka import config_problems
 from streams.topics import TopicConfig, topics

@@ -11,10 +11,10 @@ import json
 from collections.abc import Sequence
 
 from conductor.costmodel.profiles import load_profile
+from conductor.harness.dispatch import Assignment
 from conductor.harness.engine.emulated import EmulatedEngine, EngineConfig
 from conductor.harness.engine.executor import EngineCommandExecutor
 from conductor.harness.engine.pool import POOL_NODE, PoolIndex, PoolLink, block_bytes, object_key
-from conductor.routing.dispatch import Assignment
 from schemas import (
     BlocksMigrated,
     BlocksRemoved,

@@ -40,8 +40,8 @@ from aiokafka.errors import KafkaError
 from conductor.bridge.publisher import EventPublisher
 from conductor.bridge.wire import EngineBlockRemoved, EngineBlockStored
 from conductor.costmodel.profiles import ModelProfile
+from conductor.harness.dispatch import Assignment
 from conductor.harness.engine.pool import PoolLink
-from conductor.routing.dispatch import Assignment
 from schemas import Heartbeat, Role, RoutingDecision, RoutingRequest, Tier, chain_keys, envelope
 
 log = logging.getLogger(__name__)

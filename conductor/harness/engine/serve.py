@@ -30,12 +30,12 @@ from conductor.bridge.runner import Sink, kafka_sink
 from conductor.bridge.serve import EngineRole, commands_for, run_until_stopped
 from conductor.costmodel.profiles import ModelProfile, load_profile
 from conductor.errors import ConfigError
+from conductor.harness.dispatch import decisions_for
 from conductor.harness.engine.emulated import EmulatedEngine, EngineConfig
 from conductor.harness.engine.executor import EngineCommandExecutor
 from conductor.harness.engine.http import engine_app
 from conductor.harness.engine.metrics import engine_registry
 from conductor.harness.engine.pool import POOL_NODE, MooncakePool, PoolError, PoolIndex, PoolLink
-from conductor.routing.dispatch import decisions_for
 from conductor.settings import Settings
 from schemas import Envelope, Heartbeat
 from streams.kafka import ensure_topics, producer

@@ -18,14 +18,12 @@ import time
 from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any
-
-from aiokafka import TopicPartition
 
 from conductor.settings import Settings
-from schemas import DecodeError, RoutingDecision, RoutingRejection, RoutingRequest, decode
-from streams.kafka import consumer, ensure_topics
-from streams.topics import topics
+from schemas import RoutingDecision, RoutingRejection, RoutingRequest
+from streams.follow import Earliest, Follower, OnBad, Since, Start
+from streams.kafka import ensure_topics
+from streams.topics import Topic, topics
 
 log = logging.getLogger(__name__)
 
@@ -107,34 +105,6 @@ class _Joiner:
         return out
 
 
-async def _assign_from(cons: Any, since: dict[str, int], names: list[str], *, trust_end: bool) -> None:
-    """Read every partition of ``names``, from the first record at or after ``since[name]`` (ms).
-
-    Older records would be filtered out anyway; skipping them spares a restarted engine
-    the whole history of ``dispatch``. Where nothing is that recent, start at the end
-    (``trust_end``: a broker whose end offset is right) or else at the beginning.
-    """
-
-    await cons.topics()  # fetches the metadata that partitions_for_topic reads
-    parts = [TopicPartition(n, p) for n in names for p in sorted(cons.partitions_for_topic(n) or ())]
-    cons.assign(parts)
-    starts = {tp: since[tp.topic] for tp in parts if since.get(tp.topic, 0) > 0}
-    found: dict[Any, Any] = {}
-    if starts:
-        try:
-            found = await cons.offsets_for_times(starts)
-        except Exception as e:  # noqa: BLE001 - a broker without timestamp lookups (aiokafka raises several kinds): filtering still applies
-            log.info("offsets by time unavailable (%s); reading from the start", e)
-    for tp in parts:
-        hit = found.get(tp)
-        if hit is not None:
-            cons.seek(tp, hit.offset)
-        elif tp in starts and trust_end:
-            await cons.seek_to_end(tp)
-        else:
-            await cons.seek_to_beginning(tp)
-
-
 async def decisions_for(
     settings: Settings,
     instance_id: str,
@@ -156,32 +126,28 @@ async def decisions_for(
     tps = topics(settings.topic_config())
     wanted = (tps.dispatch, tps.requests) if with_requests else (tps.dispatch,)
     await ensure_topics(settings.kafka(), wanted)
-    cons = consumer(settings.kafka(), group_id=None, fetch_max_wait_ms=50)
     joiner = _Joiner(instance_id, since_ms, with_requests)
     if counts is not None:
         joiner.counts = counts
-    await cons.start()
-    try:
-        await _assign_from(cons, {tps.dispatch.name: since_ms, tps.requests.name: since_ms - REQUEST_LOOKBACK_MS},
-                           [t.name for t in wanted], trust_end=settings.profile == "production")
-        while stop is None or not stop.is_set():
-            batches = await cons.getmany(timeout_ms=200, max_records=500)
+    # Older records would be filtered out anyway: starting at ``since_ms`` spares a restarted
+    # engine the whole history of dispatch (its requests from a little earlier).
+    since = {tps.dispatch.name: since_ms, tps.requests.name: since_ms - REQUEST_LOOKBACK_MS}
+    starts: list[tuple[Topic, Start]] = [(t, Since(since[t.name]) if since[t.name] > 0 else Earliest())
+                                         for t in wanted]
+    async with Follower(settings.kafka(), starts, on_bad=OnBad.LOG_AND_SKIP, name=f"dispatch-{instance_id}",
+                        fetch_wait_ms=50, counts=joiner.counts) as follower:
+        async for batches in follower.polls(stop or asyncio.Event()):
             now = time.monotonic()
             ready: list[Assignment] = []
-            for tp, records in batches.items():
-                for rec in records:
-                    try:
-                        env = decode(rec.value)
-                    except DecodeError as e:
-                        joiner.counts[f"bad_record:{e.reason}"] += 1
-                        log.warning("skipping a bad record at %s[%d]@%d: %s", tp.topic, tp.partition, rec.offset, e)
-                        continue
-                    body = env.body
+            for batch in batches:
+                for rec in batch.records:
+                    body = rec.env.body if rec.env is not None else None
+                    ts_ms = rec.env.ts_ms if rec.env is not None else 0
                     if isinstance(body, RoutingDecision):
-                        ready.extend(joiner.on_decision(body, env.ts_ms, now))
+                        ready.extend(joiner.on_decision(body, ts_ms, now))
                     elif isinstance(body, RoutingRequest):
                         if with_requests:
-                            ready.extend(joiner.on_request(body, env.ts_ms))
+                            ready.extend(joiner.on_request(body, ts_ms))
                     elif isinstance(body, RoutingRejection):
                         joiner.counts["rejections"] += 1
                     else:
@@ -190,5 +156,3 @@ async def decisions_for(
             for a in ready:
                 joiner.counts["assignments"] += 1
                 yield a
-    finally:
-        await cons.stop()
