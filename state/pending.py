@@ -239,6 +239,8 @@ class InMemoryPendingBlocks:
 
     def holds(self, node: str, block: int, now_ms: int) -> bool:
         """Whether ``block`` is pending on ``node`` at ``now_ms`` (or in its LRU record)."""
+        if now_ms > self._now:
+            self.expire(now_ms)
         lru = self._lru.get(node)
         if lru is not None and block in lru:
             return True

@@ -116,7 +116,7 @@ class TestInMemoryPending(PendingContract):
 class TestRedisPending(PendingContract):
     @pytest.fixture
     async def pair(self, settings: Settings) -> AsyncIterator[tuple[PendingStore, PendingStore, Sync]]:
-        clients = [aioredis.from_url(settings.redis_url) for _ in range(2)]
+        clients = [aioredis.from_url(str(settings.redis_url)) for _ in range(2)]
         a, b = (RedisPendingBlocks(c, settings.view_namespace, TTL_MS, producer_id=p, block_ms=50)
                 for c, p in zip(clients, "ab", strict=True))
         for s in (a, b):
@@ -145,7 +145,7 @@ class TestInMemoryInflight(InflightContract):
 class TestRedisInflight(InflightContract):
     @pytest.fixture
     async def pair(self, settings: Settings) -> AsyncIterator[tuple[InflightLedger, InflightLedger, Sync]]:
-        clients = [aioredis.from_url(settings.redis_url) for _ in range(2)]
+        clients = [aioredis.from_url(str(settings.redis_url)) for _ in range(2)]
         a, b = (RedisInflight(c, settings.view_namespace, LEASE_MS, producer_id=p, block_ms=50)
                 for c, p in zip(clients, "ab", strict=True))
         for s in (a, b):

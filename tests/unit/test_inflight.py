@@ -9,6 +9,7 @@ from state.inflight import (
     Charged,
     Finished,
     FirstToken,
+    InflightOp,
     InMemoryInflight,
     InstanceLoad,
     decode_op,
@@ -94,7 +95,7 @@ def test_a_release_that_arrives_before_its_charge_still_applies() -> None:
 
 
 def test_the_fold_ignores_arrival_order_and_later_operations() -> None:
-    ops = [
+    ops: list[InflightOp] = [
         Charged("r1", 0, "p0", "d0", 100, 200),
         Charged("r2", 10, "p0", "p0", 50, 60),
         FirstToken("r1", 20),

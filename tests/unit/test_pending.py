@@ -8,6 +8,7 @@ import pytest
 from state.pending import (
     Confirmed,
     InMemoryPendingBlocks,
+    PendingOp,
     PendingPrefix,
     Placed,
     Released,
@@ -139,7 +140,7 @@ def test_capacity_trims_and_none_forgets() -> None:
 
 
 def test_the_fold_ignores_arrival_order_and_later_operations() -> None:
-    ops = [
+    ops: list[PendingOp] = [
         Placed("r1", 100, "p0", (1, 2, 3)),
         Placed("r2", 150, "p1", (1, 2)),
         Released("r2", 180),
