@@ -597,9 +597,45 @@ def _printable(text: object, cap: int) -> str:
     return s[:cap].encode("utf-8", "backslashreplace").decode("utf-8")[:cap]
 
 
+# --- capacity plans (topic plans) ----------------------------------------------
+
+
+class CapacityPlan(Record):
+    """What ``conductor planner`` advised: the fewest instances per role that meet the SLOs for
+    ``target`` of the traffic of ``window_start_ms``..``window_end_ms`` (times ``growth``), as the
+    simulator predicts with the policy in force, beside today's cluster. An advice, never an
+    action: an autoscaler reads it (the planner's gauges) and scales."""
+
+    kind: Literal["capacity_plan"] = "capacity_plan"
+    prefill: int = Field(ge=1)
+    decode: int = Field(ge=1)
+    predicted_slo_attainment: float = Field(ge=0.0, le=1.0)
+    cluster_prefill: int = Field(ge=1)
+    cluster_decode: int = Field(ge=1)
+    cluster_slo_attainment: float = Field(ge=0.0, le=1.0)
+    target: float = Field(gt=0.0, le=1.0)
+    target_met: bool = True
+    """False: no cluster up to the search's bound met ``target``; the plan is the smallest that came
+    within the search's slack of the best attainment reached."""
+    growth: float = Field(gt=0.0)
+    ttft_slo_s: float = Field(gt=0.0)
+    tbt_slo_ms: float = Field(gt=0.0)
+    policy: Name
+    model_profile: Name
+    window_start_ms: int = Field(ge=0)
+    window_end_ms: int = Field(ge=0)
+    requests: int = Field(ge=0)
+    goodput_rps: float = Field(ge=0.0)
+    rejection_rate: float = Field(ge=0.0, le=1.0)
+    headroom: float | None = None
+    """Extra traffic the plan carries before falling below target (0.1 = 10 %); None: not measured."""
+    simulations: int = Field(ge=0)
+
+
 AnyBody: TypeAlias = (
     BlocksStored | BlocksRemoved | AllBlocksCleared | BlocksMigrated | Heartbeat | RoutingRequest | RoutingDecision
     | RoutingRejection | RequestOutcome | KvCommand | KvCommandResult | DeadLetter | ControlCommand
+    | CapacityPlan
 )
 """Every record body, declared once: the envelope's union, :data:`BODIES` and the codec's table
 come from it."""

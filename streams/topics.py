@@ -87,13 +87,16 @@ class Topics:
     control: Topic
     """Operators' runtime changes (policy, params, cordon/drain); one partition, so every
     router applies them in one order and a decision can name the offset it was made under."""
+    plans: Topic
+    """``conductor planner``'s capacity plans (advice for autoscalers, kept to audit them); one
+    partition: the plans in the order they were made."""
     reply_prefix: str
     replication_factor: int
 
     def all(self) -> tuple[Topic, ...]:
         """The shared topics (per-gateway reply topics are named by :meth:`replies`)."""
         return (self.kv_events, self.heartbeats, self.requests, self.dispatch, self.kv_commands,
-                self.kv_command_results, self.dead_letter, self.request_outcomes, self.control)
+                self.kv_command_results, self.dead_letter, self.request_outcomes, self.control, self.plans)
 
     def replies(self, gateway_id: str) -> Topic:
         """The reply topic of one gateway: the decisions of the requests it sent (``reply_to``).
@@ -141,4 +144,5 @@ def topics(config: TopicConfig) -> Topics:
         replication_factor=rf,
         # Kept for good: `explain` folds control from offset 0 to the offset a decision names.
         control=t("control", "target (policy or node id)", "control", partitions=1, retention_ms=-1),
+        plans=t("plans", "planner id", "capacity_plan", partitions=1, retention_ms=audit_ms),
     )

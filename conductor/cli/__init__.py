@@ -22,6 +22,7 @@ from conductor.cli import (
     fit,
     gateway,
     pipeline,
+    plan,
     routing,
     simulate,
 )
@@ -29,7 +30,8 @@ from conductor.cli.common import GROUPS, app, err, harness_library_missing
 from conductor.errors import ConductorError
 
 # Order is the order of --help.
-COMMAND_MODULES = (dev, pipeline, routing, fit, control, admin, gateway, epp, balance, audit, chaos, simulate, engines)
+COMMAND_MODULES = (dev, pipeline, routing, fit, control, admin, gateway, epp, balance, audit, chaos, simulate, engines,
+                   plan)
 for _module in COMMAND_MODULES:
     _module.register(GROUPS)
 

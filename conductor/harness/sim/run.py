@@ -399,3 +399,11 @@ def _routers_profile(name: str) -> ModelProfile | None:
 def _run_with(bench: Bench, profile: ModelProfile, policy: str, speed: float) -> SimResult:
     bench.profile = profile
     return bench.run(policy, speed)[1]
+
+
+def prepare_bench(settings: Settings, config: SimulateConfig, console: Console) -> tuple[Bench, list[str], float]:
+    """The workload ``config`` names, ready to run as ``conductor simulate`` would: (bench, policy
+    names, speed); recorded traffic is read and its cost model calibrated. For commands that replay
+    the same traffic on other clusters (``conductor plan``)."""
+    setup = _prepare(settings, config, console)
+    return setup.bench, setup.names, setup.speed

@@ -1,0 +1,142 @@
+"""``conductor plan``'s search, forecast and record: the minimum on toy cost models, then end to end on a tiny trace."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import pytest
+from typer.testing import CliRunner
+
+from conductor.cli import app
+from conductor.errors import ConfigError
+from conductor.harness.plan.forecast import forecast_growth
+from conductor.harness.plan.planner import ClusterScore, Plan, PlanConfig
+from conductor.harness.plan.search import Probe, SearchLimits, find_plan
+from conductor.harness.plan.serve import plan_record
+from schemas import decode, encode, envelope
+from schemas.records import CapacityPlan
+from tests.unit.test_sim_cli import tiny_trace
+
+
+def toy(load: float, *, per_prefill: float = 1.0, per_decode: float = 2.5, joint: bool = False,
+        unservable: float = 0.0):
+    """A cluster where each role serves its share of ``load`` in proportion to its instances; ``joint``
+    couples the roles (attainment is the product, as when a slow prefill delays decode), and
+    ``unservable`` of the requests are missed by any cluster."""
+    calls: list[tuple[int, int]] = []
+
+    def evaluate(p: int, d: int) -> Probe:
+        calls.append((p, d))
+        ttft = min(1.0, p * per_prefill / load) * (1 - unservable)
+        tbt = min(1.0, d * per_decode / load)
+        both = ttft * tbt if joint else min(ttft, tbt)
+        return Probe(p, d, both, ttft, tbt)
+
+    return evaluate, calls
+
+
+def brute_force(evaluate, goal: float, top: int = 64) -> set[tuple[int, int]]:
+    """Every pair of least total size meeting ``goal``."""
+    ok = [(p, d) for p, d in itertools.product(range(1, top + 1), repeat=2) if evaluate(p, d).slo_attainment >= goal]
+    least = min(p + d for p, d in ok)
+    return {(p, d) for p, d in ok if p + d == least}
+
+
+@pytest.mark.parametrize("load,start", [(10.0, (16, 8)), (37.0, (16, 8)), (3.0, (2, 1)), (100.0, (4, 4))])
+def test_finds_the_minimum_of_independent_roles(load, start):
+    evaluate, calls = toy(load)
+    found = find_plan(evaluate, start=start, target=0.99)
+    assert found.target_met and found.at_plan.slo_attainment >= 0.99
+    assert (found.prefill, found.decode) in brute_force(toy(load)[0], 0.99, top=256)
+    assert found.prefill == math.ceil(0.99 * load) and found.decode == math.ceil(0.99 * load / 2.5)
+    # the doublings to the bracket, then about log2 of it per role and the joint check: not P x D
+    bracket = max(*start, found.prefill, found.decode)
+    assert len(set(calls)) <= 3 * math.ceil(math.log2(2 * bracket)) + 2
+
+
+def test_coupled_roles_are_checked_together_and_the_plan_meets_the_target():
+    evaluate, _ = toy(20.0, joint=True)
+    found = find_plan(evaluate, start=(16, 8), target=0.95)
+    assert found.at_plan.slo_attainment >= 0.95
+    least = min(p + d for p, d in brute_force(toy(20.0, joint=True)[0], 0.95))
+    assert found.prefill + found.decode <= least + 2  # each step up is one instance here
+
+
+def test_more_traffic_never_plans_fewer_instances():
+    plans = [find_plan(toy(load)[0], start=(8, 4), target=0.99) for load in (2.0, 5.0, 9.0, 17.0, 40.0)]
+    for a, b in itertools.pairwise(plans):
+        assert b.prefill >= a.prefill and b.decode >= a.decode
+    assert plans[-1].prefill > plans[0].prefill
+
+
+def test_a_target_no_cluster_meets_plans_for_the_best_reachable_and_says_so():
+    evaluate, calls = toy(10.0, unservable=0.02)
+    found = find_plan(evaluate, start=(16, 8), target=0.99)
+    assert not found.target_met
+    assert found.goal == pytest.approx(0.98 - SearchLimits().slack)
+    assert (found.prefill, found.decode) in brute_force(toy(10.0, unservable=0.02)[0], found.goal)
+    assert max(p for p, _ in calls) <= 32  # doubling stopped once it no longer helped
+
+
+def test_the_budget_bounds_the_simulations():
+    evaluate, calls = toy(300.0)
+    found = find_plan(evaluate, start=(1, 1), target=0.99, limits=SearchLimits(max_instances=1024, max_runs=6))
+    assert len(calls) == 6 and found.exhausted
+    assert found.at_plan.slo_attainment >= found.goal or not found.target_met
+
+
+def test_limits_and_config_are_checked():
+    with pytest.raises(ConfigError):
+        SearchLimits(max_runs=1)
+    with pytest.raises(ConfigError, match="--trace FILE or --since"):
+        PlanConfig()
+    with pytest.raises(ConfigError, match="--forecast"):
+        PlanConfig(since="1h", forecast=True, growth=1.5)
+
+
+def test_forecast_follows_the_trend_and_never_plans_below_today():
+    rising = [t * 1000.0 for t in range(3600) for _ in range(1 + t // 1200)]  # 1, 2, then 3 req/s
+    fc = forecast_growth(rising, horizon_s=3600.0)
+    assert fc.growth > 1.5 and fc.slope_rps_per_h > 0
+    flat = [t * 500.0 for t in range(7200)]
+    assert forecast_growth(flat).growth == pytest.approx(1.0, abs=0.02)
+    falling = [t * 1000.0 for t in range(3600) for _ in range(3 - t // 1200)]
+    assert forecast_growth(falling).growth == 1.0
+    assert forecast_growth([]).growth == 1.0
+
+
+def _score(p: int, d: int, att: float) -> ClusterScore:
+    return ClusterScore(prefill=p, decode=d, predicted_slo_attainment=att, ttft_attainment=att, tbt_attainment=1.0,
+                        goodput_rps=3.3, rejection_rate=0.01, ttft_p90_s=2.0, tbt_p90_ms=40.0, headroom=0.2)
+
+
+def test_the_plan_record_crosses_the_wire():
+    plan = Plan(plan=_score(6, 3, 0.991), cluster=_score(16, 8, 0.995), target=0.99, goal=0.99, target_met=True,
+                growth=1.5, forecast=None, speed=1.5, arrival_rps=5.1, policy="kvcache-centric",
+                model_profile="llama3-70b-a800x8", ttft_slo_s=30.0, tbt_slo_ms=100.0, source="topics", requests=900,
+                window_ms=(1_700_000_000_000, 1_700_003_600_000), simulations=11, exhausted=False, plan_wall_s=40.0,
+                probes=())
+    rec = plan_record(plan)
+    back = decode(encode(envelope(rec, producer_id="planner-a", producer_seq=1, ts_ms=1)))
+    assert isinstance(back.body, CapacityPlan) and back.body == rec
+    assert (rec.prefill, rec.decode, rec.cluster_prefill, rec.cluster_decode) == (6, 3, 16, 8)
+    out = plan.as_dict()
+    assert (out["prefill"], out["decode"], out["predicted_slo_attainment"]) == (6, 3, 0.991)
+    assert out["cluster"]["prefill"] == 16 and out["cluster"]["predicted_slo_attainment"] == 0.995
+
+
+def test_plan_end_to_end_on_a_tiny_trace(tmp_path):
+    trace = tmp_path / "t.jsonl"
+    tiny_trace(trace, n=90)
+    res = CliRunner().invoke(app, ["plan", "--trace", str(trace), "--cluster", "4P2D", "--target", "0.9",
+                                   "--growth", "2", "--no-headroom", "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(next(line for line in res.stdout.splitlines() if line.startswith("{")))
+    assert out["cluster"]["prefill"] == 4 and out["cluster"]["decode"] == 2 and out["growth"] == 2
+    assert out["requests"] == 90 and out["simulations"] == len({(p, d) for p, d, _ in out["probes"]})
+    assert out["predicted_slo_attainment"] >= out["goal"]
+    smaller = [a for p, d, a in out["probes"] if (p, d) in ((out["prefill"] - 1, out["decode"]),
+                                                            (out["prefill"], out["decode"] - 1))]
+    assert all(a < out["goal"] for a in smaller)  # one fewer of either role misses, where it was tried
