@@ -132,7 +132,7 @@ async def _routed(settings: Settings) -> dict[str, RoutingDecision]:
 async def test_explain_answers_while_heartbeats_and_requests_keep_coming(settings):
     s = settings.model_copy(update={"heartbeat_ttl_s": 3600.0})  # live for the whole test, however slow
     got = await _routed(s)
-    quiet = {rid: (await explain(s, rid)).as_dict() for rid in ("r0", "r5")}
+    quiet = {rid: _derived((await explain(s, rid)).as_dict()) for rid in ("r0", "r5")}
     assert all(q["matches"] for q in quiet.values()), quiet
     index = decision_index(s)
     assert index is not None
@@ -146,20 +146,26 @@ async def test_explain_answers_while_heartbeats_and_requests_keep_coming(setting
         await asyncio.sleep(1.5)  # the topics are never quiet from here on
         for rid in ("r0", "r5"):
             t0 = time.monotonic()
-            live = (await asyncio.wait_for(explain(s, rid), 60)).as_dict()
+            live = _derived((await asyncio.wait_for(explain(s, rid), 60)).as_dict())
             took = time.monotonic() - t0
             assert live == quiet[rid]
             assert took < 10, f"explain took {took:.1f}s with the topics live"
             # Without the index: the decision and its request found by bounded scans, same answer.
-            assert (await asyncio.wait_for(explain(s, rid, index=None), 60)).as_dict() == quiet[rid]
+            assert _derived((await asyncio.wait_for(explain(s, rid, index=None), 60)).as_dict()) == quiet[rid]
         assert traffic.sent / (time.monotonic() - t0 + 1.5) >= 20 or traffic.sent > 100
     assert quiet["r5"]["recorded"]["prefill_instance"] == got["r5"].prefill_instance
+
+
+def _derived(explanation: dict) -> dict:
+    """An explanation without its stage times (this process's clock: they differ run to run)."""
+    assert all(v >= 0 for v in explanation["stage_ms"].values()) and "candidates" in explanation["stage_ms"]
+    return {k: v for k, v in explanation.items() if k != "stage_ms"}
 
 
 async def test_the_admin_explain_answers_while_topics_are_live_and_caps_what_it_reads(settings):
     s = settings.model_copy(update={"heartbeat_ttl_s": 3600.0, "admin_token": SecretStr(TOKEN)})
     await _routed(s)
-    quiet = (await explain(s, "r3")).as_dict()
+    quiet = _derived((await explain(s, "r3")).as_dict())
     auth = {"Authorization": f"Bearer {TOKEN}"}
     app = create_app(s, feed=LogFeed(s), view=InMemoryViewStore())
     async with Traffic(s), httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://admin") as c:
@@ -167,7 +173,7 @@ async def test_the_admin_explain_answers_while_topics_are_live_and_caps_what_it_
         t0 = time.monotonic()
         r = await asyncio.wait_for(c.get("/api/explain/r3", headers=auth), 60)
         assert r.status_code == 200, r.text
-        assert r.json() == quiet and time.monotonic() - t0 < 10
+        assert _derived(r.json()) == quiet and time.monotonic() - t0 < 10
         capped = create_app(s.model_copy(update={"admin_explain_max_records": 3}), feed=LogFeed(s),
                             view=InMemoryViewStore())
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=capped), base_url="http://admin") as c2:
