@@ -27,6 +27,7 @@ import httpx
 from pydantic import SecretStr
 
 from conductor.errors import ConductorError
+from conductor.harness.cpu import server_pids
 from conductor.harness.demo import Processes, ready_line
 from conductor.harness.devstack import free_port
 from conductor.settings import Settings, child_environment
@@ -175,6 +176,13 @@ class GatewayCluster:
         """SIGKILL one engine (no goodbye: its heartbeats just stop)."""
         self.engine_procs[node].kill()
 
+    def control_pids(self) -> dict[str, int | None]:
+        """The control plane's processes by name: every process started here but the engines (worker,
+        router, bridges, gateway, a picker), and the broker and Redis when they run on this machine."""
+        engines = set(self.engine_procs)
+        own: dict[str, int | None] = {n: p.pid for n, p in self.procs.procs if n not in engines}
+        return {**own, **server_pids(self.settings.kafka_url, self.settings.redis_url)}
+
 
 async def _drain(proc: Any, into: list[dict[str, Any]]) -> None:
     while line := await proc.stdout.readline():
@@ -238,6 +246,10 @@ class SglangRouterCluster(GatewayCluster):
             await self._stop_all()
             raise
         return self
+
+    def control_pids(self) -> dict[str, int | None]:
+        """The router's process only: it needs no broker and no Redis."""
+        return {n: p.pid for n, p in self.procs.procs if n == "sglang-router"}
 
     async def _wait_workers(self, timeout_s: float = 60.0) -> None:
         want = len(self.engine_urls)

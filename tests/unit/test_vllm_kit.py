@@ -22,9 +22,11 @@ from conductor.harness.vllm_kit import (
     VOCAB_SIZE,
     VllmEngine,
     default_kit_dir,
+    engine_model_dir,
     install_nixl_tune,
     kit_available,
     kit_dir,
+    make_heavy_model,
     make_tiny_model,
     tiny_model_dir,
 )
@@ -143,3 +145,31 @@ def test_engine_command_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
 def test_the_product_settings_know_every_harness_variable() -> None:
     # Settings cannot import the harness (the layers): its list of the harness's names is kept by this test
     assert set(HarnessSettings.model_fields) == HARNESS_VARIABLES
+
+
+def test_the_heavy_model_shares_the_tiny_models_tokenizer(tmp_path: Path) -> None:
+    tiny, heavy = make_tiny_model(tmp_path / "tiny"), make_heavy_model(tmp_path / "heavy")
+    assert (tiny / "tokenizer.json").read_bytes() == (heavy / "tokenizer.json").read_bytes()
+    t, h = (json.loads((d / "config.json").read_text()) for d in (tiny, heavy))
+    assert h["hidden_size"] == h["num_attention_heads"] * h["head_dim"]
+    # Heavier where prefill's cost is: a wider model, wider heads, a wider MLP (as many layers or more).
+    assert h["num_hidden_layers"] >= t["num_hidden_layers"] and h["hidden_size"] > t["hidden_size"]
+    assert h["head_dim"] > t["head_dim"]
+    assert h["intermediate_size"] > t["intermediate_size"] and h["max_position_embeddings"] >= 4096
+    assert engine_model_dir("heavy", tmp_path / "kit") == tmp_path / "kit" / "heavy-llama"  # written on first use
+    assert (tmp_path / "kit" / "heavy-llama" / "config.json").read_text() == (heavy / "config.json").read_text()
+    assert engine_model_dir("tiny", tmp_path / "kit") == tiny_model_dir(tmp_path / "kit")
+    with pytest.raises(ValueError, match="no kit model"):
+        engine_model_dir("huge", tmp_path / "kit")
+
+
+def test_a_sized_kv_cache_replaces_the_kits_and_counts_evictions(tmp_path: Path) -> None:
+    plain = VllmEngine(tmp_path / "model", tmp_path, name="a", kit=tmp_path / "kit")
+    small = VllmEngine(tmp_path / "model", tmp_path, name="b", kit=tmp_path / "kit", kv_cache_bytes=64 * 2**20,
+                       cpus=frozenset({0}))
+    assert "--kv-cache-memory-bytes" not in plain.command() and plain.environment()["VLLM_CPU_KVCACHE_SPACE"] == "1"
+    arg = dict(itertools.pairwise(small.command()))
+    assert arg["--kv-cache-memory-bytes"] == str(64 * 2**20) and arg["--kv-cache-metrics-sample"] == "1.0"
+    # vLLM's CPU platform lets the variable override the option: it must be absent.
+    assert "VLLM_CPU_KVCACHE_SPACE" not in small.environment()
+    assert small.cpus == frozenset({0})

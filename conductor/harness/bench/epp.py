@@ -12,6 +12,10 @@ tokenizer round trip on either path: what is timed is the decision):
   end to its answer (its ``x-conductor-routing-ms`` header): ``epp_inside_ms``;
 - gateway: the ``routing_ms`` of each ``request_outcome`` (the decision and its acknowledgement on
   the log, measured inside the gateway), for the same requests.
+
+CPU (:mod:`conductor.harness.cpu`): ``control_cpu_*`` over the picker's phase and
+``gateway_control_cpu_*`` over the gateway's, every control-plane process (picker, gateway,
+router, worker, broker, Redis; not the engines, not this client) per process and per request.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import httpx
 
 from conductor.harness.bench.gateway import routing_ms_since
 from conductor.harness.bench.stack import with_servers
+from conductor.harness.cpu import CpuMeter
 from conductor.harness.epp_cluster import EnvoySide, EppCluster
 from conductor.settings import Settings
 from conductor.stats import percentile
@@ -109,9 +114,14 @@ async def _bench(settings: Settings, tmp: Path, requests: int, concurrency: int,
             await via_epp(i)
             await via_gateway(i)
         inside.clear()
+        # The picker's phase: its own process, the routers, worker, broker and Redis (the gateway idles).
+        meter = CpuMeter(c.control_pids()).start()
         epp, epp_errors, epp_wall = await _load(concurrency, requests, via_epp)
+        epp_cpu = meter.report(len(epp))
         since = time.time_ns() // 1_000_000
-        _, gw_errors, _ = await _load(concurrency, requests, via_gateway)
+        meter.start()
+        gw_ok, gw_errors, _ = await _load(concurrency, requests, via_gateway)
+        gw_cpu = meter.report(len(gw_ok), prefix="gateway_control_")
         routing_ms = await routing_ms_since(s, since)
     return {
         "requests": requests, "concurrency": concurrency, "prefill": 2, "decode": 2, "routing": routing,
@@ -120,4 +130,6 @@ async def _bench(settings: Settings, tmp: Path, requests: int, concurrency: int,
         "epp_decisions_per_s": round(len(epp) / epp_wall, 1) if epp_wall else None,
         "gateway_routing_ms_p50": _ms(routing_ms, 50), "gateway_routing_ms_p99": _ms(routing_ms, 99),
         "errors": epp_errors + gw_errors,
+        **epp_cpu,
+        **gw_cpu,
     }

@@ -11,7 +11,9 @@ unless ``gateway_args`` says otherwise). At each concurrency level:
    fields are percentiles of those per-request differences (before, they were p(gateway) minus
    p(direct), which is no distribution of anything: its p99 could be below its p50).
 2. **Throughput**: the same number of clients send the same number of requests through the
-   gateway only: ``requests_per_s`` (one gateway process), and what it refused.
+   gateway only: ``requests_per_s`` (one gateway process), and what it refused; the CPU of each
+   control-plane process over this phase (``control_cpu_*``: gateway, router, worker, broker,
+   Redis; :mod:`conductor.harness.cpu`), per served request.
 
 A 429 (the gateway's backpressure, or an SLO rejection) is counted as ``throttled``, not as an
 error; the client waits the ``Retry-After`` it was given before its next request. ``errors``
@@ -37,6 +39,7 @@ import httpx
 from tokenizers import Tokenizer, models, pre_tokenizers
 
 from conductor.gateway.protocol import vllm_decode_body, vllm_prefill_body
+from conductor.harness.cpu import CpuMeter
 from conductor.harness.devstack import EmbeddedStack
 from conductor.harness.gateway_cluster import GatewayCluster
 from conductor.settings import Settings
@@ -236,7 +239,7 @@ def _ms_or_none(xs: list[float], q: float) -> float | None:
 
 
 def _level(conc: int, n: int, paired: _Tally, load: _Tally, routing: list[float],
-           cpu_s: float | None) -> dict[str, Any]:
+           cpu_s: float | None, control: dict[str, Any]) -> dict[str, Any]:
     return {
         "clients": conc, "requests": n,
         "gateway_overhead_ms_p50": _ms_or_none(paired.overhead, 50),
@@ -256,6 +259,7 @@ def _level(conc: int, n: int, paired: _Tally, load: _Tally, routing: list[float]
         "ttft_ms_p50_gateway_only": _ms_or_none(load.via, 50), "ttft_ms_p99_gateway_only": _ms_or_none(load.via, 99),
         "routing_ms_p50": _rounded(percentile(routing, 50)),
         "routing_ms_p99": _rounded(percentile(routing, 99)),
+        **control,
     }
 
 
@@ -336,11 +340,13 @@ async def _bench(settings: Settings, tmp: Path, levels: tuple[int, ...], request
                 paired = await _paired(conc, n, _from(via, base), _from(direct, base))
                 routing = await routing_ms_since(s, since)
                 cpu0 = _cpu_s(gw_pid)
+                meter = CpuMeter(c.control_pids()).start()
                 load = await _gateway_only(conc, n, _from(via, base + n))
+                control = meter.report(len(load.via))
                 cpu1 = _cpu_s(gw_pid)
                 cpu = cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None
                 base += 2 * n  # fresh prompts for every phase: no phase reuses another's tails
-                out["levels"][str(conc)] = _level(conc, n, paired, load, routing, cpu)
+                out["levels"][str(conc)] = _level(conc, n, paired, load, routing, cpu, control)
     first = out["levels"][str(levels[0])]
     for k in ("gateway_overhead_ms_p50", "gateway_overhead_ms_p90", "gateway_overhead_ms_p99", "requests_per_s"):
         out[k] = first[k]  # the headline fields: the first (lowest) concurrency level

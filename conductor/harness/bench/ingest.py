@@ -12,6 +12,8 @@ Phase 2 (staleness): offer ``offered_rate`` block events/s for ``staleness_s`` s
 each record's publish → visible time gives ``staleness_ms_p50/p99`` (the watermark is
 polled every ~2 ms, which bounds the resolution).
 ``view_bytes_per_block``: Redis ``used_memory`` growth over the run / block keys indexed.
+``control_cpu_s`` (``_by_process``: worker, broker, Redis) and ``control_cpu_us_per_block_event``:
+their CPU over phase 1 (:mod:`conductor.harness.cpu`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Any
 from aiokafka import AIOKafkaProducer
 from aiokafka.errors import KafkaError
 
+from conductor.harness.cpu import CpuMeter, cpu_report, server_pids
 from conductor.harness.devstack import EmbeddedStack, free_port
 from conductor.settings import child_environment
 from conductor.stats import percentile
@@ -145,7 +148,9 @@ async def run_ingest_bench(
         run = await _IngestRun.start(settings, cfg, Path(tmp.name), say)
         try:
             await run.ready()
+            meter = CpuMeter({"worker": run.worker.pid, **server_pids(settings.kafka_url, settings.redis_url)}).start()
             phase1 = await run.throughput()
+            cpu = cpu_report(meter.used(), phase1.blocks)
             stale = await run.staleness()
             mem1 = await run.store.memory_bytes()
             n_blocks = await run.store.block_count()
@@ -166,6 +171,11 @@ async def run_ingest_bench(
             "indexed_blocks": n_blocks,
             "nodes": cfg.nodes,
             "embedded": stack is not None,
+            # Phase 1's control-plane CPU (worker, broker, Redis; the synthetic engines are this process).
+            "control_cpu_s": cpu["control_cpu_s"],
+            "control_cpu_s_by_process": cpu["control_cpu_s_by_process"],
+            "control_cpu_us_per_block_event": (None if cpu["control_cpu_s"] is None or not phase1.blocks
+                                               else round(1e6 * cpu["control_cpu_s"] / phase1.blocks, 3)),
         }
     finally:
         if stack is not None:

@@ -42,6 +42,7 @@ from typing import Any
 
 from conductor.costmodel.fitting import prediction_error_summary
 from conductor.errors import ConductorError
+from conductor.harness.cpu import CpuMeter
 from conductor.harness.demo import TRACE_BLOCK_TOKENS, DemoRequest, RunStats, ask_completion, default_trace, load_slice
 from conductor.harness.devstack import EmbeddedStack, free_port
 from conductor.harness.gateway_cluster import GatewayCluster, SglangRouterCluster, sglang_router_missing
@@ -245,11 +246,13 @@ async def _conductor_side(s: Settings, opts: LiveOptions, requests: list[DemoReq
                               engine_args=["--kv-blocks", str(opts.kv_blocks)],
                               gateway_args=["--decision-timeout-s", "10"]) as c:
         await _settle(c)
+        meter = CpuMeter(c.control_pids()).start()
         wall = await replay(c.gateway_url, stats, requests, side="conductor", engine_id_prefix=f"{c.gateway_id}-",
                             seed=opts.seed, drain_s=opts.drain_s, max_output_tokens=opts.max_output_tokens,
                             api_key=c.api_key)
+        cpu = meter.report(stats.sent)
         await asyncio.sleep(0.5)  # the engines' last report lines
-        out = side_summary(stats, c.reports, wall)
+        out = side_summary(stats, c.reports, wall) | cpu
         # Each decision's prediction against its request's gateway TTFT less routing, in model time.
         out.update(prediction_error_summary((await read_outcomes(s, wait_s=15.0)).values(), time_scale=opts.speed))
     return {"router": "conductor", "policy": s.policy, "hand_off": "sglang bootstrap room (gateway)", **out}
@@ -261,10 +264,12 @@ async def _peer_side(s: Settings, opts: LiveOptions, requests: list[DemoRequest]
                                    report=True, engine_args=["--kv-blocks", str(opts.kv_blocks)],
                                    policy=opts.peer_policy) as c:
         await _settle(c)
+        meter = CpuMeter(c.control_pids()).start()
         wall = await replay(c.gateway_url, stats, requests, side="peer", engine_id_prefix="", seed=opts.seed,
                             drain_s=opts.drain_s, max_output_tokens=opts.max_output_tokens)
+        cpu = meter.report(stats.sent)
         await asyncio.sleep(0.5)
-        out = side_summary(stats, c.reports, wall)
+        out = side_summary(stats, c.reports, wall) | cpu
     return {"router": opts.peer, "policy": opts.peer_policy, "hand_off": "sglang bootstrap room (router, PD mode)",
             **out}
 

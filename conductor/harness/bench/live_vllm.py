@@ -52,7 +52,7 @@ import openai
 from conductor.bridge.scrape import parse_load
 from conductor.costmodel.fitting import prediction_error_summary
 from conductor.harness.bench.live import LiveBenchError, block_words, quiet_clients, read_outcomes, servers, trace_slice
-from conductor.harness.cpu import CpuMeter, affinity, server_pids
+from conductor.harness.cpu import CpuMeter, affinity
 from conductor.harness.demo import DemoRequest, Processes
 from conductor.harness.devstack import free_port
 from conductor.harness.gateway_cluster import sglang_router_missing
@@ -79,10 +79,11 @@ SIDES = ("conductor", "peer", "round_robin")
 """The sides run when none are named (the JSON's shape since the bench began)."""
 PEER_SIDES = {"peer": "cache_aware", "round_robin": "round_robin"}
 """The SGLang router's sides and their policies."""
-HEAVY_KV_CACHE_BYTES = 64 * 2**20
-"""The heavy regime's KV cache per engine by default: 64 MiB, 8,192 tokens of the heavy model (8 KiB a
-token): two full-length prompts, a few conversations, far less than the slice's prefixes, so the
-engines evict during the replay (the kit's 1 GiB would hold ~2 M tiny-model tokens and never does)."""
+HEAVY_KV_CACHE_BYTES = 96 * 2**20
+"""The heavy regime's KV cache per engine by default: 96 MiB, 32,768 tokens (1,024 blocks) of the heavy
+model (3 KiB a token): room for 16 sequences of the slice's ~2,000 tokens at once, a third of the
+~2,900 distinct blocks each of 2 engines sees in the default slice (5,784 in all), so the engines
+evict during the replay (the kit's 1 GiB holds ~2 M tiny-model tokens and never does)."""
 MODEL = "tiny"
 """The name every engine serves the tiny model under (clients and bridges say it)."""
 BLOCK_SIZE = 32
@@ -145,8 +146,8 @@ def parse_cpus(text: str) -> tuple[int, ...]:
     """A core list as ``taskset -c`` writes it (``1``, ``0-3``, ``1,3``) as sorted core numbers; ValueError."""
     cpus: set[int] = set()
     for part in (p.strip() for p in text.split(",")):
-        lo, _, hi = part.partition("-")
-        if not lo.isdigit() or (hi and not hi.isdigit()):
+        lo, dash, hi = part.partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()):
             raise ValueError(f"--pin-engines: {text!r} is not a core list (e.g. 1, 0-3, 1,3)")
         cpus.update(range(int(lo), int(hi or lo) + 1))
     if not cpus:
@@ -354,8 +355,7 @@ async def _side(name: str, settings: Settings, opts: VllmLiveOptions, requests: 
             nodes = [VllmNode(f"vllm-{i}", "both", e) for i, e in enumerate(engines)]
             async with VllmGatewayCluster(settings, side_dir, nodes=nodes, model=MODEL) as c:
                 # Everything but the engines (not in procs) and this process (the client).
-                meter = CpuMeter({**{n: p.pid for n, p in c.procs.procs},
-                                  **server_pids(settings.kafka_url, settings.redis_url)})
+                meter = CpuMeter(c.control_pids())
                 before = await prefix_counters(urls)
                 meter.start()
                 t0 = time.monotonic()

@@ -1,0 +1,105 @@
+"""``bench live --engines vllm``'s pure parts: sides, cores, rounds and their medians, holders left, evictions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from conductor.harness.bench.live_vllm import (
+    HEAVY_KV_CACHE_BYTES,
+    SIDES,
+    VllmLiveError,
+    VllmLiveOptions,
+    evicted_blocks,
+    left_holder_counts,
+    median_over_rounds,
+    parse_cpus,
+    parse_sides,
+    pinning,
+    round_orders,
+)
+from schemas import RoutingDecision
+
+
+def test_sides_are_checked_and_kept_in_order() -> None:
+    assert parse_sides("peer, conductor:sglang-style,conductor") == ("peer", "conductor:sglang-style", "conductor")
+    assert parse_sides(",".join(SIDES)) == SIDES
+    for bad, why in (("conductor:nonesuch", "no Conductor policy"), ("nginx", "is not conductor"),
+                     ("peer,peer", "twice"), (" , ", "no side")):
+        with pytest.raises(ValueError, match=why):
+            parse_sides(bad)
+
+
+def test_cores_as_taskset_writes_them() -> None:
+    assert parse_cpus("1") == (1,)
+    assert parse_cpus("3,0-1") == (0, 1, 3)
+    for bad in ("", "a", "1-", "-1", "1;2"):
+        with pytest.raises(ValueError):
+            parse_cpus(bad)
+
+
+def test_pinning_gives_the_rest_of_the_cores_to_everything_else() -> None:
+    assert pinning((1,), [0, 1]) == {"engines": [1], "others": [0], "shared": False}
+    # One core only: everything shares it, and says so.
+    assert pinning((0,), [0]) == {"engines": [0], "others": [0], "shared": True}
+    with pytest.raises(VllmLiveError, match=r"core\(s\) \[5\]"):
+        pinning((1, 5), [0, 1])
+    with pytest.raises(VllmLiveError, match="platform"):
+        pinning((0,), None)
+
+
+def test_each_side_runs_first_once_over_as_many_rounds_as_sides() -> None:
+    orders = round_orders(["a", "b", "c"], 4)
+    assert orders == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    assert {o[0] for o in orders[:3]} == {"a", "b", "c"}
+
+
+def test_a_side_over_rounds_keeps_its_fields_as_medians() -> None:
+    rows: list[dict[str, Any]] = [
+        {"router": "conductor", "served": 160, "ttft_p50_s": 1.2, "engine_prefix_hit_ratio": None,
+         "statuses": {"served": 160, "429": 10}, "control_cpu_s_by_process": {"gateway": 4.0, "worker": 2.0}},
+        {"router": "conductor", "served": 170, "ttft_p50_s": 0.9, "engine_prefix_hit_ratio": 0.2,
+         "statuses": {"served": 170}, "control_cpu_s_by_process": {"gateway": 5.0, "worker": 1.0}},
+        {"router": "conductor", "served": 165, "ttft_p50_s": 3.0, "engine_prefix_hit_ratio": 0.3,
+         "statuses": {"served": 165}, "control_cpu_s_by_process": {"gateway": 6.0, "worker": 3.0}, "new": "x"},
+    ]
+    m = median_over_rounds(rows)
+    assert list(m) == ["router", "served", "ttft_p50_s", "engine_prefix_hit_ratio", "statuses",
+                       "control_cpu_s_by_process", "new"]  # the first round's order, then what later rounds add
+    assert m["router"] == "conductor" and m["served"] == 165 and isinstance(m["served"], int)
+    assert m["ttft_p50_s"] == 1.2  # the middle one, not the mean
+    assert m["engine_prefix_hit_ratio"] == 0.25  # over the rounds that have a value
+    assert m["statuses"] == {"served": 165, "429": 0}  # a count missing from a round is 0 there
+    assert m["control_cpu_s_by_process"] == {"gateway": 5.0, "worker": 2.0}
+    assert m["new"] == "x"
+    one = median_over_rounds(rows[:1])
+    assert one == rows[0]  # one round: its own values
+
+
+def test_holders_left_are_counted_by_reason_or_null_until_decisions_say() -> None:
+    d = RoutingDecision(request_id="r", prefill_instance="a", decode_instance="a", reused_tokens=0,
+                        predicted_ttft_s=0.1, predicted_tbt_ms=1.0, policy="kvcache-centric", mode="aggregated")
+    if "left_holder" not in RoutingDecision.model_fields:
+        assert left_holder_counts([d, d]) == {"decisions": 2, "left_holder_decisions": None,
+                                              "left_holder_by_reason": None}
+        return
+    stayed = d.model_copy(update={"left_holder": None})
+    left = [d.model_copy(update={"left_holder": why}) for why in ("faster_elsewhere", "faster_elsewhere", "holder_full")]
+    assert left_holder_counts([stayed, *left]) == {"decisions": 4, "left_holder_decisions": 3,
+                                                   "left_holder_by_reason": {"faster_elsewhere": 2, "holder_full": 1}}
+
+
+def test_evictions_are_the_engines_own_count() -> None:
+    metrics = ("# HELP vllm:kv_block_idle_before_evict_seconds ...\n"
+               'vllm:kv_block_idle_before_evict_seconds_bucket{le="1.0",model_name="tiny"} 3.0\n'
+               'vllm:kv_block_idle_before_evict_seconds_count{model_name="tiny"} 7.0\n'
+               'vllm:kv_block_idle_before_evict_seconds_sum{model_name="tiny"} 2.5\n')
+    assert evicted_blocks(metrics) == 7.0
+    assert evicted_blocks("vllm:prefix_cache_hits_total 3\n") is None  # an engine that does not count them
+
+
+def test_the_heavy_regime_evicts_unless_told_a_size() -> None:
+    assert VllmLiveOptions().kv_cache_bytes() is None  # the kit's 1 GiB
+    assert VllmLiveOptions(engine_model="heavy").kv_cache_bytes() == HEAVY_KV_CACHE_BYTES
+    assert VllmLiveOptions(engine_model="tiny", engine_kv_cache_bytes=2**26).kv_cache_bytes() == 2**26
