@@ -148,6 +148,19 @@ LiveEngines = Annotated[str, typer.Option("--engines", help="emulated (the defau
     "time) or vllm (real vLLM CPU engines from scripts/vllm-kit, aggregated, fresh for each side; conductor, "
     "sglang-router cache_aware and round_robin; wall-clock TTFT)")]
 LiveVllmEngines = Annotated[int, typer.Option("--vllm-engines", min=1, max=8, help="--engines vllm: engines per side")]
+LiveRounds = Annotated[int, typer.Option("--rounds", min=1, max=20, help="--engines vllm: run every side this many "
+    "times, the order rotating from round to round; a side's fields are the medians over its rounds, each round's "
+    "own under rounds")]
+LiveSides = Annotated[str | None, typer.Option("--sides", help="--engines vllm: the sides, in order, comma-separated: "
+    "conductor, conductor:POLICY (any of Conductor's policies, e.g. conductor:sglang-style), peer (sglang-router "
+    "cache_aware), round_robin (sglang-router round_robin); default conductor,peer,round_robin")]
+LiveEngineModel = Annotated[str, typer.Option("--engine-model", help="--engines vllm: tiny (a 1,500-token prefill "
+    "~25 ms) or heavy (a larger dummy-weight model of the kit, ~300 ms or more on one core, with a KV cache small "
+    "enough that the engines evict during the replay)")]
+LiveEngineKvMib = Annotated[int | None, typer.Option("--engine-kv-mib", min=16, help="--engines vllm: each "
+    "engine's KV cache in MiB (default: 1024 for tiny, 32 for heavy)")]
+LivePinEngines = Annotated[str | None, typer.Option("--pin-engines", help="--engines vllm: run the engines on these "
+    "cores (e.g. 1, 2-3, 1,3) and everything else on the other cores of this process")]
 
 
 def bench_live(
@@ -167,11 +180,16 @@ def bench_live(
     peer_first: LivePeerFirst = False,
     engines: LiveEngines = "emulated",
     vllm_engines: LiveVllmEngines = 2,
+    rounds: LiveRounds = 3,
+    sides: LiveSides = None,
+    engine_model: LiveEngineModel = "tiny",
+    engine_kv_mib: LiveEngineKvMib = None,
+    pin_engines: LivePinEngines = None,
     json_out: JsonLine = False,
 ) -> None:
     """The same trace slice through Conductor's gateway and through the SGLang router, on identical engines.
 
-    --engines vllm: the slice through Conductor, through sglang-router (regular HTTP mode, cache_aware) and through sglang-router's round_robin, each in front of fresh identical real vLLM engines (scripts/vllm-kit makes the kit). Per side: ttft_p50_s, ttft_p90_s (as the client saw them), engine_prefix_hit_ratio (the engines' own prefix-cache counters), served, rejected, errors. Takes several minutes: every side starts its engines afresh.
+    --engines vllm: the slice through Conductor, through sglang-router (regular HTTP mode, cache_aware) and through sglang-router's round_robin, each in front of fresh identical real vLLM engines (scripts/vllm-kit makes the kit). Per side: ttft_p50_s, ttft_p90_s (as the client saw them), engine_prefix_hit_ratio (the engines' own prefix-cache counters), served, rejected, errors, each the median over --rounds (rounds: each round's values); control_cpu_s, control_cpu_s_by_process, control_cpu_ms_per_request (CPU of everything but the engines and the client over the replay: gateway, router, worker, bridges, broker, Redis; the SGLang router on its sides); engine_evicted_blocks (with a set KV cache size); on Conductor's sides decisions, left_holder_decisions and left_holder_by_reason (null until decisions say why a prefix holder was left). Takes several minutes: every side starts its engines afresh.
 
     Conductor side: stream worker, router (CONDUCTOR_POLICY) and gateway (SGLang bootstrap hand-off) in front of fresh emulated engines whose KV events reach the view through bridges. Peer side: `python -m sglang_router.launch_router --pd-disaggregation --policy cache_aware` in front of fresh, identical engines. Each request is a streamed completion sent by the openai client at its trace arrival time, its prompt a text in which each trace block is a fixed run of pseudo-words (the SGLang router matches text). Prints per side: ttft_p50_s, ttft_p90_s (model time, as conductor demo), reuse_ratio (cached / prompt tokens the engines reported), rejected (429/503), errors.
     """
@@ -181,10 +199,24 @@ def bench_live(
         raise typer.Exit(2)
     with exit_on(LiveBenchError):  # VllmLiveError is one
         if engines == "vllm":
-            from conductor.harness.bench.live_vllm import VllmLiveOptions, run_vllm_live_bench
+            from conductor.harness.bench.live_vllm import (
+                SIDES,
+                VllmLiveOptions,
+                parse_cpus,
+                parse_sides,
+                run_vllm_live_bench,
+            )
+            try:
+                side_list = parse_sides(sides) if sides is not None else SIDES
+                cpus = parse_cpus(pin_engines) if pin_engines is not None else ()
+            except ValueError as e:
+                err.print(f"[red]error:[/red] {e}")
+                raise typer.Exit(2) from None
             out = run_vllm_live_bench(s, VllmLiveOptions(
                 duration_s=duration, speed=speed, sample=sample, trace=trace, engines=vllm_engines,
-                max_requests=max_requests, max_output_tokens=max_output_tokens or 8, drain_s=max(drain_s, 120.0)))
+                max_requests=max_requests, max_output_tokens=max_output_tokens or 8, drain_s=max(drain_s, 120.0),
+                rounds=rounds, sides=side_list, engine_model=engine_model, pin_engines=cpus,
+                engine_kv_cache_bytes=engine_kv_mib * 2**20 if engine_kv_mib else None))
         else:
             out = run_live_bench(s, LiveOptions(
                 duration_s=duration, speed=speed, sample=sample, trace=trace, prefill=prefill, decode=decode,
@@ -194,7 +226,23 @@ def bench_live(
     print_result(out, json_out)
 
 
+IdleSeconds = Annotated[float, typer.Option("--seconds", min=1.0, help="seconds of no traffic measured")]
+IdleSettle = Annotated[float, typer.Option("--settle", min=0.0, help="seconds to wait after start-up before measuring")]
+
+
+def bench_idle(seconds: IdleSeconds = 30.0, settle: IdleSettle = 5.0, json_out: JsonLine = False) -> None:
+    """The CPU a started stack uses with no traffic, per process.
+
+    Starts (on CONDUCTOR_KAFKA_URL/REDIS_URL, or the embedded ones) a worker, a router, 2 prefill + 2 decode emulated engines with a bridge each and a gateway, waits --settle seconds, then reads each process's CPU time over --seconds with no request sent (Linux /proc). Fields: control_core_percent (the control plane's CPU as a share of one core: gateway, router, worker, bridges, broker, Redis) and control_core_percent_by_process, control_cpu_s and control_cpu_s_by_process, engines_core_percent_by_process (the emulated engines, apart).
+    """
+    from conductor.harness.bench.idle import run_idle_bench
+
+    s = settings_or_exit()
+    print_result(run_idle_bench(s, seconds=seconds, settle_s=settle), json_out)
+
+
 def register(groups: dict[str, typer.Typer]) -> None:
     groups["app"].command("gateway")(gateway)
     groups["bench"].command("gateway")(bench_gateway)
     groups["bench"].command("live")(bench_live)
+    groups["bench"].command("idle")(bench_idle)

@@ -79,9 +79,9 @@ SIDES = ("conductor", "peer", "round_robin")
 """The sides run when none are named (the JSON's shape since the bench began)."""
 PEER_SIDES = {"peer": "cache_aware", "round_robin": "round_robin"}
 """The SGLang router's sides and their policies."""
-HEAVY_KV_CACHE_BYTES = 96 * 2**20
-"""The heavy regime's KV cache per engine by default: 96 MiB, 32,768 tokens (1,024 blocks) of the heavy
-model (3 KiB a token): room for 16 sequences of the slice's ~2,000 tokens at once, a third of the
+HEAVY_KV_CACHE_BYTES = 32 * 2**20
+"""The heavy regime's KV cache per engine by default: 32 MiB, 32,768 tokens (1,024 blocks) of the heavy
+model (1 KiB a token): room for 16 sequences of the slice's ~2,000 tokens at once, a third of the
 ~2,900 distinct blocks each of 2 engines sees in the default slice (5,784 in all), so the engines
 evict during the replay (the kit's 1 GiB holds ~2 M tiny-model tokens and never does)."""
 MODEL = "tiny"
