@@ -24,6 +24,7 @@ from conductor.admin.auth import SESSION_TTL_S, Scope, Tokens, granted, tokens_f
 from conductor.admin.cluster import view_summary
 from conductor.admin.console import CONSOLE_HTML, LOGIN_HTML
 from conductor.admin.feed import LogFeed
+from conductor.admin.plans import add_plan_routes
 from conductor.errors import ConductorError
 from conductor.routing.control_log import publish_control
 from conductor.routing.explain import ReadLimitExceeded, explain
@@ -91,6 +92,7 @@ def create_app(settings: Settings, *, insecure: bool = False, feed: LogFeed | No
     _cluster_and_decisions(app, settings, feed, view, read)
     _dead_letter_queue(app, settings, feed, read, admin)
     _policy(app, settings, feed, read, admin)
+    add_plan_routes(app, settings, read)
     return app
 
 

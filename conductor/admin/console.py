@@ -38,6 +38,7 @@ CONSOLE_HTML = """<!doctype html>
  <div class="tile"><b id="rejected">-</b><span>rejections by reason (10 s)</span></div>
  <div class="tile"><b id="stale">-</b><span>view staleness: newest heartbeat (s)</span></div>
  <div class="tile"><b id="live">-</b><span>live instances</span></div>
+ <div class="tile"><b id="plan">-</b><span>capacity plan (conductor planner): prefill + decode advised, predicted SLO attainment; today's</span></div>
 </div>
 <table id="nodes" aria-label="instances">
  <thead><tr><th class="l">instance</th><th class="l">role</th><th class="l">live</th><th class="l">status</th>
@@ -136,7 +137,15 @@ $("explain-form").addEventListener("submit", async (ev) => {
       " s, reuse " + (r.reuse_blocks ?? "-") + " blocks").join("\\n");
   } catch (e) { out.textContent = String(e.message || e); }
 });
-poll(); setInterval(poll, 1000);
+async function pollPlan() {
+  try {
+    const x = (await get("/api/plan")).plan;
+    $("plan").textContent = x === null ? "no plan yet" : x.prefill + "P" + x.decode + "D " +
+      pct(x.predicted_slo_attainment, 1) + " (today " + x.cluster_prefill + "P" + x.cluster_decode + "D " +
+      pct(x.cluster_slo_attainment, 1) + ")";
+  } catch (e) { $("plan").textContent = "-"; }
+}
+poll(); setInterval(poll, 1000); pollPlan(); setInterval(pollPlan, 30000);
 </script>
 </body></html>
 """

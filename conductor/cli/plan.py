@@ -9,7 +9,7 @@ from typing import Annotated
 
 import typer
 
-from conductor.cli.common import err, exit_on, print_json, print_result, require_servers, settings_or_exit
+from conductor.cli.common import err, exit_on, print_json, require_servers, settings_or_exit
 from conductor.errors import ConfigError
 from conductor.harness.plan.planner import DEFAULT_TARGET, ClusterScore, Plan, PlanConfig, plan_cluster
 from conductor.harness.sim.recorded import parse_time
@@ -174,32 +174,6 @@ def planner(
         pass
 
 
-BenchDuration = Annotated[float, typer.Option("--duration", min=1.0, help="seconds of the trace slice to send")]
-BenchSpeed = Annotated[float, typer.Option("--speed", min=0.01, help="arrival speed-up of the slice")]
-BenchSample = Annotated[int, typer.Option("--sample", min=1, help="keep every Nth request of the slice")]
-BenchTarget = Annotated[float, typer.Option("--target", min=0.0, max=1.0, help="the plan's target attainment")]
-BenchCluster = Annotated[str, typer.Option("--cluster", help="the recorded run's cluster, <P>P<D>D")]
-BenchTtft = Annotated[float, typer.Option("--ttft-slo-s", min=1e-3, help="TTFT SLO of the run and the plan")]
-JsonLine = Annotated[bool, typer.Option("--json", help="print one JSON line")]
-
-
-def bench_plan(duration: BenchDuration = 40.0, speed: BenchSpeed = 4.0, sample: BenchSample = 1,
-               cluster: BenchCluster = "4P2D", target: BenchTarget = 0.9, ttft_slo_s: BenchTtft = 2.0,
-               json_out: JsonLine = False) -> None:
-    """Check a plan against what happened: record a run, plan it, run the planned cluster, compare.
-
-    On emulated engines (they share the simulator's cost model: this checks the planner's search and the replay of a recorded run, not the cost model) behind an embedded broker and Valkey: the conversation trace's slice through a --cluster run (recorded on the topics), `conductor plan --since` on those topics, then the planned cluster on the same traffic. Prints the predicted SLO attainment of the plan against the one measured on its run (aim: within 5 points), and the same for the recorded cluster.
-    """
-    from conductor.harness.plan.bench import PlanBenchOptions, run_plan_bench
-
-    s = settings_or_exit()
-    with exit_on():
-        out = run_plan_bench(s, PlanBenchOptions(duration_s=duration, speed=speed, sample=sample, cluster=cluster,
-                                                 target=target, ttft_slo_s=ttft_slo_s), console=err)
-    print_result(out, json_out)
-
-
 def register(groups: dict[str, typer.Typer]) -> None:
     groups["app"].command("plan")(plan)
     groups["app"].command("planner")(planner)
-    groups["bench"].command("plan")(bench_plan)

@@ -55,7 +55,7 @@ ENV_NAME = re.compile(r"\bCONDUCTOR_[A-Z0-9_]+\b")
 # What each command serves over HTTP besides the metrics server that every one of them starts
 # on CONDUCTOR_METRICS_PORT (conductor.telemetry.setup_metrics): see served_ports().
 SERVERS = {"worker": "faust", "gateway": "gateway", "admin": "admin", "router": None, "balance": None, "bridge": None,
-           "epp": "grpc"}
+           "epp": "grpc", "planner": None}
 VLLM_PATHS = {"/health", "/metrics", "/v1/models"}
 """What the vLLM OpenAI server answers (tests/vllm run it) on its --port."""
 
