@@ -17,6 +17,7 @@ from conductor.balance.worker import Balancer
 from conductor.bridge.scrape import EngineLoad
 from conductor.bridge.serve import bridge_instruments
 from conductor.bridge.translate import NodeTranslator
+from conductor.harness.plan.serve import PlannerMetrics
 from conductor.routing.fit_worker import FitMetrics
 from conductor.routing.router import RouterMetrics
 from conductor.routing.worker import RouterWorker
@@ -76,6 +77,11 @@ def exported() -> set[str]:
     f.fitted_error.set(0.1, {"quantile": "p90"})
     f.fitted_tbt_error.set(0.1, {"quantile": "p90"})
     f.published.add(1)
+    plan = PlannerMetrics()
+    for role in ("prefill", "decode"):
+        plan.desired.set(1, {"role": role})
+        plan.current.set(1, {"role": role})
+    plan.attainment.set(0.99, {"cluster": "plan"})
     names = set(re.findall(r"^(conductor_\w+?)(?:\{| )", scrape(), re.MULTILINE))
     return names | {n[: -len(s)] for n in names for s in SUFFIXES if n.endswith(s)}
 
