@@ -104,10 +104,20 @@ class Settings(BaseSettings):
         description="retention of requests and dispatch, which `conductor explain` audits (-1 = forever)",
     )
     decision_index_ttl_s: float = Field(
-        default=86_400.0, ge=0,
+        default=3_600.0, ge=0,
         description="how long the routers' decision index keeps where each decision and its request sit on the "
         "log (Redis, ~100 bytes a decision), so `conductor explain` finds them without a scan; 0 = no index; "
         "never longer than audit_retention_ms",
+    )
+    decision_index_url: str | None = Field(
+        default=None,
+        description="a Redis of its own for the decision index (redis://, rediss:// or unix://; same user and "
+        "password settings as redis_url); unset = the view's Redis",
+    )
+    decision_index_memory_alert_bytes: int = Field(
+        default=1 << 30, ge=0,
+        description="the routers log a warning (each minute, at most) when the used memory of the decision "
+        "index's Redis (INFO memory, also the gauge conductor_decision_index_redis_bytes) passes this; 0 = none",
     )
     admin_explain_max_records: int = Field(
         default=2_000_000, ge=1,
@@ -133,6 +143,28 @@ class Settings(BaseSettings):
     policy: str = Field(default="kvcache-centric", min_length=1)
     policy_params: dict[str, Any] = Field(default_factory=dict)
     model_profile: str = Field(default="llama3-70b-a800x8")
+    fit_min_interval_s: float = Field(
+        default=600.0, ge=0,
+        description="`conductor fit` publishes no profile sooner than this after the last set_profile "
+        "(conductor/costmodel/guard.py)",
+    )
+    fit_min_gain: float = Field(
+        default=0.05, ge=0, lt=1,
+        description="a fit is published only when its out-of-sample p90 TTFT error on the window is this much "
+        "(relative) below the profile in force's on the same requests, its p50 no higher",
+    )
+    fit_revert_watch_s: float = Field(
+        default=300.0, ge=0, description="how long `conductor fit` watches the rejections after a set_profile"
+    )
+    fit_revert_min_requests: int = Field(
+        default=20, ge=1, description="requests after a set_profile before its rejections are judged"
+    )
+    fit_revert_rejection_jump: float = Field(
+        default=0.25, ge=0, le=1,
+        description="`conductor fit` reverts a set_profile (to the profile before it, logged at ERROR, counted in "
+        "conductor_fit_reverts) when the share of requests rejected by early rejection after it exceeds the "
+        "share before by this much; 0 = never",
+    )
     seed: int = Field(default=0, ge=0, description="base seed of the routing tie-breaks")
     reservation_ttl_s: float = Field(default=10.0, gt=0)
     pending_ttl_s: float = Field(
@@ -209,7 +241,7 @@ class Settings(BaseSettings):
         "an engine at its bound is answered 429 engine_busy with Retry-After; 0 = no limit",
     )
 
-    @field_validator("kafka_url", "redis_url")
+    @field_validator("kafka_url", "redis_url", "decision_index_url")
     @classmethod
     def _not_blank(cls, v: str | None) -> str | None:
         if v is not None and not v.strip():
@@ -225,7 +257,7 @@ class Settings(BaseSettings):
             raise ValueError("a token must be at least 16 characters")
         return v
 
-    @field_validator("redis_url")
+    @field_validator("redis_url", "decision_index_url")
     @classmethod
     def _redis_scheme(cls, v: str | None) -> str | None:
         if v is None:
@@ -345,7 +377,7 @@ class Settings(BaseSettings):
 
 
 SECRET_FIELDS = frozenset({"admin_token", "read_token", "gateway_api_key", "kafka_sasl_password", "redis_password",
-                           "redis_url"})
+                           "redis_url", "decision_index_url"})
 """Never echoed, not even in a configuration error."""
 
 STACK_FILE = "stack.json"

@@ -20,7 +20,7 @@ import bisect
 import dataclasses
 import logging
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from conductor.costmodel.profiles import (
@@ -108,14 +108,22 @@ def running_at(span: Span, spans: Iterable[Span]) -> int:
     return sum(1 for x in spans if x.node == span.node and x.decided_ms < span.decided_ms < x.end_ms and x != span)
 
 
+Vet = Callable[[CostFit, ModelProfile, Sequence[tuple[OutcomeSample, ModelProfile]]], str | None]
+"""(the fit, the profile in force, the window's samples with the profile each was decided under) ->
+why the fit must not be published, or None."""
+
+
 class CostFitter:
     """Outcomes and control records in log order in; ``set_profile`` commands out.
 
     The running requests a decision met are counted from the outcomes themselves: those whose
     span (decision to end) on the same instance covers its decision instant."""
 
-    def __init__(self, base: ModelProfile, config: FitConfig | None = None) -> None:
+    def __init__(self, base: ModelProfile, config: FitConfig | None = None, *, vet: Vet | None = None) -> None:
         self.config = config or FitConfig()
+        self.vet = vet
+        """Asked before a fit that moved is published: why not (None: publish); ``conductor fit`` passes
+        :meth:`conductor.costmodel.guard.FitGuard.review`."""
         self._offsets: list[int] = [-1]
         self._profiles: list[ModelProfile] = [base]
         self.windows: dict[str, deque[_Entry]] = {}
@@ -181,13 +189,19 @@ class CostFitter:
         # Every sample's queue wait was derived under the profile its decision used, and the fit
         # maps those waits onto real ones: refit from the profile in force, keeping its l, d, FLOP/s.
         base = self.published
+        samples = self.samples(key)
         try:
-            fit = fit_outcomes(self.samples(key), base)
+            fit = fit_outcomes(samples, base)
         except ConfigError as e:
             log.info("no fit yet: %s", e)
             return None
         self.last_fit[key] = fit
         if not fit_moved(base, fit.profile, self.config.threshold):
+            return None
+        window = [(s, e.profile) for s, e in zip(samples, self.windows[key])]
+        why = None if self.vet is None else self.vet(fit, base, window)
+        if why is not None:
+            log.warning("fit of %d requests not published: %s", fit.rows, why)
             return None
         self.published = fit.profile
         # The window's queue waits were predicted under the old profile: start a new window.

@@ -33,48 +33,66 @@ from conductor.topology import Link
 
 DEFAULT_PROFILE = "llama3-70b-a800x8"
 
+# Bounds of every coefficient: loose enough for any real engine (a CPU build fitted against a GPU
+# profile moves a and b by 10^3-10^4), tight enough that a fit gone wrong (a window of stalled
+# requests, a zero column) or a hand-typed 1e300 or inf is refused where a profile is read: by
+# ``load_profile``, by every router's fold of ``set_profile`` and by ``conductor fit`` before it publishes.
+MAX_COEFFICIENT = 1e9
+"""a and b (FAST'25's dimensionless attention and dense factors; the shipped ones are 4 and 20-28)."""
+MAX_FLOPS = 1e21
+MAX_BANDWIDTH = 1e16
+"""Bytes/s of any tier or link (10 PB/s)."""
+MAX_BYTES = 1e15
+MAX_SECONDS = 60.0
+"""A fixed cost (of a prefill, a decode step, a transfer's set-up, one running request's share)."""
+MAX_TTFT_RATIO_P90 = 4.0
+"""Early rejection's margin: a profile whose requests take 4x their prediction (p90) is no model; a
+larger one (a window of stalled requests) would make early rejection admit nothing."""
+MAX_TTFT_ERROR_P90 = MAX_TTFT_RATIO_P90 - 1.0
+MAX_ERROR = 100.0
+
 
 class ModelProfile(BaseModel):
     """One model on one instance's hardware. Bandwidths are bytes/s, times seconds."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
 
     name: str = Field(min_length=1)
     description: str = ""
     # --- prefill compute (FAST'25 Table 1) ------------------------------------
-    l: int = Field(gt=0, description="transformer layers")
-    d: int = Field(gt=0, description="hidden size")
-    a: float = Field(ge=0, description="attention coefficient (quadratic in tokens)")
-    b: float = Field(ge=0, description="dense coefficient (linear in tokens)")
-    effective_flops: float = Field(gt=0, description="achieved FLOP/s of one instance")
-    prefill_overhead_s: float = Field(default=0.0, ge=0, description="fixed cost of one prefill")
+    l: int = Field(gt=0, le=4096, description="transformer layers")
+    d: int = Field(gt=0, le=1 << 20, description="hidden size")
+    a: float = Field(ge=0, le=MAX_COEFFICIENT, description="attention coefficient (quadratic in tokens)")
+    b: float = Field(ge=0, le=MAX_COEFFICIENT, description="dense coefficient (linear in tokens)")
+    effective_flops: float = Field(gt=0, le=MAX_FLOPS, description="achieved FLOP/s of one instance")
+    prefill_overhead_s: float = Field(default=0.0, ge=0, le=MAX_SECONDS, description="fixed cost of one prefill")
     # --- KV cache -------------------------------------------------------------
-    kv_bytes_per_token: int = Field(gt=0)
+    kv_bytes_per_token: int = Field(gt=0, le=1 << 30)
     # --- decode (memory-bound roofline) ---------------------------------------
-    weight_bytes: float = Field(gt=0, description="bytes of weights read per decode step")
-    hbm_bandwidth: float = Field(gt=0, description="achieved HBM bytes/s of one instance")
-    step_overhead_s: float = Field(default=0.0, ge=0, description="fixed cost of one decode step")
-    per_sequence_s: float = Field(default=0.0, ge=0, description="extra cost per sequence per step")
+    weight_bytes: float = Field(gt=0, le=MAX_BYTES, description="bytes of weights read per decode step")
+    hbm_bandwidth: float = Field(gt=0, le=MAX_BANDWIDTH, description="achieved HBM bytes/s of one instance")
+    step_overhead_s: float = Field(default=0.0, ge=0, le=MAX_SECONDS, description="fixed cost of one decode step")
+    per_sequence_s: float = Field(default=0.0, ge=0, le=MAX_SECONDS, description="extra cost per sequence per step")
     # --- KV transfer ----------------------------------------------------------
-    dram_bandwidth: float = Field(gt=0, description="host DRAM -> HBM")
-    ssd_bandwidth: float = Field(gt=0, description="local SSD -> HBM")
-    rack_bandwidth: float = Field(gt=0, description="node -> node, same rack (RDMA)")
-    cross_rack_bandwidth: float = Field(gt=0, description="node -> node across racks")
-    transfer_latency_s: float = Field(default=0.0, ge=0, description="set-up cost of one remote transfer")
+    dram_bandwidth: float = Field(gt=0, le=MAX_BANDWIDTH, description="host DRAM -> HBM")
+    ssd_bandwidth: float = Field(gt=0, le=MAX_BANDWIDTH, description="local SSD -> HBM")
+    rack_bandwidth: float = Field(gt=0, le=MAX_BANDWIDTH, description="node -> node, same rack (RDMA)")
+    cross_rack_bandwidth: float = Field(gt=0, le=MAX_BANDWIDTH, description="node -> node across racks")
+    transfer_latency_s: float = Field(default=0.0, ge=0, le=MAX_SECONDS, description="set-up cost of one remote transfer")
     # --- measured (``fit_outcomes``: what the engines did under this profile's predictions) ---
-    queue_wait_scale: float = Field(default=1.0, ge=0, description="real queue wait / the wait predicted "
+    queue_wait_scale: float = Field(default=1.0, ge=0, le=100.0, description="real queue wait / the wait predicted "
                                     "from a heartbeat's queued tokens (the queue's measured drain rate)")
-    running_wait_s: float = Field(default=0.0, ge=0, description="TTFT added by each request already running on "
+    running_wait_s: float = Field(default=0.0, ge=0, le=MAX_SECONDS, description="TTFT added by each request already running on "
                                   "the instance (its steps are shared with them: decodes on an aggregated engine, "
                                   "chunked prefills)")
-    ttft_error_p50: float | None = Field(default=None, ge=0, description="observed |predicted - real| / real TTFT, median")
-    ttft_error_p90: float | None = Field(default=None, ge=0, description="the same, 90th percentile: early "
+    ttft_error_p50: float | None = Field(default=None, ge=0, le=MAX_ERROR, description="observed |predicted - real| / real TTFT, median")
+    ttft_error_p90: float | None = Field(default=None, ge=0, le=MAX_TTFT_ERROR_P90, description="the same, 90th percentile: early "
                                          "rejection's margin for the prediction's own error")
-    ttft_ratio_p90: float | None = Field(default=None, ge=0, description="real / predicted TTFT, 90th percentile: "
+    ttft_ratio_p90: float | None = Field(default=None, ge=0, le=MAX_TTFT_RATIO_P90, description="real / predicted TTFT, 90th percentile: "
                                          "early rejection's margin (nine in ten requests take at most this "
                                          "multiple of their prediction)")
-    tbt_error_p50: float | None = Field(default=None, ge=0)
-    tbt_error_p90: float | None = Field(default=None, ge=0)
+    tbt_error_p50: float | None = Field(default=None, ge=0, le=MAX_ERROR)
+    tbt_error_p90: float | None = Field(default=None, ge=0, le=MAX_ERROR)
     fit_rows: int = Field(default=0, ge=0, description="outcomes the measured fields were fitted on (0: hand-set)")
 
     def flops(self, tokens: float) -> float:

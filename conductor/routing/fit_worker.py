@@ -17,6 +17,7 @@ import logging
 from opentelemetry import metrics
 
 from conductor.costmodel.fitting import CostFitter, FitConfig, sample_of
+from conductor.costmodel.guard import FitGuard, GuardConfig
 from conductor.costmodel.profiles import load_profile
 from conductor.routing.control_log import control_records, publish_control
 from conductor.settings import Settings
@@ -50,6 +51,9 @@ class FitMetrics:
         self.fitted_tbt_error = m.create_gauge(
             "conductor_fit_tbt_error", unit="1", description="the published fit's out-of-sample TBT error, by quantile")
         self.published = m.create_counter("conductor_fit_published", description="set_profile records published")
+        self.reverts = m.create_counter(
+            "conductor_fit_reverts",
+            description="set_profile records reverted because early rejection turned requests away after them")
 
     def outcome(self, fitter: CostFitter, o: RequestOutcome) -> None:
         s = sample_of(o, fitter.profile_at(o.control_offset))
@@ -72,10 +76,13 @@ async def run_fit_worker(settings: Settings, config: FitConfig, *, stop: asyncio
     """Follow outcomes and control until ``stop``; publish each fit that moved."""
     t = topics(settings.topic_config())
     await ensure_topics(settings.kafka(), (t.request_outcomes, t.control))
-    fitter = CostFitter(load_profile(settings.model_profile), config)
+    base = load_profile(settings.model_profile)
+    guard = FitGuard(base, guard_config(settings), model=config.model)
+    fitter = CostFitter(base, config, vet=guard.review)
     done = -1
     for offset, cmd in await control_records(settings):
         fitter.on_control(offset, cmd)
+        guard.on_control(offset, cmd)
         done = offset
     m = FitMetrics()
     m.profile(fitter)
@@ -86,23 +93,43 @@ async def run_fit_worker(settings: Settings, config: FitConfig, *, stop: asyncio
     async with Follower(settings.kafka(), starts, on_bad=OnBad.SKIP, name="fit worker", fetch_wait_ms=200,
                         poll_ms=500, max_records=None) as follower:
         async for rec in follower.records(stop or asyncio.Event()):
-            await _take(settings, fitter, m, rec.topic == t.control.name, rec)
+            await _take(settings, fitter, guard, m, rec.topic == t.control.name, rec)
 
 
-async def _take(settings: Settings, fitter: CostFitter, m: FitMetrics, control: bool, rec: Record) -> None:
+def guard_config(settings: Settings) -> GuardConfig:
+    """What a fit passes before it is published, and when a set_profile is reverted (``fit_*`` settings)."""
+    return GuardConfig(min_interval_s=settings.fit_min_interval_s, min_gain=settings.fit_min_gain,
+                       watch_s=settings.fit_revert_watch_s, watch_min_requests=settings.fit_revert_min_requests,
+                       rejection_jump=settings.fit_revert_rejection_jump)
+
+
+async def _take(settings: Settings, fitter: CostFitter, guard: FitGuard, m: FitMetrics, control: bool,
+                rec: Record) -> None:
     body = rec.env.body if rec.env is not None else None
+    ts_ms = (rec.env.ts_ms if rec.env is not None else 0) or rec.timestamp_ms
     if control and isinstance(body, ControlCommand):
         fitter.on_control(rec.offset, body)
+        guard.on_control(rec.offset, body, ts_ms)
         m.profile(fitter)
     elif isinstance(body, RequestOutcome):
         m.outcome(fitter, body)
-        cmd = fitter.on_outcome(body, (rec.env.ts_ms if rec.env is not None else 0) or rec.timestamp_ms)
+        revert = guard.on_outcome(body, ts_ms)
+        if revert is not None:
+            at = await publish_control(settings, revert, producer_id="conductor-fit")
+            fitter.on_control(at, revert)
+            guard.on_control(at, revert, ts_ms)
+            m.reverts.add(1)
+            m.profile(fitter)
+            log.error("control offset %d: reverted to %s (%s)", at, fitter.published.name, revert.reason)
+            return
+        cmd = fitter.on_outcome(body, ts_ms)
         if cmd is not None:
             at = await publish_control(settings, cmd, producer_id="conductor-fit")
             fitter.on_control(at, cmd)
+            guard.on_control(at, cmd, ts_ms)
             m.published.add(1)
             m.profile(fitter)
             log.info("control offset %d: published %s (%s)", at, cmd.profile and cmd.profile.get("name"), cmd.reason)
 
 
-__all__ = ["FitMetrics", "run_fit_worker"]
+__all__ = ["FitMetrics", "guard_config", "run_fit_worker"]
