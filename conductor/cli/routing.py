@@ -36,7 +36,7 @@ from conductor.telemetry import setup_metrics
 # --- conductor router | policies ----------------------------------------------------
 
 RouterId = Annotated[str | None, typer.Option(help="producer id of this replica on `dispatch` [default: "
-    "router-<host>-<pid>]")]
+    "router-<host>-<pid>-<incarnation>]")]
 
 
 def router_cmd(router_id: RouterId = None) -> None:

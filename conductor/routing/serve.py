@@ -14,7 +14,7 @@ from conductor.settings import Settings
 def build_router(settings: Settings, router_id: str | None = None) -> RouterWorker:
     """A routing worker reading the Redis view and sharing reservations through Redis, with the
     configured policy; a bad policy name or parameters raise :class:`ConfigError` here, before
-    anything is contacted. ``router_id`` names it on ``dispatch`` (default: router-HOST-PID). It keeps
+    anything is contacted. ``router_id`` names it on ``dispatch`` (default: router-HOST-PID-INCARNATION). It keeps
     the decision index (``decision_index_ttl_s``) on the reservations' connection."""
     rid = router_id or default_router_id()
     view, reservations = redis_stores(settings, producer_id=rid)

@@ -4,22 +4,31 @@ decision index, each built from settings."""
 from __future__ import annotations
 
 import os
+import secrets
 import socket
+import weakref
 from typing import Any
+
+from opentelemetry import metrics
 
 from conductor.errors import ConfigError, ViewStoreError
 from conductor.settings import Settings
-from state.connect import HiredisPackedConnection, open_client
+from state.connect import HiredisPackedConnection, RedisConnection, open_client
 from state.decisions import RedisDecisionIndex
 from state.reader import RawSnapshotReader
 from state.redis_view import RedisViewStore
 from state.reservations import RedisReservations
 from state.tracking import TrackingSnapshotReader
 
+INCARNATION = secrets.token_hex(3)
+"""Six hex digits drawn once per process: a container restarted with the same host name and PID 1
+still writes under a producer id of its own (ids repeating across restarts would mix two
+processes' sequence numbers)."""
+
 
 def default_router_id() -> str:
-    """This process's name on the log when none is given: router-HOST-PID."""
-    return f"router-{socket.gethostname()}-{os.getpid()}"
+    """This process's name on the log when none is given: router-HOST-PID-INCARNATION."""
+    return f"router-{socket.gethostname()}-{os.getpid()}-{INCARNATION}"
 
 
 def redis_stores(settings: Settings, producer_id: str | None = None) -> tuple[Any, Any]:
@@ -56,14 +65,35 @@ def redis_stores(settings: Settings, producer_id: str | None = None) -> tuple[An
 
 
 def decision_index(settings: Settings, client: Any = None) -> RedisDecisionIndex | None:
-    """The decision index of ``settings`` (None when ``decision_index_ttl_s`` is 0), on ``client``
-    (the reservations' connection, for a router) or on a connection of its own."""
+    """The decision index of ``settings`` (None when ``decision_index_ttl_s`` is 0): in its own Redis
+    when ``decision_index_url`` is set, else on ``client`` (the reservations' connection, for a
+    router) or on a connection of its own to the view's Redis."""
     ttl_s = settings.decision_index_ttl_s
     if settings.audit_retention_ms >= 0:
         ttl_s = min(ttl_s, settings.audit_retention_ms / 1000)
-    if ttl_s <= 0 or not settings.redis_url:
+    own = settings.decision_index_url
+    if ttl_s <= 0 or not (own or settings.redis_url):
         return None
-    if client is None:
-        client = open_client(settings.redis().connection_url(), decode_responses=False,
-                             **settings.redis().tls_options(), socket_timeout=5.0, socket_connect_timeout=5.0)
-    return RedisDecisionIndex(client, settings.view_namespace, ttl_s)
+    if own or client is None:
+        conn = (RedisConnection(own, settings.redis_username, settings.redis_password, settings.redis_ssl_ca_certs)
+                if own else settings.redis())
+        client = open_client(conn.connection_url(), decode_responses=False, **conn.tls_options(),
+                             socket_timeout=5.0, socket_connect_timeout=5.0)
+    index = RedisDecisionIndex(client, settings.view_namespace, ttl_s,
+                               memory_alert_bytes=settings.decision_index_memory_alert_bytes)
+    _watched.add(index)
+    return index
+
+
+_watched: weakref.WeakSet[RedisDecisionIndex] = weakref.WeakSet()
+"""The indexes open in this process (an explain's closes and goes)."""
+
+
+def _observe_index(_: Any) -> list[metrics.Observation]:
+    live = [i for i in _watched if i.used_memory is not None]
+    return [metrics.Observation(max(i.used_memory or 0 for i in live))] if live else []
+
+
+metrics.get_meter(__name__).create_observable_gauge(
+    "conductor_decision_index_redis_bytes", callbacks=[_observe_index], unit="By",
+    description="used memory of the decision index's Redis (INFO memory, read at most once a minute)")
