@@ -92,6 +92,15 @@ def _colocated_v4(body: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
+@upcaster("routing_decision", 4)
+@upcaster("request_outcome", 2)
+def _decision_time_v5(body: dict[str, Any]) -> dict[str, Any]:
+    # Decision v5 (pending_ttl_ms, inflight_lease_ms, queued_tokens_ahead, left_holder) and outcome
+    # v3 (first_token_view_ms, finished_view_ms) added optional fields: absent = a decision made on
+    # heartbeats and reservations alone, an outcome whose releases are not on the view's clock.
+    return body
+
+
 @upcaster("blocks_removed", 1)
 def _blocks_removed_v1(body: dict[str, Any]) -> dict[str, Any]:
     # v2 added ``node``: absent = the producer's own blocks, as every v1 record meant.

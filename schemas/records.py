@@ -294,6 +294,19 @@ class RoutingDecision(Record):
     ordinal: int | None = Field(default=None, ge=0)
     """The turn order-based policies rotated by, when it is not the request's ``requests``
     offset (a colocated router decides before its request is on the log): what ``explain`` uses."""
+    # v5: decision-time knowledge (pending blocks, Conductor's own in-flight work)
+    pending_ttl_ms: int | None = Field(default=None, ge=1)
+    """The pending blocks' TTL the router counted earlier decisions' placements with (their
+    blocks reusable as if confirmed, up to this long); None: it counted none."""
+    inflight_lease_ms: int | None = Field(default=None, ge=1)
+    """The in-flight ledger's lease when the loads were Conductor's own in-flight work (each
+    quantity the larger of it and the heartbeat's); None: heartbeats plus reservations."""
+    queued_tokens_ahead: int | None = Field(default=None, ge=0)
+    """Uncached prompt tokens queued ahead of this request on its prefill instance (its
+    capacity group's) as the decision counted them: the work its predicted queue wait drains."""
+    left_holder: Text | None = None
+    """Why the instance holding the longest prefix of the chain was not chosen, when it was not
+    (its predicted TTFT lost by more than the prediction's measured error); None: it was, or none held one."""
 
     @property
     def aggregated(self) -> bool:
@@ -432,6 +445,13 @@ class RequestOutcome(Record):
     mode: Mode | None = None
     control_offset: int | None = Field(default=None, ge=-1)
     """The decision's control offset: which cost model predicted it."""
+    # v3: when the request's prefill and the whole request ended, on the view's clock
+    first_token_view_ms: int | None = Field(default=None, ge=0)
+    """The first token's time on the view's clock (the decision's ``view_now_ms`` plus the
+    gateway's monotonic time since the decision): its prefill's in-flight work ends here."""
+    finished_view_ms: int | None = Field(default=None, ge=0)
+    """When the request ended (served, failed or cancelled) on the view's clock: its in-flight
+    work ends here, and a failed request's pending blocks too."""
 
 
 # --- KV balance commands (topics kv-commands and kv-command-results) -----------
@@ -650,12 +670,12 @@ BODY_TYPES: dict[str, type[Record]] = {t.model_fields["kind"].default: t for t i
 SCHEMA_VERSIONS: dict[str, int] = {kind: 1 for kind in BODY_TYPES}
 SCHEMA_VERSIONS["heartbeat"] = 3  # v2 added decode_context_tokens and zone; v3 endpoint, dp_rank, bootstrap_port, kv_transfer
 SCHEMA_VERSIONS["routing_request"] = 4  # v2 added cache_salt, exclude and retry_of; v3 reachable; v4 decided_by
-SCHEMA_VERSIONS["routing_decision"] = 4  # v2 added control_offset, block_size, model_profile, prefill_group, chunk_boundaries; v3 mode, options, endpoints; v4 decided_by, ordinal
+SCHEMA_VERSIONS["routing_decision"] = 5  # v2 added control_offset, block_size, model_profile, prefill_group, chunk_boundaries; v3 mode, options, endpoints; v4 decided_by, ordinal; v5 pending_ttl_ms, inflight_lease_ms, queued_tokens_ahead, left_holder
 SCHEMA_VERSIONS["routing_rejection"] = 2  # v2 added control_offset, block_size, model_profile
 SCHEMA_VERSIONS["kv_command"] = 3  # v2 added command_id (required), deadline_ms, token_ids, block_size; v3 by_node
 SCHEMA_VERSIONS["blocks_removed"] = 2  # v2 added node (a shared pool's blocks removed by another producer)
 SCHEMA_VERSIONS["dead_letter"] = 2  # v2 added original_size, original_sha256, key and key_size
-SCHEMA_VERSIONS["request_outcome"] = 2  # v2 added model, decided_s, prefill_s, decode_ttft_s, reused_tokens, mode, control_offset
+SCHEMA_VERSIONS["request_outcome"] = 3  # v2 added model, decided_s, prefill_s, decode_ttft_s, reused_tokens, mode, control_offset; v3 first_token_view_ms, finished_view_ms
 SCHEMA_VERSIONS["control"] = 2  # v2 added set_profile with profile and model
 
 
