@@ -158,7 +158,7 @@ LiveEngineModel = Annotated[str, typer.Option("--engine-model", help="--engines 
     "~25 ms) or heavy (a larger dummy-weight model of the kit, ~300 ms or more on one core, with a KV cache small "
     "enough that the engines evict during the replay)")]
 LiveEngineKvMib = Annotated[int | None, typer.Option("--engine-kv-mib", min=16, help="--engines vllm: each "
-    "engine's KV cache in MiB (default: 1024 for tiny, 32 for heavy)")]
+    "engine's KV cache in MiB (default: 1024 for tiny, 48 for heavy)")]
 LivePinEngines = Annotated[str | None, typer.Option("--pin-engines", help="--engines vllm: run the engines on these "
     "cores (e.g. 1, 2-3, 1,3) and everything else on the other cores of this process")]
 

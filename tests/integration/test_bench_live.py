@@ -63,6 +63,15 @@ def test_the_same_slice_is_served_by_both_routers(peer_installed: None, settings
                 "peer_errors"):
         assert key in out
     assert 0 < out["both_served"] <= len(rows) and out["conductor_ttft_p50_s_both_served"] is not None
+    # The control plane's CPU over the replay, by process: Conductor's every part but the engines; the peer's router.
+    c, p = out["conductor"], out["peer"]
+    assert {"gateway", "router", "worker", "broker", "redis"} <= set(c["control_cpu_s_by_process"]), c
+    assert sum(1 for n in c["control_cpu_s_by_process"] if n.startswith("bridge-")) == 4, c
+    assert not any(n.startswith(("prefill-", "decode-")) for n in c["control_cpu_s_by_process"]), c
+    assert set(p["control_cpu_s_by_process"]) == {"sglang-router"}, p
+    for side in (c, p):
+        assert side["control_cpu_s"] > 0 and side["control_cpu_ms_per_request"] > 0, side
+        assert side["control_cpu_s"] == pytest.approx(sum(side["control_cpu_s_by_process"].values()), abs=0.01)
 
 
 def test_the_command_names_the_missing_peer_or_the_bad_one(settings: Settings) -> None:

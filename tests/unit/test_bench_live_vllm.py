@@ -14,6 +14,7 @@ from conductor.harness.bench.live_vllm import (
     evicted_blocks,
     left_holder_counts,
     median_over_rounds,
+    metric_total,
     parse_cpus,
     parse_sides,
     pinning,
@@ -96,6 +97,8 @@ def test_evictions_are_the_engines_own_count() -> None:
                'vllm:kv_block_idle_before_evict_seconds_count{model_name="tiny"} 7.0\n'
                'vllm:kv_block_idle_before_evict_seconds_sum{model_name="tiny"} 2.5\n')
     assert evicted_blocks(metrics) == 7.0
+    assert metric_total(metrics, "vllm:kv_block_idle_before_evict_seconds_sum") == 2.5
+    assert metric_total(metrics, "vllm:kv_block_idle_before_evict_seconds") is None  # a prefix of a name is not it
     assert evicted_blocks("vllm:prefix_cache_hits_total 3\n") is None  # an engine that does not count them
 
 

@@ -79,9 +79,9 @@ SIDES = ("conductor", "peer", "round_robin")
 """The sides run when none are named (the JSON's shape since the bench began)."""
 PEER_SIDES = {"peer": "cache_aware", "round_robin": "round_robin"}
 """The SGLang router's sides and their policies."""
-HEAVY_KV_CACHE_BYTES = 32 * 2**20
-"""The heavy regime's KV cache per engine by default: 32 MiB, 32,768 tokens (1,024 blocks) of the heavy
-model (1 KiB a token): room for 16 sequences of the slice's ~2,000 tokens at once, a third of the
+HEAVY_KV_CACHE_BYTES = 48 * 2**20
+"""The heavy regime's KV cache per engine by default: 48 MiB, 32,768 tokens (1,024 blocks) of the heavy
+model (1.5 KiB a token): room for 16 sequences of the slice's ~2,000 tokens at once, a third of the
 ~2,900 distinct blocks each of 2 engines sees in the default slice (5,784 in all), so the engines
 evict during the replay (the kit's 1 GiB holds ~2 M tiny-model tokens and never does)."""
 MODEL = "tiny"
@@ -237,38 +237,69 @@ async def replay(base_url: str, requests: Sequence[DemoRequest], opts: VllmLiveO
 
 EVICTED = "vllm:kv_block_idle_before_evict_seconds_count"
 """The engines' count of evicted blocks (with ``--kv-cache-metrics``: :attr:`VllmEngine.kv_cache_bytes` set)."""
+PREFILL_S = "vllm:request_prefill_time_seconds"
+COMPUTED = "vllm:request_prefill_kv_computed_tokens"
+"""Per request, the engine's own prefill seconds and the prompt tokens it computed (not read from its cache)."""
 
 
-def evicted_blocks(metrics: str) -> float | None:
-    """Blocks evicted so far by one engine, from its ``/metrics`` text (None when it does not count them)."""
+def metric_total(metrics: str, name: str) -> float | None:
+    """The sum over label sets of metric ``name`` (e.g. a histogram's ``_count``) in one ``/metrics``
+    text; None when the engine does not report it."""
     found = None
     for line in metrics.splitlines():
-        if line.startswith(EVICTED):
+        if line.startswith(name) and line[len(name):len(name) + 1] in ("{", " "):
             found = (found or 0.0) + float(line.rsplit(" ", 1)[1])
     return found
 
 
-async def prefix_counters(urls: Sequence[str]) -> tuple[float, float, float | None]:
-    """(hit tokens, queried tokens, evicted blocks or None) of the engines' own prefix caches, summed
-    over their ``/metrics`` (read as the bridge reads them)."""
-    hits = queries = 0.0
-    evicted: float | None = None
+def evicted_blocks(metrics: str) -> float | None:
+    """Blocks evicted so far by one engine, from its ``/metrics`` text (None when it does not count them)."""
+    return metric_total(metrics, EVICTED)
+
+
+@dataclass(frozen=True)
+class EngineCounters:
+    """The engines' own counters, summed over them (None: not reported)."""
+
+    hit_tokens: float = 0.0
+    query_tokens: float = 0.0
+    evicted_blocks: float | None = None
+    prefill_s: float | None = None
+    prefills: float | None = None
+    computed_tokens: float | None = None
+
+
+def _add(a: float | None, b: float | None) -> float | None:
+    return a if b is None else (b if a is None else a + b)
+
+
+async def prefix_counters(urls: Sequence[str]) -> EngineCounters:
+    """The engines' prefix-cache hits and queries (read as the bridge reads them), evictions and
+    prefill times, summed over their ``/metrics``."""
+    total = EngineCounters()
     async with httpx.AsyncClient(timeout=10.0) as http:
         for u in urls:
             text = (await http.get(f"{u}/metrics")).text
             load = parse_load(text)
-            hits += load.prefix_hit_tokens or 0.0
-            queries += load.prefix_query_tokens or 0.0
-            ev = evicted_blocks(text)
-            if ev is not None:
-                evicted = (evicted or 0.0) + ev
-    return hits, queries, evicted
+            total = EngineCounters(
+                hit_tokens=total.hit_tokens + (load.prefix_hit_tokens or 0.0),
+                query_tokens=total.query_tokens + (load.prefix_query_tokens or 0.0),
+                evicted_blocks=_add(total.evicted_blocks, evicted_blocks(text)),
+                prefill_s=_add(total.prefill_s, metric_total(text, PREFILL_S + "_sum")),
+                prefills=_add(total.prefills, metric_total(text, PREFILL_S + "_count")),
+                computed_tokens=_add(total.computed_tokens, metric_total(text, COMPUTED + "_sum")))
+    return total
 
 
-def summary(stats: SideStats, before: tuple[float, float, float | None], after: tuple[float, float, float | None],
-            wall_s: float) -> dict[str, Any]:
-    hits, queries = after[0] - before[0], after[1] - before[1]
-    evicted = None if before[2] is None or after[2] is None else int(after[2] - before[2])
+def _diff(a: float | None, b: float | None) -> float | None:
+    return None if a is None or b is None else b - a
+
+
+def summary(stats: SideStats, before: EngineCounters, after: EngineCounters, wall_s: float) -> dict[str, Any]:
+    hits, queries = after.hit_tokens - before.hit_tokens, after.query_tokens - before.query_tokens
+    evicted = _diff(before.evicted_blocks, after.evicted_blocks)
+    prefill_s, prefills = _diff(before.prefill_s, after.prefill_s), _diff(before.prefills, after.prefills)
+    computed = _diff(before.computed_tokens, after.computed_tokens)
     rejected = sum(n for k, n in stats.statuses.items() if k in ("429", "503"))
     served = stats.statuses.get("served", 0)
 
@@ -288,7 +319,11 @@ def summary(stats: SideStats, before: tuple[float, float, float | None], after: 
         "engine_prefix_hit_tokens": int(hits),
         "engine_prefix_query_tokens": int(queries),
         "wall_s": round(wall_s, 1),
-        "engine_evicted_blocks": evicted,
+        "engine_evicted_blocks": None if evicted is None else int(evicted),
+        # The engines' own prefill: seconds a request's prefill took once scheduled (batched with others),
+        # and the prompt tokens it computed; what says which regime (tiny, heavy) the run was in.
+        "engine_prefill_s_mean": round(prefill_s / prefills, 4) if prefill_s is not None and prefills else None,
+        "engine_computed_tokens_mean": round(computed / prefills, 1) if computed is not None and prefills else None,
     }
 
 
@@ -541,5 +576,5 @@ def run_vllm_demo(settings: Settings, opts: VllmLiveOptions, policy: str, baseli
 
 
 __all__ = ["HEAVY_KV_CACHE_BYTES", "PEER_SIDES", "SIDES", "VllmLiveError", "VllmLiveOptions", "evicted_blocks",
-           "left_holder_counts", "median_over_rounds", "parse_cpus", "parse_sides", "pinning", "round_orders",
+           "left_holder_counts", "median_over_rounds", "metric_total", "parse_cpus", "parse_sides", "pinning", "round_orders",
            "run_vllm_demo", "run_vllm_live_bench", "vllm_prompt"]
