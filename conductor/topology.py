@@ -6,6 +6,9 @@ each with a bandwidth, a set-up latency and a transport (RDMA or TCP) — plus o
 per-rack-pair links, each rack's zone and a static node → rack placement. A node's
 rack and zone normally come from its heartbeats (``--rack``/``--zone`` on ``conductor
 bridge`` and ``conductor engine``); the file's ``nodes`` fill in nodes that do not say.
+Its ``capacity_groups`` name the engines that share one capacity (one device, one set of
+cores): the router counts an instance's queue as its whole group's in-flight work, so
+moving work between them is not mistaken for finding spare capacity.
 
 Pure: no I/O except :func:`load_topology`, which reads one file. Without a file the
 topology is :meth:`Topology.flat`: the model profile's two scalar link speeds, so
@@ -122,7 +125,13 @@ class Topology(BaseModel):
     racks: dict[str, RackSpec] = Field(default_factory=dict, max_length=4096)
     rack_pairs: list[RackPair] = Field(default_factory=list, max_length=65_536)
     nodes: dict[str, NodePlace] = Field(default_factory=dict, max_length=65_536)
+    capacity_groups: dict[str, list[str]] = Field(
+        default_factory=dict, max_length=65_536,
+        description="group name -> the nodes that share one capacity (engines on one device or one set of "
+        "cores): each one's queue counts the in-flight work of the whole group",
+    )
     _pairs: dict[tuple[str, str], Link] = PrivateAttr(default_factory=dict)
+    _group_of: dict[str, tuple[str, ...]] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="after")
     def _known_racks(self) -> Topology:
@@ -137,10 +146,25 @@ class Topology(BaseModel):
             if key in seen:
                 raise ValueError(f"rack pair {list(key)} is given twice")
             seen.add(key)
+        grouped: dict[str, str] = {}
+        for name, members in self.capacity_groups.items():
+            for node in members:
+                other = grouped.setdefault(node, name)
+                if other != name:
+                    raise ValueError(f"node {node!r} is in capacity groups {other!r} and {name!r}: one at most")
         return self
 
     def model_post_init(self, _: object) -> None:
         self._pairs = {(min(p.racks), max(p.racks)): p.link for p in self.rack_pairs}
+        self._group_of = {node: tuple(sorted(set(members)))
+                          for members in self.capacity_groups.values() for node in members}
+
+    # --- what shares capacity ----------------------------------------------------------
+
+    def capacity_group(self, node: str) -> tuple[str, ...]:
+        """The nodes sharing ``node``'s capacity, ``node`` among them, in id order (``(node,)``
+        when the file puts it in no group): work queued on any of them delays all of them."""
+        return self._group_of.get(node, (node,))
 
     # --- where a node is -----------------------------------------------------------
 

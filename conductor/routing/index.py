@@ -47,6 +47,11 @@ PendingOne = Callable[[str, int, int], tuple["PendingLoad | None", "int | None"]
 time at which that next changes without a new reservation or None)``:
 ``state.reservations.InMemoryReservations.pending_one``."""
 
+OwnExtra = Callable[[NodeState, int], "PendingLoad | None"]
+"""``(node's state, now_ms) -> what Conductor's own in-flight work adds to its heartbeat``:
+:meth:`conductor.routing.own_load.OwnLoads.extra`, used instead of the reservations when given
+(its changes come through :meth:`ClusterIndex.touch`)."""
+
 Shape = tuple[int, int, int]
 _Holders = tuple[dict[str, Shape], tuple[str, ...], tuple[Shape, ...], dict[Shape, tuple[int, ...]],
                  dict[str | None, tuple[int, ...]], frozenset[Shape]]
@@ -118,8 +123,11 @@ class ClusterIndex:
 
     # --- keeping it up to date ------------------------------------------------------
 
-    def update(self, view: ViewSnapshot, pending_one: PendingOne) -> None:
-        """Bring the index to ``view`` (and the reservations ``pending_one`` answers for)."""
+    def update(self, view: ViewSnapshot, pending_one: PendingOne, own: OwnExtra | None = None) -> None:
+        """Bring the index to ``view`` (and the reservations ``pending_one`` answers for; with
+        ``own``, Conductor's own in-flight work instead, whose changed nodes the caller touches)."""
+        if own is not None:
+            pending_one = _own_as_pending(own, self._state)
         nodes, now = view.nodes, view.now_ms
         old = self._nodes
         if old is None or now < self._now or len(nodes) != len(old):
@@ -154,7 +162,8 @@ class ClusterIndex:
     def _rebuild(self, view: ViewSnapshot, pending_one: PendingOne) -> None:
         self.rebuilds += 1
         self._nodes, self._now = view.nodes, view.now_ms
-        self._state = {n.node_id: n for n in view.nodes}
+        self._state.clear()  # in place: an ``own`` reader made in update holds this dict
+        self._state.update((n.node_id, n) for n in view.nodes)
         self._inst.clear()
         self._waits.clear()
         self._wait_of.clear()
@@ -331,3 +340,14 @@ class ClusterIndex:
                         base.dp_rank, base.bootstrap_port)
         memo[(node, prefix)] = (base, inst)
         return inst
+
+
+def _own_as_pending(own: OwnExtra, state: dict[str, NodeState]) -> PendingOne:
+    """``own`` in the form the index asks the reservations in: a node's extra over the state the
+    index holds for it, changing only when the caller says so (no expiry of its own)."""
+
+    def pending_one(node: str, since_ms: int, now_ms: int) -> tuple[PendingLoad | None, int | None]:
+        st = state.get(node)
+        return (None if st is None else own(st, now_ms)), None
+
+    return pending_one

@@ -40,8 +40,16 @@ from conductor.routing.decision import decision_record, decision_reservations, r
 from conductor.routing.index import ClusterIndex
 from conductor.routing.policies import Placement, Policy, Rejection, make_policy
 from conductor.routing.policies.mode import ModeChoice, decide_mode
+from conductor.routing.own_load import OwnLoads
 from conductor.routing.policies.stages import CLUSTER, VIEW_READ, StageTimes
-from conductor.routing.snapshot import ClusterSnapshot, Instance, InstanceMemo, PolicyRequest, build_cluster
+from conductor.routing.snapshot import (
+    NO_PREFIX,
+    ClusterSnapshot,
+    Instance,
+    InstanceMemo,
+    PolicyRequest,
+    build_cluster,
+)
 from conductor.settings import Settings
 from schemas import (
     ControlCommand,
@@ -55,8 +63,11 @@ from schemas import (
     request_chain_keys,
 )
 from schemas.records import MAX_BLOCKS
+from state.inflight import InflightLedger, InMemoryInflight
+from state.pending import InMemoryPendingBlocks, PendingStore
 from state.reservations import InMemoryReservations, Load, ReservationStore
-from state.view import ViewReader, ViewSnapshot
+from state.shared_log import RedisInflight, RedisPendingBlocks
+from state.view import NodeState, ViewReader, ViewSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +89,21 @@ MAX_INDEXES = 16
 def _since(snap: ViewSnapshot) -> dict[str, int]:
     """Per node, the reservation cut-off: a reservation counts until the node's heartbeat is newer."""
     return {n.node_id: n.last_heartbeat_ms for n in snap.nodes}
+
+
+def kv_event_capacity(node: NodeState, default_blocks: int) -> int | None:
+    """The pending store's capacity for ``node`` (``PendingStore.set_capacity``): None when it
+    publishes KV events (the view knows its cache from them), else its cache size in blocks: its
+    heartbeats' total KV blocks, or ``default_blocks`` (``pending_lru_blocks``) when they say none.
+
+    The hook for engines without KV events: a node says so through its state's ``kv_events``
+    (False), which the bridge's ``--no-events`` mode sets (issue 34, item 5); a state without the
+    field, or None, publishes them."""
+    # Read by name until NodeState carries the field for every reader of this module.
+    kv_events: bool | None = getattr(node, "kv_events", None)
+    if kv_events is not False:
+        return None
+    return node.total_kv_blocks if node.total_kv_blocks > 0 else default_blocks
 
 
 class _Unhealthy(Exception):
@@ -232,17 +258,31 @@ class Router:
         profile: ModelProfile | None = None,
         clock: Callable[[], float] = time.monotonic,
         incremental: bool = True,
+        pending: PendingStore | None = None,
+        inflight: InflightLedger | None = None,
     ) -> None:
         """``incremental``: keep the cluster picture from read to read (a
         :class:`~conductor.routing.index.ClusterIndex` per model, when the reservations are
-        held in memory); False rebuilds it from every read (``explain`` does, as the check)."""
+        held in memory or the loads are the ledger's); False rebuilds it from every read
+        (``explain`` does, as the check).
+
+        ``pending`` (decision-time prefixes): later decisions count the blocks earlier ones
+        placed as held in HBM by the instances they were placed on, *trusted as if confirmed*
+        for the store's TTL (the placing request's prefill puts them there, and a request that
+        follows it queues behind it, so by the time it runs they are there; a failure releases
+        them, the engine's own events confirm or evict them); every placement records its
+        chain on its prefill instance and, disaggregated, on its decode instance, in the same
+        step as its decision. ``inflight`` (Conductor's own load): each instance's load is, per
+        quantity, the larger of its heartbeat and the ledger's in-flight work (over its
+        capacity group), instead of heartbeat + reservations; every placement charges it.
+        None (either): today's behaviour (the simulator and the tests that pass none)."""
         self.settings = settings
         self.view = view
         self.reservations = reservations
         self.profile = profile or load_profile(settings.model_profile)
+        self.topology = settings.cluster_topology()
         # Validates the configured name and params at start-up (ConfigError otherwise).
-        self.policy = policy or make_policy(settings.policy, settings.policy_params, self.profile,
-                                            settings.cluster_topology())
+        self.policy = policy or make_policy(settings.policy, settings.policy_params, self.profile, self.topology)
         self.params = {k: v for k, v in self.policy.params.items() if isinstance(v, (bool, int, float, str))}
         self.clock = clock
         self.metrics = RouterMetrics()
@@ -256,16 +296,41 @@ class Router:
         self._health: tuple[float, bool, str] | None = None  # (clock, healthy, reason) of the last check
         self.ttl_s = settings.heartbeat_ttl_s
         self.control = ControlState()
+        self.pending = pending
+        self.inflight = inflight
+        self.own = (None if inflight is None else
+                    OwnLoads(inflight, self.topology.capacity_group
+                             if self.topology is not None and self.topology.capacity_groups else None))
+        """The ledger as the picture reads it (None: heartbeats plus reservations)."""
+        self.pending_ttl_ms = _pending_ttl_ms(pending, settings)
+        self.inflight_lease_ms = _lease_ms(inflight, settings)
+        self._incremental = incremental
+        self._decided_ms = 0
+        """The decision-time clock: the last decision's time (pending blocks and in-flight work
+        are written and read on it, so a decision never reads before the one it follows)."""
+        self._capacity: dict[str, int | None] = {}
+        """Capacity given to the pending store per node (only changes are passed on)."""
+        self._capacity_nodes: Sequence[NodeState] | None = None
 
     async def start(self) -> None:
-        """Start following the shared reservations (a no-op for in-memory ones)."""
+        """Start following the shared reservations, pending blocks and ledger (a no-op for
+        in-memory ones)."""
+        now_ms = int(time.time() * 1000)
         if isinstance(self.reservations, SharedReservations):
-            await self.reservations.start(int(time.time() * 1000))
+            await self.reservations.start(now_ms)
+        if isinstance(self.pending, RedisPendingBlocks):
+            await self.pending.start(now_ms)
+        if isinstance(self.inflight, RedisInflight):
+            await self.inflight.start(now_ms)
 
     async def close(self) -> None:
-        """Share the last reservations and stop following."""
+        """Share the last reservations, pending blocks and charges, and stop following."""
         if isinstance(self.reservations, SharedReservations):
             await self.reservations.close()
+        if isinstance(self.pending, RedisPendingBlocks):
+            await self.pending.close()
+        if isinstance(self.inflight, RedisInflight):
+            await self.inflight.close()
 
     # --- runtime control (the control topic, in log order) ------------------------------
 
@@ -339,9 +404,53 @@ class Router:
         snap = await self.view.snapshot(chain)
         if after is not None:
             await after
-        if self._local is not None:
+        if self._local is not None or self.own is not None:
             return snap, None
         return snap, await self.reservations.pending(_since(snap), snap.now_ms)
+
+    def at_decision(self, snap: ViewSnapshot, chain: Sequence[int], age_ms: float = 0.0,
+                    degraded: bool = False) -> tuple[ViewSnapshot, int]:
+        """The read as the decision sees it, and the decision's time (``view_now_ms``): without
+        decision-time stores, the read and its time. With them, the time is never before the
+        previous decision's (reads overlap, so one may come back stamped a millisecond before the
+        decision it follows: the read is then taken as made at that decision's time), and with
+        pending blocks each instance's prefix of ``chain`` is extended by the blocks pending on it
+        (counted as HBM: see the class's trust rule); nodes without KV events get their capacity
+        set from their heartbeats first (:func:`kv_event_capacity`)."""
+        at = snap.now_ms + int(age_ms)
+        if self.pending is None and self.inflight is None:
+            return snap, at
+        if at < self._decided_ms and not degraded:
+            snap = ViewSnapshot(self._decided_ms, snap.nodes, snap.prefix, snap.watermark)
+            at = self._decided_ms
+        self._decided_ms = max(self._decided_ms, at)
+        if self.pending is None or not chain:
+            return snap, at
+        self._set_capacities(snap.nodes)
+        held = {node: p[0] for node, p in snap.prefix.items() if p[0] > 0}
+        extra = self.pending.prefixes(chain, at, held)
+        if not extra:
+            return snap, at
+        prefix = dict(snap.prefix)  # the read's answer may be shared (a reader's PrefixWalk)
+        for node, pp in extra.items():
+            hbm, dram, ssd = prefix.get(node, NO_PREFIX)
+            n = pp.length
+            prefix[node] = (max(hbm, n), max(dram, n), max(ssd, n))
+        return ViewSnapshot(snap.now_ms, snap.nodes, prefix, snap.watermark), at
+
+    def _set_capacities(self, nodes: Sequence[NodeState]) -> None:
+        """Tell the pending store which nodes publish no KV events, with their cache size."""
+        pending = self.pending
+        assert pending is not None
+        if nodes is self._capacity_nodes:
+            return
+        self._capacity_nodes = nodes
+        known = self._capacity
+        for n in nodes:
+            cap = kv_event_capacity(n, self.settings.pending_lru_blocks)
+            if known.get(n.node_id, None) != cap or n.node_id not in known:
+                known[n.node_id] = cap
+                pending.set_capacity(n.node_id, cap)
 
     # --- deciding -------------------------------------------------------------------
 
@@ -351,7 +460,10 @@ class Router:
         without the cordoned and draining nodes (control) and the instances in ``exclude`` (a
         gateway's retry after one of them failed). ``pending`` None: the reservations are
         the in-memory ones, and the picture is the model's :class:`ClusterIndex` brought up
-        to this read (the same instances, redone only where something changed)."""
+        to this read (the same instances, redone only where something changed). With the
+        in-flight ledger (:attr:`own`), ``pending`` is None and the loads are its own instead."""
+        if pending is None and self.own is not None:
+            return self._cluster_own(self.own, snap, model, age_ms, exclude)
         if pending is None:
             local = self._local
             assert local is not None
@@ -373,6 +485,28 @@ class Router:
             exclude = self.control.excluded.union(exclude)
         return build_cluster(snap, pending, block_size=self.settings.block_size, ttl_s=self.ttl_s, model=model,
                              age_ms=age_ms, memo=self._memo, exclude=exclude)
+
+    def _cluster_own(self, own: OwnLoads, snap: ViewSnapshot, model: str, age_ms: float,
+                     exclude: Collection[str]) -> ClusterSnapshot:
+        """:meth:`cluster` with each instance's load the larger of its heartbeat and the ledger's."""
+        now = snap.now_ms + int(age_ms)
+        touched = own.take_touched(now)
+        for index in self._indexes.values():
+            index.touch(touched)
+        if self._incremental and not exclude:
+            key = (model, self.control.excluded)
+            ix = self._indexes.get(key)
+            if ix is None:
+                if len(self._indexes) >= MAX_INDEXES:
+                    self._indexes.clear()
+                ix = self._indexes[key] = ClusterIndex(self.profile, block_size=self.settings.block_size,
+                                                       ttl_s=self.ttl_s, model=model, exclude=key[1])
+            ix.update(snap, _no_reservations, own.extra)
+            return ix.snapshot(snap, age_ms)
+        if self.control.excluded:
+            exclude = self.control.excluded.union(exclude)
+        return build_cluster(snap, own.extras(snap.nodes, now), block_size=self.settings.block_size, ttl_s=self.ttl_s,
+                             model=model, age_ms=age_ms, memo=self._memo, exclude=exclude)
 
     async def route(self, req: RoutingRequest, ordinal: int = 0, after: Awaitable[Any] | None = None, *,
                     decided_by: str | None = None) -> RoutingDecision | RoutingRejection:
@@ -397,9 +531,12 @@ class Router:
         r = await self._read_or_last(req, chain, after, seed)
         if isinstance(r, RoutingRejection):
             return r
+        snap, at = self.at_decision(r.snap, chain, r.age_ms, r.degraded)
+        if snap is not r.snap:
+            r = _Read(snap, r.pending, r.degraded, r.age_ms, r.why)
         times.mark(VIEW_READ)
         cluster, choice, exclude = self._decide(req, preq, r, seed, times)
-        snap, age_ms = r.snap, r.age_ms
+        age_ms = r.age_ms
         answer = choice.decision
         if isinstance(answer, Rejection) and answer.reason == "no_live_instance":
             answer = Rejection(answer.reason, f"{answer.message} ({why_none(snap, self.ttl_s, req.model, exclude, self.control.excluded)})")
@@ -408,16 +545,47 @@ class Router:
         out = decision_record(req, answer, block_size=self.settings.block_size, policy=self.policy.name,
                               params=self.params, seed=seed, watermark=cluster.watermark, degraded=r.degraded,
                               age_ms=age_ms, degraded_reason=r.why if r.degraded else "",
-                              rederivation={**self._rederivation(), "view_now_ms": snap.now_ms + int(age_ms)},
+                              rederivation={**self._rederivation(), "view_now_ms": at},
                               options=choice.options, endpoints=_endpoints(answer, _instance_of(cluster)))
-        if decided_by is not None and isinstance(out, RoutingDecision):
-            out = out.model_copy(update={"decided_by": decided_by, "ordinal": ordinal})
         if isinstance(out, RoutingRejection):
             self.metrics.rejections.add(1, {"reason": out.reason})
             return out
-        await self._reserve(req, out, snap.now_ms + int(age_ms))
+        out = out.model_copy(update=self._decision_fields(out, cluster, decided_by, ordinal))
+        # Recorded in the same step as the decision (no await since the read): the next
+        # decision, whichever router makes it, sees this one's blocks and work.
+        self._record(req, chain, out, at)
+        if self.own is None:
+            await self._reserve(req, out, at)
         self._count(req, out)
         return out
+
+    def _decision_fields(self, out: RoutingDecision, cluster: ClusterSnapshot, decided_by: str | None,
+                         ordinal: int) -> dict[str, Any]:
+        """What a placement's record adds to the policy's answer: who decided it and at which turn
+        (a colocated router), how its pending blocks and loads were counted, and the work queued
+        ahead of it on its prefill instance."""
+        fields: dict[str, Any] = {}
+        if decided_by is not None:
+            fields["decided_by"] = decided_by
+            fields["ordinal"] = ordinal
+        if self.pending is not None:
+            fields["pending_ttl_ms"] = self.pending_ttl_ms
+        if self.inflight is not None:
+            fields["inflight_lease_ms"] = self.inflight_lease_ms
+        pre = _instance_of(cluster)(out.prefill_instance)
+        if pre is not None:
+            fields["queued_tokens_ahead"] = pre.queued_prefill_tokens
+        return fields
+
+    def _record(self, req: RoutingRequest, chain: Sequence[int], d: RoutingDecision, at_ms: int) -> None:
+        """What ``d`` places, at once: the chain's full blocks pending on its prefill instance (and,
+        disaggregated, its decode instance, after the pull); its uncached prompt tokens and one
+        decoding sequence charged to the ledger."""
+        if self.pending is not None and chain:
+            self.pending.record(d.request_id, {d.prefill_instance: chain, d.decode_instance: chain}, at_ms)
+        if self.inflight is not None:
+            self.inflight.charge(d.request_id, d.prefill_instance, d.decode_instance,
+                                 req.prompt_tokens - d.reused_tokens, req.prompt_tokens, at_ms)
 
     async def _read_or_last(self, req: RoutingRequest, chain: Sequence[int], after: Awaitable[Any] | None,
                             seed: int) -> _Read | RoutingRejection:
@@ -447,7 +615,8 @@ class Router:
             if after is not None:
                 await after
             snap = last.snapshot  # node states only: prefixes of this chain are unknown
-            pending = await self.reservations.pending(_since(snap), snap.now_ms + int(age_ms))
+            pending = (None if self.own is not None else
+                       await self.reservations.pending(_since(snap), snap.now_ms + int(age_ms)))
             return _Read(snap, pending, True, age_ms, why)
 
     def _decide(self, req: RoutingRequest, preq: PolicyRequest, r: _Read, seed: int,
@@ -561,6 +730,28 @@ class Router:
         return (out.prefill_instance if isinstance(out, RoutingDecision) else out.request_id), out, body.reply_to
 
 
+def _no_reservations(node: str, since_ms: int, now_ms: int) -> tuple[Load | None, int | None]:
+    return None, None
+
+
+def _pending_ttl_ms(store: PendingStore | None, settings: Settings) -> int:
+    """The TTL ``store`` counts placements for (the settings' for a store that does not say)."""
+    if isinstance(store, InMemoryPendingBlocks):
+        return store.ttl_ms
+    if isinstance(store, RedisPendingBlocks):
+        return store.local.ttl_ms
+    return max(int(settings.pending_ttl_s * 1000), 1)
+
+
+def _lease_ms(ledger: InflightLedger | None, settings: Settings) -> int:
+    """The lease ``ledger`` ends unreleased charges after (the settings' for one that does not say)."""
+    if isinstance(ledger, InMemoryInflight):
+        return ledger.lease_ms
+    if isinstance(ledger, RedisInflight):
+        return ledger.local.lease_ms
+    return max(int(settings.inflight_lease_s * 1000), 1)
+
+
 DECIDED = object()
 """What :meth:`Router.handle_with_reply` returns for a request decided where it arrived (its
 ``decided_by``'s own decision is on ``dispatch`` already): nothing to produce."""
@@ -584,4 +775,4 @@ def _key_text(key: bytes | None) -> str:
         return ""
 
 
-__all__ = ["InvalidRequest", "Router", "request_seed"]
+__all__ = ["InvalidRequest", "Router", "kv_event_capacity", "request_seed"]
