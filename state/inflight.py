@@ -4,7 +4,8 @@ A decision *charges* its request: on the prefill instance its uncached prompt to
 yet at the first token), on the decode instance one decoding sequence and its context. The
 prefill part is released by the request's first token, the rest when it finishes (completes,
 fails or is cancelled): explicit releases, not "the next heartbeat". A charge nobody releases
-(a gateway that crashed) ends after ``lease`` from its last news (the charge or its first token).
+(a gateway that crashed) ends ``lease`` after its last news (the charge, or its first token if
+that came within the lease).
 
 **The rule.** Everything is a time-stamped operation (``Charged``, ``FirstToken``,
 ``Finished``; times passed in, on the view's clock). A charge of request ``r`` at ``t0`` is
@@ -164,7 +165,9 @@ class InMemoryInflight:
         for c in self._by_request.get(op.request_id, ()):
             if c.op.at_ms <= op.at_ms:
                 if isinstance(op, FirstToken):
-                    c.first_at = min(c.first_at, op.at_ms)
+                    if op.at_ms < c.first_at:  # an earlier first token: the lease may end sooner
+                        c.first_at = op.at_ms
+                        heapq.heappush(self._leases, (self._deadline(c), op.request_id, c.op.at_ms))
                 else:
                     c.finished_at = min(c.finished_at, op.at_ms)
         for c in list(self._by_request.get(op.request_id, ())):
@@ -237,8 +240,10 @@ class InMemoryInflight:
         self._recount(c)
 
     def _deadline(self, c: _Charge) -> int:
-        last = c.op.at_ms if c.first_at == NEVER else max(c.op.at_ms, c.first_at)
-        return last + self.lease_ms
+        """When ``c``'s lease ends: ``lease`` after the charge, or after its first token when that
+        came before (news at or past the end is too late to renew it)."""
+        end = c.op.at_ms + self.lease_ms
+        return c.first_at + self.lease_ms if c.first_at < end else end
 
     def _recount(self, c: _Charge) -> None:
         """Bring ``c``'s share of the totals to what it should be now."""

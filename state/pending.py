@@ -40,7 +40,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict, deque
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 NEVER = 1 << 62
@@ -122,27 +122,24 @@ class PendingStore(Protocol):
         ...
 
 
-@dataclass(slots=True)
-class _Entry:
-    """One block of one placement; ``released_at`` / ``confirmed_at``: the earliest matching time."""
-
-    at_ms: int
-    released_at: int = NEVER
-    confirmed_at: int = NEVER
-
-
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class _Group:
-    """One ``Placed`` operation's entries, by block."""
+    """One ``Placed`` operation; ``released_at``: its earliest matching release; ``confirmed``:
+    block -> its earliest matching confirmation (None: none yet, the common case)."""
 
     op: Placed
-    entries: list[_Entry] = field(default_factory=list)
+    released_at: int = NEVER
+    confirmed: dict[int, int] | None = None
 
 
 class InMemoryPendingBlocks:
     """The pending record of one process (tests, the simulator, explain, and each router's copy
     of the shared log). ``now`` passed to queries should not go backwards: expired placements
-    are dropped (and settled into the LRU records) when a later time is seen."""
+    are dropped (and settled into the LRU records) when a later time is seen.
+
+    A query finds the instances a chain may start on from the placements' first blocks (block
+    hashes are chained, each covering its parent, so a chain's first block is the first block
+    of every placement that holds it) and from ``held``; then it walks each one's placements."""
 
     def __init__(self, ttl_ms: int, capacity: Mapping[str, int] | None = None) -> None:
         if ttl_ms <= 0:
@@ -151,7 +148,10 @@ class InMemoryPendingBlocks:
         self._now = -NEVER
         self._groups: dict[tuple[str, str, int], _Group] = {}
         self._by_request: dict[str, set[tuple[str, str, int]]] = {}
-        self._at: dict[int, dict[str, list[_Entry]]] = {}
+        self._on: dict[str, dict[int, list[_Group]]] = {}
+        """node -> block -> the placements on it holding the block."""
+        self._starts: dict[int, dict[str, int]] = {}
+        """first block of a placement -> node -> how many placements there start with it."""
         self._expiry: list[tuple[int, str, str, tuple[str, str, int]]] = []
         # releases and confirmations kept 2 x ttl for placements that arrive after them (another
         # replica's record reaching this one late)
@@ -169,8 +169,9 @@ class InMemoryPendingBlocks:
     # --- writing --------------------------------------------------------------------------
 
     def record(self, request_id: str, placements: Mapping[str, Sequence[int]], at_ms: int) -> list[Placed]:
-        """Record a decision's placements (node -> the chain it will hold) made at ``at_ms``;
-        returns the operations applied (what a shared store publishes)."""
+        """Record a decision's placements (node -> the chain it will hold, from the chain's first
+        block or from where the view's confirmed prefix ends) made at ``at_ms``; returns the
+        operations applied (what a shared store publishes)."""
         ops = [Placed(request_id, at_ms, node, tuple(blocks)) for node, blocks in placements.items() if blocks]
         for op in ops:
             self.apply(op)
@@ -215,26 +216,26 @@ class InMemoryPendingBlocks:
         """Per instance whose reusable prefix of ``chain`` the pending record extends: that
         prefix. ``held``: per instance, the prefix the view confirms (its blocks count as held;
         the pending walk continues from there). Instances the record adds nothing to are absent."""
-        self.expire(now_ms)
+        if now_ms > self._now:
+            self.expire(now_ms)
         out: dict[str, PendingPrefix] = {}
         n = len(chain)
         if not n:
             return out
-        held = held or {}
         first = chain[0]
-        candidates = set(self._at.get(first, ()))
+        candidates = set(self._starts.get(first, ()))
         candidates.update(self._lru_holders.get(first, ()))
-        candidates.difference_update(held)  # their walk starts elsewhere
-        for node, h in held.items():
-            if h < n:
-                candidates.add(node)
+        chain = tuple(chain)  # compared with placements' tuples slice by slice
+        if held:
+            candidates.difference_update(held)  # their walk starts where the view's prefix ends
+            candidates.update(node for node, h in held.items() if h < n)
+        else:
+            held = {}
         for node in candidates:
             start = min(max(held.get(node, 0), 0), n)
-            i = start
-            while i < n and self.holds(node, chain[i], now_ms):
-                i += 1
-            if i > start:
-                out[node] = PendingPrefix(start, i)
+            end = self._walk(node, chain, start, now_ms)
+            if end > start:
+                out[node] = PendingPrefix(start, end)
         return out
 
     def holds(self, node: str, block: int, now_ms: int) -> bool:
@@ -244,15 +245,9 @@ class InMemoryPendingBlocks:
         lru = self._lru.get(node)
         if lru is not None and block in lru:
             return True
-        entries = self._at.get(block, {}).get(node)
-        if not entries:
-            return False
-        ttl, evented = self.ttl_ms, node not in self._capacity
-        for e in entries:
-            if (e.at_ms <= now_ms < e.at_ms + ttl and e.released_at > now_ms
-                    and (not evented or e.confirmed_at > now_ms)):
-                return True
-        return False
+        groups = self._on.get(node, {}).get(block)
+        evented = node not in self._capacity
+        return bool(groups) and any(self._counts(g, block, now_ms, evented) for g in groups or ())
 
     def record_of(self, node: str) -> list[int]:
         """An instance's settled LRU record, least recently placed first (empty for an instance
@@ -303,28 +298,69 @@ class InMemoryPendingBlocks:
 
     # --- inside ---------------------------------------------------------------------------
 
+    def _counts(self, g: _Group, block: int, now_ms: int, evented: bool) -> bool:
+        """Whether placement ``g`` makes ``block`` pending at ``now_ms``."""
+        t0 = g.op.at_ms
+        if not (t0 <= now_ms < t0 + self.ttl_ms and g.released_at > now_ms):
+            return False
+        return not evented or g.confirmed is None or g.confirmed.get(block, NEVER) > now_ms
+
+    def _walk(self, node: str, chain: tuple[int, ...], i: int, now_ms: int) -> int:
+        """Where ``node``'s run of pending blocks of ``chain`` from ``i`` ends: one placement is
+        followed while it goes on matching the chain (the common case: a placement is a slice
+        of the same chain), another looked up where it stops."""
+        on = self._on.get(node, {})
+        lru = self._lru.get(node)
+        evented = node not in self._capacity
+        n = len(chain)
+        while i < n:
+            b = chain[i]
+            g = next((g for g in on.get(b, ()) if self._counts(g, b, now_ms, evented)), None)
+            if g is None:
+                if lru is not None and b in lru:
+                    i += 1
+                    continue
+                return i
+            blocks = g.op.blocks
+            p = i if i < len(blocks) and blocks[i] == b else blocks.index(b)
+            i += 1
+            p += 1
+            confirmed = g.confirmed if evented else None
+            if confirmed is None:
+                i += _common_run(blocks, p, chain, i)
+                continue
+            m = len(blocks)
+            while i < n and p < m and blocks[p] == chain[i] and confirmed.get(chain[i], NEVER) > now_ms:
+                i += 1
+                p += 1
+        return i
+
     def _place(self, op: Placed) -> None:
         key = (op.request_id, op.node, op.at_ms)
         if key in self._groups or key in self._done or not op.blocks:
             return
         ttl = self.ttl_ms
         t0 = op.at_ms
-        released = min((t for t in self._releases.get(op.request_id, ()) if t0 <= t < t0 + ttl), default=NEVER)
-        group = _Group(op)
+        group = _Group(op, min((t for t in self._releases.get(op.request_id, ()) if t0 <= t < t0 + ttl),
+                               default=NEVER))
         if t0 + ttl <= self._now:  # arrived after its ttl: settle it (or drop it) at once
-            group.entries = [_Entry(t0, released) for _ in op.blocks]
             self._settle(group)
             self._done.add(key)
             self._marks.append((self._now, "done", key))
             return
         confirms = self._confirms
-        at = self._at
+        if confirms:
+            for b in op.blocks:
+                c = confirms.get((op.node, b))
+                tc = NEVER if c is None else min((t for t in c if t0 <= t < t0 + ttl), default=NEVER)
+                if tc != NEVER:
+                    group.confirmed = group.confirmed or {}
+                    group.confirmed[b] = tc
+        on = self._on.setdefault(op.node, {})
         for b in op.blocks:
-            c = confirms.get((op.node, b))
-            e = _Entry(t0, released,
-                       NEVER if c is None else min((t for t in c if t0 <= t < t0 + ttl), default=NEVER))
-            group.entries.append(e)
-            at.setdefault(b, {}).setdefault(op.node, []).append(e)
+            on.setdefault(b, []).append(group)
+        starts = self._starts.setdefault(op.blocks[0], {})
+        starts[op.node] = starts.get(op.node, 0) + 1
         self._groups[key] = group
         self._by_request.setdefault(op.request_id, set()).add(key)
         heapq.heappush(self._expiry, (t0, op.request_id, op.node, key))
@@ -339,45 +375,54 @@ class InMemoryPendingBlocks:
         for key in self._by_request.get(op.request_id, ()):
             group = self._groups[key]
             if group.op.at_ms <= op.at_ms < group.op.at_ms + ttl:
-                for e in group.entries:
-                    e.released_at = min(e.released_at, op.at_ms)
+                group.released_at = min(group.released_at, op.at_ms)
 
     def _confirm(self, op: Confirmed) -> None:
         ttl, tc = self.ttl_ms, op.at_ms
+        on = self._on.get(op.node, {})
         for b in op.blocks:
             times = self._confirms.setdefault((op.node, b), [])
             if tc in times:
                 continue
             times.append(tc)
             self._marks.append((tc, "confirmed", (op.node, b)))
-            for e in self._at.get(b, {}).get(op.node, ()):
-                if e.at_ms <= tc < e.at_ms + ttl:
-                    e.confirmed_at = min(e.confirmed_at, tc)
+            for g in on.get(b, ()):
+                if g.op.at_ms <= tc < g.op.at_ms + ttl:
+                    if g.confirmed is None:
+                        g.confirmed = {}
+                    g.confirmed[b] = min(g.confirmed.get(b, NEVER), tc)
 
     def _unindex(self, group: _Group) -> None:
-        at, node = self._at, group.op.node
-        for b, e in zip(group.op.blocks, group.entries, strict=True):
-            per_node = at.get(b)
-            if per_node is None:
-                continue
-            entries = per_node.get(node)
-            if entries is None:
-                continue
-            entries[:] = [x for x in entries if x is not e]
-            if not entries:
-                del per_node[node]
-                if not per_node:
-                    del at[b]
+        node, blocks = group.op.node, group.op.blocks
+        on = self._on.get(node)
+        if on is not None:
+            for b in blocks:
+                groups = on.get(b)
+                if groups is None:
+                    continue
+                if len(groups) == 1 and groups[0] is group:
+                    del on[b]
+                else:
+                    groups[:] = [g for g in groups if g is not group]
+                    if not groups:
+                        del on[b]
+            if not on:
+                del self._on[node]
+        starts = self._starts.get(blocks[0])
+        if starts is not None and node in starts:
+            starts[node] -= 1
+            if starts[node] <= 0:
+                del starts[node]
+                if not starts:
+                    del self._starts[blocks[0]]
 
     def _settle(self, group: _Group) -> None:
         node = group.op.node
-        if node not in self._capacity:
+        if node not in self._capacity or group.released_at != NEVER:
             return
         lru = self._lru.setdefault(node, OrderedDict())
         holders = self._lru_holders
-        for b, e in zip(group.op.blocks, group.entries, strict=True):
-            if e.released_at != NEVER:
-                continue
+        for b in group.op.blocks:
             if b in lru:
                 lru.move_to_end(b)
             else:
@@ -400,6 +445,22 @@ class InMemoryPendingBlocks:
             nodes.discard(node)
             if not nodes:
                 del self._lru_holders[block]
+
+
+def _common_run(a: tuple[int, ...], i: int, b: tuple[int, ...], j: int) -> int:
+    """How many blocks ``a[i:]`` and ``b[j:]`` have in common from their start (slices compared
+    whole, a binary search for the first difference: the hot walk stays out of Python loops)."""
+    k = min(len(a) - i, len(b) - j)
+    if a[i:i + k] == b[j:j + k]:
+        return k
+    lo, hi = 0, k  # a[i:i+lo] == b[j:j+lo], and they differ within hi
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[i + lo:i + mid] == b[j + lo:j + mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def pending_from_log(ops: Iterable[PendingOp], now_ms: int, ttl_ms: int,

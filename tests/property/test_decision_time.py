@@ -17,11 +17,14 @@ TTL = 100
 LEASE = 300
 NODES = ("n0", "n1", "e0")  # e0 publishes no KV events
 CAPACITY = {"e0": 3}
-BLOCKS = (1, 2, 3, 4, 5)
+PATHS = ((1, 2, 3, 4), (1, 2, 5, 6), (7, 8, 9))  # chained hashes: a tree; a block has one position
+BLOCKS = tuple(sorted({b for p in PATHS for b in p}))
 REQUESTS = ("r0", "r1", "r2", "r3")
 
 times = st.integers(0, 400)
-chains = st.lists(st.sampled_from(BLOCKS), min_size=1, max_size=4, unique=True).map(tuple)
+chains = st.tuples(st.sampled_from(PATHS), st.integers(0, 3), st.integers(1, 4)).map(
+    lambda t: t[0][min(t[1], len(t[0]) - 1):][:t[2]])  # a slice of a path: from its start, or past a confirmed part
+helds = st.dictionaries(st.sampled_from(NODES[:2]), st.integers(0, 4), max_size=2)
 pending_ops = st.lists(st.one_of(
     st.builds(Placed, st.sampled_from(REQUESTS), times, st.sampled_from(NODES), chains),
     st.builds(Released, st.sampled_from(REQUESTS), times),
@@ -32,6 +35,26 @@ pending_ops = st.lists(st.one_of(
 def _picture(s: InMemoryPendingBlocks, now: int) -> tuple[object, ...]:
     return (frozenset((n, b) for n in NODES for b in BLOCKS if s.holds(n, b, now)),
             tuple(tuple(s.record_of(n)) for n in NODES))
+
+
+def _prefixes_by_the_rule(held_blocks: frozenset[tuple[str, int]], held: dict[str, int]) -> list[dict[str, tuple[int, int]]]:
+    """Per path: each instance's prefix, walking from the confirmed part while blocks are held."""
+    out = []
+    for path in PATHS:
+        got = {}
+        for n in NODES:
+            start = min(held.get(n, 0), len(path))
+            end = start
+            while end < len(path) and (n, path[end]) in held_blocks:
+                end += 1
+            if end > start:
+                got[n] = (start, end)
+        out.append(got)
+    return out
+
+
+def _prefixes(s: InMemoryPendingBlocks, now: int, held: dict[str, int]) -> list[dict[str, tuple[int, int]]]:
+    return [{n: (p.start, p.length) for n, p in s.prefixes(path, now, held).items()} for path in PATHS]
 
 
 def _unique(ops: list[PendingOp]) -> list[PendingOp]:
@@ -81,11 +104,14 @@ def _pending_by_the_rule(ops: list[PendingOp], now: int) -> tuple[object, ...]:
 
 
 @settings(max_examples=200, deadline=None)
-@given(pending_ops, times, st.randoms(use_true_random=False))
-def test_pending_blocks_follow_the_rule_in_any_order(ops: list[PendingOp], now: int, rnd: random.Random) -> None:
+@given(pending_ops, times, helds, st.randoms(use_true_random=False))
+def test_pending_blocks_follow_the_rule_in_any_order(ops: list[PendingOp], now: int, held: dict[str, int],
+                                                     rnd: random.Random) -> None:
     ops = _unique(ops)
     expected = _pending_by_the_rule(ops, now)
-    assert _picture(pending_from_log(ops, now, TTL, CAPACITY), now) == expected
+    folded = pending_from_log(ops, now, TTL, CAPACITY)
+    assert _picture(folded, now) == expected
+    assert _prefixes(folded, now, held) == _prefixes_by_the_rule(expected[0], held)  # type: ignore[arg-type]
     shuffled = list(ops)
     rnd.shuffle(shuffled)
     assert _picture(pending_from_log(shuffled, now, TTL, CAPACITY), now) == expected
@@ -127,7 +153,8 @@ def _loads_by_the_rule(ops: list[InflightOp], now: int) -> dict[str, tuple[int, 
             continue
         first = min((o.at_ms for o in ops if isinstance(o, FirstToken) and o.request_id == c.request_id
                      and o.at_ms >= c.at_ms), default=None)
-        if max(c.at_ms, first or 0) + LEASE <= now:
+        last = first if first is not None and first < c.at_ms + LEASE else c.at_ms  # news within the lease renews it
+        if last + LEASE <= now:
             continue
         parts = {c.decode: [1, 0, 0, 1, c.context_tokens]}
         if first is None:
