@@ -23,7 +23,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
-from conductor.gateway.protocol import error_body, rejection_response
+from conductor.frontdoor.protocol import error_body, rejection_response
 from schemas import RoutingDecision
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
@@ -183,7 +183,7 @@ def immediate(status: int, body: Mapping[str, Any], headers: Mapping[str, str] |
 def rejected(reason: str, message: str) -> pb.ProcessingResponse:
     """A rejection by Conductor: 429 (the SLOs cannot be met, overloaded) or 503 (nothing can
     serve), 400 for an invalid request, the reason as the OpenAI error's ``code``, ``Retry-After``
-    as the gateway sends them (:data:`conductor.gateway.protocol.REJECTION_STATUS`)."""
+    as the gateway sends them (:data:`conductor.frontdoor.protocol.REJECTION_STATUS`)."""
     status, body, hdrs = rejection_response(reason, message)
     return immediate(status, body, hdrs, details=f"conductor_{reason}")
 

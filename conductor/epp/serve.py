@@ -18,12 +18,12 @@ import httpx
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from conductor.epp.decide import ROUTINGS, Decider, Routing, make_decider
+from conductor.frontdoor.decide import ROUTINGS, Decider, Routing, make_decider
 from conductor.epp.protocol import BODY_MODES
 from conductor.epp.service import EppConfig, ExternalProcessor, Picker
 from conductor.errors import ConfigError
-from conductor.gateway.directory import EngineDirectory
-from conductor.gateway.tokenizer import EngineTokenizer, LocalTokenizer, PromptTokenizer
+from conductor.frontdoor.directory import EngineDirectory
+from conductor.frontdoor.tokenizer import EngineTokenizer, LocalTokenizer, PromptTokenizer
 from conductor.settings import Settings
 from state.connect import open_client
 from state.redis_view import RedisViewStore

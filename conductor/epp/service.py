@@ -4,10 +4,10 @@
   end (it carries the destination); buffered, they are answered at once (go on) and the body's
   answer carries the destination.
 - At the body's end (``end_of_stream`` on the last of however many body messages, or the
-  trailers): the OpenAI body is checked (:func:`conductor.gateway.protocol.parse_body`, 400
+  trailers): the OpenAI body is checked (:func:`conductor.frontdoor.protocol.parse_body`, 400
   naming the field), the prompt tokenized as the gateway does (the engines' render route or
   ``/tokenize``, or a local ``tokenizer.json``), a :class:`~schemas.RoutingRequest` built as the
-  gateway builds it, and the decider asked (:mod:`conductor.epp.decide`: the request and the
+  gateway builds it, and the decider asked (:mod:`conductor.frontdoor.decide`: the request and the
   decision go to the log before the answer).
 - A decision becomes the destination header and metadata (the decode instance), the prefill
   header (disaggregated), the route cache cleared (:func:`conductor.epp.protocol.routed`); a
@@ -30,7 +30,6 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from opentelemetry import metrics
 from pydantic import ValidationError
 
-from conductor.epp.decide import Decider
 from conductor.epp.protocol import (
     BODY_MODES,
     BUFFERED,
@@ -52,10 +51,10 @@ from conductor.epp.protocol import (
     subset_hint,
     unavailable,
 )
-from conductor.gateway.directory import EngineDirectory
-from conductor.gateway.protocol import DEFAULT_EXPECTED_OUTPUT, BadRequest, error_body, parse_body, parse_slo
-from conductor.gateway.replies import InboxClosed
-from conductor.gateway.tokenizer import PromptRejected, PromptTokenizer, TokenizeError
+from conductor.frontdoor.decide import Decider, InboxClosed
+from conductor.frontdoor.directory import EngineDirectory
+from conductor.frontdoor.protocol import DEFAULT_EXPECTED_OUTPUT, BadRequest, error_body, parse_body, parse_slo
+from conductor.frontdoor.tokenizer import PromptRejected, PromptTokenizer, TokenizeError
 from conductor.routing.local import LogUnavailable
 from schemas import MmItem, RoutingDecision, RoutingRequest
 from schemas.records import MAX_EXTRA_KEYS, MAX_NAME
@@ -78,7 +77,7 @@ class EppConfig:
     """The engines' base model; another ``model`` in a request is a LoRA adapter name."""
     routing: str = "colocated"
     """``colocated``: a router in this process (:class:`conductor.routing.local.LocalRouter`); ``log``:
-    the routers through the log (:class:`conductor.epp.decide.LogDecider`)."""
+    the routers through the log (:class:`conductor.frontdoor.decide.LogDecider`)."""
     decision_timeout_s: float = 5.0
     body_mode: str = "full-duplex"
     """What the proxy's ext_proc filter is configured with when its first message does not say

@@ -19,7 +19,7 @@ import logging
 import time
 from typing import Any, Literal, Protocol
 
-from conductor.gateway.replies import ReplyInbox
+from conductor.gateway.replies import InboxClosed, ReplyInbox
 from conductor.routing.local import LocalRouter
 from conductor.settings import Settings
 from schemas import RoutingDecision, RoutingRejection, RoutingRequest, encode, envelope, headers
@@ -106,3 +106,6 @@ def make_decider(settings: Settings, mode: Routing, *, producer_id: str, timeout
     if mode == "log":
         return LogDecider(settings, producer_id=producer_id, timeout_s=timeout_s)
     return LocalRouter(settings, producer_id=producer_id, ack_timeout_s=timeout_s)
+
+
+__all__ = ["ROUTINGS", "Decider", "InboxClosed", "LogDecider", "Routing", "make_decider"]

@@ -36,8 +36,8 @@ from typing import Any, Protocol
 import httpx
 from tokenizers import Tokenizer
 
-from conductor.gateway.directory import EngineDirectory
-from conductor.gateway.protocol import ClientRequest
+from conductor.frontdoor.directory import EngineDirectory
+from conductor.frontdoor.protocol import ClientRequest
 
 RENDER_PATH = "/v1/chat/completions/render"
 TOKENIZE_CHAT_FIELDS = ("tools", "chat_template", "chat_template_kwargs", "add_generation_prompt",
@@ -130,7 +130,7 @@ def rendered_prompt(answer: Any) -> Prompt:
 class EngineTokenizer:
     """The engines' render and ``/tokenize`` routes, round robin, the next engine when one fails.
 
-    ``urls``: the engines' base URLs, or an :class:`~conductor.gateway.directory.EngineDirectory`
+    ``urls``: the engines' base URLs, or an :class:`~conductor.frontdoor.directory.EngineDirectory`
     (the engines found through the view, refreshed as they come and go)."""
 
     def __init__(self, client: httpx.AsyncClient, urls: Sequence[str] | EngineDirectory, model: str | None = None) -> None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from opentelemetry import metrics
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from conductor.gateway.protocol import error_body
+from conductor.frontdoor.protocol import error_body
 from conductor.web import FastJSONResponse
 
 RETRY_AFTER_S = 1

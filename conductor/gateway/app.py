@@ -14,13 +14,13 @@ from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from conductor import web
+from conductor.frontdoor.directory import EngineDirectory
+from conductor.frontdoor.protocol import SloBounds, error_body
+from conductor.frontdoor.tokenizer import EngineTokenizer, LocalTokenizer, PromptTokenizer
 from conductor.gateway.admission import InFlightBound
 from conductor.gateway.auth import ApiKeyGuard, Caller, KeyRing
-from conductor.gateway.directory import EngineDirectory
-from conductor.gateway.protocol import SloBounds, error_body
 from conductor.gateway.replies import ReplyInbox
 from conductor.gateway.service import Gateway, GatewayConfig, UpstreamTimeouts
-from conductor.gateway.tokenizer import EngineTokenizer, LocalTokenizer, PromptTokenizer
 from conductor.routing.local import LocalRouter
 from conductor.settings import Settings
 from state.connect import open_client

@@ -42,7 +42,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from conductor.errors import ConfigError
-from conductor.gateway.protocol import SloBounds, error_body
+from conductor.frontdoor.protocol import SloBounds, error_body
 from conductor.settings import Settings
 
 log = logging.getLogger(__name__)

@@ -13,9 +13,9 @@ from typing import Any, get_args
 
 from conductor import web
 from conductor.errors import ConfigError
+from conductor.frontdoor.protocol import ENGINE_PROTOCOLS, EngineProtocol, parse_engine_map
 from conductor.gateway.app import run_gateway
 from conductor.gateway.auth import KeyRing
-from conductor.gateway.protocol import ENGINE_PROTOCOLS, EngineProtocol, parse_engine_map
 from conductor.gateway.service import ROUTING_MODES, GatewayConfig, RoutingMode
 from conductor.settings import Settings
 from streams.topics import topics

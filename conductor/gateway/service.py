@@ -8,7 +8,7 @@
   ``requests`` with ``reply_to`` = this gateway; the answer comes back on this gateway's reply
   topic (:mod:`conductor.gateway.replies`).
 - A rejection becomes 429/503/400 with an OpenAI-style error naming the reason and a
-  ``Retry-After`` (:data:`conductor.gateway.protocol.REJECTION_STATUS`). No decision within
+  ``Retry-After`` (:data:`conductor.frontdoor.protocol.REJECTION_STATUS`). No decision within
   ``decision_timeout_s`` becomes 503 ``decision_timeout``: a client never hangs on the log.
 - A call to an engine is re-routed only when nothing of the request runs there: the engine was
   never reached (connection refused, connect timeout, a request it never fully received) or
@@ -43,9 +43,8 @@ from opentelemetry import metrics
 from pydantic import ValidationError
 from starlette.responses import Response, StreamingResponse
 
-from conductor.gateway.admission import RETRY_AFTER_S, DecidingBound, EngineBusy, EngineSlots
-from conductor.gateway.directory import EngineDirectory
-from conductor.gateway.protocol import (
+from conductor.frontdoor.directory import EngineDirectory
+from conductor.frontdoor.protocol import (
     DEFAULT_EXPECTED_OUTPUT,
     BadRequest,
     ClientRequest,
@@ -62,9 +61,10 @@ from conductor.gateway.protocol import (
     vllm_decode_body,
     vllm_prefill_body,
 )
+from conductor.frontdoor.tokenizer import Prompt, PromptRejected, PromptTokenizer, TokenizeError
+from conductor.gateway.admission import RETRY_AFTER_S, DecidingBound, EngineBusy, EngineSlots
 from conductor.gateway.replies import InboxClosed, ReplyInbox
 from conductor.gateway.sse import EventTooLong, SseScan
-from conductor.gateway.tokenizer import Prompt, PromptRejected, PromptTokenizer, TokenizeError
 from conductor.routing.local import LocalRouter, LogUnavailable
 from conductor.settings import Settings
 from conductor.stats import percentile

@@ -12,8 +12,8 @@ import httpx
 import pytest
 from kvstream import read_all
 
-from conductor.gateway.protocol import parse_body
-from conductor.gateway.tokenizer import EngineTokenizer, PromptRejected
+from conductor.frontdoor.protocol import parse_body
+from conductor.frontdoor.tokenizer import EngineTokenizer, PromptRejected
 from conductor.harness.gateway_cluster import GatewayCluster
 from conductor.settings import Settings
 from schemas import RoutingRequest

@@ -6,7 +6,7 @@ import pytest
 
 from conductor.bridge.runner import BridgeConfig, endpoint_of_metrics, rank_configs
 from conductor.bridge.scrape import parse_load
-from conductor.gateway.directory import EngineDirectory
+from conductor.frontdoor.directory import EngineDirectory
 from schemas import Envelope, Heartbeat, can_hand_off, decode, encode, envelope
 from state.fold import fold
 from state.view import NodeState

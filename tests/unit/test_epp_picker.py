@@ -13,9 +13,9 @@ from google.protobuf import json_format, struct_pb2
 
 from conductor.epp.protocol import BadEndpoint, host_port, is_chat, pick_of, subset_hint
 from conductor.epp.service import EppConfig, Picker
-from conductor.gateway.directory import EngineDirectory
-from conductor.gateway.protocol import ClientRequest
-from conductor.gateway.tokenizer import Prompt
+from conductor.frontdoor.directory import EngineDirectory
+from conductor.frontdoor.protocol import ClientRequest
+from conductor.frontdoor.tokenizer import Prompt
 from schemas import Endpoint, RoutingDecision, RoutingRejection, RoutingRequest
 
 ENGINES = {"p0": "http://10.0.0.1:8000", "d0": "http://10.0.0.2:8001", "d1": "http://[fd00::3]:8002"}

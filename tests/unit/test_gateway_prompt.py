@@ -6,8 +6,8 @@ from typing import Any
 
 import pytest
 
-from conductor.gateway.protocol import BadRequest, parse_body
-from conductor.gateway.tokenizer import TOKENIZE_CHAT_FIELDS, media_parts, render_body, rendered_prompt, tokenize_body
+from conductor.frontdoor.protocol import BadRequest, parse_body
+from conductor.frontdoor.tokenizer import TOKENIZE_CHAT_FIELDS, media_parts, render_body, rendered_prompt, tokenize_body
 from conductor.harness.engine.http import chat_template_vars, prompt_tokens
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
@@ -113,7 +113,7 @@ def test_completions_keep_their_special_tokens_choice() -> None:
 async def test_an_engine_whose_render_route_is_off_or_absent_is_asked_by_tokenize_from_then_on() -> None:
     import httpx
 
-    from conductor.gateway.tokenizer import EngineTokenizer, PromptRejected
+    from conductor.frontdoor.tokenizer import EngineTokenizer, PromptRejected
 
     asked: list[str] = []
     off = {"error": {"message": "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conductor.gateway.protocol import (
+from conductor.frontdoor.protocol import (
     REJECTION_STATUS,
     BadRequest,
     parse_body,

@@ -14,8 +14,8 @@ from typing import Any
 import httpx
 import pytest
 
-from conductor.gateway.protocol import parse_body
-from conductor.gateway.tokenizer import EngineTokenizer
+from conductor.frontdoor.protocol import parse_body
+from conductor.frontdoor.tokenizer import EngineTokenizer
 from conductor.harness.vllm_kit import VllmEngine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]

@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from conductor.gateway.protocol import parse_body
-from conductor.gateway.tokenizer import LocalTokenizer
+from conductor.frontdoor.protocol import parse_body
+from conductor.frontdoor.tokenizer import LocalTokenizer
 from conductor.harness.vllm_kit import VllmEngine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
