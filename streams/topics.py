@@ -121,6 +121,13 @@ def _retention(ms: int) -> tuple[tuple[str, str], ...]:
     return (("cleanup.policy", "delete"), ("retention.ms", str(ms)))
 
 
+def _compacted(lag_ms: int) -> tuple[tuple[str, str], ...]:
+    # The last record of each key kept for good, every record for ``lag_ms`` (-1: all kept, never compacted).
+    if lag_ms < 0:
+        return _retention(-1)
+    return (("cleanup.policy", "compact"), ("min.compaction.lag.ms", str(lag_ms)), ("segment.ms", str(DAY_MS)))
+
+
 def topics(config: TopicConfig) -> Topics:
     p, n, rf = config.prefix, config.partitions, config.replication_factor
     kv_ms, hb_ms, audit_ms = config.kv_events_retention_ms, config.heartbeats_retention_ms, config.audit_retention_ms
@@ -142,7 +149,9 @@ def topics(config: TopicConfig) -> Topics:
         request_outcomes=t("request-outcomes", "request id", "request_outcome", retention_ms=audit_ms),
         reply_prefix=f"{p}replies.",
         replication_factor=rf,
-        # Kept for good: `explain` folds control from offset 0 to the offset a decision names.
-        control=t("control", "target (policy or node id)", "control", partitions=1, retention_ms=-1),
+        # Compacted, never before a decision can be audited: `explain` folds control from offset 0 to
+        # the offset a decision names (conductor/routing/control.py: one key per part of the state).
+        control=Topic(f"{p}control", "part of the state (policy, params, profile, node:<id>)", frozenset({"control"}),
+                      1, rf, _compacted(audit_ms)),
         plans=t("plans", "planner id", "capacity_plan", partitions=1, retention_ms=audit_ms),
     )

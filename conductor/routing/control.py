@@ -14,6 +14,14 @@ was made under as well, so ``explain`` re-derives it with that profile.
 A command that names an unknown policy, bad parameters or a profile that does not validate is skipped (the state
 keeps its previous policy and notes why in ``last_error``) but its offset still
 counts: every reader skips it the same way.
+
+The topic is compacted (after the audit retention: ``explain`` folds from offset 0 to a decision's
+offset, and a decision is kept that long), so a new router folds a few records, not every change
+since the cluster began. Compaction keeps the last record of each key, offsets unchanged: with
+:func:`control_key` the fold of what survives is the fold of everything, but for the history and
+the counts the admin API shows, and a node both cordoned and drained shown as draining only.
+A refused command replaces its key's last good one, so :func:`~conductor.routing.control_log.publish_control`
+refuses what the fold would skip.
 """
 
 from __future__ import annotations
@@ -79,6 +87,17 @@ class ControlState:
 HISTORY = 20
 
 
+def control_key(cmd: ControlCommand) -> str:
+    """The record key of ``cmd`` on the compacted ``control`` topic: one key per part of the state
+    that a later record replaces whole (the policy, its parameters, the profile, each node's status)."""
+    if cmd.action in ("cordon", "drain", "uncordon"):
+        return f"node:{cmd.node_id}"
+    if cmd.action == "set_profile":
+        return "profile"
+    # A set_params that names a policy sets it, as set_policy does; one that does not keeps the policy.
+    return "policy" if cmd.action == "set_policy" or cmd.policy else "params"
+
+
 def apply_control(
     state: ControlState, cmd: ControlCommand, offset: int, check: PolicyCheck | None = None
 ) -> ControlState:
@@ -140,4 +159,4 @@ def fold_control(
     return st
 
 
-__all__ = ["ControlState", "PolicyCheck", "apply_control", "fold_control"]
+__all__ = ["ControlState", "PolicyCheck", "apply_control", "control_key", "fold_control"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 
 from conductor.routing.router import Router
@@ -9,6 +10,10 @@ from conductor.settings import Settings
 from schemas import ControlCommand
 from streams.follow import Earliest, Follower, OnBad
 from streams.topics import topics
+
+log = logging.getLogger(__name__)
+
+CATCH_UP_LOG_S = 10.0
 
 
 class ControlFollower:
@@ -23,14 +28,29 @@ class ControlFollower:
         self._follower: Follower | None = None
         self.position = 0  # the next offset to read
 
-    async def start(self, catch_up_timeout_s: float = 10.0) -> None:
-        """Start following; return once every record there was is applied (or after the timeout)."""
+    async def start(self, catch_up_timeout_s: float | None = None) -> None:
+        """Start following; return once every record there was is applied, so nothing is decided on a
+        control state older than the log's (a router or gateway stays "starting" until then). A slow
+        catch-up is said every 10 s; ``catch_up_timeout_s`` (tools that may go on without it): stop
+        waiting after that long."""
         self._follower = Follower(self.settings.kafka(), [(self.topic, Earliest())], on_bad=OnBad.LOG_AND_SKIP,
                                   name="control follower", max_records=100, track_end=True)
         await self._follower.start()
-        deadline = time.monotonic() + catch_up_timeout_s
-        while not self._follower.caught_up and time.monotonic() < deadline:
+        started = said = time.monotonic()
+        while not self._follower.caught_up:
+            now = time.monotonic()
+            if catch_up_timeout_s is not None and now - started >= catch_up_timeout_s:
+                break
+            if now - said >= CATCH_UP_LOG_S:
+                said = now
+                log.warning("control topic: still catching up after %.0f s (at offset %d of %s); not deciding yet",
+                            now - started, self.position, self._follower.ends.get((self.topic.name, 0), "?"))
             await self.poll(timeout_ms=200)
+
+    @property
+    def caught_up(self) -> bool:
+        """Whether every control record there was at start is applied."""
+        return self._follower is not None and self._follower.caught_up
 
     async def poll(self, timeout_ms: int = 0) -> None:
         """Apply what one fetch (waiting up to ``timeout_ms``) brings."""

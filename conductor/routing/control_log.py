@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from conductor.costmodel.profiles import load_profile
-from conductor.routing.control import ControlState, fold_control
+from conductor.costmodel.profiles import load_profile, profile_from_dict
+from conductor.routing.control import ControlState, control_key, fold_control
 from conductor.routing.policies import make_policy
 from conductor.settings import Settings
 from schemas import ControlCommand, envelope
@@ -35,6 +35,8 @@ async def publish_control(settings: Settings, cmd: ControlCommand, *, producer_i
     """Check ``cmd`` (ConfigError if its policy or params are bad), publish it, return its offset."""
     if cmd.action in ("set_policy", "set_params"):
         policy_check(settings)(cmd.policy, dict(cmd.params))
+    elif cmd.action == "set_profile":  # one the routers would skip would also replace the last good one
+        profile_from_dict(dict(cmd.profile or {}), source="set_profile")
     t = topics(settings.topic_config())
     await ensure_topics(settings.kafka(), (t.control,))
     prod = producer(settings.kafka())
@@ -42,7 +44,7 @@ async def publish_control(settings: Settings, cmd: ControlCommand, *, producer_i
     try:
         env = envelope(cmd, producer_id=producer_id, producer_seq=time.time_ns() // 1000,
                        ts_ms=int(time.time() * 1000))
-        md = await (await t.control.send(prod, env, cmd.node_id or cmd.policy or cmd.action, partition=0))
+        md = await (await t.control.send(prod, env, control_key(cmd), partition=0))
         return int(md.offset)
     finally:
         await prod.stop()
