@@ -76,6 +76,12 @@ class Settings(BaseSettings):
         default=None, description="bearer token of the admin scope (reads and control changes)"
     )
     read_token: SecretStr | None = Field(default=None, description="bearer token of the read-only scope")
+    admin_login_max_failures: int = Field(
+        default=5, ge=0,
+        description="failed console sign-ins (POST /login) from one address within admin_login_window_s after "
+        "which it is answered 429 until the window passes; 0 = no limit",
+    )
+    admin_login_window_s: float = Field(default=300.0, gt=0, description="the window of admin_login_max_failures")
 
     # --- the gateway's API keys ----------------------------------------------
     gateway_api_key: SecretStr | None = Field(

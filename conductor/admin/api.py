@@ -12,15 +12,17 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any, Literal
 
 from fastapi import Depends, FastAPI, HTTPException, Query, Request, Response
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse
 from pydantic import BaseModel, Field
 
-from conductor.admin.auth import SESSION_TTL_S, Scope, Tokens, granted, tokens_for
+from conductor.admin.auth import SESSION_TTL_S, LoginAttempts, Scope, Tokens, granted, tokens_for
 from conductor.admin.cluster import view_summary
 from conductor.admin.console import CONSOLE_HTML, LOGIN_HTML
 from conductor.admin.feed import LogFeed
@@ -34,6 +36,8 @@ from schemas import ControlCommand, DecodeError, decode
 from state.redis_view import RedisViewStore
 from streams.kafka import producer
 from streams.topics import topics
+
+log = logging.getLogger(__name__)
 
 COOKIE = "conductor_token"
 
@@ -85,10 +89,14 @@ def create_app(settings: Settings, *, insecure: bool = False, feed: LogFeed | No
         "Changes are records on the control topic. Bearer token (read or admin scope), or the console's "
         "signed session cookie, on every endpoint except /health (open only when started --insecure).",
         lifespan=lifespan,
+        # Served below, behind the read scope: the API's map is not for whoever reaches the port.
+        docs_url=None, redoc_url=None, openapi_url=None,
     )
-    # Registered in this order (the OpenAPI document lists the paths so).
-    _health_and_console(app, tokens, feed)
     read, admin = _needs(tokens, "read"), _needs(tokens, "admin")
+    # Registered in this order (the OpenAPI document lists the paths so).
+    _health_and_console(app, tokens, feed, LoginAttempts(settings.admin_login_max_failures,
+                                                         settings.admin_login_window_s))
+    _openapi(app, read)
     _cluster_and_decisions(app, settings, feed, view, read)
     _dead_letter_queue(app, settings, feed, read, admin)
     _policy(app, settings, feed, read, admin)
@@ -118,7 +126,17 @@ def _needs(tokens: Tokens, scope: Scope) -> Any:
     return Depends(check)
 
 
-def _health_and_console(app: FastAPI, tokens: Tokens, feed: LogFeed) -> None:
+def _openapi(app: FastAPI, read: Any) -> None:
+    @app.get("/openapi.json", include_in_schema=False, dependencies=[read])
+    async def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False, dependencies=[read])
+    async def docs() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title=f"{app.title} - docs")
+
+
+def _health_and_console(app: FastAPI, tokens: Tokens, feed: LogFeed, attempts: LoginAttempts) -> None:
     @app.get("/health", tags=["health"])
     async def health() -> dict[str, Any]:
         return {"ok": True, "feed_ready": feed.ready.is_set(), "feed_error": feed.error or None}
@@ -132,10 +150,21 @@ def _health_and_console(app: FastAPI, tokens: Tokens, feed: LogFeed) -> None:
     @app.post("/login", tags=["health"])
     async def login(body: Login, request: Request, response: Response) -> dict[str, Any]:
         """Trade a token for an HttpOnly session cookie (what the console uses): signed, holding
-        no token, ending after SESSION_TTL_S; Secure when served over HTTPS."""
+        no token, ending after SESSION_TTL_S; Secure when served over HTTPS. 429 to an address after
+        admin_login_max_failures failures within admin_login_window_s."""
+        client = request.client.host if request.client else "?"
+        now = time.monotonic()
+        wait = attempts.retry_after(client, now)
+        if wait is not None:
+            raise HTTPException(429, "too many failed sign-ins from this address",
+                                headers={"Retry-After": str(max(1, int(wait + 0.999)))})
         scope = tokens.scope_of(f"Bearer {body.token}")
         if scope is None:
+            if attempts.failed(client, now):  # said once per lock-out, not once per attempt
+                log.warning("admin sign-in: %d failures from %s within %g s; refused until the window passes",
+                            attempts.max_failures, client, attempts.window_s)
             raise HTTPException(401, "unknown token")
+        attempts.succeeded(client)
         response.set_cookie(COOKIE, tokens.session(scope, time.time()), max_age=SESSION_TTL_S, path="/",
                             httponly=True, samesite="strict", secure=request.url.scheme == "https")
         return {"scope": scope}

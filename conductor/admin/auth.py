@@ -9,7 +9,8 @@ by default). With a token, every endpoint except ``/health`` needs a valid one.
 The console signs in once (``POST /login`` with a token) and gets a session cookie that holds
 no token: its scope, an expiry and a nonce, signed with an HMAC keyed by that scope's token.
 So it works on every admin replica with the same tokens, survives a restart, ends after
-:data:`SESSION_TTL_S`, and stops working the moment its token is changed.
+:data:`SESSION_TTL_S`, and stops working the moment its token is changed. ``/login`` answers 429
+to an address after a few failed sign-ins in a window (:class:`LoginAttempts`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import secrets
+from collections import OrderedDict, deque
 from typing import Literal
 
 from pydantic import SecretStr
@@ -92,6 +94,44 @@ class Tokens:
         return hmac.new(key, payload.encode(), hashlib.sha256).hexdigest()
 
 
+class LoginAttempts:
+    """Failed sign-ins per client address: past ``max_failures`` within ``window_s`` the address is
+    refused until its oldest failure leaves the window. At most ``max_clients`` addresses are kept
+    (the least recently failed forgotten first), so a flood of addresses costs bounded memory."""
+
+    def __init__(self, max_failures: int = 5, window_s: float = 300.0, max_clients: int = 10_000) -> None:
+        self.max_failures = max_failures
+        self.window_s = window_s
+        self.max_clients = max_clients
+        self._failures: OrderedDict[str, deque[float]] = OrderedDict()
+
+    def retry_after(self, client: str, now_s: float) -> float | None:
+        """Seconds until ``client`` may try again; None: it may now."""
+        times = self._failures.get(client)
+        if times is None:
+            return None
+        while times and times[0] <= now_s - self.window_s:
+            times.popleft()
+        if not times:
+            del self._failures[client]
+            return None
+        if self.max_failures and len(times) >= self.max_failures:
+            return times[0] + self.window_s - now_s
+        return None
+
+    def failed(self, client: str, now_s: float) -> bool:
+        """Count a failure; True when it is the one that locks ``client`` out."""
+        times = self._failures.pop(client, None) or deque(maxlen=max(self.max_failures, 1))
+        times.append(now_s)
+        self._failures[client] = times
+        while len(self._failures) > self.max_clients:
+            self._failures.popitem(last=False)
+        return bool(self.max_failures) and len(times) == self.max_failures
+
+    def succeeded(self, client: str) -> None:
+        self._failures.pop(client, None)
+
+
 def granted(scope: Scope | None, needed: Scope) -> bool | None:
     """True: ``scope`` may do what ``needed`` names; False: it may not; None: no scope at all."""
     if scope is None:
@@ -114,4 +154,4 @@ def _bytes(secret: SecretStr | None) -> bytes | None:
     return secret.get_secret_value().encode()
 
 
-__all__ = ["NO_TOKEN", "SESSION_TTL_S", "Scope", "Tokens", "granted", "tokens_for"]
+__all__ = ["NO_TOKEN", "SESSION_TTL_S", "LoginAttempts", "Scope", "Tokens", "granted", "tokens_for"]
