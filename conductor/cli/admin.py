@@ -20,7 +20,7 @@ Insecure = Annotated[bool, typer.Option("--insecure", help="serve with no token 
 
 
 def admin(port: Port = None, insecure: Insecure = False) -> None:
-    """Serve the admin API (OpenAPI at /docs and /openapi.json) and the live console (/).
+    """Serve the admin API (OpenAPI at /docs and /openapi.json, behind the read token) and the live console (/).
 
     Cluster view, recent decisions and rejections, explain, the dead-letter queue
     (list, inspect, re-send), and the policy. Changes (policy, params, cordon, drain)
