@@ -71,6 +71,7 @@ def decision_record(req: RoutingRequest, answer: Placement | Rejection, *, block
                             predicted_ttft_s=o.ttft_s, predicted_tbt_ms=o.tbt_ms, fits=o.fits) for o in options],
         endpoints={n: e for n in (answer.prefill, answer.decode, *answer.prefill_group)
                    if endpoints and (e := endpoints.get(n)) is not None},
+        left_holder=answer.left_holder,
         **(rederivation or {}),
     )
 

@@ -47,6 +47,9 @@ class Placement:
     chunk_boundaries: tuple[int, ...] = ()
     """The end token of each group member's chunk (the last is the prompt length); the
     first chunk starts after the reused prefix."""
+    left_holder: str | None = None
+    """Why the instance holding the longest prefix of the chain was not chosen, when it was not
+    (``kvcache-centric``'s stay rule: ``prefill_plan.stay_on_holder``)."""
 
 
 @dataclass(frozen=True, slots=True)

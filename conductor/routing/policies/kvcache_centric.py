@@ -5,7 +5,9 @@
 2. **Prefill plan** (:mod:`.prefill_plan`): for each candidate, TTFT = its queue wait + the
    cheapest way to get a prefix in (its own cache from HBM/DRAM/SSD, or the best prefix held
    anywhere in the cluster, copied over the rack or cross-rack link) + compute of the rest; the
-   lowest TTFT wins, not the longest match.
+   lowest TTFT wins, not the longest match, unless it beats the holder of the longest prefix by
+   no more than the prediction's error (``stay_margin``, or a fitted profile's measured error):
+   then the request stays on the holder.
 3. **Admission** (:mod:`.admission`): when the pick cannot meet the TTFT SLO with the margin for
    the prediction's own error, one with a shorter queue that can, else a CPP group (with
    ``cpp``), else the request is rejected before any compute is spent, with the reason.
@@ -41,6 +43,7 @@ from conductor.routing.policies.candidates import shortest_queues, tie_margin, w
 from conductor.routing.policies.decode_pick import decode_pick, decode_pick_indexed
 from conductor.routing.policies.parts import RoleSplitPolicy, placement, split_roles
 from conductor.routing.policies.prefill_plan import (
+    BestReuse,
     Costed,
     PrefillPlan,
     ReusePlan,
@@ -48,11 +51,17 @@ from conductor.routing.policies.prefill_plan import (
     Shape,
     cost_candidates,
     cpp_group,
+    holder_error,
+    own_blocks,
     pick_prefill,
     same_rack_class,
+    stay_on_holder,
+    ttft_s,
 )
 from conductor.routing.policies.stages import ADMISSION, CANDIDATES, DECODE_PICK, PREFILL_PLAN, Mark, no_mark
 from conductor.routing.snapshot import ClusterSnapshot, IndexView, Instance, PolicyRequest
+
+PREFILL_ROLES = ("prefill", "both")
 
 
 class KvCacheCentricParams(PolicyParams):
@@ -82,6 +91,12 @@ class KvCacheCentricParams(PolicyParams):
         default=0.1, ge=0, description="decode picks at random among TBTs within (1 + band) x the lowest"
     )
     prefill_tie_s: float = Field(default=1e-6, ge=0, description="TTFTs closer than this are a tie")
+    stay_margin: float = Field(
+        default=0.25, ge=0, le=10,
+        description="stay on the instance holding the longest prefix (confirmed or pending) unless another's "
+        "predicted TTFT is lower by more than this share of the holder's (the prediction's error; a profile "
+        "fitted from outcomes uses its measured ttft_error_p50 instead); 0: the lowest TTFT always wins",
+    )
     cpp: bool = Field(
         default=False,
         description="chunked pipeline parallelism: a prompt no single prefill instance can serve within the "
@@ -134,7 +149,8 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
                 return every
             dec = every
         mark(DECODE_PICK)
-        return placement(pre.instance, dec[0], pre.reuse, pre.ttft_s, dec[1])
+        out = placement(pre.instance, dec[0], pre.reuse, pre.ttft_s, dec[1])
+        return out if pre.left_holder is None else dataclasses.replace(out, left_holder=pre.left_holder)
 
     def _every(self, request: PolicyRequest, snapshot: ClusterSnapshot, rng: random.Random, mark: Mark) -> Decision:
         """The decision over every instance (:class:`RoleSplitPolicy`'s, with the stages marked)."""
@@ -161,6 +177,8 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
         out = placement(pre.instance, decode, pre.reuse, pre.ttft_s, tbt)
         if pre.group:
             out = dataclasses.replace(out, prefill_group=pre.group, chunk_boundaries=pre.boundaries)
+        if pre.left_holder is not None:
+            out = dataclasses.replace(out, left_holder=pre.left_holder)
         return out
 
     def _prefill_fast(self, request: PolicyRequest, snapshot: ClusterSnapshot, ix: IndexView,
@@ -174,13 +192,40 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
                                                         ix.groups)
         mark(PREFILL_PLAN)
         costed = walk_queues(self.costs, request, ix, bs, best_reuse, bare_floor, tie_margin(p.prefill_tie_s))
-        chosen = pick_prefill(costed, rng, p.prefill_tie_s)
+        self._add_longest_holders(costed, ix, best_reuse)
+        chosen, left = self._stay(costed, pick_prefill(costed, rng, p.prefill_tie_s))
         mark(CANDIDATES)
         adm = self.admission
         ttft = costed.ttfts[chosen]
         fails = adm.enabled and adm.guarded(ttft, costed.waits[chosen]) > adm.budgets(request)[0]
         mark(ADMISSION)
-        return None if fails else PrefillPlan(costed.pool[chosen], costed.reuses[chosen], ttft)
+        return None if fails else PrefillPlan(costed.pool[chosen], costed.reuses[chosen], ttft, left_holder=left)
+
+    def _add_longest_holders(self, costed: Costed, ix: IndexView, best_reuse: BestReuse) -> None:
+        """The prefill-capable holders of the longest prefix, costed into ``costed`` where the walk
+        left them out (the stay rule weighs them whatever their queue)."""
+        longest = 0
+        for inst, shape in zip(ix.holders, ix.shapes):
+            if inst.role in PREFILL_ROLES and shape[2] > longest:
+                longest = shape[2]
+        if not longest:
+            return
+        have = {inst.node_id for inst in costed.pool}
+        for inst, shape in zip(ix.holders, ix.shapes):
+            if inst.role in PREFILL_ROLES and shape[2] == longest and inst.node_id not in have:
+                h = ix.with_prefix(inst.node_id, shape)
+                w = ix.wait_of[h.node_id]
+                r = best_reuse(h)
+                costed.pool.append(h)
+                costed.reuses.append(r)
+                costed.waits.append(w)
+                costed.ttfts.append(ttft_s(w, r))
+
+    def _stay(self, costed: Costed, chosen: int) -> tuple[int, str | None]:
+        """:func:`.prefill_plan.stay_on_holder` over the candidates, with this policy's error."""
+        pool = costed.pool
+        return stay_on_holder(costed.ttfts, [own_blocks(i) for i in pool], [i.node_id for i in pool], chosen,
+                              holder_error(self.profile, self.p.stay_margin))
 
     def _prefill(self, request: PolicyRequest, snapshot: ClusterSnapshot, prefills: tuple[Instance, ...],
                  rng: random.Random, mark: Mark = no_mark) -> PrefillPlan | Rejection:
@@ -195,10 +240,12 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
         mark(CANDIDATES)
         best_reuse, _, _ = self._reuse_planner(request, [h for h in snapshot.instances if h.prefix_blocks[2] > 0], bs)
         costed = cost_candidates(pool, best_reuse)
-        chosen = pick_prefill(costed, rng, p.prefill_tie_s)
+        chosen, left = self._stay(costed, pick_prefill(costed, rng, p.prefill_tie_s))
         mark(PREFILL_PLAN)
         out = self._admit(request, prefills, every_wait, costed, chosen, bs, rng)
         mark(ADMISSION)
+        if isinstance(out, PrefillPlan) and left is not None and out.instance is costed.pool[chosen]:
+            out = dataclasses.replace(out, left_holder=left)
         return out
 
     def _admit(self, request: PolicyRequest, prefills: tuple[Instance, ...], every_wait: Sequence[float],

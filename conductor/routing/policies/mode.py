@@ -31,6 +31,7 @@ from typing import Final, Literal, Protocol, runtime_checkable
 
 from conductor.costmodel.costs import Costs
 from conductor.routing.policies.base import BasePolicy, Decision, Placement, Policy, RejectCode, Rejection, slo_budgets
+from conductor.routing.policies.prefill_plan import holder_error, stay_on_holder
 from conductor.routing.policies.stages import DECIDE, MODE, Mark, StagedPolicy, no_mark
 from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
 from schemas import Mode
@@ -50,6 +51,15 @@ class EarlyRejecting(Protocol):
     def priority_shift(self) -> float: ...
     @property
     def early_rejection(self) -> bool: ...
+
+
+@runtime_checkable
+class StaysOnHolder(Protocol):
+    """The parameters of a policy that keeps a request on the holder of its longest prefix unless
+    leaving pays (``kvcache-centric``'s ``stay_margin``: ``prefill_plan.stay_on_holder``)."""
+
+    @property
+    def stay_margin(self) -> float: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +104,19 @@ def _aggregated(costs: Costs, request: PolicyRequest, inst: Instance, bs: int,
     return p, not why, why
 
 
+def _stay(pool: list[tuple[Placement, bool, RejectCode | Literal[""]]],
+          best: tuple[Placement, bool, RejectCode | Literal[""]],
+          error: float) -> tuple[Placement, bool, RejectCode | Literal[""]]:
+    """``best``, or the aggregated option on the holder of the longest prefix when ``best`` beats
+    it by no more than the prediction's error (the reason recorded when the holder is left)."""
+    ps = [a[0] for a in pool]
+    at, why = stay_on_holder([x.predicted_ttft_s for x in ps],
+                             [x.reused_blocks if x.reuse_source == x.prefill else 0 for x in ps],
+                             [x.prefill for x in ps], ps.index(best[0]), error)
+    out = pool[at]
+    return out if why is None else (dataclasses.replace(out[0], left_holder=why), out[1], out[2])
+
+
 def _option(mode: Mode, p: Placement, fits: bool) -> Option:
     return Option(mode, p.prefill, p.decode, p.predicted_ttft_s, p.predicted_tbt_ms, fits)
 
@@ -132,18 +155,23 @@ def decide_mode(policy: Policy, request: PolicyRequest, snapshot: ClusterSnapsho
     else:  # the policy places hand-offs only among instances that can carry them out
         able = tuple(i for i in insts if i.role != "both" or i.can_hand_off)
         pd = decide(dataclasses.replace(snapshot, instances=able, index=None))
-    choice = _weigh(costs, request, pd, both, bs, ttft_budget, tbt_budget, below, rejects)
+    error = holder_error(costs.profile, float(p.stay_margin)) if isinstance(p, StaysOnHolder) else None
+    choice = _weigh(costs, request, pd, both, bs, ttft_budget, tbt_budget, below, rejects, error)
     mark(MODE)
     return choice
 
 
 def _weigh(costs: Costs, request: PolicyRequest, pd: Decision, both: list[Instance], bs: int, ttft_budget: float,
-           tbt_budget: float, below: int, rejects: bool) -> ModeChoice:
-    """The hand-off ``pd`` against each ``both`` instance run aggregated: which mode, with the options' costs."""
+           tbt_budget: float, below: int, rejects: bool, stay_error: float | None = None) -> ModeChoice:
+    """The hand-off ``pd`` against each ``both`` instance run aggregated: which mode, with the
+    options' costs. ``stay_error``: the best aggregated option stays on the holder of the longest
+    prefix unless another beats it by more than this share (``stay_on_holder``); None: no such rule."""
     aggs = {i.node_id: _aggregated(costs, request, i, bs, ttft_budget, tbt_budget) for i in both}
     # The best aggregated option: the lowest TTFT among those that fit, else among all (node id breaks ties).
     pool = [a for a in aggs.values() if a[1]] or list(aggs.values())
     best = min(pool, key=lambda a: (a[0].predicted_ttft_s, a[0].predicted_tbt_ms, a[0].prefill))
+    if stay_error is not None:
+        best = _stay(pool, best, stay_error)
 
     if isinstance(pd, Placement) and pd.prefill == pd.decode:
         return ModeChoice(pd, (_option(AGGREGATED, pd, True),))

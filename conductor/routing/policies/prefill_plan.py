@@ -14,6 +14,13 @@ shapes (:meth:`ReusePlanner.plan`); a term of the TTFT beyond the wait and the p
 :func:`ttft_s` (and in the lower bounds of the index walk,
 :func:`~conductor.routing.policies.candidates.walk_queues`, which assume TTFT = wait + plan);
 a rule for which of the near-lowest wins goes in :func:`pick_prefill`.
+
+**Staying on the holder** (:func:`stay_on_holder`): the lowest predicted TTFT wins only when it
+beats the instance holding the longest prefix of the chain in its own cache (confirmed or
+pending) by more than the prediction's own error: ``holder's TTFT x error``, the error being the
+profile's measured ``ttft_error_p50`` when it was fitted from outcomes, else the policy's
+``stay_margin``. A gain inside the error is noise, and leaving the holder loses its prefix for
+the requests that follow (a conversation's next turn); a decision that leaves it says why.
 """
 
 from __future__ import annotations
@@ -25,6 +32,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from conductor.costmodel.costs import CopyPlan, Costs, PlaceKey, Reuse
+from conductor.costmodel.profiles import ModelProfile
 from conductor.routing.policies.cpp import STAGES, plan_pipeline
 from conductor.routing.policies.parts import pick_lowest
 from conductor.routing.snapshot import NO_PREFIX, Instance, PolicyRequest, indexes_by
@@ -58,6 +66,8 @@ class PrefillPlan:
     ttft_s: float
     group: tuple[str, ...] = ()
     boundaries: tuple[int, ...] = ()
+    left_holder: str | None = None
+    """Why the holder of the longest prefix was not chosen (:func:`stay_on_holder`), when it was not."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +106,40 @@ def pick_prefill(c: Costed, rng: random.Random, tie_s: float, among: Sequence[in
     ttfts = c.ttfts if among is None else [c.ttfts[i] for i in among]
     pool = c.pool
     return pick_lowest(idx, ttfts, rng, tol=tie_s, node_id=lambda i: pool[i].node_id)
+
+
+def holder_error(profile: ModelProfile, stay_margin: float) -> float:
+    """The share of the holder's predicted TTFT another instance must beat it by: the profile's
+    measured median error when it was fitted from outcomes, else ``stay_margin`` (hand-set)."""
+    if profile.fit_rows > 0 and profile.ttft_error_p50 is not None:
+        return profile.ttft_error_p50
+    return stay_margin
+
+
+def stay_on_holder(ttfts: Sequence[float], held: Sequence[int], nodes: Sequence[str], chosen: int,
+                   error: float) -> tuple[int, str | None]:
+    """``chosen`` (the lowest TTFT), or the holder of the longest prefix (``held``: blocks each
+    candidate holds in its own cache; ties by lower TTFT, then node id) when ``chosen`` beats it
+    by no more than ``holder's TTFT x error``; with, when a holder was left, why. Pure."""
+    holder = -1
+    for i, h in enumerate(held):
+        if h <= 0:
+            continue
+        if holder < 0 or (-h, ttfts[i], nodes[i]) < (-held[holder], ttfts[holder], nodes[holder]):
+            holder = i
+    if holder < 0 or holder == chosen or held[chosen] >= held[holder]:
+        return chosen, None
+    gain = ttfts[holder] - ttfts[chosen]
+    margin = ttfts[holder] * error
+    if gain <= margin:
+        return holder, None
+    return chosen, (f"holder {nodes[holder]} predicted {ttfts[holder]:.3f}s, {nodes[chosen]} {ttfts[chosen]:.3f}s: "
+                    f"better by {gain:.3f}s > margin {margin:.3f}s")
+
+
+def own_blocks(inst: Instance) -> int:
+    """Blocks of the chain ``inst`` holds in its own cache, any tier (pending ones counted)."""
+    return inst.prefix_blocks[2]
 
 
 class ReusePlanner:
@@ -314,7 +358,10 @@ __all__ = [
     "ReusePlanner",
     "cost_candidates",
     "cpp_group",
+    "holder_error",
+    "own_blocks",
     "pick_prefill",
     "same_rack_class",
+    "stay_on_holder",
     "ttft_s",
 ]
