@@ -12,6 +12,7 @@ from conductor.harness.bench.live_vllm import (
     VllmLiveError,
     VllmLiveOptions,
     evicted_blocks,
+    holder_reason,
     left_holder_counts,
     median_over_rounds,
     metric_total,
@@ -82,13 +83,17 @@ def test_holders_left_are_counted_by_reason_or_null_until_decisions_say() -> Non
     d = RoutingDecision(request_id="r", prefill_instance="a", decode_instance="a", reused_tokens=0,
                         predicted_ttft_s=0.1, predicted_tbt_ms=1.0, policy="kvcache-centric", mode="aggregated")
     if "left_holder" not in RoutingDecision.model_fields:
-        assert left_holder_counts([d, d]) == {"decisions": 2, "left_holder_decisions": None,
-                                              "left_holder_by_reason": None}
+        assert left_holder_counts([d, d])["left_holder_by_reason"] is None
         return
+    why = "holder vllm-0 predicted {}s, vllm-1 {}s: better by {}s > margin {}s"
     stayed = d.model_copy(update={"left_holder": None})
-    left = [d.model_copy(update={"left_holder": why}) for why in ("faster_elsewhere", "faster_elsewhere", "holder_full")]
-    assert left_holder_counts([stayed, *left]) == {"decisions": 4, "left_holder_decisions": 3,
-                                                   "left_holder_by_reason": {"faster_elsewhere": 2, "holder_full": 1}}
+    left = [d.model_copy(update={"left_holder": w}) for w in (why.format(0.481, 0.285, 0.196, 0.12),
+                                                              why.format(1.5, 0.2, 1.3, 0.3), "holder cordoned")]
+    assert left_holder_counts([stayed, *left]) == {
+        "decisions": 4, "left_holder_decisions": 3,
+        "left_holder_by_reason": {"holder cordoned": 1, "holder vllm-N predicted Ns, vllm-N Ns: better by Ns > margin Ns": 2},
+        "left_holder_example": left[0].left_holder}
+    assert holder_reason("margin 0.120s of 12 nodes") == "margin Ns of N nodes"
 
 
 def test_evictions_are_the_engines_own_count() -> None:

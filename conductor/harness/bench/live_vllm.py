@@ -38,6 +38,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import re
 import sys
 import time
 from collections import Counter
@@ -327,23 +328,34 @@ def summary(stats: SideStats, before: EngineCounters, after: EngineCounters, wal
     }
 
 
-def left_holder_counts(decisions: Sequence[RoutingDecision]) -> dict[str, Any]:
-    """How many decisions left the instance that held the request's longest prefix, by reason.
+_NUMBER = re.compile(r"\d+(?:\.\d+)?")
 
-    Read from each decision's ``left_holder`` (the reason a holder was left; None when it was not);
-    decisions that carry no such field give null counts, not zeros."""
+
+def holder_reason(why: str) -> str:
+    """A decision's ``left_holder`` text as a reason to count by: its numbers (times, margins, the
+    digits of node ids) masked, so that one rule's decisions count together."""
+    return _NUMBER.sub("N", why)
+
+
+def left_holder_counts(decisions: Sequence[RoutingDecision]) -> dict[str, Any]:
+    """How many decisions left the instance that held the request's longest prefix, by reason
+    (:func:`holder_reason`), with one such decision's own words.
+
+    Read from each decision's ``left_holder`` (why a holder was left; None when it was not);
+    decisions whose schema has no such field give null counts, not zeros."""
     if "left_holder" not in RoutingDecision.model_fields:
-        return {"decisions": len(decisions), "left_holder_decisions": None, "left_holder_by_reason": None}
+        return {"decisions": len(decisions), "left_holder_decisions": None, "left_holder_by_reason": None,
+                "left_holder_example": None}
     reasons: Counter[str] = Counter()
+    example = None
     for d in decisions:
         why = getattr(d, "left_holder", None)
-        if why is None or why == "":
+        if not why:
             continue
-        if isinstance(why, dict):
-            why = why.get("reason", why)
-        reasons[str(getattr(why, "reason", why))] += 1
+        example = example or str(why)
+        reasons[holder_reason(str(why))] += 1
     return {"decisions": len(decisions), "left_holder_decisions": sum(reasons.values()),
-            "left_holder_by_reason": dict(sorted(reasons.items()))}
+            "left_holder_by_reason": dict(sorted(reasons.items())), "left_holder_example": example}
 
 
 async def read_decisions(settings: Settings, idle_s: float = 2.0, wait_s: float = 30.0) -> list[RoutingDecision]:
@@ -576,5 +588,5 @@ def run_vllm_demo(settings: Settings, opts: VllmLiveOptions, policy: str, baseli
 
 
 __all__ = ["HEAVY_KV_CACHE_BYTES", "PEER_SIDES", "SIDES", "VllmLiveError", "VllmLiveOptions", "evicted_blocks",
-           "left_holder_counts", "median_over_rounds", "metric_total", "parse_cpus", "parse_sides", "pinning", "round_orders",
+           "holder_reason", "left_holder_counts", "median_over_rounds", "metric_total", "parse_cpus", "parse_sides", "pinning", "round_orders",
            "run_vllm_demo", "run_vllm_live_bench", "vllm_prompt"]
