@@ -13,9 +13,11 @@ in the caller's process instead:
 3. only then hand the decision back: the caller calls the engines on a decision the log holds,
    so ``dispatch`` stays the system of record and ``conductor explain`` re-derives it unchanged.
 
-Reservations are the routers' own (:class:`~state.reservations.RedisReservations`): every
-gateway and router shares them through Redis, so several gateways do not overbook one
-instance. The control topic is followed as a router follows it, and the decision index is
+Pending blocks and the in-flight ledger (:mod:`state.shared_log`) are shared by every gateway,
+router and picker through Redis, so several gateways see each other's placements and do not
+overbook one instance. The caller reports back what only it sees: :meth:`LocalRouter.on_first_token`
+(the prefill's work ends) and :meth:`LocalRouter.on_finish` (the rest; a failure also releases
+the request's pending blocks), times converted to the view's clock (:meth:`LocalRouter.view_ms`). The control topic is followed as a router follows it, and the decision index is
 written after the acknowledgement, as the router worker does.
 
 A decision once begun runs to its end even when its caller goes away (a client that hung
@@ -30,6 +32,7 @@ import functools
 import itertools
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable
 from typing import Any
 
@@ -37,10 +40,12 @@ from conductor.errors import ConductorError
 from conductor.routing.control_follow import ControlFollower
 from conductor.routing.ordered import Turns
 from conductor.routing.router import Router
-from conductor.routing.stores import decision_index, redis_stores
+from conductor.routing.stores import decision_index, decision_time_stores, redis_stores
 from conductor.settings import Settings
 from schemas import RoutingDecision, RoutingRejection, RoutingRequest, envelope
 from state.decisions import DecisionIndex, DecisionPosition
+from state.inflight import InflightLedger
+from state.pending import PendingStore
 from streams.kafka import acknowledged, ensure_topics, producer
 from streams.topics import topics
 
@@ -50,6 +55,9 @@ CONTROL_POLL_MS = 200
 """How long one poll of the control topic waits: a control record reaches the router within this."""
 INDEX_BATCH = 256
 """Decision-index entries written in one Redis round trip."""
+MAX_TRACKED = 100_000
+"""Decisions whose monotonic time this process remembers for :meth:`LocalRouter.view_ms` (the
+oldest forgotten first: a request that outlives that many later ones is past any lease)."""
 
 
 class LogUnavailable(ConductorError):
@@ -81,6 +89,8 @@ class LocalRouter:
         self._ordinal = itertools.count()
         self._turns = Turns()
         self._deciding: set[str] = set()
+        self._decided_at: OrderedDict[str, tuple[int, float]] = OrderedDict()
+        """request id -> (its decision's view time, this process's monotonic time when it was made)."""
         self._started = False
         self.decided = 0
 
@@ -99,7 +109,8 @@ class LocalRouter:
         await ensure_topics(self.settings.kafka(), (t.requests, t.dispatch, t.control))
         if self._router is None:
             view, reservations = redis_stores(self.settings, producer_id=self.producer_id)
-            self._router = Router(self.settings, view, reservations)
+            pending, inflight = decision_time_stores(self.settings, reservations.client, self.producer_id)
+            self._router = Router(self.settings, view, reservations, pending=pending, inflight=inflight)
             self._index = decision_index(self.settings, getattr(reservations, "client", None))
         self._producer = producer(self.settings.kafka(), linger_ms=0)
         await self._producer.start()
@@ -148,6 +159,43 @@ class LocalRouter:
         """Whether ``request_id`` is being decided now (a caller picks another id for a new request)."""
         return request_id in self._deciding
 
+    # --- decision-time records: what the caller reports back ------------------------------
+
+    @property
+    def pending(self) -> PendingStore | None:
+        """The pending blocks the router records its placements in (shared through Redis)."""
+        return self.router.pending
+
+    @property
+    def inflight(self) -> InflightLedger | None:
+        """The in-flight ledger the router charges its placements to (shared through Redis)."""
+        return self.router.inflight
+
+    def view_ms(self, decision: RoutingDecision, monotonic_s: float) -> int:
+        """``monotonic_s`` (``time.monotonic()``) on the view's clock: the decision's
+        ``view_now_ms`` plus the monotonic time since this process made it (what the request's
+        outcome records as ``first_token_view_ms`` and ``finished_view_ms``)."""
+        at = self._decided_at.get(decision.request_id)
+        base = decision.view_now_ms or 0
+        if at is None:
+            return base
+        return at[0] + max(int((monotonic_s - at[1]) * 1000), 0)
+
+    def on_first_token(self, decision: RoutingDecision, monotonic_s: float) -> None:
+        """The request's first token came back at ``monotonic_s``: its prefill's in-flight work ends."""
+        if self.router.inflight is not None:
+            self.router.inflight.first_token(decision.request_id, self.view_ms(decision, monotonic_s))
+
+    def on_finish(self, decision: RoutingDecision, monotonic_s: float, failed: bool) -> None:
+        """The request ended at ``monotonic_s`` (``failed``: an error or a cancel): its in-flight
+        work ends, and a failed request's pending blocks too (its engine will not hold them)."""
+        at = self.view_ms(decision, monotonic_s)
+        if self.router.inflight is not None:
+            self.router.inflight.finish(decision.request_id, at)
+        if failed and self.router.pending is not None:
+            self.router.pending.release(decision.request_id, at)
+        self._decided_at.pop(decision.request_id, None)
+
     # --- one request -----------------------------------------------------------------
 
     async def decide(self, req: RoutingRequest) -> RoutingDecision | RoutingRejection:
@@ -171,7 +219,12 @@ class LocalRouter:
     async def _decide(self, req: RoutingRequest, after: Awaitable[None] | None) -> RoutingDecision | RoutingRejection:
         ordinal = next(self._ordinal)
         try:
-            return await self.router.route(req, ordinal, after, decided_by=self.producer_id)
+            out = await self.router.route(req, ordinal, after, decided_by=self.producer_id)
+            if isinstance(out, RoutingDecision) and out.view_now_ms is not None:
+                self._decided_at[out.request_id] = (out.view_now_ms, self.router.clock())
+                if len(self._decided_at) > MAX_TRACKED:
+                    self._decided_at.popitem(last=False)
+            return out
         except Exception as e:  # a bug must not leave the caller without an answer
             log.exception("routing %s failed", req.request_id)
             return self.router.reject(req.request_id, "invalid_request", f"router error: {type(e).__name__}: {e}")

@@ -1,5 +1,6 @@
-"""The Redis stores a router reads and writes: the view reader, the shared reservations and the
-decision index, each built from settings."""
+"""The Redis stores a router reads and writes: the view reader, the shared reservations, the
+decision-time records (pending blocks, in-flight ledger) and the decision index, each built from
+settings."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from state.decisions import RedisDecisionIndex
 from state.reader import RawSnapshotReader
 from state.redis_view import RedisViewStore
 from state.reservations import RedisReservations
+from state.shared_log import RedisInflight, RedisPendingBlocks
 from state.tracking import TrackingSnapshotReader
 
 INCARNATION = secrets.token_hex(3)
@@ -62,6 +64,18 @@ def redis_stores(settings: Settings, producer_id: str | None = None) -> tuple[An
     return (reader,
             RedisReservations(client, settings.view_namespace, settings.reservation_ttl_s,
                               producer_id=producer_id or default_router_id()))
+
+
+def decision_time_stores(settings: Settings, client: Any, producer_id: str | None = None,
+                         ) -> tuple[RedisPendingBlocks, RedisInflight]:
+    """The pending blocks and the in-flight ledger of ``settings``, shared through the view's
+    Redis on ``client`` (the reservations' connection): what every router, gateway and picker
+    writes at decision time and reads from memory (``state.shared_log``)."""
+    pid = producer_id or default_router_id()
+    return (RedisPendingBlocks(client, settings.view_namespace, max(int(settings.pending_ttl_s * 1000), 1),
+                               producer_id=pid),
+            RedisInflight(client, settings.view_namespace, max(int(settings.inflight_lease_s * 1000), 1),
+                          producer_id=pid))
 
 
 def decision_index(settings: Settings, client: Any = None) -> RedisDecisionIndex | None:
