@@ -101,6 +101,13 @@ def _decision_time_v5(body: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
+@upcaster("heartbeat", 3)
+def _heartbeat_v4(body: dict[str, Any]) -> dict[str, Any]:
+    # v4 added ``kv_events`` (False: a node that publishes no KV events): absent = it does, as every
+    # v3 producer did.
+    return body
+
+
 @upcaster("blocks_removed", 1)
 def _blocks_removed_v1(body: dict[str, Any]) -> dict[str, Any]:
     # v2 added ``node``: absent = the producer's own blocks, as every v1 record meant.

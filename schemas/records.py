@@ -156,6 +156,12 @@ class Heartbeat(Record):
     kv_transfer: bool | None = None
     """Whether the engine runs a KV connector and can hand a prefill's KV to a peer (or pull
     one). None: by role (``prefill`` and ``decode`` can, an aggregated ``both`` cannot)."""
+    # v4: engines that publish no KV events
+    kv_events: bool | None = None
+    """False: the node publishes no KV events (a bridge in ``--no-events`` mode), so the view holds
+    none of its blocks and routing knows them only from its own decisions (pending blocks, bounded
+    by ``total_kv_blocks`` where the engine's ``/metrics`` tells it). None: it does (or did not say:
+    every producer before v4)."""
 
     @property
     def handoff(self) -> bool:
@@ -668,7 +674,7 @@ BODY_TYPES: dict[str, type[Record]] = {t.model_fields["kind"].default: t for t i
 # Current schema version per kind. Bump it and register an upcaster in
 # ``schemas.codec`` whenever a body changes incompatibly.
 SCHEMA_VERSIONS: dict[str, int] = {kind: 1 for kind in BODY_TYPES}
-SCHEMA_VERSIONS["heartbeat"] = 3  # v2 added decode_context_tokens and zone; v3 endpoint, dp_rank, bootstrap_port, kv_transfer
+SCHEMA_VERSIONS["heartbeat"] = 4  # v2 added decode_context_tokens and zone; v3 endpoint, dp_rank, bootstrap_port, kv_transfer; v4 kv_events
 SCHEMA_VERSIONS["routing_request"] = 4  # v2 added cache_salt, exclude and retry_of; v3 reachable; v4 decided_by
 SCHEMA_VERSIONS["routing_decision"] = 5  # v2 added control_offset, block_size, model_profile, prefill_group, chunk_boundaries; v3 mode, options, endpoints; v4 decided_by, ordinal; v5 pending_ttl_ms, inflight_lease_ms, queued_tokens_ahead, left_holder
 SCHEMA_VERSIONS["routing_rejection"] = 2  # v2 added control_offset, block_size, model_profile

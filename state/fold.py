@@ -128,7 +128,7 @@ NO_STREAM = NodeStream()
 
 def heartbeat_state(env: Envelope, hb: Heartbeat) -> dict[str, Any]:
     """The NodeState fields a heartbeat sets."""
-    return {
+    state = {
         "role": hb.role,
         "model": hb.model,
         "last_heartbeat_ms": env.ts_ms,
@@ -148,6 +148,11 @@ def heartbeat_state(env: Envelope, hb: Heartbeat) -> dict[str, Any]:
         "bootstrap_port": hb.bootstrap_port,
         "kv_transfer": hb.kv_transfer,
     }
+    if hb.kv_events is not None:
+        # Only when said (heartbeat v4): a node that says nothing is stored as before, so a view
+        # reader of an older release still reads every node that publishes its events.
+        state["kv_events"] = hb.kv_events
+    return state
 
 
 def stored_keys(ev: BlocksStored) -> tuple[int, ...]:

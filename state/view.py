@@ -65,9 +65,18 @@ class NodeState:
     bootstrap_port: int | None = None
     kv_transfer: bool | None = None
     """Whether it runs a KV connector (``schemas.can_hand_off``); None: by role."""
+    kv_events: bool | None = None
+    """False: the node publishes no KV events (its bridge runs ``--no-events``), so ``blocks`` stays
+    empty and a router knows its blocks only from decisions (pending blocks, at most
+    ``total_kv_blocks`` of them where known). None: it publishes them (or its heartbeats predate v4)."""
     blocks: dict[Tier, int] = field(default_factory=dict)
     """Blocks the view indexes for this node, per tier."""
     seq_gaps: int = 0
+
+    @property
+    def publishes_kv_events(self) -> bool:
+        """Whether the view learns this node's blocks from its own KV events."""
+        return self.kv_events is not False
 
     def is_live(self, now_ms: int, ttl_s: float) -> bool:
         return self.last_heartbeat_ms > 0 and now_ms - self.last_heartbeat_ms <= ttl_s * 1000
