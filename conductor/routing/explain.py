@@ -13,6 +13,16 @@ The instant of the original read is the decision's ``view_now_ms`` (the view's c
 router read at and stamped its reservations with; decisions older than v3 fall back to
 the envelope's timestamp, set a few ms later). What the log cannot give back:
 reservations of decisions whose records were lost. A mismatch is reported, never hidden.
+
+A decision made with decision-time knowledge (v5: ``pending_ttl_ms``, ``inflight_lease_ms``)
+is re-derived with it, rebuilt from the log by the stores' own folds
+(:func:`state.pending.pending_from_log`, :func:`state.inflight.inflight_from_log`): each
+earlier decision places its request's chain on its instances and charges its work at its
+``view_now_ms``; each ``request-outcomes`` record ends its attempts' work at
+``first_token_view_ms`` / ``finished_view_ms`` and, for a failed request, releases its blocks.
+(Confirmations by KV events are not replayed: they change what a decision sees only for a
+block evicted within the TTL of being placed; a retried request's earlier attempts end when
+the request does.)
 """
 
 from __future__ import annotations
@@ -27,14 +37,16 @@ from aiokafka import TopicPartition
 from conductor.routing.control_log import control_records
 from conductor.routing.decision import decision_reservations
 from conductor.routing.policies import BasePolicy
-from conductor.routing.router import Router
+from conductor.routing.router import Router, kv_event_capacity
 from conductor.routing.snapshot import ClusterSnapshot
 from conductor.routing.stores import decision_index
 from conductor.settings import Settings
-from schemas import DecodeError, Envelope, RoutingDecision, RoutingRejection, RoutingRequest, decode
+from schemas import DecodeError, Envelope, RequestOutcome, RoutingDecision, RoutingRejection, RoutingRequest, decode
 from schemas.errors import ConductorError, ViewStoreError
 from state.decisions import DecisionIndex, DecisionPosition
+from state.inflight import Charged, Finished, FirstToken, InflightOp, inflight_from_log
 from state.memory import InMemoryViewStore
+from state.pending import PendingOp, Placed, Released, pending_from_log
 from state.reservations import InMemoryReservations
 from state.view import NodeState, ViewSnapshot
 from streams.ingest import Ingestor, RawRecord
@@ -75,6 +87,13 @@ class Explanation:
     stage_ms: dict[str, float] = field(default_factory=dict)
     """Each stage's time in this re-derivation, in ms (``policies/stages.py``; this process's
     times: the deciding router's are in its metrics, ``conductor_router_stage_latency``)."""
+    pending_placements: int = 0
+    """Earlier decisions whose placements were re-derived as pending blocks (0: none, or the
+    decision counted none)."""
+    in_flight: int = 0
+    """Earlier decisions charged to the re-derived in-flight ledger (0: none, or reservations)."""
+    outcomes: int = 0
+    """``request-outcomes`` records whose first token, end or failure the re-derivation applied."""
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -284,6 +303,7 @@ def _outcome(rec: RoutingDecision | RoutingRejection) -> dict[str, Any]:
         "mode": rec.mode,
         "options": [o.model_dump() for o in rec.options],
         "decided_by": rec.decided_by,
+        "left_holder": rec.left_holder,
     }
 
 
@@ -346,8 +366,9 @@ async def explain(settings: Settings, request_id: str, *, max_records: int | Non
     ``kv-events`` up to the decision's watermark. ``max_records`` caps what is read (AuditError
     naming ``limit_name`` beyond it)."""
     t = topics(settings.topic_config())
-    ttl_ms = int(settings.reservation_ttl_s * 1000)
+    ttl_ms = resv_ms = int(settings.reservation_ttl_s * 1000)
     idx = decision_index(settings) if index is True else (index or None)
+    outcomes: list[RequestOutcome] = []
     async with SpanReader(settings.kafka(), deadline_s=600.0) as log:
         reads = _Reads(log, max_records, limit_name)
         try:
@@ -359,6 +380,8 @@ async def explain(settings: Settings, request_id: str, *, max_records: int | Non
                 raise AuditError(f"request {request_id!r} was rejected before any policy ran ({rec.reason}: "
                                  f"{rec.message})")
             at_ms = _read_at(target)
+            if isinstance(rec, RoutingDecision):  # how far back earlier decisions still count
+                ttl_ms = max(ttl_ms, rec.pending_ttl_ms or 0, rec.inflight_lease_ms or 0)
             earlier = await _earlier_decisions(reads, t.dispatch.name, target, at_ms, ttl_ms)
             wanted = {request_id} | {e.body.request_id for e in earlier if isinstance(e.body, RoutingDecision)}
             indexed = await _indexed(idx, sorted(wanted))
@@ -369,6 +392,8 @@ async def explain(settings: Settings, request_id: str, *, max_records: int | Non
             if isinstance(rec, RoutingDecision) and rec.ordinal is not None:
                 ordinal = rec.ordinal  # decided where it arrived, before its request had an offset
             store = await _view_at(reads, settings, rec.watermark, at_ms)
+            if isinstance(rec, RoutingDecision) and rec.inflight_lease_ms is not None:
+                outcomes = await _outcomes(reads, t.request_outcomes.name, at_ms, ttl_ms)
         except (LogReadError, ViewStoreError) as e:
             raise AuditError(f"cannot re-derive the decision for {request_id!r}: {e}") from e
         finally:
@@ -382,15 +407,21 @@ async def explain(settings: Settings, request_id: str, *, max_records: int | Non
     })
     reservations = InMemoryReservations(settings.reservation_ttl_s)
     n_resv = 0
+    own = isinstance(rec, RoutingDecision) and rec.inflight_lease_ms is not None
     for env in earlier:
         d = env.body
         assert isinstance(d, RoutingDecision)
         r = requests.get(d.request_id)
-        if r is None:
+        if r is None or own or _read_at(env) < at_ms - resv_ms:
             continue
         reservations.reserve_sync(decision_reservations(r[1], d, s.block_size), _read_at(env))
         n_resv += 1
     router = Router(s, _ViewAt(store, at_ms), reservations, incremental=False)  # every instance, afresh
+    counts = (0, 0, 0)
+    if isinstance(rec, RoutingDecision):
+        capacity = {n.node_id: c for n in await store.nodes()
+                    if (c := kv_event_capacity(n, s.pending_lru_blocks)) is not None}
+        counts = _decision_time(router, rec, at_ms, earlier, requests, outcomes, capacity)
     # The control state the decision was made under: the same fold, up to the recorded offset.
     if rec.control_offset >= 0:
         for offset, cmd in await control_records(settings, rec.control_offset):
@@ -400,6 +431,7 @@ async def explain(settings: Settings, request_id: str, *, max_records: int | Non
                              f"(read up to {router.control.offset})")
     chain = router.chain_of(req)
     snap, pending = await router.read(chain)
+    snap, _ = router.at_decision(snap, chain)
     cluster = router.cluster(snap, pending, req.model, 0.0, req.exclude)
     prefill_rows, decode_rows = _estimates(router, cluster, req, len(chain))
     stage_ms: dict[str, float] = {}
@@ -414,7 +446,63 @@ async def explain(settings: Settings, request_id: str, *, max_records: int | Non
         policy=rec.policy or "", seed=rec.seed, watermark=dict(rec.watermark), decided_at_ms=at_ms,
         prefill=prefill_rows, decode=decode_rows, reservations=n_resv,
         control_offset=rec.control_offset, control=router.control.as_dict(), stage_ms=stage_ms,
+        pending_placements=counts[0], in_flight=counts[1], outcomes=counts[2],
     )
+
+
+async def _outcomes(reads: _Reads, name: str, at_ms: int, window_ms: int) -> list[RequestOutcome]:
+    """The outcomes of requests that may have been in flight at ``at_ms``: those logged from
+    ``window_ms`` before it (plus the clock slack) to ``window_ms`` after (a request decided
+    within the lease before ``at_ms`` is logged within the lease after its decision)."""
+    spans = await reads.window(name, at_ms - window_ms - CLOCK_SLACK_MS, at_ms + window_ms + CLOCK_SLACK_MS)
+    return [env.body async for _, env in reads.envelopes(spans) if isinstance(env.body, RequestOutcome)]
+
+
+def _decision_time(router: Router, rec: RoutingDecision, at_ms: int, earlier: Sequence[Envelope],
+                   requests: Mapping[str, tuple[int, RoutingRequest]],
+                   outcomes: Sequence[RequestOutcome], capacity: Mapping[str, int]) -> tuple[int, int, int]:
+    """Give ``router`` the pending blocks and in-flight ledger ``rec`` was decided with, folded
+    from the earlier decisions and the outcomes (``capacity``: the nodes without KV events);
+    (placements, charges, outcomes) counted."""
+    if rec.pending_ttl_ms is None and rec.inflight_lease_ms is None:
+        return 0, 0, 0
+    placed: list[PendingOp] = []
+    charged: list[InflightOp] = []
+    for env in earlier:
+        d = env.body
+        assert isinstance(d, RoutingDecision)
+        r = requests.get(d.request_id)
+        t0 = _read_at(env)
+        if r is None:
+            continue
+        req = r[1]
+        if rec.pending_ttl_ms is not None and d.pending_ttl_ms is not None and t0 > at_ms - rec.pending_ttl_ms:
+            chain = tuple(router.chain_of(req))
+            if chain:
+                placed.extend(Placed(d.request_id, t0, node, chain)
+                              for node in dict.fromkeys((d.prefill_instance, d.decode_instance)))
+        if rec.inflight_lease_ms is not None and d.inflight_lease_ms is not None:
+            charged.append(Charged(d.request_id, t0, d.prefill_instance, d.decode_instance,
+                                   max(req.prompt_tokens - d.reused_tokens, 0), req.prompt_tokens))
+    applied = 0
+    for o in outcomes:
+        attempts = o.attempts or [o.request_id]
+        used = False
+        if o.first_token_view_ms is not None:
+            charged.append(FirstToken(attempts[-1], o.first_token_view_ms))
+            used = True
+        if o.finished_view_ms is not None:
+            charged.extend(Finished(a, o.finished_view_ms) for a in attempts)
+            if o.error is not None:
+                placed.extend(Released(a, o.finished_view_ms) for a in attempts)
+            used = True
+        applied += used
+    pending = (None if rec.pending_ttl_ms is None else
+               pending_from_log(placed, at_ms, rec.pending_ttl_ms, capacity))
+    inflight = (None if rec.inflight_lease_ms is None else inflight_from_log(charged, at_ms, rec.inflight_lease_ms))
+    router.use_decision_time(pending, inflight)
+    return (sum(isinstance(op, Placed) for op in placed),
+            sum(isinstance(op, Charged) for op in charged), applied)
 
 
 def _read_at(env: Envelope) -> int:

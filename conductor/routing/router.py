@@ -38,18 +38,11 @@ from conductor.errors import ViewStoreError
 from conductor.routing.control import ControlState, apply_control
 from conductor.routing.decision import decision_record, decision_reservations, rejection_record
 from conductor.routing.index import ClusterIndex
+from conductor.routing.own_load import OwnLoads
 from conductor.routing.policies import Placement, Policy, Rejection, make_policy
 from conductor.routing.policies.mode import ModeChoice, decide_mode
-from conductor.routing.own_load import OwnLoads
 from conductor.routing.policies.stages import CLUSTER, VIEW_READ, StageTimes
-from conductor.routing.snapshot import (
-    NO_PREFIX,
-    ClusterSnapshot,
-    Instance,
-    InstanceMemo,
-    PolicyRequest,
-    build_cluster,
-)
+from conductor.routing.snapshot import NO_PREFIX, ClusterSnapshot, Instance, InstanceMemo, PolicyRequest, build_cluster
 from conductor.settings import Settings
 from schemas import (
     ControlCommand,
@@ -296,21 +289,34 @@ class Router:
         self._health: tuple[float, bool, str] | None = None  # (clock, healthy, reason) of the last check
         self.ttl_s = settings.heartbeat_ttl_s
         self.control = ControlState()
-        self.pending = pending
-        self.inflight = inflight
-        self.own = (None if inflight is None else
-                    OwnLoads(inflight, self.topology.capacity_group
-                             if self.topology is not None and self.topology.capacity_groups else None))
-        """The ledger as the picture reads it (None: heartbeats plus reservations)."""
-        self.pending_ttl_ms = _pending_ttl_ms(pending, settings)
-        self.inflight_lease_ms = _lease_ms(inflight, settings)
-        self._incremental = incremental
         self._decided_ms = 0
         """The decision-time clock: the last decision's time (pending blocks and in-flight work
         are written and read on it, so a decision never reads before the one it follows)."""
         self._capacity: dict[str, int | None] = {}
         """Capacity given to the pending store per node (only changes are passed on)."""
         self._capacity_nodes: Sequence[NodeState] | None = None
+        self.pending_ttl_ms = 0
+        self.inflight_lease_ms = 0
+        self.pending: PendingStore | None = None
+        self.inflight: InflightLedger | None = None
+        self.own: OwnLoads | None = None
+        """The ledger as the picture reads it (None: heartbeats plus reservations)."""
+        self.use_decision_time(pending, inflight)
+        self._incremental = incremental
+
+    def use_decision_time(self, pending: PendingStore | None, inflight: InflightLedger | None) -> None:
+        """Decide with these pending blocks and this in-flight ledger from now on (None: without;
+        ``explain`` gives the ones it re-derived from the log)."""
+        self.pending = pending
+        self.inflight = inflight
+        topo = self.topology
+        self.own = (None if inflight is None else
+                    OwnLoads(inflight, topo.capacity_group if topo is not None and topo.capacity_groups else None))
+        self.pending_ttl_ms = _pending_ttl_ms(pending, self.settings)
+        self.inflight_lease_ms = _lease_ms(inflight, self.settings)
+        self._indexes.clear()  # their loads were counted the other way
+        self._capacity.clear()
+        self._capacity_nodes = None
 
     async def start(self) -> None:
         """Start following the shared reservations, pending blocks and ledger (a no-op for
