@@ -18,7 +18,7 @@ from conductor.cli.common import (
     settings_or_exit,
 )
 from conductor.epp import serve as epp_serve
-from conductor.gateway import serve as gateway_serve
+from conductor.frontdoor.protocol import engine_map
 from conductor.harness.bench.epp import run_epp_bench
 from conductor.telemetry import setup_metrics
 
@@ -69,7 +69,7 @@ def epp(
     The proxy (Envoy, kgateway, Istio, GKE's gateway) streams each request's headers and body to this service; Conductor tokenizes the OpenAI body, decides with its policy (the decision on `dispatch`, as any other: `conductor explain` re-derives it), and answers with the decode instance's HOST:PORT in the x-gateway-destination-endpoint header and the envoy.lb dynamic metadata (route cache cleared), and, for a disaggregated decision, the prefill instance's in x-prefiller-host-port (llm-d's routing sidecar on the decode pod runs the prefill there first). A rejection is an immediate response: 429 (the SLOs cannot be met, overloaded) or 503 (no live instance, view unavailable, no decision in time) with the reason as the OpenAI error code; a bad body 400 naming the field. Client SLOs: headers x-conductor-ttft-slo-ms, x-conductor-tbt-slo-ms, x-conductor-priority. Prints one JSON ready line.
     """
     with exit_on():
-        engines = gateway_serve.engine_map(engine or [])
+        engines = engine_map(engine or [])
         tls = epp_serve.tls_config(tls_cert, tls_key)
     s = settings_or_exit()
     need_kafka_url(s)

@@ -18,6 +18,8 @@ from conductor.cli.common import (
     run_until_signalled,
     settings_or_exit,
 )
+from conductor.frontdoor.protocol import engine_map
+from conductor.gateway import config as gateway_config
 from conductor.gateway import serve as gateway_serve
 from conductor.gateway.auth import key_ring
 from conductor.harness.bench.gateway import run_gateway_bench
@@ -73,13 +75,13 @@ def gateway(
     Clients send an API key as `Authorization: Bearer <key>` (CONDUCTOR_GATEWAY_API_KEY, or CONDUCTOR_GATEWAY_API_KEYS_FILE with per-key limits: requests in flight, rate, the loosest SLO and highest priority; 401 for an unknown key, 429 with Retry-After over a limit). Client SLOs: headers x-conductor-ttft-slo-ms, x-conductor-tbt-slo-ms, x-conductor-priority, clamped to the key's bounds.
     """
     with exit_on():
-        protocol = gateway_serve.engine_protocol(engine_protocol)
-        mode = gateway_serve.routing_mode(routing)
-        engines = gateway_serve.engine_map(engine or [])
+        protocol = gateway_config.engine_protocol(engine_protocol)
+        mode = gateway_config.routing_mode(routing)
+        engines = engine_map(engine or [])
     s = settings_or_exit()
     need_kafka_url(s)
     with exit_on():
-        config = gateway_serve.gateway_config(
+        config = gateway_config.gateway_config(
             s, gateway_id=gateway_id, engines=engines, protocol=protocol, base_model=model,
             decision_timeout_s=decision_timeout_s, max_attempts=max_attempts, bootstrap_port=bootstrap_port,
             routing=mode)

@@ -18,10 +18,10 @@ import httpx
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from conductor.frontdoor.decide import ROUTINGS, Decider, Routing, make_decider
 from conductor.epp.protocol import BODY_MODES
 from conductor.epp.service import EppConfig, ExternalProcessor, Picker
 from conductor.errors import ConfigError
+from conductor.frontdoor.decide import ROUTINGS, Decider, Routing, make_decider, parse_routing
 from conductor.frontdoor.directory import EngineDirectory
 from conductor.frontdoor.tokenizer import EngineTokenizer, LocalTokenizer, PromptTokenizer
 from conductor.settings import Settings
@@ -86,10 +86,10 @@ def epp_config(settings: Settings, *, epp_id: str | None, engines: dict[str, str
 
 
 def _routing(text: str) -> Routing:
-    for m in ROUTINGS:
-        if m == text:
-            return m
-    raise ConfigError(f"--routing must be one of {', '.join(ROUTINGS)}")
+    mode = parse_routing(text)
+    if mode is None:
+        raise ConfigError(f"--routing must be one of {', '.join(ROUTINGS)}")
+    return mode
 
 
 async def serve(config: EppConfig, settings: Settings, *, port: int, stop: asyncio.Event, tls: Tls | None = None,

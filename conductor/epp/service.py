@@ -7,7 +7,7 @@
   trailers): the OpenAI body is checked (:func:`conductor.frontdoor.protocol.parse_body`, 400
   naming the field), the prompt tokenized as the gateway does (the engines' render route or
   ``/tokenize``, or a local ``tokenizer.json``), a :class:`~schemas.RoutingRequest` built as the
-  gateway builds it, and the decider asked (:mod:`conductor.frontdoor.decide`: the request and the
+  gateway builds it (:func:`conductor.frontdoor.protocol.routing_request`), and the decider asked (:mod:`conductor.frontdoor.decide`: the request and the
   decision go to the log before the answer).
 - A decision becomes the destination header and metadata (the decode instance), the prefill
   header (disaggregated), the route cache cleared (:func:`conductor.epp.protocol.routed`); a
@@ -21,14 +21,12 @@ import itertools
 import json
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from opentelemetry import metrics
-from pydantic import ValidationError
 
 from conductor.epp.protocol import (
     BODY_MODES,
@@ -51,17 +49,14 @@ from conductor.epp.protocol import (
     subset_hint,
     unavailable,
 )
-from conductor.frontdoor.decide import Decider, InboxClosed
-from conductor.frontdoor.directory import EngineDirectory
-from conductor.frontdoor.protocol import DEFAULT_EXPECTED_OUTPUT, BadRequest, error_body, parse_body, parse_slo
+from conductor.frontdoor.decide import Decider, InboxClosed, LogUnavailable
+from conductor.frontdoor.directory import EngineDirectory, decided_url
+from conductor.frontdoor.protocol import BadRequest, error_body, parse_body, parse_slo, request_id, routing_request
 from conductor.frontdoor.tokenizer import PromptRejected, PromptTokenizer, TokenizeError
-from conductor.routing.local import LogUnavailable
-from schemas import MmItem, RoutingDecision, RoutingRequest
-from schemas.records import MAX_EXTRA_KEYS, MAX_NAME
+from schemas import RoutingDecision
 
 log = logging.getLogger(__name__)
 
-_CLIENT_ID = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._:-")
 Responses = list[pb.ProcessingResponse]
 
 
@@ -221,25 +216,16 @@ class Picker:
         except PromptRejected as e:
             return [immediate(e.status, e.body if isinstance(e.body, Mapping) else
                               error_body(str(e.body), "prompt_rejected"))]
-        mm = [MmItem(identifier=i, offset=o, length=n) for i, o, n in prompt.mm_items[:MAX_EXTRA_KEYS]
-              if 0 < len(i) <= MAX_NAME]
         try:
-            req = RoutingRequest(
-                request_id=self._request_id(st.headers.get("x-request-id")),
-                model=creq.model if creq.lora_name is None else (self.config.base_model or creq.model),
-                token_ids=prompt.token_ids, prompt_tokens=len(prompt.token_ids), mm_items=mm,
-                expected_output_tokens=creq.max_tokens or DEFAULT_EXPECTED_OUTPUT,
-                ttft_slo_s=slo.ttft_s, tbt_slo_ms=slo.tbt_ms, priority=slo.priority, lora_name=creq.lora_name,
-                cache_salt=creq.cache_salt, exclude=exclude[:64], reachable=self._reachable,
-            )
-        except ValidationError as e:
-            first = e.errors()[0]
-            return [bad_request(f"{first.get('loc')}: {first.get('msg')}", "invalid_value", param="prompt")]
+            req = routing_request(request_id(self.config.epp_id, st.headers.get("x-request-id")), creq, slo, prompt,
+                                  base_model=self.config.base_model, reachable=self._reachable, exclude=exclude)
+        except BadRequest as e:
+            return [bad_request(str(e), "invalid_value", param=e.param)]
         try:
             answer = await self.decider.decide(req)
         except TimeoutError:
             return [rejected("decision_timeout", f"no decision within {self.config.decision_timeout_s:g}s "
-                             "(are the routers running?)")]
+                             f"{self.decider.late}")]
         except InboxClosed as e:
             return [unavailable(f"the picker cannot read its decisions: {e}", "reply_inbox_down")]
         except LogUnavailable as e:  # decided here but not on the log: not served (the log is the record)
@@ -263,20 +249,11 @@ class Picker:
         """Node → base URL of each instance ``d`` names: ``--engine`` first, else the announced endpoint."""
         out: dict[str, str] = {}
         for node in {d.prefill_instance, d.decode_instance}:
-            url = self.config.engines.get(node)
+            url = decided_url(node, d, self.config.engines)
             if url is None:
-                ep = d.endpoints.get(node)
-                if ep is None:
-                    raise KeyError(f"{node}: its heartbeats announce no endpoint and no --engine {node}=URL was given")
-                url = ep.url
+                raise KeyError(f"{node}: its heartbeats announce no endpoint and no --engine {node}=URL was given")
             out[node] = url
         return out
-
-    def _request_id(self, client_id: str | None) -> str:
-        """``<epp id>-<x-request-id>`` (Envoy sets one on every request) when usable, else a random one."""
-        if client_id and len(client_id) <= 96 and set(client_id) <= _CLIENT_ID:
-            return f"{self.config.epp_id}-{client_id}"
-        return f"{self.config.epp_id}-{uuid.uuid4().hex[:16]}"
 
 
 def _hp(url: str) -> str:

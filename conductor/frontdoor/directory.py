@@ -1,4 +1,4 @@
-"""Where the engines are: the gateway's ``--engine`` overrides plus what the view says.
+"""Where the engines are: a front door's ``--engine`` overrides plus what the view says.
 
 Bridges announce each engine's serving URL in its heartbeats (``Heartbeat.endpoint``); the
 view keeps it with the node. Decisions carry the endpoints of the nodes they name, so the
@@ -14,6 +14,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 
+from schemas import RoutingDecision
 from state.view import NodeState
 
 log = logging.getLogger(__name__)
@@ -22,7 +23,7 @@ NodesReader = Callable[[], Awaitable[Sequence[NodeState]]]
 
 
 class EngineDirectory:
-    """Node id → base URL of the engines a gateway can reach."""
+    """Node id → base URL of the engines a front door can reach."""
 
     def __init__(self, overrides: Mapping[str, str], read_nodes: NodesReader | None = None, *,
                  ttl_s: float = 3.0, refresh_s: float = 2.0, clock: Callable[[], float] = time.monotonic) -> None:
@@ -62,3 +63,15 @@ class EngineDirectory:
 
     def __len__(self) -> int:
         return len(set(self.overrides) | set(self._found))
+
+
+def decided_url(node: str, decision: RoutingDecision, overrides: Mapping[str, str]) -> str | None:
+    """The base URL of ``node``, an instance ``decision`` names: its ``--engine`` override, else the
+    endpoint its heartbeats announce (carried in the decision); None when neither is known."""
+    url = overrides.get(node)
+    if url is None:
+        ep = decision.endpoints.get(node)
+        if ep is None:
+            return None
+        url = ep.url
+    return url.rstrip("/")

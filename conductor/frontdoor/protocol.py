@@ -1,4 +1,5 @@
-"""The gateway's pure parts: client bodies and headers, rejections as HTTP, the engine hand-off bodies.
+"""What both front doors read and answer alike: OpenAI bodies and SLO headers, rejections as HTTP,
+the routing request built from a parsed request and its prompt.
 
 No I/O here: everything is a function of its arguments, so it is tested without a server.
 """
@@ -6,14 +7,17 @@ No I/O here: everything is a function of its arguments, so it is tested without 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+import re
+import uuid
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
-from schemas.records import MAX_NAME
+from pydantic import ValidationError
 
-EngineProtocol = Literal["vllm", "sglang"]
-ENGINE_PROTOCOLS: tuple[str, ...] = ("vllm", "sglang")
+from conductor.errors import ConfigError
+from schemas import MmItem, RoutingRequest
+from schemas.records import MAX_EXTRA_KEYS, MAX_NAME
 
 TTFT_HEADER = "x-conductor-ttft-slo-ms"
 TBT_HEADER = "x-conductor-tbt-slo-ms"
@@ -65,6 +69,17 @@ class ClientRequest:
     prompt_fields: Mapping[str, Any] = field(default_factory=dict)
     """The body's other fields that shape the prompt the engine prefills (:data:`CHAT_PROMPT_FIELDS`,
     :data:`COMPLETION_PROMPT_FIELDS`), as the client sent them: the gateway tokenizes with them."""
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """The token ids an engine will prefill, and what else goes into its block keys."""
+
+    token_ids: list[int]
+    mm_items: tuple[tuple[str, int, int], ...] = ()
+    """(identifier, offset, length) of each multimodal item, in prompt order (from vLLM's render)."""
+    unhashed_media: int = 0
+    """Multimodal parts tokenized without their hash (``/tokenize``): routed on the text before the first."""
 
 
 CHAT_PROMPT_FIELDS: dict[str, type | tuple[type, ...]] = {
@@ -234,65 +249,6 @@ def rejection_response(reason: str, message: str) -> tuple[int, dict[str, Any], 
     return status, error_body(f"rejected by Conductor ({reason}): {message}", reason, kind=kind), headers
 
 
-def vllm_prefill_body(body: Mapping[str, Any], chat: bool) -> dict[str, Any]:
-    """The prefill half of vLLM's disaggregated serving: one token, KV kept for a remote decode."""
-    out = {k: v for k, v in body.items() if k not in ("stream", "stream_options", "max_completion_tokens")}
-    out.update(stream=False, max_tokens=1, kv_transfer_params={
-        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
-        "remote_block_ids": None, "remote_host": None, "remote_port": None,
-    })
-    if chat and "max_completion_tokens" in body:
-        out["max_completion_tokens"] = 1
-    return out
-
-
-def cpp_chunk_body(body: Mapping[str, Any], chat: bool, chunk_end: int,
-                   previous: Mapping[str, Any] | None) -> dict[str, Any]:
-    """One member of a CPP prefill group (a Conductor extension the emulated engine speaks):
-    a prefill half computing the prompt up to ``chunk_end`` after pulling the KV before its
-    chunk from the previous member (``previous``: that member's ``kv_transfer_params``)."""
-    out = vllm_prefill_body(body, chat)
-    kvp = dict(out["kv_transfer_params"])
-    if previous:
-        kvp.update({k: v for k, v in previous.items() if k != "do_remote_decode"})
-        kvp["do_remote_prefill"] = True
-    kvp.update(do_remote_decode=True, chunk_end=chunk_end)
-    out["kv_transfer_params"] = kvp
-    return out
-
-
-def vllm_decode_body(body: Mapping[str, Any], kv_transfer_params: Mapping[str, Any]) -> dict[str, Any]:
-    """The decode half: the client's body plus the prefill's ``kv_transfer_params``."""
-    out = dict(body)
-    out["kv_transfer_params"] = dict(kv_transfer_params)
-    if out.get("stream"):
-        # Usage tells the gateway the token counts; it is dropped again if the client did not ask.
-        out["stream_options"] = {**(out.get("stream_options") or {}), "include_usage": True}
-    return out
-
-
-def aggregated_body(body: Mapping[str, Any]) -> dict[str, Any]:
-    """The whole request in one call to one engine (an aggregated decision): the client's body,
-    with usage on a stream so the gateway learns the token counts (dropped again if the client
-    did not ask)."""
-    out = dict(body)
-    if out.get("stream"):
-        out["stream_options"] = {**(out.get("stream_options") or {}), "include_usage": True}
-    return out
-
-
-def sglang_bodies(body: Mapping[str, Any], host: str, port: int, room: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """SGLang's hand-off: the same request to both instances, naming the prefill's bootstrap server and a room."""
-    boot = {"bootstrap_host": host, "bootstrap_port": port, "bootstrap_room": room}
-    prefill = {k: v for k, v in body.items() if k not in ("stream", "stream_options")}
-    prefill.update(boot, stream=False)
-    decode = dict(body)
-    decode.update(boot)
-    if decode.get("stream"):
-        decode["stream_options"] = {**(decode.get("stream_options") or {}), "include_usage": True}
-    return prefill, decode
-
-
 def parse_engine_map(items: Sequence[str]) -> dict[str, str]:
     """``ID=URL`` items → {node id: base URL}; raise ValueError naming the bad item."""
     out: dict[str, str] = {}
@@ -304,3 +260,46 @@ def parse_engine_map(items: Sequence[str]) -> dict[str, str]:
             raise ValueError(f"--engine {node}: named twice")
         out[node] = url.rstrip("/")
     return out
+
+
+def engine_map(items: Sequence[str]) -> dict[str, str]:
+    """``--engine NODE_ID=URL`` items as {node id: base URL}; :class:`ConfigError` naming a bad one."""
+    try:
+        return parse_engine_map(items) if items else {}
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
+_CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,96}")
+"""A client's ``x-request-id`` a front door keeps in its routing request id (as the log's key)."""
+
+
+def request_id(door_id: str, client_id: str | None, in_use: Callable[[str], bool] = lambda _: False) -> str:
+    """``<door id>-<the client's x-request-id>`` when that is a usable id not ``in_use``, else
+    ``<door id>-<16 random hex digits>``."""
+    if client_id and _CLIENT_ID.fullmatch(client_id):
+        rid = f"{door_id}-{client_id}"
+        if not in_use(rid):
+            return rid
+    return f"{door_id}-{uuid.uuid4().hex[:16]}"
+
+
+def routing_request(request_id: str, creq: ClientRequest, slo: Slo, prompt: Prompt, *, base_model: str | None,
+                    reachable: Sequence[str], exclude: Sequence[str] = (), retry_of: str | None = None,
+                    ) -> RoutingRequest:
+    """What a front door asks the routers for one parsed request and its prompt (the decider sets
+    ``reply_to`` or ``decided_by``); :class:`BadRequest` on ``prompt`` when the schema refuses it."""
+    # Items past the schema's bounds are left out: the blocks from the first of them on match nothing.
+    mm = [MmItem(identifier=i, offset=o, length=n) for i, o, n in prompt.mm_items[:MAX_EXTRA_KEYS]
+          if 0 < len(i) <= MAX_NAME]
+    try:
+        return RoutingRequest(
+            request_id=request_id, model=creq.model if creq.lora_name is None else (base_model or creq.model),
+            token_ids=prompt.token_ids, prompt_tokens=len(prompt.token_ids), mm_items=mm,
+            expected_output_tokens=creq.max_tokens or DEFAULT_EXPECTED_OUTPUT,
+            ttft_slo_s=slo.ttft_s, tbt_slo_ms=slo.tbt_ms, priority=slo.priority, lora_name=creq.lora_name,
+            cache_salt=creq.cache_salt, exclude=list(exclude[:64]), retry_of=retry_of, reachable=list(reachable),
+        )
+    except ValidationError as e:
+        first = e.errors()[0]
+        raise BadRequest("prompt", f"{first.get('loc')}: {first.get('msg')}") from None

@@ -30,14 +30,13 @@ from __future__ import annotations
 import itertools
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Protocol
 
 import httpx
 from tokenizers import Tokenizer
 
 from conductor.frontdoor.directory import EngineDirectory
-from conductor.frontdoor.protocol import ClientRequest
+from conductor.frontdoor.protocol import ClientRequest, Prompt
 
 RENDER_PATH = "/v1/chat/completions/render"
 TOKENIZE_CHAT_FIELDS = ("tools", "chat_template", "chat_template_kwargs", "add_generation_prompt",
@@ -57,17 +56,6 @@ class PromptRejected(Exception):
     def __init__(self, status: int, body: Any) -> None:
         super().__init__(f"the engine refused the prompt ({status})")
         self.status, self.body = status, body
-
-
-@dataclass(frozen=True)
-class Prompt:
-    """The token ids an engine will prefill, and what else goes into its block keys."""
-
-    token_ids: list[int]
-    mm_items: tuple[tuple[str, int, int], ...] = ()
-    """(identifier, offset, length) of each multimodal item, in prompt order (from vLLM's render)."""
-    unhashed_media: int = 0
-    """Multimodal parts tokenized without their hash (``/tokenize``): routed on the text before the first."""
 
 
 class PromptTokenizer(Protocol):

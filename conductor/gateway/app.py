@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import socket
 from collections.abc import Awaitable, Callable
@@ -14,14 +15,14 @@ from fastapi import FastAPI, Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from conductor import web
+from conductor.frontdoor.decide import make_decider
 from conductor.frontdoor.directory import EngineDirectory
 from conductor.frontdoor.protocol import SloBounds, error_body
 from conductor.frontdoor.tokenizer import EngineTokenizer, LocalTokenizer, PromptTokenizer
 from conductor.gateway.admission import InFlightBound
 from conductor.gateway.auth import ApiKeyGuard, Caller, KeyRing
-from conductor.gateway.replies import ReplyInbox
-from conductor.gateway.service import Gateway, GatewayConfig, UpstreamTimeouts
-from conductor.routing.local import LocalRouter
+from conductor.gateway.config import GatewayConfig
+from conductor.gateway.service import Gateway
 from conductor.settings import Settings
 from state.connect import open_client
 from state.redis_view import RedisViewStore
@@ -83,7 +84,7 @@ def gateway_app(gw: Gateway, keys: KeyRing, metrics_text: Callable[[], str] = la
                                                          "owned_by": "conductor"}]})
 
     async def health() -> Response:
-        down = gw.problem()  # its router or reply inbox: not started, ended, its partition lost, or stalled
+        down = gw.problem()  # its decider: not started, ended, its partition lost, or stalled
         if down is not None:
             return JSONResponse(error_body(down[1], down[0], kind="service_unavailable"), status_code=503)
         return Response(status_code=200)
@@ -102,13 +103,13 @@ def gateway_app(gw: Gateway, keys: KeyRing, metrics_text: Callable[[], str] = la
 async def run_gateway(settings: Settings, config: GatewayConfig, sock: socket.socket, stop: asyncio.Event, *,
                       keys: KeyRing, tokenizer_path: str | None = None, metrics_text: Callable[[], str] = lambda: "",
                       on_ready: Callable[[Gateway], None] | None = None) -> None:
-    """Run one gateway on ``sock`` until ``stop``: its producer, its colocated router or reply inbox, its HTTP server
-    (behind ``keys``: :func:`conductor.gateway.auth.key_ring`)."""
+    """Run one gateway on ``sock`` until ``stop``: its producer, its decider (the colocated router or the
+    reply inbox), its HTTP server (behind ``keys``: :func:`conductor.gateway.auth.key_ring`)."""
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per upstream call is noise
     tps = topics(settings.topic_config())
     await ensure_topics(settings.kafka(), (tps.requests, tps.dispatch, tps.request_outcomes))
     limits = httpx.Limits(max_connections=4096, max_keepalive_connections=1024, keepalive_expiry=KEEPALIVE_EXPIRY_S)
-    client = httpx.AsyncClient(timeout=UpstreamTimeouts.of(settings).outside_requests(), limits=limits)
+    client = httpx.AsyncClient(timeout=config.timeouts.outside_requests(), limits=limits)
     view = None
     if settings.redis_url:
         view = RedisViewStore(open_client(settings.redis().connection_url(), decode_responses=False, **settings.redis().tls_options(),
@@ -123,30 +124,19 @@ async def run_gateway(settings: Settings, config: GatewayConfig, sock: socket.so
     tok: PromptTokenizer = LocalTokenizer(tokenizer_path, engine_tok) if tokenizer_path else engine_tok
     prod = producer(settings.kafka(), linger_ms=0)
     await prod.start()
-    local = inbox = inbox_task = None
-    if config.routing == "colocated":
-        local = LocalRouter(settings, producer_id=config.gateway_id, ack_timeout_s=config.decision_timeout_s)
-    else:
-        inbox = ReplyInbox(settings, config.gateway_id)
-    gw = Gateway(settings, config, tok, client, prod, inbox, local=local)
-    gw.directory = directory
+    seq = itertools.count(1)  # this gateway's records on the log: its routing requests and its outcomes
+    decider = make_decider(settings, config.routing, producer_id=config.gateway_id,
+                           timeout_s=config.decision_timeout_s, producer=prod, seq=seq)
+    gw = Gateway(settings, config, tok, client, prod, decider, directory=directory, seq=seq)
     try:
-        if local is not None:
-            await local.start()
-        if inbox is not None:
-            inbox_task = asyncio.create_task(inbox.run(stop))
-            await asyncio.wait_for(asyncio.shield(inbox.wait_ready(60)), 60)
+        await decider.start()
         if on_ready is not None:
             on_ready(gw)
-        await web.serve(gateway_app(gw, keys, metrics_text, max_in_flight=settings.gateway_max_in_flight), sock, stop)
+        await web.serve(gateway_app(gw, keys, metrics_text, max_in_flight=config.max_in_flight), sock, stop)
     finally:
         stop.set()
-        if inbox_task is not None:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await asyncio.wait_for(inbox_task, 5)
-        if local is not None:
-            with contextlib.suppress(Exception):
-                await local.close()
+        with contextlib.suppress(Exception):
+            await decider.close()
         await prod.stop()
         await client.aclose()
         if view is not None:

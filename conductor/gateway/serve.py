@@ -1,73 +1,17 @@
-"""``conductor gateway`` as one call: a :class:`GatewayConfig` and its listening port → :func:`serve`.
-
-Also :func:`gateway_config`, which checks the command's options and builds the config.
-"""
+"""``conductor gateway`` as one call: a :class:`~conductor.gateway.config.GatewayConfig` (built by
+:func:`~conductor.gateway.config.gateway_config`) and its listening port → :func:`serve`."""
 
 from __future__ import annotations
 
 import asyncio
-import os
-import socket
-from collections.abc import Callable, Sequence
-from typing import Any, get_args
+from collections.abc import Callable
+from typing import Any
 
 from conductor import web
-from conductor.errors import ConfigError
-from conductor.frontdoor.protocol import ENGINE_PROTOCOLS, EngineProtocol, parse_engine_map
 from conductor.gateway.app import run_gateway
 from conductor.gateway.auth import KeyRing
-from conductor.gateway.service import ROUTING_MODES, GatewayConfig, RoutingMode
+from conductor.gateway.config import GatewayConfig
 from conductor.settings import Settings
-from streams.topics import topics
-
-_PROTOCOLS: tuple[EngineProtocol, ...] = get_args(EngineProtocol)
-
-
-def default_gateway_id() -> str:
-    """``gw-HOST-PID``: unique per process, and a valid topic name."""
-    return f"gw-{socket.gethostname()}-{os.getpid()}".replace("_", "-")[:120]
-
-
-def engine_protocol(text: str) -> EngineProtocol:
-    """``text`` as an engine protocol; :class:`ConfigError` naming ``--engine-protocol`` otherwise."""
-    for protocol in _PROTOCOLS:
-        if text == protocol:
-            return protocol
-    raise ConfigError(f"--engine-protocol must be one of {', '.join(ENGINE_PROTOCOLS)}")
-
-
-def routing_mode(text: str) -> RoutingMode:
-    """``text`` as a routing mode; :class:`ConfigError` naming ``--routing`` otherwise."""
-    for mode in ROUTING_MODES:
-        if text == mode:
-            return mode
-    raise ConfigError(f"--routing must be one of {', '.join(ROUTING_MODES)} (got {text!r})")
-
-
-def engine_map(items: Sequence[str]) -> dict[str, str]:
-    """``--engine NODE_ID=URL`` items as {node id: base URL}; :class:`ConfigError` naming a bad one."""
-    try:
-        return parse_engine_map(items) if items else {}
-    except ValueError as e:
-        raise ConfigError(str(e)) from None
-
-
-def gateway_config(settings: Settings, *, gateway_id: str | None, engines: dict[str, str],
-                   protocol: EngineProtocol, base_model: str | None = None, decision_timeout_s: float = 5.0,
-                   max_attempts: int = 3, bootstrap_port: int | None = None,
-                   routing: RoutingMode = "colocated") -> GatewayConfig:
-    """The gateway's configuration; ``gateway_id`` must name a valid reply topic (default: :func:`default_gateway_id`);
-    colocated routing needs the view (``redis_url``)."""
-    gid = gateway_id or default_gateway_id()
-    try:
-        topics(settings.topic_config()).replies(gid)
-    except ValueError as e:
-        raise ConfigError(f"--gateway-id: {e}") from None
-    if routing == "colocated" and not settings.redis_url:
-        raise ConfigError("--routing colocated reads the view: set redis_url (CONDUCTOR_REDIS_URL), or use --routing log")
-    return GatewayConfig(gateway_id=gid, engines=engines, protocol=protocol, base_model=base_model,
-                         decision_timeout_s=decision_timeout_s, max_attempts=max_attempts,
-                         bootstrap_port=bootstrap_port, routing=routing)
 
 
 async def serve(config: GatewayConfig, settings: Settings, *, port: int, stop: asyncio.Event, keys: KeyRing,

@@ -28,10 +28,12 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from conductor import web
-from conductor.gateway import service
+from conductor.frontdoor.decide import Colocated, LogDecider
+from conductor.gateway import relay
 from conductor.gateway.app import run_gateway
 from conductor.gateway.auth import key_ring
-from conductor.gateway.service import Gateway, GatewayConfig, RoutingMode
+from conductor.gateway.config import RoutingMode, engine_protocol, gateway_config
+from conductor.gateway.service import Gateway
 from conductor.routing.router import Router
 from conductor.routing.stores import redis_stores
 from conductor.routing.worker import RouterWorker
@@ -172,8 +174,9 @@ async def stack(settings: Settings, nodes: dict[str, str], *, protocol: str = "v
     engines.url = f"http://127.0.0.1:{esock.getsockname()[1]}"
     tasks = [asyncio.create_task(web.serve(engines.app(), esock, stop)),
              asyncio.create_task(RouterWorker(settings, Router(settings, view, resv), router_id="r-upstream").run(stop))]
-    config = GatewayConfig(gateway_id=f"gw-up-{uuid.uuid4().hex[:8]}", engines={n: f"{engines.url}/{n}" for n in nodes} | (urls or {}),
-                           protocol=protocol, decision_timeout_s=10.0, routing=routing)
+    config = gateway_config(settings, gateway_id=f"gw-up-{uuid.uuid4().hex[:8]}",
+                            engines={n: f"{engines.url}/{n}" for n in nodes} | (urls or {}),
+                            protocol=engine_protocol(protocol), decision_timeout_s=10.0, routing=routing)
     gsock = web.bind("127.0.0.1", 0)
     ready: asyncio.Future[Gateway] = asyncio.get_running_loop().create_future()
     tasks.append(asyncio.create_task(run_gateway(settings, config, gsock, stop, keys=key_ring(settings, insecure=True),
@@ -322,7 +325,7 @@ async def test_failures_before_the_engine_took_the_request_are_routed_elsewhere(
 
 async def test_an_sse_event_that_never_ends_is_cut_with_an_error(settings: Settings,
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(service, "MAX_SSE_EVENT_BYTES", 1 << 20, raising=False)
+    monkeypatch.setattr(relay, "MAX_SSE_EVENT_BYTES", 1 << 20, raising=False)
     sent = [0]
 
     async def endless(kind: str, body: dict[str, Any], request: Request) -> Response:
@@ -377,9 +380,10 @@ async def test_sglang_decode_is_closed_when_its_prefill_fails(settings: Settings
 async def test_health_is_503_with_the_reason_once_the_reply_inbox_is_dead(settings: Settings) -> None:
     async with stack(settings, {"p0": "prefill", "d0": "decode"}, routing="log") as s, s.client() as c:
         assert (await c.get("/health")).status_code == 200
-        assert s.gw.inbox is not None and s.gw.inbox.task is not None
-        s.gw.inbox.task.cancel()
-        await asyncio.wait({s.gw.inbox.task})
+        inbox = s.gw.decider.inbox if isinstance(s.gw.decider, LogDecider) else None
+        assert inbox is not None and inbox.task is not None
+        inbox.task.cancel()
+        await asyncio.wait({inbox.task})
         h = await c.get("/health")
         assert h.status_code == 503 and h.json()["error"]["code"] == "reply_inbox_down"
         assert "cancelled" in h.json()["error"]["message"]
@@ -392,8 +396,9 @@ async def test_health_is_503_with_the_reason_once_the_reply_inbox_is_dead(settin
 async def test_health_is_503_once_the_colocated_router_stops_following_control(settings: Settings) -> None:
     async with stack(settings, {"p0": "prefill", "d0": "decode"}) as s, s.client() as c:
         assert (await c.get("/health")).status_code == 200
-        local = s.gw.local
-        assert local is not None and local._control_task is not None and s.gw.inbox is None
+        assert isinstance(s.gw.decider, Colocated)
+        local = s.gw.decider.router
+        assert local._control_task is not None
         local._control_task.cancel()
         await asyncio.wait({local._control_task})
         h = await c.get("/health")

@@ -15,7 +15,7 @@ from conductor.bridge.serve import BridgeServeConfig
 from conductor.cli import app
 from conductor.errors import ConfigError
 from conductor.gateway import serve as gateway_serve
-from conductor.gateway.service import GatewayConfig
+from conductor.gateway.config import GatewayConfig
 from conductor.harness.engine import serve as engine_serve
 from conductor.harness.engine.pool import POOL_NODE
 from conductor.harness.engine.serve import EngineServeConfig, PoolOptions

@@ -97,17 +97,17 @@ def test_the_prefix_cache_counters_are_read_from_a_vllm_page():
 
 
 def test_the_gateway_sends_where_the_decision_says_and_pins_the_dp_rank():
-    from conductor.gateway.service import EngineFailed, Gateway
+    from conductor.gateway.handoff import call_of
+    from conductor.gateway.upstream import EngineFailed
     from schemas import Endpoint, RoutingDecision
 
     d = RoutingDecision(request_id="r", prefill_instance="e-dp1", decode_instance="e-dp1", reused_tokens=0,
                         predicted_ttft_s=0.1, predicted_tbt_ms=5, policy="p", mode="aggregated",
                         endpoints={"e-dp1": Endpoint(url="http://h:8000/", dp_rank=1)})
-    assert Gateway._headers("r", d, "e-dp1") == {"x-request-id": "r", "X-data-parallel-rank": "1"}
-    assert Gateway._headers("r", d, "other") == {"x-request-id": "r"}
-    gw = Gateway.__new__(Gateway)
-    gw.config = type("C", (), {"engines": {"o": "http://override:1"}})()  # type: ignore[assignment]
-    assert gw._url("e-dp1", d) == "http://h:8000"
-    assert gw._url("o", d) == "http://override:1"
+    call = call_of({}, False, d, "r", {"o": "http://override:1"})
+    assert call.headers("e-dp1") == {"x-request-id": "r", "X-data-parallel-rank": "1"}
+    assert call.headers("other") == {"x-request-id": "r"}
+    assert call.url("e-dp1") == call.decode_url == "http://h:8000"
+    assert call.url("o") == "http://override:1"
     with pytest.raises(EngineFailed, match="announce no endpoint"):
-        gw._url("nowhere", d)
+        call.url("nowhere")

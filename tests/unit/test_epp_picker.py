@@ -13,9 +13,9 @@ from google.protobuf import json_format, struct_pb2
 
 from conductor.epp.protocol import BadEndpoint, host_port, is_chat, pick_of, subset_hint
 from conductor.epp.service import EppConfig, Picker
+from conductor.frontdoor.decide import Down
 from conductor.frontdoor.directory import EngineDirectory
-from conductor.frontdoor.protocol import ClientRequest
-from conductor.frontdoor.tokenizer import Prompt
+from conductor.frontdoor.protocol import ClientRequest, Prompt
 from schemas import Endpoint, RoutingDecision, RoutingRejection, RoutingRequest
 
 ENGINES = {"p0": "http://10.0.0.1:8000", "d0": "http://10.0.0.2:8001", "d1": "http://[fd00::3]:8002"}
@@ -28,6 +28,8 @@ def decision(rid: str, p: str = "p0", d: str = "d0", **kw: Any) -> RoutingDecisi
 
 
 class FakeDecider:
+    late = "(are the routers running?)"
+
     def __init__(self, answer: Any = None) -> None:
         self.answer = answer
         self.asked: list[RoutingRequest] = []
@@ -44,6 +46,12 @@ class FakeDecider:
 
     def problem(self) -> str | None:
         return None
+
+    def down(self, door: str) -> Down | None:
+        return None
+
+    def waiting(self, request_id: str) -> bool:
+        return False
 
     async def close(self) -> None: ...
 

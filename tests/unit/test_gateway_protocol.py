@@ -1,4 +1,4 @@
-"""The gateway's pure parts: body and header validation, rejections as HTTP, the P/D hand-off bodies."""
+"""The front door's pure parts (body and header validation, rejections as HTTP) and the P/D hand-off bodies."""
 
 from __future__ import annotations
 
@@ -11,10 +11,9 @@ from conductor.frontdoor.protocol import (
     parse_engine_map,
     parse_slo,
     rejection_response,
-    sglang_bodies,
-    vllm_decode_body,
-    vllm_prefill_body,
 )
+from conductor.gateway.handoff.sglang import sglang_bodies
+from conductor.gateway.handoff.vllm import vllm_decode_body, vllm_prefill_body
 from conductor.harness.engine.http import chat_prompt, emulated_tokens
 from schemas.records import RejectReason
 

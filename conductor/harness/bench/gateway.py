@@ -38,7 +38,7 @@ from typing import Any
 import httpx
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from conductor.frontdoor.protocol import vllm_decode_body, vllm_prefill_body
+from conductor.gateway.handoff.vllm import vllm_decode_body, vllm_prefill_body
 from conductor.harness.cpu import CpuMeter
 from conductor.harness.devstack import EmbeddedStack
 from conductor.harness.gateway_cluster import GatewayCluster

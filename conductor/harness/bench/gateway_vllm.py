@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import orjson
 
-from conductor.frontdoor.protocol import vllm_decode_body, vllm_prefill_body
+from conductor.gateway.handoff.vllm import vllm_decode_body, vllm_prefill_body
 from conductor.stats import percentile
 
 WORDS = ("prefill", "decode", "cache", "block", "token", "engine", "router", "gateway", "stream", "event")

@@ -1,0 +1,134 @@
+"""The gateway's one configuration: :class:`GatewayConfig`, built by :func:`gateway_config` from the
+settings (``gateway_*``: timeouts by phase, backpressure bounds) and the command's options."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+import httpx
+
+from conductor.errors import ConfigError
+from conductor.frontdoor.decide import ROUTINGS, Routing, parse_routing
+from conductor.settings import Settings
+from streams.topics import topics
+
+EngineProtocol = Literal["vllm", "sglang"]
+ENGINE_PROTOCOLS: tuple[EngineProtocol, ...] = get_args(EngineProtocol)
+RoutingMode = Routing
+ROUTING_MODES = ROUTINGS
+
+
+def _setting(name: str) -> int:
+    """A setting's default, so a config built without settings bounds as the settings do."""
+    value = Settings.model_fields[name].default
+    assert isinstance(value, int)
+    return value
+
+
+@dataclass(frozen=True)
+class UpstreamTimeouts:
+    """How long the gateway waits on an engine, by phase (settings ``gateway_*_timeout_s``; 0 = no limit).
+
+    A non-streamed generation sends nothing before its last token, so only ``total_s`` bounds
+    it, and that is off by default: a long generation is never cut."""
+
+    connect_s: float = 2.0
+    """Open a connection (or wait for a pooled one). Running out: the engine never had the request."""
+    first_byte_s: float = 120.0
+    """A streamed call's response headers (sent when the engine takes the request); a prefill
+    half's answer (its queue and prefill)."""
+    idle_s: float = 300.0
+    """Between two reads of an answer once it started (a stream's chunks; its first chunk after
+    the headers); also what writing a request may take."""
+    total_s: float = 0.0
+    """A whole request, from its arrival at the gateway to its last byte."""
+
+    @classmethod
+    def of(cls, settings: Settings) -> UpstreamTimeouts:
+        return cls(connect_s=settings.gateway_connect_timeout_s, first_byte_s=settings.gateway_first_byte_timeout_s,
+                   idle_s=settings.gateway_idle_timeout_s, total_s=settings.gateway_total_timeout_s)
+
+    def for_httpx(self) -> httpx.Timeout:
+        """What httpx bounds itself: connecting, waiting for a pooled connection, writing the request.
+        Reads are bounded by phase around the calls (``Upstream.phase``), not per socket read."""
+        return httpx.Timeout(connect=self.connect_s, pool=self.connect_s, write=self.idle_s or None, read=None)
+
+    def outside_requests(self) -> httpx.Timeout:
+        """The calls beside a request's hand-off (``/tokenize``, ``/v1/models``): every read within ``first_byte_s``."""
+        return httpx.Timeout(connect=self.connect_s, pool=self.connect_s, write=self.idle_s or None,
+                             read=self.first_byte_s or None)
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    """Everything one gateway process is configured with (the API keys apart: :mod:`conductor.gateway.auth`)."""
+
+    gateway_id: str
+    engines: dict[str, str]
+    """Node id → base URL, overriding what the node's heartbeats announce (``--engine``); the
+    others are found through the view (the decision carries their endpoints)."""
+    protocol: EngineProtocol = "vllm"
+    """The P/D hand-off between two engines: ``vllm`` (kv_transfer_params) or ``sglang`` (bootstrap room)."""
+    base_model: str | None = None
+    """The engines' base model; another ``model`` in a request is a LoRA adapter name."""
+    decision_timeout_s: float = 5.0
+    max_attempts: int = 3
+    bootstrap_port: int | None = None
+    """SGLang: the prefill instances' bootstrap port (default: the port of their URL)."""
+    routing: RoutingMode = "colocated"
+    """``colocated``: decide in this process (:class:`~conductor.frontdoor.decide.Colocated`) and
+    write the request and decision to the log before calling the engines; ``log``: send the
+    routing request onto ``requests`` and wait for a router's decision on the reply topic."""
+    timeouts: UpstreamTimeouts = field(default_factory=UpstreamTimeouts)
+    """The calls to the engines, by phase (settings ``gateway_*_timeout_s``)."""
+    max_in_flight: int = field(default_factory=lambda: _setting("gateway_max_in_flight"))
+    """Client requests served at once (settings ``gateway_max_in_flight``; 0 = no bound)."""
+    max_deciding: int = field(default_factory=lambda: _setting("gateway_max_deciding"))
+    """Requests decided at once (settings ``gateway_max_deciding``; 0 = no bound)."""
+    engine_max_in_flight: int = field(default_factory=lambda: _setting("gateway_engine_max_in_flight"))
+    """Requests open on one engine at once (settings ``gateway_engine_max_in_flight``; 0 = no bound)."""
+
+
+def default_gateway_id() -> str:
+    """``gw-HOST-PID``: unique per process, and a valid topic name."""
+    return f"gw-{socket.gethostname()}-{os.getpid()}".replace("_", "-")[:120]
+
+
+def engine_protocol(text: str) -> EngineProtocol:
+    """``text`` as an engine protocol; :class:`ConfigError` naming ``--engine-protocol`` otherwise."""
+    for protocol in ENGINE_PROTOCOLS:
+        if text == protocol:
+            return protocol
+    raise ConfigError(f"--engine-protocol must be one of {', '.join(ENGINE_PROTOCOLS)}")
+
+
+def routing_mode(text: str) -> RoutingMode:
+    """``text`` as a routing mode; :class:`ConfigError` naming ``--routing`` otherwise."""
+    mode = parse_routing(text)
+    if mode is None:
+        raise ConfigError(f"--routing must be one of {', '.join(ROUTING_MODES)} (got {text!r})")
+    return mode
+
+
+def gateway_config(settings: Settings, *, gateway_id: str | None, engines: dict[str, str],
+                   protocol: EngineProtocol, base_model: str | None = None, decision_timeout_s: float = 5.0,
+                   max_attempts: int = 3, bootstrap_port: int | None = None,
+                   routing: RoutingMode = "colocated") -> GatewayConfig:
+    """The gateway's configuration: the settings' ``gateway_*`` timeouts and bounds, the command's
+    options over them. ``gateway_id`` must name a valid reply topic (default: :func:`default_gateway_id`);
+    colocated routing needs the view (``redis_url``)."""
+    gid = gateway_id or default_gateway_id()
+    try:
+        topics(settings.topic_config()).replies(gid)
+    except ValueError as e:
+        raise ConfigError(f"--gateway-id: {e}") from None
+    if routing == "colocated" and not settings.redis_url:
+        raise ConfigError("--routing colocated reads the view: set redis_url (CONDUCTOR_REDIS_URL), or use --routing log")
+    return GatewayConfig(gateway_id=gid, engines=engines, protocol=protocol, base_model=base_model,
+                         decision_timeout_s=decision_timeout_s, max_attempts=max_attempts,
+                         bootstrap_port=bootstrap_port, routing=routing, timeouts=UpstreamTimeouts.of(settings),
+                         max_in_flight=settings.gateway_max_in_flight, max_deciding=settings.gateway_max_deciding,
+                         engine_max_in_flight=settings.gateway_engine_max_in_flight)

@@ -1,0 +1,57 @@
+"""What one client request went through (:class:`Trace`) and the ``request_outcome`` it becomes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from conductor.stats import percentile
+from schemas import RequestOutcome, RoutingDecision
+
+
+@dataclass
+class Trace:
+    """What one client request went through (becomes its ``request_outcome``)."""
+
+    request_id: str
+    t0: float
+    stream: bool
+    attempts: list[str] = field(default_factory=list)
+    excluded: list[str] = field(default_factory=list)
+    decision: RoutingDecision | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    ttft_s: float | None = None
+    gaps_ms: list[float] = field(default_factory=list)
+    routing_ms: float = 0.0
+    decided_s: float = 0.0
+    """From the request's arrival to its (last) decision: parse, tokenize, route through the log."""
+    model: str | None = None
+    prefill_s: float = 0.0
+    """Wall time of the prefill call(s) of a hand-off (the last attempt's)."""
+    decode_sent: float | None = None
+    """When the decode (or aggregated) call was sent (the clock's time)."""
+    status: int = 200
+    error: str | None = None
+    message: str = ""
+
+
+def outcome_of(tr: Trace, gateway_id: str, now: float) -> RequestOutcome:
+    """``tr`` as its ``request_outcome``, ``now`` on the clock of ``tr.t0``."""
+    d = tr.decision
+    return RequestOutcome(
+        request_id=tr.request_id, gateway=gateway_id, status=tr.status, error=tr.error,
+        message=tr.message[:4096], attempts=tr.attempts[:16],
+        prefill_instance=d.prefill_instance if d else None, decode_instance=d.decode_instance if d else None,
+        excluded=tr.excluded[:64], prompt_tokens=tr.prompt_tokens, cached_tokens=min(tr.cached_tokens, tr.prompt_tokens),
+        output_tokens=tr.output_tokens, predicted_ttft_s=d.predicted_ttft_s if d else None,
+        predicted_tbt_ms=d.predicted_tbt_ms if d else None, ttft_s=tr.ttft_s,
+        tbt_p50_ms=percentile(tr.gaps_ms, 50), tbt_p99_ms=percentile(tr.gaps_ms, 99),
+        routing_ms=tr.routing_ms or None, total_s=max(0.0, now - tr.t0), stream=tr.stream,
+        model=tr.model, decided_s=tr.decided_s if d else None,
+        prefill_s=tr.prefill_s if d and not d.aggregated and tr.prefill_s else None,
+        decode_ttft_s=(tr.t0 + tr.ttft_s - tr.decode_sent
+                       if tr.ttft_s is not None and tr.decode_sent is not None else None),
+        reused_tokens=d.reused_tokens if d else None, mode=d.mode if d else None,
+        control_offset=d.control_offset if d else None,
+    )

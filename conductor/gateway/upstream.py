@@ -1,0 +1,216 @@
+"""The gateway's calls to the engines: each phase bounded, each failure classified.
+
+A failure before the engine had the whole request (:class:`EngineFailed`) is routed again
+without that engine; once it had it (:class:`EngineLost`) the client gets 504 / 502 and the
+request never runs again; an engine's own 4xx (:class:`UpstreamClientError`) is the client's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import httpx
+
+from conductor.frontdoor.protocol import error_body
+from conductor.gateway.config import UpstreamTimeouts
+from conductor.gateway.outcome import Trace
+from conductor.web import json_body, json_bytes
+from schemas import RoutingDecision
+
+MAX_ANSWER_BYTES = 64 * 1024 * 1024
+"""The largest answer read whole from an engine (a prefill half, a non-streamed completion)."""
+MAX_ERROR_BYTES = 64 * 1024
+"""What is read of an engine's error answer (its message goes to the client and the log)."""
+_NOT_REACHED = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.WriteError, httpx.WriteTimeout,
+                httpx.UnsupportedProtocol)
+"""Failures before the engine had the whole request: it cannot have started on it, so it is safe
+to send the request elsewhere."""
+T = TypeVar("T")
+_JSON = {"content-type": "application/json"}
+
+
+class EngineFailed(Exception):
+    """Nothing of the request runs on ``node`` (never reached, or it answered the call whole with
+    a 5xx): the request is routed again without it."""
+
+    def __init__(self, node: str, message: str) -> None:
+        super().__init__(message)
+        self.node = node
+
+
+class EngineLost(Exception):
+    """``node`` had taken the request when the call failed (a timeout by phase, a connection that
+    broke while it worked): answered to the client (504 / 502), never run again."""
+
+    def __init__(self, node: str, message: str, *, timeout: bool = False) -> None:
+        super().__init__(message)
+        self.node = node
+        self.status, self.code = (504, "upstream_timeout") if timeout else (502, "engine_failed")
+
+
+class UpstreamClientError(Exception):
+    """An engine refused the request itself (4xx): the client's, passed through."""
+
+    def __init__(self, status: int, body: Any) -> None:
+        super().__init__(f"engine answered {status}")
+        self.status, self.body = status, body
+
+
+class Upstream:
+    """Calls to the engines over one HTTP client, each phase within :class:`UpstreamTimeouts`."""
+
+    def __init__(self, client: httpx.AsyncClient, timeouts: UpstreamTimeouts, clock: Callable[[], float]) -> None:
+        self.client = client
+        self.timeouts = timeouts
+        self.clock = clock
+
+    async def phase(self, aw: Awaitable[T], tr: Trace, node: str, what: str, limit_s: float) -> T:
+        """``aw`` within ``limit_s`` (0: no limit) and what is left of the request's total timeout;
+        running out is :class:`EngineLost` (504): the engine had the request."""
+        limit: float | None = limit_s or None
+        which = f"{limit_s:g}s"
+        if self.timeouts.total_s:
+            left = self.timeouts.total_s - (self.clock() - tr.t0)
+            if limit is None or left < limit:
+                limit, which = max(0.0, left), f"{self.timeouts.total_s:g}s for the whole request"
+        try:
+            async with asyncio.timeout(limit):
+                return await aw
+        except TimeoutError:
+            raise EngineLost(node, f"no {what} within {which}", timeout=True) from None
+
+    async def send(self, url: str, body: dict[str, Any], hdrs: dict[str, str], node: str, tr: Trace, *,
+                   what: str, first_byte: bool) -> httpx.Response:
+        """POST ``body``; the response once its headers are in (the body not read yet). Headers wait
+        ``first_byte_s`` when ``first_byte``, else only the total. Never reached: :class:`EngineFailed`;
+        broken or timed out once the engine had the request: :class:`EngineLost`."""
+        req = self.client.build_request("POST", url, content=json_bytes(body), headers={**hdrs, **_JSON},
+                                        timeout=self.timeouts.for_httpx())
+        limit = self.timeouts.first_byte_s if first_byte else 0.0
+        try:
+            return await self.phase(self.client.send(req, stream=True), tr, node, f"answer to the {what}", limit)
+        except _NOT_REACHED as e:
+            raise EngineFailed(node, f"{what} not sent: {type(e).__name__}: {e}") from None
+        except httpx.HTTPError as e:
+            raise EngineLost(node, f"{what}: the connection broke before the answer: {type(e).__name__}: {e}") from None
+
+    async def read(self, resp: httpx.Response, tr: Trace, node: str, what: str, limit: int) -> bytes:
+        """``resp``'s body (the response closed after): each read within ``idle_s``, at most ``limit`` bytes."""
+        out = bytearray()
+        it = resp.aiter_bytes()
+        try:
+            while True:
+                try:
+                    out += await self.phase(anext(it), tr, node, f"byte of {what}", self.timeouts.idle_s)
+                except StopAsyncIteration:
+                    return bytes(out)
+                if len(out) > limit:
+                    raise EngineLost(node, f"{what} is longer than {limit} bytes")
+        except httpx.HTTPError as e:
+            raise EngineLost(node, f"{what} broke off: {type(e).__name__}: {e}") from None
+        finally:
+            await resp.aclose()
+
+    async def refusal(self, resp: httpx.Response, tr: Trace, node: str, what: str) -> bytes:
+        """The start of an error answer (what names the error); an answer that breaks off gives what came."""
+        try:
+            return await self.read(resp, tr, node, what, MAX_ERROR_BYTES)
+        except EngineLost:
+            return b""
+
+    async def prefill(self, url: str, body: dict[str, Any], hdrs: dict[str, str], node: str, tr: Trace,
+                      peer: str | None = None) -> dict[str, Any]:
+        """A prefill half, read whole (its wall time added to ``tr.prefill_s``); ``peer``: the CPP
+        member it pulls the KV before its chunk from (a failed pull is that member's)."""
+        t_p = self.clock()
+        try:
+            return await self._prefill(url, body, hdrs, node, tr, peer)
+        finally:
+            tr.prefill_s += self.clock() - t_p
+
+    async def _prefill(self, url: str, body: dict[str, Any], hdrs: dict[str, str], node: str, tr: Trace,
+                       peer: str | None) -> dict[str, Any]:
+        r = await self.send(url, body, hdrs, node, tr, what="prefill", first_byte=True)
+        if r.status_code >= 400:
+            content = await self.refusal(r, tr, node, "the prefill's error answer")
+            if peer is not None and r.status_code >= 500 and error_code(content) == "kv_transfer_failed":
+                raise EngineFailed(peer, f"{node} could not pull the KV before its chunk: {content[:200]!r}")
+            if r.status_code >= 500:
+                raise EngineFailed(node, f"prefill answered {r.status_code}: {content[:200]!r}")
+            raise UpstreamClientError(r.status_code, json_or_text(content))
+        content = await self.read(r, tr, node, "the prefill answer", MAX_ANSWER_BYTES)
+        try:
+            out = json_body(content)
+        except ValueError:
+            # Answered whole (the prefill is done, its KV waits for a decode that will not come): routed again.
+            raise EngineFailed(node, "prefill answered with a body that is not JSON") from None
+        return out if isinstance(out, dict) else {}
+
+    async def open_decode(self, url: str, body: dict[str, Any], hdrs: dict[str, str], d: RoutingDecision,
+                          tr: Trace, prefill: asyncio.Future[dict[str, Any]] | None = None,
+                          kv_from: str | None = None) -> httpx.Response:
+        """The decode (or aggregated) call, open: its headers in, its body left to read. A streamed
+        call's headers wait ``first_byte_s``; a non-streamed one's come with its last token (total only).
+        ``prefill``: a prefill running beside it (its failure ends the wait); ``kv_from``: the
+        instance the decode pulls the KV from (default: the decision's prefill instance)."""
+        node = d.decode_instance
+        tr.decode_sent = self.clock()
+        send = asyncio.ensure_future(self.send(url, body, hdrs, node, tr, what="decode",
+                                               first_byte=bool(body.get("stream"))))
+        try:
+            if prefill is not None:
+                # SGLang: both run at once; a prefill that fails must not leave the decode waiting on its room.
+                both: set[asyncio.Future[Any]] = {send, prefill}
+                await asyncio.wait(both, return_when=asyncio.FIRST_COMPLETED)
+                if prefill.done() and not prefill.cancelled() and (failed := prefill.exception()) is not None:
+                    raise failed
+            resp = await send
+        except BaseException:
+            await discard(send)
+            raise
+        if resp.status_code < 400:
+            return resp
+        content = await self.refusal(resp, tr, node, "the decode's error answer")
+        err = json_or_text(content)
+        if error_code(content) == "kv_transfer_failed":  # the decode is fine; its prefill peer is not
+            raise EngineFailed(kv_from or d.prefill_instance,
+                               f"the decode instance could not pull the KV: {content[:200]!r}")
+        if resp.status_code >= 500:
+            raise EngineFailed(node, f"decode answered {resp.status_code}: {content[:200]!r}")
+        raise UpstreamClientError(resp.status_code, err)
+
+
+async def discard(task: asyncio.Future[Any]) -> None:
+    """Cancel a call to an engine and wait for it to end; a response it opened meanwhile is closed."""
+    if not task.done():
+        task.cancel()
+        await asyncio.wait({task})
+    if not task.cancelled() and task.exception() is None and isinstance(task.result(), httpx.Response):
+        await task.result().aclose()
+
+
+def json_or_text(content: bytes) -> Any:
+    """An engine's answer as JSON, else as an OpenAI error carrying its start."""
+    try:
+        return json_body(content)
+    except ValueError:
+        return error_body(content[:500].decode(errors="replace"), "engine_error", kind="server_error")
+
+
+def error_code(content: bytes) -> str | None:
+    """The OpenAI error code of an engine's error answer, if it has one."""
+    err = json_or_text(content)
+    inner = err.get("error") if isinstance(err, dict) else None
+    return inner.get("code") if isinstance(inner, dict) else None
+
+
+def cached(j: dict[str, Any]) -> int:
+    """The cached prompt tokens an engine's answer reports (``usage.prompt_tokens_details``)."""
+    usage = j.get("usage") or {}
+    details = usage.get("prompt_tokens_details") or {}
+    try:
+        return int(details.get("cached_tokens") or 0)
+    except (TypeError, ValueError):
+        return 0
