@@ -1,0 +1,104 @@
+"""A decision made with decision-time knowledge (issue 34): the second request of a prefix sees
+the first one's pending blocks (no KV event ever came back) and Conductor's own in-flight work,
+shared through Redis; `conductor explain` re-derives both decisions exactly from the log, the
+first one's end taken from its request outcome."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from conductor.routing.explain import explain
+from conductor.routing.router import Router
+from conductor.routing.stores import decision_index, decision_time_stores, redis_stores
+from conductor.routing.worker import RouterWorker
+from conductor.settings import Settings
+from schemas import Heartbeat, RequestOutcome, RoutingDecision, RoutingRequest, decode, encode, envelope
+from state.redis_view import RedisViewStore
+from streams import kafka
+from streams.replay import replay_into
+from streams.topics import topics
+
+pytestmark = pytest.mark.integration
+
+NODES = (("p-a", "prefill"), ("p-b", "prefill"), ("d-0", "decode"))
+
+
+async def _route_two(settings: Settings) -> dict[str, RoutingDecision]:
+    now = int(time.time() * 1000)
+    t = topics(settings.topic_config())
+    await kafka.ensure_topics(settings.kafka(), t.all())
+    prod = kafka.producer(settings.kafka())
+    await prod.start()
+    for i, (node, role) in enumerate(NODES):
+        hb = (Heartbeat(role=role, rack="r0") if role == "prefill" else
+              Heartbeat(role=role, rack="r0", total_kv_blocks=10_000, free_kv_blocks=10_000))
+        await prod.send_and_wait(t.heartbeats.name, encode(envelope(hb, producer_id=node, producer_seq=i, ts_ms=now)),
+                                 key=node.encode())
+    view = RedisViewStore.connect(settings.redis(), settings.view_namespace)
+    await replay_into(settings.kafka(), settings.topic_config(), view, idle_timeout_s=1.0)
+    await view.close()
+    reader, resv = redis_stores(settings, producer_id="dt-test")
+    pending, inflight = decision_time_stores(settings, resv.client, "dt-test")
+    router = Router(settings, reader, resv, pending=pending, inflight=inflight)
+    worker = RouterWorker(settings, router, router_id="dt-test", decisions=decision_index(settings, resv.client))
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop))
+    cons = kafka.consumer(settings.kafka(), t.dispatch.name, group_id=None)
+    await cons.start()
+    got: dict[str, RoutingDecision] = {}
+    prompt = list(range(7000, 7000 + 32 * settings.block_size))
+
+    async def route(rid: str, tokens: list[int], seq: int) -> RoutingDecision:
+        r = RoutingRequest(request_id=rid, token_ids=tokens, prompt_tokens=len(tokens))
+        await prod.send_and_wait(t.requests.name, encode(envelope(r, producer_id="gw", producer_seq=seq,
+                                                                  ts_ms=int(time.time() * 1000))),
+                                 key=rid.encode())
+        deadline = time.monotonic() + 30
+        while rid not in got:
+            assert time.monotonic() < deadline, f"{rid} was not routed"
+            for recs in (await cons.getmany(timeout_ms=300)).values():
+                for rec in recs:
+                    body = decode(rec.value).body
+                    assert isinstance(body, RoutingDecision), body
+                    got[body.request_id] = body
+        return got[rid]
+
+    try:
+        first = await route("dt-1", prompt, 1)
+        assert first.view_now_ms is not None
+        # The gateway's part: the first token came back 5 ms after the decision (on the view's clock).
+        ft = first.view_now_ms + 5
+        inflight.first_token("dt-1", ft)
+        outcome = RequestOutcome(request_id="dt-1", gateway="gw", status=200, attempts=["dt-1"],
+                                 first_token_view_ms=ft)
+        await prod.send_and_wait(t.request_outcomes.name, encode(envelope(outcome, producer_id="gw", producer_seq=9,
+                                                                          ts_ms=int(time.time() * 1000))),
+                                 key=b"dt-1")
+        await asyncio.sleep(0.05)  # past the first token on the view's clock
+        await route("dt-2", prompt + list(range(64)), 2)
+    finally:
+        stop.set()
+        await cons.stop()
+        await asyncio.wait_for(task, 10)
+        await reader.close()
+        await prod.stop()
+    return got
+
+
+async def test_the_second_request_follows_the_first_ones_pending_blocks_and_explain_agrees(settings):
+    s = settings.model_copy(update={"heartbeat_ttl_s": 3600.0, "policy_params": {"remote_reuse": False}})
+    got = await _route_two(s)
+    first, second = got["dt-1"], got["dt-2"]
+    assert first.reused_tokens == 0 and first.pending_ttl_ms == int(s.pending_ttl_s * 1000)
+    assert second.prefill_instance == first.prefill_instance
+    assert second.reused_tokens == 32 * s.block_size and second.reuse_source == first.prefill_instance
+    assert second.queued_tokens_ahead == 0  # the first one's prefill ended at its first token
+    for rid in ("dt-1", "dt-2"):
+        ex = await explain(s, rid)
+        assert ex.matches, ex.differences
+    ex = await explain(s, "dt-2")
+    assert ex.pending_placements >= 1 and ex.in_flight == 1 and ex.outcomes == 1
+    assert ex.rederived["reused_tokens"] == second.reused_tokens
