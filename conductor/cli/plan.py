@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import socket
 from pathlib import Path
@@ -49,6 +50,9 @@ Headroom = Annotated[bool, typer.Option(
     "simulations each)")]
 Seed = Annotated[int | None, typer.Option("--seed", min=0, help="seed of the policy's tie-breaks [default: CONDUCTOR_SEED]")]
 Limit = Annotated[int | None, typer.Option("--limit", min=1, help="plan for the first N requests only")]
+TimeScale = Annotated[float, typer.Option(
+    "--time-scale", min=1e-6, help="with --since: the recorded engines ran this many times faster than their cost "
+    "model (emulated engines' --time-scale); the log's arrivals are replayed that much slower")]
 JsonOut = Annotated[bool, typer.Option(
     "--json", help="print one JSON object: prefill, decode, predicted_slo_attainment (the plan's), then plan and "
     "cluster in full")]
@@ -80,6 +84,7 @@ def plan(
     headroom: Headroom = True,
     seed: Seed = None,
     limit: Limit = None,
+    time_scale: TimeScale = 1.0,
     json_out: JsonOut = False,
 ) -> None:
     """Size the cluster: the fewest prefill and decode instances that meet the SLOs for --target of the traffic.
@@ -98,7 +103,7 @@ def plan(
                             cluster_profile=cluster_profile, target=target, growth=growth, forecast=forecast,
                             horizon_s=duration_s(horizon, "--horizon"), ttft_slo_s=ttft_slo_s, tbt_slo_ms=tbt_slo_ms,
                             max_instances=max_instances, max_runs=max_simulations, headroom=headroom, seed=seed,
-                            limit=limit)
+                            limit=limit, time_scale=time_scale)
         if since is not None:
             require_servers(s, kafka=True)
         result = plan_cluster(s, config, console=err)
@@ -174,6 +179,48 @@ def planner(
         pass
 
 
+BenchDuration = Annotated[float, typer.Option("--duration", min=1.0, help="seconds of the trace slice to send")]
+BenchSpeed = Annotated[float, typer.Option(
+    "--speed", min=0.01, help="arrival speed-up of the slice, and the emulated engines' time scale")]
+BenchSample = Annotated[int, typer.Option("--sample", min=1, help="keep every Nth conversation of the slice")]
+BenchCluster = Annotated[str, typer.Option("--cluster", help="the recorded cluster as <P>P<D>D")]
+BenchTarget = Annotated[float, typer.Option("--target", min=0.0, max=1.0, help="the plan's target attainment")]
+BenchTrace = Annotated[Path | None, typer.Option("--trace", help="Mooncake-format JSONL trace [default: the bundled one]")]
+BenchMax = Annotated[int | None, typer.Option("--max-requests", min=1, help="send at most this many requests")]
+BenchJson = Annotated[bool, typer.Option(
+    "--json", help="print one JSON object: prefill, decode, predicted_slo_attainment, measured_slo_attainment, "
+    "difference_points (the planned cluster's), then the recorded and planned clusters in full")]
+
+
+def bench_plan(duration: BenchDuration = 30.0, speed: BenchSpeed = 10.0, sample: BenchSample = 6,
+               cluster: BenchCluster = "1P1D", target: BenchTarget = 0.95, trace: BenchTrace = None,
+               ttft_slo_s: TtftSlo = None, tbt_slo_ms: TbtSlo = None, max_requests: BenchMax = None,
+               json_out: BenchJson = False) -> None:
+    """Check conductor plan against what happened: record a run, plan it, run the plan, compare SLO attainment.
+
+    On emulated engines: the trace slice through Conductor on the recorded --cluster (every record on an embedded broker's topics); `conductor plan --since` on those topics (the engines' cost model, --time-scale --speed) for --target; the same slice on a fresh cluster of the planned size. Prints each cluster's predicted and measured SLO attainment (both SLOs met, rejected or unanswered requests missed) and their difference in points. The emulated engines are timed by the same cost model the policy and the simulator use: this checks the search, the replay and the simulated queueing against a running cluster, not the cost model.
+    """
+    from conductor.harness.bench.plan import PlanBenchOptions, run_plan_bench
+    from conductor.harness.sim.cluster import load_cluster
+
+    s = settings_or_exit()
+    with exit_on():
+        counts = load_cluster(DEFAULT_CLUSTER_PROFILE).with_counts(cluster)
+        out = run_plan_bench(s, PlanBenchOptions(duration_s=duration, speed=speed, sample=sample, trace=trace,
+                                                 prefill=counts.prefill_instances, decode=counts.decode_instances,
+                                                 target=target,
+                                                 ttft_slo_s=ttft_slo_s, tbt_slo_ms=tbt_slo_ms,
+                                                 max_requests=max_requests))
+    if json_out:
+        print_json(out)
+        return
+    for c in (out["recorded"], out["planned"]):
+        err.print(f"{c['cluster']:<8} {c['prefill']}P{c['decode']}D: predicted {100 * c['predicted_slo_attainment']:.1f} %, "
+                  f"measured {100 * c['measured_slo_attainment']:.1f} % ({c['difference_points']:+.1f} points)")
+    typer.echo(json.dumps(out, indent=1))
+
+
 def register(groups: dict[str, typer.Typer]) -> None:
     groups["app"].command("plan")(plan)
     groups["app"].command("planner")(planner)
+    groups["bench"].command("plan")(bench_plan)

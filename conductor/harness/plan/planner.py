@@ -55,6 +55,9 @@ class PlanConfig:
     headroom: bool = True
     seed: int | None = None
     limit: int | None = None
+    time_scale: float = 1.0
+    """With --since: the recorded engines ran this many times faster than their cost model (emulated
+    engines' ``--time-scale``); the log's arrivals are replayed that much slower, in model time."""
 
     def __post_init__(self) -> None:
         if (self.trace is None) == (self.since is None):
@@ -67,6 +70,8 @@ class PlanConfig:
             raise ConfigError(f"--growth {self.growth}: expected a positive factor")
         if self.forecast and self.growth != 1.0:
             raise ConfigError("--forecast computes the growth from the log: give it or --growth, not both")
+        if self.time_scale <= 0 or (self.time_scale != 1.0 and self.since is None):
+            raise ConfigError(f"--time-scale {self.time_scale}: a positive factor, for a recorded run (--since)")
         SearchLimits(self.max_instances, self.max_runs)
 
     def simulate_config(self, settings: Settings) -> SimulateConfig:
@@ -80,7 +85,8 @@ class PlanConfig:
             policy=policy, cluster=self.cluster, cluster_profile=self.cluster_profile,
             tbt_slo_ms=self.tbt_slo_ms if self.tbt_slo_ms is not None else settings.tbt_slo_ms,
             ttft_slo_s=self.ttft_slo_s if self.ttft_slo_s is not None else settings.ttft_slo_s,
-            limit=self.limit, params=params, seed=self.seed)
+            limit=self.limit, params=params, seed=self.seed,
+            speed=1.0 / self.time_scale if from_topics and self.time_scale != 1.0 else None)
 
 
 @dataclass(frozen=True)
