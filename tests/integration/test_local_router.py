@@ -20,6 +20,7 @@ from conductor.routing.stores import redis_stores
 from conductor.routing.worker import RouterWorker
 from conductor.settings import Settings
 from schemas import Heartbeat, RoutingDecision, RoutingRequest, encode, envelope, headers
+from state.shared_log import RedisInflight
 from state.view import SourcePosition
 from streams.kafka import ensure_topics, producer
 from streams.topics import topics
@@ -72,12 +73,15 @@ async def test_two_gateways_share_reservations_and_every_decision_is_logged_once
         try:
             first = await a.decide(request("a-1"))
             assert isinstance(first, RoutingDecision) and first.decided_by == "gw-a" and first.ordinal == 0
-            # b learns a's reservation through Redis (no heartbeat has counted it yet) ...
+            # b learns a's in-flight work through Redis (no heartbeat has counted it yet) ...
             deadline = time.monotonic() + 10
-            resv = b.router.reservations
-            while getattr(resv, "applied", 0) < 1 and time.monotonic() < deadline:
+            ledger = b.inflight
+            assert isinstance(ledger, RedisInflight)
+            while ledger.log.applied < 1 and time.monotonic() < deadline:
                 await asyncio.sleep(0.02)
-            assert getattr(resv, "applied", 0) >= 1
+            assert ledger.log.applied >= 1
+            assert first.view_now_ms is not None
+            assert ledger.load(first.prefill_instance, first.view_now_ms).prefill_requests == 1
             # ... so the same-sized prompt (nothing of it cached) goes to the other, idle prefill instance.
             second = await b.decide(request("b-1", [t + 10_000 for t in PROMPT]))
             assert isinstance(second, RoutingDecision) and second.decided_by == "gw-b"
@@ -99,7 +103,7 @@ async def test_two_gateways_share_reservations_and_every_decision_is_logged_once
         assert sorted(d.request_id for d in decs) == sorted(r.request_id for r in reqs)  # once each
         ex = await explain(s, "b-1")
         assert ex.matches, ex.differences
-        assert ex.reservations >= 1  # a's decision was in flight when b decided, and explain counts it
+        assert ex.in_flight >= 1  # a's decision was in flight when b decided, and explain counts it
 
 
 async def test_a_decision_the_broker_does_not_take_is_said_not_handed_back(settings: Settings) -> None:
