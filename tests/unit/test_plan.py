@@ -5,16 +5,19 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from conductor.cli import app
 from conductor.errors import ConfigError
+from conductor.harness.bench.plan import difference_points, measured_attainment
 from conductor.harness.plan.forecast import forecast_growth
 from conductor.harness.plan.planner import ClusterScore, Plan, PlanConfig
 from conductor.harness.plan.search import Probe, SearchLimits, find_plan
 from conductor.harness.plan.serve import plan_record
+from conductor.settings import Settings
 from schemas import decode, encode, envelope
 from schemas.records import CapacityPlan
 from tests.unit.test_sim_cli import tiny_trace
@@ -140,3 +143,28 @@ def test_plan_end_to_end_on_a_tiny_trace(tmp_path):
     smaller = [a for p, d, a in out["probes"] if (p, d) in ((out["prefill"] - 1, out["decode"]),
                                                             (out["prefill"], out["decode"] - 1))]
     assert all(a < out["goal"] for a in smaller)  # one fewer of either role misses, where it was tried
+
+
+def test_time_scale_replays_the_log_in_model_time():
+    assert PlanConfig(since="1h", time_scale=10.0).simulate_config(Settings()).speed == pytest.approx(0.1)
+    assert PlanConfig(since="1h").simulate_config(Settings()).speed is None
+    with pytest.raises(ConfigError, match="--time-scale"):
+        PlanConfig(trace=Path("t.jsonl"), time_scale=10.0)
+    with pytest.raises(ConfigError, match="--time-scale"):
+        PlanConfig(since="1h", time_scale=0.0)
+
+
+@pytest.mark.parametrize("ttft,tbt,both,ttft_share,tbt_share,served", [
+    ({"a": 1.0, "b": 2.0, "c": 40.0}, {"a": 20.0, "b": 150.0, "c": 20.0}, 0.25, 0.5, 0.5, 3),  # d unanswered
+    ({"a": 1.0, "b": 1.0, "c": 1.0, "d": 1.0}, {"a": 1.0, "b": 1.0, "c": 1.0, "d": 1.0}, 1.0, 1.0, 1.0, 4),
+    ({}, {}, 0.0, 0.0, 0.0, 0),  # everything rejected: nothing met
+])
+def test_measured_attainment_counts_every_request_sent(ttft, tbt, both, ttft_share, tbt_share, served):
+    att = measured_attainment(["a", "b", "c", "d"], ttft, tbt, ttft_slo_s=30.0, tbt_slo_ms=100.0)
+    assert (att.requests, att.served, att.both, att.ttft, att.tbt) == (4, served, both, ttft_share, tbt_share)
+
+
+def test_a_served_request_without_a_decode_report_is_counted_and_said():
+    att = measured_attainment(["a", "b"], {"a": 1.0, "b": 1.0}, {"a": 10.0}, ttft_slo_s=30.0, tbt_slo_ms=100.0)
+    assert att.both == 1.0 and att.without_tbt == 1
+    assert difference_points(0.9412, 0.9882) == -4.7 and difference_points(1.0, 0.9) == 10.0
