@@ -8,7 +8,7 @@ record of a known schema raises :class:`DecodeError` (and nothing else).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import msgpack
@@ -182,13 +182,31 @@ def pack_foreign(value: Any) -> bytes:
     return out
 
 
+DECIDED_BY_HEADER = "decided-by"
+"""The header naming the process that decided a request (or made a decision) where it arrived:
+the routers of ``requests`` pass such a request over without decoding it."""
+
+
 def headers(record: Envelope) -> list[tuple[str, bytes]]:
-    """Kafka headers that let a consumer route or reject a record without decoding it."""
-    return [
+    """Kafka headers that let a consumer route, reject or skip a record without decoding it."""
+    out = [
         ("content-type", CONTENT_TYPE.encode()),
         ("schema", record.schema_name.encode()),
         ("schema-version", str(record.schema_version).encode()),
     ]
+    decided_by: str | None = getattr(record.body, "decided_by", None)
+    if decided_by:
+        out.append((DECIDED_BY_HEADER, decided_by.encode()))
+    return out
+
+
+def decided_by(record_headers: Sequence[tuple[str, bytes]]) -> str | None:
+    """The ``decided-by`` header of a record's headers (None: none, as on records written before
+    it existed, whose body still says it)."""
+    for name, value in record_headers:
+        if name == DECIDED_BY_HEADER:
+            return value.decode(errors="replace")
+    return None
 
 
 def decode(data: bytes | bytearray | memoryview) -> Envelope:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import enum
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -116,14 +116,18 @@ class Follower:
     :class:`Earliest`); None: every partition assigned, no group. ``name`` names the follower in
     logs and on the dead letters it writes. ``counts`` (the caller's, else its own) counts bad
     records by ``count_prefix`` + their reason. ``track_end``: find each partition's end at start
-    (:attr:`ends`, :attr:`caught_up`); starts at the end or the tail find it anyway.
+    (:attr:`ends`, :attr:`caught_up`); starts at the end or the tail find it anyway. ``skip``:
+    records whose Kafka headers it says yes to are passed over before any decoding (their positions
+    move on; counted in :attr:`skipped`), e.g. requests decided where they arrived
+    (:func:`schemas.decided_by`); records without such a header are handed over as any other.
     """
 
     def __init__(self, kafka: KafkaConnection, starts: Sequence[tuple[Topic, Start]], *, on_bad: OnBad,
                  name: str, dead_letter: Topic | None = None, group: str | None = None,
                  fetch_wait_ms: int | None = None, poll_ms: int = 200, max_records: int | None = 500,
                  counts: Counter[str] | None = None, count_prefix: str = "bad_record:",
-                 track_end: bool = False, letters: DeadLetters | None = None) -> None:
+                 track_end: bool = False, letters: DeadLetters | None = None,
+                 skip: Callable[[Sequence[tuple[str, bytes]]], bool] | None = None) -> None:
         if group is not None and any(not isinstance(s, Earliest) for _, s in starts):
             raise ValueError("a consumer group starts where the group stopped: give Earliest")
         if on_bad in (OnBad.DEAD_LETTER, OnBad.DEAD_LETTER_AND_ANSWER) and letters is None and dead_letter is None:
@@ -139,6 +143,9 @@ class Follower:
         self.counts: Counter[str] = Counter() if counts is None else counts
         self.count_prefix = count_prefix
         self.track_end = track_end
+        self.skip = skip
+        self.skipped = 0
+        """Records passed over by ``skip`` (never decoded)."""
         self.letters = letters
         if letters is None and dead_letter is not None:
             self.letters = DeadLetters(kafka, dead_letter, name)
@@ -224,10 +231,14 @@ class Follower:
         got = await self._consumer.getmany(timeout_ms=self.poll_ms if timeout_ms is None else timeout_ms,
                                            max_records=self.max_records)
         out = []
+        skip = self.skip
         for tp, msgs in got.items():
             recs = []
             for m in msgs:
                 self.positions[(tp.topic, tp.partition)] = m.offset + 1
+                if skip is not None and m.headers and skip(m.headers):
+                    self.skipped += 1
+                    continue
                 rec = await self._record(m)
                 if rec is not None:
                     recs.append(rec)

@@ -27,7 +27,7 @@ from conductor.routing.ordered import Turns
 from conductor.routing.router import DECIDED, Router, Unreadable
 from conductor.routing.stores import default_router_id
 from conductor.settings import Settings
-from schemas import Envelope, envelope
+from schemas import Envelope, decided_by, envelope
 from state.decisions import DecisionIndex, DecisionPosition
 from streams.dead_letters import DeadLetters
 from streams.follow import Earliest, Follower, OnBad, Record
@@ -81,7 +81,8 @@ class RouterWorker:
         # a short wait keeps a waiting gateway's decision from sitting there (Kafka returns early).
         requests = Follower(s.kafka(), [(t.requests, Earliest())], on_bad=OnBad.DEAD_LETTER_AND_ANSWER,
                             name=self.router_id, group=s.topic_prefix + self.GROUP, letters=letters,
-                            fetch_wait_ms=s.embedded_fetch_wait_ms if s.embedded else None)
+                            fetch_wait_ms=s.embedded_fetch_wait_ms if s.embedded else None,
+                            skip=lambda h: decided_by(h) is not None)  # decided where it arrived: logged already
         control = ControlFollower(s, self.router)
         await prod.start()
         await control.start()  # caught up with every control record before the first decision
