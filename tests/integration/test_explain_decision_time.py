@@ -15,7 +15,7 @@ from conductor.routing.router import Router
 from conductor.routing.stores import decision_index, decision_time_stores, redis_stores
 from conductor.routing.worker import RouterWorker
 from conductor.settings import Settings
-from schemas import Heartbeat, RequestOutcome, RoutingDecision, RoutingRequest, decode, encode, envelope
+from schemas import Heartbeat, RequestOutcome, Role, RoutingDecision, RoutingRequest, decode, encode, envelope
 from state.redis_view import RedisViewStore
 from streams import kafka
 from streams.replay import replay_into
@@ -23,7 +23,7 @@ from streams.topics import topics
 
 pytestmark = pytest.mark.integration
 
-NODES = (("p-a", "prefill"), ("p-b", "prefill"), ("d-0", "decode"))
+NODES: tuple[tuple[str, Role], ...] = (("p-a", "prefill"), ("p-b", "prefill"), ("d-0", "decode"))
 
 
 async def _route_two(settings: Settings) -> dict[str, RoutingDecision]:
@@ -88,7 +88,8 @@ async def _route_two(settings: Settings) -> dict[str, RoutingDecision]:
     return got
 
 
-async def test_the_second_request_follows_the_first_ones_pending_blocks_and_explain_agrees(settings):
+async def test_the_second_request_follows_the_first_ones_pending_blocks_and_explain_agrees(
+        settings: Settings) -> None:
     s = settings.model_copy(update={"heartbeat_ttl_s": 3600.0, "policy_params": {"remote_reuse": False}})
     got = await _route_two(s)
     first, second = got["dt-1"], got["dt-2"]
