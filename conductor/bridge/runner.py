@@ -29,6 +29,11 @@ Each epoch starts with an ``AllBlocksCleared`` at producer_seq 0 and numbers its
 records 1, 2, 3... without holes (the view counts a hole as a gap). A bridge that
 (re)starts opens a new epoch, which clears the node and lets the replayed batches
 rebuild it, so nothing published by an earlier bridge process can linger wrongly.
+
+An engine that publishes no KV events (``kv_events=False``: SGLang or vLLM started without
+them, a hosted endpoint) gets heartbeats only, from its ``/metrics`` where it has one: no ZMQ
+socket is opened, the heartbeats say ``kv_events=False``, and the node's kv-events stream holds
+just the clear that opens each epoch (blocks an earlier bridge reported do not linger).
 """
 
 from __future__ import annotations
@@ -65,7 +70,8 @@ Sink = Callable[[list[Envelope]], Awaitable[None]]
 class BridgeConfig:
     node_id: str
     role: Role
-    zmq_endpoint: str
+    zmq_endpoint: str | None
+    """The engine's KV-event PUB socket (None only with ``kv_events=False``)."""
     replay_endpoint: str | None = None
     block_size: int | None = None
     replay_timeout_s: float = 2.0
@@ -92,11 +98,20 @@ class BridgeConfig:
     max_tracked_blocks: int | None = None
     """Engine hashes remembered (the translator's memory bound); None: from the engine's KV capacity
     on its ``/metrics`` (:func:`~conductor.bridge.translate.tracked_bound`), else 1,000,000."""
+    kv_events: bool = True
+    """False: the engine publishes no KV events; heartbeats only, announcing ``kv_events=False``."""
+
+    def __post_init__(self) -> None:
+        if self.kv_events and not self.zmq_endpoint:
+            raise ValueError("a bridge that follows KV events needs the engine's zmq_endpoint")
+        if not self.kv_events and not self.heartbeat_s:
+            raise ValueError("a bridge without KV events publishes heartbeats only: it needs heartbeat_s")
 
     def announced(self) -> dict[str, Any]:
         """What every heartbeat of this node says besides the load: where it is and how to reach it."""
         out: dict[str, Any] = {"rack": self.rack, "zone": self.zone, "dp_rank": self.dp_rank,
-                               "bootstrap_port": self.bootstrap_port, "kv_transfer": self.kv_transfer}
+                               "bootstrap_port": self.bootstrap_port, "kv_transfer": self.kv_transfer,
+                               "kv_events": None if self.kv_events else False}
         out["endpoint"] = self.endpoint or endpoint_of_metrics(self.metrics_url)
         return out
 
@@ -347,6 +362,10 @@ class Bridge:
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Follow the engine until ``stop`` is set (or the task is cancelled)."""
         stop = stop or asyncio.Event()
+        if not self.config.kv_events:
+            await self._heartbeats_only(stop)
+            return
+        assert self.config.zmq_endpoint is not None  # checked by the config
         sub = self.ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
         sub.setsockopt(zmq.RCVHWM, 100_000)
@@ -398,6 +417,23 @@ class Bridge:
             sub.close(linger=0)
             if self._dealer is not None:
                 self._dealer.close(linger=0)
+
+    async def _heartbeats_only(self, stop: asyncio.Event) -> None:
+        """An engine without KV events: open the epoch (its clear), then heartbeat until ``stop``.
+        A heartbeat task that fails (its sink raised) ends the bridge with that error."""
+        await self._new_epoch("start")
+        hb_task = asyncio.create_task(self._heartbeats(stop))
+        stopper = asyncio.create_task(stop.wait())
+        self.ready.set()
+        try:
+            await asyncio.wait([stopper, hb_task], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for t in (stopper, hb_task):
+                t.cancel()
+            results = await asyncio.gather(stopper, hb_task, return_exceptions=True)
+        for r in results:
+            if isinstance(r, BaseException) and not isinstance(r, asyncio.CancelledError):
+                raise r
 
     async def _heartbeats(self, stop: asyncio.Event) -> None:
         """Heartbeat for an engine that does not heartbeat itself (a real vLLM/SGLang).
@@ -485,7 +521,7 @@ class Bridge:
     async def _bound_by_capacity(self, load: EngineLoad) -> None:
         """Unless the operator set it, track as many hashes as the engine's capacity can hold (with
         room to spare; :func:`~conductor.bridge.translate.tracked_bound`)."""
-        if self.config.max_tracked_blocks is not None:
+        if self.config.max_tracked_blocks is not None or not self.config.kv_events:
             return
         bound = tracked_bound(load.total_blocks, load.cpu_blocks, self.translator.tiers_seen)
         if bound is not None and bound != self.translator.max_tracked:
@@ -503,7 +539,7 @@ def offset_port(endpoint: str | None, rank: int) -> str | None:
     return f"{endpoint}_dp{rank}"
 
 
-def rank_configs(*, node_id: str, dp_size: int = 1, zmq_endpoint: str, replay_endpoint: str | None,
+def rank_configs(*, node_id: str, dp_size: int = 1, zmq_endpoint: str | None, replay_endpoint: str | None,
                  **common: Any) -> list[BridgeConfig]:
     """One bridge per data-parallel rank: its own sockets, node id and metrics series.
 

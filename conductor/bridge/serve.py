@@ -50,7 +50,8 @@ class BridgeServeConfig:
     """What ``conductor bridge`` is told about the engine it follows (one field per option).
     Checked on construction: a bad combination raises :class:`ConfigError` naming the option."""
 
-    zmq_endpoint: str
+    zmq_endpoint: str | None
+    """The engine's KV-event PUB socket; None only with ``kv_events=False``."""
     node_id: str
     role: EngineRole
     replay_endpoint: str | None = None
@@ -68,8 +69,15 @@ class BridgeServeConfig:
     execute_commands: bool = False
     max_tracked_blocks: int | None = None
     """Engine hashes each rank's translator remembers; None: from the engine's KV capacity (else 1,000,000)."""
+    kv_events: bool = True
+    """False (``--no-events``): the engine publishes no KV events; heartbeats (and ``/metrics``) only."""
 
     def __post_init__(self) -> None:
+        if self.kv_events and not self.zmq_endpoint:
+            raise ConfigError("--zmq (the engine's KV-event socket) is required, unless the engine publishes "
+                              "none (--no-events)")
+        if not self.kv_events:
+            self._check_no_events()
         if self.max_tracked_blocks is not None and self.max_tracked_blocks < 1:
             raise ConfigError(f"--max-tracked-blocks must be at least 1, not {self.max_tracked_blocks}")
         if self.metrics_url and not self.heartbeat_s:
@@ -79,6 +87,17 @@ class BridgeServeConfig:
         if self.execute_commands and (self.served_url is None or self.dp_size > 1):
             raise ConfigError("--execute-commands needs the engine's URL (--engine-url or --metrics-url) "
                               "and one rank (no --dp-size)")
+
+    def _check_no_events(self) -> None:
+        given = [o for o, v in (("--zmq", self.zmq_endpoint), ("--replay", self.replay_endpoint),
+                                ("--max-tracked-blocks", self.max_tracked_blocks)) if v is not None]
+        if given:
+            raise ConfigError(f"--no-events follows no KV-event stream: drop {' and '.join(given)}")
+        if not self.heartbeat_s:
+            raise ConfigError("--no-events needs --heartbeat-s > 0 (heartbeats are all such a bridge publishes)")
+        if self.execute_commands:
+            raise ConfigError("--execute-commands needs the engine's KV events (they prove a command was carried "
+                              "out): not with --no-events")
 
     @property
     def served_url(self) -> str | None:
@@ -92,7 +111,7 @@ class BridgeServeConfig:
             metrics_url=self.metrics_url, dp_size=self.dp_size, default_prompt_tokens=self.default_prompt_tokens,
             rack=self.rack, zone=self.zone, endpoint=self.engine_url.rstrip("/") if self.engine_url else None,
             kv_transfer=self.kv_transfer, bootstrap_port=self.bootstrap_port,
-            max_tracked_blocks=self.max_tracked_blocks,
+            max_tracked_blocks=self.max_tracked_blocks, kv_events=self.kv_events,
         )
 
 

@@ -34,8 +34,9 @@ def removed(node, seq, keys, *, tier="hbm", epoch=0):
     return envelope(BlocksRemoved(block_keys=keys, tier=tier), producer_id=node, producer_seq=seq, epoch=epoch, ts_ms=1_000)
 
 
-def heartbeat(node, seq, ts, *, role="prefill", queue=0, epoch=0, rack=None):
-    hb = Heartbeat(role=role, queue_depth=queue, queued_prefill_tokens=queue * 100, rack=rack, tier_capacity={"hbm": 10})
+def heartbeat(node, seq, ts, *, role="prefill", queue=0, epoch=0, rack=None, **more):
+    hb = Heartbeat(role=role, queue_depth=queue, queued_prefill_tokens=queue * 100, rack=rack, tier_capacity={"hbm": 10},
+                   **more)
     return envelope(hb, producer_id=node, producer_seq=seq, epoch=epoch, ts_ms=ts)
 
 
@@ -155,6 +156,21 @@ class ViewStoreContract:
         await self.feed(store, [heartbeat("a", 5, 9_000, queue=5), heartbeat("a", 4, 8_000, queue=4)], topic=HB)
         (a,) = await store.nodes()
         assert a.queue_depth == 5 and a.last_heartbeat_ms == 9_000
+
+    async def test_a_node_without_kv_events_is_marked_by_its_latest_heartbeat(self, store):
+        """``kv_events=False`` (a ``--no-events`` bridge) reaches ``NodeState.kv_events`` with the
+        node's capacity; a node that says nothing reads None; each heartbeat says it anew."""
+        await self.feed(store, [heartbeat("x", 0, 1_000, kv_events=False, total_kv_blocks=640),
+                                heartbeat("e", 0, 1_000), heartbeat("t", 0, 1_000, kv_events=True)], topic=HB)
+        by = {n.node_id: n for n in await store.nodes()}
+        assert (by["x"].kv_events, by["x"].publishes_kv_events, by["x"].total_kv_blocks) == (False, False, 640)
+        assert (by["e"].kv_events, by["e"].publishes_kv_events) == (None, True)
+        assert (by["t"].kv_events, by["t"].publishes_kv_events) == (True, True)
+        assert {n.node_id: n.kv_events for n in (await store.snapshot([], now_ms=1_000)).nodes} == {
+            "x": False, "e": None, "t": True}
+        await self.feed(store, [heartbeat("x", 1, 2_000)], topic=HB, start=3)  # its engine now publishes them
+        (x,) = [n for n in await store.nodes() if n.node_id == "x"]
+        assert x.kv_events is None and x.last_heartbeat_ms == 2_000
 
     async def test_replay_changes_nothing(self, store):
         envs = [stored("a", 0, [1, 2]), removed("a", 1, [2]), stored("b", 0, [1])]

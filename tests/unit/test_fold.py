@@ -19,7 +19,7 @@ from schemas import (
 )
 from state.fold import AddBlocks, ClearNode, NodeStream, RemoveBlocks, SetHeartbeat, SetStream, UnfoldableRecord, fold
 from state.memory import InMemoryViewStore
-from state.view import Outcome
+from state.view import NodeState, Outcome
 
 APPLIED, DUPLICATE, OLD_EPOCH = Outcome.APPLIED, Outcome.DUPLICATE, Outcome.OLD_EPOCH
 
@@ -89,6 +89,17 @@ def test_heartbeat_order_is_its_own():
     assert set_stream.stream == NodeStream(epoch=0, seq=10, hb_epoch=0, hb_seq=0) and set_stream.part == "hb"
     assert fold(env(hb, seq=0), f.stream).outcome == DUPLICATE
     assert fold(env(hb, seq=0, epoch=1), f.stream).outcome == APPLIED  # a restarted engine
+
+
+@pytest.mark.parametrize("said, stored", [(False, False), (True, True), (None, "absent")])
+def test_a_heartbeat_says_whether_its_node_publishes_kv_events(said, stored):
+    """``kv_events`` reaches the view only when a heartbeat says it (v4): a node that says nothing
+    is stored as before v4, and reads None (it publishes them)."""
+    (set_hb, _) = fold(env(Heartbeat(role="both", total_kv_blocks=512, kv_events=said))).ops
+    assert isinstance(set_hb, SetHeartbeat)
+    assert set_hb.state.get("kv_events", "absent") == stored and set_hb.state["total_kv_blocks"] == 512
+    node = NodeState(node_id="n1", **set_hb.state)
+    assert node.kv_events is said and node.publishes_kv_events is (said is not False)
 
 
 def test_wrong_kind_is_unfoldable():
