@@ -447,6 +447,37 @@ async def test_scraped_load_heartbeats_unreachable_and_start_time_restart() -> N
         server.server_close()
 
 
+async def test_an_engine_without_kv_events_is_heartbeated_from_its_metrics_alone() -> None:
+    """``--no-events``: the load and KV capacity from ``/metrics``, the heartbeats marked, no ZMQ
+    socket; a restart seen on ``/metrics`` opens a new epoch (its clear), and nothing else reaches
+    the node's kv-events stream."""
+    metrics = FakeVllmMetrics()
+    reg = CollectorRegistry()
+    reg.register(metrics)
+    server, _ = start_http_server(0, addr="127.0.0.1", registry=reg)
+    out = Out()
+    try:
+        cfg = BridgeConfig(node_id="n0", role="both", zmq_endpoint=None, heartbeat_s=0.1, kv_events=False,
+                           metrics_url=f"http://127.0.0.1:{server.server_port}/metrics")
+        bridge = Bridge(cfg, out.sink, out.hb)
+        stop = asyncio.Event()
+        task = asyncio.create_task(bridge.run(stop))
+        await until(lambda: len(out.heartbeats) >= 2)
+        hb = out.heartbeats[-1].body
+        assert isinstance(hb, Heartbeat)
+        assert (hb.kv_events, hb.total_kv_blocks, hb.free_kv_blocks, hb.running_requests) == (False, 1000, 750, 3)
+        assert hb.endpoint == f"http://127.0.0.1:{server.server_port}"
+        metrics.start += 60
+        await until(lambda: bridge.counts["restart_by_start_time"] == 1)
+        assert [type(e.body) for e in out.envs] == [AllBlocksCleared, AllBlocksCleared]
+        assert bridge._sub is None and bridge._dealer is None  # no ZMQ socket was opened
+        stop.set()
+        await asyncio.wait_for(task, 10)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
 class FakeSglangServer:
     """An SGLang server's HTTP side: ``/metrics``, and ``/server_info`` unless it plays vLLM (404)."""
 
