@@ -10,6 +10,13 @@ differ in where :meth:`~conductor.routing.router.Router.route` runs:
 - ``log`` (:class:`LogDecider`): the request goes onto ``requests`` with ``reply_to`` = the door's
   id and a router's decision comes back on the door's reply topic
   (:class:`~conductor.gateway.replies.ReplyInbox`).
+
+Either way the door reports back what only it sees (:meth:`Decider.released`): a decision's
+first token (its prefill's in-flight work ends) and its end (the rest; a failure or a cancel
+also ends its pending blocks), on the shared decision-time records (``state.shared_log``) every
+router reads. Colocated, through :class:`~conductor.routing.local.LocalRouter`; through the log,
+written onto the same shared streams by :class:`SharedReleases` (the view's Redis), the time on
+the view's clock counted from the decision's ``view_now_ms`` and its arrival at the door.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ import contextlib
 import itertools
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -27,6 +35,13 @@ from conductor.gateway.replies import InboxClosed, ReplyInbox
 from conductor.routing.local import LocalRouter, LogUnavailable
 from conductor.settings import Settings
 from schemas import RoutingDecision, RoutingRejection, RoutingRequest, encode, envelope, headers
+from state.connect import open_client
+from state.inflight import Finished, FirstToken
+from state.inflight import encode_op as encode_inflight
+from state.keys import ViewKeys
+from state.pending import Released
+from state.pending import encode_op as encode_pending
+from state.shared_log import SharedLog
 from streams.kafka import acknowledged, ensure_topics, producer
 from streams.topics import topics
 
@@ -35,6 +50,11 @@ log = logging.getLogger(__name__)
 Routing = Literal["colocated", "log"]
 ROUTINGS: tuple[Routing, ...] = ("colocated", "log")
 Answer = RoutingDecision | RoutingRejection
+Release = Literal["first_token", "finished"]
+"""What a door reports back about a decision: its first token came, or it ended."""
+MAX_TRACKED = 100_000
+"""Decisions whose arrival a log-mode door remembers for their view-clock times (the oldest
+forgotten first: a request that outlives that many later ones is past any lease)."""
 
 
 @dataclass(frozen=True)
@@ -74,6 +94,15 @@ class Decider(Protocol):
         """Whether ``request_id`` is being decided now (a door picks another id for a new request)."""
         ...
 
+    def released(self, decision: RoutingDecision, at: Release, monotonic_s: float, failed: bool = False) -> int | None:
+        """``decision``'s first token came (``first_token``: its prefill's in-flight work ends) or it
+        ended (``finished``: all of it; ``failed``, an error or a cancel: its pending blocks too) at
+        ``monotonic_s`` (``time.monotonic()``), told to the shared decision-time records. Returns
+        that time on the view's clock (the outcome's ``first_token_view_ms`` / ``finished_view_ms``,
+        what ``explain`` applies), None when the decision was made without those records. Called
+        for every attempt; a repeat is harmless."""
+        ...
+
     async def close(self) -> None: ...
 
 
@@ -103,8 +132,52 @@ class Colocated:
     def waiting(self, request_id: str) -> bool:
         return self.router.waiting(request_id)
 
+    def released(self, decision: RoutingDecision, at: Release, monotonic_s: float, failed: bool = False) -> int | None:
+        if decision.view_now_ms is None:
+            return None
+        view_ms = self.router.view_ms(decision, monotonic_s)  # before on_finish forgets the decision
+        if at == "first_token":
+            self.router.on_first_token(decision, monotonic_s)
+        else:
+            self.router.on_finish(decision, monotonic_s, failed)
+        return view_ms
+
     async def close(self) -> None:
         await self.router.close()
+
+
+class SharedReleases:
+    """A door's releases written onto the shared pending-block and in-flight streams
+    (``ns|pend-log``, ``ns|infl-log``: :mod:`state.shared_log`) without following them: a door
+    deciding through the log reads neither, the routers that decided apply what it writes."""
+
+    def __init__(self, settings: Settings, producer_id: str, client: Any = None) -> None:
+        if client is None:
+            conn = settings.redis()
+            client = open_client(conn.connection_url(), decode_responses=False, **conn.tls_options(),
+                                 socket_timeout=2.0, socket_connect_timeout=2.0)
+        keys = ViewKeys(settings.view_namespace)
+        # Trimmed as the routers trim them (2 x the TTL, 2 x the lease: state.shared_log's readers).
+        self.pending = SharedLog(client, keys.pending, producer_id=producer_id,
+                                 retain_ms=2 * max(int(settings.pending_ttl_s * 1000), 1), apply=_unread)
+        self.inflight = SharedLog(client, keys.inflight, producer_id=producer_id,
+                                  retain_ms=2 * max(int(settings.inflight_lease_s * 1000), 1), apply=_unread)
+
+    def first_token(self, request_id: str, at_ms: int) -> None:
+        self.inflight.append(encode_inflight(FirstToken(request_id, at_ms)), at_ms)
+
+    def finish(self, request_id: str, at_ms: int, failed: bool) -> None:
+        self.inflight.append(encode_inflight(Finished(request_id, at_ms)), at_ms)
+        if failed:
+            self.pending.append(encode_pending(Released(request_id, at_ms)), at_ms)
+
+    async def close(self) -> None:
+        await self.inflight.close()
+        await self.pending.close()
+
+
+def _unread(_: Any) -> None:
+    """A :class:`SharedReleases` stream is never followed."""
 
 
 class LogDecider:
@@ -127,10 +200,16 @@ class LogDecider:
         self._seq = seq if seq is not None else itertools.count(1)
         self._stop = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self.releases: SharedReleases | None = None
+        """Where releases go (None: no Redis configured, the routers' leases end the charges)."""
+        self._arrived: OrderedDict[str, float] = OrderedDict()
+        """request id -> when its decision reached this door (``time.monotonic()``)."""
 
     async def start(self) -> None:
         t = self.topics
         await ensure_topics(self.settings.kafka(), (t.requests, t.dispatch))
+        if self.releases is None and self.settings.redis_url:
+            self.releases = SharedReleases(self.settings, self.producer_id)
         if self._own_producer:
             self._prod = producer(self.settings.kafka(), linger_ms=0)
             await self._prod.start()
@@ -150,6 +229,23 @@ class LogDecider:
     def waiting(self, request_id: str) -> bool:
         return self.inbox.waiting(request_id)
 
+    def released(self, decision: RoutingDecision, at: Release, monotonic_s: float, failed: bool = False) -> int | None:
+        if decision.view_now_ms is None:
+            return None
+        # The router's clock is elsewhere: counted from the decision's arrival here (early by its
+        # trip back, which only ends the charge a little sooner than the engine does).
+        came = self._arrived.get(decision.request_id)
+        view_ms = decision.view_now_ms + (0 if came is None else max(int((monotonic_s - came) * 1000), 0))
+        rel, rid = self.releases, decision.request_id
+        if at == "first_token":
+            if rel is not None and decision.inflight_lease_ms is not None:
+                rel.first_token(rid, view_ms)
+        else:
+            if rel is not None and (decision.inflight_lease_ms is not None or decision.pending_ttl_ms is not None):
+                rel.finish(rid, view_ms, failed)
+            self._arrived.pop(rid, None)
+        return view_ms
+
     async def decide(self, req: RoutingRequest) -> Answer:
         rid = req.request_id
         req = req.model_copy(update={"reply_to": self.producer_id})
@@ -165,9 +261,14 @@ class LogDecider:
 
         try:
             # The send is inside the timeout too: a producer that cannot take the record never hangs a client.
-            return await asyncio.wait_for(ask(), self.timeout_s)
+            answer = await asyncio.wait_for(ask(), self.timeout_s)
         finally:
             self.inbox.forget(rid)
+        if isinstance(answer, RoutingDecision):
+            self._arrived[rid] = time.monotonic()
+            if len(self._arrived) > MAX_TRACKED:
+                self._arrived.popitem(last=False)
+        return answer
 
     async def _watch_delivery(self, delivery: asyncio.Future[Any], rid: str) -> None:
         """The routing request's acknowledgement (``streams.kafka.acknowledged``, warning after 1 s);
@@ -182,6 +283,9 @@ class LogDecider:
         if self._task is not None:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.wait_for(self._task, 5)
+        if self.releases is not None:
+            with contextlib.suppress(Exception):
+                await self.releases.close()
         if self._own_producer and self._prod is not None:
             await self._prod.stop()
 
@@ -205,4 +309,4 @@ def parse_routing(text: str) -> Routing | None:
 
 
 __all__ = ["ROUTINGS", "Answer", "Colocated", "Decider", "Down", "InboxClosed", "LogDecider", "LogUnavailable",
-           "Routing", "make_decider", "parse_routing"]
+           "Release", "Routing", "SharedReleases", "make_decider", "parse_routing"]

@@ -34,6 +34,12 @@ class Trace:
     status: int = 200
     error: str | None = None
     message: str = ""
+    first_token_view_ms: int | None = None
+    """The (last) decision's first token on the view's clock, as released (``Decider.released``)."""
+    finished_view_ms: int | None = None
+    """Its end on the view's clock, as released."""
+    finished: str | None = None
+    """The attempt whose end was released (a decision's end is released once)."""
 
 
 def outcome_of(tr: Trace, gateway_id: str, now: float) -> RequestOutcome:
@@ -54,4 +60,6 @@ def outcome_of(tr: Trace, gateway_id: str, now: float) -> RequestOutcome:
                        if tr.ttft_s is not None and tr.decode_sent is not None else None),
         reused_tokens=d.reused_tokens if d else None, mode=d.mode if d else None,
         control_offset=d.control_offset if d else None,
+        first_token_view_ms=tr.first_token_view_ms if d else None,
+        finished_view_ms=tr.finished_view_ms if d else None,
     )

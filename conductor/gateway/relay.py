@@ -2,7 +2,9 @@
 
 Once tokens have been relayed, a broken stream ends with an SSE error event (the ``openai``
 client raises it as ``APIError``), never a silent hang; the relay is closed however the response
-ends (:class:`RelayResponse`), and the request's outcome recorded then.
+ends (:class:`RelayResponse`), and the request's outcome recorded then. The first token
+(a non-streamed answer read whole, a stream's first event with tokens) is reported at once
+(``first_token``: the decision's prefill work is released then, ``Decider.released``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,10 @@ MAX_SSE_EVENT_BYTES = 16 * 1024 * 1024
 """The longest SSE event the relay holds while it waits for the event's end. The largest real
 one is a first chunk carrying a long prompt's ``prompt_token_ids`` (vLLM's ``return_token_ids``:
 ~8 bytes a token, 8 MiB at 1M tokens); a stream whose event never ends is cut with an error."""
+
+
+def _nothing(_: Trace) -> None:
+    """No one to tell."""
 
 
 class RelayResponse(StreamingResponse):
@@ -48,9 +54,10 @@ class RelayResponse(StreamingResponse):
 
 
 async def respond(up: Upstream, resp: httpx.Response, creq: ClientRequest, tr: Trace, headers: Mapping[str, str],
-                  finish: Callable[[Trace], None]) -> Response:
+                  finish: Callable[[Trace], None], first_token: Callable[[Trace], None] = _nothing) -> Response:
     """The client's answer from the decode's open ``resp``: read whole, or a :class:`RelayResponse`
-    once the stream's first chunk is in; ``finish`` records the outcome when the answer is done."""
+    once the stream's first chunk is in; ``first_token`` is told when the first token is in,
+    ``finish`` records the outcome when the answer is done."""
     assert tr.decision is not None
     d = tr.decision
     if not creq.stream:
@@ -60,6 +67,7 @@ async def respond(up: Upstream, resp: httpx.Response, creq: ClientRequest, tr: T
         except ValueError:
             raise EngineLost(d.decode_instance, "the decode answer is not JSON") from None
         tr.ttft_s = up.clock() - tr.t0
+        first_token(tr)
         if isinstance(data, dict):
             data.pop("kv_transfer_params", None)
             usage = data.get("usage") or {}
@@ -76,12 +84,13 @@ async def respond(up: Upstream, resp: httpx.Response, creq: ClientRequest, tr: T
         if isinstance(e, (httpx.HTTPError, StopAsyncIteration)):
             raise EngineLost(d.decode_instance, f"the stream ended before its first byte: {type(e).__name__}") from None
         raise
-    return RelayResponse(relay(up, resp, it, first, creq, tr, finish), media_type="text/event-stream",
+    return RelayResponse(relay(up, resp, it, first, creq, tr, finish, first_token), media_type="text/event-stream",
                          headers=dict(headers))
 
 
 async def relay(up: Upstream, resp: httpx.Response, it: AsyncIterator[bytes], first: bytes, creq: ClientRequest,
-                tr: Trace, finish: Callable[[Trace], None]) -> AsyncIterator[bytes]:
+                tr: Trace, finish: Callable[[Trace], None],
+                first_token: Callable[[Trace], None] = _nothing) -> AsyncIterator[bytes]:
     """Pass the decode's SSE events through, timing tokens; drop the usage chunk the client did not ask for.
 
     Each chunk waits at most ``idle_s``; an event longer than :data:`MAX_SSE_EVENT_BYTES` ends
@@ -110,6 +119,7 @@ async def relay(up: Upstream, resp: httpx.Response, it: AsyncIterator[bytes], fi
                 if tr.ttft_s is None:
                     tr.ttft_s = now - tr.t0
                     tokens -= 1
+                    first_token(tr)
                 if tokens and last is not None:
                     tr.gaps_ms.extend([(now - last) * 1000.0 / tokens] * tokens)
                 last = now

@@ -20,6 +20,11 @@
   one module per hand-off drives them (:mod:`conductor.gateway.handoff`), and the answer goes
   back through :mod:`conductor.gateway.relay`.
 - After each request a ``request_outcome`` record goes to ``request-outcomes``.
+- Each attempt's decision is released on the shared decision-time records
+  (:meth:`~conductor.frontdoor.decide.Decider.released`): its prefill work at the first token,
+  all of it when the answer ends (complete, failed, cancelled, the client gone) or when the
+  engine fails it before a retry (failed: its pending blocks end too). The outcome records the
+  last attempt's ``first_token_view_ms`` / ``finished_view_ms`` from the same readings.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import httpx
 from opentelemetry import metrics
 from starlette.responses import Response
 
-from conductor.frontdoor.decide import Decider, InboxClosed, LogUnavailable
+from conductor.frontdoor.decide import Decider, InboxClosed, LogUnavailable, Release
 from conductor.frontdoor.directory import EngineDirectory
 from conductor.frontdoor.protocol import (
     BadRequest,
@@ -158,6 +163,7 @@ class Gateway:
             try:
                 return await self._serve(creq, body, answer, arid, tr)
             except EngineFailed as e:
+                self._release_end(tr, failed=True)  # nothing of it runs: its work and blocks end now
                 log.warning("request %s: %s failed (%s); %s", arid, e.node, e,
                             "routing again without it" if attempt + 1 < self.config.max_attempts else "giving up")
                 if e.node not in tr.excluded:
@@ -289,11 +295,33 @@ class Gateway:
         out_headers = {"x-conductor-request-id": tr.request_id, "x-conductor-prefill-instance": d.prefill_instance,
                        "x-conductor-decode-instance": d.decode_instance,
                        "x-conductor-routing-ms": f"{tr.decided_s * 1000.0:.3f}"}
-        return await respond(self.upstream, resp, creq, tr, out_headers, self._outcome)
+        return await respond(self.upstream, resp, creq, tr, out_headers, self._outcome, self._first_token)
+
+    # --- decision-time releases -----------------------------------------------------------
+
+    def _first_token(self, tr: Trace) -> None:
+        """The (last) decision's first token is in: its prefill's in-flight work ends."""
+        if tr.decision is not None:
+            tr.first_token_view_ms = self._released(tr.decision, "first_token", False)
+
+    def _release_end(self, tr: Trace, failed: bool) -> None:
+        """The (last) decision ended (once per attempt)."""
+        d = tr.decision
+        if d is not None and tr.finished != d.request_id:
+            tr.finished = d.request_id
+            tr.finished_view_ms = self._released(d, "finished", failed)
+
+    def _released(self, d: RoutingDecision, at: Release, failed: bool) -> int | None:
+        try:
+            return self.decider.released(d, at, time.monotonic(), failed)
+        except Exception:  # the lease ends what a release could not; the client is answered
+            log.exception("request %s: releasing its %s failed", d.request_id, at)
+            return None
 
     # --- the outcome --------------------------------------------------------------------------
 
     def _outcome(self, tr: Trace) -> None:
+        self._release_end(tr, failed=tr.error is not None)  # failed as explain reads the outcome
         o = outcome_of(tr, self.config.gateway_id, self.clock())
         self.outcomes.append(o)
         del self.outcomes[:-1000]
