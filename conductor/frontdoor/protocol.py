@@ -96,6 +96,30 @@ COMPLETION_PROMPT_FIELDS: dict[str, type | tuple[type, ...]] = {
 }
 
 
+ENGINE_CONTROL_FIELDS = frozenset({
+    "kv_transfer_params", "ec_transfer_params", "vllm_xargs", "priority", "request_id",  # vLLM
+    "rid", "data_parallel_rank", "disagg_prefill_dp_rank",  # SGLang (and its bootstrap_* fields)
+})
+"""Body fields an engine takes as orders from whoever calls it, not as part of the request: where its
+KV connector pulls or leaves blocks (``kv_transfer_params``, ``ec_transfer_params``, SGLang's
+``bootstrap_*``), the extensions' arguments that reach the connector beside them (``vllm_xargs``), its
+scheduling priority, the id it files the request under, the data-parallel rank. Only Conductor sets
+them; ``cache_salt`` (the client's own isolation, in the block keys) and ``session_id`` are not orders."""
+
+
+def engine_control_field(body: Mapping[str, Any]) -> str | None:
+    """The first field of ``body`` that only Conductor may send an engine (:data:`ENGINE_CONTROL_FIELDS`,
+    ``bootstrap_*``), or None.
+
+    Refused (400 naming it) rather than dropped, on both doors alike: the picker forwards the client's
+    body byte for byte (rewriting it costs a re-encode of every prompt), and a client whose field would be
+    dropped silently learns nothing; priority is asked for with ``x-conductor-priority``."""
+    for name in body:
+        if name in ENGINE_CONTROL_FIELDS or name.startswith("bootstrap_"):
+            return name
+    return None
+
+
 def prompt_fields(body: Mapping[str, Any], chat: bool) -> dict[str, Any]:
     """The prompt-shaping fields of ``body`` (None = absent), type-checked; :class:`BadRequest` naming a bad one."""
     out: dict[str, Any] = {}
@@ -163,6 +187,10 @@ def parse_body(body: Any, *, chat: bool, base_model: str | None = None) -> Clien
     """
     if not isinstance(body, dict):
         raise BadRequest("body", "the body must be a JSON object")
+    control = engine_control_field(body)
+    if control is not None:
+        raise BadRequest(control, f"{control[:64]} is an engine control field: only Conductor sets it "
+                         f"(ask for a priority with the {PRIORITY_HEADER} header)")
     model = body.get("model")
     if not isinstance(model, str) or not 0 < len(model) <= MAX_NAME:
         raise BadRequest("model", "model is required: a string of 1-256 characters")
