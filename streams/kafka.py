@@ -90,6 +90,15 @@ def consumer(kafka: KafkaConnection, *topic_names: str, group_id: str | None, **
     return AIOKafkaConsumer(*topic_names, **opts)
 
 
+def set_fetch_wait(c: AIOKafkaConsumer, wait_ms: int | None) -> None:
+    """Change how long ``c``'s next fetches ask the broker to hold them (``fetch_max_wait_ms``),
+    from the next fetch on. aiokafka reads the value per fetch but offers no setter: a consumer
+    without the attribute is left as it is."""
+    fetcher = getattr(c, "_fetcher", None)
+    if wait_ms is not None and fetcher is not None and hasattr(fetcher, "_fetch_max_wait_ms"):
+        fetcher._fetch_max_wait_ms = wait_ms
+
+
 async def ensure_topics(kafka: KafkaConnection, wanted: tuple[Topic, ...]) -> list[str]:
     """Create the topics that do not exist yet; return the names created."""
     admin = AIOKafkaAdminClient(bootstrap_servers=_bootstrap(kafka), **security_options(kafka))

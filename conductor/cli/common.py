@@ -204,8 +204,9 @@ def _root(verbose: bool = typer.Option(False, "--verbose", "-v", help="debug log
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    if not verbose:  # the Kafka client's per-subscription INFO lines say nothing to an operator
-        logging.getLogger("aiokafka").setLevel(logging.WARNING)
+    # The Kafka client's per-subscription INFO lines say nothing to an operator, and its DEBUG is a
+    # line per fetch (hundreds a second on the embedded broker): a verbose process stops at INFO.
+    logging.getLogger("aiokafka").setLevel(logging.INFO if verbose else logging.WARNING)
 
 
 def stop_on_signals(stop: asyncio.Event) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from aiokafka import TopicPartition
 
+import streams.follow
 import streams.topics
 from conductor.routing.router import DECIDED, Router
 from conductor.settings import Settings
@@ -95,3 +96,22 @@ async def test_a_router_still_leaves_an_old_decided_request_alone() -> None:
     router = Router(Settings(), view=None, reservations=None)  # type: ignore[arg-type]
     key, out, reply_to = await router.handle_with_reply(m.value, m.key, 0)
     assert out is DECIDED and key == "" and reply_to is None
+
+
+class Fetcher:
+    _fetch_max_wait_ms = 5
+
+
+async def test_a_short_wait_follower_waits_longer_once_idle_and_short_again_with_a_record(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(streams.follow, "IDLE_AFTER_S", 0.0)
+    f = Follower(KafkaConnection("127.0.0.1:1", "embedded"), [(T.requests, Earliest())], on_bad=OnBad.SKIP,
+                 name="t", fetch_wait_ms=5)
+    c = Consumer([])
+    c._fetcher = Fetcher()  # type: ignore[attr-defined]
+    f._consumer = c
+    await f.fetch()  # nothing: idle at once (IDLE_AFTER_S = 0)
+    assert c._fetcher._fetch_max_wait_ms == streams.follow.IDLE_FETCH_WAIT_MS  # type: ignore[attr-defined]
+    c.messages = [message(0, request("routed", None))]
+    await f.fetch()
+    assert c._fetcher._fetch_max_wait_ms == 5  # type: ignore[attr-defined]
