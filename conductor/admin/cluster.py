@@ -23,7 +23,7 @@ def view_summary(snap: ViewSnapshot, ttl_s: float, status: Any = None) -> dict[s
             "free_kv_blocks": n.free_kv_blocks, "total_kv_blocks": n.total_kv_blocks,
             "kv_use": round(1 - n.free_kv_blocks / n.total_kv_blocks, 4) if n.total_kv_blocks else None,
             "rack": n.rack, "epoch": n.epoch, "last_seq": n.last_seq, "seq_gaps": n.seq_gaps,
-            "blocks": dict(n.blocks),
+            "blocks": dict(n.blocks), "kv_events": n.kv_events,
         }
         if status is not None:
             row["status"] = status(n.node_id)
