@@ -247,6 +247,14 @@ class Settings(BaseSettings):
         "an engine at its bound is answered 429 engine_busy with Retry-After; 0 = no limit",
     )
 
+    # --- the endpoint picker (conductor/epp/README.md) ---------------------------------------
+    epp_trust_bounds_header: bool = Field(
+        default=False,
+        description="conductor epp: widen a request's SLO and priority bounds (default: ttft_slo_s, tbt_slo_ms, "
+        "priority 0) by the x-conductor-trusted-bounds header; only where the proxy in front removes a client's "
+        "own copy of it before ext_proc (deploy/kubernetes/README.md)",
+    )
+
     @field_validator("kafka_url", "redis_url", "decision_index_url")
     @classmethod
     def _not_blank(cls, v: str | None) -> str | None:

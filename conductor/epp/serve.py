@@ -23,6 +23,7 @@ from conductor.epp.service import EppConfig, ExternalProcessor, Picker
 from conductor.errors import ConfigError
 from conductor.frontdoor.decide import ROUTINGS, Decider, Routing, make_decider, parse_routing
 from conductor.frontdoor.directory import EngineDirectory
+from conductor.frontdoor.protocol import default_bounds
 from conductor.frontdoor.tokenizer import EngineTokenizer, LocalTokenizer, PromptTokenizer
 from conductor.settings import Settings
 from state.connect import open_client
@@ -82,7 +83,8 @@ def epp_config(settings: Settings, *, epp_id: str | None, engines: dict[str, str
     if body_mode not in BODY_MODES:
         raise ConfigError(f"--body-mode must be one of {', '.join(BODY_MODES)}, not {body_mode!r}")
     return EppConfig(epp_id=eid, engines=engines, base_model=base_model, routing=routing,
-                     decision_timeout_s=decision_timeout_s, body_mode=body_mode, max_body_bytes=max_body_bytes)
+                     decision_timeout_s=decision_timeout_s, body_mode=body_mode, max_body_bytes=max_body_bytes,
+                     bounds=default_bounds(settings), trust_bounds_header=settings.epp_trust_bounds_header)
 
 
 def _routing(text: str) -> Routing:

@@ -51,8 +51,20 @@ from conductor.epp.protocol import (
 )
 from conductor.frontdoor.decide import Decider, InboxClosed, LogUnavailable
 from conductor.frontdoor.directory import EngineDirectory, decided_url
-from conductor.frontdoor.protocol import BadRequest, error_body, parse_body, parse_slo, request_id, routing_request
+from conductor.frontdoor.protocol import (
+    TRUSTED_BOUNDS_HEADER,
+    BadRequest,
+    SloBounds,
+    default_bounds,
+    error_body,
+    parse_body,
+    parse_slo,
+    request_id,
+    routing_request,
+    trusted_bounds,
+)
 from conductor.frontdoor.tokenizer import PromptRejected, PromptTokenizer, TokenizeError
+from conductor.settings import Settings
 from schemas import RoutingDecision
 
 log = logging.getLogger(__name__)
@@ -80,6 +92,12 @@ class EppConfig:
     Extension's) or ``buffered``."""
     max_body_bytes: int = 16 * 1024 * 1024
     """A body longer than this is answered 413 (the picker holds the whole body to decide)."""
+    bounds: SloBounds = field(default_factory=lambda: default_bounds(Settings.model_construct()))
+    """What a request's SLO and priority headers are clamped to (the settings' ``ttft_slo_s``,
+    ``tbt_slo_ms``, priority 0), as the gateway clamps them to an API key's."""
+    trust_bounds_header: bool = False
+    """Widen ``bounds`` by the proxy's :data:`~conductor.frontdoor.protocol.TRUSTED_BOUNDS_HEADER` (settings
+    ``epp_trust_bounds_header``)."""
 
 
 class EppMetrics:
@@ -199,7 +217,10 @@ class Picker:
             return [bad_request("the body is not JSON", "invalid_json", param="body")]
         try:
             creq = parse_body(parsed, chat=chat, base_model=self.config.base_model)
-            slo = parse_slo(st.headers)
+            bounds = self.config.bounds
+            if self.config.trust_bounds_header:
+                bounds = trusted_bounds(st.headers.get(TRUSTED_BOUNDS_HEADER), bounds)
+            slo = parse_slo(st.headers, bounds)
         except BadRequest as e:
             return [bad_request(str(e), "invalid_value", param=e.param)]
         exclude: list[str] = []

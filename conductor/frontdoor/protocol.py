@@ -11,7 +11,7 @@ import re
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from pydantic import ValidationError
 
@@ -167,6 +167,17 @@ def bound_slo(slo: Slo, bounds: SloBounds) -> Slo:
         return v if v is None or hi is None else min(v, hi)
 
     return Slo(clamp(slo.ttft_s, bounds.max_ttft_s), clamp(slo.tbt_ms, bounds.max_tbt_ms),
+class _SloDefaults(Protocol):
+    ttft_slo_s: float
+    tbt_slo_ms: float
+
+
+def default_bounds(settings: _SloDefaults) -> SloBounds:
+    """The bounds of a caller nobody vouched for: the router's default SLOs (``ttft_slo_s``,
+    ``tbt_slo_ms``: no header loosens them), priority at most 0 (a client may only lower its own)."""
+    return SloBounds(max_ttft_s=settings.ttft_slo_s, max_tbt_ms=settings.tbt_slo_ms, max_priority=0)
+
+
                min(slo.priority, bounds.max_priority))
 
 
@@ -177,6 +188,40 @@ def _int(body: Mapping[str, Any], name: str, lo: int, hi: int) -> int | None:
     if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
         raise BadRequest(name, f"{name} must be an integer in [{lo}, {hi}], got {v!r}")
     return v
+TRUSTED_BOUNDS_HEADER = "x-conductor-trusted-bounds"
+"""Set by the proxy in front of the picker for a caller it authenticated: the bounds that caller's SLO
+headers are clamped to instead of the defaults, as ``ttft_ms=60000, tbt_ms=200, priority=50`` (any of
+them; one left out keeps the default's). Read only when the picker is told to trust it
+(``epp_trust_bounds_header``), where the proxy removes a client's own copy before ext_proc."""
+
+
+def trusted_bounds(value: str | None, defaults: SloBounds) -> SloBounds:
+    """``defaults`` widened by a :data:`TRUSTED_BOUNDS_HEADER` value (None: ``defaults``); :class:`BadRequest`
+    naming the header when it does not parse."""
+    if value is None:
+        return defaults
+    ttft_s, tbt_ms, priority = defaults.max_ttft_s, defaults.max_tbt_ms, defaults.max_priority
+    for item in value.split(","):
+        name, _, raw = item.strip().partition("=")
+        try:
+            x = float(raw)
+        except ValueError:
+            x = math.nan
+        if not math.isfinite(x) or (name != "priority" and x <= 0):
+            raise BadRequest(TRUSTED_BOUNDS_HEADER, f"header {TRUSTED_BOUNDS_HEADER}: {item.strip()[:64]!r} is not "
+                             "ttft_ms=N, tbt_ms=N or priority=N")
+        if name == "ttft_ms":
+            ttft_s = x / 1000.0
+        elif name == "tbt_ms":
+            tbt_ms = x
+        elif name == "priority" and x == int(x) and -100 <= x <= 100:
+            priority = int(x)
+        else:
+            raise BadRequest(TRUSTED_BOUNDS_HEADER, f"header {TRUSTED_BOUNDS_HEADER}: {item.strip()[:64]!r} is not "
+                             "ttft_ms=N, tbt_ms=N or priority=N (an integer in [-100, 100])")
+    return SloBounds(max_ttft_s=ttft_s, max_tbt_ms=tbt_ms, max_priority=priority)
+
+
 
 
 def parse_body(body: Any, *, chat: bool, base_model: str | None = None) -> ClientRequest:

@@ -42,7 +42,7 @@ from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from conductor.errors import ConfigError
-from conductor.frontdoor.protocol import SloBounds, error_body
+from conductor.frontdoor.protocol import SloBounds, default_bounds, error_body
 from conductor.settings import Settings
 
 log = logging.getLogger(__name__)
@@ -199,7 +199,7 @@ def key_ring(settings: Settings, *, insecure: bool = False) -> KeyRing:
         raise ConfigError("gateway_api_keys_file: two entries have the same key")
     if not keys and not insecure:
         raise ConfigError(NO_KEY)
-    defaults = SloBounds(max_ttft_s=settings.ttft_slo_s, max_tbt_ms=settings.tbt_slo_ms, max_priority=0)
+    defaults = default_bounds(settings)
     return KeyRing(keys, defaults)
 
 

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from conductor.frontdoor.protocol import BadRequest, parse_body
-from tests.unit.test_epp_picker import body_msg, headers_msg, picker, run
+from conductor.frontdoor.protocol import BadRequest, SloBounds, parse_body, trusted_bounds
+from tests.unit.test_epp_picker import BODY, body_msg, headers_msg, picker, run
 
 
 @pytest.mark.parametrize("field,value", [
@@ -38,3 +38,42 @@ async def test_the_picker_refuses_an_engine_control_field_before_deciding() -> N
     err = json.loads(r.immediate_response.body)["error"]
     assert r.immediate_response.status.code == 400 and err["param"] == "kv_transfer_params"
     assert dec.asked == []
+
+
+async def test_the_picker_clamps_slo_and_priority_headers_to_the_defaults() -> None:
+    p, dec = picker()
+    hdrs = {"x-conductor-priority": "100", "x-conductor-ttft-slo-ms": "1e9", "x-conductor-tbt-slo-ms": "1e9",
+            "x-conductor-trusted-bounds": "ttft_ms=1e9, priority=100"}  # not trusted unless configured
+    await run(p, headers_msg(**hdrs), body_msg(BODY, True))
+    [req] = dec.asked
+    assert (req.priority, req.ttft_slo_s, req.tbt_slo_ms) == (0, 30.0, 100.0)
+    lower = {"x-conductor-priority": "-5", "x-conductor-ttft-slo-ms": "500"}
+    p, dec = picker()
+    await run(p, headers_msg(**lower), body_msg(BODY, True))
+    assert (dec.asked[0].priority, dec.asked[0].ttft_slo_s) == (-5, 0.5)  # tighter asks pass as sent
+
+
+async def test_a_trusted_proxy_s_bounds_header_widens_them_when_the_picker_trusts_it() -> None:
+    p, dec = picker(trust_bounds_header=True)
+    hdrs = {"x-conductor-priority": "100", "x-conductor-ttft-slo-ms": "1e9",
+            "x-conductor-trusted-bounds": "ttft_ms=60000, priority=50"}
+    await run(p, headers_msg(**hdrs), body_msg(BODY, True))
+    [req] = dec.asked
+    assert (req.priority, req.ttft_slo_s, req.tbt_slo_ms) == (50, 60.0, None)
+    [_, [r]] = await run(p, headers_msg(**{"x-conductor-trusted-bounds": "ttft_ms=fast"}), body_msg(BODY, True))
+    assert json.loads(r.immediate_response.body)["error"]["param"] == "x-conductor-trusted-bounds"
+
+
+@pytest.mark.parametrize("value,want", [
+    (None, SloBounds(30.0, 100.0, 0)), ("priority=7", SloBounds(30.0, 100.0, 7)),
+    ("ttft_ms=2000,tbt_ms=50", SloBounds(2.0, 50.0, 0)), (" priority=-3 ", SloBounds(30.0, 100.0, -3)),
+])
+def test_trusted_bounds(value: str | None, want: SloBounds) -> None:
+    assert trusted_bounds(value, SloBounds(30.0, 100.0, 0)) == want
+
+
+@pytest.mark.parametrize("value", ["priority=101", "priority=1.5", "ttft_ms=0", "ttft_ms=inf", "speed=3", ""])
+def test_bad_trusted_bounds_name_the_header(value: str) -> None:
+    with pytest.raises(BadRequest) as e:
+        trusted_bounds(value, SloBounds())
+    assert e.value.param == "x-conductor-trusted-bounds"
