@@ -101,6 +101,14 @@ def _decision_time_v5(body: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
+@upcaster("routing_request", 4)
+@upcaster("routing_decision", 5)
+def _sessions(body: dict[str, Any]) -> dict[str, Any]:
+    # Request v5 (session) and decision v6 (session_instance) added optional fields: absent = a
+    # request of no session, decided without one.
+    return body
+
+
 @upcaster("heartbeat", 3)
 def _heartbeat_v4(body: dict[str, Any]) -> dict[str, Any]:
     # v4 added ``kv_events`` (False: a node that publishes no KV events): absent = it does, as every

@@ -218,6 +218,10 @@ class RoutingRequest(Record):
     """v4: the process that already decided this request in its own process (a gateway's
     colocated router) and wrote the decision to ``dispatch`` itself: the record is here for the
     audit trail (``explain`` reads it), and routers skip it. None: a router decides it."""
+    session: Annotated[str, StringConstraints(min_length=1, max_length=256)] | None = None
+    """v5: the conversation this request belongs to (the ``x-conductor-session`` header, else the
+    OpenAI ``user`` field): the router keeps it on the instance that served the session last
+    unless leaving pays (the stay rule). None: no session."""
 
     @model_validator(mode="after")
     def _tokens_or_chain(self) -> RoutingRequest:
@@ -313,6 +317,10 @@ class RoutingDecision(Record):
     left_holder: Text | None = None
     """Why the instance holding the longest prefix of the chain was not chosen, when it was not
     (its predicted TTFT lost by more than the prediction's measured error); None: it was, or none held one."""
+    # v6: sessions
+    session_instance: OptName = None
+    """The prefill instance that served the request's session last, as the router knew it when
+    deciding (it counts as a holder in the stay rule; ``explain`` decides again with it)."""
 
     @property
     def aggregated(self) -> bool:
@@ -675,8 +683,8 @@ BODY_TYPES: dict[str, type[Record]] = {t.model_fields["kind"].default: t for t i
 # ``schemas.codec`` whenever a body changes incompatibly.
 SCHEMA_VERSIONS: dict[str, int] = {kind: 1 for kind in BODY_TYPES}
 SCHEMA_VERSIONS["heartbeat"] = 4  # v2 added decode_context_tokens and zone; v3 endpoint, dp_rank, bootstrap_port, kv_transfer; v4 kv_events
-SCHEMA_VERSIONS["routing_request"] = 4  # v2 added cache_salt, exclude and retry_of; v3 reachable; v4 decided_by
-SCHEMA_VERSIONS["routing_decision"] = 5  # v2 added control_offset, block_size, model_profile, prefill_group, chunk_boundaries; v3 mode, options, endpoints; v4 decided_by, ordinal; v5 pending_ttl_ms, inflight_lease_ms, queued_tokens_ahead, left_holder
+SCHEMA_VERSIONS["routing_request"] = 5  # v2 added cache_salt, exclude and retry_of; v3 reachable; v4 decided_by; v5 session
+SCHEMA_VERSIONS["routing_decision"] = 5  # v2 added control_offset, block_size, model_profile, prefill_group, chunk_boundaries; v3 mode, options, endpoints; v4 decided_by, ordinal; v5 pending_ttl_ms, inflight_lease_ms, queued_tokens_ahead, left_holder; v6 session_instance
 SCHEMA_VERSIONS["routing_rejection"] = 2  # v2 added control_offset, block_size, model_profile
 SCHEMA_VERSIONS["kv_command"] = 3  # v2 added command_id (required), deadline_ms, token_ids, block_size; v3 by_node
 SCHEMA_VERSIONS["blocks_removed"] = 2  # v2 added node (a shared pool's blocks removed by another producer)

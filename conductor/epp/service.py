@@ -62,6 +62,7 @@ from conductor.frontdoor.protocol import (
     request_id,
     routing_request,
     trusted_bounds,
+    with_session,
 )
 from conductor.frontdoor.tokenizer import PromptRejected, PromptTokenizer, TokenizeError
 from conductor.settings import Settings
@@ -216,7 +217,7 @@ class Picker:
         except ValueError:
             return [bad_request("the body is not JSON", "invalid_json", param="body")]
         try:
-            creq = parse_body(parsed, chat=chat, base_model=self.config.base_model)
+            creq = with_session(parse_body(parsed, chat=chat, base_model=self.config.base_model), st.headers)
             bounds = self.config.bounds
             if self.config.trust_bounds_header:
                 bounds = trusted_bounds(st.headers.get(TRUSTED_BOUNDS_HEADER), bounds)

@@ -6,6 +6,7 @@ No I/O here: everything is a function of its arguments, so it is tested without 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import uuid
@@ -22,6 +23,9 @@ from schemas.records import MAX_EXTRA_KEYS, MAX_NAME
 TTFT_HEADER = "x-conductor-ttft-slo-ms"
 TBT_HEADER = "x-conductor-tbt-slo-ms"
 PRIORITY_HEADER = "x-conductor-priority"
+SESSION_HEADER = "x-conductor-session"
+"""The conversation a request belongs to (else the body's OpenAI ``user`` field): the router keeps
+a session on the instance that served it last unless leaving pays (``RoutingRequest.session``)."""
 DEFAULT_EXPECTED_OUTPUT = 256
 """Output tokens the router plans for when the client names no max_tokens."""
 MAX_TOKENS_CAP = 1_048_576
@@ -69,6 +73,9 @@ class ClientRequest:
     prompt_fields: Mapping[str, Any] = field(default_factory=dict)
     """The body's other fields that shape the prompt the engine prefills (:data:`CHAT_PROMPT_FIELDS`,
     :data:`COMPLETION_PROMPT_FIELDS`), as the client sent them: the gateway tokenizes with them."""
+    session: str | None = None
+    """The request's session key: the body's ``user`` (:func:`with_session` puts the
+    :data:`SESSION_HEADER` over it)."""
 
 
 @dataclass(frozen=True)
@@ -251,6 +258,9 @@ def parse_body(body: Any, *, chat: bool, base_model: str | None = None) -> Clien
     salt = body.get("cache_salt")
     if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_NAME):
         raise BadRequest("cache_salt", "cache_salt must be a string of 1-256 characters")
+    user = body.get("user")
+    if user is not None and (not isinstance(user, str) or len(user) > MAX_NAME):
+        raise BadRequest("user", "user must be a string of at most 256 characters")
     text = ids = msgs = None
     if chat:
         m = body.get("messages")
@@ -276,8 +286,19 @@ def parse_body(body: Any, *, chat: bool, base_model: str | None = None) -> Clien
         chat=chat, model=model, stream=bool(stream), include_usage=bool((so or {}).get("include_usage")),
         max_tokens=mt, prompt_text=text, prompt_ids=ids, messages=msgs, cache_salt=salt,
         lora_name=model if base_model is not None and model != base_model else None,
-        prompt_fields=prompt_fields(body, chat),
+        prompt_fields=prompt_fields(body, chat), session=user or None,
     )
+
+
+def with_session(creq: ClientRequest, headers: Mapping[str, str]) -> ClientRequest:
+    """``creq`` with its session from the :data:`SESSION_HEADER` when the client sent one
+    (:class:`BadRequest` naming the header when it is longer than 256 characters)."""
+    key = headers.get(SESSION_HEADER)
+    if not key:
+        return creq
+    if len(key) > MAX_NAME:
+        raise BadRequest(SESSION_HEADER, f"header {SESSION_HEADER} must be at most 256 characters")
+    return dataclasses.replace(creq, session=key)
 
 
 def parse_slo(headers: Mapping[str, str], bounds: SloBounds | None = None) -> Slo:
@@ -372,6 +393,7 @@ def routing_request(request_id: str, creq: ClientRequest, slo: Slo, prompt: Prom
             expected_output_tokens=creq.max_tokens or DEFAULT_EXPECTED_OUTPUT,
             ttft_slo_s=slo.ttft_s, tbt_slo_ms=slo.tbt_ms, priority=slo.priority, lora_name=creq.lora_name,
             cache_salt=creq.cache_salt, exclude=list(exclude[:64]), retry_of=retry_of, reachable=list(reachable),
+            session=creq.session,
         )
     except ValidationError as e:
         first = e.errors()[0]

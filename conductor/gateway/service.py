@@ -54,6 +54,7 @@ from conductor.frontdoor.protocol import (
     rejection_response,
     request_id,
     routing_request,
+    with_session,
 )
 from conductor.frontdoor.tokenizer import PromptRejected, PromptTokenizer, TokenizeError
 from conductor.gateway.admission import RETRY_AFTER_S, DecidingBound, EngineBusy, EngineSlots
@@ -124,7 +125,7 @@ class Gateway:
         """One client request; its SLO headers clamped to ``bounds`` (its API key's)."""
         t0 = self.clock()
         try:
-            creq = parse_body(body, chat=chat, base_model=self.config.base_model)
+            creq = with_session(parse_body(body, chat=chat, base_model=self.config.base_model), hdrs)
             slo = parse_slo(hdrs, bounds)
         except BadRequest as e:
             self.metrics.requests.add(1, {"status": 400, "error": "invalid_body"})

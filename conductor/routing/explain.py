@@ -436,6 +436,8 @@ async def explain(settings: Settings, request_id: str, *, max_records: int | Non
     prefill_rows, decode_rows = _estimates(router, cluster, req, len(chain))
     stage_ms: dict[str, float] = {}
     router.on_stages = stage_ms.update
+    if isinstance(rec, RoutingDecision) and req.session is not None and rec.session_instance is not None:
+        router.sessions[req.session] = rec.session_instance  # the router's memory of its session, as recorded
     again = await router.route(req, ordinal)
     if again.seed != rec.seed:
         raise AuditError(f"seed {again.seed} differs from the recorded {rec.seed}: is CONDUCTOR_SEED the same?")

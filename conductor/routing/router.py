@@ -27,6 +27,7 @@ import hashlib
 import logging
 import random
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -75,6 +76,8 @@ HEALTH_EVERY_S = 0.25
 """How often a router asks whether the view is lost or being rebuilt (``Router.view_health``)."""
 
 
+MAX_SESSIONS = 100_000
+"""Sessions a router remembers the instance of (the least recently decided forgotten first)."""
 MAX_INDEXES = 16
 """Cluster indexes one router keeps (one per model and set of excluded nodes)."""
 
@@ -303,6 +306,10 @@ class Router:
         """The ledger as the picture reads it (None: heartbeats plus reservations)."""
         self.use_decision_time(pending, inflight)
         self._incremental = incremental
+        self.sessions: OrderedDict[str, str] = OrderedDict()
+        """Session key -> the prefill instance this router placed the session on last (its own
+        decisions, the least recently decided forgotten past :data:`MAX_SESSIONS`): the request's
+        ``session_instance``, the stay rule's holder; each decision records it for ``explain``."""
 
     def use_decision_time(self, pending: PendingStore | None, inflight: InflightLedger | None) -> None:
         """Decide with these pending blocks and this in-flight ledger from now on (None: without;
@@ -398,6 +405,7 @@ class Router:
             tbt_slo_ms=req.tbt_slo_ms if req.tbt_slo_ms is not None else s.tbt_slo_ms,
             priority=req.priority,
             ordinal=ordinal,
+            session_instance=self.sessions.get(req.session) if req.session is not None else None,
         )
 
     # --- the view -------------------------------------------------------------------
@@ -556,7 +564,7 @@ class Router:
         if isinstance(out, RoutingRejection):
             self.metrics.rejections.add(1, {"reason": out.reason})
             return out
-        out = out.model_copy(update=self._decision_fields(out, cluster, decided_by, ordinal))
+        out = out.model_copy(update=self._decision_fields(out, cluster, decided_by, ordinal, preq))
         # Recorded in the same step as the decision (no await since the read): the next
         # decision, whichever router makes it, sees this one's blocks and work.
         self._record(req, chain, out, at)
@@ -566,7 +574,7 @@ class Router:
         return out
 
     def _decision_fields(self, out: RoutingDecision, cluster: ClusterSnapshot, decided_by: str | None,
-                         ordinal: int) -> dict[str, Any]:
+                         ordinal: int, preq: PolicyRequest) -> dict[str, Any]:
         """What a placement's record adds to the policy's answer: who decided it and at which turn
         (a colocated router), how its pending blocks and loads were counted, and the work queued
         ahead of it on its prefill instance."""
@@ -574,6 +582,8 @@ class Router:
         if decided_by is not None:
             fields["decided_by"] = decided_by
             fields["ordinal"] = ordinal
+        if preq.session_instance is not None:
+            fields["session_instance"] = preq.session_instance
         if self.pending is not None:
             fields["pending_ttl_ms"] = self.pending_ttl_ms
         if self.inflight is not None:
@@ -587,6 +597,11 @@ class Router:
         """What ``d`` places, at once: the chain's full blocks pending on its prefill instance (and,
         disaggregated, its decode instance, after the pull); its uncached prompt tokens and one
         decoding sequence charged to the ledger."""
+        if req.session is not None:
+            self.sessions[req.session] = d.prefill_instance
+            self.sessions.move_to_end(req.session)
+            if len(self.sessions) > MAX_SESSIONS:
+                self.sessions.popitem(last=False)
         if self.pending is not None and chain:
             self.pending.record(d.request_id, {d.prefill_instance: chain, d.decode_instance: chain}, at_ms)
         if self.inflight is not None:

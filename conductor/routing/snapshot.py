@@ -180,6 +180,9 @@ class PolicyRequest:
     ordinal: int = 0
     """The request's position in the log (its ``requests`` offset; the trace index in the
     simulator): what order-based policies rotate by, so a decision can be re-derived."""
+    session_instance: str | None = None
+    """The prefill instance that served the request's session last (the router's memory of its
+    decisions): the stay rule's holder (:func:`~conductor.routing.policies.prefill_plan.stay_on_holder`)."""
 
 
 class PendingLoad(Protocol):

@@ -59,7 +59,7 @@ from conductor.routing.policies.prefill_plan import (
     ttft_s,
 )
 from conductor.routing.policies.stages import ADMISSION, CANDIDATES, DECODE_PICK, PREFILL_PLAN, Mark, no_mark
-from conductor.routing.snapshot import ClusterSnapshot, IndexView, Instance, PolicyRequest
+from conductor.routing.snapshot import NO_PREFIX, ClusterSnapshot, IndexView, Instance, PolicyRequest
 
 PREFILL_ROLES = ("prefill", "both")
 
@@ -193,7 +193,8 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
         mark(PREFILL_PLAN)
         costed = walk_queues(self.costs, request, ix, bs, best_reuse, bare_floor, tie_margin(p.prefill_tie_s))
         self._add_longest_holders(costed, ix, best_reuse)
-        chosen, left = self._stay(costed, pick_prefill(costed, rng, p.prefill_tie_s))
+        self._add_session(request, costed, ix, best_reuse)
+        chosen, left = self._stay(request, costed, pick_prefill(costed, rng, p.prefill_tie_s))
         mark(CANDIDATES)
         adm = self.admission
         ttft = costed.ttfts[chosen]
@@ -221,11 +222,31 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
                 costed.waits.append(w)
                 costed.ttfts.append(ttft_s(w, r))
 
-    def _stay(self, costed: Costed, chosen: int) -> tuple[int, str | None]:
+    def _add_session(self, request: PolicyRequest, costed: Costed, ix: IndexView, best_reuse: BestReuse) -> None:
+        """The session's instance, costed into ``costed`` where the walk left it out (the stay rule
+        weighs it whatever its queue)."""
+        node = request.session_instance
+        base = ix.base.get(node) if node is not None else None
+        if base is None or base.role not in PREFILL_ROLES or any(i.node_id == node for i in costed.pool):
+            return
+        w = ix.wait_of.get(base.node_id)
+        if w is None:
+            return
+        h = ix.with_prefix(base.node_id, ix.prefix.get(base.node_id, NO_PREFIX))
+        r = best_reuse(h)
+        costed.pool.append(h)
+        costed.reuses.append(r)
+        costed.waits.append(w)
+        costed.ttfts.append(ttft_s(w, r))
+
+    def _stay(self, request: PolicyRequest, costed: Costed, chosen: int) -> tuple[int, str | None]:
         """:func:`.prefill_plan.stay_on_holder` over the candidates, with this policy's error."""
         pool = costed.pool
-        return stay_on_holder(costed.ttfts, [own_blocks(i) for i in pool], [i.node_id for i in pool], chosen,
-                              holder_error(self.profile, self.p.stay_margin))
+        nodes = [i.node_id for i in pool]
+        session = request.session_instance
+        return stay_on_holder(costed.ttfts, [own_blocks(i) for i in pool], nodes, chosen,
+                              holder_error(self.profile, self.p.stay_margin),
+                              nodes.index(session) if session is not None and session in nodes else -1)
 
     def _prefill(self, request: PolicyRequest, snapshot: ClusterSnapshot, prefills: tuple[Instance, ...],
                  rng: random.Random, mark: Mark = no_mark) -> PrefillPlan | Rejection:
@@ -237,10 +258,13 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
         # With CPP every instance may join a group, so all stay.
         pool = (list(zip(prefills, every_wait)) if p.cpp or not self.prune_candidates
                 else self._candidates(prefills, every_wait, p))
+        session = request.session_instance
+        if session is not None and all(inst.node_id != session for inst, _ in pool):
+            pool += [(inst, w) for inst, w in zip(prefills, every_wait) if inst.node_id == session]
         mark(CANDIDATES)
         best_reuse, _, _ = self._reuse_planner(request, [h for h in snapshot.instances if h.prefix_blocks[2] > 0], bs)
         costed = cost_candidates(pool, best_reuse)
-        chosen, left = self._stay(costed, pick_prefill(costed, rng, p.prefill_tie_s))
+        chosen, left = self._stay(request, costed, pick_prefill(costed, rng, p.prefill_tie_s))
         mark(PREFILL_PLAN)
         out = self._admit(request, prefills, every_wait, costed, chosen, bs, rng)
         mark(ADMISSION)

@@ -20,7 +20,12 @@ beats the instance holding the longest prefix of the chain in its own cache (con
 pending) by more than the prediction's own error: ``holder's TTFT x error``, the error being the
 profile's measured ``ttft_error_p50`` when it was fitted from outcomes, else the policy's
 ``stay_margin``. A gain inside the error is noise, and leaving the holder loses its prefix for
-the requests that follow (a conversation's next turn); a decision that leaves it says why.
+the requests that follow (a conversation's next turn); a decision that leaves it says why. A
+request of a session (``PolicyRequest.session_instance``) takes the instance that served its
+session last as the holder, whatever prefix it holds (its conversation's context is there), so
+the conversation stays there unless leaving pays by the same rule; that instance counts only
+when it is among the costed candidates (one the candidate walk left out could not come near the
+lowest TTFT).
 """
 
 from __future__ import annotations
@@ -117,23 +122,28 @@ def holder_error(profile: ModelProfile, stay_margin: float) -> float:
 
 
 def stay_on_holder(ttfts: Sequence[float], held: Sequence[int], nodes: Sequence[str], chosen: int,
-                   error: float) -> tuple[int, str | None]:
+                   error: float, session: int = -1) -> tuple[int, str | None]:
     """``chosen`` (the lowest TTFT), or the holder of the longest prefix (``held``: blocks each
     candidate holds in its own cache; ties by lower TTFT, then node id) when ``chosen`` beats it
-    by no more than ``holder's TTFT x error``; with, when a holder was left, why. Pure."""
-    holder = -1
-    for i, h in enumerate(held):
-        if h <= 0:
-            continue
-        if holder < 0 or (-h, ttfts[i], nodes[i]) < (-held[holder], ttfts[holder], nodes[holder]):
-            holder = i
-    if holder < 0 or holder == chosen or held[chosen] >= held[holder]:
+    by no more than ``holder's TTFT x error``; with, when a holder was left, why. ``session``:
+    the index of the session's instance (-1: none), the holder whatever it holds. Pure."""
+    holder = session
+    if holder < 0:
+        for i, h in enumerate(held):
+            if h <= 0:
+                continue
+            if holder < 0 or (-h, ttfts[i], nodes[i]) < (-held[holder], ttfts[holder], nodes[holder]):
+                holder = i
+        if holder < 0 or holder == chosen or held[chosen] >= held[holder]:
+            return chosen, None
+    elif holder == chosen:
         return chosen, None
     gain = ttfts[holder] - ttfts[chosen]
     margin = ttfts[holder] * error
     if gain <= margin:
         return holder, None
-    return chosen, (f"holder {nodes[holder]} predicted {ttfts[holder]:.3f}s, {nodes[chosen]} {ttfts[chosen]:.3f}s: "
+    who = "session's instance" if session >= 0 else "holder"
+    return chosen, (f"{who} {nodes[holder]} predicted {ttfts[holder]:.3f}s, {nodes[chosen]} {ttfts[chosen]:.3f}s: "
                     f"better by {gain:.3f}s > margin {margin:.3f}s")
 
 
