@@ -40,8 +40,8 @@ from conductor.telemetry import setup_metrics
 
 # --- conductor bridge -------------------------------------------------------------
 
-BridgeZmqEndpoint = Annotated[str, typer.Option("--zmq", help="the engine's KV-event PUB socket, e.g. "
-    "tcp://10.0.0.5:5557")]
+BridgeZmqEndpoint = Annotated[str | None, typer.Option("--zmq", help="the engine's KV-event PUB socket, e.g. "
+    "tcp://10.0.0.5:5557 (required unless --no-events)")]
 BridgeReplay = Annotated[str | None, typer.Option("--replay", help="the engine's replay ROUTER socket, e.g. "
     "tcp://10.0.0.5:5558 (without it, gaps cannot be filled and mark the node stale)")]
 BridgeNodeId = Annotated[str, typer.Option("--node-id", help="the node id Conductor routes to (the Kafka key)")]
@@ -76,11 +76,15 @@ BridgeMaxTrackedBlocks = Annotated[int | None, typer.Option("--max-tracked-block
 BridgeExecuteCommands = Annotated[bool, typer.Option("--execute-commands", help="vLLM: carry out this node's "
     "kv-commands (a replicate pulls the prefix from its holder over the KV connector; other actions are answered "
     "unsupported); needs the engine URL and the view's Redis")]
+BridgeNoEvents = Annotated[bool, typer.Option("--no-events", help="the engine publishes no KV events (an SGLang or "
+    "vLLM started without them, a hosted endpoint): open no ZMQ socket, publish heartbeats (with its load from "
+    "--metrics-url, if it has one) that mark the node as such; routers then know its blocks only from their own "
+    "decisions (pending blocks, LRU-bounded by its KV capacity)")]
 
 
 def bridge(
     *,
-    zmq_endpoint: BridgeZmqEndpoint,
+    zmq_endpoint: BridgeZmqEndpoint = None,
     replay: BridgeReplay = None,
     node_id: BridgeNodeId,
     role: BridgeRole,
@@ -96,6 +100,7 @@ def bridge(
     bootstrap_port: BridgeBootstrapPort = None,
     execute_commands: BridgeExecuteCommands = False,
     max_tracked_blocks: BridgeMaxTrackedBlocks = None,
+    no_events: BridgeNoEvents = False,
 ) -> None:
     """Carry one vLLM/SGLang engine's KV events onto the kv-events topic.
 
@@ -113,7 +118,7 @@ def bridge(
             heartbeat_s=heartbeat_s, model=model, metrics_url=metrics_url, dp_size=dp_size,
             default_prompt_tokens=default_prompt_tokens, rack=rack, zone=zone, engine_url=engine_url,
             kv_transfer=kv_transfer, bootstrap_port=bootstrap_port, execute_commands=execute_commands,
-            max_tracked_blocks=max_tracked_blocks,
+            max_tracked_blocks=max_tracked_blocks, kv_events=not no_events,
         )
     s = settings_or_exit()
     need_kafka_url(s)
