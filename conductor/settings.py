@@ -241,6 +241,11 @@ class Settings(BaseSettings):
         "beyond it a request is answered 429 gateway_busy with Retry-After at once instead of waiting into the "
         "decision timeout (503); 0 = no limit",
     )
+    gateway_max_body_bytes: int = Field(
+        default=16 * 1024 * 1024, ge=1,
+        description="the longest request body a gateway reads; a longer Content-Length, or a body that grows "
+        "past it as it is read, is answered 413 body_too_large (as conductor epp's --max-body-bytes)",
+    )
     gateway_engine_max_in_flight: int = Field(
         default=256, ge=0,
         description="requests one gateway has open on one engine (prefill or decode) at once; a decision naming "

@@ -214,7 +214,7 @@ class Picker:
                                               "unknown_route", param=":path"))]
         try:
             parsed = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):  # deeply nested: 400, not a 500
             return [bad_request("the body is not JSON", "invalid_json", param="body")]
         try:
             creq = with_session(parse_body(parsed, chat=chat, base_model=self.config.base_model), st.headers)

@@ -37,10 +37,30 @@ vLLM and SGLang) closes them: a request sent on a connection the engine is closi
 it left, and such a failure is not routed again (the engine may have taken the request)."""
 
 
+class BodyTooLarge(Exception):
+    """A request body past the gateway's ``max_body_bytes``."""
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body, refused (:class:`BodyTooLarge`) from its ``Content-Length`` before a byte is read,
+    or as soon as what arrives (chunked, or more than it said) passes ``limit``."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge
+    out = bytearray()
+    async for chunk in request.stream():
+        out += chunk
+        if len(out) > limit:
+            raise BodyTooLarge
+    return bytes(out)
+
+
 def gateway_app(gw: Gateway, keys: KeyRing, metrics_text: Callable[[], str] = lambda: "", *,
-                max_in_flight: int = 0) -> FastAPI:
+                max_in_flight: int = 0, max_body_bytes: int = GatewayConfig.max_body_bytes_default()) -> FastAPI:
     """The gateway's routes behind its API keys (:class:`~conductor.gateway.auth.ApiKeyGuard`) and its
-    bound of requests in flight (``max_in_flight``, 0 = none: :class:`~conductor.gateway.admission.InFlightBound`)."""
+    bound of requests in flight (``max_in_flight``, 0 = none: :class:`~conductor.gateway.admission.InFlightBound`);
+    a body past ``max_body_bytes`` is 413 (:func:`read_body`)."""
+    body_limit = max_body_bytes
     app = FastAPI(title="conductor gateway", docs_url=None, redoc_url=None)
     app.add_middleware(ApiKeyGuard, keys=keys)
     # Outermost: a full gateway answers 429 before it reads anything else of the request.
@@ -55,21 +75,25 @@ def gateway_app(gw: Gateway, keys: KeyRing, metrics_text: Callable[[], str] = la
         return await web.cancel_on_disconnect(request.receive, work) or Response(status_code=499)
 
     async def body_of(request: Request) -> Any:
+        """The JSON body, or the client's error answer (413 too long, 400 not JSON)."""
         try:
-            return web.json_body(await request.body())
-        except ValueError:
-            return None
+            return web.json_body(await read_body(request, body_limit))
+        except BodyTooLarge:
+            return JSONResponse(error_body(f"the body is longer than {body_limit} bytes", "body_too_large",
+                                           param="body"), status_code=413)
+        except (ValueError, RecursionError):
+            return JSONResponse(error_body("the body is not JSON", "invalid_json", param="body"), status_code=400)
 
     async def completions(request: Request) -> Response:
         body = await body_of(request)
-        if body is None:
-            return JSONResponse(error_body("the body is not JSON", "invalid_json", param="body"), status_code=400)
+        if isinstance(body, Response):
+            return body
         return await until_disconnect(request, gw.handle(body, request.headers, chat=False, bounds=bounds_of(request)))
 
     async def chat(request: Request) -> Response:
         body = await body_of(request)
-        if body is None:
-            return JSONResponse(error_body("the body is not JSON", "invalid_json", param="body"), status_code=400)
+        if isinstance(body, Response):
+            return body
         return await until_disconnect(request, gw.handle(body, request.headers, chat=True, bounds=bounds_of(request)))
 
     async def models() -> Response:
@@ -132,7 +156,8 @@ async def run_gateway(settings: Settings, config: GatewayConfig, sock: socket.so
         await decider.start()
         if on_ready is not None:
             on_ready(gw)
-        await web.serve(gateway_app(gw, keys, metrics_text, max_in_flight=config.max_in_flight), sock, stop)
+        await web.serve(gateway_app(gw, keys, metrics_text, max_in_flight=config.max_in_flight,
+                                    max_body_bytes=config.max_body_bytes), sock, stop)
     finally:
         stop.set()
         with contextlib.suppress(Exception):

@@ -90,6 +90,12 @@ class GatewayConfig:
     """Requests decided at once (settings ``gateway_max_deciding``; 0 = no bound)."""
     engine_max_in_flight: int = field(default_factory=lambda: _setting("gateway_engine_max_in_flight"))
     """Requests open on one engine at once (settings ``gateway_engine_max_in_flight``; 0 = no bound)."""
+    max_body_bytes: int = field(default_factory=lambda: _setting("gateway_max_body_bytes"))
+    """The longest request body read; longer is 413 (settings ``gateway_max_body_bytes``)."""
+
+    @staticmethod
+    def max_body_bytes_default() -> int:
+        return _setting("gateway_max_body_bytes")
 
 
 def default_gateway_id() -> str:
@@ -131,4 +137,5 @@ def gateway_config(settings: Settings, *, gateway_id: str | None, engines: dict[
                          decision_timeout_s=decision_timeout_s, max_attempts=max_attempts,
                          bootstrap_port=bootstrap_port, routing=routing, timeouts=UpstreamTimeouts.of(settings),
                          max_in_flight=settings.gateway_max_in_flight, max_deciding=settings.gateway_max_deciding,
-                         engine_max_in_flight=settings.gateway_engine_max_in_flight)
+                         engine_max_in_flight=settings.gateway_engine_max_in_flight,
+                         max_body_bytes=settings.gateway_max_body_bytes)

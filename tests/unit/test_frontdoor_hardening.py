@@ -3,10 +3,17 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
+from fastapi.testclient import TestClient
+from starlette.responses import JSONResponse, Response
 
 from conductor.frontdoor.protocol import BadRequest, SloBounds, parse_body, trusted_bounds
+from conductor.gateway.app import gateway_app
+from conductor.gateway.auth import key_ring
+from conductor.settings import Settings
 from tests.unit.test_epp_picker import BODY, body_msg, headers_msg, picker, run
 
 
@@ -77,3 +84,38 @@ def test_bad_trusted_bounds_name_the_header(value: str) -> None:
     with pytest.raises(BadRequest) as e:
         trusted_bounds(value, SloBounds())
     assert e.value.param == "x-conductor-trusted-bounds"
+
+
+async def test_the_picker_answers_deeply_nested_json_with_400() -> None:
+    p, dec = picker()
+    [_, [r]] = await run(p, headers_msg(), body_msg(b"[" * 200_000 + b"]" * 200_000, True))
+    assert r.immediate_response.status.code == 400 and dec.asked == []
+
+
+class EchoGateway:
+    """What the routes hand to the gateway: the bodies it got."""
+
+    def __init__(self) -> None:
+        self.bodies: list[Any] = []
+
+    async def handle(self, body: Any, hdrs: Any, *, chat: bool, bounds: SloBounds | None = None) -> Response:
+        self.bodies.append(body)
+        return JSONResponse({"ok": True})
+
+
+def test_the_gateway_refuses_a_body_past_its_limit_by_length_or_as_it_streams() -> None:
+    gw = EchoGateway()
+    with TestClient(gateway_app(gw, key_ring(Settings.model_construct(), insecure=True),  # type: ignore[arg-type]
+                                max_body_bytes=1000)) as c:
+        big = json.dumps({"model": "m", "prompt": "x" * 2000}).encode()
+        r = c.post("/v1/completions", content=big, headers={"content-type": "application/json"})
+        assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+
+        def chunks() -> Iterator[bytes]:  # no Content-Length: read until past the limit
+            yield b'{"model": "m", "prompt": "'
+            for _ in range(20):
+                yield b"x" * 100
+            yield b'"}'
+        assert c.post("/v1/chat/completions", content=chunks()).status_code == 413
+        assert c.post("/v1/completions", json={"model": "m", "prompt": "hi"}).status_code == 200
+    assert gw.bodies == [{"model": "m", "prompt": "hi"}]
