@@ -30,6 +30,7 @@ from schemas import (
     headers,
 )
 from schemas.codec import MAX_RECORD_BYTES
+from schemas.records import CapacityPlan
 
 u64 = st.integers(0, 2**64 - 1)
 names = st.text(min_size=1, max_size=20)
@@ -89,6 +90,14 @@ BODY_STRATEGIES = [
                   reason=st.text(max_size=20), operator=st.none() | names),
         st.builds(ControlCommand, action=st.sampled_from(["cordon", "drain", "uncordon"]), node_id=names),
     ),
+    st.builds(CapacityPlan, prefill=st.integers(1, 10**4), decode=st.integers(1, 10**4),
+              predicted_slo_attainment=st.floats(0, 1), cluster_prefill=st.integers(1, 10**4),
+              cluster_decode=st.integers(1, 10**4), cluster_slo_attainment=st.floats(0, 1),
+              target=st.floats(0.01, 1), growth=st.floats(0.1, 100), ttft_slo_s=st.floats(0.01, 1e3),
+              tbt_slo_ms=st.floats(0.01, 1e4), policy=names, model_profile=names,
+              window_start_ms=st.integers(0, 2**50), window_end_ms=st.integers(0, 2**50),
+              requests=st.integers(0, 10**7), goodput_rps=st.floats(0, 1e6), rejection_rate=st.floats(0, 1),
+              headroom=st.none() | st.floats(0, 10), simulations=st.integers(0, 1000)),
 ]
 bodies = st.one_of(*BODY_STRATEGIES)
 
