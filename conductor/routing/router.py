@@ -93,11 +93,8 @@ def kv_event_capacity(node: NodeState, default_blocks: int) -> int | None:
     heartbeats' total KV blocks, or ``default_blocks`` (``pending_lru_blocks``) when they say none.
 
     The hook for engines without KV events: a node says so through its state's ``kv_events``
-    (False), which the bridge's ``--no-events`` mode sets (issue 34, item 5); a state without the
-    field, or None, publishes them."""
-    # Read by name until NodeState carries the field for every reader of this module.
-    kv_events: bool | None = getattr(node, "kv_events", None)
-    if kv_events is not False:
+    (False), which the bridge's ``--no-events`` mode sets; None (older heartbeats) publishes them."""
+    if node.publishes_kv_events:
         return None
     return node.total_kv_blocks if node.total_kv_blocks > 0 else default_blocks
 
