@@ -24,7 +24,7 @@ from conductor.errors import ConfigError
 from conductor.frontdoor.decide import ROUTINGS, Decider, Routing, make_decider, parse_routing
 from conductor.frontdoor.directory import EngineDirectory
 from conductor.frontdoor.protocol import default_bounds
-from conductor.frontdoor.tokenizer import EngineTokenizer, LocalTokenizer, PromptTokenizer
+from conductor.frontdoor.tokenizer import EngineTokenizer, prompt_tokenizer
 from conductor.settings import Settings
 from state.connect import open_client
 from state.redis_view import RedisViewStore
@@ -112,7 +112,8 @@ async def serve(config: EppConfig, settings: Settings, *, port: int, stop: async
     directory = EngineDirectory(config.engines, view.nodes if view is not None else None,
                                 ttl_s=settings.heartbeat_ttl_s)
     engine_tok = EngineTokenizer(client, directory)
-    tok: PromptTokenizer = LocalTokenizer(tokenizer_path, engine_tok) if tokenizer_path else engine_tok
+    tok, how = prompt_tokenizer(engine_tok, tokenizer_path, config.base_model)
+    log.info("picker %s: %s", config.epp_id, how)
     if decider is None:
         decider = make_decider(settings, _routing(config.routing), producer_id=config.epp_id,
                                timeout_s=config.decision_timeout_s)

@@ -20,16 +20,20 @@ By default the engines' own endpoints, so the gateway's block keys are the engin
 - A completion: ``/tokenize`` with its text and ``add_special_tokens``.
 
 An engine that refuses the prompt (4xx: a bad tool, an unknown model) refuses the client's
-request: :class:`PromptRejected` carries its answer to the client. With ``--tokenizer PATH`` a
-local ``tokenizer.json`` (the ``tokenizers`` library) tokenizes text completions without a round
-trip; chats still go to the engine, which owns the template.
+request: :class:`PromptRejected` carries its answer to the client. A local ``tokenizer.json`` (the
+``tokenizers`` library: ``--tokenizer PATH``, else the model's own where :func:`find_tokenizer` finds
+it) tokenizes text completions without a round trip, a long one on a worker thread; chats still go
+to the engine, which owns the template. Each door logs at start-up which way it tokenizes.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import itertools
 import os
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, Protocol
 
 import httpx
@@ -199,6 +203,50 @@ def _raise_for(r: httpx.Response) -> None:
     r.raise_for_status()
 
 
+OFF_LOOP_CHARS = 4096
+"""A text prompt longer than this is encoded on a worker thread (a 200k-token prompt takes ~370 ms of
+CPU, which on the event loop stalls every other request); a shorter one costs less than the hop."""
+
+
+def find_tokenizer(model: str | None, hub: Path | None = None) -> str | None:
+    """The ``tokenizer.json`` of ``model`` as the engines load it, or None: ``model`` itself (a file or a
+    model directory, as ``vllm serve /models/x`` is given), else its newest snapshot in the Hugging Face
+    cache ``hub`` (default ``~/.cache/huggingface/hub``) when ``model`` is a hub name (``org/name``)."""
+    if not model:
+        return None
+    p = Path(model).expanduser()
+    if p.is_file() and p.name == "tokenizer.json":
+        return str(p)
+    if (p / "tokenizer.json").is_file():
+        return str(p / "tokenizer.json")
+    if model.count("/") != 1 or model.startswith(("/", ".")):
+        return None
+    snapshots = (hub or Path.home() / ".cache" / "huggingface" / "hub") / f"models--{model.replace('/', '--')}" / "snapshots"
+    with contextlib.suppress(OSError):
+        found = sorted((s / "tokenizer.json" for s in snapshots.iterdir() if (s / "tokenizer.json").is_file()),
+                       key=lambda f: f.stat().st_mtime)
+        if found:
+            return str(found[-1])
+    return None
+
+
+def prompt_tokenizer(engine: PromptTokenizer, path: str | None, model: str | None) -> tuple[PromptTokenizer, str]:
+    """What a front door tokenizes with, and the sentence its start-up logs: ``path`` (``--tokenizer``), else
+    the model's own ``tokenizer.json`` where :func:`find_tokenizer` finds it, for text completions with the
+    ``engine`` (render or ``/tokenize``) for chats; else the ``engine`` for all. ``ValueError`` for a bad ``path``."""
+    found = path or find_tokenizer(model)
+    if found is None:
+        return engine, (f"tokenizing through the engines' /tokenize: no tokenizer.json found for model {model!r} "
+                        "(--tokenizer PATH tokenizes text prompts locally)")
+    try:
+        local = LocalTokenizer(found, engine)
+    except ValueError:
+        if path:
+            raise
+        return engine, f"tokenizing through the engines' /tokenize: {found} does not load"
+    return local, f"tokenizing text prompts locally with {found}; chats through the engines' render or /tokenize"
+
+
 class LocalTokenizer:
     """The engines' ``tokenizer.json`` for text completions, no round trip; chats go to ``fallback`` (the engine).
 
@@ -223,4 +271,9 @@ class LocalTokenizer:
                 raise TokenizeError("chat prompts need the engine's /tokenize (its chat template)")
             return await self.fallback.prompt(req)
         special = bool(req.prompt_fields.get("add_special_tokens", True))
-        return Prompt(list(self.tok.encode(req.prompt_text or "", add_special_tokens=special).ids))
+        text = req.prompt_text or ""
+        if len(text) <= OFF_LOOP_CHARS:
+            return Prompt(list(self.tok.encode(text, add_special_tokens=special).ids))
+        # encode_batch lets go of the GIL while it works (encode does not), so the loop runs meanwhile.
+        [enc] = await asyncio.to_thread(self.tok.encode_batch, [text], add_special_tokens=special)
+        return Prompt(list(enc.ids))

@@ -18,7 +18,7 @@ from conductor import web
 from conductor.frontdoor.decide import make_decider
 from conductor.frontdoor.directory import EngineDirectory
 from conductor.frontdoor.protocol import SloBounds, error_body
-from conductor.frontdoor.tokenizer import EngineTokenizer, LocalTokenizer, PromptTokenizer
+from conductor.frontdoor.tokenizer import EngineTokenizer, prompt_tokenizer
 from conductor.gateway.admission import InFlightBound
 from conductor.gateway.auth import ApiKeyGuard, Caller, KeyRing
 from conductor.gateway.config import GatewayConfig
@@ -145,7 +145,8 @@ async def run_gateway(settings: Settings, config: GatewayConfig, sock: socket.so
     if not len(directory):
         log.warning("no engine known yet: none announces an endpoint in the view and no --engine was given")
     engine_tok = EngineTokenizer(client, directory)
-    tok: PromptTokenizer = LocalTokenizer(tokenizer_path, engine_tok) if tokenizer_path else engine_tok
+    tok, how = prompt_tokenizer(engine_tok, tokenizer_path, config.base_model)
+    log.info("gateway %s: %s", config.gateway_id, how)
     prod = producer(settings.kafka(), linger_ms=0)
     await prod.start()
     seq = itertools.count(1)  # this gateway's records on the log: its routing requests and its outcomes

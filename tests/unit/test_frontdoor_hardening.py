@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -11,10 +14,12 @@ from fastapi.testclient import TestClient
 from starlette.responses import JSONResponse, Response
 
 from conductor.frontdoor.protocol import BadRequest, SloBounds, parse_body, trusted_bounds
+from conductor.frontdoor.tokenizer import LocalTokenizer, find_tokenizer, prompt_tokenizer
 from conductor.gateway.app import gateway_app
 from conductor.gateway.auth import key_ring
+from conductor.harness.bench.gateway import bench_tokenizer
 from conductor.settings import Settings
-from tests.unit.test_epp_picker import BODY, body_msg, headers_msg, picker, run
+from tests.unit.test_epp_picker import BODY, WordTokenizer, body_msg, headers_msg, picker, run
 
 
 @pytest.mark.parametrize("field,value", [
@@ -119,3 +124,51 @@ def test_the_gateway_refuses_a_body_past_its_limit_by_length_or_as_it_streams() 
         assert c.post("/v1/chat/completions", content=chunks()).status_code == 413
         assert c.post("/v1/completions", json={"model": "m", "prompt": "hi"}).status_code == 200
     assert gw.bodies == [{"model": "m", "prompt": "hi"}]
+
+
+def test_find_tokenizer_in_a_model_directory_or_the_hub_cache(tmp_path: Path) -> None:
+    (tmp_path / "model").mkdir()
+    bench_tokenizer(tmp_path / "model" / "tokenizer.json")
+    assert find_tokenizer(str(tmp_path / "model")) == str(tmp_path / "model" / "tokenizer.json")
+    snap = tmp_path / "hub" / "models--org--tiny" / "snapshots" / "abc123"
+    snap.mkdir(parents=True)
+    bench_tokenizer(snap / "tokenizer.json")
+    assert find_tokenizer("org/tiny", hub=tmp_path / "hub") == str(snap / "tokenizer.json")
+    assert find_tokenizer("org/other", hub=tmp_path / "hub") is None
+    assert find_tokenizer("llm", hub=tmp_path / "hub") is None and find_tokenizer(None) is None
+
+
+async def test_prompt_tokenizer_says_which_way_and_falls_back_to_the_engine(tmp_path: Path) -> None:
+    engine = WordTokenizer()
+    tok, how = prompt_tokenizer(engine, None, "llm")
+    assert tok is engine and "/tokenize" in how
+    (tmp_path / "m").mkdir()
+    bench_tokenizer(tmp_path / "m" / "tokenizer.json")
+    tok, how = prompt_tokenizer(engine, None, str(tmp_path / "m"))
+    assert isinstance(tok, LocalTokenizer) and "locally" in how
+
+
+async def test_a_long_prompt_is_encoded_off_the_event_loop(tmp_path: Path) -> None:
+    tok = LocalTokenizer(str(bench_tokenizer(tmp_path / "tokenizer.json")), None)
+    text = "lorem ipsum dolor 12345 " * 30_000  # ~150k tokens: hundreds of ms of encoding
+    creq = parse_body({"model": "m", "prompt": text}, chat=False)
+    gaps: list[float] = []
+
+    async def ticker() -> None:
+        last = time.perf_counter()
+        while True:
+            await asyncio.sleep(0.005)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    t = asyncio.create_task(ticker())
+    await asyncio.sleep(0.01)
+    t0 = time.perf_counter()
+    ids = (await tok.prompt(creq)).token_ids
+    took = time.perf_counter() - t0
+    await asyncio.sleep(0.02)  # the ticker's gap over the encoding, if the loop was held
+    t.cancel()
+    short = (await tok.prompt(parse_body({"model": "m", "prompt": "lorem ipsum dolor 12345 " * 3}, chat=False))).token_ids
+    assert ids[:len(short)] == short and len(ids) > 30_000
+    assert took > 0.1 and max(gaps) < took / 2  # the loop went on while it encoded
