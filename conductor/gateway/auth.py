@@ -240,7 +240,8 @@ class ApiKeyGuard:
         if caller is None:
             self.refused.add(1, {"key": "unknown", "reason": "invalid_api_key"})
             client = scope.get("client")
-            log.info("refused a request from %s: no valid API key", client[0] if client else "?")
+            # Counted by the metric; at INFO, a flood of bad keys would flood the log too.
+            log.debug("refused a request from %s: no valid API key", client[0] if client else "?")
             await JSONResponse(error_body("invalid or missing API key: send Authorization: Bearer <key>",
                                           "invalid_api_key"),
                                status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)

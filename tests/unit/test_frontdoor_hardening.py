@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -11,6 +12,7 @@ from typing import Any
 
 import pytest
 from fastapi.testclient import TestClient
+from pydantic import SecretStr
 from starlette.responses import JSONResponse, Response
 
 from conductor.frontdoor.protocol import BadRequest, SloBounds, parse_body, trusted_bounds
@@ -54,12 +56,12 @@ async def test_the_picker_refuses_an_engine_control_field_before_deciding() -> N
 
 async def test_the_picker_clamps_slo_and_priority_headers_to_the_defaults() -> None:
     p, dec = picker()
-    hdrs = {"x-conductor-priority": "100", "x-conductor-ttft-slo-ms": "1e9", "x-conductor-tbt-slo-ms": "1e9",
+    hdrs: dict[str, Any] = {"x-conductor-priority": "100", "x-conductor-ttft-slo-ms": "1e9", "x-conductor-tbt-slo-ms": "1e9",
             "x-conductor-trusted-bounds": "ttft_ms=1e9, priority=100"}  # not trusted unless configured
     await run(p, headers_msg(**hdrs), body_msg(BODY, True))
     [req] = dec.asked
     assert (req.priority, req.ttft_slo_s, req.tbt_slo_ms) == (0, 30.0, 100.0)
-    lower = {"x-conductor-priority": "-5", "x-conductor-ttft-slo-ms": "500"}
+    lower: dict[str, Any] = {"x-conductor-priority": "-5", "x-conductor-ttft-slo-ms": "500"}
     p, dec = picker()
     await run(p, headers_msg(**lower), body_msg(BODY, True))
     assert (dec.asked[0].priority, dec.asked[0].ttft_slo_s) == (-5, 0.5)  # tighter asks pass as sent
@@ -67,12 +69,12 @@ async def test_the_picker_clamps_slo_and_priority_headers_to_the_defaults() -> N
 
 async def test_a_trusted_proxy_s_bounds_header_widens_them_when_the_picker_trusts_it() -> None:
     p, dec = picker(trust_bounds_header=True)
-    hdrs = {"x-conductor-priority": "100", "x-conductor-ttft-slo-ms": "1e9",
+    hdrs: dict[str, Any] = {"x-conductor-priority": "100", "x-conductor-ttft-slo-ms": "1e9",
             "x-conductor-trusted-bounds": "ttft_ms=60000, priority=50"}
     await run(p, headers_msg(**hdrs), body_msg(BODY, True))
     [req] = dec.asked
     assert (req.priority, req.ttft_slo_s, req.tbt_slo_ms) == (50, 60.0, None)
-    [_, [r]] = await run(p, headers_msg(**{"x-conductor-trusted-bounds": "ttft_ms=fast"}), body_msg(BODY, True))
+    [_, [r]] = await run(p, headers_msg(**dict[str, Any]({"x-conductor-trusted-bounds": "ttft_ms=fast"})), body_msg(BODY, True))
     assert json.loads(r.immediate_response.body)["error"]["param"] == "x-conductor-trusted-bounds"
 
 
@@ -172,3 +174,12 @@ async def test_a_long_prompt_is_encoded_off_the_event_loop(tmp_path: Path) -> No
     short = (await tok.prompt(parse_body({"model": "m", "prompt": "lorem ipsum dolor 12345 " * 3}, chat=False))).token_ids
     assert ids[:len(short)] == short and len(ids) > 30_000
     assert took > 0.1 and max(gaps) < took / 2  # the loop went on while it encoded
+
+
+def test_a_refused_key_is_not_logged_at_info(caplog: pytest.LogCaptureFixture) -> None:
+    gw = EchoGateway()
+    keys = key_ring(Settings.model_construct(gateway_api_key=SecretStr("k" * 20)))
+    with caplog.at_level(logging.INFO, logger="conductor.gateway.auth"), TestClient(gateway_app(gw, keys)) as c:  # type: ignore[arg-type]
+        for _ in range(5):
+            assert c.post("/v1/completions", json={"model": "m", "prompt": "x"}).status_code == 401
+    assert not [r for r in caplog.records if r.name == "conductor.gateway.auth"]
