@@ -231,7 +231,7 @@ class InMemoryPendingBlocks:
             candidates.update(node for node, h in held.items() if h < n)
         else:
             held = {}
-        for node in candidates:
+        for node in sorted(candidates):  # one order in every process (a set's is not)
             start = min(max(held.get(node, 0), 0), n)
             end = self._walk(node, chain, start, now_ms)
             if end > start:

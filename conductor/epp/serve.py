@@ -115,8 +115,10 @@ async def serve(config: EppConfig, settings: Settings, *, port: int, stop: async
     tok, how = prompt_tokenizer(engine_tok, tokenizer_path, config.base_model)
     log.info("picker %s: %s", config.epp_id, how)
     if decider is None:
+        # Envoy sends the picker no response phases: it never sees an answer end, so it charges
+        # no in-flight work it could not release (reservations cleared by heartbeats count it).
         decider = make_decider(settings, _routing(config.routing), producer_id=config.epp_id,
-                               timeout_s=config.decision_timeout_s)
+                               timeout_s=config.decision_timeout_s, sees_answers=False)
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     picker = Picker(config, decider, tok, directory)
     pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(picker), server)

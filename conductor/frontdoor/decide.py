@@ -291,13 +291,15 @@ class LogDecider:
 
 
 def make_decider(settings: Settings, mode: Routing, *, producer_id: str, timeout_s: float, producer: Any = None,
-                 seq: Iterator[int] | None = None) -> Decider:
+                 seq: Iterator[int] | None = None, sees_answers: bool = True) -> Decider:
     """The decider of ``mode``; ``timeout_s`` bounds a log-mode round trip and a colocated decision's
     wait for the broker's acknowledgement. ``producer``, ``seq``: the door's own, for log mode
-    (:class:`LogDecider`)."""
+    (:class:`LogDecider`). ``sees_answers``: the door sees each answer's first token and end, so
+    its colocated decisions charge the shared in-flight ledger (``LocalRouter.charges_work``)."""
     if mode == "log":
         return LogDecider(settings, producer_id=producer_id, timeout_s=timeout_s, producer=producer, seq=seq)
-    return Colocated(LocalRouter(settings, producer_id=producer_id, ack_timeout_s=timeout_s))
+    return Colocated(LocalRouter(settings, producer_id=producer_id, ack_timeout_s=timeout_s,
+                                 charges_work=sees_answers))
 
 
 def parse_routing(text: str) -> Routing | None:

@@ -73,8 +73,13 @@ class LocalRouter:
     waits for the broker before :class:`LogUnavailable`."""
 
     def __init__(self, settings: Settings, *, producer_id: str, router: Router | None = None,
-                 ack_timeout_s: float = 5.0) -> None:
+                 ack_timeout_s: float = 5.0, charges_work: bool = True) -> None:
+        """``charges_work``: charge each decision's work to the shared in-flight ledger. Only a door
+        that sees its answers end (the gateway) can release a charge; one that does not (the picker:
+        Envoy sends it no response phases) counts its work through reservations cleared by the
+        engines' heartbeats instead, so its charges never outlive the requests by a lease."""
         self.settings = settings
+        self.charges_work = charges_work
         self.producer_id = producer_id
         self.topics = topics(settings.topic_config())
         self.ack_timeout_s = ack_timeout_s
@@ -110,7 +115,8 @@ class LocalRouter:
         if self._router is None:
             view, reservations = redis_stores(self.settings, producer_id=self.producer_id)
             pending, inflight = decision_time_stores(self.settings, reservations.client, self.producer_id)
-            self._router = Router(self.settings, view, reservations, pending=pending, inflight=inflight)
+            self._router = Router(self.settings, view, reservations, pending=pending,
+                                  inflight=inflight if self.charges_work else None)
             self._index = decision_index(self.settings, getattr(reservations, "client", None))
         self._producer = producer(self.settings.kafka(), linger_ms=0)
         await self._producer.start()

@@ -447,6 +447,10 @@ class Router:
             hbm, dram, ssd = prefix.get(node, NO_PREFIX)
             n = pp.length
             prefix[node] = (max(hbm, n), max(dram, n), max(ssd, n))
+        # In node order: holders of equal cost are tried in the prefix's order, and a set's order
+        # (the pending store's, or a reader's) differs from process to process, so a live decision
+        # and its re-derivation in `explain` would break a tie differently.
+        prefix = {node: prefix[node] for node in sorted(prefix)}
         return ViewSnapshot(snap.now_ms, snap.nodes, prefix, snap.watermark), at
 
     def _set_capacities(self, nodes: Sequence[NodeState]) -> None:

@@ -31,6 +31,7 @@ raise its own priority past what its API key allows (``conductor/gateway/auth.py
 from __future__ import annotations
 
 import dataclasses
+import operator
 import random
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -62,6 +63,9 @@ from conductor.routing.policies.stages import ADMISSION, CANDIDATES, DECODE_PICK
 from conductor.routing.snapshot import NO_PREFIX, ClusterSnapshot, IndexView, Instance, PolicyRequest
 
 PREFILL_ROLES = ("prefill", "both")
+
+
+_node_id = operator.attrgetter("node_id")
 
 
 class KvCacheCentricParams(PolicyParams):
@@ -262,7 +266,10 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
         if session is not None and all(inst.node_id != session for inst, _ in pool):
             pool += [(inst, w) for inst, w in zip(prefills, every_wait) if inst.node_id == session]
         mark(CANDIDATES)
-        best_reuse, _, _ = self._reuse_planner(request, [h for h in snapshot.instances if h.prefix_blocks[2] > 0], bs)
+        # Holders in node order, as the cluster index gives them: copies of equal cost go to the
+        # first, so both ways of deciding (and `explain`, which decides this way) pick the same source.
+        holders = sorted((h for h in snapshot.instances if h.prefix_blocks[2] > 0), key=_node_id)
+        best_reuse, _, _ = self._reuse_planner(request, holders, bs)
         costed = cost_candidates(pool, best_reuse)
         chosen, left = self._stay(request, costed, pick_prefill(costed, rng, p.prefill_tie_s))
         mark(PREFILL_PLAN)
