@@ -14,9 +14,9 @@ from pydantic import SecretStr
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from conductor.errors import ConfigError
+from conductor.frontdoor.protocol import Slo, SloBounds, bound_slo, parse_slo
 from conductor.gateway.app import gateway_app
 from conductor.gateway.auth import ANONYMOUS, ApiKey, ApiKeyGuard, KeyRing, key_ring
-from conductor.frontdoor.protocol import Slo, SloBounds, bound_slo, parse_slo
 from conductor.settings import load_settings
 
 A, B = "key-a-0123456789abcdef", "key-b-0123456789abcdef"
