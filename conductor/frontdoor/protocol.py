@@ -167,13 +167,6 @@ class SloBounds:
     max_priority: int = 0
 
 
-def bound_slo(slo: Slo, bounds: SloBounds) -> Slo:
-    """``slo`` with each value clamped to ``bounds`` (what goes into the routing request, so the
-    log and ``explain`` see what was decided on)."""
-    def clamp(v: float | None, hi: float | None) -> float | None:
-        return v if v is None or hi is None else min(v, hi)
-
-    return Slo(clamp(slo.ttft_s, bounds.max_ttft_s), clamp(slo.tbt_ms, bounds.max_tbt_ms),
 class _SloDefaults(Protocol):
     ttft_slo_s: float
     tbt_slo_ms: float
@@ -185,16 +178,16 @@ def default_bounds(settings: _SloDefaults) -> SloBounds:
     return SloBounds(max_ttft_s=settings.ttft_slo_s, max_tbt_ms=settings.tbt_slo_ms, max_priority=0)
 
 
+def bound_slo(slo: Slo, bounds: SloBounds) -> Slo:
+    """``slo`` with each value clamped to ``bounds`` (what goes into the routing request, so the
+    log and ``explain`` see what was decided on)."""
+    def clamp(v: float | None, hi: float | None) -> float | None:
+        return v if v is None or hi is None else min(v, hi)
+
+    return Slo(clamp(slo.ttft_s, bounds.max_ttft_s), clamp(slo.tbt_ms, bounds.max_tbt_ms),
                min(slo.priority, bounds.max_priority))
 
 
-def _int(body: Mapping[str, Any], name: str, lo: int, hi: int) -> int | None:
-    v = body.get(name)
-    if v is None:
-        return None
-    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-        raise BadRequest(name, f"{name} must be an integer in [{lo}, {hi}], got {v!r}")
-    return v
 TRUSTED_BOUNDS_HEADER = "x-conductor-trusted-bounds"
 """Set by the proxy in front of the picker for a caller it authenticated: the bounds that caller's SLO
 headers are clamped to instead of the defaults, as ``ttft_ms=60000, tbt_ms=200, priority=50`` (any of
@@ -229,6 +222,13 @@ def trusted_bounds(value: str | None, defaults: SloBounds) -> SloBounds:
     return SloBounds(max_ttft_s=ttft_s, max_tbt_ms=tbt_ms, max_priority=priority)
 
 
+def _int(body: Mapping[str, Any], name: str, lo: int, hi: int) -> int | None:
+    v = body.get(name)
+    if v is None:
+        return None
+    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+        raise BadRequest(name, f"{name} must be an integer in [{lo}, {hi}], got {v!r}")
+    return v
 
 
 def parse_body(body: Any, *, chat: bool, base_model: str | None = None) -> ClientRequest:
