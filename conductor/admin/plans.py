@@ -9,14 +9,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from aiokafka import TopicPartition
 from aiokafka.errors import KafkaError
 from fastapi import FastAPI, HTTPException
 
 from conductor.settings import Settings
-from schemas import DecodeError, decode
 from schemas.records import CapacityPlan
-from streams.kafka import consumer, end_offsets
+from streams.follow import Follower, OnBad, Tail
 from streams.topics import topics
 
 CACHE_S = 10.0
@@ -24,32 +22,19 @@ CACHE_S = 10.0
 
 async def latest_plan(settings: Settings) -> dict[str, Any] | None:
     """The newest ``capacity_plan`` record with its offset, time and planner; None when there is none."""
-    name = topics(settings.topic_config()).plans.name
-    c = consumer(settings.kafka(), group_id=None)
-    await c.start()
-    try:
-        if not (c.partitions_for_topic(name) or set()):
-            await c.topics()
-            if not (c.partitions_for_topic(name) or set()):
-                return None
-        tp = TopicPartition(name, 0)
-        c.assign([tp])
-        end = (await end_offsets(c, [tp]))[tp]
-        if end <= 0:
+    plans = topics(settings.topic_config()).plans
+    async with Follower(settings.kafka(), [(plans, Tail(1))], on_bad=OnBad.SKIP, name="admin-plans",
+                        max_records=None) as follower:
+        if not any(end > 0 for end in follower.ends.values()):
             return None
-        c.seek(tp, end - 1)
-        for msgs in (await c.getmany(tp, timeout_ms=2000)).values():
-            for m in reversed(msgs):
-                try:
-                    env = decode(m.value)
-                except DecodeError:
-                    continue
-                if isinstance(env.body, CapacityPlan):
-                    return {"offset": m.offset, "ts_ms": env.ts_ms, "planner": env.producer_id,
-                            **env.body.model_dump(mode="json")}
-        return None
-    finally:
-        await c.stop()
+        found: dict[str, Any] | None = None
+        for batch in await follower.fetch(timeout_ms=2000):
+            for rec in batch.records:
+                env = rec.env
+                if env is not None and isinstance(env.body, CapacityPlan):
+                    found = {"offset": rec.offset, "ts_ms": env.ts_ms, "planner": env.producer_id,
+                             **env.body.model_dump(mode="json")}
+        return found
 
 
 def add_plan_routes(app: FastAPI, settings: Settings, read: Any) -> None:
