@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from conductor.routing.policies import Decision, Policy
-from conductor.routing.policies.stages import DECIDE, Mark, StagedPolicy
+from conductor.routing.policies.base import StagedPolicy
+from conductor.routing.policies.stages import DECIDE, Mark
 from conductor.routing.router import Router
 from conductor.routing.snapshot import ClusterSnapshot, PolicyRequest
 from conductor.routing.stores import redis_stores

@@ -108,6 +108,15 @@ P = TypeVar("P", bound=PolicyParams)
 """A policy's parameter model."""
 
 
+@runtime_checkable
+class StagedPolicy(Protocol):
+    """A policy that reports its stages as it decides (the same decision as ``decide``;
+    :mod:`.stages` names the stages)."""
+
+    def decide_staged(self, request: PolicyRequest, snapshot: ClusterSnapshot, rng: random.Random,
+                      mark: Mark) -> Decision: ...
+
+
 class BasePolicy(Generic[P]):
     """Holds the profile and the validated parameters (``p``, of the parameter model the class
     is typed over: ``class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams])``); subclasses

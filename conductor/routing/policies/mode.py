@@ -30,9 +30,18 @@ from dataclasses import dataclass
 from typing import Final, Literal, Protocol, runtime_checkable
 
 from conductor.costmodel.costs import Costs
-from conductor.routing.policies.base import BasePolicy, Decision, Placement, Policy, RejectCode, Rejection, slo_budgets
+from conductor.routing.policies.base import (
+    BasePolicy,
+    Decision,
+    Placement,
+    Policy,
+    RejectCode,
+    Rejection,
+    StagedPolicy,
+    slo_budgets,
+)
 from conductor.routing.policies.prefill_plan import holder_error, stay_on_holder
-from conductor.routing.policies.stages import DECIDE, MODE, Mark, StagedPolicy, no_mark
+from conductor.routing.policies.stages import DECIDE, MODE, Mark, no_mark
 from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
 from schemas import Mode
 

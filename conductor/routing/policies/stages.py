@@ -15,13 +15,8 @@ clock is the caller's (:class:`StageTimes`), so no time enters a decision.
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Final, Protocol, runtime_checkable
-
-if TYPE_CHECKING:
-    from conductor.routing.policies.base import Decision
-    from conductor.routing.snapshot import ClusterSnapshot, PolicyRequest
+from typing import Final
 
 VIEW_READ: Final = "view_read"
 """The router's: the view read and the reservations pending against it."""
@@ -42,14 +37,6 @@ Mark = Callable[[str], None]
 
 def no_mark(stage: str) -> None:
     """The :data:`Mark` of an untimed decision."""
-
-
-@runtime_checkable
-class StagedPolicy(Protocol):
-    """A policy that reports its stages as it decides (the same decision as ``decide``)."""
-
-    def decide_staged(self, request: PolicyRequest, snapshot: ClusterSnapshot, rng: random.Random,
-                      mark: Mark) -> Decision: ...
 
 
 class StageTimes:
@@ -80,4 +67,4 @@ class StageTimes:
 
 
 __all__ = ["ADMISSION", "CANDIDATES", "CLUSTER", "DECIDE", "DECODE_PICK", "MODE", "PREFILL_PLAN", "STAGE_NAMES",
-           "VIEW_READ", "Mark", "StageTimes", "StagedPolicy", "no_mark"]
+           "VIEW_READ", "Mark", "StageTimes", "no_mark"]
