@@ -405,30 +405,15 @@ async def explain(settings: Settings, request_id: str, *, max_records: int | Non
         "block_size": rec.block_size or settings.block_size,
         "model_profile": rec.model_profile or settings.model_profile,
     })
-    reservations = InMemoryReservations(settings.reservation_ttl_s)
-    n_resv = 0
     own = isinstance(rec, RoutingDecision) and rec.inflight_lease_ms is not None
-    for env in earlier:
-        d = env.body
-        assert isinstance(d, RoutingDecision)
-        r = requests.get(d.request_id)
-        if r is None or own or _read_at(env) < at_ms - resv_ms:
-            continue
-        reservations.reserve_sync(decision_reservations(r[1], d, s.block_size), _read_at(env))
-        n_resv += 1
+    reservations, n_resv = _reservations(settings, s.block_size, earlier, requests, at_ms - resv_ms, own)
     router = Router(s, _ViewAt(store, at_ms), reservations, incremental=False)  # every instance, afresh
     counts = (0, 0, 0)
     if isinstance(rec, RoutingDecision):
         capacity = {n.node_id: c for n in await store.nodes()
                     if (c := kv_event_capacity(n, s.pending_lru_blocks)) is not None}
         counts = _decision_time(router, rec, at_ms, earlier, requests, outcomes, capacity)
-    # The control state the decision was made under: the same fold, up to the recorded offset.
-    if rec.control_offset >= 0:
-        for offset, cmd in await control_records(settings, rec.control_offset):
-            router.apply_control(cmd, offset)
-        if router.control.offset != rec.control_offset:
-            raise AuditError(f"control offset {rec.control_offset} is not on {t.control.name} "
-                             f"(read up to {router.control.offset})")
+    await _control_at(router, settings, rec.control_offset, t.control.name)
     chain = router.chain_of(req)
     snap, pending = await router.read(chain)
     snap, _ = router.at_decision(snap, chain)
@@ -450,6 +435,35 @@ async def explain(settings: Settings, request_id: str, *, max_records: int | Non
         control_offset=rec.control_offset, control=router.control.as_dict(), stage_ms=stage_ms,
         pending_placements=counts[0], in_flight=counts[1], outcomes=counts[2],
     )
+
+
+def _reservations(settings: Settings, block_size: int, earlier: Sequence[Envelope],
+                  requests: Mapping[str, tuple[int, RoutingRequest]], since_ms: int,
+                  own: bool) -> tuple[InMemoryReservations, int]:
+    """The reservations the earlier decisions (made from ``since_ms`` on) still held, and how many;
+    none for a decision that counted its load with the in-flight ledger (``own``)."""
+    reservations = InMemoryReservations(settings.reservation_ttl_s)
+    n = 0
+    for env in earlier:
+        d = env.body
+        assert isinstance(d, RoutingDecision)
+        r = requests.get(d.request_id)
+        if r is None or own or _read_at(env) < since_ms:
+            continue
+        reservations.reserve_sync(decision_reservations(r[1], d, block_size), _read_at(env))
+        n += 1
+    return reservations, n
+
+
+async def _control_at(router: Router, settings: Settings, control_offset: int, topic: str) -> None:
+    """Give ``router`` the control state the decision was made under: the same fold, up to the
+    recorded offset."""
+    if control_offset < 0:
+        return
+    for offset, cmd in await control_records(settings, control_offset):
+        router.apply_control(cmd, offset)
+    if router.control.offset != control_offset:
+        raise AuditError(f"control offset {control_offset} is not on {topic} (read up to {router.control.offset})")
 
 
 async def _outcomes(reads: _Reads, name: str, at_ms: int, window_ms: int) -> list[RequestOutcome]:
