@@ -333,12 +333,15 @@ def fit_decode(rows: Iterable[Sequence[float]], base: ModelProfile) -> DecodeFit
     y = arr[:, 2]
     coef = _nonnegative_lstsq(design, y)
     fixed, per_seq, per_ctx = (float(v) for v in coef)
-    per_ctx = max(per_ctx, MIN_CONTEXT_COST_S)
+    # A context the fit calls (nearly) free is read at the fastest bandwidth a profile may have,
+    # not an infinite one: the fitted profile stays within the schema's bounds.
+    per_ctx = max(per_ctx, MIN_CONTEXT_COST_S, base.kv_bytes_per_token / MAX_BANDWIDTH)
     hbm = base.kv_bytes_per_token / per_ctx
     if fixed <= 0:  # weights are read every step: some fixed cost is physical
         fixed = float(np.min(y)) * 1e-3
     profile = base.model_copy(update={
-        "hbm_bandwidth": hbm, "weight_bytes": fixed * hbm, "step_overhead_s": 0.0, "per_sequence_s": per_seq,
+        "hbm_bandwidth": hbm, "weight_bytes": min(fixed * hbm, MAX_BYTES), "step_overhead_s": 0.0,
+        "per_sequence_s": per_seq,
     })
     pred = np.array([profile.decode_step_seconds(int(b), int(c)) for b, c, _ in data])
     return DecodeFit(profile=profile, rows=len(data), rmse_s=float(np.sqrt(np.mean((pred - y) ** 2))),
