@@ -34,6 +34,9 @@ pytestmark = pytest.mark.integration
 
 
 async def test_cordon_and_policy_change_apply_in_log_order_and_explain_both_sides(settings):
+    # Each node beats once, at the start: a TTL longer than the test keeps them live however long
+    # the set-up takes on a busy machine (as test_audit does; 5 s ran out under load).
+    settings = settings.model_copy(update={"heartbeat_ttl_s": 3600.0})
     now = int(time.time() * 1000)
     t = topics(settings.topic_config())
     await kafka.ensure_topics(settings.kafka(), t.all())
