@@ -25,6 +25,9 @@ READS = ("time", "get", "mget", "exists", "hget", "hgetall", "hmget", "hlen", "s
 WRITES = ("set", "setrange", "append", "del", "unlink", "incr", "hset", "hdel", "hincrby", "sadd", "srem", "zadd",
           "zpopmin", "xadd")
 """The apply, compact, free, generation and rebuild scripts; reservations; the decision index; clear."""
+MONITORING = ("info",)
+"""The decision index's memory alert (``INFO memory``, at most once a minute: ``state.decisions``):
+read-only server figures, no key and no setting."""
 CLUSTER = ("cluster|slots", "command", "eval")
 """A Redis Cluster's slot map (redis-py's cluster client and the raw reader ask for it); the
 command table (redis-py's cluster client learns where each command's keys are); the snapshot's
@@ -34,7 +37,8 @@ TIME as a script (a cluster pipeline sends every command to the slot's node)."""
 def commands(*, cluster: bool = False, db: int = 0) -> tuple[str, ...]:
     """Every command (``name`` or ``name|subcommand``) a Conductor process may send: on a Redis
     Cluster (``cluster``) a few more; ``select`` only when the URL names a database other than 0."""
-    return CONNECTION + SCRIPTS + READS + WRITES + (CLUSTER if cluster else ()) + (("select",) if db else ())
+    return (CONNECTION + SCRIPTS + READS + WRITES + MONITORING + (CLUSTER if cluster else ())
+            + (("select",) if db else ()))
 
 
 def acl_rules(namespace: str, *, cluster: bool = False, db: int = 0) -> list[str]:
