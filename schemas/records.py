@@ -222,6 +222,10 @@ class RoutingRequest(Record):
     """v5: the conversation this request belongs to (the ``x-conductor-session`` header, else the
     OpenAI ``user`` field): the router keeps it on the instance that served the session last
     unless leaving pays (the stay rule). None: no session."""
+    releases: bool = False
+    """v5: its producer releases its in-flight work at the first token and at the end (a gateway
+    does, colocated or through the log): a router charges Conductor's in-flight ledger for such
+    requests only; other producers' work is counted by the engines' heartbeats, not left to a lease."""
 
     @model_validator(mode="after")
     def _tokens_or_chain(self) -> RoutingRequest:

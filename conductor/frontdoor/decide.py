@@ -189,9 +189,12 @@ class LogDecider:
     late = "(are the routers running?)"
 
     def __init__(self, settings: Settings, *, producer_id: str, timeout_s: float = 5.0, producer: Any = None,
-                 seq: Iterator[int] | None = None) -> None:
+                 seq: Iterator[int] | None = None, sees_answers: bool = True) -> None:
+        """``sees_answers``: the door releases its requests' work (the gateway); a door that does
+        not (the picker) asks the routers not to charge it (``RoutingRequest.releases``)."""
         self.settings = settings
         self.producer_id = producer_id
+        self.sees_answers = sees_answers
         self.timeout_s = timeout_s
         self.topics = topics(settings.topic_config())
         self.inbox = ReplyInbox(settings, producer_id)
@@ -248,7 +251,8 @@ class LogDecider:
 
     async def decide(self, req: RoutingRequest) -> Answer:
         rid = req.request_id
-        req = req.model_copy(update={"reply_to": self.producer_id})
+        req = req.model_copy(update={"reply_to": self.producer_id,
+                                     "releases": self.sees_answers and self.releases is not None})
         fut = self.inbox.expect(rid)
         env = envelope(req, producer_id=self.producer_id, producer_seq=next(self._seq),
                        ts_ms=time.time_ns() // 1_000_000)
@@ -297,7 +301,8 @@ def make_decider(settings: Settings, mode: Routing, *, producer_id: str, timeout
     (:class:`LogDecider`). ``sees_answers``: the door sees each answer's first token and end, so
     its colocated decisions charge the shared in-flight ledger (``LocalRouter.charges_work``)."""
     if mode == "log":
-        return LogDecider(settings, producer_id=producer_id, timeout_s=timeout_s, producer=producer, seq=seq)
+        return LogDecider(settings, producer_id=producer_id, timeout_s=timeout_s, producer=producer, seq=seq,
+                          sees_answers=sees_answers)
     return Colocated(LocalRouter(settings, producer_id=producer_id, ack_timeout_s=timeout_s,
                                  charges_work=sees_answers))
 

@@ -37,7 +37,7 @@ from aiokafka import TopicPartition
 from conductor.routing.control_log import control_records
 from conductor.routing.decision import decision_reservations
 from conductor.routing.policies import BasePolicy
-from conductor.routing.router import Router, kv_event_capacity
+from conductor.routing.router import Router, kv_event_capacity, releases_its_work
 from conductor.routing.snapshot import ClusterSnapshot
 from conductor.routing.stores import decision_index
 from conductor.settings import Settings
@@ -497,7 +497,7 @@ def _decision_time(router: Router, rec: RoutingDecision, at_ms: int, earlier: Se
             if chain:
                 placed.extend(Placed(d.request_id, t0, node, chain)
                               for node in dict.fromkeys((d.prefill_instance, d.decode_instance)))
-        if rec.inflight_lease_ms is not None and d.inflight_lease_ms is not None:
+        if rec.inflight_lease_ms is not None and d.inflight_lease_ms is not None and releases_its_work(req):
             charged.append(Charged(d.request_id, t0, d.prefill_instance, d.decode_instance,
                                    max(req.prompt_tokens - d.reused_tokens, 0), req.prompt_tokens))
     applied = 0

@@ -87,6 +87,14 @@ def _since(snap: ViewSnapshot) -> dict[str, int]:
     return {n.node_id: n.last_heartbeat_ms for n in snap.nodes}
 
 
+def releases_its_work(req: RoutingRequest) -> bool:
+    """Whether a decision for ``req`` is charged to the in-flight ledger: only when someone will
+    release the charge at its first token and end (a gateway: decided where it arrived, or through
+    the log saying so). Another producer's request would hold its charge for the whole lease; its
+    work shows in the engines' heartbeats instead."""
+    return req.releases or req.decided_by is not None
+
+
 def kv_event_capacity(node: NodeState, default_blocks: int) -> int | None:
     """The pending store's capacity for ``node`` (``PendingStore.set_capacity``): None when it
     publishes KV events (the view knows its cache from them), else its cache size in blocks: its
@@ -605,7 +613,7 @@ class Router:
                 self.sessions.popitem(last=False)
         if self.pending is not None and chain:
             self.pending.record(d.request_id, {d.prefill_instance: chain, d.decode_instance: chain}, at_ms)
-        if self.inflight is not None:
+        if self.inflight is not None and releases_its_work(req):
             self.inflight.charge(d.request_id, d.prefill_instance, d.decode_instance,
                                  req.prompt_tokens - d.reused_tokens, req.prompt_tokens, at_ms)
 
@@ -797,4 +805,4 @@ def _key_text(key: bytes | None) -> str:
         return ""
 
 
-__all__ = ["InvalidRequest", "Router", "kv_event_capacity", "request_seed"]
+__all__ = ["InvalidRequest", "Router", "kv_event_capacity", "releases_its_work", "request_seed"]

@@ -52,7 +52,7 @@ async def _route_two(settings: Settings) -> dict[str, RoutingDecision]:
     prompt = list(range(7000, 7000 + 32 * settings.block_size))
 
     async def route(rid: str, tokens: list[int], seq: int) -> RoutingDecision:
-        r = RoutingRequest(request_id=rid, token_ids=tokens, prompt_tokens=len(tokens))
+        r = RoutingRequest(request_id=rid, token_ids=tokens, prompt_tokens=len(tokens), releases=True)
         await prod.send_and_wait(t.requests.name, encode(envelope(r, producer_id="gw", producer_seq=seq,
                                                                   ts_ms=int(time.time() * 1000))),
                                  key=rid.encode())

@@ -3,6 +3,8 @@ router's own in-flight load instead of reservations, capacity groups, and the st
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from conductor.routing.own_load import OwnLoads, own_extra
@@ -10,7 +12,7 @@ from conductor.routing.policies.prefill_plan import stay_on_holder
 from conductor.routing.router import Router
 from conductor.settings import load_settings
 from conductor.topology import Topology, topology_from_dict
-from schemas import RoutingDecision, chain_keys
+from schemas import RoutingDecision, RoutingRequest, chain_keys
 from state.inflight import InMemoryInflight, InstanceLoad
 from state.memory import InMemoryViewStore
 from state.pending import InMemoryPendingBlocks
@@ -19,6 +21,11 @@ from state.view import NodeState
 from tests.unit.test_router import BS, heartbeat, stored, token_request
 
 PROMPT = list(range(5000, 5000 + 32 * BS))
+
+
+def gw_request(*args: Any, **kwargs: Any) -> RoutingRequest:
+    """A request as a gateway sends it: it will release its work (``releases``)."""
+    return token_request(*args, **kwargs).model_copy(update={"releases": True})
 
 
 def make(incremental: bool = True, **params: object) -> tuple[Router, InMemoryViewStore, InMemoryPendingBlocks,
@@ -39,11 +46,11 @@ async def test_a_second_request_follows_the_first_ones_pending_blocks(incrementa
     for n in ("p0", "p1", "p2"):
         heartbeat(view, n)
     heartbeat(view, "d0", "decode")
-    first = await router.route(token_request("r1", PROMPT))
+    first = await router.route(gw_request("r1", PROMPT))
     assert isinstance(first, RoutingDecision) and first.reused_tokens == 0
     assert first.pending_ttl_ms == 5_000 and first.inflight_lease_ms == 300_000
     # No KV event came back: the placement alone tells the next request where the prefix is.
-    second = await router.route(token_request("r2", PROMPT + list(range(64))))
+    second = await router.route(gw_request("r2", PROMPT + list(range(64))))
     assert isinstance(second, RoutingDecision)
     assert second.prefill_instance == first.prefill_instance
     assert second.reused_tokens == len(PROMPT) and second.reuse_source == first.prefill_instance
@@ -61,11 +68,11 @@ async def test_a_failed_request_releases_its_blocks_and_its_work() -> None:
     for n in ("p0", "p1"):
         heartbeat(view, n)
     heartbeat(view, "d0", "decode")
-    first = await router.route(token_request("r1", PROMPT))
+    first = await router.route(gw_request("r1", PROMPT))
     assert isinstance(first, RoutingDecision) and first.view_now_ms is not None
     ledger.finish("r1", first.view_now_ms)
     pending.release("r1", first.view_now_ms)
-    second = await router.route(token_request("r2", PROMPT))
+    second = await router.route(gw_request("r2", PROMPT))
     assert isinstance(second, RoutingDecision)
     assert second.reused_tokens == 0 and second.queued_tokens_ahead == 0
 
@@ -133,6 +140,20 @@ async def test_a_decision_that_leaves_the_holder_says_why() -> None:
     heartbeat(view, "p1")
     heartbeat(view, "d0", "decode")
     stored(view, "p0", chain_keys(PROMPT[:4 * BS], BS))
-    out = await router.route(token_request("r1", PROMPT))
+    out = await router.route(gw_request("r1", PROMPT))
     assert isinstance(out, RoutingDecision) and out.prefill_instance == "p1"
     assert out.left_holder is not None and out.left_holder.startswith("holder p0 predicted")
+
+
+async def test_a_request_nobody_will_release_is_not_charged() -> None:
+    # A producer of requests that never reports a first token or an end (not a gateway) would hold
+    # its charge for the whole lease: its work is left to the engines' heartbeats.
+    router, view, _, ledger = make()
+    heartbeat(view, "p0")
+    heartbeat(view, "d0", "decode")
+    d = await router.route(token_request("r1", PROMPT))
+    assert isinstance(d, RoutingDecision) and d.view_now_ms is not None
+    assert not ledger.loads(d.view_now_ms)
+    charged = await router.route(gw_request("r2", PROMPT))
+    assert isinstance(charged, RoutingDecision) and charged.view_now_ms is not None
+    assert ledger.load("p0", charged.view_now_ms).prefill_requests == 1
