@@ -94,7 +94,10 @@ async def test_the_fit_lowers_the_ttft_prediction_error_on_a_real_engine(cluster
     # faster than in the window it was fitted on); docs/benchmarks.md keeps every run. What holds
     # whatever the load: on the window it learned from, the fit (its out-of-sample error, folds of
     # that window) predicts better than the hand-set profile did ...
-    assert p50_before > 0.5
+    # (The hand-set profile is far off this engine: its error p50 was 89-92 % when predictions
+    # counted only the engines' scraped queues; since decisions count Conductor's own in-flight work
+    # as the queue ahead (issue 34) it came out at 37 %. Either way it leaves room to be beaten.)
+    assert p50_before > 0.2
     fit = fitter.published
     assert fit is not None and fit.fit_rows >= 20 and fit.ttft_error_p50 is not None
     print(f"the fit's own out-of-sample error on its window: p50 {fit.ttft_error_p50:.1%}")
