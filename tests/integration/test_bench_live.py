@@ -69,8 +69,10 @@ def test_the_same_slice_is_served_by_both_routers(peer_installed: None, settings
     assert sum(1 for n in c["control_cpu_s_by_process"] if n.startswith("bridge-")) == 4, c
     assert not any(n.startswith(("prefill-", "decode-")) for n in c["control_cpu_s_by_process"]), c
     assert set(p["control_cpu_s_by_process"]) == {"sglang-router"}, p
+    # /proc counts CPU in clock ticks (10 ms): the peer's Rust router may serve 6 requests within one.
+    assert c["control_cpu_s"] > 0 and c["control_cpu_ms_per_request"] > 0, c
+    assert p["control_cpu_s"] >= 0 and p["control_cpu_ms_per_request"] >= 0, p
     for side in (c, p):
-        assert side["control_cpu_s"] > 0 and side["control_cpu_ms_per_request"] > 0, side
         assert side["control_cpu_s"] == pytest.approx(sum(side["control_cpu_s_by_process"].values()), abs=0.01)
 
 
