@@ -118,8 +118,10 @@ async def test_worker_folds_into_the_cluster_and_the_router_routes_from_it(clust
         reqs = [RoutingRequest(request_id=f"c{i}", token_ids=shared + list(range(100 * i, 100 * i + 32)),
                                prompt_tokens=len(shared) + 32) for i in range(3)]
         for i, r in enumerate(reqs):
+            # One key, one partition: decided in the order sent, so c0 is the first (across partitions
+            # a later request could be decided first and take the idle holder).
             await prod.send_and_wait(t.requests.name, encode(envelope(r, producer_id="gw", producer_seq=i, ts_ms=now)),
-                                     key=r.request_id.encode())
+                                     key=b"gw")
         cons = kafka.consumer(s.kafka(), t.dispatch.name, group_id=None)
         await cons.start()
         got: dict[str, RoutingDecision] = {}
