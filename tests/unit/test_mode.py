@@ -47,9 +47,57 @@ def test_an_aggregated_fleet_is_served_in_one_call(name: str) -> None:
     got = choose(name, req(), s)
     d = got.decision
     assert isinstance(d, Placement), d
-    assert d.prefill == d.decode == "a1"  # the shorter queue
+    assert d.prefill == d.decode
     assert got.mode == "aggregated"
     assert [o.mode for o in got.options] == ["aggregated"]
+    assert got.options[0].prefill == d.prefill
+
+
+def test_kvcache_centric_serves_an_aggregated_fleet_on_the_lowest_predicted_ttft() -> None:
+    s = snap(agg("a0", queued_prefill_tokens=4000, queued_requests=2), agg("a1"))
+    assert choose("kvcache-centric", req(), s).decision.prefill == "a1"  # type: ignore[union-attr]
+
+
+# The aggregated fleet of the live A/B: a0 holds the whole prompt but has 8,000 tokens queued (two
+# requests) and half its KV cache in use; a1 is idle and holds nothing. The lowest predicted TTFT is a1's.
+HOLDER_BUSY = snap(agg("a0", prefix_blocks=(128, 128, 128), queued_prefill_tokens=8000, queued_requests=2,
+                       running_requests=2, free_kv_blocks=500, total_kv_blocks=1000),
+                   agg("a1", free_kv_blocks=1000, total_kv_blocks=1000))
+
+AGGREGATED_RULES = [
+    # (policy, params, request ordinal, the instance its own rule picks)
+    ("sglang-style", {}, 0, "a0"),  # balanced (spread 4 < 64 requests) and a0 matches 100 % > 0.3
+    ("sglang-style", {"balance_abs_threshold": 1, "balance_rel_threshold": 1.0}, 0, "a1"),  # imbalanced
+    ("sglang-style", {"cache_threshold": 1.0}, 0, "a1"),  # no match good enough: most room (a1: none used)
+    ("round-robin", {}, 0, "a0"),
+    ("round-robin", {}, 1, "a1"),
+    ("round-robin", {}, 2, "a0"),
+    ("local-cache-aware", {}, 0, "a0"),  # the longest own prefix, whatever the queue
+    ("least-loaded", {}, 0, "a1"),
+    ("global-cache-aware", {}, 0, "a1"),  # its rule is the lowest TTFT from own cache
+    ("llm-d-style", {"queue_weight": 0.0}, 0, "a0"),  # prefix and KV free only: a0's prefix wins
+    ("dynamo-style", {}, 0, "a1"),  # a0's 500 queued blocks + 500 in use > a1's 128 to compute
+    ("dynamo-style", {"overlap_score_weight": 10.0}, 0, "a1"),
+]
+
+
+@pytest.mark.parametrize(("name", "params", "ordinal", "want"), AGGREGATED_RULES)
+def test_each_policy_s_own_rule_picks_the_aggregated_instance(name: str, params: dict, ordinal: int,
+                                                              want: str) -> None:
+    """Mode decides aggregated or disaggregated; on an aggregated fleet the instance is the policy's
+    pick, not the lowest predicted TTFT (which would be a1 for every policy)."""
+    policy = make_policy(name, params, PROFILE)
+    r = req(ordinal=ordinal)
+    got = decide_mode(policy, r, HOLDER_BUSY, random.Random(3))
+    d = got.decision
+    assert isinstance(d, Placement) and d.prefill == d.decode and got.mode == "aggregated", got
+    assert d.prefill == want
+    assert d.predicted_ttft_s == next(o.ttft_s for o in got.options if o.prefill == want)
+
+
+def test_round_robin_takes_aggregated_instances_in_turn_whatever_their_load() -> None:
+    picks = [choose("round-robin", req(ordinal=k), HOLDER_BUSY).decision.prefill for k in range(4)]  # type: ignore[union-attr]
+    assert picks == ["a0", "a1", "a0", "a1"]
 
 
 def test_a_hand_off_never_names_an_engine_without_a_connector() -> None:

@@ -10,7 +10,10 @@ carried out in:
   hand-off (``prefill``, ``decode``, and ``both`` instances whose heartbeats say they run a
   KV connector);
 * **aggregated on Z**: for each ``both`` instance, its queue wait plus the cheapest prefill
-  with its own cache, and its decode step with the request added;
+  with its own cache, and its decode step with the request added; *which* ``both`` instance is
+  the policy's own rule (:class:`PicksAggregated`: ``sglang-style`` its cache-aware pick,
+  ``round-robin`` its turn, ...), or, for a policy without one, the lowest predicted TTFT kept
+  on the prefix holder unless leaving pays. Mode decides how the request runs, not where;
 * **conditional disaggregation** (what Dynamo's and llm-d's P/D deciders do): when the
   disaggregated prefill instance is itself a ``both`` instance, the request stays on it
   when what it would compute is short (``aggregate_below_tokens``) or it decodes no slower
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final, Literal, Protocol, runtime_checkable
 
@@ -69,6 +73,17 @@ class StaysOnHolder(Protocol):
 
     @property
     def stay_margin(self) -> float: ...
+
+
+@runtime_checkable
+class PicksAggregated(Protocol):
+    """A policy with its own rule for which aggregated instance serves a request (the baselines'
+    prefill pick: ``parts.PickEachPolicy.pick_aggregated``). Mode then decides only aggregated or
+    disaggregated; the policy picks the instance. A policy without one (``kvcache-centric``) is
+    served by the lowest predicted TTFT, kept on the prefix holder by ``stay_on_holder``."""
+
+    def pick_aggregated(self, request: PolicyRequest, snapshot: ClusterSnapshot, candidates: Sequence[Instance],
+                        rng: random.Random) -> Instance: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,22 +180,32 @@ def decide_mode(policy: Policy, request: PolicyRequest, snapshot: ClusterSnapsho
         able = tuple(i for i in insts if i.role != "both" or i.can_hand_off)
         pd = decide(dataclasses.replace(snapshot, instances=able, index=None))
     error = holder_error(costs.profile, float(p.stay_margin)) if isinstance(p, StaysOnHolder) else None
-    choice = _weigh(costs, request, pd, both, bs, ttft_budget, tbt_budget, below, rejects, error)
+    picked = None
+    if isinstance(policy, PicksAggregated):  # the policy's own rule picks among the aggregated instances
+        only = dataclasses.replace(snapshot, instances=tuple(both), index=None)
+        picked = policy.pick_aggregated(request, only, both, rng).node_id
+    choice = _weigh(costs, request, pd, both, bs, ttft_budget, tbt_budget, below, rejects, error, picked)
     mark(MODE)
     return choice
 
 
 def _weigh(costs: Costs, request: PolicyRequest, pd: Decision, both: list[Instance], bs: int, ttft_budget: float,
-           tbt_budget: float, below: int, rejects: bool, stay_error: float | None = None) -> ModeChoice:
+           tbt_budget: float, below: int, rejects: bool, stay_error: float | None = None,
+           picked: str | None = None) -> ModeChoice:
     """The hand-off ``pd`` against each ``both`` instance run aggregated: which mode, with the
-    options' costs. ``stay_error``: the best aggregated option stays on the holder of the longest
-    prefix unless another beats it by more than this share (``stay_on_holder``); None: no such rule."""
+    options' costs. ``picked``: the aggregated instance the policy's own rule chose (None: the
+    lowest predicted TTFT among those that fit, else among all); ``stay_error``: that lowest stays
+    on the holder of the longest prefix unless another beats it by more than this share
+    (``stay_on_holder``); None: no such rule."""
     aggs = {i.node_id: _aggregated(costs, request, i, bs, ttft_budget, tbt_budget) for i in both}
-    # The best aggregated option: the lowest TTFT among those that fit, else among all (node id breaks ties).
-    pool = [a for a in aggs.values() if a[1]] or list(aggs.values())
-    best = min(pool, key=lambda a: (a[0].predicted_ttft_s, a[0].predicted_tbt_ms, a[0].prefill))
-    if stay_error is not None:
-        best = _stay(pool, best, stay_error)
+    if picked is not None:
+        best = aggs[picked]
+    else:
+        # The lowest TTFT among those that fit, else among all (node id breaks ties).
+        pool = [a for a in aggs.values() if a[1]] or list(aggs.values())
+        best = min(pool, key=lambda a: (a[0].predicted_ttft_s, a[0].predicted_tbt_ms, a[0].prefill))
+        if stay_error is not None:
+            best = _stay(pool, best, stay_error)
 
     if isinstance(pd, Placement) and pd.prefill == pd.decode:
         return ModeChoice(pd, (_option(AGGREGATED, pd, True),))
@@ -206,4 +231,4 @@ def _weigh(costs: Costs, request: PolicyRequest, pd: Decision, both: list[Instan
     return ModeChoice(pd, (pd_opt, _option(AGGREGATED, best[0], best[1])))
 
 
-__all__ = ["AGGREGATED", "DISAGGREGATED", "ModeChoice", "Option", "decide_mode"]
+__all__ = ["AGGREGATED", "DISAGGREGATED", "ModeChoice", "Option", "PicksAggregated", "decide_mode"]

@@ -169,6 +169,12 @@ class PickEachPolicy(RoleSplitPolicy[P]):
                 rng: random.Random) -> Instance:
         raise NotImplementedError
 
+    def pick_aggregated(self, request: PolicyRequest, snapshot: ClusterSnapshot, candidates: Sequence[Instance],
+                        rng: random.Random) -> Instance:
+        """The aggregated instance (prefill and decode in one call) this policy's own rule picks:
+        its prefill pick, since the instance that prefills also decodes (``mode.py`` asks it)."""
+        return self.prefill(request, snapshot, candidates, rng)
+
     def decode(self, request: PolicyRequest, snapshot: ClusterSnapshot, decodes: Sequence[Instance],
                rng: random.Random) -> Instance:
         return lowest(decodes, batch_size, rng)
