@@ -251,6 +251,19 @@ class Settings(BaseSettings):
         description="requests one gateway has open on one engine (prefill or decode) at once; a decision naming "
         "an engine at its bound is answered 429 engine_busy with Retry-After; 0 = no limit",
     )
+    gateway_drain_s: float = Field(
+        default=50.0, ge=0,
+        description="on SIGTERM, how long a gateway lets the requests in flight finish (readiness 503 and new "
+        "requests 503 draining meanwhile) before it cuts the streams still open with an SSE error event "
+        "(gateway_shutdown); the manifests' terminationGracePeriodSeconds (60) less their preStop sleep (5), less "
+        "5 s to close its clients",
+    )
+    gateway_log_failures_to_trip: int = Field(
+        default=3, ge=1,
+        description="colocated routing: after this many decisions in a row that the broker did not acknowledge, "
+        "the gateway's /health answers 503 log_unavailable and new requests are refused at once instead of each "
+        "waiting the decision timeout; one acknowledged decision (a trial let through every second) clears it",
+    )
 
     # --- the endpoint picker (conductor/epp/README.md) ---------------------------------------
     epp_trust_bounds_header: bool = Field(

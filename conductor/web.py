@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
+import math
 import socket
 from collections.abc import Awaitable, Callable, Iterator
 from typing import Any, TypeVar
@@ -76,16 +77,30 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-async def serve(app: Any, sock: socket.socket, stop: asyncio.Event) -> None:
-    """Serve ``app`` on ``sock`` until ``stop`` is set; in-flight requests get a short grace."""
+CUT_MARGIN_S = 2.0
+"""With ``on_stop``: how much longer than ``grace_s`` the server waits before it cancels what is left
+(the app's own cut at ``grace_s`` writes its last words to the client meanwhile)."""
+
+
+async def serve(app: Any, sock: socket.socket, stop: asyncio.Event, *, grace_s: float = 3.0,
+                on_stop: Callable[[float], None] | None = None) -> None:
+    """Serve ``app`` on ``sock`` until ``stop`` is set. Then the socket stops accepting, idle
+    connections close, and the requests in flight get ``grace_s`` to finish before they are
+    cancelled. ``on_stop(grace_s)`` is told first (the gateway drains: it refuses new requests on
+    open connections and cuts its own calls at ``grace_s``, ending a stream with an error event
+    rather than the silent close of a cancel; the cancel then comes :data:`CUT_MARGIN_S` later)."""
+    wait_s = grace_s + CUT_MARGIN_S if on_stop is not None else grace_s
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on",
-                            timeout_graceful_shutdown=3, timeout_keep_alive=30)
+                            timeout_graceful_shutdown=max(math.ceil(wait_s), 1),
+                            timeout_keep_alive=30)
     server = _Server(config)
     task = asyncio.create_task(server.serve(sockets=[sock]))
     stopper = asyncio.create_task(stop.wait())
     try:
         await asyncio.wait([task, stopper], return_when=asyncio.FIRST_COMPLETED)
     finally:
+        if on_stop is not None and stop.is_set():
+            on_stop(grace_s)
         server.should_exit = True
         stopper.cancel()
         await task

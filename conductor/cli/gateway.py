@@ -51,6 +51,10 @@ GatewayRouting = Annotated[str, typer.Option("--routing", help="colocated: decid
     "routers' code and shared reservations; the request and decision are on the log, acknowledged, before an engine "
     "is called); log: send each routing request through the log to `conductor router` processes and wait for "
     "the decision on this gateway's reply topic")]
+GatewayDrainS = Annotated[float | None, typer.Option("--drain-s", min=0.0, help="on SIGTERM: seconds the requests in "
+    "flight get to finish (/health and new requests 503 draining meanwhile); then a stream still open ends with an "
+    "SSE error event gateway_shutdown [default: the setting gateway_drain_s, 50: the manifests' 60 s grace period "
+    "less their 5 s preStop, less 5 s to close]")]
 GatewayBootstrapPort = Annotated[int | None, typer.Option(min=1, max=65535, help="sglang: the prefill instances' "
     "bootstrap port [default: the port of their URL]")]
 
@@ -67,6 +71,7 @@ def gateway(
     bootstrap_port: GatewayBootstrapPort = None,
     insecure: GatewayInsecure = False,
     routing: GatewayRouting = "colocated",
+    drain_s: GatewayDrainS = None,
 ) -> None:
     """Serve OpenAI's /v1/completions and /v1/chat/completions (SSE streaming too) in front of the engines.
 
@@ -84,7 +89,7 @@ def gateway(
         config = gateway_config.gateway_config(
             s, gateway_id=gateway_id, engines=engines, protocol=protocol, base_model=model,
             decision_timeout_s=decision_timeout_s, max_attempts=max_attempts, bootstrap_port=bootstrap_port,
-            routing=mode)
+            routing=mode, drain_s=drain_s)
     with exit_on(soft_wrap=True):  # one line, however wide the terminal
         keys = key_ring(s, insecure=insecure)
     if keys.open:

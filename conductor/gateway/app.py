@@ -108,7 +108,7 @@ def gateway_app(gw: Gateway, keys: KeyRing, metrics_text: Callable[[], str] = la
                                                          "owned_by": "conductor"}]})
 
     async def health() -> Response:
-        down = gw.problem()  # its decider: not started, ended, its partition lost, or stalled
+        down = await gw.readiness()  # draining; its decider not started, ended, lost or stalled; its log unacknowledging
         if down is not None:
             return JSONResponse(error_body(down[1], down[0], kind="service_unavailable"), status_code=503)
         return Response(status_code=200)
@@ -158,7 +158,8 @@ async def run_gateway(settings: Settings, config: GatewayConfig, sock: socket.so
         if on_ready is not None:
             on_ready(gw)
         await web.serve(gateway_app(gw, keys, metrics_text, max_in_flight=config.max_in_flight,
-                                    max_body_bytes=config.max_body_bytes), sock, stop)
+                                    max_body_bytes=config.max_body_bytes), sock, stop,
+                        grace_s=config.drain_s, on_stop=gw.drain)
     finally:
         stop.set()
         with contextlib.suppress(Exception):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from dataclasses import dataclass, field
 from typing import Literal, get_args
 
@@ -25,6 +26,12 @@ def _setting(name: str) -> int:
     """A setting's default, so a config built without settings bounds as the settings do."""
     value = Settings.model_fields[name].default
     assert isinstance(value, int)
+    return value
+
+
+def _float_setting(name: str) -> float:
+    value = Settings.model_fields[name].default
+    assert isinstance(value, float)
     return value
 
 
@@ -92,15 +99,34 @@ class GatewayConfig:
     """Requests open on one engine at once (settings ``gateway_engine_max_in_flight``; 0 = no bound)."""
     max_body_bytes: int = field(default_factory=lambda: _setting("gateway_max_body_bytes"))
     """The longest request body read; longer is 413 (settings ``gateway_max_body_bytes``)."""
+    drain_s: float = field(default_factory=lambda: _float_setting("gateway_drain_s"))
+    """On stop, how long the requests in flight may finish before their calls are cut (settings
+    ``gateway_drain_s``, ``--drain-s``)."""
+    log_failures_to_trip: int = field(default_factory=lambda: _setting("gateway_log_failures_to_trip"))
+    """Unacknowledged decisions in a row that make the gateway unready (settings ``gateway_log_failures_to_trip``)."""
 
     @staticmethod
     def max_body_bytes_default() -> int:
         return _setting("gateway_max_body_bytes")
 
 
-def default_gateway_id() -> str:
-    """``gw-HOST-PID``: unique per process, and a valid topic name."""
-    return f"gw-{socket.gethostname()}-{os.getpid()}".replace("_", "-")[:120]
+def default_gateway_id(started_s: float | None = None) -> str:
+    """``gw-HOST-PID-INCARNATION``: unique per process, and a valid topic name. The incarnation is the
+    start time (seconds, base 36, its last 6 digits: they repeat after ~69 years): a container's
+    gateway is PID 1 under a stable host name at every restart, and a restarted producer must not
+    reuse its predecessor's id (its sequence numbers start again at 1)."""
+    at = int(time.time() if started_s is None else started_s)
+    return f"gw-{socket.gethostname()}-{os.getpid()}-{_base36(at)[-6:]}".replace("_", "-")[:120]
+
+
+def _base36(n: int) -> str:
+    digits = "0123456789abcdefghijklmnopqrstuvwxyz"
+    out = ""
+    while True:
+        n, r = divmod(n, 36)
+        out = digits[r] + out
+        if not n:
+            return out
 
 
 def engine_protocol(text: str) -> EngineProtocol:
@@ -122,7 +148,7 @@ def routing_mode(text: str) -> RoutingMode:
 def gateway_config(settings: Settings, *, gateway_id: str | None, engines: dict[str, str],
                    protocol: EngineProtocol, base_model: str | None = None, decision_timeout_s: float = 5.0,
                    max_attempts: int = 3, bootstrap_port: int | None = None,
-                   routing: RoutingMode = "colocated") -> GatewayConfig:
+                   routing: RoutingMode = "colocated", drain_s: float | None = None) -> GatewayConfig:
     """The gateway's configuration: the settings' ``gateway_*`` timeouts and bounds, the command's
     options over them. ``gateway_id`` must name a valid reply topic (default: :func:`default_gateway_id`);
     colocated routing needs the view (``redis_url``)."""
@@ -138,4 +164,6 @@ def gateway_config(settings: Settings, *, gateway_id: str | None, engines: dict[
                          bootstrap_port=bootstrap_port, routing=routing, timeouts=UpstreamTimeouts.of(settings),
                          max_in_flight=settings.gateway_max_in_flight, max_deciding=settings.gateway_max_deciding,
                          engine_max_in_flight=settings.gateway_engine_max_in_flight,
-                         max_body_bytes=settings.gateway_max_body_bytes)
+                         max_body_bytes=settings.gateway_max_body_bytes,
+                         drain_s=settings.gateway_drain_s if drain_s is None else drain_s,
+                         log_failures_to_trip=settings.gateway_log_failures_to_trip)

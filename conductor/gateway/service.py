@@ -61,6 +61,7 @@ from conductor.gateway.admission import RETRY_AFTER_S, DecidingBound, EngineBusy
 from conductor.gateway.config import GatewayConfig
 from conductor.gateway.handoff import HandOff, aggregated, call_of, cpp, vllm
 from conductor.gateway.handoff.sglang import SglangHandOff
+from conductor.gateway.health import LogHealth
 from conductor.gateway.outcome import Trace, outcome_of
 from conductor.gateway.relay import RelayResponse, respond
 from conductor.gateway.upstream import EngineFailed, EngineLost, Upstream, UpstreamClientError, cached
@@ -70,6 +71,9 @@ from schemas import RequestOutcome, RoutingDecision, RoutingRejection, encode, e
 from streams.topics import topics
 
 log = logging.getLogger(__name__)
+
+BROKER_PROBE_S = 2.0
+"""How long ``/health`` waits for the broker's metadata while the log health is tripped."""
 
 
 class GatewayMetrics:
@@ -108,6 +112,10 @@ class Gateway:
         self.upstream = Upstream(client, config.timeouts, clock)
         self.engine_slots = EngineSlots(config.engine_max_in_flight)
         self.deciding = DecidingBound(config.max_deciding)
+        self.log_health = LogHealth(config.log_failures_to_trip)
+        """Colocated: unacknowledged decisions in a row; tripped, the gateway is unready (:meth:`problem`)."""
+        self.draining = False
+        """Stopping (:meth:`drain`): new requests 503 ``draining``, the ones in flight finish."""
         self._seq = seq if seq is not None else itertools.count(1)
         self._reachable = sorted(config.engines)
         """What the router may name besides the engines that announce an endpoint."""
@@ -133,7 +141,7 @@ class Gateway:
         tr = Trace(request_id=request_id(self.config.gateway_id, hdrs.get("x-request-id"), self.decider.waiting),
                    t0=t0, stream=creq.stream, model=creq.model)
         down = self.problem()
-        if down is not None:
+        if down is not None and not (down[0] == "log_unavailable" and self.log_health.may_try()):
             # Every decision would be lost: say so now rather than after the decision timeout.
             return self._fail(tr, 503, down[0], down[1], kind="service_unavailable", retry_after=5)
         try:
@@ -202,11 +210,46 @@ class Gateway:
         return prompt
 
     def problem(self) -> tuple[str, str] | None:
-        """(code, message) when no request can be decided now: the colocated router is not
-        running, or the reply inbox is not reading (not started, its task ended, its partition
-        lost, or stalled); None when requests can be decided."""
+        """(code, message) when no request can be decided now: the gateway is draining, the colocated
+        router is not running, the reply inbox is not reading (not started, its task ended, its
+        partition lost, or stalled), or the broker did not acknowledge the last decisions
+        (``log_unavailable``: :class:`~conductor.gateway.health.LogHealth`); None when requests can be decided."""
+        if self.draining:
+            return "draining", "the gateway is shutting down and takes no new request: retry on another replica"
         down = self.decider.down("gateway")
-        return None if down is None else (down.code, down.message)
+        if down is not None:
+            return down.code, down.message
+        tripped = self.log_health.problem()
+        return None if tripped is None else ("log_unavailable", tripped)
+
+    async def readiness(self) -> tuple[str, str] | None:
+        """:meth:`problem` as ``/health`` answers it: while the log health is tripped, the broker is
+        asked (at most once a second) whether it answers again; if it does, the gateway is ready
+        and the next decision tells whether the log takes records."""
+        down = self.problem()
+        if down is not None and down[0] == "log_unavailable" and self.log_health.may_try() \
+                and await self._broker_answers():
+            self.log_health.half_open()
+            down = self.problem()
+        return down
+
+    async def _broker_answers(self) -> bool:
+        client = getattr(self.producer, "client", None)
+        if client is None:
+            return False
+        try:
+            await asyncio.wait_for(client.fetch_all_metadata(), BROKER_PROBE_S)
+        except Exception:  # noqa: BLE001 - any failure means: not yet
+            return False
+        return True
+
+    def drain(self, grace_s: float) -> None:
+        """Stop taking requests (503 ``draining``, ``/health`` 503) and cut every call to an engine
+        still open after ``grace_s`` (:meth:`~conductor.gateway.upstream.Upstream.cut`): a stream
+        still running then ends with an SSE error event ``gateway_shutdown``."""
+        self.draining = True
+        self.upstream.cut(grace_s)
+        log.info("gateway %s: draining; calls to engines still open in %gs are cut", self.config.gateway_id, grace_s)
 
     def _fail(self, tr: Trace, status: int, body_or_code: Any, message_or_headers: Any = "", *,
               code: str | None = None, kind: str = "invalid_request_error", param: str | None = None,
@@ -235,8 +278,14 @@ class Gateway:
             return self._fail(tr, 429, "gateway_busy", f"the gateway is deciding {self.deciding.deciding} "
                               "requests, its bound (gateway_max_deciding): retry after the Retry-After seconds",
                               kind="requests", retry_after=RETRY_AFTER_S)
+        # The decision's slot is held until its work ends, not until this request stops waiting: a
+        # colocated decision goes on (shielded) after the decision timeout, until the broker took it or not.
+        work = asyncio.ensure_future(self._ask(arid, creq, slo, prompt, tr))
+        work.add_done_callback(self._decided)
         try:
-            answer = await self._ask(arid, creq, slo, prompt, tr)
+            answer = await asyncio.wait_for(asyncio.shield(work), self.config.decision_timeout_s)
+        except TimeoutError:
+            answer = None
         except BadRequest as e:
             return self._fail(tr, 400, "invalid_value", str(e), param=e.param)
         except InboxClosed as e:
@@ -245,8 +294,6 @@ class Gateway:
         except LogUnavailable as e:
             return self._fail(tr, 503, "log_unavailable", f"{e}; the request was not served",
                               kind="service_unavailable", retry_after=2)
-        finally:
-            self.deciding.give()
         tr.routing_ms += (self.clock() - t_r) * 1000.0
         if answer is None:
             return self._fail(tr, *rejection_response(
@@ -257,13 +304,29 @@ class Gateway:
 
     async def _ask(self, arid: str, creq: ClientRequest, slo: Slo, prompt: Prompt,
                    tr: Trace) -> RoutingDecision | RoutingRejection | None:
-        """The decider's answer (on the log when it returns); None when none came in time."""
+        """The decider's answer (on the log when it returns); None when it timed out itself (log mode)."""
         req = routing_request(arid, creq, slo, prompt, base_model=self.config.base_model, reachable=self._reachable,
                               exclude=tr.excluded, retry_of=tr.request_id if arid != tr.request_id else None)
         try:
-            return await asyncio.wait_for(self.decider.decide(req), self.config.decision_timeout_s)
+            return await self.decider.decide(req)
         except TimeoutError:
             return None
+
+    def _decided(self, work: asyncio.Future[Any]) -> None:
+        """A decision's work ended (answered, failed, or after its client stopped waiting): its slot
+        comes back, and whether the broker took it counts for the log's health."""
+        self.deciding.give()
+        if work.cancelled():
+            return
+        e = work.exception()
+        if isinstance(e, LogUnavailable):
+            self.log_health.failed()
+            if self.log_health.tripped:
+                log.warning("gateway %s: unready: %s", self.config.gateway_id, self.log_health.problem())
+        elif e is None and work.result() is not None:
+            if self.log_health.tripped:
+                log.warning("gateway %s: the broker acknowledges decisions again: ready", self.config.gateway_id)
+            self.log_health.acknowledged()
 
     # --- the hand-off -------------------------------------------------------------------
 

@@ -44,10 +44,12 @@ class EngineLost(Exception):
     """``node`` had taken the request when the call failed (a timeout by phase, a connection that
     broke while it worked): answered to the client (504 / 502), never run again."""
 
-    def __init__(self, node: str, message: str, *, timeout: bool = False) -> None:
+    def __init__(self, node: str, message: str, *, timeout: bool = False, code: str | None = None) -> None:
         super().__init__(message)
         self.node = node
         self.status, self.code = (504, "upstream_timeout") if timeout else (502, "engine_failed")
+        if code is not None:
+            self.status, self.code = 503, code
 
 
 class UpstreamClientError(Exception):
@@ -65,6 +67,20 @@ class Upstream:
         self.client = client
         self.timeouts = timeouts
         self.clock = clock
+        self.cut_at: float | None = None
+        """The loop time (``loop.time()``) at which every call still waiting is cut (:meth:`cut`)."""
+        self._waiting: set[asyncio.Timeout] = set()
+
+    def cut(self, after_s: float) -> None:
+        """Cut every call to the engines still waiting ``after_s`` seconds from now, and every later
+        one by then: :class:`EngineLost` ``gateway_shutdown`` (a stream ends with it as its SSE error
+        event). The gateway's drain deadline: its streams end in words, not a silent close."""
+        at = asyncio.get_running_loop().time() + max(after_s, 0.0)
+        self.cut_at = at if self.cut_at is None else min(self.cut_at, at)
+        for t in self._waiting:
+            when = t.when()
+            if when is None or when > self.cut_at:
+                t.reschedule(self.cut_at)
 
     async def phase(self, aw: Awaitable[T], tr: Trace, node: str, what: str, limit_s: float) -> T:
         """``aw`` within ``limit_s`` (0: no limit) and what is left of the request's total timeout;
@@ -75,10 +91,21 @@ class Upstream:
             left = self.timeouts.total_s - (self.clock() - tr.t0)
             if limit is None or left < limit:
                 limit, which = max(0.0, left), f"{self.timeouts.total_s:g}s for the whole request"
+        loop = asyncio.get_running_loop()
+        when = None if limit is None else loop.time() + limit
+        if self.cut_at is not None and (when is None or self.cut_at < when):
+            when = self.cut_at
         try:
-            async with asyncio.timeout(limit):
-                return await aw
+            async with asyncio.timeout_at(when) as t:
+                self._waiting.add(t)
+                try:
+                    return await aw
+                finally:
+                    self._waiting.discard(t)
         except TimeoutError:
+            if self.cut_at is not None and loop.time() >= self.cut_at:
+                raise EngineLost(node, f"the gateway is shutting down and its drain time ran out while waiting "
+                                 f"for the {what}", code="gateway_shutdown") from None
             raise EngineLost(node, f"no {what} within {which}", timeout=True) from None
 
     async def send(self, url: str, body: dict[str, Any], hdrs: dict[str, str], node: str, tr: Trace, *,

@@ -119,6 +119,8 @@ class Stack:
     url: str
     engines: FakeEngines
     settings: Settings
+    stop: asyncio.Event = field(default_factory=asyncio.Event)
+    """Set: the gateway (and the fake engines) stop, the gateway draining first."""
 
     def client(self, timeout: float = 30.0) -> httpx.AsyncClient:
         return httpx.AsyncClient(base_url=self.url, timeout=timeout)
@@ -162,7 +164,7 @@ async def stack(settings: Settings, nodes: dict[str, str], *, protocol: str = "v
                 routing: RoutingMode = "colocated", **update: Any) -> AsyncIterator[Stack]:
     """The fake engines, the view showing ``nodes`` (id → role) live, a router and a gateway in this
     process (deciding as ``routing`` says); ``urls`` sends some nodes elsewhere than the fake engines."""
-    settings = settings.model_copy(update={"heartbeat_ttl_s": 3600.0, **update})
+    settings = settings.model_copy(update={"heartbeat_ttl_s": 3600.0, "gateway_drain_s": 3.0, **update})
     await ensure_topics(settings.kafka(), topics(settings.topic_config()).all())
     view, resv = redis_stores(settings, producer_id="gw-upstream-test")
     now = int(time.time() * 1000)
@@ -172,8 +174,9 @@ async def stack(settings: Settings, nodes: dict[str, str], *, protocol: str = "v
     stop = asyncio.Event()
     esock = web.bind("127.0.0.1", 0)
     engines.url = f"http://127.0.0.1:{esock.getsockname()[1]}"
-    tasks = [asyncio.create_task(web.serve(engines.app(), esock, stop)),
-             asyncio.create_task(RouterWorker(settings, Router(settings, view, resv), router_id="r-upstream").run(stop))]
+    engines_stop = asyncio.Event()  # after the gateway's: a draining gateway still reads its engines
+    engines_task = asyncio.create_task(web.serve(engines.app(), esock, engines_stop))
+    tasks = [asyncio.create_task(RouterWorker(settings, Router(settings, view, resv), router_id="r-upstream").run(stop))]
     config = gateway_config(settings, gateway_id=f"gw-up-{uuid.uuid4().hex[:8]}",
                             engines={n: f"{engines.url}/{n}" for n in nodes} | (urls or {}),
                             protocol=engine_protocol(protocol), decision_timeout_s=10.0, routing=routing)
@@ -183,12 +186,14 @@ async def stack(settings: Settings, nodes: dict[str, str], *, protocol: str = "v
                                                  on_ready=ready.set_result)))
     try:
         gw = await asyncio.wait_for(ready, 60)
-        st = Stack(gw, f"http://127.0.0.1:{gsock.getsockname()[1]}", engines, settings)
+        st = Stack(gw, f"http://127.0.0.1:{gsock.getsockname()[1]}", engines, settings, stop)
         await warm_up(st)
         yield st
     finally:
         stop.set()
         await asyncio.wait_for(asyncio.gather(*tasks, return_exceptions=True), 30)
+        engines_stop.set()
+        await asyncio.wait_for(asyncio.gather(engines_task, return_exceptions=True), 30)
         await resv.clear()
         await view.close()
 
