@@ -35,8 +35,12 @@ EppRouting = Annotated[str, typer.Option("--routing", help="colocated: decide in
     "over the Redis view, reservations shared through Redis), the request and its decision written to the log with "
     "the broker's acknowledgement before the answer; log: each request onto `requests`, a router's decision back on "
     "this picker's reply topic (needs `conductor router` running)")]
-EppDecisionTimeoutS = Annotated[float, typer.Option(min=0.05, help="--routing log: answer 503 decision_timeout after "
-    "this long; colocated: 503 log_unavailable when the broker has not acknowledged the decision by then")]
+EppDecisionTimeoutS = Annotated[float, typer.Option(min=0.05, help="the whole answer, from the body's end (parse, "
+    "tokenize, decide, the broker's acknowledgement): past it 503 decision_timeout; a decision made later, or one "
+    "whose stream the proxy cancelled, is released (its pending blocks) and recorded on request-outcomes")]
+EppMaxStreams = Annotated[int, typer.Option("--max-streams", min=0, help="requests the picker works on at once, each "
+    "from its first message to its answer (a stream the proxy keeps open after the answer does not count); beyond "
+    "it a new stream is answered 429 picker_busy with Retry-After at once, never queued; 0 = no bound")]
 EppBodyMode = Annotated[str, typer.Option("--body-mode", help="the proxy's ext_proc request_body_mode when its first "
     "message does not say (Envoy 1.32+ does): full-duplex (FULL_DUPLEX_STREAMED, the Inference Extension's) or "
     "buffered (BUFFERED)")]
@@ -59,6 +63,7 @@ def epp(
     decision_timeout_s: EppDecisionTimeoutS = 5.0,
     body_mode: EppBodyMode = "full-duplex",
     max_body_bytes: EppMaxBody = 16 * 1024 * 1024,
+    max_streams: EppMaxStreams = 256,
     tokenizer: EppTokenizer = None,
     tls_cert: EppTlsCert = None,
     tls_key: EppTlsKey = None,
@@ -76,7 +81,7 @@ def epp(
     with exit_on():
         config = epp_serve.epp_config(s, epp_id=epp_id, engines=engines, base_model=model, routing=routing,
                                       decision_timeout_s=decision_timeout_s, body_mode=body_mode,
-                                      max_body_bytes=max_body_bytes)
+                                      max_body_bytes=max_body_bytes, max_streams=max_streams)
     setup_metrics("conductor-epp", s.bind_host, s.metrics_port)
     with exit_on():
         run_until_signalled(lambda stop: epp_serve.serve(config, s, port=port, stop=stop, tls=tls,

@@ -42,6 +42,12 @@ PREFILL_INSTANCE_HEADER = "x-conductor-prefill-instance"
 DECODE_INSTANCE_HEADER = "x-conductor-decode-instance"
 ROUTING_MS_HEADER = "x-conductor-routing-ms"
 """The picker's own time for the request, from the body's end to its answer (ms), as the gateway's header."""
+PICKER_HEADERS = (DESTINATION_HEADER, PREFILL_HEADER, "x-prefiller-url", DP_RANK_HEADER, REQUEST_ID_HEADER,
+                  PREFILL_INSTANCE_HEADER, DECODE_INSTANCE_HEADER, ROUTING_MS_HEADER)
+"""Headers that steer an engine or its sidecar (the destination, llm-d's prefill worker in its current and
+older name, vLLM's data-parallel rank) or say what Conductor decided: only the picker sets them. Those a
+client sent that the picker does not set for this request are removed, so a client cannot pick its own
+prefill worker or DP rank behind the decision's back."""
 
 FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
 BUFFERED = processing_mode_pb2.ProcessingMode.BUFFERED
@@ -128,12 +134,15 @@ def pick_of(decision: RoutingDecision, urls: Mapping[str, str]) -> Pick:
     return Pick(dest, prefill, hdrs)
 
 
-def _set_headers(headers: Mapping[str, str]) -> pb.HeaderMutation:
-    return pb.HeaderMutation(set_headers=[
-        base_pb2.HeaderValueOption(
-            header=base_pb2.HeaderValue(key=k, raw_value=v.encode()),
-            append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
-        for k, v in headers.items()])
+_OVERWRITE = base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD
+
+
+def _set_headers(headers: Mapping[str, str], *, strip: bool = False) -> pb.HeaderMutation:
+    """Set ``headers``; ``strip``: also remove every :data:`PICKER_HEADERS` one they do not set."""
+    return pb.HeaderMutation(
+        set_headers=[base_pb2.HeaderValueOption(header=base_pb2.HeaderValue(key=k, raw_value=v.encode()),
+                                                append_action=_OVERWRITE) for k, v in headers.items()],
+        remove_headers=[h for h in PICKER_HEADERS if h not in headers] if strip else ())
 
 
 def _metadata(destination: str) -> struct_pb2.Struct:
@@ -151,13 +160,13 @@ def routed(pick: Pick, body: bytes, mode: int) -> list[pb.ProcessingResponse]:
         hdrs["content-length"] = str(len(body))
         head = pb.ProcessingResponse(
             request_headers=pb.HeadersResponse(response=pb.CommonResponse(
-                header_mutation=_set_headers(hdrs), clear_route_cache=True)),
+                header_mutation=_set_headers(hdrs, strip=True), clear_route_cache=True)),
             dynamic_metadata=_metadata(pick.destination))
         rest = pb.ProcessingResponse(request_body=pb.BodyResponse(response=pb.CommonResponse(
             body_mutation=pb.BodyMutation(streamed_response=pb.StreamedBodyResponse(body=body, end_of_stream=True)))))
         return [head, rest]
     return [pb.ProcessingResponse(
-        request_body=pb.BodyResponse(response=pb.CommonResponse(header_mutation=_set_headers(hdrs),
+        request_body=pb.BodyResponse(response=pb.CommonResponse(header_mutation=_set_headers(hdrs, strip=True),
                                                                 clear_route_cache=True)),
         dynamic_metadata=_metadata(pick.destination))]
 
@@ -166,7 +175,7 @@ def headers_only(pick: Pick) -> pb.ProcessingResponse:
     """A request with no body (``GET /v1/models``): its headers' answer sends it to ``pick``."""
     return pb.ProcessingResponse(
         request_headers=pb.HeadersResponse(response=pb.CommonResponse(
-            header_mutation=_set_headers(pick.headers), clear_route_cache=True)),
+            header_mutation=_set_headers(pick.headers, strip=True), clear_route_cache=True)),
         dynamic_metadata=_metadata(pick.destination))
 
 

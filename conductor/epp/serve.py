@@ -8,6 +8,7 @@ import contextlib
 import logging
 import os
 import socket
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,15 +20,17 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from conductor.epp.protocol import BODY_MODES
-from conductor.epp.service import EppConfig, ExternalProcessor, Picker
+from conductor.epp.service import EppConfig, ExternalProcessor, OutcomeSink, Picker
 from conductor.errors import ConfigError
 from conductor.frontdoor.decide import ROUTINGS, Decider, Routing, make_decider, parse_routing
 from conductor.frontdoor.directory import EngineDirectory
 from conductor.frontdoor.protocol import default_bounds
 from conductor.frontdoor.tokenizer import EngineTokenizer, prompt_tokenizer
 from conductor.settings import Settings
+from schemas import RequestOutcome, envelope
 from state.connect import open_client
 from state.redis_view import RedisViewStore
+from streams.kafka import acknowledged, ensure_topics, producer
 from streams.topics import topics
 
 log = logging.getLogger(__name__)
@@ -71,7 +74,7 @@ def tls_config(cert: Path | None, key: Path | None) -> Tls | None:
 
 def epp_config(settings: Settings, *, epp_id: str | None, engines: dict[str, str], base_model: str | None = None,
                routing: str = "colocated", decision_timeout_s: float = 5.0, body_mode: str = "full-duplex",
-               max_body_bytes: int = 16 * 1024 * 1024) -> EppConfig:
+               max_body_bytes: int = 16 * 1024 * 1024, max_streams: int = 256) -> EppConfig:
     """The picker's configuration; :class:`ConfigError` naming the option at fault."""
     eid = epp_id or default_epp_id()
     try:
@@ -82,8 +85,11 @@ def epp_config(settings: Settings, *, epp_id: str | None, engines: dict[str, str
         raise ConfigError(f"--routing must be one of {', '.join(ROUTINGS)}, not {routing!r}")
     if body_mode not in BODY_MODES:
         raise ConfigError(f"--body-mode must be one of {', '.join(BODY_MODES)}, not {body_mode!r}")
+    if max_streams < 0:
+        raise ConfigError(f"--max-streams must be 0 (no bound) or more, not {max_streams}")
     return EppConfig(epp_id=eid, engines=engines, base_model=base_model, routing=routing,
                      decision_timeout_s=decision_timeout_s, body_mode=body_mode, max_body_bytes=max_body_bytes,
+                     max_streams=max_streams,
                      bounds=default_bounds(settings), trust_bounds_header=settings.epp_trust_bounds_header)
 
 
@@ -94,12 +100,54 @@ def _routing(text: str) -> Routing:
     return mode
 
 
+class OutcomeWriter:
+    """The picker's ``request_outcome`` records (only for decisions it made but did not deliver:
+    :meth:`~conductor.epp.service.Picker.abandon`), on a producer of its own, started on the first."""
+
+    def __init__(self, settings: Settings, producer_id: str) -> None:
+        self.settings = settings
+        self.producer_id = producer_id
+        self.topic = topics(settings.topic_config()).request_outcomes
+        self._prod: Any = None
+        self._seq = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+
+    def __call__(self, outcome: RequestOutcome) -> None:
+        task = asyncio.get_running_loop().create_task(self._send(outcome))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _send(self, outcome: RequestOutcome) -> None:
+        try:
+            if self._prod is None:
+                await ensure_topics(self.settings.kafka(), (self.topic,))
+                self._prod = producer(self.settings.kafka(), linger_ms=5)
+                await self._prod.start()
+            self._seq += 1
+            env = envelope(outcome, producer_id=self.producer_id, producer_seq=self._seq,
+                           ts_ms=time.time_ns() // 1_000_000)
+            await acknowledged(self._prod, [await self.topic.send(self._prod, env, outcome.request_id)],
+                               warn_after_s=1.0, what=f"outcome {outcome.request_id}")
+        except Exception as e:  # noqa: BLE001 - the release itself is done; only the record is missing
+            log.warning("the outcome of %s was not written: %s", outcome.request_id, e)
+
+    async def close(self) -> None:
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=5.0)
+        if self._prod is not None:
+            with contextlib.suppress(Exception):
+                await self._prod.stop()
+
+
 async def serve(config: EppConfig, settings: Settings, *, port: int, stop: asyncio.Event, tls: Tls | None = None,
                 health_service: bool = True, tokenizer_path: str | None = None,
-                on_ready: Callable[[dict[str, Any]], None] = lambda _: None, decider: Decider | None = None) -> None:
+                on_ready: Callable[[dict[str, Any]], None] = lambda _: None, decider: Decider | None = None,
+                outcomes: OutcomeSink | None = None, reuse_port: bool = False) -> None:
     """Serve the picker (and gRPC health) on ``port`` of the settings' bind host (0: a free one) until
     ``stop``. ``on_ready`` gets the ready line (id, address, TLS, routing) once decisions can be made.
-    ``decider``: one to use instead of the configured routing's (tests)."""
+    ``decider``: one to use instead of the configured routing's (tests); ``outcomes``: where undelivered
+    decisions are recorded (default: the ``request-outcomes`` topic); ``reuse_port``: share the port
+    with the other workers of ``--workers`` (SO_REUSEPORT)."""
     logging.getLogger("httpx").setLevel(logging.WARNING)
     client = httpx.AsyncClient(timeout=httpx.Timeout(connect=settings.gateway_connect_timeout_s,
                                                      read=settings.gateway_first_byte_timeout_s or None,
@@ -119,8 +167,9 @@ async def serve(config: EppConfig, settings: Settings, *, port: int, stop: async
         # no in-flight work it could not release (reservations cleared by heartbeats count it).
         decider = make_decider(settings, _routing(config.routing), producer_id=config.epp_id,
                                timeout_s=config.decision_timeout_s, sees_answers=False)
-    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-    picker = Picker(config, decider, tok, directory)
+    writer = OutcomeWriter(settings, config.epp_id) if outcomes is None else None
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 1 if reuse_port else 0)])
+    picker = Picker(config, decider, tok, directory, outcomes=outcomes or writer)
     pb_grpc.add_ExternalProcessorServicer_to_server(ExternalProcessor(picker), server)
     checks = health.aio.HealthServicer()
     if health_service:
@@ -154,6 +203,8 @@ async def serve(config: EppConfig, settings: Settings, *, port: int, stop: async
             with contextlib.suppress(asyncio.CancelledError):
                 await health_task
         await decider.close()
+        if writer is not None:
+            await writer.close()
         await client.aclose()
         if view is not None:
             with contextlib.suppress(Exception):

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import logging
@@ -66,11 +67,16 @@ from conductor.frontdoor.protocol import (
 )
 from conductor.frontdoor.tokenizer import PromptRejected, PromptTokenizer, TokenizeError
 from conductor.settings import Settings
-from schemas import RoutingDecision
+from schemas import RequestOutcome, RoutingDecision
 
 log = logging.getLogger(__name__)
 
 Responses = list[pb.ProcessingResponse]
+OutcomeSink = Callable[[RequestOutcome], None]
+"""Where the picker records a decision it made but did not deliver (the ``request-outcomes`` topic)."""
+CANCELLED_STATUS = 499
+"""The outcome's status of a decision whose stream the proxy cancelled before the answer (nginx's
+"client closed request": no HTTP answer reached anyone)."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +93,11 @@ class EppConfig:
     """``colocated``: a router in this process (:class:`conductor.routing.local.LocalRouter`); ``log``:
     the routers through the log (:class:`conductor.frontdoor.decide.LogDecider`)."""
     decision_timeout_s: float = 5.0
+    """The whole answer, from the body's end (parse, tokenize, decide, the log's acknowledgement): past it
+    503 ``decision_timeout``, and a decision that comes later is released (:meth:`Picker.abandon`)."""
+    max_streams: int = 256
+    """Streams the picker works on at once, each from its first message to its answer (a stream the
+    proxy keeps open after the answer does not count); beyond it 429 ``picker_busy`` at once. 0: no bound."""
     body_mode: str = "full-duplex"
     """What the proxy's ext_proc filter is configured with when its first message does not say
     (``protocol_config``, Envoy 1.32+): ``full-duplex`` (FULL_DUPLEX_STREAMED, the Inference
@@ -121,21 +132,69 @@ class _Stream:
     headers_answered: bool = False
     t0: float = 0.0
     """When the body ended (the picker's clock)."""
+    decision: RoutingDecision | None = None
+    """The decision the answers carry, until the proxy has them (then None: delivered)."""
 
 
 class Picker:
     """The endpoint picker's logic over ext_proc messages (no gRPC here: :class:`ExternalProcessor` serves it)."""
 
     def __init__(self, config: EppConfig, decider: Decider, tokenizer: PromptTokenizer, directory: EngineDirectory,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+                 clock: Callable[[], float] = time.perf_counter, outcomes: OutcomeSink | None = None) -> None:
+        """``outcomes``: where a decision made but not delivered is recorded (None: only released)."""
         self.config = config
         self.decider = decider
         self.tokenizer = tokenizer
         self.directory = directory
         self.clock = clock
+        self.outcomes = outcomes
         self.metrics = EppMetrics()
         self._turn = itertools.count()
         self._reachable = sorted(config.engines)
+        self.working = 0
+        """Streams between their first message and their answer (bounded by ``max_streams``)."""
+        self.abandoned = 0
+
+    def busy(self) -> pb.ProcessingResponse | None:
+        """The answer to a new stream while ``max_streams`` are being worked on (429 ``picker_busy``), or None."""
+        limit = self.config.max_streams
+        if not limit or self.working < limit:
+            return None
+        self.metrics.requests.add(1, {"status": 429})
+        return immediate(429, error_body(f"the picker is working on {limit} requests (--max-streams); retry",
+                                         "picker_busy", kind="rate_limit_error"), {"retry-after": "1"},
+                         details="conductor_picker_busy")
+
+    def abandon(self, decision: RoutingDecision, why: str, status: int) -> None:
+        """``decision`` was made (and logged) but its request never reached an engine (the proxy
+        cancelled the stream, or the answer came past the decision timeout): release what it
+        reserved (its pending blocks, its in-flight work) and record why on ``request-outcomes``,
+        so the log says the request failed and ``explain`` applies the release where it happened."""
+        self.abandoned += 1
+        at_view_ms = None
+        try:
+            at_view_ms = self.decider.released(decision, "finished", time.monotonic(), failed=True)
+        except Exception:  # the pending blocks' TTL ends them anyway
+            log.exception("releasing the undelivered decision %s failed", decision.request_id)
+        log.info("decision %s not delivered (%s): released", decision.request_id, why)
+        if self.outcomes is None:
+            return
+        self.outcomes(RequestOutcome(
+            request_id=decision.request_id, gateway=self.config.epp_id, status=status, error=why,
+            message=f"the picker's answer was not delivered: {why}", attempts=[decision.request_id],
+            prefill_instance=decision.prefill_instance, decode_instance=decision.decode_instance,
+            predicted_ttft_s=decision.predicted_ttft_s, predicted_tbt_ms=decision.predicted_tbt_ms,
+            reused_tokens=decision.reused_tokens, mode=decision.mode, control_offset=decision.control_offset,
+            finished_view_ms=at_view_ms))
+
+    def _abandon_when_made(self, task: asyncio.Future[Any], why: str, status: int) -> None:
+        """Once ``task`` (a decision no one waits for now) ends, :meth:`abandon` what it decided."""
+        def done(t: asyncio.Future[Any]) -> None:
+            if t.cancelled() or t.exception() is not None:
+                return  # nothing was decided, or nothing logged: nothing to release
+            if isinstance(t.result(), RoutingDecision):
+                self.abandon(t.result(), why, status)
+        task.add_done_callback(done)
 
     def stream(self) -> _Stream:
         return _Stream(mode=BODY_MODES[self.config.body_mode])
@@ -196,7 +255,11 @@ class Picker:
     async def _decide(self, st: _Stream) -> Responses:
         st.decided = True
         t0 = st.t0 = self.clock()
-        out = await self._answer(st)
+        try:
+            out = await self._answer(st)
+        except TimeoutError:  # parsing, tokenizing or the engine directory past the decision timeout
+            out = [rejected("decision_timeout", f"no answer within {self.config.decision_timeout_s:g}s "
+                            f"{self.decider.late}")]
         status = 200
         if out and out[0].HasField("immediate_response"):
             status = out[0].immediate_response.status.code
@@ -204,8 +267,12 @@ class Picker:
         self.metrics.decision.record((self.clock() - t0) * 1000.0)
         return out
 
+    def _left(self, st: _Stream) -> float:
+        """Seconds left of the decision timeout (counted from the body's end)."""
+        return max(st.t0 + self.config.decision_timeout_s - self.clock(), 0.0)
+
     async def _answer(self, st: _Stream) -> Responses:
-        await self.directory.refresh()
+        await asyncio.wait_for(self.directory.refresh(), self._left(st))
         body = bytes(st.body)
         chat = is_chat(st.headers.get(":path", ""))
         if chat is None:
@@ -232,7 +299,7 @@ class Picker:
                 return [unavailable("no engine Conductor knows is in the proxy's endpoint subset "
                                     f"{st.subset[:8]}", "no_live_instance")]
         try:
-            prompt = await self.tokenizer.prompt(creq)
+            prompt = await asyncio.wait_for(self.tokenizer.prompt(creq), self._left(st))
         except TokenizeError as e:
             return [unavailable(str(e), "tokenizer_unavailable", retry_after=2)]
         except PromptRejected as e:
@@ -243,8 +310,20 @@ class Picker:
                                   base_model=self.config.base_model, reachable=self._reachable, exclude=exclude)
         except BadRequest as e:
             return [bad_request(str(e), "invalid_value", param=e.param)]
+        # The decision runs in a task of its own: when no one waits for it any more (past the
+        # timeout, or the proxy cancelled the stream) it still ends, logged, and is then released.
+        task = asyncio.ensure_future(self.decider.decide(req))
         try:
-            answer = await self.decider.decide(req)
+            done, _ = await asyncio.wait((task,), timeout=self._left(st))
+        except asyncio.CancelledError:
+            self._abandon_when_made(task, "cancelled", CANCELLED_STATUS)
+            raise
+        if not done:
+            self._abandon_when_made(task, "decision_timeout", 503)
+            return [rejected("decision_timeout", f"no decision within {self.config.decision_timeout_s:g}s "
+                             f"{self.decider.late}")]
+        try:
+            answer = task.result()
         except TimeoutError:
             return [rejected("decision_timeout", f"no decision within {self.config.decision_timeout_s:g}s "
                              f"{self.decider.late}")]
@@ -260,6 +339,7 @@ class Picker:
             return [unavailable(f"decision {answer.request_id} names an instance with no usable endpoint: {e}",
                                 "no_endpoint")]
         pick = replace(pick, headers={**pick.headers, ROUTING_MS_HEADER: f"{(self.clock() - st.t0) * 1000.0:.3f}"})
+        st.decision = answer
         if st.mode == BUFFERED or st.headers_answered:
             return routed(pick, body, BUFFERED)
         return routed(pick, body, FULL_DUPLEX)
@@ -293,9 +373,30 @@ class ExternalProcessor:
 
     async def Process(self, request_iterator: AsyncIterator[pb.ProcessingRequest],
                       context: Any) -> AsyncIterator[pb.ProcessingResponse]:
-        st = self.picker.stream()
-        async for req in request_iterator:
-            for answer in await self.picker.on_message(st, req):
-                yield answer
-                if answer.HasField("immediate_response"):
-                    return  # the proxy answers the client; the stream is over
+        picker = self.picker
+        st = picker.stream()
+        working = False
+        try:
+            async for req in request_iterator:
+                if not working and not st.decided:
+                    busy = picker.busy()
+                    if busy is not None:
+                        yield busy
+                        return
+                    working = True
+                    picker.working += 1
+                answers = await picker.on_message(st, req)
+                if working and answers and st.decided:  # the picker's work for this stream is done
+                    working = False
+                    picker.working -= 1
+                for answer in answers:
+                    yield answer
+                    if answer.HasField("immediate_response"):
+                        return  # the proxy answers the client; the stream is over
+                if answers and st.decided:
+                    st.decision = None  # delivered: the request goes on to the engine
+        finally:
+            if working:
+                picker.working -= 1
+            if st.decision is not None:  # decided and logged, but the proxy never had the answer
+                picker.abandon(st.decision, "cancelled", CANCELLED_STATUS)

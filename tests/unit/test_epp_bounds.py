@@ -1,0 +1,179 @@
+"""The picker's bounds (issue 36, item 9): an overall decision timeout, a decision the proxy never
+received released and recorded, a bound on the streams worked on at once, and the headers that
+steer an engine taken from the client (a fake decider; the protocol itself: test_epp_picker.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from test_epp_picker import BODY, ENGINES, FakeDecider, WordTokenizer, body_msg, decision, headers_msg, set_headers
+
+from conductor.epp.service import EppConfig, ExternalProcessor, Picker
+from conductor.frontdoor.directory import EngineDirectory
+from schemas import Endpoint, RequestOutcome, RoutingDecision, RoutingRequest
+
+
+class SlowDecider(FakeDecider):
+    """Decides after ``gate`` is set; records what is released."""
+
+    def __init__(self, answer: Any = None) -> None:
+        super().__init__(answer)
+        self.gate = asyncio.Event()
+        self.started = asyncio.Event()
+        self.released_: list[tuple[str, str, bool]] = []
+
+    async def decide(self, req: RoutingRequest) -> Any:
+        self.started.set()
+        await self.gate.wait()
+        return await super().decide(req)
+
+    def released(self, d: RoutingDecision, at: str, monotonic_s: float, failed: bool = False) -> int | None:
+        self.released_.append((d.request_id, at, failed))
+        return 1234
+
+
+def picker(dec: FakeDecider, **config: Any) -> tuple[Picker, list[RequestOutcome]]:
+    outcomes: list[RequestOutcome] = []
+    p = Picker(EppConfig(epp_id="epp-1", engines=dict(ENGINES), **config), dec, WordTokenizer(),
+               EngineDirectory(ENGINES), outcomes=outcomes.append)
+    return p, outcomes
+
+
+async def messages(*msgs: pb.ProcessingRequest, hold: asyncio.Event | None = None
+                   ) -> AsyncIterator[pb.ProcessingRequest]:
+    for m in msgs:
+        yield m
+    if hold is not None:  # the proxy keeps the stream open
+        await hold.wait()
+
+
+def code(r: pb.ProcessingResponse) -> tuple[int, str]:
+    imm = r.immediate_response
+    return imm.status.code, json.loads(imm.body)["error"]["code"]
+
+
+def removed(r: pb.ProcessingResponse) -> list[str]:
+    which = r.WhichOneof("response")
+    return list(getattr(r, which).response.header_mutation.remove_headers)
+
+
+async def test_a_decision_past_the_timeout_is_503_at_once_then_released_and_recorded() -> None:
+    dec = SlowDecider()
+    p, outcomes = picker(dec, decision_timeout_s=0.05)
+    st = p.stream()
+    await p.on_message(st, headers_msg())
+    [r] = await asyncio.wait_for(p.on_message(st, body_msg(BODY, True)), 2.0)
+    assert code(r) == (503, "decision_timeout")
+    assert dec.released_ == []  # not decided yet: nothing to release
+    dec.gate.set()  # the decision ends later (it was logged): what it reserved is released
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert dec.released_ == [("epp-1-abc", "finished", True)]
+    [o] = outcomes
+    assert (o.request_id, o.status, o.error, o.finished_view_ms) == ("epp-1-abc", 503, "decision_timeout", 1234)
+    assert o.gateway == "epp-1" and o.decode_instance == "d0"
+
+
+async def test_a_slow_tokenizer_counts_against_the_timeout_too() -> None:
+    class Stuck(WordTokenizer):
+        async def prompt(self, req: Any) -> Any:
+            await asyncio.sleep(10)
+
+    dec = FakeDecider()
+    p = Picker(EppConfig(epp_id="epp-1", engines=dict(ENGINES), decision_timeout_s=0.05), dec, Stuck(),
+               EngineDirectory(ENGINES))
+    st = p.stream()
+    await p.on_message(st, headers_msg())
+    [r] = await asyncio.wait_for(p.on_message(st, body_msg(BODY, True)), 2.0)
+    assert code(r) == (503, "decision_timeout") and dec.asked == []
+
+
+async def test_a_stream_cancelled_while_deciding_releases_the_decision_when_it_is_made() -> None:
+    dec = SlowDecider()
+    p, outcomes = picker(dec)
+    gen = ExternalProcessor(p).Process(messages(headers_msg(), body_msg(BODY, True)), None)
+    task = asyncio.ensure_future(gen.__anext__())
+    await asyncio.wait_for(dec.started.wait(), 2.0)
+    task.cancel()  # Envoy cancels the stream (the client went away)
+    await asyncio.gather(task, return_exceptions=True)
+    assert p.working == 0 and dec.released_ == []
+    dec.gate.set()
+    for _ in range(20):
+        await asyncio.sleep(0)
+    assert dec.released_ == [("epp-1-abc", "finished", True)]
+    assert [(o.status, o.error) for o in outcomes] == [(499, "cancelled")]
+
+
+async def test_a_decision_whose_answer_the_proxy_never_took_is_released() -> None:
+    dec = SlowDecider()
+    dec.gate.set()
+    p, outcomes = picker(dec)
+    gen = ExternalProcessor(p).Process(messages(headers_msg(), body_msg(BODY, True)), None)
+    head = await gen.__anext__()  # full duplex: the headers' answer, then the body's
+    assert head.WhichOneof("response") == "request_headers"
+    await gen.aclose()  # the stream ends before the body's answer went out
+    assert dec.released_ == [("epp-1-abc", "finished", True)] and outcomes[0].error == "cancelled"
+
+
+async def test_a_delivered_decision_is_not_released_when_the_stream_ends() -> None:
+    dec = SlowDecider()
+    dec.gate.set()
+    p, outcomes = picker(dec)
+    out = [r async for r in ExternalProcessor(p).Process(messages(headers_msg(), body_msg(BODY, True)), None)]
+    assert [r.WhichOneof("response") for r in out] == ["request_headers", "request_body"]
+    assert dec.released_ == [] and outcomes == [] and p.working == 0
+
+
+async def test_streams_beyond_the_bound_are_429_at_once_and_the_bound_frees_after_the_answer() -> None:
+    dec = SlowDecider()
+    p, _ = picker(dec, max_streams=1)
+    ext = ExternalProcessor(p)
+    hold = asyncio.Event()
+    first = ext.Process(messages(headers_msg(), body_msg(BODY, True), hold=hold), None)
+    task = asyncio.ensure_future(first.__anext__())
+    await asyncio.wait_for(dec.started.wait(), 2.0)
+    [busy] = [r async for r in ext.Process(messages(headers_msg(), body_msg(BODY, True)), None)]
+    assert code(busy) == (429, "picker_busy") and set_headers(busy)["retry-after"] == "1"
+    dec.gate.set()
+    assert (await task).WhichOneof("response") == "request_headers"
+    assert (await first.__anext__()).WhichOneof("response") == "request_body"
+    # The first stream stays open (the proxy relays the response) but no longer counts.
+    out = [r async for r in ext.Process(messages(headers_msg(), body_msg(BODY, True)), None)]
+    assert out[0].WhichOneof("response") == "request_headers"
+    hold.set()
+    await first.aclose()
+    assert p.working == 0
+
+
+async def test_headers_that_steer_an_engine_are_taken_from_the_client() -> None:
+    steer: dict[str, Any] = {"x-data-parallel-rank": "7", "x-prefiller-host-port": "evil:1", "x-prefiller-url": "http://evil:1",
+             "x-conductor-decode-instance": "d9"}
+    # An aggregated decision without a DP rank sets none of the prefill and rank headers: the client's go.
+    p, _ = picker(FakeDecider(lambda r: decision(r.request_id, "d1", "d1", mode="aggregated")))
+    st = p.stream()
+    await p.on_message(st, headers_msg(**steer))
+    head, _ = await p.on_message(st, body_msg(BODY, True))
+    assert {"x-data-parallel-rank", "x-prefiller-host-port", "x-prefiller-url"} <= set(removed(head))
+    assert set_headers(head)["x-conductor-decode-instance"] == "d1"  # overwritten, not removed
+    assert "x-conductor-decode-instance" not in removed(head)
+    # The decision's own rank and prefill worker are set (overwriting the client's), not removed.
+    p, _ = picker(FakeDecider(lambda r: decision(r.request_id, endpoints={"d0": Endpoint(url=ENGINES["d0"],
+                                                                                            dp_rank=2)})))
+    st = p.stream()
+    await p.on_message(st, headers_msg(**steer))
+    head, _ = await p.on_message(st, body_msg(BODY, True))
+    hdrs = set_headers(head)
+    assert hdrs["x-data-parallel-rank"] == "2" and hdrs["x-prefiller-host-port"] == "10.0.0.1:8000"
+    assert removed(head) == ["x-prefiller-url"]
+    # Buffered, and a request with no body: the same.
+    p, _ = picker(FakeDecider(), body_mode="buffered")
+    st = p.stream()
+    await p.on_message(st, headers_msg(**steer))
+    [b] = await p.on_message(st, body_msg(BODY, True))
+    assert "x-data-parallel-rank" in removed(b)
+    [r] = await p.on_message(p.stream(), headers_msg("/v1/models", eos=True, **steer))
+    assert {"x-data-parallel-rank", "x-prefiller-host-port"} <= set(removed(r))
