@@ -389,12 +389,14 @@ class ExternalProcessor:
                 if working and answers and st.decided:  # the picker's work for this stream is done
                     working = False
                     picker.working -= 1
-                for answer in answers:
+                for i, answer in enumerate(answers):
+                    if i == len(answers) - 1 and st.decided:
+                        # The last answer handed to gRPC: delivered (the proxy may end the stream as
+                        # soon as it has it, before this generator runs again).
+                        st.decision = None
                     yield answer
                     if answer.HasField("immediate_response"):
                         return  # the proxy answers the client; the stream is over
-                if answers and st.decided:
-                    st.decision = None  # delivered: the request goes on to the engine
         finally:
             if working:
                 picker.working -= 1

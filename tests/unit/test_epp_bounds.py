@@ -12,9 +12,15 @@ from typing import Any
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from test_epp_picker import BODY, ENGINES, FakeDecider, WordTokenizer, body_msg, decision, headers_msg, set_headers
 
+from conductor.epp.serve import epp_config, serve
 from conductor.epp.service import EppConfig, ExternalProcessor, Picker
 from conductor.frontdoor.directory import EngineDirectory
+from conductor.harness.epp_cluster import EnvoySide
+from conductor.settings import load_settings
 from schemas import Endpoint, RequestOutcome, RoutingDecision, RoutingRequest
+
+IDS_BODY = b'{"model": "m", "prompt": [1, 2, 3, 4], "max_tokens": 4}'
+"""Token ids: no tokenizer call (the engines here are made-up addresses)."""
 
 
 class SlowDecider(FakeDecider):
@@ -24,7 +30,6 @@ class SlowDecider(FakeDecider):
         super().__init__(answer)
         self.gate = asyncio.Event()
         self.started = asyncio.Event()
-        self.released_: list[tuple[str, str, bool]] = []
 
     async def decide(self, req: RoutingRequest) -> Any:
         self.started.set()
@@ -32,7 +37,7 @@ class SlowDecider(FakeDecider):
         return await super().decide(req)
 
     def released(self, d: RoutingDecision, at: str, monotonic_s: float, failed: bool = False) -> int | None:
-        self.released_.append((d.request_id, at, failed))
+        super().released(d, at, monotonic_s, failed)
         return 1234
 
 
@@ -61,18 +66,18 @@ def removed(r: pb.ProcessingResponse) -> list[str]:
     return list(getattr(r, which).response.header_mutation.remove_headers)
 
 
-async def test_a_decision_past_the_timeout_is_503_at_once_then_released_and_recorded() -> None:
+async def test_a_decision_past_the_timeout_is_503_at_once_then_releasesand_recorded() -> None:
     dec = SlowDecider()
     p, outcomes = picker(dec, decision_timeout_s=0.05)
     st = p.stream()
     await p.on_message(st, headers_msg())
     [r] = await asyncio.wait_for(p.on_message(st, body_msg(BODY, True)), 2.0)
     assert code(r) == (503, "decision_timeout")
-    assert dec.released_ == []  # not decided yet: nothing to release
+    assert dec.releases == []  # not decided yet: nothing to release
     dec.gate.set()  # the decision ends later (it was logged): what it reserved is released
     for _ in range(20):
         await asyncio.sleep(0)
-    assert dec.released_ == [("epp-1-abc", "finished", True)]
+    assert dec.releases == [("epp-1-abc", "finished", True)]
     [o] = outcomes
     assert (o.request_id, o.status, o.error, o.finished_view_ms) == ("epp-1-abc", 503, "decision_timeout", 1234)
     assert o.gateway == "epp-1" and o.decode_instance == "d0"
@@ -100,11 +105,11 @@ async def test_a_stream_cancelled_while_deciding_releases_the_decision_when_it_i
     await asyncio.wait_for(dec.started.wait(), 2.0)
     task.cancel()  # Envoy cancels the stream (the client went away)
     await asyncio.gather(task, return_exceptions=True)
-    assert p.working == 0 and dec.released_ == []
+    assert p.working == 0 and dec.releases == []
     dec.gate.set()
     for _ in range(20):
         await asyncio.sleep(0)
-    assert dec.released_ == [("epp-1-abc", "finished", True)]
+    assert dec.releases == [("epp-1-abc", "finished", True)]
     assert [(o.status, o.error) for o in outcomes] == [(499, "cancelled")]
 
 
@@ -116,16 +121,26 @@ async def test_a_decision_whose_answer_the_proxy_never_took_is_released() -> Non
     head = await gen.__anext__()  # full duplex: the headers' answer, then the body's
     assert head.WhichOneof("response") == "request_headers"
     await gen.aclose()  # the stream ends before the body's answer went out
-    assert dec.released_ == [("epp-1-abc", "finished", True)] and outcomes[0].error == "cancelled"
+    assert dec.releases == [("epp-1-abc", "finished", True)] and outcomes[0].error == "cancelled"
 
 
-async def test_a_delivered_decision_is_not_released_when_the_stream_ends() -> None:
+async def test_a_delivered_decision_is_not_releaseswhen_the_stream_ends() -> None:
     dec = SlowDecider()
     dec.gate.set()
     p, outcomes = picker(dec)
     out = [r async for r in ExternalProcessor(p).Process(messages(headers_msg(), body_msg(BODY, True)), None)]
     assert [r.WhichOneof("response") for r in out] == ["request_headers", "request_body"]
-    assert dec.released_ == [] and outcomes == [] and p.working == 0
+    assert dec.releases == [] and outcomes == [] and p.working == 0
+
+
+async def test_a_stream_ended_as_soon_as_the_last_answer_is_out_is_delivered() -> None:
+    """gRPC closes the servicer at its last ``yield`` when the proxy ends the stream on the answer."""
+    p, outcomes = picker(FakeDecider())
+    gen = ExternalProcessor(p).Process(messages(headers_msg(), body_msg(BODY, True)), None)
+    out = [await gen.__anext__(), await gen.__anext__()]
+    assert [r.WhichOneof("response") for r in out] == ["request_headers", "request_body"]
+    await gen.aclose()
+    assert outcomes == [] and p.abandoned == 0 and p.working == 0
 
 
 async def test_streams_beyond_the_bound_are_429_at_once_and_the_bound_frees_after_the_answer() -> None:
@@ -177,3 +192,26 @@ async def test_headers_that_steer_an_engine_are_taken_from_the_client() -> None:
     assert "x-data-parallel-rank" in removed(b)
     [r] = await p.on_message(p.stream(), headers_msg("/v1/models", eos=True, **steer))
     assert {"x-data-parallel-rank", "x-prefiller-host-port"} <= set(removed(r))
+
+
+async def test_over_grpc_a_stream_the_proxy_ends_right_after_the_answer_is_not_released() -> None:
+    """Envoy may end the stream as soon as it has the answer, before the servicer runs again."""
+    settings = load_settings(kafka_url="k:9092")
+    decider = FakeDecider()
+    outcomes: list[RequestOutcome] = []
+    stop = asyncio.Event()
+    ready: list[dict[str, Any]] = []
+    task = asyncio.create_task(serve(epp_config(settings, epp_id="epp-g", engines=dict(ENGINES)), settings, port=0,
+                                     stop=stop, on_ready=ready.append, decider=decider, outcomes=outcomes.append))
+    try:
+        while not ready:
+            assert not task.done(), task
+            await asyncio.sleep(0.05)
+        async with EnvoySide(f"127.0.0.1:{ready[0]['port']}") as envoy:  # cancels each stream after the answer
+            for _ in range(20):
+                assert (await envoy.request(IDS_BODY)).status == 200
+        await asyncio.sleep(0.2)
+        assert len(decider.asked) == 20 and decider.releases == [] and outcomes == []
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)

@@ -33,6 +33,7 @@ class FakeDecider:
     def __init__(self, answer: Any = None) -> None:
         self.answer = answer
         self.asked: list[RoutingRequest] = []
+        self.releases: list[tuple[str, str, bool]] = []
 
     async def start(self) -> None: ...
 
@@ -52,6 +53,10 @@ class FakeDecider:
 
     def waiting(self, request_id: str) -> bool:
         return False
+
+    def released(self, decision: RoutingDecision, at: str, monotonic_s: float, failed: bool = False) -> int | None:
+        self.releases.append((decision.request_id, at, failed))
+        return None
 
     async def close(self) -> None: ...
 
