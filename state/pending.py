@@ -187,6 +187,34 @@ class InMemoryPendingBlocks:
         placements made at or before then end. Ignored for an instance without KV events."""
         self.apply(Confirmed(node, at_ms, tuple(blocks)))
 
+    def confirm_held(self, chain: Sequence[int], held: Mapping[str, int], at_ms: int) -> list[Confirmed]:
+        """What a view read shows, applied: per instance in ``held``, the first ``held[node]``
+        blocks of ``chain`` are in its cache (seen at ``at_ms``), so its placements pending for
+        them end (:meth:`confirm`). Only blocks some counting placement still waits for are
+        confirmed, so a read that shows nothing new writes nothing. Returns the operations applied
+        (empty for instances without KV events, or without placements)."""
+        out: list[Confirmed] = []
+        on_nodes = self._on
+        if not on_nodes:
+            return out
+        if at_ms > self._now:
+            self.expire(at_ms)
+        for node in sorted(held):
+            on = on_nodes.get(node)
+            if not on or node in self._capacity:
+                continue
+            new = []
+            for b in chain[:held[node]]:
+                for g in on.get(b, ()):
+                    if self._counts(g, b, at_ms, True):
+                        new.append(b)
+                        break
+            if new:
+                op = Confirmed(node, at_ms, tuple(new))
+                self._confirm(op)
+                out.append(op)
+        return out
+
     def apply(self, op: PendingOp) -> None:
         """Apply one operation, whatever order operations come in (a repeat is a no-op)."""
         if isinstance(op, Placed):

@@ -36,8 +36,9 @@ from aiokafka import TopicPartition
 
 from conductor.routing.control_log import control_records
 from conductor.routing.decision import decision_reservations
+from conductor.routing.decision_time import kv_event_capacity, releases_its_work
 from conductor.routing.policies import BasePolicy
-from conductor.routing.router import Router, kv_event_capacity, releases_its_work
+from conductor.routing.router import Router
 from conductor.routing.snapshot import ClusterSnapshot
 from conductor.routing.stores import decision_index
 from conductor.settings import Settings

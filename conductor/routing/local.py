@@ -189,17 +189,12 @@ class LocalRouter:
 
     def on_first_token(self, decision: RoutingDecision, monotonic_s: float) -> None:
         """The request's first token came back at ``monotonic_s``: its prefill's in-flight work ends."""
-        if self.router.inflight is not None:
-            self.router.inflight.first_token(decision.request_id, self.view_ms(decision, monotonic_s))
+        self.router.decision_time.first_token(decision.request_id, self.view_ms(decision, monotonic_s))
 
     def on_finish(self, decision: RoutingDecision, monotonic_s: float, failed: bool) -> None:
         """The request ended at ``monotonic_s`` (``failed``: an error or a cancel): its in-flight
         work ends, and a failed request's pending blocks too (its engine will not hold them)."""
-        at = self.view_ms(decision, monotonic_s)
-        if self.router.inflight is not None:
-            self.router.inflight.finish(decision.request_id, at)
-        if failed and self.router.pending is not None:
-            self.router.pending.release(decision.request_id, at)
+        self.router.decision_time.end(decision.request_id, self.view_ms(decision, monotonic_s), failed)
         self._decided_at.pop(decision.request_id, None)
 
     # --- one request -----------------------------------------------------------------
@@ -219,7 +214,14 @@ class LocalRouter:
     async def _decide_and_log(self, req: RoutingRequest,
                               turn: Awaitable[RoutingDecision | RoutingRejection]) -> RoutingDecision | RoutingRejection:
         out = await turn  # the next request's decision may begin while this one is logged
-        await self._log(req, out)
+        try:
+            await self._log(req, out)
+        except BaseException:
+            # Not served (the log did not take it, or the task was cancelled): its charge and its
+            # pending blocks end now, not a lease later; nobody will report on this decision.
+            if isinstance(out, RoutingDecision):
+                self.on_finish(out, self.router.clock(), failed=True)
+            raise
         return out
 
     async def _decide(self, req: RoutingRequest, after: Awaitable[None] | None) -> RoutingDecision | RoutingRejection:
@@ -233,6 +235,8 @@ class LocalRouter:
             return out
         except Exception as e:  # a bug must not leave the caller without an answer
             log.exception("routing %s failed", req.request_id)
+            # Whatever the router recorded before it failed is not served (idempotent, a no-op if none).
+            self.router.decision_time.end(req.request_id, self.router.decision_time.last_ms, failed=True)
             return self.router.reject(req.request_id, "invalid_request", f"router error: {type(e).__name__}: {e}")
 
     async def _log(self, req: RoutingRequest, out: RoutingDecision | RoutingRejection) -> None:

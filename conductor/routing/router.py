@@ -23,6 +23,7 @@ possibly a newer view); dispatchers drop a second decision for a request id.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import random
@@ -38,12 +39,13 @@ from conductor.costmodel.profiles import ModelProfile, load_profile
 from conductor.errors import ViewStoreError
 from conductor.routing.control import ControlState, apply_control
 from conductor.routing.decision import decision_record, decision_reservations, rejection_record
+from conductor.routing.decision_time import DecisionTime
 from conductor.routing.index import ClusterIndex
 from conductor.routing.own_load import OwnLoads
 from conductor.routing.policies import Placement, Policy, Rejection, make_policy
 from conductor.routing.policies.mode import ModeChoice, decide_mode
 from conductor.routing.policies.stages import CLUSTER, VIEW_READ, StageTimes
-from conductor.routing.snapshot import NO_PREFIX, ClusterSnapshot, Instance, InstanceMemo, PolicyRequest, build_cluster
+from conductor.routing.snapshot import ClusterSnapshot, Instance, InstanceMemo, PolicyRequest, Shape, build_cluster
 from conductor.settings import Settings
 from schemas import (
     ControlCommand,
@@ -57,11 +59,10 @@ from schemas import (
     request_chain_keys,
 )
 from schemas.records import MAX_BLOCKS
-from state.inflight import InflightLedger, InMemoryInflight
-from state.pending import InMemoryPendingBlocks, PendingStore
+from state.inflight import InflightLedger
+from state.pending import PendingStore
 from state.reservations import InMemoryReservations, Load, ReservationStore
-from state.shared_log import RedisInflight, RedisPendingBlocks
-from state.view import NodeState, ViewReader, ViewSnapshot
+from state.view import ViewReader, ViewSnapshot
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +77,6 @@ HEALTH_EVERY_S = 0.25
 """How often a router asks whether the view is lost or being rebuilt (``Router.view_health``)."""
 
 
-MAX_SESSIONS = 100_000
-"""Sessions a router remembers the instance of (the least recently decided forgotten first)."""
 MAX_INDEXES = 16
 """Cluster indexes one router keeps (one per model and set of excluded nodes)."""
 
@@ -85,26 +84,6 @@ MAX_INDEXES = 16
 def _since(snap: ViewSnapshot) -> dict[str, int]:
     """Per node, the reservation cut-off: a reservation counts until the node's heartbeat is newer."""
     return {n.node_id: n.last_heartbeat_ms for n in snap.nodes}
-
-
-def releases_its_work(req: RoutingRequest) -> bool:
-    """Whether a decision for ``req`` is charged to the in-flight ledger: only when someone will
-    release the charge at its first token and end (a gateway: decided where it arrived, or through
-    the log saying so). Another producer's request would hold its charge for the whole lease; its
-    work shows in the engines' heartbeats instead."""
-    return req.releases or req.decided_by is not None
-
-
-def kv_event_capacity(node: NodeState, default_blocks: int) -> int | None:
-    """The pending store's capacity for ``node`` (``PendingStore.set_capacity``): None when it
-    publishes KV events (the view knows its cache from them), else its cache size in blocks: its
-    heartbeats' total KV blocks, or ``default_blocks`` (``pending_lru_blocks``) when they say none.
-
-    The hook for engines without KV events: a node says so through its state's ``kv_events``
-    (False), which the bridge's ``--no-events`` mode sets; None (older heartbeats) publishes them."""
-    if node.publishes_kv_events:
-        return None
-    return node.total_kv_blocks if node.total_kv_blocks > 0 else default_blocks
 
 
 class _Unhealthy(Exception):
@@ -197,6 +176,8 @@ class _Read:
     degraded: bool
     age_ms: float
     why: str
+    copyable: dict[str, Shape] | None = None
+    """What other instances may copy where pending blocks extend a prefix (``decision_time.Seen``)."""
 
 
 @runtime_checkable
@@ -297,38 +278,44 @@ class Router:
         self._health: tuple[float, bool, str] | None = None  # (clock, healthy, reason) of the last check
         self.ttl_s = settings.heartbeat_ttl_s
         self.control = ControlState()
-        self._decided_ms = 0
-        """The decision-time clock: the last decision's time (pending blocks and in-flight work
-        are written and read on it, so a decision never reads before the one it follows)."""
-        self._capacity: dict[str, int | None] = {}
-        """Capacity given to the pending store per node (only changes are passed on)."""
-        self._capacity_nodes: Sequence[NodeState] | None = None
-        self.pending_ttl_ms = 0
-        self.inflight_lease_ms = 0
-        self.pending: PendingStore | None = None
-        self.inflight: InflightLedger | None = None
-        self.own: OwnLoads | None = None
-        """The ledger as the picture reads it (None: heartbeats plus reservations)."""
-        self.use_decision_time(pending, inflight)
+        self.decision_time = DecisionTime(settings, self.topology, pending, inflight)
+        """Pending blocks, the in-flight ledger, sessions and the decision clock
+        (:mod:`conductor.routing.decision_time`)."""
         self._incremental = incremental
-        self.sessions: OrderedDict[str, str] = OrderedDict()
-        """Session key -> the prefill instance this router placed the session on last (its own
-        decisions, the least recently decided forgotten past :data:`MAX_SESSIONS`): the request's
-        ``session_instance``, the stay rule's holder; each decision records it for ``explain``."""
+
+    # What the decision-time stores hold, as the router's callers read them.
+    @property
+    def pending(self) -> PendingStore | None:
+        return self.decision_time.pending
+
+    @property
+    def inflight(self) -> InflightLedger | None:
+        return self.decision_time.inflight
+
+    @property
+    def own(self) -> OwnLoads | None:
+        """The ledger as the picture reads it (None: heartbeats plus reservations)."""
+        return self.decision_time.own
+
+    @property
+    def sessions(self) -> OrderedDict[str, str]:
+        """Session key -> the prefill instance this router placed the session on last: the
+        request's ``session_instance``, the stay rule's holder; each decision records it."""
+        return self.decision_time.sessions
+
+    @property
+    def pending_ttl_ms(self) -> int:
+        return self.decision_time.pending_ttl_ms
+
+    @property
+    def inflight_lease_ms(self) -> int:
+        return self.decision_time.inflight_lease_ms
 
     def use_decision_time(self, pending: PendingStore | None, inflight: InflightLedger | None) -> None:
         """Decide with these pending blocks and this in-flight ledger from now on (None: without;
-        ``explain`` gives the ones it re-derived from the log)."""
-        self.pending = pending
-        self.inflight = inflight
-        topo = self.topology
-        self.own = (None if inflight is None else
-                    OwnLoads(inflight, topo.capacity_group if topo is not None and topo.capacity_groups else None))
-        self.pending_ttl_ms = _pending_ttl_ms(pending, self.settings)
-        self.inflight_lease_ms = _lease_ms(inflight, self.settings)
+        ``explain`` gives the ones it re-derived from the log); the sessions are kept."""
+        self.decision_time = DecisionTime(self.settings, self.topology, pending, inflight, self.decision_time.sessions)
         self._indexes.clear()  # their loads were counted the other way
-        self._capacity.clear()
-        self._capacity_nodes = None
 
     async def start(self) -> None:
         """Start following the shared reservations, pending blocks and ledger (a no-op for
@@ -336,19 +323,13 @@ class Router:
         now_ms = int(time.time() * 1000)
         if isinstance(self.reservations, SharedReservations):
             await self.reservations.start(now_ms)
-        if isinstance(self.pending, RedisPendingBlocks):
-            await self.pending.start(now_ms)
-        if isinstance(self.inflight, RedisInflight):
-            await self.inflight.start(now_ms)
+        await self.decision_time.start(now_ms)
 
     async def close(self) -> None:
         """Share the last reservations, pending blocks and charges, and stop following."""
         if isinstance(self.reservations, SharedReservations):
             await self.reservations.close()
-        if isinstance(self.pending, RedisPendingBlocks):
-            await self.pending.close()
-        if isinstance(self.inflight, RedisInflight):
-            await self.inflight.close()
+        await self.decision_time.close()
 
     # --- runtime control (the control topic, in log order) ------------------------------
 
@@ -410,7 +391,7 @@ class Router:
             tbt_slo_ms=req.tbt_slo_ms if req.tbt_slo_ms is not None else s.tbt_slo_ms,
             priority=req.priority,
             ordinal=ordinal,
-            session_instance=self.sessions.get(req.session) if req.session is not None else None,
+            session_instance=self.decision_time.session_of(req.session),
         )
 
     # --- the view -------------------------------------------------------------------
@@ -429,51 +410,10 @@ class Router:
 
     def at_decision(self, snap: ViewSnapshot, chain: Sequence[int], age_ms: float = 0.0,
                     degraded: bool = False) -> tuple[ViewSnapshot, int]:
-        """The read as the decision sees it, and the decision's time (``view_now_ms``): without
-        decision-time stores, the read and its time. With them, the time is never before the
-        previous decision's (reads overlap, so one may come back stamped a millisecond before the
-        decision it follows: the read is then taken as made at that decision's time), and with
-        pending blocks each instance's prefix of ``chain`` is extended by the blocks pending on it
-        (counted as HBM: see the class's trust rule); nodes without KV events get their capacity
-        set from their heartbeats first (:func:`kv_event_capacity`)."""
-        at = snap.now_ms + int(age_ms)
-        if self.pending is None and self.inflight is None:
-            return snap, at
-        if at < self._decided_ms and not degraded:
-            snap = ViewSnapshot(self._decided_ms, snap.nodes, snap.prefix, snap.watermark)
-            at = self._decided_ms
-        self._decided_ms = max(self._decided_ms, at)
-        if self.pending is None or not chain:
-            return snap, at
-        self._set_capacities(snap.nodes)
-        held = {node: p[0] for node, p in snap.prefix.items() if p[0] > 0}
-        extra = self.pending.prefixes(chain, at, held)
-        if not extra:
-            return snap, at
-        prefix = dict(snap.prefix)  # the read's answer may be shared (a reader's PrefixWalk)
-        for node, pp in extra.items():
-            hbm, dram, ssd = prefix.get(node, NO_PREFIX)
-            n = pp.length
-            prefix[node] = (max(hbm, n), max(dram, n), max(ssd, n))
-        # In node order: holders of equal cost are tried in the prefix's order, and a set's order
-        # (the pending store's, or a reader's) differs from process to process, so a live decision
-        # and its re-derivation in `explain` would break a tie differently.
-        prefix = {node: prefix[node] for node in sorted(prefix)}
-        return ViewSnapshot(snap.now_ms, snap.nodes, prefix, snap.watermark), at
-
-    def _set_capacities(self, nodes: Sequence[NodeState]) -> None:
-        """Tell the pending store which nodes publish no KV events, with their cache size."""
-        pending = self.pending
-        assert pending is not None
-        if nodes is self._capacity_nodes:
-            return
-        self._capacity_nodes = nodes
-        known = self._capacity
-        for n in nodes:
-            cap = kv_event_capacity(n, self.settings.pending_lru_blocks)
-            if known.get(n.node_id, None) != cap or n.node_id not in known:
-                known[n.node_id] = cap
-                pending.set_capacity(n.node_id, cap)
+        """The read as the decision sees it, and the decision's time (``view_now_ms``):
+        :meth:`DecisionTime.at_decision <conductor.routing.decision_time.DecisionTime.at_decision>`."""
+        seen = self.decision_time.at_decision(snap, chain, age_ms, degraded)
+        return seen.snap, seen.at_ms
 
     # --- deciding -------------------------------------------------------------------
 
@@ -554,9 +494,10 @@ class Router:
         r = await self._read_or_last(req, chain, after, seed)
         if isinstance(r, RoutingRejection):
             return r
-        snap, at = self.at_decision(r.snap, chain, r.age_ms, r.degraded)
+        seen = self.decision_time.at_decision(r.snap, chain, r.age_ms, r.degraded)
+        snap, at = seen.snap, seen.at_ms
         if snap is not r.snap:
-            r = _Read(snap, r.pending, r.degraded, r.age_ms, r.why)
+            r = _Read(snap, r.pending, r.degraded, r.age_ms, r.why, seen.copyable)
         times.mark(VIEW_READ)
         cluster, choice, exclude = self._decide(req, preq, r, seed, times)
         age_ms = r.age_ms
@@ -576,7 +517,7 @@ class Router:
         out = out.model_copy(update=self._decision_fields(out, cluster, decided_by, ordinal, preq))
         # Recorded in the same step as the decision (no await since the read): the next
         # decision, whichever router makes it, sees this one's blocks and work.
-        self._record(req, chain, out, at)
+        self.decision_time.record(req, chain, out, at)
         if self.own is None:
             await self._reserve(req, out, at)
         self._count(req, out)
@@ -593,29 +534,11 @@ class Router:
             fields["ordinal"] = ordinal
         if preq.session_instance is not None:
             fields["session_instance"] = preq.session_instance
-        if self.pending is not None:
-            fields["pending_ttl_ms"] = self.pending_ttl_ms
-        if self.inflight is not None:
-            fields["inflight_lease_ms"] = self.inflight_lease_ms
+        fields.update(self.decision_time.fields())
         pre = _instance_of(cluster)(out.prefill_instance)
         if pre is not None:
             fields["queued_tokens_ahead"] = pre.queued_prefill_tokens
         return fields
-
-    def _record(self, req: RoutingRequest, chain: Sequence[int], d: RoutingDecision, at_ms: int) -> None:
-        """What ``d`` places, at once: the chain's full blocks pending on its prefill instance (and,
-        disaggregated, its decode instance, after the pull); its uncached prompt tokens and one
-        decoding sequence charged to the ledger."""
-        if req.session is not None:
-            self.sessions[req.session] = d.prefill_instance
-            self.sessions.move_to_end(req.session)
-            if len(self.sessions) > MAX_SESSIONS:
-                self.sessions.popitem(last=False)
-        if self.pending is not None and chain:
-            self.pending.record(d.request_id, {d.prefill_instance: chain, d.decode_instance: chain}, at_ms)
-        if self.inflight is not None and releases_its_work(req):
-            self.inflight.charge(d.request_id, d.prefill_instance, d.decode_instance,
-                                 req.prompt_tokens - d.reused_tokens, req.prompt_tokens, at_ms)
 
     async def _read_or_last(self, req: RoutingRequest, chain: Sequence[int], after: Awaitable[Any] | None,
                             seed: int) -> _Read | RoutingRejection:
@@ -655,7 +578,7 @@ class Router:
         # Cordoned and draining nodes take no new requests; a retry names the instances that failed it;
         # a gateway's request names no engine it cannot reach.
         exclude: Collection[str] = req.exclude
-        cluster = self.cluster(r.snap, r.pending, req.model, r.age_ms, exclude)
+        cluster = self._with_copyable(self.cluster(r.snap, r.pending, req.model, r.age_ms, exclude), r)
         times.mark(CLUSTER)
         choice = decide_mode(self.policy, preq, cluster, random.Random(seed), times.mark)
         if req.reachable is not None and _names_unreachable(choice.decision, _instance_of(cluster), req.reachable):
@@ -664,10 +587,15 @@ class Router:
             reachable = set(req.reachable)
             exclude = {i.node_id for i in cluster.instances
                        if i.endpoint is None and i.role != "store" and i.node_id not in reachable}.union(exclude)
-            cluster = self.cluster(r.snap, r.pending, req.model, r.age_ms, exclude)
+            cluster = self._with_copyable(self.cluster(r.snap, r.pending, req.model, r.age_ms, exclude), r)
             times.mark(CLUSTER)
             choice = decide_mode(self.policy, preq, cluster, random.Random(seed), times.mark)
         return cluster, choice, exclude
+
+    @staticmethod
+    def _with_copyable(cluster: ClusterSnapshot, r: _Read) -> ClusterSnapshot:
+        """``cluster`` saying what may be copied where pending blocks extend a prefix."""
+        return cluster if not r.copyable else dataclasses.replace(cluster, copyable=r.copyable)
 
     def _report_stages(self, times: StageTimes) -> None:
         """Each stage's time into the metrics (and to :attr:`on_stages`)."""
@@ -764,24 +692,6 @@ def _no_reservations(node: str, since_ms: int, now_ms: int) -> tuple[Load | None
     return None, None
 
 
-def _pending_ttl_ms(store: PendingStore | None, settings: Settings) -> int:
-    """The TTL ``store`` counts placements for (the settings' for a store that does not say)."""
-    if isinstance(store, InMemoryPendingBlocks):
-        return store.ttl_ms
-    if isinstance(store, RedisPendingBlocks):
-        return store.local.ttl_ms
-    return max(int(settings.pending_ttl_s * 1000), 1)
-
-
-def _lease_ms(ledger: InflightLedger | None, settings: Settings) -> int:
-    """The lease ``ledger`` ends unreleased charges after (the settings' for one that does not say)."""
-    if isinstance(ledger, InMemoryInflight):
-        return ledger.lease_ms
-    if isinstance(ledger, RedisInflight):
-        return ledger.local.lease_ms
-    return max(int(settings.inflight_lease_s * 1000), 1)
-
-
 DECIDED = object()
 """What :meth:`Router.handle_with_reply` returns for a request decided where it arrived (its
 ``decided_by``'s own decision is on ``dispatch`` already): nothing to produce."""
@@ -805,4 +715,4 @@ def _key_text(key: bytes | None) -> str:
         return ""
 
 
-__all__ = ["InvalidRequest", "Router", "kv_event_capacity", "releases_its_work", "request_seed"]
+__all__ = ["InvalidRequest", "Router", "request_seed"]

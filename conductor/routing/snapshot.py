@@ -16,6 +16,8 @@ from schemas import Role, can_hand_off
 from state.view import NodeState, ViewSnapshot
 
 K = TypeVar("K", bound=Hashable)
+Shape = tuple[int, int, int]
+"""A prefix of a chain held by one instance, in blocks: HBM, HBM+DRAM, HBM+DRAM+SSD."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,6 +162,21 @@ class ClusterSnapshot:
     """The same instances kept in order of queue wait and decode load, when the snapshot came
     from a :class:`~conductor.routing.index.ClusterIndex` (policies may look at the few that
     can win instead of at all of them; ``build_cluster`` leaves it out)."""
+    copyable: Mapping[str, Shape] | None = None
+    """Per instance whose ``prefix_blocks`` count blocks still pending (placed by a decision, not
+    yet made by its prefill: ``routing.decision_time``), the prefix another instance may copy from
+    it; None: every instance's prefix may be copied as it is."""
+
+    def copy_shapes(self, holders: Sequence[Instance],
+                    shapes: Sequence[Shape] | None = None) -> list[Shape] | None:
+        """The prefixes ``holders`` may be copied from, beside their own (``shapes``, else their
+        ``prefix_blocks``); None when no holder's differs (copy from each what it holds)."""
+        copyable = self.copyable
+        if not copyable:
+            return None
+        own = shapes if shapes is not None else [h.prefix_blocks for h in holders]
+        out = [copyable.get(h.node_id, s) for h, s in zip(holders, own)]
+        return None if out == list(own) else out
 
     def by_role(self, *roles: str) -> tuple[Instance, ...]:
         return tuple(i for i in self.instances if i.role in roles)

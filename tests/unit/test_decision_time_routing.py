@@ -3,22 +3,24 @@ router's own in-flight load instead of reservations, capacity groups, and the st
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pytest
 
+from conductor.routing.local import LocalRouter, LogUnavailable
 from conductor.routing.own_load import OwnLoads, own_extra
 from conductor.routing.policies.prefill_plan import stay_on_holder
 from conductor.routing.router import Router
 from conductor.settings import load_settings
 from conductor.topology import Topology, topology_from_dict
-from schemas import RoutingDecision, RoutingRequest, chain_keys
+from schemas import BlocksRemoved, RoutingDecision, RoutingRequest, chain_keys, envelope
 from state.inflight import InMemoryInflight, InstanceLoad
 from state.memory import InMemoryViewStore
 from state.pending import InMemoryPendingBlocks
 from state.reservations import InMemoryReservations
 from state.view import NodeState
-from tests.unit.test_router import BS, heartbeat, stored, token_request
+from tests.unit.test_router import BS, heartbeat, now_ms, stored, token_request
 
 PROMPT = list(range(5000, 5000 + 32 * BS))
 
@@ -41,8 +43,7 @@ def make(incremental: bool = True, **params: object) -> tuple[Router, InMemoryVi
 
 @pytest.mark.parametrize("incremental", [True, False])
 async def test_a_second_request_follows_the_first_ones_pending_blocks(incremental: bool) -> None:
-    # remote_reuse off: a copy of a pending prefix from its holder is not modelled as waiting for it yet
-    router, view, pending, ledger = make(incremental, remote_reuse=False)
+    router, view, pending, ledger = make(incremental)
     for n in ("p0", "p1", "p2"):
         heartbeat(view, n)
     heartbeat(view, "d0", "decode")
@@ -157,3 +158,98 @@ async def test_a_request_nobody_will_release_is_not_charged() -> None:
     charged = await router.route(gw_request("r2", PROMPT))
     assert isinstance(charged, RoutingDecision) and charged.view_now_ms is not None
     assert ledger.load("p0", charged.view_now_ms).prefill_requests == 1
+
+
+def removed(store: InMemoryViewStore, node: str, keys: list[int]) -> None:
+    store.apply_sync(envelope(BlocksRemoved(block_keys=keys), producer_id=node, producer_seq=next(_removals),
+                              ts_ms=now_ms()))
+
+
+_removals = itertools.count(1_000_000)
+
+
+async def test_a_block_the_view_shows_is_confirmed_so_its_eviction_is_believed_at_once() -> None:
+    router, view, pending, _ = make(remote_reuse=False)
+    heartbeat(view, "p0")
+    heartbeat(view, "d0", "decode")
+    keys = chain_keys(PROMPT, BS)
+    first = await router.route(gw_request("r1", PROMPT))
+    assert isinstance(first, RoutingDecision) and first.prefill_instance == "p0"
+    stored(view, "p0", keys)  # the engine's own KV event: the view holds the prompt on p0
+    second = await router.route(gw_request("r2", PROMPT))
+    assert isinstance(second, RoutingDecision) and second.view_now_ms is not None
+    assert second.reused_tokens == len(PROMPT)
+    assert not pending.holds("p0", keys[-1], second.view_now_ms)  # the read confirmed what it showed
+    removed(view, "p0", keys)  # evicted within the pending TTL: believed at once, not a TTL later
+    third = await router.route(gw_request("r3", PROMPT))
+    assert isinstance(third, RoutingDecision) and third.reused_tokens == 0
+
+
+def test_confirm_held_writes_only_what_is_still_pending() -> None:
+    store = InMemoryPendingBlocks(5_000)
+    chain = [11, 12, 13, 14]
+    store.record("r1", {"p0": chain}, 100)
+    assert store.confirm_held(chain, {"p1": 4}, 110) == []  # nothing pending on p1
+    ops = store.confirm_held(chain, {"p0": 2}, 110)
+    assert [(op.node, op.blocks) for op in ops] == [("p0", (11, 12))]
+    assert store.confirm_held(chain, {"p0": 2}, 120) == []  # a read showing nothing new writes nothing
+    assert store.prefixes(chain, 130, {"p0": 2})["p0"].length == 4  # the rest still pending
+    assert store.prefixes(chain, 130, {}) == {}  # the confirmed head left the view: the run stops there
+
+
+# Long enough that copying the prefix over the rack link beats computing it.
+LONG = list(range(20_000, 20_000 + 512 * BS))
+
+
+async def test_a_pending_prefix_is_not_copied_before_its_holder_made_it() -> None:
+    router, view, _, _ = make(stay_margin=0.0)
+    heartbeat(view, "p0")
+    heartbeat(view, "p1", queued_prefill_tokens=1, queue_depth=1)  # p0 first
+    heartbeat(view, "d0", "decode")
+    first = await router.route(gw_request("r1", LONG))
+    assert isinstance(first, RoutingDecision) and first.prefill_instance == "p0"
+    # p0 is now busy (its own prefill of LONG is charged to it): p1 is the faster instance, but the
+    # blocks r1 placed on p0 do not exist until p0 has computed them, so p1 cannot copy them.
+    second = await router.route(gw_request("r2", LONG))
+    assert isinstance(second, RoutingDecision)
+    assert second.prefill_instance == "p1" and second.reused_tokens == 0 and second.reuse_source is None
+    # Once the engine reports them, they are there to copy.
+    stored(view, "p0", chain_keys(LONG, BS))
+    third = await router.route(gw_request("r3", LONG))
+    assert isinstance(third, RoutingDecision)
+    assert third.reuse_source == "p0" and third.reused_tokens > 0
+
+
+async def test_a_decision_the_log_did_not_take_releases_its_work_and_blocks() -> None:
+    router, view, pending, ledger = make()
+    heartbeat(view, "p0")
+    heartbeat(view, "d0", "decode")
+    local = LocalRouter(router.settings, producer_id="gw-1", router=router)
+    local._started = True
+
+    async def refuse(req: RoutingRequest, out: object) -> None:
+        raise LogUnavailable("the broker did not take it")
+
+    local._log = refuse  # type: ignore[method-assign]
+    with pytest.raises(LogUnavailable):
+        await local.decide(gw_request("r1", PROMPT))
+    now = router.decision_time.last_ms + 1
+    assert not ledger.loads(now) and not pending.prefixes(chain_keys(PROMPT, BS), now)
+
+
+async def test_a_request_that_fails_before_its_first_token_releases_everything() -> None:
+    router, view, pending, ledger = make()
+    heartbeat(view, "p0")
+    heartbeat(view, "d0", "decode")
+    d = await router.route(gw_request("r1", PROMPT))
+    assert isinstance(d, RoutingDecision) and d.view_now_ms is not None
+    assert ledger.load("p0", d.view_now_ms).prefill_tokens == len(PROMPT)
+    router.decision_time.end("r1", d.view_now_ms + 5, failed=True)
+    assert not ledger.loads(d.view_now_ms + 5)
+    assert not pending.prefixes(chain_keys(PROMPT, BS), d.view_now_ms + 5)
+    # and one that never reports ends by itself: its blocks after the TTL, its work after the lease
+    d2 = await router.route(gw_request("r2", PROMPT))
+    assert isinstance(d2, RoutingDecision) and d2.view_now_ms is not None
+    t = d2.view_now_ms
+    assert pending.prefixes(chain_keys(PROMPT, BS), t + 4_999) and not pending.prefixes(chain_keys(PROMPT, BS), t + 5_000)
+    assert ledger.loads(t + 299_999) and not ledger.loads(t + 300_000)

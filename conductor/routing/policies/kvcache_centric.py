@@ -192,8 +192,12 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
         guarded check (the safe ones and the rejection need every instance)."""
         p = self.p
         bs = snapshot.block_size
-        best_reuse, bare_floor, _ = self._reuse_planner(request, ix.holders, bs, ix.shapes, ix.rack_holders,
-                                                        ix.groups)
+        copies = snapshot.copy_shapes(ix.holders, ix.shapes)
+        if copies is None:
+            best_reuse, bare_floor, _ = self._reuse_planner(request, ix.holders, bs, ix.shapes, ix.rack_holders,
+                                                            ix.groups)
+        else:  # pending blocks extend some holder's prefix: others copy only what it holds already
+            best_reuse, bare_floor, _ = self._reuse_planner(request, ix.holders, bs, copies, ix.rack_holders)
         mark(PREFILL_PLAN)
         costed = walk_queues(self.costs, request, ix, bs, best_reuse, bare_floor, tie_margin(p.prefill_tie_s))
         self._add_longest_holders(costed, ix, best_reuse)
@@ -269,7 +273,7 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
         # Holders in node order, as the cluster index gives them: copies of equal cost go to the
         # first, so both ways of deciding (and `explain`, which decides this way) pick the same source.
         holders = sorted((h for h in snapshot.instances if h.prefix_blocks[2] > 0), key=_node_id)
-        best_reuse, _, _ = self._reuse_planner(request, holders, bs)
+        best_reuse, _, _ = self._reuse_planner(request, holders, bs, snapshot.copy_shapes(holders))
         costed = cost_candidates(pool, best_reuse)
         chosen, left = self._stay(request, costed, pick_prefill(costed, rng, p.prefill_tie_s))
         mark(PREFILL_PLAN)

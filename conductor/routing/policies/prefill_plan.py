@@ -10,7 +10,8 @@ ties within ``prefill_tie_s`` broken by the seeded generator in node-id order
 instance meets the SLO. Pure.
 
 Where the plan grows: what counts as reusable enters through the holders and their prefix
-shapes (:meth:`ReusePlanner.plan`); a term of the TTFT beyond the wait and the plan goes in
+shapes (:meth:`ReusePlanner.plan`; a holder's pending blocks count for its own reuse, not for a
+copy, which could not start before its prefill made them); a term of the TTFT beyond the wait and the plan goes in
 :func:`ttft_s` (and in the lower bounds of the index walk,
 :func:`~conductor.routing.policies.candidates.walk_queues`, which assume TTFT = wait + plan);
 a rule for which of the near-lowest wins goes in :func:`pick_prefill`.
@@ -167,8 +168,10 @@ class ReusePlanner:
              shapes: Sequence[Shape] | None = None, rack_holders: Mapping[str | None, Sequence[int]] | None = None,
              groups: Mapping[Shape, Sequence[int]] | None = None) -> ReusePlan:
         """``holders``: the instances holding a prefix of the chain, in snapshot order (ties
-        between copies go to the first); ``shapes``: their prefixes, when not their
-        ``prefix_blocks``; ``rack_holders``: rack → indexes of its holders, in order, and
+        between copies go to the first); ``shapes``: the prefixes others may copy from them, when
+        not their ``prefix_blocks`` (a pending prefix is not there to copy yet:
+        ``ClusterSnapshot.copy_shapes``); each instance's own reuse is its ``prefix_blocks``;
+        ``rack_holders``: rack → indexes of its holders, in order, and
         ``groups``: prefix shape → indexes of its holders, in order (both found by a scan of the
         holders when not given); ``remote``: consider copies at all.
 
