@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Annotated
 
@@ -21,9 +22,11 @@ from conductor.cli.common import (
 from conductor.frontdoor.protocol import engine_map
 from conductor.gateway import config as gateway_config
 from conductor.gateway import serve as gateway_serve
-from conductor.gateway.auth import key_ring
+from conductor.gateway import workers as gateway_workers
+from conductor.gateway.auth import KeyRing, key_ring
 from conductor.harness.bench.gateway import run_gateway_bench
 from conductor.harness.bench.live import PEERS, LiveBenchError, LiveOptions, run_live_bench
+from conductor.settings import Settings
 from conductor.telemetry import scrape, setup_metrics
 
 # --- conductor gateway --------------------------------------------------------------
@@ -55,6 +58,10 @@ GatewayDrainS = Annotated[float | None, typer.Option("--drain-s", min=0.0, help=
     "flight get to finish (/health and new requests 503 draining meanwhile); then a stream still open ends with an "
     "SSE error event gateway_shutdown [default: the setting gateway_drain_s, 50: the manifests' 60 s grace period "
     "less their 5 s preStop, less 5 s to close]")]
+GatewayWorkers = Annotated[int, typer.Option("--workers", min=1, max=256, help="gateway processes serving the port, "
+    "one core each (the parent binds it and forks them: Linux, macOS); each a whole gateway with its own id "
+    "<gateway id>-w<i> (its producer id; with --routing log its reply topic), reservations shared through Redis; "
+    "worker i serves its metrics on CONDUCTOR_METRICS_PORT + i")]
 GatewayBootstrapPort = Annotated[int | None, typer.Option(min=1, max=65535, help="sglang: the prefill instances' "
     "bootstrap port [default: the port of their URL]")]
 
@@ -72,6 +79,7 @@ def gateway(
     insecure: GatewayInsecure = False,
     routing: GatewayRouting = "colocated",
     drain_s: GatewayDrainS = None,
+    workers: GatewayWorkers = 1,
 ) -> None:
     """Serve OpenAI's /v1/completions and /v1/chat/completions (SSE streaming too) in front of the engines.
 
@@ -95,10 +103,34 @@ def gateway(
     if keys.open:
         err.print("[yellow]warning:[/yellow] --insecure: the gateway serves anyone who reaches "
                   f"{s.bind_host}:{port}, with no API key", soft_wrap=True)
+    if workers > 1:
+        raise typer.Exit(_gateway_workers(config, s, workers, port=port, keys=keys, tokenizer=tokenizer))
     setup_metrics("conductor-gateway", s.bind_host, s.metrics_port)
     run_until_signalled(lambda stop: gateway_serve.serve(
         config, s, port=port, stop=stop, keys=keys, tokenizer_path=tokenizer, metrics_text=scrape,
         on_ready=print_json), loop_factory=web.loop_factory())
+
+
+def _gateway_workers(config: gateway_config.GatewayConfig, s: Settings, workers: int, *, port: int, keys: KeyRing,
+                     tokenizer: str | None) -> int:
+    """``--workers N``: the port bound here, N forked gateways serving it (:mod:`conductor.gateway.workers`)."""
+    ids = gateway_workers.worker_ids(config.gateway_id, workers)
+    with exit_on():
+        gateway_workers.check_supported(workers)
+        for gid in ids:
+            gateway_config.check_gateway_id(s, gid)
+    with exit_on(OSError):
+        sock = web.bind(s.bind_host, port)
+
+    def one(i: int, ready: gateway_workers.Ready) -> int:
+        setup_metrics("conductor-gateway", s.bind_host, s.metrics_port + i if s.metrics_port else 0)
+        run_until_signalled(lambda stop: gateway_serve.serve(
+            dataclasses.replace(config, gateway_id=ids[i]), s, port=port, stop=stop, keys=keys,
+            tokenizer_path=tokenizer, metrics_text=scrape, on_ready=lambda line: ready({**line, "worker": i}),
+            sock=sock), loop_factory=web.loop_factory())
+        return 0
+
+    return gateway_workers.run_workers(workers, sock, one, print_json)
 
 
 # --- conductor bench gateway | live -------------------------------------------------
@@ -111,6 +143,9 @@ BenchGatewayMaxTokens = Annotated[int, typer.Option(min=1, help="output tokens p
 BenchGatewayLocalTokenizer = Annotated[bool, typer.Option("--local-tokenizer/--engine-tokenizer", help="the engines "
     "and the gateway share a tokenizer.json (the gateway tokenizes with no round trip), or the gateway asks an "
     "engine's /tokenize")]
+BenchGatewayWorkers = Annotated[int, typer.Option("--workers", min=1, max=64, help="the gateway under test runs "
+    "this many processes on its port (`conductor gateway --workers`); requests_per_s and the gateway's CPU are "
+    "theirs together")]
 BenchGatewayArg = Annotated[list[str] | None, typer.Option("--gateway-arg", help="one more `conductor gateway` "
     "option for the gateway under test (repeat; e.g. --gateway-arg=--routing --gateway-arg=log)")]
 
@@ -121,16 +156,17 @@ def bench_gateway(
     max_tokens: BenchGatewayMaxTokens = 8,
     gateway_arg: BenchGatewayArg = None,
     local_tokenizer: BenchGatewayLocalTokenizer = True,
+    workers: BenchGatewayWorkers = 1,
     json_out: JsonLine = False,
 ) -> None:
     """Gateway overhead over calling the chosen engines directly, with zero-compute emulated engines.
 
-    Starts (on CONDUCTOR_KAFKA_URL/REDIS_URL, or the embedded ones) a worker, a router, 2 prefill + 2 decode engines and a gateway. At each concurrency: (1) paired: every client sends each of its prompts both through the gateway and straight to a prefill/decode pair (the order alternating), and a request's overhead is its gateway time to first token minus its own direct one; (2) throughput: the same clients send the same number of requests through the gateway only. Fields (headline: the first level; per level under "levels"): gateway_overhead_ms_p50, _p90, _p99 (percentiles of the per-request paired differences; before 2026-11 they were p(gateway) minus p(direct)), requests_per_s (phase 2, one gateway process), gateway_cpu_ms_per_request (the gateway process's CPU time over phase 2, per request; Linux), control_cpu_s, control_cpu_s_by_process and control_cpu_ms_per_request (every control-plane process over phase 2: gateway, router, worker, broker, Redis), throttled (429s, counted apart: the client waits its Retry-After), errors (every other failure, either side; errors_gateway and errors_direct split them, error_kinds counts them by kind), ttft and routing percentiles.
+    Starts (on CONDUCTOR_KAFKA_URL/REDIS_URL, or the embedded ones) a worker, a router, 2 prefill + 2 decode engines and a gateway. At each concurrency: (1) paired: every client sends each of its prompts both through the gateway and straight to a prefill/decode pair (the order alternating), and a request's overhead is its gateway time to first token minus its own direct one; (2) throughput: the same clients send the same number of requests through the gateway only. Fields (headline: the first level; per level under "levels"): gateway_overhead_ms_p50, _p90, _p99 (percentiles of the per-request paired differences; before 2026-11 they were p(gateway) minus p(direct)), requests_per_s (phase 2, all --workers of the gateway together; gateway_processes says how many), gateway_cpu_ms_per_request (the gateway process's CPU time over phase 2, per request; Linux), control_cpu_s, control_cpu_s_by_process and control_cpu_ms_per_request (every control-plane process over phase 2: gateway, router, worker, broker, Redis), throttled (429s, counted apart: the client waits its Retry-After), errors (every other failure, either side; errors_gateway and errors_direct split them, error_kinds counts them by kind), ttft and routing percentiles.
     """
     s = settings_or_exit()
     out = run_gateway_bench(s, levels=tuple(clients), requests_per_client=requests_per_client,
                             max_tokens=max_tokens, gateway_args=gateway_arg or [],
-                            local_tokenizer=local_tokenizer)
+                            local_tokenizer=local_tokenizer, workers=workers)
     print_result(out, json_out)
 
 

@@ -145,6 +145,14 @@ def routing_mode(text: str) -> RoutingMode:
     return mode
 
 
+def check_gateway_id(settings: Settings, gateway_id: str) -> None:
+    """:class:`ConfigError` naming ``--gateway-id`` when ``gateway_id`` cannot name a reply topic."""
+    try:
+        topics(settings.topic_config()).replies(gateway_id)
+    except ValueError as e:
+        raise ConfigError(f"--gateway-id: {e}") from None
+
+
 def gateway_config(settings: Settings, *, gateway_id: str | None, engines: dict[str, str],
                    protocol: EngineProtocol, base_model: str | None = None, decision_timeout_s: float = 5.0,
                    max_attempts: int = 3, bootstrap_port: int | None = None,
@@ -153,10 +161,7 @@ def gateway_config(settings: Settings, *, gateway_id: str | None, engines: dict[
     options over them. ``gateway_id`` must name a valid reply topic (default: :func:`default_gateway_id`);
     colocated routing needs the view (``redis_url``)."""
     gid = gateway_id or default_gateway_id()
-    try:
-        topics(settings.topic_config()).replies(gid)
-    except ValueError as e:
-        raise ConfigError(f"--gateway-id: {e}") from None
+    check_gateway_id(settings, gid)
     if routing == "colocated" and not settings.redis_url:
         raise ConfigError("--routing colocated reads the view: set redis_url (CONDUCTOR_REDIS_URL), or use --routing log")
     return GatewayConfig(gateway_id=gid, engines=engines, protocol=protocol, base_model=base_model,

@@ -181,7 +181,15 @@ class GatewayCluster:
         router, bridges, gateway, a picker), and the broker and Redis when they run on this machine."""
         engines = set(self.engine_procs)
         own: dict[str, int | None] = {n: p.pid for n, p in self.procs.procs if n not in engines}
-        return {**own, **server_pids(self.settings.kafka_url, self.settings.redis_url)}
+        return {**own, **self.gateway_pids(), **server_pids(self.settings.kafka_url, self.settings.redis_url)}
+
+    def gateway_pids(self) -> dict[str, int | None]:
+        """The gateway's process and, with ``--workers``, its workers (``gateway-w<i>``, in pid order; Linux /proc)."""
+        parent = next((p.pid for n, p in self.procs.procs if n == "gateway"), None)
+        if parent is None:
+            return {}
+        kids = sorted(child_pids(parent))
+        return {"gateway": parent, **{f"gateway-w{i}": pid for i, pid in enumerate(kids)}}
 
 
 async def _drain(proc: Any, into: list[dict[str, Any]]) -> None:
@@ -195,6 +203,19 @@ async def _drain(proc: Any, into: list[dict[str, Any]]) -> None:
 
 
 SGLANG_ROUTER_VERSION = "0.3.2"
+
+
+def child_pids(parent: int) -> list[int]:
+    """The processes whose parent is ``parent`` (Linux /proc; none elsewhere)."""
+    out = []
+    for d in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (d / "stat").read_text()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
+            out.append(int(d.name))
+    return out
 
 
 def sglang_router_missing() -> str | None:

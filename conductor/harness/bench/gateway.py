@@ -222,6 +222,17 @@ def _cpu_s(pid: int) -> float | None:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _cpu_sum(pids: list[int]) -> float | None:
+    """The CPU seconds of ``pids`` together (None when one cannot be read)."""
+    total = 0.0
+    for pid in pids:
+        one = _cpu_s(pid)
+        if one is None:
+            return None
+        total += one
+    return total
+
+
 def _from(side: Callable[[int], Awaitable[float]], base: int) -> Callable[[int], Awaitable[float]]:
     """``side`` on request numbers from ``base`` on."""
     async def shifted(i: int) -> float:
@@ -239,7 +250,7 @@ def _ms_or_none(xs: list[float], q: float) -> float | None:
 
 
 def _level(conc: int, n: int, paired: _Tally, load: _Tally, routing: list[float],
-           cpu_s: float | None, control: dict[str, Any]) -> dict[str, Any]:
+           cpu_s: float | None, control: dict[str, Any], workers: int = 1) -> dict[str, Any]:
     return {
         "clients": conc, "requests": n,
         "gateway_overhead_ms_p50": _ms_or_none(paired.overhead, 50),
@@ -247,7 +258,7 @@ def _level(conc: int, n: int, paired: _Tally, load: _Tally, routing: list[float]
         "gateway_overhead_ms_p99": _ms_or_none(paired.overhead, 99),
         "pairs": len(paired.overhead),
         "requests_per_s": round(len(load.via) / load.wall_s, 1) if load.wall_s else None,
-        "gateway_processes": 1,
+        "gateway_processes": workers,
         "gateway_cpu_ms_per_request": round(1000 * cpu_s / len(load.via), 2) if cpu_s and load.via else None,
         "errors": paired.errors + load.errors, "throttled": paired.throttled + load.throttled,
         "errors_gateway": paired.errors - paired.errors_direct + load.errors,
@@ -285,11 +296,11 @@ async def routing_ms_since(settings: Settings, since_ms: int) -> list[float]:
 
 def run_gateway_bench(settings: Settings, *, levels: tuple[int, ...], requests_per_client: int,
                       max_tokens: int, gateway_args: list[str] | None = None,
-                      local_tokenizer: bool = True) -> dict[str, Any]:
+                      local_tokenizer: bool = True, workers: int = 1) -> dict[str, Any]:
     """Run the bench (starting the embedded broker and Redis when no URLs are set); one result dict.
     ``gateway_args``: more ``conductor gateway`` options (e.g. ``--routing log``); ``local_tokenizer``:
     the engines and the gateway share a ``tokenizer.json`` (:func:`bench_tokenizer`), else the
-    gateway asks an engine's ``/tokenize``."""
+    gateway asks an engine's ``/tokenize``; ``workers``: the gateway's ``--workers`` (its processes' CPU summed)."""
     stack = None
     tmp = Path(tempfile.mkdtemp(prefix="conductor-bench-gw-"))
     if not (settings.kafka_url and settings.redis_url):
@@ -299,20 +310,24 @@ def run_gateway_bench(settings: Settings, *, levels: tuple[int, ...], requests_p
                                                "profile": "embedded"})
     try:
         tok = bench_tokenizer(tmp / "tokenizer.json") if local_tokenizer else None
-        return asyncio.run(_bench(settings, tmp, levels, requests_per_client, max_tokens, list(gateway_args or []), tok))
+        return asyncio.run(_bench(settings, tmp, levels, requests_per_client, max_tokens, list(gateway_args or []), tok,
+                                  workers))
     finally:
         if stack is not None:
             stack.down()
 
 
 async def _bench(settings: Settings, tmp: Path, levels: tuple[int, ...], requests_per_client: int,
-                 max_tokens: int, gateway_args: list[str], tokenizer: Path | None) -> dict[str, Any]:
+                 max_tokens: int, gateway_args: list[str], tokenizer: Path | None, workers: int = 1) -> dict[str, Any]:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     tag = uuid.uuid4().hex[:8]
     s = settings.model_copy(update={"topic_prefix": f"bench-gw-{tag}.", "view_namespace": f"bgw{tag}",
                                     "metrics_port": 0, "data_dir": tmp / "data"})
     tok_args = ["--tokenizer", str(tokenizer)] if tokenizer is not None else []
+    if workers > 1:
+        gateway_args = [*gateway_args, "--workers", str(workers)]
     out: dict[str, Any] = {"prefill": 2, "decode": 2, "max_tokens": max_tokens, "gateway_args": gateway_args,
+                           "gateway_workers": workers,
                            "tokenizer": "local" if tokenizer is not None else "engine", "levels": {}}
     async with GatewayCluster(s, tmp / "logs", time_scale=ZERO_COMPUTE, gateway_args=[*tok_args, *gateway_args],
                               engine_args=tok_args) as c:
@@ -320,7 +335,7 @@ async def _bench(settings: Settings, tmp: Path, levels: tuple[int, ...], request
         # The key goes to the engines too on the direct path: they ignore it.
         async with httpx.AsyncClient(timeout=60, limits=limits, headers=c.auth_headers) as client:
             gw = c.gateway_url + "/v1/completions"
-            gw_pid = next(p.pid for name, p in c.procs.procs if name == "gateway")
+            gw_pids = [pid for pid in c.gateway_pids().values() if pid is not None]
             pairs = [(c.engine_urls[p], c.engine_urls[d]) for p, d in PAIRS]
 
             async def via(i: int) -> float:
@@ -339,14 +354,14 @@ async def _bench(settings: Settings, tmp: Path, levels: tuple[int, ...], request
                 since = time.time_ns() // 1_000_000
                 paired = await _paired(conc, n, _from(via, base), _from(direct, base))
                 routing = await routing_ms_since(s, since)
-                cpu0 = _cpu_s(gw_pid)
+                cpu0 = _cpu_sum(gw_pids)
                 meter = CpuMeter(c.control_pids()).start()
                 load = await _gateway_only(conc, n, _from(via, base + n))
                 control = meter.report(len(load.via))
-                cpu1 = _cpu_s(gw_pid)
+                cpu1 = _cpu_sum(gw_pids)
                 cpu = cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None
                 base += 2 * n  # fresh prompts for every phase: no phase reuses another's tails
-                out["levels"][str(conc)] = _level(conc, n, paired, load, routing, cpu, control)
+                out["levels"][str(conc)] = _level(conc, n, paired, load, routing, cpu, control, workers)
     first = out["levels"][str(levels[0])]
     for k in ("gateway_overhead_ms_p50", "gateway_overhead_ms_p90", "gateway_overhead_ms_p99", "requests_per_s"):
         out[k] = first[k]  # the headline fields: the first (lowest) concurrency level
