@@ -115,6 +115,8 @@ class Gateway:
         self.log_health = LogHealth(config.log_failures_to_trip)
         """Colocated: unacknowledged decisions in a row; tripped, the gateway is unready (:meth:`problem`)."""
         self.draining = False
+        self._open: set[str] = set()
+        """The request ids in flight, from arrival to outcome (a second one under the same id is 409)."""
         """Stopping (:meth:`drain`): new requests 503 ``draining``, the ones in flight finish."""
         self._seq = seq if seq is not None else itertools.count(1)
         self._reachable = sorted(config.engines)
@@ -138,8 +140,17 @@ class Gateway:
         except BadRequest as e:
             self.metrics.requests.add(1, {"status": 400, "error": "invalid_body"})
             return FastJSONResponse(error_body(str(e), "invalid_value", param=e.param), status_code=400)
-        tr = Trace(request_id=request_id(self.config.gateway_id, hdrs.get("x-request-id"), self.decider.waiting),
-                   t0=t0, stream=creq.stream, model=creq.model)
+        rid = request_id(self.config.gateway_id, hdrs.get("x-request-id"))
+        if rid in self._open or self.decider.waiting(rid):
+            # Two requests under one id would share it on every topic (their decisions, releases and
+            # outcomes mixed up); a new id would hide this one from the client. Said, not recorded:
+            # an outcome under that id would be the other request's.
+            self.metrics.requests.add(1, {"status": 409, "error": "duplicate_request_id"})
+            return FastJSONResponse(error_body(
+                "a request with this x-request-id is in flight at this gateway: wait for it to end, or send "
+                "another id", "duplicate_request_id", param="x-request-id"), status_code=409)
+        tr = Trace(request_id=rid, t0=t0, stream=creq.stream, model=creq.model)
+        self._open.add(rid)
         down = self.problem()
         if down is not None and not (down[0] == "log_unavailable" and self.log_health.may_try()):
             # Every decision would be lost: say so now rather than after the decision timeout.
@@ -150,6 +161,9 @@ class Gateway:
             # The client went away (conductor.web.cancel_on_disconnect): the engine calls are cancelled with it.
             tr.status, tr.error, tr.message = 499, "client_closed", "the client closed the connection before the answer"
             self._outcome(tr)
+            raise
+        except BaseException:
+            self._open.discard(rid)
             raise
 
     async def _route_and_serve(self, creq: ClientRequest, slo: Slo, body: dict[str, Any], tr: Trace) -> Response:
@@ -385,6 +399,7 @@ class Gateway:
     # --- the outcome --------------------------------------------------------------------------
 
     def _outcome(self, tr: Trace) -> None:
+        self._open.discard(tr.request_id)
         self._release_end(tr, failed=tr.error is not None)  # failed as explain reads the outcome
         o = outcome_of(tr, self.config.gateway_id, self.clock())
         self.outcomes.append(o)

@@ -177,3 +177,22 @@ def test_log_health_lets_one_trial_through_a_second() -> None:
 def test_the_default_gateway_id_carries_an_incarnation() -> None:
     a, b = default_gateway_id(started_s=1_800_000_000), default_gateway_id(started_s=1_800_000_001)
     assert a != b and a.rsplit("-", 1)[0] == b.rsplit("-", 1)[0]
+
+
+async def test_a_second_request_under_an_id_in_flight_is_409_and_the_id_is_free_once_it_ends(
+    decider: Scripted,
+) -> None:
+    gw = gateway(decider)
+    decider.hold = asyncio.Event()  # the first request is in flight (its decision not back yet)
+    same = {"x-request-id": "client-7"}
+    async for c in client(gw):
+        first = asyncio.ensure_future(c.post("/v1/completions", json=BODY, headers=same))
+        while not decider.asked:
+            await asyncio.sleep(0.01)
+        r = await c.post("/v1/completions", json=BODY, headers=same)
+        assert r.status_code == 409 and r.json()["error"]["code"] == "duplicate_request_id", r.text
+        other = asyncio.ensure_future(c.post("/v1/completions", json=BODY, headers={"x-request-id": "client-8"}))
+        decider.hold.set()
+        assert (await first).status_code == 429 and (await other).status_code == 429
+        assert decider.asked == ["gw-test-client-7", "gw-test-client-8"]
+        assert (await c.post("/v1/completions", json=BODY, headers=same)).status_code == 429  # free again
