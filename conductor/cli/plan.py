@@ -89,7 +89,7 @@ def plan(
 ) -> None:
     """Size the cluster: the fewest prefill and decode instances that meet the SLOs for --target of the traffic.
 
-    The traffic (a trace, or this cluster's log since --since) is replayed, --growth times faster, through the simulator with the policy in force (CONDUCTOR_POLICY; with --since the recorded one) on clusters of every size the search tries: each role is bisected with the other one ample, then the pair is checked together (about log2 P + log2 D + 2 simulations). Aggregated engines are simulated as one prefill and one decode instance.
+    The traffic (a trace, or this cluster's log since --since) is replayed, --growth times faster, through the simulator with the policy in force (CONDUCTOR_POLICY; with --since the recorded one) on clusters of every size the search tries: each role is bisected with the other one ample, then the pair is checked together (about log2 P + log2 D + 2 simulations); a simulation that only has to show a cluster misses the target stops as soon as more requests have missed than the target allows. Aggregated engines are simulated as one prefill and one decode instance.
 
     Prints the plan and today's cluster (--cluster), each with its predicted SLO attainment, goodput, rejection rate and headroom (how much more traffic it carries before it falls below the target). Progress goes to stderr. It only advises: `conductor planner` publishes the same on a schedule for an autoscaler.
 
@@ -127,7 +127,8 @@ def describe(p: Plan) -> list[str]:
     head = (f"{p.requests} requests ({p.source}), {p.arrival_rps:.3f} req/s planned (growth {p.growth:.3g}x), "
             f"policy {p.policy}, profile {p.model_profile}, TTFT <= {p.ttft_slo_s:g} s, TBT <= {p.tbt_slo_ms:g} ms, "
             f"{goal}")
-    tail = f"{p.simulations} simulations in {p.plan_wall_s:.1f} s" + ("; the budget ran out first" if p.exhausted else "")
+    tail = (f"{p.simulations} simulations ({p.stopped_early} stopped once the goal was out of reach) in "
+            f"{p.plan_wall_s:.1f} s" + ("; the budget ran out first" if p.exhausted else ""))
     return [head, row("plan", p.plan), row("cluster", p.cluster), tail]
 
 

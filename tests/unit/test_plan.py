@@ -30,11 +30,15 @@ def toy(load: float, *, per_prefill: float = 1.0, per_decode: float = 2.5, joint
     ``unservable`` of the requests are missed by any cluster."""
     calls: list[tuple[int, int]] = []
 
-    def evaluate(p: int, d: int) -> Probe:
+    def evaluate(p: int, d: int, stop_below: float | None = None) -> Probe:
         calls.append((p, d))
         ttft = min(1.0, p * per_prefill / load) * (1 - unservable)
         tbt = min(1.0, d * per_decode / load)
         both = ttft * tbt if joint else min(ttft, tbt)
+        if stop_below is not None and both < stop_below:
+            # As a stopped replay reports it: bounds, somewhere between the truth and the share asked for.
+            cut = lambda x: x + (1.0 - x) * 0.5 * (stop_below - both) / max(1e-9, 1.0 - both)
+            return Probe(p, d, cut(both), cut(ttft), cut(tbt), stopped=True)
         return Probe(p, d, both, ttft, tbt)
 
     return evaluate, calls
@@ -119,7 +123,7 @@ def test_the_plan_record_crosses_the_wire():
     plan = Plan(plan=_score(6, 3, 0.991), cluster=_score(16, 8, 0.995), target=0.99, goal=0.99, target_met=True,
                 growth=1.5, forecast=None, speed=1.5, arrival_rps=5.1, policy="kvcache-centric",
                 model_profile="llama3-70b-a800x8", ttft_slo_s=30.0, tbt_slo_ms=100.0, source="topics", requests=900,
-                window_ms=(1_700_000_000_000, 1_700_003_600_000), simulations=11, exhausted=False, plan_wall_s=40.0,
+                window_ms=(1_700_000_000_000, 1_700_003_600_000), simulations=11, stopped_early=4, exhausted=False, plan_wall_s=40.0,
                 probes=())
     rec = plan_record(plan)
     back = decode(encode(envelope(rec, producer_id="planner-a", producer_seq=1, ts_ms=1)))
@@ -168,3 +172,14 @@ def test_a_served_request_without_a_decode_report_is_counted_and_said():
     att = measured_attainment(["a", "b"], {"a": 1.0, "b": 1.0}, {"a": 10.0}, ttft_slo_s=30.0, tbt_slo_ms=100.0)
     assert att.both == 1.0 and att.without_tbt == 1
     assert difference_points(0.9412, 0.9882) == -4.7 and difference_points(1.0, 0.9) == 10.0
+
+
+@pytest.mark.parametrize("load,joint,unservable", [(10.0, False, 0.0), (37.0, False, 0.0), (20.0, True, 0.0),
+                                                   (10.0, False, 0.02)])
+def test_probes_stopped_once_the_goal_is_out_of_reach_find_the_same_plan(load, joint, unservable):
+    stopping, _ = toy(load, joint=joint, unservable=unservable)
+    full = find_plan(lambda p, d, stop_below=None: stopping(p, d), start=(16, 8), target=0.99)
+    found = find_plan(stopping, start=(16, 8), target=0.99)
+    assert (found.prefill, found.decode, found.goal) == (full.prefill, full.decode, full.goal)
+    assert not found.at_plan.stopped and not found.probes[0].stopped  # the plan and today's cluster: full runs
+    assert any(p.stopped for p in found.probes) and all(p.slo_attainment < found.goal for p in found.probes if p.stopped)

@@ -134,6 +134,9 @@ class Plan:
     window_ms: tuple[int, int]
     """First and last arrival of the traffic planned for (epoch ms from the log; trace time for a trace)."""
     simulations: int
+    stopped_early: int
+    """Of the simulations, those stopped once the goal was out of reach (a cluster too small, or a
+    headroom probe too fast): each answered its question with part of the replay."""
     exhausted: bool
     plan_wall_s: float
     probes: tuple[Probe, ...]
@@ -150,43 +153,61 @@ class Plan:
             "speed": round(self.speed, 4), "arrival_rps": round(self.arrival_rps, 4), "policy": self.policy,
             "model_profile": self.model_profile, "ttft_slo_s": self.ttft_slo_s, "tbt_slo_ms": self.tbt_slo_ms,
             "source": self.source, "requests": self.requests, "window_ms": list(self.window_ms),
-            "simulations": self.simulations, "exhausted": self.exhausted, "plan_wall_s": round(self.plan_wall_s, 2),
+            "simulations": self.simulations, "stopped_early": self.stopped_early, "exhausted": self.exhausted, "plan_wall_s": round(self.plan_wall_s, 2),
             "probes": [[p.prefill, p.decode, p.slo_attainment] for p in self.probes],
         }
 
 
 class _Runs:
-    """Every simulation of one plan: ``bench`` at ``speed`` on clusters of any size, with a progress bar."""
+    """Every simulation of one plan: ``bench`` at ``speed`` on clusters of any size, with a progress bar.
+
+    A run asked only whether it reaches a share (``stop_below``) may stop early; it is kept, and reused
+    for any later question it answers (another such share no lower), else run again in full."""
 
     def __init__(self, bench: Bench, base: ClusterProfile, policy: str, speed: float, bar: Progress | None) -> None:
         self.bench, self.base, self.policy, self.speed, self.bar = bench, base, policy, speed, bar
         self.summaries: dict[tuple[int, int, float], dict[str, Any]] = {}
+        self._stopped_below: dict[tuple[int, int, float], float] = {}
+        self.runs = 0
+        """Simulations run (a stopped one run again in full counts twice)."""
+        self.stopped = 0
+        """Runs stopped early (their replay cut short once the goal was out of reach)."""
         self._run_task: TaskID | None = bar.add_task("plan", total=len(bench.records)) if bar is not None else None
 
-    def summary(self, p: int, d: int, speed: float | None = None) -> dict[str, Any]:
+    def summary(self, p: int, d: int, speed: float | None = None, stop_below: float | None = None) -> dict[str, Any]:
         key = (p, d, self.speed if speed is None else speed)
-        if key not in self.summaries:
-            self.bench.cluster = self.base.with_counts(f"{p}P{d}D")
-            bar, task = self.bar, self._run_task
+        known = self.summaries.get(key)
+        if known is not None and (not known["stopped_early"]
+                                  or (stop_below is not None and stop_below <= self._stopped_below[key])):
+            return known
+        self.bench.cluster = self.base.with_counts(f"{p}P{d}D")
+        bar, task = self.bar, self._run_task
 
-            def progress(label: str, done: int, total: int) -> None:
-                if bar is not None and task is not None:
-                    bar.update(task, description=f"{p}P{d}D @ {key[2]:.3g}x (simulation {len(self.summaries) + 1})",
-                               completed=done, total=total)
+        def progress(label: str, done: int, total: int) -> None:
+            if bar is not None and task is not None:
+                bar.update(task, description=f"{p}P{d}D @ {key[2]:.3g}x (simulation {len(self.summaries) + 1})",
+                           completed=done, total=total)
 
-            self.summaries[key] = self.bench.run(self.policy, key[2], progress)[0]
-        return self.summaries[key]
+        s = self.bench.run(self.policy, key[2], progress, stop_below=stop_below)[0]
+        self.runs += 1
+        self.summaries[key] = s
+        if s["stopped_early"]:
+            assert stop_below is not None  # only a run asked for a share stops
+            self._stopped_below[key] = stop_below
+            self.stopped += 1
+        return s
 
-    def probe(self, p: int, d: int) -> Probe:
-        s = self.summary(p, d)
-        return Probe(p, d, s["slo_attainment"] or 0.0, s["ttft_slo_attainment"] or 0.0, s["tbt_slo_attainment"] or 0.0)
+    def probe(self, p: int, d: int, /, stop_below: float | None = None) -> Probe:
+        s = self.summary(p, d, stop_below=stop_below)
+        return Probe(p, d, s["slo_attainment"] or 0.0, s["ttft_slo_attainment"] or 0.0, s["tbt_slo_attainment"] or 0.0,
+                     stopped=s["stopped_early"])
 
     def score(self, p: int, d: int, goal: float, headroom: bool) -> ClusterScore:
         s = self.summary(p, d)
         room = None
         if headroom:
-            found = find_capacity(lambda sp: self.summary(p, d, sp), target=goal, start=self.speed,
-                                  rel_tol=HEADROOM_TOLERANCE)
+            found = find_capacity(lambda sp: self.summary(p, d, sp, stop_below=goal), target=goal,
+                                  start=self.speed, rel_tol=HEADROOM_TOLERANCE)
             room = round(found.capacity_speed / self.speed - 1.0, 3)
         n = max(1, s["requests"])
         return ClusterScore(
@@ -221,7 +242,7 @@ def plan_cluster(settings: Settings, config: PlanConfig, *, console: Console) ->
         growth=growth, forecast=fc, speed=planned_speed, arrival_rps=bench.arrival_rate(planned_speed),
         policy=policy, model_profile=bench.profile.name, ttft_slo_s=base.ttft_slo_s, tbt_slo_ms=base.tbt_slo_ms,
         source="trace" if config.trace is not None else "topics", requests=len(bench.records),
-        window_ms=(first, last), simulations=len({k for k in runs.summaries}), exhausted=search.exhausted,
+        window_ms=(first, last), simulations=runs.runs, stopped_early=runs.stopped, exhausted=search.exhausted,
         plan_wall_s=time.perf_counter() - t0, probes=search.probes)
 
 

@@ -4,6 +4,9 @@ Pure: it calls ``evaluate(prefill, decode)`` (the simulator, in :mod:`conductor.
 a toy model in the tests) and never runs anything itself. The two roles are nearly independent
 (prefill instances set TTFT, decode instances TBT), so each is bisected with the other one ample,
 and the pair is then checked together: about ``log2(P) + log2(D) + 2`` simulations, not ``P x D``.
+Once the goal is known, a probe is only asked whether it meets it: ``evaluate`` may stop a replay as
+soon as more requests have missed than the goal allows (``stop_below``), which is where most of a
+too-small cluster's time would go.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from conductor.errors import ConfigError
 
@@ -25,10 +29,16 @@ class Probe:
     """Both SLOs met."""
     ttft_attainment: float
     tbt_attainment: float
+    stopped: bool = False
+    """The replay stopped once the goal was out of reach: the attainments are upper bounds (what the
+    requests replayed so far allow), the first below ``stop_below``."""
 
 
-Evaluate = Callable[[int, int], Probe]
-"""``evaluate(prefill, decode)``: simulate that cluster on the planned traffic."""
+class Evaluate(Protocol):
+    """``evaluate(prefill, decode, stop_below=None)``: simulate that cluster on the planned traffic; with
+    ``stop_below``, it may stop as soon as the SLO attainment cannot reach it (a :attr:`Probe.stopped` one)."""
+
+    def __call__(self, prefill: int, decode: int, /, stop_below: float | None = None) -> Probe: ...
 
 
 @dataclass(frozen=True)
@@ -79,11 +89,11 @@ def find_plan(evaluate: Evaluate, *, start: tuple[int, int], target: float,
     seen: dict[tuple[int, int], Probe] = {}
     order: list[Probe] = []
 
-    def run(p: int, d: int) -> Probe:
+    def run(p: int, d: int, stop_below: float | None = None) -> Probe:
         if (p, d) not in seen:
             if len(seen) >= limits.max_runs:
                 raise _Budget
-            seen[p, d] = evaluate(p, d)
+            seen[p, d] = evaluate(p, d, stop_below=stop_below)
             order.append(seen[p, d])
         return seen[p, d]
 
@@ -107,7 +117,7 @@ def find_plan(evaluate: Evaluate, *, start: tuple[int, int], target: float,
     goal = target if met else max(0.0, best_seen - limits.slack)
 
     def ok(p: int, d: int) -> bool:
-        return run(p, d).slo_attainment >= goal
+        return run(p, d, goal).slo_attainment >= goal
 
     best = (hi_p, hi_d)
     try:

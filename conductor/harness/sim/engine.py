@@ -138,6 +138,11 @@ class SimResult:
     topology: str = "flat"
     balance: dict[str, Any] | None = None
     """The balance loop's counters (commands, done/failed/expired, blocks and bytes moved); None when off."""
+    stopped_s: float | None = None
+    """When the replay stopped because more requests had missed an SLO than ``miss_budget`` allows
+    (simulated time); None: every request ran to its end. A stopped run's later outcomes are unset."""
+    missed: int = 0
+    """Requests known to have missed an SLO (rejected, TTFT or TBT over it) when the run ended."""
 
 
 _ARRIVE, _PREFILL_DONE, _DECODE_READY, _DECODE_TICK, _NET, _FETCHED, _BALANCE, _REPLICA = range(8)
@@ -169,7 +174,10 @@ class Simulation:
         progress: Callable[[int], None] | None = None,
         topology: Topology | None = None,
         balance: BalanceLoop | None = None,
+        miss_budget: int | None = None,
     ) -> None:
+        """``miss_budget``: stop the replay as soon as more requests than this have missed an SLO
+        (a search that only asks whether a cluster meets a target needs no more); None: run it all."""
         self.cluster = cluster
         self.topology = topology if topology is not None else flat_topology(profile)
         self.balance = balance
@@ -217,6 +225,10 @@ class Simulation:
         self._heap: list[tuple[float, int, int, Any]] = []
         self._n = 0
         self.now = 0.0
+        self.miss_budget = miss_budget
+        self._missed: set[int] = set()
+        """Indexes of the requests known to miss an SLO (each is counted once, when it is first known)."""
+        self._over = False
 
     # --- plumbing -------------------------------------------------------------
 
@@ -247,7 +259,7 @@ class Simulation:
             self._push(min(o.arrival_s for o in outcomes) + self.balance.interval_s, _BALANCE, None)
         done = 0
         heap = self._heap
-        while heap:
+        while heap and not self._over:
             t, _, kind, payload = heapq.heappop(heap)
             self.now = t
             if kind == _ARRIVE:
@@ -284,8 +296,9 @@ class Simulation:
                 self._fetched(payload)
         if self.progress is not None:
             self.progress(done)
+        stopped = self.now if self._over else None
         for o in outcomes:
-            if o.rejected is None and math.isnan(o.finish_s):
+            if stopped is None and o.rejected is None and math.isnan(o.finish_s):
                 raise SimulationError(f"request {o.index} never finished (a simulator bug)")
         return SimResult(
             outcomes=outcomes,
@@ -302,7 +315,15 @@ class Simulation:
             paths=dict(self.net.stats),
             topology=self.topology.name,
             balance=self.balance.summary() if self.balance is not None else None,
+            stopped_s=stopped,
+            missed=len(self._missed),
         )
+
+    def _miss(self, o: Outcome) -> None:
+        """``o`` missed an SLO (as ``summary.meets_slo`` counts it); past the budget, the run stops."""
+        self._missed.add(o.index)
+        if self.miss_budget is not None and len(self._missed) > self.miss_budget:
+            self._over = True
 
     # --- the policy's picture -------------------------------------------------
 
@@ -394,6 +415,7 @@ class Simulation:
         decision = self.policy.decide(req, self._snapshot(o), self.rng)
         if not hasattr(decision, "prefill"):
             o.rejected = decision.reason
+            self._miss(o)
             return
         p = self._prefill_by_id.get(decision.prefill)
         if p is None or decision.decode not in self._decode_by_id:
@@ -593,6 +615,8 @@ class Simulation:
         self.view.stored(p.node_id, tier, stored, now)
         if last:
             o.first_token_s = now
+            if now - o.arrival_s > self.cluster.ttft_slo_s:
+                self._miss(o)
             if self.pool is not None:
                 for op, ptier, keys in self.pool.insert(o.chain):
                     (self.view.stored if op == "stored" else self.view.removed)(STORE_NODE, ptier, keys, now)
@@ -617,5 +641,7 @@ class Simulation:
         for j in jobs:
             o = self._by_index[j.rid]
             o.finish_s = j.finish_s
+            if o.tbt_ms > self.cluster.tbt_slo_ms:
+                self._miss(o)
             assert o.decode is not None  # set when the request was placed
             self._decoded[o.decode] += 1

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -14,13 +15,24 @@ from conductor.harness.sim.capacity import CapacitySearch, find_capacity
 from conductor.harness.sim.cluster import ClusterProfile
 from conductor.harness.sim.engine import SimResult, Simulation
 from conductor.harness.sim.errors import SimulationError
-from conductor.harness.sim.summary import summarize
+from conductor.harness.sim.summary import ATTAINMENT_PLACES, summarize
 from conductor.harness.sim.trace import TraceRecord, TraceRequest, long_context, read_trace, reuse_upper_bound, schedule
 from conductor.routing.policies import POLICIES, make_policy
 from conductor.topology import Topology
 
 Progress = Callable[[str, int, int], None]
 """``progress(label, done, total)``: requests decided so far in the current run."""
+
+
+def miss_budget(requests: int, share: float) -> int:
+    """The most of ``requests`` that may miss an SLO with the attainment still at least ``share``
+    as the summary rounds it (to ``ATTAINMENT_PLACES``), so a run stopped past it is one that misses."""
+    if requests <= 0:
+        return 0
+    m = min(requests, math.floor((1.0 - share + 10.0**-ATTAINMENT_PLACES) * requests) + 1)
+    while m > 0 and round((requests - m) / requests, ATTAINMENT_PLACES) < share:
+        m -= 1
+    return m
 
 
 class Bench:
@@ -82,9 +94,13 @@ class Bench:
         return BalanceLoop(params, self.profile, self.cluster.block_size)
 
     def run(self, policy: str, speed: float, progress: Progress | None = None,
-            balance: bool = False) -> tuple[dict[str, Any], SimResult]:
+            balance: bool = False, stop_below: float | None = None) -> tuple[dict[str, Any], SimResult]:
         """Simulate ``policy`` (a registered name, or ``name:variant``) at ``speed``, with the
-        KVCache balance loop when ``balance``; (summary, raw result)."""
+        KVCache balance loop when ``balance``; (summary, raw result).
+
+        ``stop_below``: stop the replay once its SLO attainment can no longer reach this share (more
+        requests missed than it allows); the summary then says ``stopped_early`` and its attainments
+        are upper bounds, below ``stop_below``. A run that reaches it is the same as without."""
         reqs = self.requests(speed)
         # "name:variant" runs policy ``name`` with the parameters given for "name:variant",
         # so ablations of one policy can share a run and a table.
@@ -97,8 +113,9 @@ class Bench:
         cb = (lambda done: progress(label, done, len(reqs))) if progress is not None else None
         t0 = time.perf_counter()
         loop = self.balance_loop() if balance else None
+        budget = None if stop_below is None else miss_budget(len(reqs), stop_below)
         result = Simulation(self.cluster, self.profile, pol, reqs, seed=self.seed, progress=cb,
-                            topology=self.topology, balance=loop).run()
+                            topology=self.topology, balance=loop, miss_budget=budget).run()
         wall = time.perf_counter() - t0
         summary = summarize(result, policy=policy, speed=speed, reuse_upper_bound=self.upper_bound, sim_wall_s=wall)
         summary["balance"] = balance

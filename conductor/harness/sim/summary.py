@@ -10,6 +10,9 @@ from typing import Any
 from conductor.harness.sim.engine import PATH_CLASS, Outcome, SimResult
 from conductor.stats import percentile
 
+ATTAINMENT_PLACES = 4
+"""Decimal places of the SLO attainments a summary reports (and a search compares with its goal)."""
+
 
 def load_imbalance(busy: Sequence[float]) -> float:
     """Busiest instance's busy time over the mean (1.0 = perfectly even)."""
@@ -35,16 +38,24 @@ def summarize(
     sim_wall_s: float,
 ) -> dict[str, Any]:
     """The numbers of one run. TTFT/TBT statistics cover the requests that were served;
-    SLO attainment and goodput count every request (a rejected one meets no SLO)."""
+    SLO attainment and goodput count every request (a rejected one meets no SLO).
+
+    A run stopped early (``result.stopped_s``) counts a request whose TTFT or TBT was not known yet
+    as meeting it: its attainments are upper bounds (``stopped_early``), its statistics cover what
+    had happened."""
     c = result.cluster
     outs = result.outcomes
+    stopped = result.stopped_s is not None
     served = [o for o in outs if o.rejected is None]
-    ttft = sorted(o.ttft_s for o in served)
-    tbt = sorted(o.tbt_ms for o in served)
+    ttft = sorted(v for o in served if not math.isnan(v := o.ttft_s))
+    tbt = sorted(v for o in served if not math.isnan(v := o.tbt_ms))
     n = len(outs)
     t_ok = b_ok = both = 0
     for o in outs:
-        a, b = meets_slo(o, c.ttft_slo_s, c.tbt_slo_ms)
+        if stopped and o.rejected is None:
+            a, b = not o.ttft_s > c.ttft_slo_s, not o.tbt_ms > c.tbt_slo_ms  # unknown yet (NaN): met
+        else:
+            a, b = meets_slo(o, c.ttft_slo_s, c.tbt_slo_ms)
         t_ok += a
         b_ok += b
         both += a and b
@@ -55,7 +66,7 @@ def summarize(
     dbusy = [v["tokens"] for v in result.decode_load.values()]
     reasons = Counter(o.rejected for o in outs if o.rejected is not None)
 
-    def r(x: float | None, nd: int = 4) -> float | None:
+    def r(x: float | None, nd: int = ATTAINMENT_PLACES) -> float | None:
         return None if x is None or math.isnan(x) else round(x, nd)
 
     return {
@@ -88,6 +99,7 @@ def summarize(
         "makespan_s": r(result.makespan_s, 2),
         "kv_events": result.events_published,
         "sim_wall_s": round(sim_wall_s, 3),
+        "stopped_early": stopped,
         "topology": result.topology,
         "cpp_requests": sum(bool(o.group) for o in served),
         "prefix_reads": _prefix_reads(served),
