@@ -36,6 +36,8 @@ class EppCluster(GatewayCluster):
     epp_args: list[str] = field(default_factory=list)
     epp_address: str = ""
     epp_id: str = ""
+    epp_ready: dict[str, Any] = field(default_factory=dict)
+    """The picker's ready line (with ``--workers``: ``worker_ids``, ``worker_pids``)."""
 
     async def __aenter__(self) -> Self:
         env = await self._start_cluster()
@@ -44,7 +46,8 @@ class EppCluster(GatewayCluster):
             self.epp_id = f"epp-test-{time.time_ns() % 10**9}"
             epp = await self.procs.start("epp", ["epp", "--port", "0", "--epp-id", self.epp_id, *engines,
                                                  *self.epp_args], env, stdout_pipe=True)
-            self.epp_address = (await self._ready_line("epp", epp))["address"]
+            self.epp_ready = await self._ready_line("epp", epp)
+            self.epp_address = self.epp_ready["address"]
             if self.with_gateway:
                 await self._start_gateway(engines)
         except BaseException:
@@ -52,8 +55,13 @@ class EppCluster(GatewayCluster):
             raise
         return self
 
-    def envoy(self) -> EnvoySide:
-        return EnvoySide(self.epp_address)
+    def envoy(self, own_connection: bool = False) -> EnvoySide:
+        return EnvoySide(self.epp_address, own_connection=own_connection)
+
+    def control_pids(self) -> dict[str, int | None]:
+        """:meth:`GatewayCluster.control_pids` and, with ``--workers``, the picker's workers (``epp-w<i>``)."""
+        pids = self.epp_ready.get("worker_pids") or []
+        return {**super().control_pids(), **{f"epp-w{i}": int(pid) for i, pid in enumerate(pids)}}
 
 
 @dataclass
@@ -120,9 +128,13 @@ def _plain(s: struct_pb2.Struct) -> dict[str, Any]:
 class EnvoySide:
     """Envoy's ext_proc filter, for tests and the bench: one ``Process`` stream per request."""
 
-    def __init__(self, address: str, credentials: grpc.ChannelCredentials | None = None) -> None:
-        self.channel = (grpc.aio.secure_channel(address, credentials) if credentials is not None
-                        else grpc.aio.insecure_channel(address))
+    def __init__(self, address: str, credentials: grpc.ChannelCredentials | None = None, *,
+                 own_connection: bool = False) -> None:
+        """``own_connection``: a TCP connection of its own (gRPC shares one per address across channels
+        otherwise), as each of Envoy's worker threads has: what spreads streams over ``--workers``."""
+        opts = [("grpc.use_local_subchannel_pool", 1)] if own_connection else []
+        self.channel = (grpc.aio.secure_channel(address, credentials, options=opts) if credentials is not None
+                        else grpc.aio.insecure_channel(address, options=opts))
         self.stub = pb_grpc.ExternalProcessorStub(self.channel)
 
     async def close(self) -> None:

@@ -9,6 +9,7 @@ import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from test_epp_picker import BODY, ENGINES, FakeDecider, WordTokenizer, body_msg, decision, headers_msg, set_headers
 
@@ -215,3 +216,14 @@ async def test_over_grpc_a_stream_the_proxy_ends_right_after_the_answer_is_not_r
     finally:
         stop.set()
         await asyncio.wait_for(task, 10)
+
+
+@pytest.mark.parametrize("depth", [900, 1100, 100_000])
+async def test_a_deeply_nested_body_is_400_not_a_500(depth: int) -> None:
+    p, _ = picker(FakeDecider())
+    body = b'{"model": "m", "max_tokens": 4, "prompt": ' + b"[" * depth + b"1" + b"]" * depth + b"}"
+    st = p.stream()
+    await p.on_message(st, headers_msg())
+    [r] = await p.on_message(st, body_msg(body, True))
+    assert r.immediate_response.status.code == 400
+    assert code(r)[1] in ("invalid_json", "invalid_value")  # past the parser's depth, or not a prompt

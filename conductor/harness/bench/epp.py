@@ -35,7 +35,7 @@ import httpx
 from conductor.harness.bench.gateway import routing_ms_since
 from conductor.harness.bench.stack import with_servers
 from conductor.harness.cpu import CpuMeter
-from conductor.harness.epp_cluster import EnvoySide, EppCluster
+from conductor.harness.epp_cluster import EppCluster
 from conductor.settings import Settings
 from conductor.stats import percentile
 
@@ -75,29 +75,33 @@ def _ms(xs: list[float], q: float) -> float | None:
 
 
 def run_epp_bench(settings: Settings, *, requests: int = 200, concurrency: int = 1,
-                  routing: str = "colocated") -> dict[str, Any]:
+                  routing: str = "colocated", workers: int = 1) -> dict[str, Any]:
     """Run the bench (starting the embedded broker and Redis when no URLs are set); one result dict.
-    ``routing``: how both the picker and the gateway decide (``colocated`` or ``log``)."""
+    ``routing``: how both the picker and the gateway decide (``colocated`` or ``log``); ``workers``:
+    the picker's ``--workers`` (each concurrent client then has a connection of its own, as Envoy's
+    worker threads do, so the kernel spreads them over the workers)."""
     with with_servers(settings) as s, TemporaryDirectory(prefix="conductor-bench-epp-") as tmp:
-        return asyncio.run(_bench(s, Path(tmp), requests, concurrency, routing))
+        return asyncio.run(_bench(s, Path(tmp), requests, concurrency, routing, workers))
 
 
-async def _bench(settings: Settings, tmp: Path, requests: int, concurrency: int, routing: str) -> dict[str, Any]:
+async def _bench(settings: Settings, tmp: Path, requests: int, concurrency: int, routing: str,
+                 workers: int = 1) -> dict[str, Any]:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     tag = uuid.uuid4().hex[:8]
     s = settings.model_copy(update={"topic_prefix": f"bench-epp-{tag}.", "view_namespace": f"bepp{tag}",
                                     "metrics_port": 0, "data_dir": tmp / "data"})
     async with EppCluster(s, tmp / "logs", time_scale=ZERO_COMPUTE, with_gateway=True,
-                          epp_args=["--routing", routing], gateway_args=["--routing", routing]) as c, \
-            EnvoySide(c.epp_address) as envoy, \
+                          epp_args=["--routing", routing, "--workers", str(workers)],
+                          gateway_args=["--routing", routing]) as c, \
             httpx.AsyncClient(timeout=60, headers=c.auth_headers) as client:
         gw = c.gateway_url + "/v1/completions"
+        envoys = [c.envoy(own_connection=workers > 1) for _ in range(concurrency if workers > 1 else 1)]
 
         inside: list[float] = []
 
         async def via_epp(i: int) -> float:
             t0 = time.perf_counter()
-            a = await envoy.request(json.dumps(_body(i)).encode())
+            a = await envoys[i % len(envoys)].request(json.dumps(_body(i)).encode())
             if a.status != 200:
                 raise RuntimeError(f"{a.status}: {a.error}")
             took = time.perf_counter() - t0
@@ -110,7 +114,7 @@ async def _bench(settings: Settings, tmp: Path, requests: int, concurrency: int,
             r.raise_for_status()
             return time.perf_counter() - t0
 
-        for i in range(20):  # warm up connections, caches and the router
+        for i in range(20 * len(envoys)):  # warm up connections (each), caches and the router
             await via_epp(i)
             await via_gateway(i)
         inside.clear()
@@ -123,8 +127,11 @@ async def _bench(settings: Settings, tmp: Path, requests: int, concurrency: int,
         gw_ok, gw_errors, _ = await _load(concurrency, requests, via_gateway)
         gw_cpu = meter.report(len(gw_ok), prefix="gateway_control_")
         routing_ms = await routing_ms_since(s, since)
+        for e in envoys:
+            await e.close()
     return {
         "requests": requests, "concurrency": concurrency, "prefill": 2, "decode": 2, "routing": routing,
+        "epp_workers": workers,
         "epp_ms_p50": _ms([x * 1000 for x in epp], 50), "epp_ms_p99": _ms([x * 1000 for x in epp], 99),
         "epp_inside_ms_p50": _ms(inside, 50), "epp_inside_ms_p99": _ms(inside, 99),
         "epp_decisions_per_s": round(len(epp) / epp_wall, 1) if epp_wall else None,
