@@ -160,3 +160,18 @@ def test_the_aggregated_options_are_held_to_the_priority_s_budget() -> None:
     late = {pr: choose("kvcache-centric", req(16_000, ttft_slo_s=ttft * 0.9, priority=pr), s) for pr in (0, 100)}
     assert isinstance(late[0].decision, Rejection) and late[0].decision.reason == "ttft_slo"
     assert isinstance(late[100].decision, Placement) and late[100].options[0].fits
+
+
+def test_kvcache_centric_keeps_a_session_on_its_aggregated_instance_unless_leaving_pays() -> None:
+    # a0 served the session last and holds nothing of this prompt; a1 is a little faster (a small
+    # queue on a0): within the error, the conversation stays on a0.
+    s = snap(agg("a0", queued_prefill_tokens=200, queued_requests=1), agg("a1"))
+    alone = choose("kvcache-centric", req(), s).decision
+    assert isinstance(alone, Placement) and alone.prefill == "a1"
+    stay = choose("kvcache-centric", req(session_instance="a0"), s).decision
+    assert isinstance(stay, Placement) and stay.prefill == "a0" and stay.left_holder is None
+    # a long queue on a0: leaving pays, and the decision says why
+    busy = snap(agg("a0", queued_prefill_tokens=20_000, queued_requests=10), agg("a1"))
+    left = choose("kvcache-centric", req(session_instance="a0"), busy).decision
+    assert isinstance(left, Placement) and left.prefill == "a1"
+    assert left.left_holder is not None and left.left_holder.startswith("session's instance a0")

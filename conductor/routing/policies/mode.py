@@ -130,13 +130,15 @@ def _aggregated(costs: Costs, request: PolicyRequest, inst: Instance, bs: int,
 
 def _stay(pool: list[tuple[Placement, bool, RejectCode | Literal[""]]],
           best: tuple[Placement, bool, RejectCode | Literal[""]],
-          error: float) -> tuple[Placement, bool, RejectCode | Literal[""]]:
-    """``best``, or the aggregated option on the holder of the longest prefix when ``best`` beats
-    it by no more than the prediction's error (the reason recorded when the holder is left)."""
+          error: float, session: str | None = None) -> tuple[Placement, bool, RejectCode | Literal[""]]:
+    """``best``, or the aggregated option on the holder of the longest prefix (the session's
+    instance, when it is among them) when ``best`` beats it by no more than the prediction's error
+    (the reason recorded when the holder is left)."""
     ps = [a[0] for a in pool]
+    nodes = [x.prefill for x in ps]
     at, why = stay_on_holder([x.predicted_ttft_s for x in ps],
                              [x.reused_blocks if x.reuse_source == x.prefill else 0 for x in ps],
-                             [x.prefill for x in ps], ps.index(best[0]), error)
+                             nodes, ps.index(best[0]), error, nodes.index(session) if session in nodes else -1)
     out = pool[at]
     return out if why is None else (dataclasses.replace(out[0], left_holder=why), out[1], out[2])
 
@@ -205,7 +207,7 @@ def _weigh(costs: Costs, request: PolicyRequest, pd: Decision, both: list[Instan
         pool = [a for a in aggs.values() if a[1]] or list(aggs.values())
         best = min(pool, key=lambda a: (a[0].predicted_ttft_s, a[0].predicted_tbt_ms, a[0].prefill))
         if stay_error is not None:
-            best = _stay(pool, best, stay_error)
+            best = _stay(pool, best, stay_error, request.session_instance)
 
     if isinstance(pd, Placement) and pd.prefill == pd.decode:
         return ModeChoice(pd, (_option(AGGREGATED, pd, True),))
