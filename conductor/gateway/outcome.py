@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from conductor.stats import percentile
 from schemas import RequestOutcome, RoutingDecision
@@ -39,6 +40,10 @@ class Trace:
     finished_view_ms: int | None = None
     """Its end on the view's clock, as released."""
     finished: str | None = None
+    held_kv: tuple[str, dict[str, Any], dict[str, Any]] | None = None
+    """vLLM P/D: (prefill instance, its ``kv_transfer_params``, its answer) of a prefill whose decode
+    failed before it took the request: the blocks stay pinned there for a decode to pull, so a
+    retry that keeps that prefill instance sends only the decode half (:mod:`.handoff.vllm`)."""
     """The attempt whose end was released (a decision's end is released once)."""
 
 

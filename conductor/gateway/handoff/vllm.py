@@ -33,13 +33,27 @@ def vllm_decode_body(body: Mapping[str, Any], kv_transfer_params: Mapping[str, A
 
 
 async def hand_off(up: Upstream, call: Call, tr: Trace) -> Opened:
+    """The prefill half, then the decode with its ``kv_transfer_params``. A prefill done for an
+    earlier attempt on the same instance, whose decode failed before taking the request
+    (``tr.held_kv``), is not run again: its blocks are pinned there until a decode pulls them (or
+    NIXL's abort timeout), so the new decode pulls those and the prefill's KV is freed now."""
     d = call.decision
-    pj = await up.prefill(call.prefill_url + call.path, vllm_prefill_body(call.body, call.chat),
-                          call.headers(d.prefill_instance), d.prefill_instance, tr)
-    params = pj.get("kv_transfer_params")
-    if not isinstance(params, dict):
-        raise EngineFailed(d.prefill_instance, "the prefill answer has no kv_transfer_params "
-                           "(is the engine started with a KV connector?)")
-    resp = await up.open_decode(call.decode_url + call.path, vllm_decode_body(call.body, params),
-                                call.headers(d.decode_instance), d, tr)
+    held, tr.held_kv = tr.held_kv, None
+    if held is not None and held[0] == d.prefill_instance:
+        params, pj = held[1], held[2]
+    else:
+        pj = await up.prefill(call.prefill_url + call.path, vllm_prefill_body(call.body, call.chat),
+                              call.headers(d.prefill_instance), d.prefill_instance, tr)
+        got = pj.get("kv_transfer_params")
+        if not isinstance(got, dict):
+            raise EngineFailed(d.prefill_instance, "the prefill answer has no kv_transfer_params "
+                               "(is the engine started with a KV connector?)")
+        params = got
+    try:
+        resp = await up.open_decode(call.decode_url + call.path, vllm_decode_body(call.body, params),
+                                    call.headers(d.decode_instance), d, tr)
+    except EngineFailed as e:
+        if e.node == d.decode_instance:  # the decode never took it: the prefill's KV waits, pinned, for another
+            tr.held_kv = (d.prefill_instance, params, pj)
+        raise
     return resp, pj
