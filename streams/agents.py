@@ -1,6 +1,7 @@
 """The stream worker's agents: ``kv-events`` and ``heartbeats`` → :class:`streams.ingest.Ingestor`.
 
-Each agent takes batches (``stream.take_events``), passes them through a
+Each agent takes batches (:func:`streams.batches.take_batches`: up to 2,000 records, closed
+10 ms after the first, no timer while none comes), passes them through a
 :class:`streams.resume.ResumeGuard` (each partition continues from the view's own fence,
 in order and without a hole, whatever offsets Faust resumed from or re-delivered), hands
 them to the ingestor, and keeps going whatever the records hold: a bad record is
@@ -26,6 +27,7 @@ from schemas import DeadLetter, encode, headers
 from schemas.errors import ViewRefused, ViewStoreError
 from state.view import RebuildingView, ViewStore
 from streams.app import make_app
+from streams.batches import take_batches
 from streams.config import WorkerConfig
 from streams.generation import GenerationWatcher
 from streams.ingest import BatchResult, IngestMetrics, Ingestor, RawRecord
@@ -54,8 +56,10 @@ class _CompactableView(Protocol):
 
 def build_worker(config: WorkerConfig, store: ViewStore, *, metrics: bool = True, **app_overrides: Any) -> Worker:
     """Declare the app, its topics and agents over ``store``."""
-    app = make_app(config, **app_overrides)
     t = topics(config.topics)
+    # Heartbeats alone (every second or so per engine) do not keep the embedded consumer's
+    # fetches at 10 ms: their staleness counts against the liveness TTL, seconds (streams/app.py).
+    app = make_app(config, quiet_topics=frozenset({t.heartbeats.name}), **app_overrides)
 
     def raw_topic(topic: Topic) -> faust.TopicT:
         return app.topic(topic.name, partitions=topic.partitions, value_serializer="raw", key_serializer="raw")
@@ -108,9 +112,8 @@ async def consume(stream: faust.StreamT[Any], ingestor: Ingestor, lanes: TopicLa
     """An agent's loop: each batch of ``topic``'s records through its lane to the view. The lane
     resumes each partition from the view's fence, reading back from the log what the consumer
     skipped (see streams.resume)."""
-    assert isinstance(stream, faust.Stream)  # (what Faust hands an agent; take_events is its own)
     try:
-        async for events in stream.take_events(BATCH_MAX, within=BATCH_WITHIN_S):
+        async for events in take_batches(stream, BATCH_MAX, BATCH_WITHIN_S):
             await apply_batch(ingestor, lanes(topic), [raw_record(e.message) for e in events])
     finally:
         await lanes.close(topic)

@@ -16,6 +16,13 @@ the base offset of its last record batch plus one (see :func:`streams.kafka.end_
 a table recovered up to that "highwater" lost the rest of the changelog's last batch (the
 balance worker's restart test caught heat counts restored one batch short). The embedded
 consumer answers Faust's highwater question with the end probed from the last batch.
+
+A 10 ms wait is a hundred fetches a second whether or not anything is written (the worker's
+consumer thread and the broker were most of an idle stack's CPU), so the embedded consumer's
+wait is paced (:class:`streams.kafka.FetchPace`): 10 ms while records come, 100 ms after 2 s
+without one. Records of ``quiet_topics`` do not count as coming: the worker names
+``heartbeats``, which arrive every second or so per engine but whose staleness is measured
+against the liveness TTL (seconds), so an idle cluster's heartbeats alone keep the long wait.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from faust.web.drivers import aiohttp as faust_aiohttp
 from schemas.errors import ConfigError
 
 from .config import KafkaConnection, WorkerConfig
-from .kafka import end_offsets, security_options, ssl_context
+from .kafka import FetchPace, end_offsets, security_options, ssl_context
 
 TANSU_FETCH_MAX_WAIT_MS = 10
 
@@ -78,10 +85,22 @@ def _listening_socket(host: str, port: int) -> socket.socket:
 
 
 class _TansuConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
+    _pace: FetchPace | None = None
+
     def _create_worker_consumer(self, transport: Any) -> Any:
         consumer = super()._create_worker_consumer(transport)
         consumer._fetch_max_wait_ms = TANSU_FETCH_MAX_WAIT_MS  # read by AIOKafkaConsumer.start()
+        self._pace = FetchPace(TANSU_FETCH_MAX_WAIT_MS)
         return consumer
+
+    async def _fetch_records(self, consumer: Any, active_partitions: Any, timeout: float | None = None,
+                             max_records: int | None = None) -> Any:
+        records = await super()._fetch_records(consumer, active_partitions, timeout=timeout, max_records=max_records)
+        if self._pace is not None:
+            app = self.app
+            quiet = app.quiet_topics if isinstance(app, EmbeddedApp) else frozenset()
+            self._pace.after_fetch(consumer, any(msgs and tp.topic not in quiet for tp, msgs in records.items()))
+        return records
 
     async def _highwaters(self, partitions: list[Any]) -> Mapping[Any, int]:
         # Faust recovers a table's changelog up to these offsets: probe the real ends with a
@@ -135,6 +154,8 @@ class EmbeddedApp(ConductorApp):
 
     kafka: KafkaConnection | None = None
     """The brokers and credentials of the highwater probe (set by make_app)."""
+    quiet_topics: frozenset[str] = frozenset()
+    """Topics whose records do not keep the consumer's fetch wait short (see the module docstring)."""
 
     def _new_transport(self) -> Any:
         return _TansuTransport(self.conf.broker_consumer, self)
@@ -162,10 +183,12 @@ def broker_credentials(kafka: KafkaConnection) -> faust.SSLCredentials | faust.S
 
 
 def make_app(config: WorkerConfig, *, app_id: str | None = None, web_socket: socket.socket | None = None,
-             **overrides: Any) -> faust.App:
+             quiet_topics: frozenset[str] = frozenset(), **overrides: Any) -> faust.App:
     """A Faust app for ``config``; its id (and so its consumer group and changelog topic
     names) derives from the topic prefix unless ``app_id`` is given. Its web server serves on
-    ``web_socket`` (from :func:`bind_web_port`) when given, else binds ``config.web_port``."""
+    ``web_socket`` (from :func:`bind_web_port`) when given, else binds ``config.web_port``.
+    ``quiet_topics``: on the embedded broker, records of these topics do not keep the fetch
+    wait short (the module docstring)."""
     app_id = app_id or f"{config.topics.prefix}stream-worker"
     datadir = Path(config.data_dir).resolve() / "faust" / app_id
     datadir.parent.mkdir(parents=True, exist_ok=True)  # Faust creates only the last level
@@ -200,5 +223,6 @@ def make_app(config: WorkerConfig, *, app_id: str | None = None, web_socket: soc
     else:
         app = EmbeddedApp(app_id, **opts)
         app.kafka = config.kafka  # the highwater probe's broker and credentials
+        app.quiet_topics = quiet_topics
     app.web_socket = web_socket
     return app

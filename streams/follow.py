@@ -12,17 +12,15 @@ The embedded broker's quirks live here and nowhere else: its "latest" offset is 
 at the end uses :func:`streams.kafka.end_offsets`; a :class:`Since` that finds no record starts
 at the partition's beginning there, at its end on Kafka), and it answers a fetch only when the
 fetch's wait runs out (callers that wait on a reply pass a short ``fetch_wait_ms``). So a short
-wait is a fetch every few milliseconds, new records or not: after ``IDLE_AFTER_S`` without a
-record such a follower waits ``IDLE_FETCH_WAIT_MS`` per fetch, and goes back to its short wait
-with the first record (an idle stack's broker and routers stop spinning; the first record after
-a quiet spell waits up to that much longer on the embedded broker, no longer on Kafka).
+wait is a fetch every few milliseconds, new records or not: a follower with one is paced by
+:class:`streams.kafka.FetchPace` (after ``IDLE_AFTER_S`` without a record it waits
+``IDLE_FETCH_WAIT_MS`` per fetch, and goes back to its short wait with the first record).
 """
 
 from __future__ import annotations
 
 import enum
 import logging
-import time
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -34,15 +32,10 @@ from schemas import DecodeError, Envelope
 
 from .config import KafkaConnection
 from .dead_letters import DeadLetters
-from .kafka import consumer, end_offsets, set_fetch_wait
+from .kafka import IDLE_AFTER_S, IDLE_FETCH_WAIT_MS, FetchPace, consumer, end_offsets
 from .topics import Topic
 
 log = logging.getLogger(__name__)
-
-IDLE_AFTER_S = 2.0
-"""A follower with a short ``fetch_wait_ms`` that got no record for this long waits longer per fetch."""
-IDLE_FETCH_WAIT_MS = 100
-"""Its wait per fetch then (at most the broker's hold on a fetch while nothing is coming)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,9 +157,7 @@ class Follower:
         self._consumer: AIOKafkaConsumer = consumer(
             kafka, *([t.name for t, _ in starts] if group is not None else []), group_id=group,
             **({"fetch_max_wait_ms": fetch_wait_ms} if fetch_wait_ms is not None else {}))
-        self._short_wait_ms = fetch_wait_ms if fetch_wait_ms is not None and fetch_wait_ms < IDLE_FETCH_WAIT_MS else None
-        self._idle = False
-        self._last_record_s = time.monotonic()
+        self._pace = FetchPace(fetch_wait_ms) if fetch_wait_ms is not None else None
         self.partitions: list[TopicPartition] = []
         self.ends: dict[tuple[str, int], int] = {}
         """Each partition's end when the follower started (with ``track_end``, or a start that needs it)."""
@@ -256,22 +247,9 @@ class Follower:
                 if rec is not None:
                     recs.append(rec)
             out.append(Batch(tp.topic, tp.partition, tuple(recs), self._consumer.highwater(tp)))
-        if self._short_wait_ms is not None:
-            self._pace(bool(got))
+        if self._pace is not None:
+            self._pace.after_fetch(self._consumer, bool(got))
         return out
-
-    def _pace(self, got_records: bool) -> None:
-        """The fetch wait: short while records come, :data:`IDLE_FETCH_WAIT_MS` after
-        :data:`IDLE_AFTER_S` without one (the module docstring)."""
-        now = time.monotonic()
-        if got_records:
-            self._last_record_s = now
-            if self._idle:
-                self._idle = False
-                set_fetch_wait(self._consumer, self._short_wait_ms)
-        elif not self._idle and now - self._last_record_s >= IDLE_AFTER_S:
-            self._idle = True
-            set_fetch_wait(self._consumer, IDLE_FETCH_WAIT_MS)
 
     async def polls(self, stop: Any) -> AsyncIterator[list[Batch]]:
         """:meth:`fetch` after fetch until ``stop`` (an ``asyncio.Event``) is set; empty fetches too."""
@@ -330,4 +308,5 @@ class Follower:
         return Record(rec.topic, rec.partition, rec.offset, rec.key, rec.value, rec.headers, rec.timestamp_ms, env)
 
 
-__all__ = ["At", "Batch", "Earliest", "Follower", "Latest", "OnBad", "Record", "Since", "Start", "Tail"]
+__all__ = ["IDLE_AFTER_S", "IDLE_FETCH_WAIT_MS", "At", "Batch", "Earliest", "Follower", "Latest", "OnBad", "Record",
+           "Since", "Start", "Tail"]

@@ -12,6 +12,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import ssl
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -97,6 +99,55 @@ def set_fetch_wait(c: AIOKafkaConsumer, wait_ms: int | None) -> None:
     fetcher = getattr(c, "_fetcher", None)
     if wait_ms is not None and fetcher is not None and hasattr(fetcher, "_fetch_max_wait_ms"):
         fetcher._fetch_max_wait_ms = wait_ms
+
+
+IDLE_AFTER_S = 2.0
+"""A consumer with a short fetch wait that got no record for this long waits longer per fetch."""
+IDLE_FETCH_WAIT_MS = 100
+"""Its wait per fetch then (at most the broker's hold on a fetch while nothing is coming)."""
+
+
+class FetchPace:
+    """The fetch wait of a consumer that asks for a short one: ``short_ms`` while records come,
+    :data:`IDLE_FETCH_WAIT_MS` after :data:`IDLE_AFTER_S` without one, short again with the
+    first record.
+
+    The embedded broker answers a fetch only when its wait runs out, so a short wait is a
+    fetch every few milliseconds whether or not anything is written: both the broker and the
+    consumer spin. Once quiet, a consumer fetches ten times a second instead; the first record
+    after a quiet spell waits up to that much longer on the embedded broker (on Kafka, which
+    answers as soon as a record is there, no longer). A ``short_ms`` at or above the idle wait
+    is left alone."""
+
+    def __init__(self, short_ms: int, *, clock: Callable[[], float] = time.monotonic) -> None:
+        self.short_ms = short_ms
+        self.idle = False
+        self._clock = clock
+        self._last_record_s = clock()
+
+    @property
+    def paced(self) -> bool:
+        """Whether this pace ever changes the wait (a short wait below the idle one)."""
+        return self.short_ms < IDLE_FETCH_WAIT_MS
+
+    def saw(self, got_records: bool) -> int | None:
+        """After a fetch: the wait the next fetches should ask for when it changes, else None."""
+        if not self.paced:
+            return None
+        now = self._clock()
+        if got_records:
+            self._last_record_s = now
+            if self.idle:
+                self.idle = False
+                return self.short_ms
+        elif not self.idle and now - self._last_record_s >= IDLE_AFTER_S:
+            self.idle = True
+            return IDLE_FETCH_WAIT_MS
+        return None
+
+    def after_fetch(self, c: AIOKafkaConsumer, got_records: bool) -> None:
+        """:meth:`saw`, and the new wait (if any) set on ``c`` (:func:`set_fetch_wait`)."""
+        set_fetch_wait(c, self.saw(got_records))
 
 
 async def ensure_topics(kafka: KafkaConnection, wanted: tuple[Topic, ...]) -> list[str]:

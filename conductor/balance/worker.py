@@ -40,6 +40,7 @@ from state.redis_view import RedisViewStore
 from state.reservations import RedisReservations
 from streams import kafka
 from streams.app import make_app
+from streams.batches import take_batches
 from streams.topics import topics
 
 log = logging.getLogger("conductor.balance")
@@ -100,7 +101,7 @@ class Balancer:
     # --- heat -------------------------------------------------------------------------
 
     async def _count(self, stream: Any) -> None:
-        async for events in stream.take_events(BATCH_MAX, within=BATCH_WITHIN_S):
+        async for events in take_batches(stream, BATCH_MAX, BATCH_WITHIN_S):
             self.observe_batch([(e.message.partition, e.message.value) for e in events])
 
     def observe_batch(self, records: list[tuple[int, bytes]]) -> None:

@@ -12,6 +12,7 @@ import pytest
 from aiokafka import TopicPartition
 
 import streams.follow
+import streams.kafka
 import streams.topics
 from conductor.routing.router import DECIDED, Router
 from conductor.settings import Settings
@@ -104,7 +105,7 @@ class Fetcher:
 
 async def test_a_short_wait_follower_waits_longer_once_idle_and_short_again_with_a_record(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(streams.follow, "IDLE_AFTER_S", 0.0)
+    monkeypatch.setattr(streams.kafka, "IDLE_AFTER_S", 0.0)
     f = Follower(KafkaConnection("127.0.0.1:1", "embedded"), [(T.requests, Earliest())], on_bad=OnBad.SKIP,
                  name="t", fetch_wait_ms=5)
     c = Consumer([])

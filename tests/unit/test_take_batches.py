@@ -1,0 +1,87 @@
+"""streams.batches.take_batches on a Faust agent with no broker (Faust's agent test context), and
+streams.kafka.FetchPace: what an idle stream worker does (nothing) and how its fetches slow down."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import faust
+import pytest
+
+import streams.kafka
+from streams.batches import take_batches
+from streams.kafka import IDLE_FETCH_WAIT_MS, FetchPace
+
+
+def batching_app(max_records: int, within_s: float) -> tuple[Any, list[tuple[list[Any], float]], list[int]]:
+    app = faust.App("test-take-batches", store="memory://", web_enabled=False)
+    got: list[tuple[list[Any], float]] = []
+    waits = [0]
+
+    async def batcher(stream: Any) -> None:
+        inner = stream.wait_for_stopped
+
+        async def counted(*args: Any, **kwargs: Any) -> bool:
+            waits[0] += 1
+            return bool(await inner(*args, **kwargs))
+
+        stream.wait_for_stopped = counted
+        async for batch in take_batches(stream, max_records, within_s):
+            got.append(([e.value for e in batch], time.monotonic()))
+
+    return app.agent(name="batcher")(batcher), got, waits
+
+
+async def test_batches_are_at_most_max_records_and_a_lone_record_waits_within_s() -> None:
+    agent, got, _ = batching_app(3, 0.05)
+    async with agent.test_context() as a:
+        t0 = time.monotonic()
+        for i in range(7):
+            await a.put(i)
+        await asyncio.sleep(0.3)
+    assert [values for values, _ in got] == [[0, 1, 2], [3, 4, 5], [6]]
+    assert got[2][1] - t0 >= 0.05  # the last one, not full, closed within_s after it started
+
+
+async def test_an_idle_agent_does_not_wake() -> None:
+    agent, got, waits = batching_app(100, 0.01)
+    async with agent.test_context() as a:
+        await asyncio.sleep(0.3)  # Faust's take_events(within=0.01) waits ~30 times here
+        assert waits[0] <= 1 and got == []
+        await a.put("x")
+        await asyncio.sleep(0.1)
+    assert [values for values, _ in got] == [["x"]]
+
+
+def test_take_batches_refuses_an_empty_batch_size() -> None:
+    with pytest.raises(ValueError, match="max_records"):
+        asyncio.run(anext(take_batches(object(), 0, 0.01)))  # type: ignore[arg-type]
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_short_fetch_wait_grows_after_a_quiet_spell_and_shrinks_with_the_first_record() -> None:
+    clock = Clock()
+    pace = FetchPace(10, clock=clock)
+    assert pace.saw(False) is None  # quiet, but not for long yet
+    clock.now = streams.kafka.IDLE_AFTER_S
+    assert pace.saw(False) == IDLE_FETCH_WAIT_MS and pace.idle
+    assert pace.saw(False) is None  # already idle: nothing to change
+    assert pace.saw(True) == 10 and not pace.idle
+    clock.now += streams.kafka.IDLE_AFTER_S - 0.1
+    assert pace.saw(False) is None  # records came less than IDLE_AFTER_S ago
+
+
+def test_a_long_fetch_wait_is_left_alone() -> None:
+    clock = Clock()
+    pace = FetchPace(IDLE_FETCH_WAIT_MS, clock=clock)
+    clock.now = 60.0
+    assert not pace.paced and pace.saw(False) is None and pace.saw(True) is None
