@@ -53,6 +53,10 @@ Limit = Annotated[int | None, typer.Option("--limit", min=1, help="plan for the 
 TimeScale = Annotated[float, typer.Option(
     "--time-scale", min=1e-6, help="with --since: the recorded engines ran this many times faster than their cost "
     "model (emulated engines' --time-scale); the log's arrivals are replayed that much slower")]
+PathOverhead = Annotated[bool, typer.Option(
+    "--path-overhead/--no-path-overhead", help="with --since: each request's recorded time outside the engines "
+    "(gateway, the log's round trip to its decision, the hand-off) counts toward its TTFT on top of the simulated "
+    "one, as its client saw it")]
 JsonOut = Annotated[bool, typer.Option(
     "--json", help="print one JSON object: prefill, decode, predicted_slo_attainment (the plan's), then plan and "
     "cluster in full")]
@@ -85,6 +89,7 @@ def plan(
     seed: Seed = None,
     limit: Limit = None,
     time_scale: TimeScale = 1.0,
+    path_overhead: PathOverhead = True,
     json_out: JsonOut = False,
 ) -> None:
     """Size the cluster: the fewest prefill and decode instances that meet the SLOs for --target of the traffic.
@@ -103,7 +108,7 @@ def plan(
                             cluster_profile=cluster_profile, target=target, growth=growth, forecast=forecast,
                             horizon_s=duration_s(horizon, "--horizon"), ttft_slo_s=ttft_slo_s, tbt_slo_ms=tbt_slo_ms,
                             max_instances=max_instances, max_runs=max_simulations, headroom=headroom, seed=seed,
-                            limit=limit, time_scale=time_scale)
+                            limit=limit, time_scale=time_scale, path_overhead=path_overhead)
         if since is not None:
             require_servers(s, kafka=True)
         result = plan_cluster(s, config, console=err)

@@ -7,8 +7,11 @@ Mooncake trace (the demo's ``load_slice``), the same SLOs throughout:
    on the recorded cluster (1P1D by default), every record on an embedded broker's topics; each
    request's TTFT (model time, the demo's accounting) and TBT (the decode engine's report) measured;
 2. **plan**: :func:`~conductor.harness.plan.planner.plan_cluster` on those topics (``conductor plan
-   --since``) with the engines' own cost model, the recorded policy and ``time_scale`` = ``speed``
-   (the log's times are the engines' sped-up ones: replayed that much slower, they are model time);
+   --since``) with the recorded policy and ``time_scale`` = ``speed`` (the log's times are the engines'
+   sped-up ones: replayed that much slower, they are model time); the engines' cost model calibrated
+   on the gateways' outcomes (their engine part in model time: what the engines achieved on this
+   machine, not what they were told), and each request's observed time outside the engines
+   (gateway, log, hand-off: real time, as the measured TTFT counts it) on top of its simulated TTFT;
 3. **run the plan**: the same slice at the same times on a fresh cluster of the planned size;
 4. compare the attainment the plan predicted for each cluster with what it measured.
 
@@ -39,6 +42,7 @@ from conductor.harness.devstack import free_port
 from conductor.harness.gateway_cluster import GatewayCluster
 from conductor.harness.plan.planner import Plan, PlanConfig, plan_cluster
 from conductor.settings import Settings
+from conductor.stats import percentile
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +71,8 @@ class PlanBenchOptions:
     max_requests: int | None = None
     drain_s: float = 60.0
     seed: int = 0
+    path_overhead: bool = True
+    """The plan counts each request's recorded time outside the engines toward its TTFT (as measured)."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +110,25 @@ def measured_attainment(sent: Iterable[str], ttft_s: Mapping[str, float], tbt_ms
                       both=round(both / n, 4), without_tbt=missing)
 
 
+def ttft_split(stats: RunStats) -> dict[str, float | None]:
+    """p50/p90 of the two parts of the measured TTFTs: ``path`` (real seconds outside the engines'
+    emulation: gateway, log, HTTP, hand-off) and ``engines`` (model seconds the engines emulated:
+    prefill queue and compute, KV transfer), over the requests with engine reports."""
+    path, engines = [], []
+    for rid, (wall, _) in stats.client_ttft.items():
+        model = stats.emulated_s.get(rid)
+        if model is not None:
+            path.append(max(wall - model / stats.speed, 0.0))
+            engines.append(model)
+
+    def q(xs: list[float], p: float) -> float | None:
+        v = percentile(xs, p)
+        return None if v is None else round(v, 3)
+
+    return {"path_p50_s": q(path, 50), "path_p90_s": q(path, 90), "engines_p50_s": q(engines, 50),
+            "engines_p90_s": q(engines, 90)}
+
+
 def difference_points(measured: float, predicted: float) -> float:
     """Measured minus predicted attainment in percentage points (+2.0: the cluster did 2 points better)."""
     return round(100.0 * (measured - predicted), 2)
@@ -127,7 +152,7 @@ async def _run(s: Settings, opts: PlanBenchOptions, prefill: int, decode: int, r
         tbt = {str(r["request_id"]): float(r["tbt_ms"]) for r in c.reports if r.get("event") == "decode_done"}
     att = measured_attainment([f"{prefix}{side}-{r.index}" for r in requests], stats.observed, tbt,
                               ttft_slo_s=s.ttft_slo_s, tbt_slo_ms=s.tbt_slo_ms)
-    return {"attainment": att, "rejected": sum(n for code, n in stats.client_errors.items() if code in ("429", "503")),
+    return {"attainment": att, "ttft_split": ttft_split(stats), "rejected": sum(n for code, n in stats.client_errors.items() if code in ("429", "503")),
             "errors_by_kind": dict(stats.client_errors), "reuse_ratio": round(stats.reuse_ratio, 4), "wall_s": wall,
             "load": round(os.getloadavg()[0], 1)}
 
@@ -148,7 +173,8 @@ def _cluster(name: str, predicted: float, run: dict[str, Any], prefill: int, dec
     return {"cluster": name, "prefill": prefill, "decode": decode, "predicted_slo_attainment": predicted,
             "measured_slo_attainment": att.both, "difference_points": difference_points(att.both, predicted),
             "measured": asdict(att), "rejected": run["rejected"], "errors_by_kind": run["errors_by_kind"],
-            "reuse_ratio": run["reuse_ratio"], "wall_s": round(run["wall_s"], 1), "load_average_1m": run["load"]}
+            "reuse_ratio": run["reuse_ratio"], "ttft_split": run["ttft_split"], "wall_s": round(run["wall_s"], 1),
+            "load_average_1m": run["load"]}
 
 
 def run_plan_bench(settings: Settings, opts: PlanBenchOptions) -> dict[str, Any]:
@@ -164,9 +190,10 @@ def run_plan_bench(settings: Settings, opts: PlanBenchOptions) -> dict[str, Any]
         rec_s = _side_settings(base, opts, "recorded")
         recorded = asyncio.run(_run(rec_s, opts, opts.prefill, opts.decode, requests, log_dir, "recorded"))
         t_plan = time.monotonic()
+        # No --profile: the engines' profile calibrated on what the gateways observed (in model time).
         plan: Plan = plan_cluster(rec_s, PlanConfig(
-            since="0", model_profile=rec_s.model_profile, target=opts.target, headroom=False,
-            time_scale=opts.speed, seed=opts.seed), console=Console(file=io.StringIO(), width=200))
+            since="0", target=opts.target, headroom=False, time_scale=opts.speed, seed=opts.seed,
+            path_overhead=opts.path_overhead), console=Console(file=io.StringIO(), width=200))
         plan_wall = time.monotonic() - t_plan
         p, d = plan.plan.prefill, plan.plan.decode
         planned = asyncio.run(_run(_side_settings(base, opts, "planned"), opts, p, d, requests, log_dir, "planned"))
@@ -187,6 +214,8 @@ def run_plan_bench(settings: Settings, opts: PlanBenchOptions) -> dict[str, Any]
         "model_profile": plan.model_profile,
         "requests": len(requests), "planned_requests": plan.requests, "trace": trace.name,
         "speed": opts.speed, "sample": opts.sample, "duration_s": opts.duration_s,
+        "calibration": plan.calibration,
+        "path_overhead": opts.path_overhead, "path_p50_s": plan.path_s[0], "path_p90_s": plan.path_s[1],
         "simulations": plan.simulations, "probes": [[q.prefill, q.decode, q.slo_attainment] for q in plan.probes],
         "plan_wall_s": round(plan_wall, 1),
         "logs": str(log_dir),

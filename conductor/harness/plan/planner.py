@@ -26,6 +26,7 @@ from conductor.harness.sim.cluster import ClusterProfile
 from conductor.harness.sim.run import DEFAULT_CLUSTER_PROFILE, SimulateConfig, prepare_bench
 from conductor.harness.sim.session import Bench
 from conductor.settings import Settings
+from conductor.stats import percentile
 
 DEFAULT_TARGET = 0.99
 HEADROOM_TOLERANCE = 0.05
@@ -58,6 +59,10 @@ class PlanConfig:
     time_scale: float = 1.0
     """With --since: the recorded engines ran this many times faster than their cost model (emulated
     engines' ``--time-scale``); the log's arrivals are replayed that much slower, in model time."""
+    path_overhead: bool = True
+    """With --since: each request's recorded time outside the engines (gateway, the log's round trip
+    to its decision, the hand-off) counts toward its TTFT on top of the simulated one, as the client
+    saw it; off: the engines' TTFT only (what ``simulate --from-topics`` compares)."""
 
     def __post_init__(self) -> None:
         if (self.trace is None) == (self.since is None):
@@ -86,7 +91,8 @@ class PlanConfig:
             tbt_slo_ms=self.tbt_slo_ms if self.tbt_slo_ms is not None else settings.tbt_slo_ms,
             ttft_slo_s=self.ttft_slo_s if self.ttft_slo_s is not None else settings.ttft_slo_s,
             limit=self.limit, params=params, seed=self.seed,
-            speed=1.0 / self.time_scale if from_topics and self.time_scale != 1.0 else None)
+            speed=1.0 / self.time_scale if from_topics and self.time_scale != 1.0 else None,
+            time_scale=self.time_scale, path_overhead=from_topics and self.path_overhead)
 
 
 @dataclass(frozen=True)
@@ -140,6 +146,11 @@ class Plan:
     exhausted: bool
     plan_wall_s: float
     probes: tuple[Probe, ...]
+    calibration: str | None = None
+    """How the cost model was fitted to the recorded outcomes (``simulate --from-topics``' line); None: a trace."""
+    path_s: tuple[float | None, float | None] = (None, None)
+    """p50 and p90 of the recorded time outside the engines each replayed request carries (``path_overhead``);
+    (None, None) when none is counted (a trace, or ``--no-path-overhead``)."""
 
     def as_dict(self) -> dict[str, Any]:
         """The ``--json`` object: the plan's counts and attainment at the top, then everything."""
@@ -155,6 +166,7 @@ class Plan:
             "source": self.source, "requests": self.requests, "window_ms": list(self.window_ms),
             "simulations": self.simulations, "stopped_early": self.stopped_early, "exhausted": self.exhausted, "plan_wall_s": round(self.plan_wall_s, 2),
             "probes": [[p.prefill, p.decode, p.slo_attainment] for p in self.probes],
+            "path_p50_s": self.path_s[0], "path_p90_s": self.path_s[1], "calibration": self.calibration,
         }
 
 
@@ -221,7 +233,7 @@ def plan_cluster(settings: Settings, config: PlanConfig, *, console: Console) ->
     """Find the smallest cluster that meets ``config.target`` on the configured traffic, and score it
     and today's cluster. Progress goes to ``console`` (a transient bar)."""
     t0 = time.perf_counter()
-    bench, names, speed = prepare_bench(settings, config.simulate_config(settings), console)
+    bench, names, speed, calibration = prepare_bench(settings, config.simulate_config(settings), console)
     policy = names[0]
     base = bench.cluster
     today = (base.prefill_instances, base.decode_instances)
@@ -243,7 +255,16 @@ def plan_cluster(settings: Settings, config: PlanConfig, *, console: Console) ->
         policy=policy, model_profile=bench.profile.name, ttft_slo_s=base.ttft_slo_s, tbt_slo_ms=base.tbt_slo_ms,
         source="trace" if config.trace is not None else "topics", requests=len(bench.records),
         window_ms=(first, last), simulations=runs.runs, stopped_early=runs.stopped, exhausted=search.exhausted,
-        plan_wall_s=time.perf_counter() - t0, probes=search.probes)
+        plan_wall_s=time.perf_counter() - t0, probes=search.probes, path_s=_path_percentiles(bench),
+        calibration=None if calibration is None else calibration.describe())
+
+
+def _path_percentiles(bench: Bench) -> tuple[float | None, float | None]:
+    paths = sorted(r.path_s for r in bench.records)
+    if not any(paths):
+        return None, None
+    p50, p90 = percentile(paths, 50), percentile(paths, 90)
+    return (None if p50 is None else round(p50, 3)), (None if p90 is None else round(p90, 3))
 
 
 __all__ = ["DEFAULT_TARGET", "ClusterScore", "Plan", "PlanConfig", "plan_cluster"]

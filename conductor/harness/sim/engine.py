@@ -56,6 +56,8 @@ class Outcome:
     input_length: int
     output_length: int
     chain: list[int]
+    path_s: float = 0.0
+    """Its recorded time outside the engines (``TraceRequest.path_s``), counted toward the TTFT SLO."""
     rejected: str | None = None
     prefill: str | None = None
     decode: str | None = None
@@ -249,7 +251,7 @@ class Simulation:
         outcomes = []
         for r in self.requests:
             chain = list(r.hash_ids) if r.keyed else chain_from_precomputed(r.hash_ids)
-            o = Outcome(r.index, r.arrival_s, r.input_length, r.output_length, chain)
+            o = Outcome(r.index, r.arrival_s, r.input_length, r.output_length, chain, r.path_s)
             outcomes.append(o)
             self._push(r.arrival_s, _ARRIVE, o)
         self._by_index = {o.index: o for o in outcomes}
@@ -615,7 +617,7 @@ class Simulation:
         self.view.stored(p.node_id, tier, stored, now)
         if last:
             o.first_token_s = now
-            if now - o.arrival_s > self.cluster.ttft_slo_s:
+            if now - o.arrival_s + o.path_s > self.cluster.ttft_slo_s:
                 self._miss(o)
             if self.pool is not None:
                 for op, ptier, keys in self.pool.insert(o.chain):

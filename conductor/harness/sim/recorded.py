@@ -73,15 +73,40 @@ class RecordedTraffic:
     last_ms: int
     skipped: dict[str, int] = field(default_factory=dict)
     """Requests left out, by reason."""
+    time_scale: float = 1.0
+    """The recorded engines ran this many times faster than their cost model (emulated engines'
+    ``--time-scale``): their part of an observed TTFT is that much longer in model time."""
 
     def observed_ttft_s(self, request_id: str) -> float | None:
         """TTFT the gateway observed minus its routing time: what the simulator's TTFT
-        (arrival at the router → first token) measures."""
+        (arrival at the router → first token) measures. With a ``time_scale``, the engines' part
+        (the TTFT less :meth:`path_s`) in model time."""
         o = self.observed.get(request_id)
         if o is None or o.ttft_s is None:
             return None
-        v = o.ttft_s - (o.routing_ms or 0.0) / 1000.0
+        if self.time_scale != 1.0:
+            path = self.path_s(request_id)
+            v = (o.ttft_s - (path or 0.0)) * self.time_scale
+        else:
+            v = o.ttft_s - (o.routing_ms or 0.0) / 1000.0
         return v if v > 0 else None
+
+    def path_s(self, request_id: str) -> float | None:
+        """:func:`path_seconds` of a served request; None when it was not served."""
+        o = self.observed.get(request_id)
+        return None if o is None else path_seconds(o)
+
+
+def path_seconds(o: RequestOutcome) -> float | None:
+    """Seconds of an observed TTFT spent outside the engines, in real time: the gateway's TTFT less
+    its prefill call and its decode call's first token (P/D), else its routing (arrival to decision)."""
+    if o.ttft_s is None:
+        return None
+    if o.prefill_s is not None or o.decode_ttft_s is not None:
+        v = o.ttft_s - (o.prefill_s or 0.0) - (o.decode_ttft_s or 0.0)
+    else:
+        v = o.decided_s if o.decided_s is not None else (o.routing_ms or 0.0) / 1000.0
+    return min(max(v, 0.0), o.ttft_s)
 
 
 HEARTBEAT_SLACK_MS = 60_000
@@ -147,12 +172,16 @@ def recorded_traffic(
     block_size: int,
     since_ms: int | None = None,
     until_ms: int | None = None,
+    time_scale: float = 1.0,
+    path: bool = False,
 ) -> RecordedTraffic:
     """The traffic recorded in ``[since_ms, until_ms]`` on a cluster shaped like its heartbeats.
 
     ``base`` gives what the log does not say (SLOs, decode batch limit, view delay, model
-    profile); ``block_size`` is the router's. :class:`SimulationError` when the range holds
-    no request or no prefill/decode node.
+    profile); ``block_size`` is the router's. ``time_scale``: see :attr:`RecordedTraffic.time_scale`.
+    ``path``: each request carries its observed time outside the engines (:meth:`RecordedTraffic.path_s`;
+    the median of the served ones for a request not served) into the replay, to count toward the
+    TTFT SLO as it did. :class:`SimulationError` when the range holds no request or no prefill/decode node.
     """
     lo = since_ms if since_ms is not None else -1
     hi = until_ms if until_ms is not None else math.inf
@@ -182,10 +211,15 @@ def recorded_traffic(
         if o.status == 200 and o.error is None and o.ttft_s is not None:
             served[o.request_id] = o
 
+    paths: dict[str, float] = {}
+    if path:
+        paths = {rid: v for rid, o in served.items() if (v := path_seconds(o)) is not None}
+    typical = statistics.median(paths.values()) if paths else 0.0
     records, ids = [], []
     for i, (ts, _, req, chain) in enumerate(picked):
         out_len = max(1, output.get(req.request_id, req.expected_output_tokens))
-        records.append(TraceRecord(i, float(ts), req.prompt_tokens, out_len, tuple(chain), keyed=True))
+        records.append(TraceRecord(i, float(ts), req.prompt_tokens, out_len, tuple(chain), keyed=True,
+                                   path_s=paths.get(req.request_id, typical)))
         ids.append(req.request_id)
     first, last = picked[0][0], picked[-1][0]
 
@@ -239,7 +273,7 @@ def recorded_traffic(
         records=records, request_ids=ids, cluster=base.model_copy(update=update), observed=served,
         recorded_policy=policy, recorded_params=params.get(policy, {}) if policy else {},
         roles={n: hb.role for n, hb in sorted(latest.items())}, first_ms=first, last_ms=last,
-        skipped=dict(skipped),
+        skipped=dict(skipped), time_scale=time_scale,
     )
 
 

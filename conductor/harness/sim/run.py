@@ -86,6 +86,13 @@ class SimulateConfig:
     """The cost model the simulated engines run on: a profile name or file (``conductor profile
     calibrate`` writes one), or ``control`` (the last ``set_profile`` on the control topic: the
     cluster's fitted model); None: the cluster profile's (a trace) or the settings' (the topics)."""
+    time_scale: float = 1.0
+    """With the topics: the recorded engines ran this many times faster than their cost model, so
+    the engines' part of each observed TTFT is scaled by it for calibration (not a ``simulate``
+    option: ``conductor plan --time-scale`` sets it, with ``speed`` = 1 / it)."""
+    path_overhead: bool = False
+    """With the topics: each request's observed time outside the engines counts toward the TTFT SLO
+    on top of the simulated TTFT (``conductor plan``'s; ``simulate`` compares engines only)."""
 
     def __post_init__(self) -> None:
         if (self.trace is None) == (not self.from_topics):
@@ -229,7 +236,7 @@ def _prepare_recorded(settings: Settings, config: SimulateConfig, console: Conso
                                    "default_speed": config.speed if config.speed is not None else 1.0})
     model = _model_profile(settings, config.model_profile, console)
     speed = prof.default_speed
-    traffic = _recorded(settings, prof, config.since, config.until, console)
+    traffic = _recorded(settings, prof, config, console)
     prof = traffic.cluster
     recorded = traffic.recorded_policy or settings.policy
     names = list(dict.fromkeys(recorded if n == "recorded" else n for n in names))
@@ -352,9 +359,9 @@ def _balance_params(text: str | None) -> BalanceParams | None:
         raise ConfigError(f"--balance-params: {'.'.join(map(str, first['loc']))}: {first['msg']}") from None
 
 
-def _recorded(settings: Settings, base: ClusterProfile, since: str | None, until: str | None,
-              console: Console) -> RecordedTraffic:
+def _recorded(settings: Settings, base: ClusterProfile, config: SimulateConfig, console: Console) -> RecordedTraffic:
     """Read the four topics of this cluster and turn the range into a simulator workload."""
+    since, until = config.since, config.until
     now = int(time.time() * 1000)
     lo = parse_time(since, now, "--since") if since else None
     hi = parse_time(until, now, "--until") if until else None
@@ -367,7 +374,8 @@ def _recorded(settings: Settings, base: ClusterProfile, since: str | None, until
             reqs, hbs, outs, disp = asyncio.run(read_recorded(settings, lo, hi))
         except LogReadError as e:
             raise ConfigError(f"--from-topics: {e}") from None
-    return recorded_traffic(reqs, hbs, outs, disp, base=base, block_size=settings.block_size, since_ms=lo, until_ms=hi)
+    return recorded_traffic(reqs, hbs, outs, disp, base=base, block_size=settings.block_size, since_ms=lo, until_ms=hi,
+                            time_scale=config.time_scale, path=config.path_overhead)
 
 
 def _model_profile(settings: Settings, name: str | None, console: Console) -> ModelProfile | None:
@@ -401,9 +409,11 @@ def _run_with(bench: Bench, profile: ModelProfile, policy: str, speed: float) ->
     return bench.run(policy, speed)[1]
 
 
-def prepare_bench(settings: Settings, config: SimulateConfig, console: Console) -> tuple[Bench, list[str], float]:
+def prepare_bench(settings: Settings, config: SimulateConfig,
+                  console: Console) -> tuple[Bench, list[str], float, Calibration | None]:
     """The workload ``config`` names, ready to run as ``conductor simulate`` would: (bench, policy
-    names, speed); recorded traffic is read and its cost model calibrated. For commands that replay
-    the same traffic on other clusters (``conductor plan``)."""
+    names, speed, the calibration of recorded traffic's cost model or None); recorded traffic is read
+    and its cost model calibrated. For commands that replay the same traffic on other clusters
+    (``conductor plan``)."""
     setup = _prepare(settings, config, console)
-    return setup.bench, setup.names, setup.speed
+    return setup.bench, setup.names, setup.speed, setup.calibration

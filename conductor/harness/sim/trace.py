@@ -24,6 +24,8 @@ class TraceRequest:
     hash_ids: tuple[int, ...]
     keyed: bool = False
     """``hash_ids`` are already the router's block keys (recorded traffic), not trace ids to chain."""
+    path_s: float = 0.0
+    """Seconds of its TTFT spent outside the engines (see :attr:`TraceRecord.path_s`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +39,9 @@ class TraceRecord:
     hash_ids: tuple[int, ...]
     keyed: bool = False
     """``hash_ids`` are already block keys (``schemas.request_chain_keys``), used as they are."""
+    path_s: float = 0.0
+    """Seconds of its TTFT spent outside the engines, as recorded (gateway, the log's round trip to the
+    decision, the hand-off): counted against the TTFT SLO on top of the simulated TTFT. 0 for a trace."""
 
 
 def _int_field(obj: dict[str, Any], name: str, where: str, *, minimum: int) -> int:
@@ -110,7 +115,7 @@ def schedule(
             t_ms = recs[m].timestamp_ms - t0 + (m - i) * bucket_ms / k
             r = recs[m]
             out.append(TraceRequest(len(out), t_ms / 1000.0 / speed, r.input_length, r.output_length, r.hash_ids,
-                                    r.keyed))
+                                    r.keyed, r.path_s))
         i = j
     return out
 
