@@ -142,6 +142,10 @@ def test_plan_end_to_end_on_a_tiny_trace(tmp_path):
     assert res.exit_code == 0, res.output
     out = json.loads(next(line for line in res.stdout.splitlines() if line.startswith("{")))
     assert out["cluster"]["prefill"] == 4 and out["cluster"]["decode"] == 2 and out["growth"] == 2
+    for side in (out, out["plan"], out["cluster"]):  # what issue 37 asks --json to print, for both clusters
+        assert isinstance(side["prefill"], int) and isinstance(side["decode"], int)
+        assert 0.0 <= side["predicted_slo_attainment"] <= 1.0
+    assert (out["prefill"], out["decode"]) == (out["plan"]["prefill"], out["plan"]["decode"])
     assert out["requests"] == 90 and out["simulations"] == len({(p, d) for p, d, _ in out["probes"]})
     assert out["predicted_slo_attainment"] >= out["goal"]
     smaller = [a for p, d, a in out["probes"] if (p, d) in ((out["prefill"] - 1, out["decode"]),
