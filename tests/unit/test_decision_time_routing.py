@@ -8,10 +8,13 @@ from typing import Any
 
 import pytest
 
+from conductor.costmodel.costs import Costs
+from conductor.costmodel.profiles import DEFAULT_PROFILE, load_profile
 from conductor.routing.local import LocalRouter, LogUnavailable
 from conductor.routing.own_load import OwnLoads, own_extra
-from conductor.routing.policies.prefill_plan import stay_on_holder
+from conductor.routing.policies.prefill_plan import PendingCopy, ReusePlanner, stay_on_holder
 from conductor.routing.router import Router
+from conductor.routing.snapshot import Instance, PolicyRequest
 from conductor.settings import load_settings
 from conductor.topology import Topology, topology_from_dict
 from schemas import BlocksRemoved, RoutingDecision, RoutingRequest, chain_keys, envelope
@@ -201,15 +204,17 @@ def test_confirm_held_writes_only_what_is_still_pending() -> None:
 LONG = list(range(20_000, 20_000 + 512 * BS))
 
 
-async def test_a_pending_prefix_is_not_copied_before_its_holder_made_it() -> None:
-    router, view, _, _ = make(stay_margin=0.0)
+@pytest.mark.parametrize("incremental", [True, False])
+async def test_a_pending_prefix_is_not_copied_before_its_holder_made_it(incremental: bool) -> None:
+    router, view, _, _ = make(incremental, stay_margin=0.0)
     heartbeat(view, "p0")
     heartbeat(view, "p1", queued_prefill_tokens=1, queue_depth=1)  # p0 first
     heartbeat(view, "d0", "decode")
     first = await router.route(gw_request("r1", LONG))
     assert isinstance(first, RoutingDecision) and first.prefill_instance == "p0"
     # p0 is now busy (its own prefill of LONG is charged to it): p1 is the faster instance, but the
-    # blocks r1 placed on p0 do not exist until p0 has computed them, so p1 cannot copy them.
+    # blocks r1 placed on p0 do not exist until p0 has computed them: waiting for that and copying
+    # costs more than computing them on p1.
     second = await router.route(gw_request("r2", LONG))
     assert isinstance(second, RoutingDecision)
     assert second.prefill_instance == "p1" and second.reused_tokens == 0 and second.reuse_source is None
@@ -253,3 +258,29 @@ async def test_a_request_that_fails_before_its_first_token_releases_everything()
     t = d2.view_now_ms
     assert pending.prefixes(chain_keys(PROMPT, BS), t + 4_999) and not pending.prefixes(chain_keys(PROMPT, BS), t + 5_000)
     assert ledger.loads(t + 299_999) and not ledger.loads(t + 300_000)
+
+
+@pytest.mark.parametrize("ready_s", [0.0, 0.05, 100.0])
+def test_a_pending_prefix_is_copied_only_after_its_holder_is_ready(ready_s: float) -> None:
+    """The planner's side of the rule: a copy of a holder's pending prefix costs the time until its
+    prefill made it (``PendingCopy.ready_s``) on top of the copy; what the view confirms copies as before."""
+    profile = load_profile(DEFAULT_PROFILE)
+    costs = Costs(profile)
+    request = PolicyRequest("r", prompt_tokens=8192, chain_len=512)
+    holder = Instance("p0", "prefill", prefix_blocks=(512, 512, 512))  # 128 confirmed, 384 pending
+    target = Instance("p1", "prefill")
+    confirmed = (128, 128, 128)
+    plain = ReusePlanner(costs, lambda: -1).plan(request, [holder], 16, remote=True, threshold=1.0,
+                                                shapes=[confirmed])[0](target)
+    best, floor, _ = ReusePlanner(costs, lambda: -1).plan(request, [holder], 16, remote=True, threshold=1.0,
+                                                          shapes=[confirmed],
+                                                          pending=[PendingCopy(0, (512, 512, 512), ready_s)])
+    got = best(target)
+    full = costs.remote_plan((512, 512, 512), request, 16, costs.link_index(holder, target))
+    assert full is not None
+    if ready_s + full[2] < plain.cost_s:
+        assert (got.blocks, got.source) == (512, "p0") and got.cost_s == pytest.approx(ready_s + full[2])
+    else:
+        assert got == plain  # waiting does not pay: only what the view confirms is copied
+    assert floor <= got.cost_s  # the index walk's lower bound stays a lower bound
+    assert (ready_s == 100.0) == (got == plain)

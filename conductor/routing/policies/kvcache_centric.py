@@ -33,7 +33,7 @@ from __future__ import annotations
 import dataclasses
 import operator
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from pydantic import Field
@@ -46,6 +46,7 @@ from conductor.routing.policies.parts import RoleSplitPolicy, placement, split_r
 from conductor.routing.policies.prefill_plan import (
     BestReuse,
     Costed,
+    PendingCopy,
     PrefillPlan,
     ReusePlan,
     ReusePlanner,
@@ -66,6 +67,16 @@ PREFILL_ROLES = ("prefill", "both")
 
 
 _node_id = operator.attrgetter("node_id")
+
+
+def _pending_copies(holders: Sequence[Instance], shapes: Sequence[Shape], copies: Sequence[Shape],
+                    wait: Callable[[Instance], float]) -> list[PendingCopy]:
+    """The prefill-capable holders whose prefix counts pending blocks (``shapes`` differs from what
+    may be copied now, ``copies``), each ready once its queue (``wait``), which holds the placing
+    request's prefill, has drained. A decode instance's pending prefix arrives with a hand-off whose
+    time is not known here: it is not copied before its engine reports it."""
+    return [PendingCopy(i, own, wait(h)) for i, (h, own, now) in enumerate(zip(holders, shapes, copies))
+            if own != now and h.role in PREFILL_ROLES]
 
 
 class KvCacheCentricParams(PolicyParams):
@@ -196,8 +207,10 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
         if copies is None:
             best_reuse, bare_floor, _ = self._reuse_planner(request, ix.holders, bs, ix.shapes, ix.rack_holders,
                                                             ix.groups)
-        else:  # pending blocks extend some holder's prefix: others copy only what it holds already
-            best_reuse, bare_floor, _ = self._reuse_planner(request, ix.holders, bs, copies, ix.rack_holders)
+        else:  # pending blocks extend some holder's prefix: copied once it has made them
+            pending = _pending_copies(ix.holders, ix.shapes, copies, lambda h: ix.wait_of[h.node_id])
+            best_reuse, bare_floor, _ = self._reuse_planner(request, ix.holders, bs, copies, ix.rack_holders,
+                                                            pending=pending)
         mark(PREFILL_PLAN)
         costed = walk_queues(self.costs, request, ix, bs, best_reuse, bare_floor, tie_margin(p.prefill_tie_s))
         self._add_longest_holders(costed, ix, best_reuse)
@@ -273,7 +286,10 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
         # Holders in node order, as the cluster index gives them: copies of equal cost go to the
         # first, so both ways of deciding (and `explain`, which decides this way) pick the same source.
         holders = sorted((h for h in snapshot.instances if h.prefix_blocks[2] > 0), key=_node_id)
-        best_reuse, _, _ = self._reuse_planner(request, holders, bs, snapshot.copy_shapes(holders))
+        copies = snapshot.copy_shapes(holders)
+        pending = () if copies is None else _pending_copies(holders, [h.prefix_blocks for h in holders], copies,
+                                                            self.costs.queue_wait_s)
+        best_reuse, _, _ = self._reuse_planner(request, holders, bs, copies, pending=pending)
         costed = cost_candidates(pool, best_reuse)
         chosen, left = self._stay(request, costed, pick_prefill(costed, rng, p.prefill_tie_s))
         mark(PREFILL_PLAN)
@@ -332,11 +348,12 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
     def _reuse_planner(self, request: PolicyRequest, holders: Sequence[Instance], bs: int,
                        shapes: Sequence[Shape] | None = None,
                        rack_holders: Mapping[str | None, Sequence[int]] | None = None,
-                       groups: Mapping[Shape, Sequence[int]] | None = None) -> ReusePlan:
+                       groups: Mapping[Shape, Sequence[int]] | None = None,
+                       pending: Sequence[PendingCopy] = ()) -> ReusePlan:
         """:meth:`ReusePlanner.plan` with this policy's parameters."""
         p = self.p
         return self.planner.plan(request, holders, bs, remote=p.remote_reuse, threshold=p.kvcache_balancing_threshold,
-                                 shapes=shapes, rack_holders=rack_holders, groups=groups)
+                                 shapes=shapes, rack_holders=rack_holders, groups=groups, pending=pending)
 
     def _same_rack_class(self) -> int:
         """:func:`.prefill_plan.same_rack_class`, found once (the topology is fixed)."""

@@ -166,7 +166,8 @@ class ReusePlanner:
 
     def plan(self, request: PolicyRequest, holders: Sequence[Instance], bs: int, *, remote: bool, threshold: float,
              shapes: Sequence[Shape] | None = None, rack_holders: Mapping[str | None, Sequence[int]] | None = None,
-             groups: Mapping[Shape, Sequence[int]] | None = None) -> ReusePlan:
+             groups: Mapping[Shape, Sequence[int]] | None = None,
+             pending: Sequence[PendingCopy] = ()) -> ReusePlan:
         """``holders``: the instances holding a prefix of the chain, in snapshot order (ties
         between copies go to the first); ``shapes``: the prefixes others may copy from them, when
         not their ``prefix_blocks`` (a pending prefix is not there to copy yet:
@@ -178,7 +179,10 @@ class ReusePlanner:
         The work per request follows the prefix shapes, not the holders: holders of one shape
         have the same copy plan, so each link class's copies are walked as runs of equal cost
         (a shape, or the shapes whose plans cost the same, holders in snapshot order: what a
-        stable sort of the holders by cost gives), and an instance stops at its first usable copy."""
+        stable sort of the holders by cost gives), and an instance stops at its first usable copy.
+
+        ``pending``: holders whose prefix counts blocks their own prefill has not made yet, with the
+        seconds until it has (:class:`PendingCopy`); a copy of that prefix costs that wait on top."""
         costs = self.costs
         if shapes is None:
             shapes = [h.prefix_blocks for h in holders]
@@ -197,6 +201,9 @@ class ReusePlanner:
         for _, runs, _ in by_link:
             if runs and runs[0][0] < bare_floor:
                 bare_floor = runs[0][0]
+        if remote and pending:
+            best_reuse, bare_floor = _with_pending(costs, request, bs, holders, pending, best_reuse, bare_floor,
+                                                   threshold)
         return best_reuse, bare_floor, groups
 
     def link_runs(self, request: PolicyRequest, bs: int, groups: Mapping[Shape, Sequence[int]]) -> list[LinkRuns]:
@@ -226,6 +233,42 @@ class ReusePlanner:
                 del memo[k]
         memo[key] = (groups, by_link)  # holding groups keeps its id from being reused
         return by_link
+
+
+@dataclass(frozen=True, slots=True)
+class PendingCopy:
+    """A holder (its index among the holders) whose prefix ``shape`` counts pending blocks: they
+    exist ``ready_s`` from now (its queue, the placing request's prefill in it, drained)."""
+
+    holder: int
+    shape: Shape
+    ready_s: float
+
+
+def _with_pending(costs: Costs, request: PolicyRequest, bs: int, holders: Sequence[Instance],
+                  pending: Sequence[PendingCopy], best_reuse: BestReuse, bare_floor: float,
+                  threshold: float) -> tuple[BestReuse, float]:
+    """``best_reuse`` that also weighs copying a pending prefix once its holder has made it (its
+    ``ready_s``, then the copy), and the lowest plan cost any bare instance can have with them."""
+    for pc in pending:
+        for li in range(len(costs.links)):
+            o = costs.remote_plan(pc.shape, request, bs, li)
+            if o is not None and pc.ready_s + o[2] < bare_floor:
+                bare_floor = pc.ready_s + o[2]
+
+    def best(inst: Instance) -> Reuse:
+        r = best_reuse(inst)
+        floor = costs.local_plan(inst.prefix_blocks, request, bs)[0] * threshold
+        for pc in pending:
+            h = holders[pc.holder]
+            if h.node_id == inst.node_id or pc.ready_s >= r.cost_s:
+                continue
+            o = costs.remote_plan(pc.shape, request, bs, costs.link_index(h, inst))
+            if o is not None and o[0] > floor and pc.ready_s + o[2] < r.cost_s:
+                r = Reuse(o[0], h.node_id, o[1], pc.ready_s + o[2])
+        return r
+
+    return best, bare_floor
 
 
 def same_rack_class(costs: Costs) -> int:
@@ -366,6 +409,7 @@ __all__ = [
     "BestReuse",
     "Costed",
     "CppGroup",
+    "PendingCopy",
     "PrefillPlan",
     "ReusePlan",
     "ReusePlanner",
