@@ -27,8 +27,8 @@ them, so an eviction the engine reports later is believed at once instead of a T
 instance's own reuse (a request that follows queues behind the one placing it), but another
 instance cannot copy it before the holder's prefill has made it: the picture carries, for each
 instance that pending blocks extend, the prefix other instances may copy (what the view
-confirms; :attr:`~conductor.routing.snapshot.ClusterSnapshot.copyable`), and the planner copies
-only that.
+confirms; :attr:`~conductor.routing.snapshot.ClusterSnapshot.copyable`); ``kvcache-centric``
+copies the rest only after the holder's queue wait (``prefill_plan.PendingCopy``).
 """
 
 from __future__ import annotations
