@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import orjson
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from opentelemetry import metrics
 
@@ -272,7 +272,8 @@ class Picker:
         return max(st.t0 + self.config.decision_timeout_s - self.clock(), 0.0)
 
     async def _answer(self, st: _Stream) -> Responses:
-        await asyncio.wait_for(self.directory.refresh(), self._left(st))
+        async with asyncio.timeout(self._left(st)):  # no task of its own, unlike wait_for
+            await self.directory.refresh()
         body = bytes(st.body)
         chat = is_chat(st.headers.get(":path", ""))
         if chat is None:
@@ -280,8 +281,8 @@ class Picker:
                                               f"/v1/chat/completions, not {st.headers.get(':path', '')!r}",
                                               "unknown_route", param=":path"))]
         try:
-            parsed = json.loads(body)
-        except (ValueError, RecursionError):  # deeply nested: 400, not a 500
+            parsed = orjson.loads(body)
+        except (ValueError, RecursionError):  # deeply nested (orjson: past 1,024 levels): 400, not a 500
             return [bad_request("the body is not JSON", "invalid_json", param="body")]
         try:
             creq = with_session(parse_body(parsed, chat=chat, base_model=self.config.base_model), st.headers)
@@ -299,7 +300,8 @@ class Picker:
                 return [unavailable("no engine Conductor knows is in the proxy's endpoint subset "
                                     f"{st.subset[:8]}", "no_live_instance")]
         try:
-            prompt = await asyncio.wait_for(self.tokenizer.prompt(creq), self._left(st))
+            async with asyncio.timeout(self._left(st)):
+                prompt = await self.tokenizer.prompt(creq)
         except TokenizeError as e:
             return [unavailable(str(e), "tokenizer_unavailable", retry_after=2)]
         except PromptRejected as e:

@@ -46,7 +46,7 @@ class EppCluster(GatewayCluster):
             self.epp_id = f"epp-test-{time.time_ns() % 10**9}"
             epp = await self.procs.start("epp", ["epp", "--port", "0", "--epp-id", self.epp_id, *engines,
                                                  *self.epp_args], env, stdout_pipe=True)
-            self.epp_ready = await self._ready_line("epp", epp)
+            self.epp_ready = await self._ready_line("epp", epp, timeout_s=120.0)  # --workers: several start
             self.epp_address = self.epp_ready["address"]
             if self.with_gateway:
                 await self._start_gateway(engines)
