@@ -19,10 +19,14 @@ consumer answers Faust's highwater question with the end probed from the last ba
 
 A 10 ms wait is a hundred fetches a second whether or not anything is written (the worker's
 consumer thread and the broker were most of an idle stack's CPU), so the embedded consumer's
-wait is paced (:class:`streams.kafka.FetchPace`): 10 ms while records come, 100 ms after 2 s
-without one. Records of ``quiet_topics`` do not count as coming: the worker names
-``heartbeats``, which arrive every second or so per engine but whose staleness is measured
-against the liveness TTL (seconds), so an idle cluster's heartbeats alone keep the long wait.
+wait is paced (:class:`streams.kafka.FetchPace`): 10 ms while records come, 500 ms after 2 s
+without one (two fetches a second; Tansu looks again half-way through a wait of 250 ms or
+more, so a record that comes during a 500 ms wait is answered within about 250 ms). Records
+of ``quiet_topics`` do not count as coming: the worker names ``heartbeats``, which arrive
+every second or so per engine and whose staleness is measured against the liveness TTL (5 s
+by default), so an idle cluster's heartbeats alone keep the long wait. The first KV event
+after a quiet spell reaches the view up to ~250 ms later than under load; decisions made
+meanwhile count the blocks they placed themselves (pending blocks, state/pending.py).
 """
 
 from __future__ import annotations
@@ -42,9 +46,11 @@ from faust.web.drivers import aiohttp as faust_aiohttp
 from schemas.errors import ConfigError
 
 from .config import KafkaConnection, WorkerConfig
-from .kafka import FetchPace, end_offsets, security_options, ssl_context
+from .kafka import IDLE_AFTER_S, FetchPace, end_offsets, security_options, ssl_context
 
 TANSU_FETCH_MAX_WAIT_MS = 10
+TANSU_IDLE_FETCH_WAIT_MS = 500
+"""The embedded consumer's fetch wait after 2 s without a record of a topic that is not quiet."""
 
 WEB_PORT = 6066
 """Faust's web port when ``web_port`` is unset (Faust's own default)."""
@@ -90,7 +96,7 @@ class _TansuConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
     def _create_worker_consumer(self, transport: Any) -> Any:
         consumer = super()._create_worker_consumer(transport)
         consumer._fetch_max_wait_ms = TANSU_FETCH_MAX_WAIT_MS  # read by AIOKafkaConsumer.start()
-        self._pace = FetchPace(TANSU_FETCH_MAX_WAIT_MS)
+        self._pace = FetchPace(TANSU_FETCH_MAX_WAIT_MS, steps=((IDLE_AFTER_S, TANSU_IDLE_FETCH_WAIT_MS),))
         return consumer
 
     async def _fetch_records(self, consumer: Any, active_partitions: Any, timeout: float | None = None,

@@ -13,8 +13,8 @@ at the end uses :func:`streams.kafka.end_offsets`; a :class:`Since` that finds n
 at the partition's beginning there, at its end on Kafka), and it answers a fetch only when the
 fetch's wait runs out (callers that wait on a reply pass a short ``fetch_wait_ms``). So a short
 wait is a fetch every few milliseconds, new records or not: a follower with one is paced by
-:class:`streams.kafka.FetchPace` (after ``IDLE_AFTER_S`` without a record it waits
-``IDLE_FETCH_WAIT_MS`` per fetch, and goes back to its short wait with the first record).
+:class:`streams.kafka.FetchPace` (after 2 s without a record it waits 100 ms per fetch, after
+10 s 500 ms, and goes back to its short wait with the first record).
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from schemas import DecodeError, Envelope
 
 from .config import KafkaConnection
 from .dead_letters import DeadLetters
-from .kafka import IDLE_AFTER_S, IDLE_FETCH_WAIT_MS, FetchPace, consumer, end_offsets
+from .kafka import FetchPace, consumer, end_offsets
 from .topics import Topic
 
 log = logging.getLogger(__name__)
@@ -308,5 +308,4 @@ class Follower:
         return Record(rec.topic, rec.partition, rec.offset, rec.key, rec.value, rec.headers, rec.timestamp_ms, env)
 
 
-__all__ = ["IDLE_AFTER_S", "IDLE_FETCH_WAIT_MS", "At", "Batch", "Earliest", "Follower", "Latest", "OnBad", "Record",
-           "Since", "Start", "Tail"]
+__all__ = ["At", "Batch", "Earliest", "Follower", "Latest", "OnBad", "Record", "Since", "Start", "Tail"]

@@ -13,7 +13,7 @@ import asyncio
 import logging
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -104,46 +104,66 @@ def set_fetch_wait(c: AIOKafkaConsumer, wait_ms: int | None) -> None:
 IDLE_AFTER_S = 2.0
 """A consumer with a short fetch wait that got no record for this long waits longer per fetch."""
 IDLE_FETCH_WAIT_MS = 100
-"""Its wait per fetch then (at most the broker's hold on a fetch while nothing is coming)."""
+"""Its wait per fetch then."""
+DEEP_IDLE_AFTER_S = 10.0
+"""After this long without a record it waits longer still..."""
+DEEP_IDLE_FETCH_WAIT_MS = 500
+"""...this long per fetch (Kafka's own default fetch wait)."""
 
 
 class FetchPace:
     """The fetch wait of a consumer that asks for a short one: ``short_ms`` while records come,
-    :data:`IDLE_FETCH_WAIT_MS` after :data:`IDLE_AFTER_S` without one, short again with the
-    first record.
+    then longer the longer nothing comes (``steps``: after so many seconds without a record, so
+    many milliseconds; by default :data:`IDLE_FETCH_WAIT_MS` after :data:`IDLE_AFTER_S` and
+    :data:`DEEP_IDLE_FETCH_WAIT_MS` after :data:`DEEP_IDLE_AFTER_S`), short again with the first
+    record.
 
     The embedded broker answers a fetch only when its wait runs out, so a short wait is a
     fetch every few milliseconds whether or not anything is written: both the broker and the
-    consumer spin. Once quiet, a consumer fetches ten times a second instead; the first record
-    after a quiet spell waits up to that much longer on the embedded broker (on Kafka, which
-    answers as soon as a record is there, no longer). A ``short_ms`` at or above the idle wait
-    is left alone."""
+    consumer spin (each fetch costs the embedded broker ~0.5 ms of CPU). Once quiet, a consumer
+    fetches ten, then two times a second; the first record after a quiet spell waits up to
+    ~100 ms, after a long one up to ~250 ms longer on the embedded broker (it looks again
+    half-way through a wait of 250 ms or more); on Kafka, which answers as soon as a record is
+    there, no longer. Steps at or below ``short_ms`` are left out."""
 
-    def __init__(self, short_ms: int, *, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, short_ms: int, *, steps: Sequence[tuple[float, int]] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if steps is None:
+            steps = ((IDLE_AFTER_S, IDLE_FETCH_WAIT_MS), (DEEP_IDLE_AFTER_S, DEEP_IDLE_FETCH_WAIT_MS))
         self.short_ms = short_ms
-        self.idle = False
+        self.steps = tuple(sorted((after_s, ms) for after_s, ms in steps if ms > short_ms))
+        self.wait_ms = short_ms
+        """The wait the consumer asks for now."""
         self._clock = clock
         self._last_record_s = clock()
 
     @property
     def paced(self) -> bool:
-        """Whether this pace ever changes the wait (a short wait below the idle one)."""
-        return self.short_ms < IDLE_FETCH_WAIT_MS
+        """Whether this pace ever changes the wait (some step longer than ``short_ms``)."""
+        return bool(self.steps)
+
+    @property
+    def idle(self) -> bool:
+        return self.wait_ms != self.short_ms
 
     def saw(self, got_records: bool) -> int | None:
         """After a fetch: the wait the next fetches should ask for when it changes, else None."""
-        if not self.paced:
+        if not self.steps:
             return None
         now = self._clock()
         if got_records:
             self._last_record_s = now
-            if self.idle:
-                self.idle = False
-                return self.short_ms
-        elif not self.idle and now - self._last_record_s >= IDLE_AFTER_S:
-            self.idle = True
-            return IDLE_FETCH_WAIT_MS
-        return None
+            want = self.short_ms
+        else:
+            quiet_s = now - self._last_record_s
+            want = self.short_ms
+            for after_s, ms in self.steps:
+                if quiet_s >= after_s:
+                    want = ms
+        if want == self.wait_ms:
+            return None
+        self.wait_ms = want
+        return want
 
     def after_fetch(self, c: AIOKafkaConsumer, got_records: bool) -> None:
         """:meth:`saw`, and the new wait (if any) set on ``c`` (:func:`set_fetch_wait`)."""

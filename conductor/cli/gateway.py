@@ -271,17 +271,20 @@ def bench_live(
 
 IdleSeconds = Annotated[float, typer.Option("--seconds", min=1.0, help="seconds of no traffic measured")]
 IdleSettle = Annotated[float, typer.Option("--settle", min=0.0, help="seconds to wait after start-up before measuring")]
+IdleHeartbeat = Annotated[float, typer.Option("--heartbeat-s", min=0.01, help="how often each engine heartbeats "
+                                              "(a bridge's default is 1 s; the tests' clusters use 0.3 s)")]
 
 
-def bench_idle(seconds: IdleSeconds = 30.0, settle: IdleSettle = 5.0, json_out: JsonLine = False) -> None:
+def bench_idle(seconds: IdleSeconds = 30.0, settle: IdleSettle = 5.0, heartbeat_s: IdleHeartbeat = 1.0,
+               json_out: JsonLine = False) -> None:
     """The CPU a started stack uses with no traffic, per process.
 
-    Starts (on CONDUCTOR_KAFKA_URL/REDIS_URL, or the embedded ones) a worker, a router, 2 prefill + 2 decode emulated engines with a bridge each and a gateway, waits --settle seconds, then reads each process's CPU time over --seconds with no request sent (Linux /proc). Fields: control_core_percent (the control plane's CPU as a share of one core: gateway, router, worker, bridges, broker, Redis) and control_core_percent_by_process, control_cpu_s and control_cpu_s_by_process, engines_core_percent_by_process (the emulated engines, apart).
+    Starts (on CONDUCTOR_KAFKA_URL/REDIS_URL, or the embedded ones) a worker, a router, 2 prefill + 2 decode emulated engines with a bridge each and a gateway, waits --settle seconds, then reads each process's CPU time over --seconds with no request sent (Linux /proc). Fields: control_core_percent (the control plane's CPU as a share of one core: gateway, router, worker, bridges, broker, Redis) and control_core_percent_by_process, control_cpu_s and control_cpu_s_by_process, engines_core_percent_by_process (the emulated engines, apart), heartbeat_s (the engines' heartbeats are the only traffic).
     """
     from conductor.harness.bench.idle import run_idle_bench
 
     s = settings_or_exit()
-    print_result(run_idle_bench(s, seconds=seconds, settle_s=settle), json_out)
+    print_result(run_idle_bench(s, seconds=seconds, settle_s=settle, heartbeat_s=heartbeat_s), json_out)
 
 
 def register(groups: dict[str, typer.Typer]) -> None:

@@ -57,6 +57,8 @@ class GatewayCluster:
     engine_procs: dict[str, Any] = field(default_factory=dict)
     gateway_url: str = ""
     gateway_id: str = ""
+    engine_heartbeat_s: float = 0.3
+    """How often each engine heartbeats (tests: short, so engines are live soon; a deployment's bridge: 1 s)."""
     engine_args: list[str] = field(default_factory=list)
     """More ``conductor engine`` options, the same for every engine (e.g. ``--kv-blocks``)."""
     bridges: bool = False
@@ -121,7 +123,7 @@ class GatewayCluster:
                 node = f"{role}-{i}"
                 args = ["engine", "--role", role, "--node-id", node, "--http-port", "0",
                         "--time-scale", str(self.time_scale), *self.engine_args]
-                args += ["--heartbeat-s", "0.3"]
+                args += ["--heartbeat-s", str(self.engine_heartbeat_s)]
                 if self.report:
                     args.append("--report")
                 if self.max_output_tokens:

@@ -112,7 +112,7 @@ async def test_a_short_wait_follower_waits_longer_once_idle_and_short_again_with
     c._fetcher = Fetcher()  # type: ignore[attr-defined]
     f._consumer = c
     await f.fetch()  # nothing: idle at once (IDLE_AFTER_S = 0)
-    assert c._fetcher._fetch_max_wait_ms == streams.follow.IDLE_FETCH_WAIT_MS  # type: ignore[attr-defined]
+    assert c._fetcher._fetch_max_wait_ms == streams.kafka.IDLE_FETCH_WAIT_MS  # type: ignore[attr-defined]
     c.messages = [message(0, request("routed", None))]
     await f.fetch()
     assert c._fetcher._fetch_max_wait_ms == 5  # type: ignore[attr-defined]

@@ -12,7 +12,7 @@ import pytest
 
 import streams.kafka
 from streams.batches import take_batches
-from streams.kafka import IDLE_FETCH_WAIT_MS, FetchPace
+from streams.kafka import DEEP_IDLE_FETCH_WAIT_MS, IDLE_FETCH_WAIT_MS, FetchPace
 
 
 def batching_app(max_records: int, within_s: float) -> tuple[Any, list[tuple[list[Any], float]], list[int]]:
@@ -68,20 +68,31 @@ class Clock:
         return self.now
 
 
-def test_a_short_fetch_wait_grows_after_a_quiet_spell_and_shrinks_with_the_first_record() -> None:
+def test_a_short_fetch_wait_grows_with_the_quiet_and_shrinks_with_the_first_record() -> None:
     clock = Clock()
     pace = FetchPace(10, clock=clock)
     assert pace.saw(False) is None  # quiet, but not for long yet
     clock.now = streams.kafka.IDLE_AFTER_S
     assert pace.saw(False) == IDLE_FETCH_WAIT_MS and pace.idle
-    assert pace.saw(False) is None  # already idle: nothing to change
+    assert pace.saw(False) is None  # no change: nothing to set
+    clock.now = streams.kafka.DEEP_IDLE_AFTER_S
+    assert pace.saw(False) == DEEP_IDLE_FETCH_WAIT_MS
     assert pace.saw(True) == 10 and not pace.idle
     clock.now += streams.kafka.IDLE_AFTER_S - 0.1
     assert pace.saw(False) is None  # records came less than IDLE_AFTER_S ago
 
 
-def test_a_long_fetch_wait_is_left_alone() -> None:
+def test_a_fetch_wait_with_one_step_goes_straight_there() -> None:
     clock = Clock()
-    pace = FetchPace(IDLE_FETCH_WAIT_MS, clock=clock)
+    pace = FetchPace(10, steps=((2.0, 500),), clock=clock)
+    clock.now = 2.0
+    assert pace.saw(False) == 500
+    clock.now = 60.0
+    assert pace.saw(False) is None
+
+
+def test_steps_no_longer_than_the_short_wait_are_left_out() -> None:
+    clock = Clock()
+    pace = FetchPace(IDLE_FETCH_WAIT_MS, steps=((2.0, IDLE_FETCH_WAIT_MS), (10.0, 50)), clock=clock)
     clock.now = 60.0
     assert not pace.paced and pace.saw(False) is None and pace.saw(True) is None

@@ -6,6 +6,10 @@ each, and ``conductor gateway``), waits ``settle_s`` for start-up work to end, t
 process's CPU time (:mod:`conductor.harness.cpu`) over ``seconds`` with no request sent.
 ``control_core_percent``: the control plane's CPU as a share of one core (100 = one core busy);
 the engines' own is reported apart (``engines_core_percent_by_process``): they are not Conductor's.
+The engines heartbeat every ``heartbeat_s`` (default 1 s, as a ``conductor bridge`` does for a
+real engine; the tests' clusters use 0.3 s): heartbeats are the one traffic an idle cluster has.
+The emulated engines also follow ``dispatch`` (a real engine does not): their fetches are part
+of the broker's share.
 """
 
 from __future__ import annotations
@@ -28,20 +32,26 @@ def core_percent(used: dict[str, float | None], seconds: float) -> dict[str, flo
     return {k: round(100 * v / seconds, 2) for k, v in sorted(used.items()) if v is not None and seconds > 0}
 
 
+HEARTBEAT_S = 1.0
+"""The engines' heartbeat interval: a ``conductor bridge``'s default (``--heartbeat-s``)."""
+
+
 def run_idle_bench(settings: Settings, *, seconds: float = 30.0, settle_s: float = 5.0, prefill: int = 2,
-                   decode: int = 2) -> dict[str, Any]:
+                   decode: int = 2, heartbeat_s: float = HEARTBEAT_S) -> dict[str, Any]:
     """Run the bench (starting the embedded broker and Redis when no URLs are set); one result dict."""
+    if heartbeat_s <= 0:
+        raise ValueError("heartbeat_s must be > 0")
     with with_servers(settings) as s, TemporaryDirectory(prefix="conductor-bench-idle-") as tmp:
-        return asyncio.run(_bench(s, Path(tmp), seconds, settle_s, prefill, decode))
+        return asyncio.run(_bench(s, Path(tmp), seconds, settle_s, prefill, decode, heartbeat_s))
 
 
 async def _bench(settings: Settings, tmp: Path, seconds: float, settle_s: float, prefill: int,
-                 decode: int) -> dict[str, Any]:
+                 decode: int, heartbeat_s: float) -> dict[str, Any]:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     tag = uuid.uuid4().hex[:8]
     s = settings.model_copy(update={"topic_prefix": f"bench-idle-{tag}.", "view_namespace": f"bidle{tag}",
                                     "metrics_port": 0, "data_dir": tmp / "data"})
-    async with GatewayCluster(s, tmp / "logs", prefill, decode, bridges=True) as c:
+    async with GatewayCluster(s, tmp / "logs", prefill, decode, bridges=True, engine_heartbeat_s=heartbeat_s) as c:
         await asyncio.sleep(settle_s)
         control = CpuMeter(c.control_pids()).start()
         engines = CpuMeter({n: p.pid for n, p in c.engine_procs.items()}).start()
@@ -56,6 +66,7 @@ async def _bench(settings: Settings, tmp: Path, seconds: float, settle_s: float,
         "settle_s": settle_s,
         "prefill": prefill,
         "decode": decode,
+        "heartbeat_s": heartbeat_s,
         "control_core_percent": round(sum(by_process.values()), 2),
         "control_core_percent_by_process": by_process,
         "control_cpu_s": cpu["control_cpu_s"],
@@ -65,4 +76,4 @@ async def _bench(settings: Settings, tmp: Path, seconds: float, settle_s: float,
     }
 
 
-__all__ = ["core_percent", "run_idle_bench"]
+__all__ = ["HEARTBEAT_S", "core_percent", "run_idle_bench"]
