@@ -32,6 +32,11 @@ from redis.exceptions import RedisError
 
 from .keys import ViewKeys
 
+FOLLOW_BLOCK_MS = 1_000
+"""How long a follower's XREAD blocks when nothing is written (entries end it at once, so this
+is not a delay; it is how often an idle follower asks again). :meth:`RedisReservations.close`
+does not wait it out: it wakes its own read with a write (the buffered batch, else an empty one)."""
+
 FIELDS = 5
 MAX_BUFFERED = 100_000
 StreamEntry = tuple[bytes, dict[bytes, bytes]]
@@ -172,7 +177,7 @@ class RedisReservations:
     """
 
     def __init__(self, client: aioredis.Redis | RedisCluster, namespace: str, ttl_s: float, *, producer_id: str,
-                 flush_after_s: float = 0.01, block_ms: int = 100) -> None:
+                 flush_after_s: float = 0.01, block_ms: int = FOLLOW_BLOCK_MS) -> None:
         self.client = client
         self.key = ViewKeys(namespace).reservations
         self.ttl_ms = int(ttl_s * 1000)
@@ -204,12 +209,15 @@ class RedisReservations:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def flush(self) -> None:
-        """Append the buffered reservations to the log now."""
+    async def flush(self, *, wake: bool = False) -> None:
+        """Append the buffered reservations to the log now. ``wake``: append an empty batch when
+        nothing is buffered (every follower's read returns; readers skip it)."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         if not self._buffer:
+            if wake:
+                await self.client.xadd(self.key, {"p": self.producer_id, "r": ""})
             return
         batch, self._buffer = self._buffer, []
         newest = max(int(line.split(",", 1)[0]) for line in batch)
@@ -244,7 +252,8 @@ class RedisReservations:
     async def _follow(self) -> None:
         failing = False
         # Stopped by a flag, not by cancelling: a task cancelled inside XREAD BLOCK was seen
-        # hanging for minutes in the driver's clean-up. Each read blocks at most ``block_ms``.
+        # hanging for minutes in the driver's clean-up. Each read blocks at most ``block_ms``
+        # (close's own write ends it sooner).
         while not self._stopping:
             try:
                 res = cast(list[tuple[bytes, list[StreamEntry]]] | None,  # bytes: the client decodes nothing
@@ -267,6 +276,8 @@ class RedisReservations:
             if fields.get(b"p") == me:
                 continue
             for line in fields.get(b"r", b"").decode().split("\n"):
+                if not line:
+                    continue  # an empty batch: a replica waking its own follower to stop (close)
                 try:
                     ts, node, *amounts = line.split(",")
                     self.local.add(node, int(ts), tuple(int(x) for x in amounts))
@@ -278,21 +289,24 @@ class RedisReservations:
         return self.local.pending_sync(since_ms, now_ms)
 
     async def close(self, timeout_s: float = 2.0) -> None:
-        """Stop following and share what is buffered; returns within about ``timeout_s`` plus one
-        read's block time, whatever Redis does (a reservation not shared by then is dropped:
-        the others' copies would expire it within ``ttl`` anyway)."""
+        """Share what is buffered and stop following; returns within about ``timeout_s``, whatever
+        Redis does (a reservation not shared by then is dropped: the others' copies would expire
+        it within ``ttl`` anyway). The write (an empty batch if nothing is buffered) ends the
+        follower's blocked read, so an idle follower's long block is not waited out."""
         self._stopping = True
         follower, self._follower = self._follower, None
+        try:
+            await asyncio.wait_for(self.flush(wake=follower is not None), timeout_s / 2)
+        except TimeoutError:
+            log.warning("%d reservation(s) not shared at shutdown (Redis too slow)", len(self._buffer))
+        except (RedisError, OSError) as e:
+            log.warning("could not wake the reservation follower at shutdown: %s", e)
         if follower is not None:
-            done, _ = await asyncio.wait({follower}, timeout=self.block_ms / 1000 + timeout_s / 2)
+            done, _ = await asyncio.wait({follower}, timeout=timeout_s / 2)
             if not done:
                 follower.cancel()
                 await asyncio.wait({follower}, timeout=0.2)  # never wait on a read stuck in the driver
                 log.warning("the reservation follower did not stop in time; abandoned it")
-        try:
-            await asyncio.wait_for(self.flush(), timeout_s / 2)
-        except TimeoutError:
-            log.warning("%d reservation(s) not shared at shutdown (Redis too slow)", len(self._buffer))
 
     async def clear(self) -> None:
         """Delete the log (benchmarks and tests)."""

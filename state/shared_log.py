@@ -29,6 +29,7 @@ from .keys import ViewKeys
 from .pending import Confirmed, InMemoryPendingBlocks, PendingPrefix, Released
 from .pending import decode_op as decode_pending
 from .pending import encode_op as encode_pending
+from .reservations import FOLLOW_BLOCK_MS
 
 MAX_BUFFERED = 100_000
 StreamEntry = tuple[bytes, dict[bytes, bytes]]
@@ -41,7 +42,7 @@ class SharedLog:
     operation is handed to ``apply`` (a JSON-decoded item; a ValueError skips it)."""
 
     def __init__(self, client: aioredis.Redis | RedisCluster, key: str, *, producer_id: str, retain_ms: int,
-                 apply: Callable[[Any], None], flush_after_s: float = 0.01, block_ms: int = 100) -> None:
+                 apply: Callable[[Any], None], flush_after_s: float = 0.01, block_ms: int = FOLLOW_BLOCK_MS) -> None:
         self.client = client
         self.key = key
         self.producer_id = producer_id
@@ -79,12 +80,15 @@ class SharedLog:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def flush(self) -> None:
-        """Append the buffered operations to the stream now."""
+    async def flush(self, *, wake: bool = False) -> None:
+        """Append the buffered operations to the stream now. ``wake``: append an empty batch when
+        nothing is buffered (every follower's read returns; readers apply nothing)."""
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
         if not self._buffer:
+            if wake:
+                await self.client.xadd(self.key, {"p": self.producer_id, "o": "[]"})
             return
         batch, self._buffer = self._buffer, []
         newest = max(at for at, _ in batch)
@@ -118,7 +122,8 @@ class SharedLog:
     async def _follow(self) -> None:
         failing = False
         # Stopped by a flag, not by cancelling (a task cancelled inside XREAD BLOCK can hang in
-        # the driver's clean-up: state/reservations.py); each read blocks at most ``block_ms``.
+        # the driver's clean-up: state/reservations.py); each read blocks at most ``block_ms``
+        # (close's own write ends it sooner).
         while not self._stopping:
             try:
                 res = cast(list[tuple[bytes, list[StreamEntry]]] | None,
@@ -153,20 +158,23 @@ class SharedLog:
                     log.warning("skipping an operation of %s: %s", self.key, e)
 
     async def close(self, timeout_s: float = 2.0) -> None:
-        """Stop following and share what is buffered; returns within about ``timeout_s`` plus one
-        read's block time whatever Redis does."""
+        """Share what is buffered and stop following; returns within about ``timeout_s`` whatever
+        Redis does. The write (an empty batch if nothing is buffered) ends the follower's blocked
+        read, so an idle follower's long block is not waited out (state/reservations.py)."""
         self._stopping = True
         follower, self._follower = self._follower, None
+        try:
+            await asyncio.wait_for(self.flush(wake=follower is not None), timeout_s / 2)
+        except TimeoutError:
+            log.warning("%d operation(s) not shared on %s at shutdown", len(self._buffer), self.key)
+        except (RedisError, OSError) as e:
+            log.warning("could not wake the follower of %s at shutdown: %s", self.key, e)
         if follower is not None:
-            done, _ = await asyncio.wait({follower}, timeout=self.block_ms / 1000 + timeout_s / 2)
+            done, _ = await asyncio.wait({follower}, timeout=timeout_s / 2)
             if not done:
                 follower.cancel()
                 await asyncio.wait({follower}, timeout=0.2)
                 log.warning("the follower of %s did not stop in time; abandoned it", self.key)
-        try:
-            await asyncio.wait_for(self.flush(), timeout_s / 2)
-        except TimeoutError:
-            log.warning("%d operation(s) not shared on %s at shutdown", len(self._buffer), self.key)
 
     async def clear(self) -> None:
         """Delete the stream (benchmarks and tests)."""
@@ -181,7 +189,7 @@ class RedisPendingBlocks:
 
     def __init__(self, client: aioredis.Redis | RedisCluster, namespace: str, ttl_ms: int, *, producer_id: str,
                  capacity: Mapping[str, int] | None = None, flush_after_s: float = 0.01,
-                 block_ms: int = 100) -> None:
+                 block_ms: int = FOLLOW_BLOCK_MS) -> None:
         self.local = InMemoryPendingBlocks(ttl_ms, capacity)
         self.log = SharedLog(client, ViewKeys(namespace).pending, producer_id=producer_id, retain_ms=2 * ttl_ms,
                              apply=lambda item: self.local.apply(decode_pending(item)),
@@ -228,7 +236,7 @@ class RedisInflight:
     never wait on Redis."""
 
     def __init__(self, client: aioredis.Redis | RedisCluster, namespace: str, lease_ms: int, *, producer_id: str,
-                 flush_after_s: float = 0.01, block_ms: int = 100) -> None:
+                 flush_after_s: float = 0.01, block_ms: int = FOLLOW_BLOCK_MS) -> None:
         self.local = InMemoryInflight(lease_ms)
         self.log = SharedLog(client, ViewKeys(namespace).inflight, producer_id=producer_id, retain_ms=2 * lease_ms,
                              apply=lambda item: self.local.apply(decode_inflight(item)),

@@ -136,3 +136,37 @@ async def test_close_is_bounded_while_following_and_when_redis_is_gone(settings:
     assert loop.time() - t0 < 2.0
     assert s._follower is None
     server.close()
+
+
+async def test_an_idle_follower_blocks_long_yet_closes_at_once(settings: Settings,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """An idle follower's XREAD blocks a whole second (one read a second, not ten), and close does
+    not wait it out: its own write (an empty batch when nothing is buffered) ends the read. The
+    other replicas skip the empty batch without a warning."""
+    from state.shared_log import RedisPendingBlocks
+
+    loop = asyncio.get_running_loop()
+    assert settings.redis_url is not None  # (the test session's Redis)
+    client = aioredis.from_url(settings.redis_url)
+    ns = f"{settings.view_namespace}-wake"
+    try:
+        reservations = [RedisReservations(client, ns, TTL_S, producer_id=p) for p in ("a", "b")]
+        pending = [RedisPendingBlocks(client, ns, 60_000, producer_id=p) for p in ("a", "b")]
+        assert reservations[0].block_ms == 1_000 and pending[0].log.block_ms == 1_000
+        for r in reservations:
+            await r.start(10_000)
+        for p in pending:
+            await p.log.start(10_000)
+        await asyncio.sleep(0.3)  # both followers blocked in XREAD now
+        for s in (reservations[0], pending[0].log):
+            t0 = loop.time()
+            await s.close(timeout_s=4.0)
+            assert loop.time() - t0 < 0.5  # not the block's second, nor the timeout's half
+        await asyncio.sleep(0.2)  # the other replicas read the empty batches
+        assert reservations[1].applied == 0 and pending[1].log.applied == 0
+        assert not [r for r in caplog.records if r.levelname == "WARNING" and "malformed" in r.getMessage()]
+        for s in (reservations[1], pending[1].log):
+            await s.close()
+            await s.clear()
+    finally:
+        await client.aclose()
