@@ -183,7 +183,7 @@ class GatewayCluster:
         router, bridges, gateway, a picker), and the broker and Redis when they run on this machine."""
         engines = set(self.engine_procs)
         own: dict[str, int | None] = {n: p.pid for n, p in self.procs.procs if n not in engines}
-        return {**own, **self.gateway_pids(), **server_pids(self.settings.kafka_url, self.settings.redis_url)}
+        return {**own, **server_pids(self.settings.kafka_url, self.settings.redis_url)}  # a tree each: workers in
 
     def gateway_pids(self) -> dict[str, int | None]:
         """The gateway's process and, with ``--workers``, its workers (``gateway-w<i>``, in pid order; Linux /proc)."""
