@@ -9,6 +9,7 @@ real gRPC with Envoy's own protos and sends what Envoy's ext_proc filter sends.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import secrets
 import time
@@ -149,11 +150,12 @@ class EnvoySide:
     async def request(self, body: bytes | None, *, path: str = "/v1/completions", method: str = "POST",
                       headers: Mapping[str, str] | None = None, chunks: int = 1, mode: str = "full-duplex",
                       announce_mode: bool = True, subset: Sequence[str] | None = None,
-                      timeout_s: float = 30.0) -> Answer:
+                      timeout_s: float = 30.0, cancel_after_s: float | None = None) -> Answer:
         """Send one request's headers and body (cut into ``chunks`` body messages, the last with
         ``end_of_stream``) as Envoy does in ``mode``, and collect the picker's answers until it has
         answered the body (or answered at once). Buffered mode waits for the headers' answer first,
-        as Envoy does."""
+        as Envoy does. ``cancel_after_s``: end the stream that long after the body is sent, reading
+        no answer (Envoy's cancel when the client goes away)."""
         hdrs = {":method": method, ":path": path, ":authority": "inference-gateway", ":scheme": "http",
                 "content-type": "application/json", "x-request-id": secrets.token_hex(8), **(headers or {})}
         first = pb.ProcessingRequest(request_headers=pb.HttpHeaders(
@@ -185,6 +187,9 @@ class EnvoySide:
                 for i, part in enumerate(parts):
                     await call.write(pb.ProcessingRequest(request_body=pb.HttpBody(
                         body=part, end_of_stream=i == len(parts) - 1)))
+            if cancel_after_s is not None:
+                await asyncio.sleep(cancel_after_s)
+                return Answer(out)
             while True:
                 r = await call.read()
                 if r is grpc.aio.EOF:

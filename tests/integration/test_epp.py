@@ -17,7 +17,7 @@ from conductor.epp.protocol import host_port
 from conductor.harness.epp_cluster import EppCluster
 from conductor.routing.explain import explain
 from conductor.settings import Settings
-from schemas import RoutingDecision, RoutingRejection, RoutingRequest
+from schemas import RequestOutcome, RoutingDecision, RoutingRejection, RoutingRequest
 from streams.topics import topics
 
 pytestmark = [pytest.mark.epp, pytest.mark.integration, pytest.mark.timeout(240)]
@@ -39,6 +39,7 @@ async def test_routed_rejected_and_health_on_one_cluster(cluster: EppCluster, se
     await routed_in_one_message_in_chunks_and_buffered_each_decision_on_dispatch(cluster, settings)
     await rejections_and_bad_bodies_are_immediate_responses(cluster, settings)
     await health_and_a_request_with_no_body(cluster)
+    await a_stream_cancelled_before_its_answer_is_released_and_recorded(cluster, settings)
 
 
 async def routed_in_one_message_in_chunks_and_buffered_each_decision_on_dispatch(
@@ -162,3 +163,29 @@ async def test_routed_through_the_log_by_the_routers(settings: Settings, tmp_pat
         assert req.request_id == f"{c.epp_id}-via-log" and req.reply_to == c.epp_id and req.decided_by is None
         d = next(b for b in await read_all(settings, tps.dispatch.name, 1) if isinstance(b, RoutingDecision))
         assert d.decided_by is None and d.decode_instance == a.headers["x-conductor-decode-instance"]
+
+
+async def a_stream_cancelled_before_its_answer_is_released_and_recorded(cluster: EppCluster,
+                                                                       settings: Settings) -> None:
+    """Envoy cancels the stream (the client went away) while the picker decides: the decision is
+    logged (its reservation was taken), then released and its failure recorded on request-outcomes."""
+    async with cluster.envoy() as envoy:
+        # Token ids (no tokenizer call): the stream ends while the picker decides (a view read, the
+        # broker's acknowledgement), not before the picker has the body.
+        for i, after_s in enumerate((0.0, 0.001, 0.002, 0.004, 0.008)):
+            body = json.dumps({"model": "default", "prompt": [7, i] * 40, "max_tokens": 4}).encode()
+            await envoy.request(body, headers={"x-request-id": f"gone{i}"}, cancel_after_s=after_s)
+        # A request answered as usual afterwards is not released (its stream ends after the answer).
+        kept = await envoy.request(completion(), headers={"x-request-id": "kept"})
+    assert kept.status == 200
+    tps = topics(settings.topic_config())
+    outcomes = [b for b in await read_all(settings, tps.request_outcomes.name, 3, wait_s=10)
+                if isinstance(b, RequestOutcome)]
+    assert outcomes and {o.error for o in outcomes} == {"cancelled"}
+    assert {o.status for o in outcomes} == {499} and all(o.gateway == cluster.epp_id for o in outcomes)
+    assert f"{cluster.epp_id}-kept" not in {o.request_id for o in outcomes}
+    decided = {b.request_id: b for b in await read_all(settings, tps.dispatch.name, 10_000, wait_s=3)
+               if isinstance(b, RoutingDecision)}
+    for o in outcomes:  # what was released was decided and logged
+        assert o.request_id in decided and o.decode_instance == decided[o.request_id].decode_instance
+        assert o.finished_view_ms is not None
