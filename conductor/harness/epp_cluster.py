@@ -59,11 +59,6 @@ class EppCluster(GatewayCluster):
     def envoy(self, own_connection: bool = False) -> EnvoySide:
         return EnvoySide(self.epp_address, own_connection=own_connection)
 
-    def control_pids(self) -> dict[str, int | None]:
-        """:meth:`GatewayCluster.control_pids` and, with ``--workers``, the picker's workers (``epp-w<i>``)."""
-        pids = self.epp_ready.get("worker_pids") or []
-        return {**super().control_pids(), **{f"epp-w{i}": int(pid) for i, pid in enumerate(pids)}}
-
 
 @dataclass
 class Answer:
