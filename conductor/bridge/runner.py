@@ -60,6 +60,10 @@ from schemas.records import Record
 
 log = logging.getLogger(__name__)
 
+IDLE_WAIT_S = 1.0
+"""The longest the event loop of a bridge sleeps with nothing from its engine. A batch, a connection
+event (a reconnect is checked at once) and stop each wake it sooner; this only bounds the unexpected."""
+
 RECENT_BATCHES = 4096
 
 Sink = Callable[[list[Envelope]], Awaitable[None]]
@@ -328,6 +332,18 @@ class Bridge:
         if self.config.replay_endpoint:
             await self._catch_up(0, None)
 
+    @staticmethod
+    async def _batch_waiting(poller: zmq.asyncio.Poller, sub: zmq.asyncio.Socket, stopping: asyncio.Future[Any]) -> bool:
+        """Sleep until the engine's socket or its connection monitor has something, or ``stopping``
+        ends, or :data:`IDLE_WAIT_S` passes; whether a batch is waiting on ``sub``. (The loop used to
+        wake every 200 ms to look: five wake-ups a second per idle bridge.)"""
+        polling = asyncio.ensure_future(poller.poll(int(IDLE_WAIT_S * 1000)))
+        await asyncio.wait({polling, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not polling.done():
+            polling.cancel()
+            return False
+        return any(sock is sub for sock, _ in polling.result())
+
     async def _check_reconnect(self) -> None:
         """Right after ZMQ reconnects (an engine may have restarted and stay idle)."""
         if self._verify and not await self._same_run():
@@ -377,17 +393,22 @@ class Bridge:
         if self.config.replay_endpoint:
             self._dealer = self._make_dealer()
         hb_task = asyncio.create_task(self._heartbeats(stop)) if self.config.heartbeat_s else None
+        stopping = asyncio.ensure_future(stop.wait())
         try:
             await self._new_epoch("start")
             if self.config.replay_endpoint:
                 await self._catch_up(0, None)
             self.ready.set()
+            poller = zmq.asyncio.Poller()
+            poller.register(sub, zmq.POLLIN)
+            poller.register(monitor, zmq.POLLIN)
             while not stop.is_set():
-                if not await sub.poll(200):
+                if not await sub.poll(0):
                     await self._drain_monitor(monitor)
                     async with self._lock:
                         await self._check_reconnect()
-                    continue
+                    if not await self._batch_waiting(poller, sub, stopping):
+                        continue
                 await self._drain_monitor(monitor)
                 frames = await sub.recv_multipart()
                 self._last_engine_contact = time.monotonic()
@@ -409,6 +430,7 @@ class Bridge:
                 async with self._lock:
                     await self._on_message(seq, payload)
         finally:
+            stopping.cancel()
             if hb_task:
                 hb_task.cancel()
                 await asyncio.gather(hb_task, return_exceptions=True)
