@@ -116,3 +116,19 @@ async def test_a_short_wait_follower_waits_longer_once_idle_and_short_again_with
     c.messages = [message(0, request("routed", None))]
     await f.fetch()
     assert c._fetcher._fetch_max_wait_ms == 5  # type: ignore[attr-defined]
+
+
+async def test_records_passed_over_do_not_keep_a_paced_wait_short(monkeypatch: pytest.MonkeyPatch) -> None:
+    # A router following requests that the gateways decided themselves has nothing to answer fast.
+    monkeypatch.setattr(streams.kafka, "IDLE_AFTER_S", 0.0)
+    f = Follower(KafkaConnection("127.0.0.1:1", "embedded"), [(T.requests, Earliest())], on_bad=OnBad.SKIP,
+                 name="t", fetch_wait_ms=5, skip=lambda h: decided_by(h) is not None)
+    c = Consumer([message(0, request("colocated", "gw-a"))])
+    c._fetcher = Fetcher()  # type: ignore[attr-defined]
+    f._consumer = c
+    await f.fetch()
+    assert f.skipped == 1
+    assert c._fetcher._fetch_max_wait_ms == streams.kafka.IDLE_FETCH_WAIT_MS  # type: ignore[attr-defined]
+    c.messages = [message(1, request("routed", None))]
+    await f.fetch()
+    assert c._fetcher._fetch_max_wait_ms == 5  # type: ignore[attr-defined]
