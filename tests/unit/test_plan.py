@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 
 from conductor.cli import app
 from conductor.errors import ConfigError
-from conductor.harness.bench.plan import difference_points, measured_attainment
+from conductor.harness.bench.plan import difference_points, measured_attainment, ttft_split
+from conductor.harness.demo import RunStats
 from conductor.harness.plan.forecast import forecast_growth
 from conductor.harness.plan.planner import ClusterScore, Plan, PlanConfig
 from conductor.harness.plan.search import Probe, SearchLimits, find_plan
@@ -187,3 +188,15 @@ def test_probes_stopped_once_the_goal_is_out_of_reach_find_the_same_plan(load, j
     assert (found.prefill, found.decode, found.goal) == (full.prefill, full.decode, full.goal)
     assert not found.at_plan.stopped and not found.probes[0].stopped  # the plan and today's cluster: full runs
     assert any(p.stopped for p in found.probes) and all(p.slo_attainment < found.goal for p in found.probes if p.stopped)
+
+
+def test_the_measured_ttft_splits_into_real_path_time_and_emulated_engine_time():
+    stats = RunStats("kvcache-centric", speed=10.0)
+    for rid, wall, model in (("a", 2.0, 10.0), ("b", 5.0, 20.0), ("c", 0.5, 10.0)):  # c: clocks overlap
+        stats.on_client(rid, wall, 0.1)
+        stats.emulated_s[rid] = model
+    stats.on_client("no-reports", 3.0, 0.1)  # a retry under another id: no engine reports, left out
+    split = ttft_split(stats)
+    assert (split["path_p50_s"], split["engines_p50_s"]) == (1.0, 10.0)  # paths 1.0, 3.0 and 0.0
+    assert split["path_p90_s"] == pytest.approx(2.6) and split["engines_p90_s"] == pytest.approx(18.0)
+    assert ttft_split(RunStats("kvcache-centric")) == dict.fromkeys(split)
