@@ -59,3 +59,14 @@ def test_a_cluster_that_meets_the_share_runs_to_the_end_unchanged(bench):
     cut, raw = bench.run("kvcache-centric", 1.0, stop_below=0.9)
     assert raw.stopped_s is None
     assert {k: v for k, v in cut.items() if k != "sim_wall_s"} == {k: v for k, v in full.items() if k != "sim_wall_s"}
+
+
+def test_the_planner_reuses_a_stopped_run_only_for_a_question_it_answers(bench):
+    from conductor.harness.plan.planner import _Runs
+
+    runs = _Runs(bench, load_cluster(), "kvcache-centric", 16.0, None)
+    assert runs.summary(1, 1, stop_below=0.9)["stopped_early"] and runs.runs == 1
+    assert runs.summary(1, 1, stop_below=0.95)["stopped_early"] and runs.runs == 1  # below 0.9: below 0.95 too
+    lower = runs.summary(1, 1, stop_below=0.5)  # below 0.9 says nothing about 0.5: run again (this one meets it)
+    assert runs.runs == 2 and not lower["stopped_early"] and lower["slo_attainment"] >= 0.5
+    assert runs.summary(1, 1) is lower and runs.runs == 2 and runs.stopped == 1

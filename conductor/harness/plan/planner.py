@@ -190,7 +190,7 @@ class _Runs:
         key = (p, d, self.speed if speed is None else speed)
         known = self.summaries.get(key)
         if known is not None and (not known["stopped_early"]
-                                  or (stop_below is not None and stop_below <= self._stopped_below[key])):
+                                  or (stop_below is not None and stop_below >= self._stopped_below[key])):
             return known
         self.bench.cluster = self.base.with_counts(f"{p}P{d}D")
         bar, task = self.bar, self._run_task
