@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import msgpack
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from .errors import ConductorError
-from .records import BODY_TYPES, SCHEMA_VERSIONS, Envelope
+from .records import BODY_TYPES, MAX_BLOCKS, MAX_NAME, SCHEMA_VERSIONS, TIERS, BlocksRemoved, BlocksStored, Envelope
 
 CONTENT_TYPE = "application/x-conductor+msgpack"
 MAX_RECORD_BYTES = 16 * 1024 * 1024
@@ -257,6 +257,9 @@ def decode(data: bytes | bytearray | memoryview) -> Envelope:
     body.setdefault("kind", kind)
     fields["body"] = body
     fields["schema_version"] = version
+    fast = _plain_block_event(fields)
+    if fast is not None:
+        return fast
     try:
         return Envelope.model_validate(fields)
     except ValidationError as e:
@@ -265,3 +268,100 @@ def decode(data: bytes | bytearray | memoryview) -> Envelope:
         raise DecodeError("invalid", f"{kind}: {where}: {first.get('msg')}"[:500]) from None
     except Exception as e:  # noqa: BLE001 - e.g. RecursionError on absurd nesting; decode raises DecodeError only
         raise DecodeError("invalid", f"{kind}: {type(e).__name__}") from None
+
+
+# --- the block events' fast path -----------------------------------------------------------
+#
+# Nearly every record of kv-events is a plain ``blocks_stored`` or ``blocks_removed``: a list of
+# block keys, maybe a tier (and a stored event's default block size and no extra keys). Validating its ~100 keys one by one through pydantic was most of
+# the stream worker's decode. Such a record is checked here with a few C-level passes and built
+# without validation; everything else, and anything this check is not sure of, goes through
+# ``Envelope.model_validate``. The fast path only ever accepts, and only what validation
+# accepts, as the same model (tests/unit/test_codec_fast_path.py): every refusal, with its
+# reason, still comes from validation.
+
+_U64_MAX = 2**64 - 1
+_M = TypeVar("_M", bound=BaseModel)
+_PLAIN_BODY_FIELDS = {
+    "blocks_stored": frozenset({"kind", "block_keys", "tier", "block_size", "extra_keys"}),
+    "blocks_removed": frozenset({"kind", "block_keys", "tier", "node"}),
+}
+_PLAIN_MODELS: dict[str, type[BlocksStored | BlocksRemoved]] = {
+    "blocks_stored": BlocksStored, "blocks_removed": BlocksRemoved,
+}
+_ENVELOPE_INTS = ("schema_version", "producer_seq", "ts_ms")
+
+
+def _plain_block_event(fields: dict[str, Any]) -> Envelope | None:
+    """``fields`` (an envelope's, its body upcast and kind set) as the :class:`Envelope` that
+    validation would build, when it is a plain block event at the current version whose every
+    value has the exact type and range validation wants; ``None`` when unsure."""
+    body = fields["body"]
+    kind = body["kind"]
+    allowed = _PLAIN_BODY_FIELDS.get(kind)
+    if allowed is None or fields["schema_name"] != kind or not allowed.issuperset(body):
+        return None
+    keys = body.get("block_keys")
+    if type(keys) is not list or len(keys) > MAX_BLOCKS:
+        return None
+    if keys and (set(map(type, keys)) != {int} or min(keys) < 0 or max(keys) > _U64_MAX):
+        return None
+    tier = body.get("tier", "hbm")
+    if type(tier) is not str or tier not in TIERS:
+        return None
+    node = body.get("node")
+    if node is not None and (type(node) is not str or len(node) > MAX_NAME):
+        return None
+    block_size = body.get("block_size", 16)  # (what encode writes of every blocks_stored: its defaults)
+    if type(block_size) is not int or not 1 <= block_size <= 4096 or body.get("extra_keys", []) != []:
+        return None
+    for name in _ENVELOPE_INTS:
+        v = fields.get(name)
+        if type(v) is not int or v < 0:
+            return None
+    epoch = fields.get("epoch", 0)  # the one envelope number with a default
+    if type(epoch) is not int or epoch < 0:
+        return None
+    if fields["schema_version"] > 1000:
+        return None
+    event_id, producer = fields.get("event_id"), fields.get("producer_id")
+    if type(event_id) is not str or not 0 < len(event_id) <= 64:
+        return None
+    if type(producer) is not str or not 0 < len(producer) <= MAX_NAME:
+        return None
+    return _build_envelope({**fields, "body": _BUILDERS[kind](body)})
+
+
+def _builder(cls: type[_M]) -> Callable[[dict[str, Any]], _M]:
+    """``cls.model_construct(**values)`` for a model of plain fields (no alias, no post-init),
+    with its immutable defaults looked up once instead of per record."""
+    fields = cls.__pydantic_fields__
+    assert not cls.__pydantic_post_init__
+    assert all(f.alias is None and f.validation_alias is None for f in fields.values())
+    order = tuple(fields)
+    fixed = {n: f.default for n, f in fields.items()
+             if not f.is_required() and f.default_factory is None and type(f.default) in (type(None), bool, int, str)}
+    made = {n: f for n, f in fields.items() if not f.is_required() and n not in fixed}
+    setattr_ = object.__setattr__
+
+    def build(values: dict[str, Any]) -> _M:
+        d: dict[str, Any] = {}
+        for n in order:
+            if n in values:
+                d[n] = values[n]
+            elif n in fixed:
+                d[n] = fixed[n]
+            else:
+                d[n] = made[n].get_default(call_default_factory=True, validated_data=d)
+        m = object.__new__(cls)
+        setattr_(m, "__dict__", d)
+        setattr_(m, "__pydantic_fields_set__", set(values))
+        setattr_(m, "__pydantic_extra__", None)
+        setattr_(m, "__pydantic_private__", None)
+        return m
+
+    return build
+
+
+_BUILDERS = {kind: _builder(cls) for kind, cls in _PLAIN_MODELS.items()}
+_build_envelope = _builder(Envelope)

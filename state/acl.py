@@ -22,7 +22,7 @@ SCRIPTS = ("evalsha", "script|load")
 READS = ("time", "get", "mget", "exists", "hget", "hgetall", "hmget", "hlen", "smembers", "sismember", "zcard",
          "zrangebyscore", "xrange", "xread", "scan", "multi", "exec")
 """Snapshots (one MULTI/EXEC), the node hash, the reservations stream, compaction's and clear's SCAN."""
-WRITES = ("set", "setrange", "append", "del", "unlink", "incr", "hset", "hdel", "hincrby", "sadd", "srem", "zadd",
+WRITES = ("set", "mset", "setrange", "append", "del", "unlink", "incr", "hset", "hdel", "hincrby", "sadd", "srem", "zadd",
           "zpopmin", "xadd")
 """The apply, compact, free, generation and rebuild scripts; reservations; the decision index; clear."""
 MONITORING = ("info",)

@@ -49,6 +49,8 @@ from array import array
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from schemas import TIERS
 
 from .fold import NodeStream
@@ -319,6 +321,18 @@ class ViewKeys:
     def blocks(self, chain: Sequence[int]) -> list[bytes]:
         pre = self.block_prefix
         return [pre + k.to_bytes(8, "big") for k in chain]  # 8 = BLOCK_KEY_BYTES (a literal: the hot loop)
+
+    def blocks_resp(self, keys: Sequence[int]) -> bytes:
+        """:meth:`blocks` of ``keys`` as RESP bulk strings back to back (``$<len>\\r\\n<key>\\r\\n``
+        each): the bytes a command naming them carries for them, built in one numpy pass (a
+        view write names every block key it touches: ~100k a second)."""
+        head = b"$%d\r\n" % (len(self.block_prefix) + BLOCK_KEY_BYTES) + self.block_prefix
+        row = np.frombuffer(head + bytes(BLOCK_KEY_BYTES) + b"\r\n", dtype=np.uint8)
+        out = np.empty((len(keys), len(row)), dtype=np.uint8)
+        out[:] = row
+        numbers = np.array(keys, dtype=">u8").view(np.uint8).reshape(-1, BLOCK_KEY_BYTES)
+        out[:, len(head):len(head) + BLOCK_KEY_BYTES] = numbers
+        return out.tobytes()
 
     def block_of(self, key: bytes) -> int | None:
         """The block key a Redis key stores, or None for a key that is not a block key."""

@@ -220,7 +220,10 @@ class Ingestor:
     def _skew(self, env: Envelope, skew_ms: int) -> None:
         """Record a producer's clock skew (its stamp minus the Kafka record's timestamp)."""
         self.clock_skew_ms[env.producer_id] = skew_ms
-        if self.metrics is not None:
+        # A histogram takes no negative value (the SDK drops it and logs a warning, per record:
+        # that was a tenth of the worker's CPU). A clock behind is the normal case (the producer
+        # stamps before it sends), and only a clock ahead is a fault; it is what the histogram shows.
+        if self.metrics is not None and skew_ms > 0:
             self.metrics.skew.record(skew_ms, {"producer": env.producer_id})
 
     def _count(self, res: BatchResult, env: Envelope, f: Folded, outcome: Outcome, now: float) -> None:

@@ -121,71 +121,73 @@ for gi = 1, #groups do
         if s then
           local bit = 2 ^ tier
           local hi, lo = math.floor(s / 32), (s % 32) * 8
+          local entry = string.char(lo + bit, hi)
           local delta = 0
-          if code == 1 then
-            -- Most added blocks are new keys: APPEND first (one call; its reply, 2, says the key
-            -- was new). A block held already (a shared prefix) is read first from then on, until
-            -- a block is new again, and rewritten whole with SET: APPEND grows a string with
-            -- room to spare (up to twice its length), SET stores it at its size.
-            local entry = string.char(lo + bit, hi)
-            local fresh = true
-            for i = first, last do
+          -- Per piece of at most 4000 keys (unpack() takes at most ~8000 values): one MGET of the
+          -- values, the new ones worked out here, one MSET of those that change and one DEL of
+          -- those left without holders (a call per key cost more than the work it did). sets
+          -- holds key, value, key, value...; a key named twice sees its own earlier change (at).
+          for p = first, last, 4000 do
+            local q = math.min(p + 3999, last)
+            local vals = redis.call('MGET', unpack(KEYS, p, q))
+            local sets, at, n, emptied = {}, {}, 0, false
+            for i = p, q do
               local k = KEYS[i]
-              if fresh then
-                local n = redis.call('APPEND', k, entry)
-                if n == 2 then
+              local j = at[k]
+              local v
+              if j then v = sets[j] else v = vals[i - p + 1] end
+              local nv = nil
+              if code == 1 then
+                if not v or v == '' then
+                  nv = entry
                   delta = delta + 1
                 else
-                  fresh = false
-                  local v = redis.call('GET', k)
-                  local at, t = find(v, n - 2, hi, lo)
-                  if not at then
-                    delta = delta + 1
-                  else  -- held already: take the appended entry back, merge the tier
-                    v = string.sub(v, 1, n - 2)
-                    if not has(t, bit) then
-                      v = string.sub(v, 1, at - 1) .. string.char(lo + t + bit, hi) .. string.sub(v, at + 2)
-                      delta = delta + 1
-                    end
-                  end
-                  redis.call('SET', k, v)
-                end
-              else
-                local v = redis.call('GET', k)
-                if not v then
-                  redis.call('SET', k, entry)
-                  delta = delta + 1
-                  fresh = true
-                else
-                  local at, t = find(v, #v, hi, lo)
-                  if not at then
-                    redis.call('SET', k, v .. entry)
+                  local e, t = find(v, #v, hi, lo)
+                  if not e then
+                    nv = v .. entry
                     delta = delta + 1
                   elseif not has(t, bit) then
-                    redis.call('SETRANGE', k, at - 1, string.char(lo + t + bit))
+                    nv = string.sub(v, 1, e - 1) .. string.char(lo + t + bit, hi) .. string.sub(v, e + 2)
                     delta = delta + 1
                   end
                 end
-              end
-            end
-          else
-            for i = first, last do
-              local k = KEYS[i]
-              local v = redis.call('GET', k)
-              if v then
-                local at, t = find(v, #v, hi, lo)
-                if at and has(t, bit) then
+              elseif v and v ~= '' then
+                local e, t = find(v, #v, hi, lo)
+                if e and has(t, bit) then
                   delta = delta - 1
                   if t ~= bit then
-                    redis.call('SETRANGE', k, at - 1, string.char(lo + t - bit))
-                  elseif #v == 2 then
-                    redis.call('DEL', k)
+                    nv = string.sub(v, 1, e - 1) .. string.char(lo + t - bit, hi) .. string.sub(v, e + 2)
                   else
-                    redis.call('SET', k, string.sub(v, 1, at - 1) .. string.sub(v, at + 2))
+                    nv = string.sub(v, 1, e - 1) .. string.sub(v, e + 2)
+                    if nv == '' then emptied = true end
                   end
                 end
               end
+              if nv then
+                if j then
+                  sets[j] = nv
+                else
+                  sets[n + 1] = k
+                  sets[n + 2] = nv
+                  n = n + 2
+                  at[k] = n
+                end
+              end
             end
+            if emptied then  -- the last holder left: the key goes
+              local kept, dels = {}, {}
+              for j = 1, n, 2 do
+                if sets[j + 1] == '' then
+                  dels[#dels + 1] = sets[j]
+                else
+                  kept[#kept + 1] = sets[j]
+                  kept[#kept + 1] = sets[j + 1]
+                end
+              end
+              sets, n = kept, #kept
+              if #dels > 0 then redis.call('DEL', unpack(dels)) end
+            end
+            for j = 1, n, 4000 do redis.call('MSET', unpack(sets, j, math.min(j + 3999, n))) end
           end
           if delta ~= 0 then redis.call('HINCRBY', nodes, node .. SEP .. 'b' .. tier, delta) end
         end

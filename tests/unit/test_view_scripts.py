@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import re
 
+from hiredis import pack_command
+
 from state.fold import AddBlocks, ClearNode, RemoveBlocks, SetHeartbeat
 from state.keys import ViewKeys
 from state.redis_view import _APPLY_LUA, _COMPACT_LUA, _FREE_LUA, _GENERATION_LUA, _REBUILD_LUA, encode_ops, script_call
@@ -14,7 +16,11 @@ def test_block_operations_point_at_their_declared_keys():
     keys = ViewKeys("cv")
     ops = encode_ops([AddBlocks("a", 0, (1, 2, 3)), SetHeartbeat("a", {"role": "prefill"}), ClearNode("b"),
                       RemoveBlocks("c", 2, (2**64 - 1,))])
-    declared, groups = script_call(keys, [["kv:0", 5, ops, [], 4], ["", 0, encode_ops([AddBlocks("d", 1, (7,))]), [], -2]])
+    call, groups = script_call(keys, [["kv:0", 5, ops, [], 4], ["", 0, encode_ops([AddBlocks("d", 1, (7,))]), [], -2]])
+    declared = call.names()
+    assert len(call) == len(declared) == 9 + 5
+    # What the store sends for the block keys is what packing their names one by one would send.
+    assert pack_command(("EVALSHA", *declared)).endswith(call.resp().resp)
     fixed = [keys.generation, keys.nodes, keys.watermark, keys.slots, keys.meta, keys.free, keys.retired,
              keys.version, keys.changes]
     assert declared[:9] == fixed
@@ -39,5 +45,10 @@ def test_no_script_builds_a_key_name():
             cmd, first = call
             if cmd in ("TIME",):
                 continue
-            assert first.startswith("KEYS[") or first in ("nodes", "wmkey", "slotkey", "metakey", "freekey",
-                                                          "retiredkey", "k"), (cmd, first)
+            assert first.startswith("KEYS[") or first in (
+                "nodes", "wmkey", "slotkey", "metakey", "freekey", "retiredkey", "k", "unpack(KEYS", "unpack(sets", "unpack(dels"), (cmd, first)
+    # The apply script's batched writes name only keys it read from KEYS (``k``, kept as they came).
+    code = re.sub(r"--[^\n]*", "", _APPLY_LUA)
+    assert re.findall(r"sets\[n \+ 1\] = (\w+)", code) == ["k"]
+    assert re.findall(r"dels\[#dels \+ 1\] = ([^\n]+)", code) == ["sets[j]"]
+    assert re.findall(r"local k = ([^\n]+)", code) == ["KEYS[i]"]
