@@ -124,9 +124,9 @@ BenchEppConcurrency = Annotated[int, typer.Option(min=1, help="requests in fligh
 BenchEppRouting = Annotated[str, typer.Option("--routing", help="how both the picker and the gateway decide: "
     "colocated (each in its own process) or log (through the routers)")]
 
-BenchEppWorkers = Annotated[int, typer.Option("--epp-workers", min=1, max=64, help="the picker's --workers; above 1, "
-    "each of the --concurrency clients opens a connection of its own (as Envoy's worker threads do), which the "
-    "kernel spreads over the workers")]
+BenchEppWorkers = Annotated[int, typer.Option("--epp-workers", min=1, max=64, help="the picker's --workers (each "
+    "of the --concurrency clients has a gRPC connection of its own, as Envoy's worker threads do, which the kernel "
+    "spreads over the workers)")]
 
 
 def bench_epp(

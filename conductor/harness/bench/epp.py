@@ -78,8 +78,8 @@ def run_epp_bench(settings: Settings, *, requests: int = 200, concurrency: int =
                   routing: str = "colocated", workers: int = 1) -> dict[str, Any]:
     """Run the bench (starting the embedded broker and Redis when no URLs are set); one result dict.
     ``routing``: how both the picker and the gateway decide (``colocated`` or ``log``); ``workers``:
-    the picker's ``--workers`` (each concurrent client then has a connection of its own, as Envoy's
-    worker threads do, so the kernel spreads them over the workers)."""
+    the picker's ``--workers``. Each concurrent client has a gRPC connection of its own, as each of
+    Envoy's worker threads does (the kernel spreads connections over the workers)."""
     with with_servers(settings) as s, TemporaryDirectory(prefix="conductor-bench-epp-") as tmp:
         return asyncio.run(_bench(s, Path(tmp), requests, concurrency, routing, workers))
 
@@ -95,7 +95,9 @@ async def _bench(settings: Settings, tmp: Path, requests: int, concurrency: int,
                           gateway_args=["--routing", routing]) as c, \
             httpx.AsyncClient(timeout=60, headers=c.auth_headers) as client:
         gw = c.gateway_url + "/v1/completions"
-        envoys = [c.envoy(own_connection=workers > 1) for _ in range(concurrency if workers > 1 else 1)]
+        # A connection per concurrent client, as each of Envoy's worker threads has its own (and what
+        # spreads them over --workers); one client: one connection.
+        envoys = [c.envoy(own_connection=concurrency > 1) for _ in range(concurrency)]
 
         inside: list[float] = []
 
