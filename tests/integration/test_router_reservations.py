@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
 import redis.asyncio as aioredis
@@ -19,7 +19,7 @@ async def store(request: pytest.FixtureRequest, settings: Settings) -> AsyncIter
     if request.param == "memory":
         yield InMemoryReservations(TTL_S)
         return
-    client = aioredis.from_url(settings.redis_url)
+    client = aioredis.from_url(redis_url(settings))
     s = RedisReservations(client, settings.view_namespace, TTL_S, producer_id="r1")
     await s.start(10_000)
     try:
@@ -30,6 +30,11 @@ async def store(request: pytest.FixtureRequest, settings: Settings) -> AsyncIter
         await client.aclose()
 
 
+def redis_url(settings: Settings) -> str:
+    assert settings.redis_url is not None  # (the test session's Redis)
+    return settings.redis_url
+
+
 def R(node: str, *amounts: int) -> list[Reservation]:
     return [Reservation(node, Load(*amounts))]
 
@@ -37,7 +42,7 @@ def R(node: str, *amounts: int) -> list[Reservation]:
 pytestmark = pytest.mark.integration
 
 
-async def test_pending_counts_what_came_after_the_heartbeat(store) -> None:
+async def test_pending_counts_what_came_after_the_heartbeat(store: RedisReservations | InMemoryReservations) -> None:
     await store.reserve(R("p0", 100, 1), 10_000)
     await store.reserve(R("p0", 50, 1), 10_300)
     await store.reserve(R("d0", 0, 0, 1, 2048, 9), 10_300)
@@ -47,7 +52,7 @@ async def test_pending_counts_what_came_after_the_heartbeat(store) -> None:
     assert await store.pending({"p0": 10_300, "x": 0}, 10_400) == {}
 
 
-async def test_ttl_releases_unreported_reservations(store) -> None:
+async def test_ttl_releases_unreported_reservations(store: RedisReservations | InMemoryReservations) -> None:
     await store.reserve(R("p0", 100, 1), 10_000)
     await store.reserve(R("p0", 7, 1), 10_800)
     assert await store.pending({"p0": 0}, 10_900) == {"p0": Load(107, 2)}
@@ -55,7 +60,7 @@ async def test_ttl_releases_unreported_reservations(store) -> None:
     assert await store.pending({"p0": 0}, 12_000) == {}
 
 
-async def test_old_checkpoints_are_pruned_without_losing_the_baseline(store) -> None:
+async def test_old_checkpoints_are_pruned_without_losing_the_baseline(store: RedisReservations | InMemoryReservations) -> None:
     for k in range(10):  # 0.5 s apart: all but the last few fall out of 2 x ttl
         await store.reserve(R("p0", 10, 1), 10_000 + 500 * k)
     now = 10_000 + 500 * 9
@@ -64,7 +69,7 @@ async def test_old_checkpoints_are_pruned_without_losing_the_baseline(store) -> 
 
 
 async def test_redis_reservations_are_shared_between_replicas(settings: Settings) -> None:
-    clients = [aioredis.from_url(settings.redis_url) for _ in range(3)]
+    clients = [aioredis.from_url(redis_url(settings)) for _ in range(3)]
     a = RedisReservations(clients[0], settings.view_namespace, TTL_S, producer_id="a", flush_after_s=0.005)
     b = RedisReservations(clients[1], settings.view_namespace, TTL_S, producer_id="b")
     try:
@@ -92,7 +97,7 @@ async def test_redis_reservations_are_shared_between_replicas(settings: Settings
             await cl.aclose()
 
 
-async def _until(cond, timeout_s: float = 5.0) -> None:
+async def _until(cond: Callable[[], bool], timeout_s: float = 5.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout_s
     while not cond():
         assert asyncio.get_running_loop().time() < deadline, "timed out"
@@ -114,7 +119,7 @@ async def test_close_is_bounded_while_following_and_when_redis_is_gone(settings:
     stopped answering all give way within the close timeout (issue: ``bench route`` hung in close)."""
     loop = asyncio.get_running_loop()
     for i in range(20):
-        client = aioredis.from_url(settings.redis_url)
+        client = aioredis.from_url(redis_url(settings))
         s = RedisReservations(client, settings.view_namespace, TTL_S, producer_id=f"r{i}", block_ms=100)
         await s.start(10_000)
         await s.reserve(R("p0", 10, 1), 10_000 + i)
@@ -146,8 +151,7 @@ async def test_an_idle_follower_blocks_long_yet_closes_at_once(settings: Setting
     from state.shared_log import RedisPendingBlocks
 
     loop = asyncio.get_running_loop()
-    assert settings.redis_url is not None  # (the test session's Redis)
-    client = aioredis.from_url(settings.redis_url)
+    client = aioredis.from_url(redis_url(settings))
     ns = f"{settings.view_namespace}-wake"
     try:
         reservations = [RedisReservations(client, ns, TTL_S, producer_id=p) for p in ("a", "b")]
