@@ -221,6 +221,7 @@ class LocalRouter:
             # pending blocks end now, not a lease later; nobody will report on this decision.
             if isinstance(out, RoutingDecision):
                 self.on_finish(out, self.router.clock(), failed=True)
+                await asyncio.shield(self.router.unreserve(req, out))
             raise
         return out
 

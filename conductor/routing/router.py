@@ -61,7 +61,7 @@ from schemas import (
 from schemas.records import MAX_BLOCKS
 from state.inflight import InflightLedger
 from state.pending import PendingStore
-from state.reservations import InMemoryReservations, Load, ReservationStore
+from state.reservations import InMemoryReservations, Load, Reservation, ReservationStore
 from state.view import ViewReader, ViewSnapshot
 
 log = logging.getLogger(__name__)
@@ -641,6 +641,19 @@ class Router:
             await self.reservations.reserve(decision_reservations(req, d, self.settings.block_size), now_ms)
         except (ViewStoreError, OSError) as e:
             log.warning("reservation not recorded for %s: %s", req.request_id, e)
+
+    async def unreserve(self, req: RoutingRequest, d: RoutingDecision) -> None:
+        """Take back the reservation of a decision that will not be served (the log did not take
+        it): the same amounts negated, at the same time as the reservation, so that every window
+        that counts the one counts the other, on this router and on every replica that follows."""
+        if self.own is not None or d.view_now_ms is None:
+            return  # an own-load ledger charged it instead (released by decision_time.end)
+        back = [Reservation(r.node, Load(*(-a for a in r.load.as_tuple())))
+                for r in decision_reservations(req, d, self.settings.block_size)]
+        try:
+            await self.reservations.reserve(back, d.view_now_ms)
+        except (ViewStoreError, OSError) as e:
+            log.warning("reservation of %s not taken back: %s", req.request_id, e)
 
     def reject(self, request_id: str, reason: RejectReason, message: str, *, seed: int = 0,
                watermark: dict[str, int] | None = None) -> RoutingRejection:

@@ -284,3 +284,32 @@ def test_a_pending_prefix_is_copied_only_after_its_holder_is_ready(ready_s: floa
         assert got == plain  # waiting does not pay: only what the view confirms is copied
     assert floor <= got.cost_s  # the index walk's lower bound stays a lower bound
     assert (ready_s == 100.0) == (got == plain)
+
+
+async def test_a_decision_the_log_did_not_take_gives_its_reservation_back() -> None:
+    """Without an own-load ledger a decision reserves its load (shared with every replica); a
+    decision the broker refused is never served, so the reservation is taken back at once rather
+    than counted until the instances' next heartbeats."""
+    settings = load_settings(block_size=BS, policy="kvcache-centric", seed=7)
+    view = InMemoryViewStore()
+    reservations = InMemoryReservations(settings.reservation_ttl_s)
+    router = Router(settings, view, reservations)
+    heartbeat(view, "p0")
+    heartbeat(view, "d0", "decode")
+    local = LocalRouter(settings, producer_id="gw-1", router=router)
+    local._started = True
+
+    served = await local._decide(gw_request("r0", PROMPT), None)  # served: keeps its reservation
+    assert isinstance(served, RoutingDecision) and served.view_now_ms is not None
+    since = {"p0": 0, "d0": 0}
+    kept = reservations.pending_sync(since, served.view_now_ms)
+    assert kept["p0"].prefill_requests == 1 and kept["d0"].decode_requests == 1
+
+    async def refuse(req: RoutingRequest, out: object) -> None:
+        raise LogUnavailable("the broker did not take it")
+
+    local._log = refuse  # type: ignore[method-assign]
+    with pytest.raises(LogUnavailable):
+        await local.decide(gw_request("r1", PROMPT[: 8 * BS]))
+    after = reservations.pending_sync(since, served.view_now_ms + 1)
+    assert after == kept  # r1's reservation is gone, r0's stays
