@@ -227,12 +227,16 @@ class RedisViewStore:
         they all share the namespace's slot)."""
         if not isinstance(self.client, RedisCluster):
             return await script(keys=keys, args=args)
-        target = await self._target()
+        return await self._evalsha(script, len(keys), [*keys, *args], await self._target())
+
+    async def _evalsha(self, script: AsyncScript, nkeys: int, keys_and_args: Sequence[Any],
+                       target: dict[str, Any]) -> Any:
+        """``EVALSHA`` of ``script``, loading it first where the server does not have it yet."""
         try:
-            return await self.client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args, **target)
+            return await self.client.execute_command("EVALSHA", script.sha, nkeys, *keys_and_args, **target)
         except NoScriptError:
             await self.client.execute_command("SCRIPT LOAD", script.script, **target)
-            return await self.client.execute_command("EVALSHA", script.sha, len(keys), *keys, *args, **target)
+            return await self.client.execute_command("EVALSHA", script.sha, nkeys, *keys_and_args, **target)
 
     async def _apply_script(self, declared: ScriptKeys, args: Sequence[Any]) -> Any:
         """The apply script over ``declared``: on one server through :class:`_ViewConnection`
@@ -240,12 +244,7 @@ class RedisViewStore:
         pool = getattr(self.client, "connection_pool", None)
         if self.cluster or pool is None or not issubclass(pool.connection_class, _ViewConnection):
             return await self._eval(self._script, declared.names(), args)
-        call = ("EVALSHA", self._script.sha, len(declared), *declared.fixed, declared.resp(), *args)
-        try:
-            return await self.client.execute_command(*call)
-        except NoScriptError:
-            await self.client.script_load(self._script.script)
-            return await self.client.execute_command(*call)
+        return await self._evalsha(self._script, len(declared), [*declared.fixed, declared.resp(), *args], {})
 
     async def _scan(self, pattern: str, count: int = 2000) -> AsyncIterator[list[bytes]]:
         async for keys in _scan_batches(self.client, pattern, count, **await self._target()):

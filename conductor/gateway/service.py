@@ -115,9 +115,9 @@ class Gateway:
         self.log_health = LogHealth(config.log_failures_to_trip)
         """Colocated: unacknowledged decisions in a row; tripped, the gateway is unready (:meth:`problem`)."""
         self.draining = False
+        """Stopping (:meth:`drain`): new requests 503 ``draining``, the ones in flight finish."""
         self._open: set[str] = set()
         """The request ids in flight, from arrival to outcome (a second one under the same id is 409)."""
-        """Stopping (:meth:`drain`): new requests 503 ``draining``, the ones in flight finish."""
         self._seq = seq if seq is not None else itertools.count(1)
         self._reachable = sorted(config.engines)
         """What the router may name besides the engines that announce an endpoint."""
