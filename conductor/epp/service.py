@@ -58,6 +58,7 @@ from conductor.frontdoor.protocol import (
     SloBounds,
     default_bounds,
     error_body,
+    outcome_decision_fields,
     parse_body,
     parse_slo,
     request_id,
@@ -182,10 +183,7 @@ class Picker:
         self.outcomes(RequestOutcome(
             request_id=decision.request_id, gateway=self.config.epp_id, status=status, error=why,
             message=f"the picker's answer was not delivered: {why}", attempts=[decision.request_id],
-            prefill_instance=decision.prefill_instance, decode_instance=decision.decode_instance,
-            predicted_ttft_s=decision.predicted_ttft_s, predicted_tbt_ms=decision.predicted_tbt_ms,
-            reused_tokens=decision.reused_tokens, mode=decision.mode, control_offset=decision.control_offset,
-            finished_view_ms=at_view_ms))
+            **outcome_decision_fields(decision), finished_view_ms=at_view_ms))
 
     def _abandon_when_made(self, task: asyncio.Future[Any], why: str, status: int) -> None:
         """Once ``task`` (a decision no one waits for now) ends, :meth:`abandon` what it decided."""

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 from pydantic import ValidationError
 
 from conductor.errors import ConfigError
-from schemas import MmItem, RoutingRequest
+from schemas import MmItem, RoutingDecision, RoutingRequest
 from schemas.records import MAX_EXTRA_KEYS, MAX_NAME
 
 TTFT_HEADER = "x-conductor-ttft-slo-ms"
@@ -398,3 +398,14 @@ def routing_request(request_id: str, creq: ClientRequest, slo: Slo, prompt: Prom
     except ValidationError as e:
         first = e.errors()[0]
         raise BadRequest("prompt", f"{first.get('loc')}: {first.get('msg')}") from None
+
+
+def outcome_decision_fields(d: RoutingDecision | None) -> dict[str, Any]:
+    """What a ``request_outcome`` repeats of the request's decision (each None without one): the
+    gateway's outcomes and the picker's for a decision it did not deliver."""
+    return {
+        "prefill_instance": d.prefill_instance if d else None, "decode_instance": d.decode_instance if d else None,
+        "predicted_ttft_s": d.predicted_ttft_s if d else None, "predicted_tbt_ms": d.predicted_tbt_ms if d else None,
+        "reused_tokens": d.reused_tokens if d else None, "mode": d.mode if d else None,
+        "control_offset": d.control_offset if d else None,
+    }

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from conductor.frontdoor.protocol import outcome_decision_fields
 from conductor.stats import percentile
 from schemas import RequestOutcome, RoutingDecision
 
@@ -53,18 +54,15 @@ def outcome_of(tr: Trace, gateway_id: str, now: float) -> RequestOutcome:
     return RequestOutcome(
         request_id=tr.request_id, gateway=gateway_id, status=tr.status, error=tr.error,
         message=tr.message[:4096], attempts=tr.attempts[:16],
-        prefill_instance=d.prefill_instance if d else None, decode_instance=d.decode_instance if d else None,
-        excluded=tr.excluded[:64], prompt_tokens=tr.prompt_tokens, cached_tokens=min(tr.cached_tokens, tr.prompt_tokens),
-        output_tokens=tr.output_tokens, predicted_ttft_s=d.predicted_ttft_s if d else None,
-        predicted_tbt_ms=d.predicted_tbt_ms if d else None, ttft_s=tr.ttft_s,
+        **outcome_decision_fields(d), excluded=tr.excluded[:64], prompt_tokens=tr.prompt_tokens,
+        cached_tokens=min(tr.cached_tokens, tr.prompt_tokens),
+        output_tokens=tr.output_tokens, ttft_s=tr.ttft_s,
         tbt_p50_ms=percentile(tr.gaps_ms, 50), tbt_p99_ms=percentile(tr.gaps_ms, 99),
         routing_ms=tr.routing_ms or None, total_s=max(0.0, now - tr.t0), stream=tr.stream,
         model=tr.model, decided_s=tr.decided_s if d else None,
         prefill_s=tr.prefill_s if d and not d.aggregated and tr.prefill_s else None,
         decode_ttft_s=(tr.t0 + tr.ttft_s - tr.decode_sent
                        if tr.ttft_s is not None and tr.decode_sent is not None else None),
-        reused_tokens=d.reused_tokens if d else None, mode=d.mode if d else None,
-        control_offset=d.control_offset if d else None,
         first_token_view_ms=tr.first_token_view_ms if d else None,
         finished_view_ms=tr.finished_view_ms if d else None,
     )
