@@ -104,8 +104,16 @@ def _decision_time_v5(body: dict[str, Any]) -> dict[str, Any]:
 @upcaster("routing_request", 4)
 @upcaster("routing_decision", 5)
 def _sessions(body: dict[str, Any]) -> dict[str, Any]:
-    # Request v5 (session) and decision v6 (session_instance) added optional fields: absent = a
-    # request of no session, decided without one.
+    # Request v5 (session) and decision v6 (session_instance, written by some v5 producers too;
+    # event, event_producer, seen_pending, seen_inflight) added optional fields: absent = a request
+    # of no session, decided without one, by a router whose cut of the shared streams is unknown.
+    return body
+
+
+@upcaster("request_outcome", 3)
+def _outcome_v4(body: dict[str, Any]) -> dict[str, Any]:
+    # v4 added release_producer, first_token_event, finished_event: absent = releases ``explain``
+    # applies by their time alone.
     return body
 
 

@@ -30,6 +30,7 @@ offset to fetch the rest): a dead letter always fits the topic's 1 MB message li
 MAX_KEY_BYTES = 1024
 """At most this much of a bad record's Kafka key rides in its dead letter (``key_size`` says the rest)."""
 MAX_GROUP = 64  # prefill instances in one chunked-pipeline (CPP) group
+MAX_SEEN = 1024  # producers named in a decision's cut of the shared decision-time streams
 
 U64 = Annotated[int, Field(ge=0, le=2**64 - 1)]
 Name = Annotated[str, StringConstraints(min_length=1, max_length=MAX_NAME)]
@@ -325,6 +326,17 @@ class RoutingDecision(Record):
     session_instance: OptName = None
     """The prefill instance that served the request's session last, as the router knew it when
     deciding (it counts as a holder in the stay rule; ``explain`` decides again with it)."""
+    # also v6: what the decision-time records held when it was made (state.shared_log)
+    event: int | None = Field(default=None, ge=0)
+    """This decision's number among its router's shared operations (its pending blocks and its
+    charge), under ``event_producer``; None: the router shares none."""
+    event_producer: OptName = None
+    """Whose numbering ``event`` is (the deciding process's id on the shared streams)."""
+    seen_pending: Annotated[dict[Name, int], Field(max_length=MAX_SEEN)] | None = None
+    """Per producer, the last event whose pending-block operations the router had applied when
+    deciding (a producer not named: none of its); None: not recorded (``explain`` goes by time)."""
+    seen_inflight: Annotated[dict[Name, int], Field(max_length=MAX_SEEN)] | None = None
+    """The same for the in-flight ledger's operations (charges, first tokens, ends)."""
 
     @property
     def aggregated(self) -> bool:
@@ -470,6 +482,13 @@ class RequestOutcome(Record):
     finished_view_ms: int | None = Field(default=None, ge=0)
     """When the request ended (served, failed or cancelled) on the view's clock: its in-flight
     work ends here, and a failed request's pending blocks too."""
+    # v4: which shared operations were those releases (state.shared_log's numbering)
+    release_producer: OptName = None
+    """Who shared the releases below (the door's id on the shared streams; a colocated gateway's own)."""
+    first_token_event: int | None = Field(default=None, ge=0)
+    """The first token's release, by number under ``release_producer`` (None: not shared)."""
+    finished_event: int | None = Field(default=None, ge=0)
+    """The end's release (its in-flight end and, failed, its pending blocks' release)."""
 
 
 # --- KV balance commands (topics kv-commands and kv-command-results) -----------
@@ -688,12 +707,12 @@ BODY_TYPES: dict[str, type[Record]] = {t.model_fields["kind"].default: t for t i
 SCHEMA_VERSIONS: dict[str, int] = {kind: 1 for kind in BODY_TYPES}
 SCHEMA_VERSIONS["heartbeat"] = 4  # v2 added decode_context_tokens and zone; v3 endpoint, dp_rank, bootstrap_port, kv_transfer; v4 kv_events
 SCHEMA_VERSIONS["routing_request"] = 5  # v2 added cache_salt, exclude and retry_of; v3 reachable; v4 decided_by; v5 session
-SCHEMA_VERSIONS["routing_decision"] = 5  # v2 added control_offset, block_size, model_profile, prefill_group, chunk_boundaries; v3 mode, options, endpoints; v4 decided_by, ordinal; v5 pending_ttl_ms, inflight_lease_ms, queued_tokens_ahead, left_holder; v6 session_instance
+SCHEMA_VERSIONS["routing_decision"] = 6  # v2 added control_offset, block_size, model_profile, prefill_group, chunk_boundaries; v3 mode, options, endpoints; v4 decided_by, ordinal; v5 pending_ttl_ms, inflight_lease_ms, queued_tokens_ahead, left_holder; v6 session_instance (some v5 records have it), event, event_producer, seen_pending, seen_inflight
 SCHEMA_VERSIONS["routing_rejection"] = 2  # v2 added control_offset, block_size, model_profile
 SCHEMA_VERSIONS["kv_command"] = 3  # v2 added command_id (required), deadline_ms, token_ids, block_size; v3 by_node
 SCHEMA_VERSIONS["blocks_removed"] = 2  # v2 added node (a shared pool's blocks removed by another producer)
 SCHEMA_VERSIONS["dead_letter"] = 2  # v2 added original_size, original_sha256, key and key_size
-SCHEMA_VERSIONS["request_outcome"] = 3  # v2 added model, decided_s, prefill_s, decode_ttft_s, reused_tokens, mode, control_offset; v3 first_token_view_ms, finished_view_ms
+SCHEMA_VERSIONS["request_outcome"] = 4  # v2 added model, decided_s, prefill_s, decode_ttft_s, reused_tokens, mode, control_offset; v3 first_token_view_ms, finished_view_ms; v4 release_producer, first_token_event, finished_event
 SCHEMA_VERSIONS["control"] = 2  # v2 added set_profile with profile and model
 
 

@@ -285,12 +285,14 @@ class InMemoryInflight:
                 del self._by_request[rid]
 
 
-def inflight_from_log(ops: Iterable[InflightOp], now_ms: int, lease_ms: int) -> InMemoryInflight:
+def inflight_from_log(ops: Iterable[InflightOp], now_ms: int, lease_ms: int, *,
+                      any_stamp: bool = False) -> InMemoryInflight:
     """The ledger at ``now_ms`` after ``ops`` (any order; those stamped after ``now_ms`` do not
-    count yet): what ``explain`` re-derives a decision's in-flight work with."""
+    count yet, unless ``any_stamp``: ``ops`` are what a reader had applied, as it applied them):
+    what ``explain`` re-derives a decision's in-flight work with."""
     ledger = InMemoryInflight(lease_ms)
     for op in ops:
-        if op.at_ms <= now_ms:
+        if any_stamp or op.at_ms <= now_ms:
             ledger.apply(op)
     ledger.expire(now_ms)
     return ledger

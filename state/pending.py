@@ -492,12 +492,13 @@ def _common_run(a: tuple[int, ...], i: int, b: tuple[int, ...], j: int) -> int:
 
 
 def pending_from_log(ops: Iterable[PendingOp], now_ms: int, ttl_ms: int,
-                     capacity: Mapping[str, int] | None = None) -> InMemoryPendingBlocks:
+                     capacity: Mapping[str, int] | None = None, *, any_stamp: bool = False) -> InMemoryPendingBlocks:
     """The pending record at ``now_ms`` after ``ops`` (any order; those stamped after ``now_ms``
-    do not count yet): what ``explain`` re-derives a decision's pending blocks with."""
+    do not count yet, unless ``any_stamp``: ``ops`` are what a reader had applied, as it applied
+    them): what ``explain`` re-derives a decision's pending blocks with."""
     store = InMemoryPendingBlocks(ttl_ms, capacity)
     for op in ops:
-        if op.at_ms <= now_ms:
+        if any_stamp or op.at_ms <= now_ms:
             store.apply(op)
     store.expire(now_ms)
     return store

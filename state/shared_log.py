@@ -8,14 +8,24 @@ trimmed to the span that can still matter), and follows everyone else's into the
 Reads never wait on Redis; another process sees an operation ``flush_after_s`` plus one round
 trip after it was made. A Redis outage only delays what the others see (logged; retried with
 the next batch). :class:`SharedLog` is the stream part, written once for both.
+
+**What a reader had seen.** Operations arrive a flush and a round trip after they were made, so
+what a decision counted depends on which had arrived, not only on their times. Each producer
+numbers what it shares (:class:`EventSeq`: the operations of one call, a placement's blocks and
+its charge, share a number; numbers grow across restarts), each entry carries the last number in
+it, and a follower knows, per producer, the last number it applied (:meth:`SharedLog.cut`). A
+decision records that cut and its own number, an outcome its releases' numbers, so ``explain``
+applies exactly the operations the decision's router had (``conductor.routing.explain``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, cast
 
 import redis.asyncio as aioredis
@@ -36,13 +46,42 @@ StreamEntry = tuple[bytes, dict[bytes, bytes]]
 log = logging.getLogger(__name__)
 
 
+class EventSeq:
+    """One producer's numbers for what it shares: every operation appended inside one
+    :meth:`event` carries that event's number, any other its own. Numbers only grow, across a
+    restart of the producer too: they start from the wall clock in microseconds."""
+
+    def __init__(self, start: int | None = None) -> None:
+        self.last = start if start is not None else time.time_ns() // 1000
+        """The number of the latest event (the next is one more)."""
+        self._open = False
+
+    @contextlib.contextmanager
+    def event(self) -> Iterator[int]:
+        """Number the operations appended until the block ends as one event; yields its number."""
+        self.last += 1
+        self._open = True
+        try:
+            yield self.last
+        finally:
+            self._open = False
+
+    def stamp(self) -> int:
+        """The number for an operation appended now: the open event's, else a new one."""
+        if not self._open:
+            self.last += 1
+        return self.last
+
+
 class SharedLog:
     """One Redis stream of operations: ``append`` buffers (flushed after ``flush_after_s``),
     ``start`` catches up on the last ``retain_ms`` and follows; every other producer's
-    operation is handed to ``apply`` (a JSON-decoded item; a ValueError skips it)."""
+    operation is handed to ``apply`` (a JSON-decoded item; a ValueError skips it). ``events``:
+    the producer's numbering, shared with its other logs (else one of this log's own)."""
 
     def __init__(self, client: aioredis.Redis | RedisCluster, key: str, *, producer_id: str, retain_ms: int,
-                 apply: Callable[[Any], None], flush_after_s: float = 0.01, block_ms: int = FOLLOW_BLOCK_MS) -> None:
+                 apply: Callable[[Any], None], flush_after_s: float = 0.01, block_ms: int = FOLLOW_BLOCK_MS,
+                 events: EventSeq | None = None) -> None:
         self.client = client
         self.key = key
         self.producer_id = producer_id
@@ -50,7 +89,11 @@ class SharedLog:
         self.flush_after_s = flush_after_s
         self.block_ms = block_ms
         self._apply_one = apply
-        self._buffer: list[tuple[int, Any]] = []
+        self.events = events if events is not None else EventSeq()
+        self._buffer: list[tuple[int, int, Any]] = []
+        self._flushing = asyncio.Lock()  # one batch at a time: a producer's entries stay in its order
+        self._seen: dict[str, int] = {}
+        self._own_last: int | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._follower: asyncio.Task[None] | None = None
@@ -64,15 +107,26 @@ class SharedLog:
         """The id of the last stream entry read (``b"0-0"`` before any)."""
         return self._last_id
 
-    def append(self, item: Any, at_ms: int) -> None:
-        """Share ``item`` (JSON-able, stamped ``at_ms``) with the next batch."""
-        self._buffer.append((at_ms, item))
+    def cut(self) -> dict[str, int]:
+        """Per producer, the number of the last event whose operations on this stream are applied
+        here (this producer's own: the last it appended; a producer not named: none of its)."""
+        out = dict(self._seen)
+        if self._own_last is not None:
+            out[self.producer_id] = self._own_last
+        return out
+
+    def append(self, item: Any, at_ms: int) -> int:
+        """Share ``item`` (JSON-able, stamped ``at_ms``) with the next batch; returns its event number."""
+        seq = self.events.stamp()
+        self._own_last = seq
+        self._buffer.append((at_ms, seq, item))
         if self._timer is None:
             try:
                 loop = asyncio.get_running_loop()
             except RuntimeError:  # no loop (a synchronous caller): the next flush() sends it
-                return
+                return seq
             self._timer = loop.call_later(self.flush_after_s, self._flush_soon)
+        return seq
 
     def _flush_soon(self) -> None:
         self._timer = None
@@ -86,15 +140,20 @@ class SharedLog:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        async with self._flushing:
+            await self._flush(wake)
+
+    async def _flush(self, wake: bool) -> None:
         if not self._buffer:
             if wake:
                 await self.client.xadd(self.key, {"p": self.producer_id, "o": "[]"})
             return
         batch, self._buffer = self._buffer, []
-        newest = max(at for at, _ in batch)
+        newest = max(at for at, _, _ in batch)
         try:
             await self.client.xadd(
-                self.key, {"p": self.producer_id, "o": json.dumps([item for _, item in batch], separators=(",", ":"))},
+                self.key, {"p": self.producer_id, "s": str(max(seq for _, seq, _ in batch)),
+                           "o": json.dumps([item for _, _, item in batch], separators=(",", ":"))},
                 minid=max(newest - self.retain_ms, 0), approximate=True,
             )
         except (RedisError, OSError) as e:
@@ -143,13 +202,21 @@ class SharedLog:
         me = self.producer_id.encode()
         for eid, fields in entries:
             self._last_id = eid
-            if fields.get(b"p") == me:
+            producer = fields.get(b"p")
+            if producer == me:
                 continue  # applied when made
             try:
                 items = json.loads(fields.get(b"o", b"[]"))
             except ValueError:
                 log.warning("skipping a malformed entry %r of %s", eid, self.key)
                 continue
+            seq = fields.get(b"s")
+            if producer is not None and seq is not None:
+                try:
+                    p = producer.decode()
+                    self._seen[p] = max(self._seen.get(p, 0), int(seq))
+                except ValueError:
+                    log.warning("entry %r of %s has a bad producer or number", eid, self.key)
             for item in items if isinstance(items, list) else ():
                 try:
                     self._apply_one(item)
@@ -189,11 +256,11 @@ class RedisPendingBlocks:
 
     def __init__(self, client: aioredis.Redis | RedisCluster, namespace: str, ttl_ms: int, *, producer_id: str,
                  capacity: Mapping[str, int] | None = None, flush_after_s: float = 0.01,
-                 block_ms: int = FOLLOW_BLOCK_MS) -> None:
+                 block_ms: int = FOLLOW_BLOCK_MS, events: EventSeq | None = None) -> None:
         self.local = InMemoryPendingBlocks(ttl_ms, capacity)
         self.log = SharedLog(client, ViewKeys(namespace).pending, producer_id=producer_id, retain_ms=2 * ttl_ms,
                              apply=lambda item: self.local.apply(decode_pending(item)),
-                             flush_after_s=flush_after_s, block_ms=block_ms)
+                             flush_after_s=flush_after_s, block_ms=block_ms, events=events)
 
     def record(self, request_id: str, placements: Mapping[str, Sequence[int]], at_ms: int) -> None:
         for op in self.local.record(request_id, placements, at_ms):
@@ -236,11 +303,11 @@ class RedisInflight:
     never wait on Redis."""
 
     def __init__(self, client: aioredis.Redis | RedisCluster, namespace: str, lease_ms: int, *, producer_id: str,
-                 flush_after_s: float = 0.01, block_ms: int = FOLLOW_BLOCK_MS) -> None:
+                 flush_after_s: float = 0.01, block_ms: int = FOLLOW_BLOCK_MS, events: EventSeq | None = None) -> None:
         self.local = InMemoryInflight(lease_ms)
         self.log = SharedLog(client, ViewKeys(namespace).inflight, producer_id=producer_id, retain_ms=2 * lease_ms,
                              apply=lambda item: self.local.apply(decode_inflight(item)),
-                             flush_after_s=flush_after_s, block_ms=block_ms)
+                             flush_after_s=flush_after_s, block_ms=block_ms, events=events)
 
     def charge(self, request_id: str, prefill_node: str, decode_node: str, uncached_tokens: int,
                context_tokens: int, now_ms: int) -> None:
@@ -274,4 +341,4 @@ class RedisInflight:
         await self.log.clear()
 
 
-__all__ = ["RedisInflight", "RedisPendingBlocks", "SharedLog"]
+__all__ = ["EventSeq", "RedisInflight", "RedisPendingBlocks", "SharedLog"]

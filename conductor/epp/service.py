@@ -172,9 +172,9 @@ class Picker:
         reserved (its pending blocks, its in-flight work) and record why on ``request-outcomes``,
         so the log says the request failed and ``explain`` applies the release where it happened."""
         self.abandoned += 1
-        at_view_ms = None
+        mark = None
         try:
-            at_view_ms = self.decider.released(decision, "finished", time.monotonic(), failed=True)
+            mark = self.decider.released(decision, "finished", time.monotonic(), failed=True)
         except Exception:  # the pending blocks' TTL ends them anyway
             log.exception("releasing the undelivered decision %s failed", decision.request_id)
         log.info("decision %s not delivered (%s): released", decision.request_id, why)
@@ -183,7 +183,9 @@ class Picker:
         self.outcomes(RequestOutcome(
             request_id=decision.request_id, gateway=self.config.epp_id, status=status, error=why,
             message=f"the picker's answer was not delivered: {why}", attempts=[decision.request_id],
-            **outcome_decision_fields(decision), finished_view_ms=at_view_ms))
+            **outcome_decision_fields(decision), finished_view_ms=mark.view_ms if mark is not None else None,
+            release_producer=mark.producer if mark is not None else None,
+            finished_event=mark.event if mark is not None else None))
 
     def _abandon_when_made(self, task: asyncio.Future[Any], why: str, status: int) -> None:
         """Once ``task`` (a decision no one waits for now) ends, :meth:`abandon` what it decided."""

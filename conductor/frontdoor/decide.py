@@ -29,7 +29,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, NamedTuple, Protocol
 
 from conductor.gateway.replies import InboxClosed, ReplyInbox
 from conductor.routing.local import LocalRouter, LogUnavailable
@@ -41,7 +41,7 @@ from state.inflight import encode_op as encode_inflight
 from state.keys import ViewKeys
 from state.pending import Released
 from state.pending import encode_op as encode_pending
-from state.shared_log import SharedLog
+from state.shared_log import EventSeq, SharedLog
 from streams.kafka import acknowledged, ensure_topics, producer
 from streams.topics import topics
 
@@ -52,6 +52,17 @@ ROUTINGS: tuple[Routing, ...] = ("colocated", "log")
 Answer = RoutingDecision | RoutingRejection
 Release = Literal["first_token", "finished"]
 """What a door reports back about a decision: its first token came, or it ended."""
+
+
+class ReleaseMark(NamedTuple):
+    """A release as the shared records got it: what the request's outcome says of it."""
+
+    view_ms: int
+    """When, on the view's clock (``first_token_view_ms`` / ``finished_view_ms``)."""
+    producer: str | None = None
+    """Who shared it (``release_producer``); None: not shared."""
+    event: int | None = None
+    """Its number under ``producer`` (``first_token_event`` / ``finished_event``)."""
 MAX_TRACKED = 100_000
 """Decisions whose arrival a log-mode door remembers for their view-clock times (the oldest
 forgotten first: a request that outlives that many later ones is past any lease)."""
@@ -94,13 +105,14 @@ class Decider(Protocol):
         """Whether ``request_id`` is being decided now (a door picks another id for a new request)."""
         ...
 
-    def released(self, decision: RoutingDecision, at: Release, monotonic_s: float, failed: bool = False) -> int | None:
+    def released(self, decision: RoutingDecision, at: Release, monotonic_s: float,
+                 failed: bool = False) -> ReleaseMark | None:
         """``decision``'s first token came (``first_token``: its prefill's in-flight work ends) or it
         ended (``finished``: all of it; ``failed``, an error or a cancel: its pending blocks too) at
         ``monotonic_s`` (``time.monotonic()``), told to the shared decision-time records. Returns
-        that time on the view's clock (the outcome's ``first_token_view_ms`` / ``finished_view_ms``,
-        what ``explain`` applies), None when the decision was made without those records. Called
-        for every attempt; a repeat is harmless."""
+        that time on the view's clock and the release's number on the shared streams (what the
+        outcome records and ``explain`` applies), None when the decision was made without those
+        records. Called for every attempt; a repeat is harmless."""
         ...
 
     async def close(self) -> None: ...
@@ -132,15 +144,16 @@ class Colocated:
     def waiting(self, request_id: str) -> bool:
         return self.router.waiting(request_id)
 
-    def released(self, decision: RoutingDecision, at: Release, monotonic_s: float, failed: bool = False) -> int | None:
+    def released(self, decision: RoutingDecision, at: Release, monotonic_s: float,
+                 failed: bool = False) -> ReleaseMark | None:
         if decision.view_now_ms is None:
             return None
         view_ms = self.router.view_ms(decision, monotonic_s)  # before on_finish forgets the decision
         if at == "first_token":
-            self.router.on_first_token(decision, monotonic_s)
+            event = self.router.on_first_token(decision, monotonic_s)
         else:
-            self.router.on_finish(decision, monotonic_s, failed)
-        return view_ms
+            event = self.router.on_finish(decision, monotonic_s, failed)
+        return ReleaseMark(view_ms, self.router.router.decision_time.producer_id if event is not None else None, event)
 
     async def close(self) -> None:
         await self.router.close()
@@ -157,19 +170,25 @@ class SharedReleases:
             client = open_client(conn.connection_url(), decode_responses=False, **conn.tls_options(),
                                  socket_timeout=2.0, socket_connect_timeout=2.0)
         keys = ViewKeys(settings.view_namespace)
+        self.events = EventSeq()  # one number per release across both streams
         # Trimmed as the routers trim them (2 x the TTL, 2 x the lease: state.shared_log's readers).
-        self.pending = SharedLog(client, keys.pending, producer_id=producer_id,
+        self.pending = SharedLog(client, keys.pending, producer_id=producer_id, events=self.events,
                                  retain_ms=2 * max(int(settings.pending_ttl_s * 1000), 1), apply=_unread)
-        self.inflight = SharedLog(client, keys.inflight, producer_id=producer_id,
+        self.inflight = SharedLog(client, keys.inflight, producer_id=producer_id, events=self.events,
                                   retain_ms=2 * max(int(settings.inflight_lease_s * 1000), 1), apply=_unread)
 
-    def first_token(self, request_id: str, at_ms: int) -> None:
-        self.inflight.append(encode_inflight(FirstToken(request_id, at_ms)), at_ms)
+    def first_token(self, request_id: str, at_ms: int) -> int:
+        """Share the release of ``request_id``'s prefill work; returns its event number."""
+        return self.inflight.append(encode_inflight(FirstToken(request_id, at_ms)), at_ms)
 
-    def finish(self, request_id: str, at_ms: int, failed: bool) -> None:
-        self.inflight.append(encode_inflight(Finished(request_id, at_ms)), at_ms)
-        if failed:
-            self.pending.append(encode_pending(Released(request_id, at_ms)), at_ms)
+    def finish(self, request_id: str, at_ms: int, failed: bool) -> int:
+        """Share the end of ``request_id`` (``failed``: its pending blocks' release too); returns its
+        event number."""
+        with self.events.event() as event:
+            self.inflight.append(encode_inflight(Finished(request_id, at_ms)), at_ms)
+            if failed:
+                self.pending.append(encode_pending(Released(request_id, at_ms)), at_ms)
+        return event
 
     async def close(self) -> None:
         await self.inflight.close()
@@ -232,7 +251,8 @@ class LogDecider:
     def waiting(self, request_id: str) -> bool:
         return self.inbox.waiting(request_id)
 
-    def released(self, decision: RoutingDecision, at: Release, monotonic_s: float, failed: bool = False) -> int | None:
+    def released(self, decision: RoutingDecision, at: Release, monotonic_s: float,
+                 failed: bool = False) -> ReleaseMark | None:
         if decision.view_now_ms is None:
             return None
         # The router's clock is elsewhere: counted from the decision's arrival here (early by its
@@ -240,14 +260,15 @@ class LogDecider:
         came = self._arrived.get(decision.request_id)
         view_ms = decision.view_now_ms + (0 if came is None else max(int((monotonic_s - came) * 1000), 0))
         rel, rid = self.releases, decision.request_id
+        event: int | None = None
         if at == "first_token":
             if rel is not None and decision.inflight_lease_ms is not None:
-                rel.first_token(rid, view_ms)
+                event = rel.first_token(rid, view_ms)
         else:
             if rel is not None and (decision.inflight_lease_ms is not None or decision.pending_ttl_ms is not None):
-                rel.finish(rid, view_ms, failed)
+                event = rel.finish(rid, view_ms, failed)
             self._arrived.pop(rid, None)
-        return view_ms
+        return ReleaseMark(view_ms, self.producer_id if event is not None else None, event)
 
     async def decide(self, req: RoutingRequest) -> Answer:
         rid = req.request_id
@@ -316,4 +337,4 @@ def parse_routing(text: str) -> Routing | None:
 
 
 __all__ = ["ROUTINGS", "Answer", "Colocated", "Decider", "Down", "InboxClosed", "LogDecider", "LogUnavailable",
-           "Release", "Routing", "SharedReleases", "make_decider", "parse_routing"]
+           "Release", "ReleaseMark", "Routing", "SharedReleases", "make_decider", "parse_routing"]

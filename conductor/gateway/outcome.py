@@ -40,12 +40,18 @@ class Trace:
     """The (last) decision's first token on the view's clock, as released (``Decider.released``)."""
     finished_view_ms: int | None = None
     """Its end on the view's clock, as released."""
+    release_producer: str | None = None
+    """Who shared those releases on the decision-time streams (None: not shared)."""
+    first_token_event: int | None = None
+    """The first token's release, by its number under ``release_producer``."""
+    finished_event: int | None = None
+    """The end's release, by its number."""
     finished: str | None = None
+    """The attempt whose end was released (a decision's end is released once)."""
     held_kv: tuple[str, dict[str, Any], dict[str, Any]] | None = None
     """vLLM P/D: (prefill instance, its ``kv_transfer_params``, its answer) of a prefill whose decode
     failed before it took the request: the blocks stay pinned there for a decode to pull, so a
     retry that keeps that prefill instance sends only the decode half (:mod:`.handoff.vllm`)."""
-    """The attempt whose end was released (a decision's end is released once)."""
 
 
 def outcome_of(tr: Trace, gateway_id: str, now: float) -> RequestOutcome:
@@ -65,4 +71,7 @@ def outcome_of(tr: Trace, gateway_id: str, now: float) -> RequestOutcome:
                        if tr.ttft_s is not None and tr.decode_sent is not None else None),
         first_token_view_ms=tr.first_token_view_ms if d else None,
         finished_view_ms=tr.finished_view_ms if d else None,
+        release_producer=tr.release_producer if d else None,
+        first_token_event=tr.first_token_event if d else None,
+        finished_event=tr.finished_event if d else None,
     )

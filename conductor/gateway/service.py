@@ -40,7 +40,7 @@ import httpx
 from opentelemetry import metrics
 from starlette.responses import Response
 
-from conductor.frontdoor.decide import Decider, InboxClosed, LogUnavailable, Release
+from conductor.frontdoor.decide import Decider, InboxClosed, LogUnavailable, Release, ReleaseMark
 from conductor.frontdoor.directory import EngineDirectory
 from conductor.frontdoor.protocol import (
     BadRequest,
@@ -380,16 +380,24 @@ class Gateway:
     def _first_token(self, tr: Trace) -> None:
         """The (last) decision's first token is in: its prefill's in-flight work ends."""
         if tr.decision is not None:
-            tr.first_token_view_ms = self._released(tr.decision, "first_token", False)
+            mark = self._released(tr.decision, "first_token", False)
+            tr.first_token_view_ms = mark.view_ms if mark is not None else None
+            tr.first_token_event = mark.event if mark is not None else None
+            if mark is not None and mark.producer is not None:
+                tr.release_producer = mark.producer
 
     def _release_end(self, tr: Trace, failed: bool) -> None:
         """The (last) decision ended (once per attempt)."""
         d = tr.decision
         if d is not None and tr.finished != d.request_id:
             tr.finished = d.request_id
-            tr.finished_view_ms = self._released(d, "finished", failed)
+            mark = self._released(d, "finished", failed)
+            tr.finished_view_ms = mark.view_ms if mark is not None else None
+            tr.finished_event = mark.event if mark is not None else None
+            if mark is not None and mark.producer is not None:
+                tr.release_producer = mark.producer
 
-    def _released(self, d: RoutingDecision, at: Release, failed: bool) -> int | None:
+    def _released(self, d: RoutingDecision, at: Release, failed: bool) -> ReleaseMark | None:
         try:
             return self.decider.released(d, at, time.monotonic(), failed)
         except Exception:  # the lease ends what a release could not; the client is answered

@@ -33,6 +33,7 @@ copies the rest only after the holder's queue wait (``prefill_plan.PendingCopy``
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -45,7 +46,7 @@ from conductor.topology import Topology
 from schemas import RoutingDecision, RoutingRequest
 from state.inflight import InflightLedger, InMemoryInflight
 from state.pending import InMemoryPendingBlocks, PendingStore
-from state.shared_log import RedisInflight, RedisPendingBlocks
+from state.shared_log import EventSeq, RedisInflight, RedisPendingBlocks, SharedLog
 from state.view import NodeState, ViewSnapshot
 
 MAX_SESSIONS = 100_000
@@ -130,6 +131,13 @@ class DecisionTime:
         self._capacity: dict[str, int | None] = {}
         """Capacity given to the pending store per node (only changes are passed on)."""
         self._capacity_nodes: Sequence[NodeState] | None = None
+        shared = [store.log for store in (pending, inflight) if isinstance(store, RedisPendingBlocks | RedisInflight)]
+        self._shared: list[SharedLog] = shared
+        """The shared streams' ends of the stores (none: in-memory stores, nothing to number)."""
+        self.events: EventSeq | None = shared[0].events if shared else None
+        """This router's numbering of what it shares (both stores share one: ``decision_time_stores``)."""
+        if len(shared) == 2 and shared[1].events is not shared[0].events:
+            shared[1].events = shared[0].events  # one event per decision across both streams
 
     @property
     def active(self) -> bool:
@@ -198,34 +206,59 @@ class DecisionTime:
             self.sessions.move_to_end(req.session)
             if len(self.sessions) > MAX_SESSIONS:
                 self.sessions.popitem(last=False)
-        if self.pending is not None and chain:
-            self.pending.record(d.request_id, {d.prefill_instance: chain, d.decode_instance: chain}, at_ms)
-        if self.inflight is not None and releases_its_work(req):
-            self.inflight.charge(d.request_id, d.prefill_instance, d.decode_instance,
-                                 req.prompt_tokens - d.reused_tokens, req.prompt_tokens, at_ms)
+        with self._event():  # the number fields() wrote on ``d`` (no other event in between)
+            if self.pending is not None and chain:
+                self.pending.record(d.request_id, {d.prefill_instance: chain, d.decode_instance: chain}, at_ms)
+            if self.inflight is not None and releases_its_work(req):
+                self.inflight.charge(d.request_id, d.prefill_instance, d.decode_instance,
+                                     req.prompt_tokens - d.reused_tokens, req.prompt_tokens, at_ms)
 
     def fields(self) -> dict[str, Any]:
-        """What a placement's record says about how it counted pending blocks and loads."""
+        """What a placement's record says about how it counted pending blocks and loads: the TTL
+        and the lease, and, shared, what the router had applied of each stream (its cut) and the
+        number its own operations will carry (:meth:`record` is called next, with no event between)."""
         out: dict[str, Any] = {}
         if self.pending is not None:
             out["pending_ttl_ms"] = self.pending_ttl_ms
+            if isinstance(self.pending, RedisPendingBlocks):
+                out["seen_pending"] = self.pending.log.cut()
         if self.inflight is not None:
             out["inflight_lease_ms"] = self.inflight_lease_ms
+            if isinstance(self.inflight, RedisInflight):
+                out["seen_inflight"] = self.inflight.log.cut()
+        if self.events is not None:
+            out["event"] = self.events.last + 1
+            out["event_producer"] = self._shared[0].producer_id
         return out
 
-    def first_token(self, request_id: str, at_ms: int) -> None:
-        """``request_id``'s first token came back at ``at_ms``: its prefill work ends."""
-        if self.inflight is not None:
-            self.inflight.first_token(request_id, at_ms)
+    @property
+    def producer_id(self) -> str | None:
+        """This router's id on the shared streams (None: nothing shared)."""
+        return self._shared[0].producer_id if self._shared else None
 
-    def end(self, request_id: str, at_ms: int, failed: bool) -> None:
+    def _event(self) -> contextlib.AbstractContextManager[int | None]:
+        return self.events.event() if self.events is not None else contextlib.nullcontext(None)
+
+    def first_token(self, request_id: str, at_ms: int) -> int | None:
+        """``request_id``'s first token came back at ``at_ms``: its prefill work ends. Returns the
+        release's event number when it is shared (None: not)."""
+        if self.inflight is None:
+            return None
+        with self._event() as event:
+            self.inflight.first_token(request_id, at_ms)
+        return event
+
+    def end(self, request_id: str, at_ms: int, failed: bool) -> int | None:
         """``request_id`` ended at ``at_ms``: its in-flight work ends, and, ``failed`` (an error, a
         cancel, or a decision never served), its pending blocks too (its engine will not hold
-        them). Idempotent; an unknown request is a no-op."""
-        if self.inflight is not None:
-            self.inflight.finish(request_id, at_ms)
-        if failed and self.pending is not None:
-            self.pending.release(request_id, at_ms)
+        them). Idempotent; an unknown request is a no-op. Returns the release's event number when
+        it is shared (None: not)."""
+        with self._event() as event:
+            if self.inflight is not None:
+                self.inflight.finish(request_id, at_ms)
+            if failed and self.pending is not None:
+                self.pending.release(request_id, at_ms)
+        return event
 
     # --- life ---------------------------------------------------------------------------------
 

@@ -189,6 +189,9 @@ async def _earlier_decisions(reads: _Reads, name: str, target: Envelope, at_ms: 
                              ttl_ms: int) -> list[Envelope]:
     """The decisions made before ``target`` whose reservations were still counting when it was
     made (within ``ttl_ms``), in log order: the dispatch records around its time only."""
+    body = target.body
+    assert isinstance(body, (RoutingDecision, RoutingRejection))
+    cut = isinstance(body, RoutingDecision) and (body.seen_pending is not None or body.seen_inflight is not None)
     found: list[tuple[int, int, Envelope]] = []
     spans = await reads.window(name, at_ms - ttl_ms - CLOCK_SLACK_MS, at_ms + CLOCK_SLACK_MS)
     async for m, env in reads.envelopes(spans):
@@ -196,11 +199,13 @@ async def _earlier_decisions(reads: _Reads, name: str, target: Envelope, at_ms: 
             continue
         # Decisions made before this one: by sequence within one router (it decides in the
         # order it numbers, though its reads may come back in another), by time across
-        # routers. Partitions interleave, so not by position.
+        # routers, unless the target recorded what it had seen of the shared streams (then
+        # every other decision is a candidate and that cut decides: ``_Seen``). Partitions
+        # interleave, so not by position.
         if env.producer_id == target.producer_id and env.epoch == target.epoch:
             earlier = env.producer_seq < target.producer_seq
         else:
-            earlier = _read_at(env) < at_ms
+            earlier = _read_at(env) < at_ms or (cut and env.body.request_id != body.request_id)
         if earlier:
             found.append((m.partition, m.offset, env))
     return [env for _, _, env in sorted(found, key=lambda f: (f[0], f[1]))]
@@ -485,6 +490,7 @@ def _decision_time(router: Router, rec: RoutingDecision, at_ms: int, earlier: Se
         return 0, 0, 0
     placed: list[PendingOp] = []
     charged: list[InflightOp] = []
+    pend_seen, infl_seen = _Seen(rec.seen_pending, at_ms), _Seen(rec.seen_inflight, at_ms)
     for env in earlier:
         d = env.body
         assert isinstance(d, RoutingDecision)
@@ -493,33 +499,60 @@ def _decision_time(router: Router, rec: RoutingDecision, at_ms: int, earlier: Se
         if r is None:
             continue
         req = r[1]
-        if rec.pending_ttl_ms is not None and d.pending_ttl_ms is not None and t0 > at_ms - rec.pending_ttl_ms:
+        if (rec.pending_ttl_ms is not None and d.pending_ttl_ms is not None and t0 > at_ms - rec.pending_ttl_ms
+                and pend_seen.has(d.event_producer, d.event, t0)):
             chain = tuple(router.chain_of(req))
             if chain:
                 placed.extend(Placed(d.request_id, t0, node, chain)
                               for node in dict.fromkeys((d.prefill_instance, d.decode_instance)))
-        if rec.inflight_lease_ms is not None and d.inflight_lease_ms is not None and releases_its_work(req):
+        if (rec.inflight_lease_ms is not None and d.inflight_lease_ms is not None and releases_its_work(req)
+                and infl_seen.has(d.event_producer, d.event, t0)):
             charged.append(Charged(d.request_id, t0, d.prefill_instance, d.decode_instance,
                                    max(req.prompt_tokens - d.reused_tokens, 0), req.prompt_tokens))
     applied = 0
     for o in outcomes:
         attempts = o.attempts or [o.request_id]
         used = False
-        if o.first_token_view_ms is not None:
+        by = o.release_producer
+        if o.first_token_view_ms is not None and infl_seen.has(by, o.first_token_event, o.first_token_view_ms):
             charged.append(FirstToken(attempts[-1], o.first_token_view_ms))
             used = True
         if o.finished_view_ms is not None:
-            charged.extend(Finished(a, o.finished_view_ms) for a in attempts)
-            if o.error is not None:
+            if infl_seen.has(by, o.finished_event, o.finished_view_ms):
+                charged.extend(Finished(a, o.finished_view_ms) for a in attempts)
+                used = True
+            if o.error is not None and pend_seen.has(by, o.finished_event, o.finished_view_ms):
                 placed.extend(Released(a, o.finished_view_ms) for a in attempts)
-            used = True
+                used = True
         applied += used
+    # With a recorded cut every operation it names counts, whatever its stamp (the router applied
+    # it when it came); without one, those stamped by the decision's time.
     pending = (None if rec.pending_ttl_ms is None else
-               pending_from_log(placed, at_ms, rec.pending_ttl_ms, capacity))
-    inflight = (None if rec.inflight_lease_ms is None else inflight_from_log(charged, at_ms, rec.inflight_lease_ms))
+               pending_from_log(placed, at_ms, rec.pending_ttl_ms, capacity, any_stamp=pend_seen.recorded))
+    inflight = (None if rec.inflight_lease_ms is None else
+                inflight_from_log(charged, at_ms, rec.inflight_lease_ms, any_stamp=infl_seen.recorded))
     router.use_decision_time(pending, inflight)
     return (sum(isinstance(op, Placed) for op in placed),
             sum(isinstance(op, Charged) for op in charged), applied)
+
+
+class _Seen:
+    """Whether a decision's router had applied a shared operation: by the decision's cut of that
+    stream (``seen_pending`` / ``seen_inflight``) when it recorded one and the operation has a
+    number, else by time (stamped no later than the decision)."""
+
+    def __init__(self, cut: Mapping[str, int] | None, at_ms: int) -> None:
+        self.cut = cut
+        self.at_ms = at_ms
+
+    @property
+    def recorded(self) -> bool:
+        return self.cut is not None
+
+    def has(self, producer: str | None, event: int | None, stamped_ms: int) -> bool:
+        if self.cut is None or producer is None or event is None:
+            return stamped_ms <= self.at_ms
+        return self.cut.get(producer, -1) >= event
 
 
 def _read_at(env: Envelope) -> int:

@@ -187,15 +187,18 @@ class LocalRouter:
             return base
         return at[0] + max(int((monotonic_s - at[1]) * 1000), 0)
 
-    def on_first_token(self, decision: RoutingDecision, monotonic_s: float) -> None:
-        """The request's first token came back at ``monotonic_s``: its prefill's in-flight work ends."""
-        self.router.decision_time.first_token(decision.request_id, self.view_ms(decision, monotonic_s))
+    def on_first_token(self, decision: RoutingDecision, monotonic_s: float) -> int | None:
+        """The request's first token came back at ``monotonic_s``: its prefill's in-flight work
+        ends. Returns the release's event number on the shared streams (None: not shared)."""
+        return self.router.decision_time.first_token(decision.request_id, self.view_ms(decision, monotonic_s))
 
-    def on_finish(self, decision: RoutingDecision, monotonic_s: float, failed: bool) -> None:
+    def on_finish(self, decision: RoutingDecision, monotonic_s: float, failed: bool) -> int | None:
         """The request ended at ``monotonic_s`` (``failed``: an error or a cancel): its in-flight
-        work ends, and a failed request's pending blocks too (its engine will not hold them)."""
-        self.router.decision_time.end(decision.request_id, self.view_ms(decision, monotonic_s), failed)
+        work ends, and a failed request's pending blocks too (its engine will not hold them).
+        Returns the release's event number on the shared streams (None: not shared)."""
+        event = self.router.decision_time.end(decision.request_id, self.view_ms(decision, monotonic_s), failed)
         self._decided_at.pop(decision.request_id, None)
+        return event
 
     # --- one request -----------------------------------------------------------------
 

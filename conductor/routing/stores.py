@@ -19,7 +19,7 @@ from state.decisions import RedisDecisionIndex
 from state.reader import RawSnapshotReader
 from state.redis_view import RedisViewStore
 from state.reservations import RedisReservations
-from state.shared_log import RedisInflight, RedisPendingBlocks
+from state.shared_log import EventSeq, RedisInflight, RedisPendingBlocks
 from state.tracking import TrackingSnapshotReader
 
 INCARNATION = secrets.token_hex(3)
@@ -72,10 +72,11 @@ def decision_time_stores(settings: Settings, client: Any, producer_id: str | Non
     Redis on ``client`` (the reservations' connection): what every router, gateway and picker
     writes at decision time and reads from memory (``state.shared_log``)."""
     pid = producer_id or default_router_id()
+    events = EventSeq()  # one numbering for both: a placement's blocks and its charge are one event
     return (RedisPendingBlocks(client, settings.view_namespace, max(int(settings.pending_ttl_s * 1000), 1),
-                               producer_id=pid),
+                               producer_id=pid, events=events),
             RedisInflight(client, settings.view_namespace, max(int(settings.inflight_lease_s * 1000), 1),
-                          producer_id=pid))
+                          producer_id=pid, events=events))
 
 
 def decision_index(settings: Settings, client: Any = None) -> RedisDecisionIndex | None:

@@ -16,7 +16,10 @@ from conductor.routing.stores import decision_index, decision_time_stores, redis
 from conductor.routing.worker import RouterWorker
 from conductor.settings import Settings
 from schemas import Heartbeat, RequestOutcome, Role, RoutingDecision, RoutingRequest, decode, encode, envelope
+from state.inflight import FirstToken, encode_op
+from state.keys import ViewKeys
 from state.redis_view import RedisViewStore
+from state.shared_log import SharedLog
 from streams import kafka
 from streams.replay import replay_into
 from streams.topics import topics
@@ -26,7 +29,10 @@ pytestmark = pytest.mark.integration
 NODES: tuple[tuple[str, Role], ...] = (("p-a", "prefill"), ("p-b", "prefill"), ("d-0", "decode"))
 
 
-async def _route_two(settings: Settings) -> dict[str, RoutingDecision]:
+async def _route_two(settings: Settings, *, late_release: bool = False) -> dict[str, RoutingDecision]:
+    """Route dt-1, release its first token, route dt-2 after it. ``late_release``: the release is
+    made by a door (its own producer on the shared stream) before dt-2 is decided but reaches the
+    router only after (held in the door's buffer); then dt-3 is routed once it has arrived."""
     now = int(time.time() * 1000)
     t = topics(settings.topic_config())
     await kafka.ensure_topics(settings.kafka(), t.all())
@@ -71,14 +77,29 @@ async def _route_two(settings: Settings) -> dict[str, RoutingDecision]:
         assert first.view_now_ms is not None
         # The gateway's part: the first token came back 5 ms after the decision (on the view's clock).
         ft = first.view_now_ms + 5
-        inflight.first_token("dt-1", ft)
-        outcome = RequestOutcome(request_id="dt-1", gateway="gw", status=200, attempts=["dt-1"],
-                                 first_token_view_ms=ft)
+        door = None
+        if late_release:
+            door = SharedLog(resv.client, ViewKeys(settings.view_namespace).inflight, producer_id="door",
+                             retain_ms=60_000, apply=lambda _: None, flush_after_s=3600.0)
+            event = door.append(encode_op(FirstToken("dt-1", ft)), ft)
+            outcome = RequestOutcome(request_id="dt-1", gateway="gw", status=200, attempts=["dt-1"],
+                                     first_token_view_ms=ft, release_producer="door", first_token_event=event)
+        else:
+            inflight.first_token("dt-1", ft)
+            outcome = RequestOutcome(request_id="dt-1", gateway="gw", status=200, attempts=["dt-1"],
+                                     first_token_view_ms=ft)
         await prod.send_and_wait(t.request_outcomes.name, encode(envelope(outcome, producer_id="gw", producer_seq=9,
                                                                           ts_ms=int(time.time() * 1000))),
                                  key=b"dt-1")
         await asyncio.sleep(0.05)  # past the first token on the view's clock
         await route("dt-2", prompt + list(range(64)), 2)
+        if door is not None:
+            await door.flush()  # the release arrives now
+            deadline = time.monotonic() + 10
+            while inflight.log.cut().get("door") is None:
+                assert time.monotonic() < deadline, "the door's release never reached the router"
+                await asyncio.sleep(0.02)
+            await route("dt-3", prompt + list(range(128)), 3)
     finally:
         stop.set()
         await cons.stop()
@@ -103,3 +124,24 @@ async def test_the_second_request_follows_the_first_ones_pending_blocks_and_expl
     ex = await explain(s, "dt-2")
     assert ex.pending_placements >= 1 and ex.in_flight == 1 and ex.outcomes == 1
     assert ex.rederived["reused_tokens"] == second.reused_tokens
+
+
+async def test_explain_counts_only_the_releases_the_router_had_when_it_decided(settings: Settings) -> None:
+    """The first request's first token is released (stamped) before the second is decided, but
+    reaches the router only after: the second decision still counts that prefill as queued, and
+    explain, going by what the decision recorded it had seen, agrees (by time it would not). The
+    third, decided once the release arrived, counts it released, and explain agrees again."""
+    s = settings.model_copy(update={"heartbeat_ttl_s": 3600.0, "policy_params": {"remote_reuse": False},
+                                    "view_namespace": settings.view_namespace + "-late"})
+    got = await _route_two(s, late_release=True)
+    first, second, third = got["dt-1"], got["dt-2"], got["dt-3"]
+    assert second.prefill_instance == third.prefill_instance == first.prefill_instance
+    assert second.queued_tokens_ahead == 32 * s.block_size  # dt-1's prefill: not known to be done
+    assert third.queued_tokens_ahead == 64  # dt-2's uncached tokens only: dt-1's prefill is done
+    assert second.seen_inflight is not None and "door" not in second.seen_inflight
+    assert third.seen_inflight is not None and "door" in third.seen_inflight
+    assert second.event is not None and second.event_producer == "dt-test"
+    for rid in ("dt-1", "dt-2", "dt-3"):
+        ex = await explain(s, rid)
+        assert ex.matches, (rid, ex.differences)
+    assert (await explain(s, "dt-2")).in_flight == 1

@@ -15,6 +15,7 @@ from test_epp_picker import BODY, ENGINES, FakeDecider, WordTokenizer, body_msg,
 
 from conductor.epp.serve import epp_config, serve
 from conductor.epp.service import EppConfig, ExternalProcessor, Picker
+from conductor.frontdoor.decide import ReleaseMark
 from conductor.frontdoor.directory import EngineDirectory
 from conductor.harness.epp_cluster import EnvoySide
 from conductor.settings import load_settings
@@ -37,9 +38,9 @@ class SlowDecider(FakeDecider):
         await self.gate.wait()
         return await super().decide(req)
 
-    def released(self, d: RoutingDecision, at: str, monotonic_s: float, failed: bool = False) -> int | None:
+    def released(self, d: RoutingDecision, at: str, monotonic_s: float, failed: bool = False) -> ReleaseMark | None:
         super().released(d, at, monotonic_s, failed)
-        return 1234
+        return ReleaseMark(1234, "epp-test", 7)
 
 
 def picker(dec: FakeDecider, **config: Any) -> tuple[Picker, list[RequestOutcome]]:
@@ -81,6 +82,7 @@ async def test_a_decision_past_the_timeout_is_503_at_once_then_releasesand_recor
     assert dec.releases == [("epp-1-abc", "finished", True)]
     [o] = outcomes
     assert (o.request_id, o.status, o.error, o.finished_view_ms) == ("epp-1-abc", 503, "decision_timeout", 1234)
+    assert (o.release_producer, o.finished_event) == ("epp-test", 7)
     assert o.gateway == "epp-1" and o.decode_instance == "d0"
 
 

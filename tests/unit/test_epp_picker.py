@@ -13,7 +13,7 @@ from google.protobuf import json_format, struct_pb2
 
 from conductor.epp.protocol import BadEndpoint, host_port, is_chat, pick_of, subset_hint
 from conductor.epp.service import EppConfig, Picker
-from conductor.frontdoor.decide import Down
+from conductor.frontdoor.decide import Down, ReleaseMark
 from conductor.frontdoor.directory import EngineDirectory
 from conductor.frontdoor.protocol import ClientRequest, Prompt
 from schemas import Endpoint, RoutingDecision, RoutingRejection, RoutingRequest
@@ -54,7 +54,7 @@ class FakeDecider:
     def waiting(self, request_id: str) -> bool:
         return False
 
-    def released(self, decision: RoutingDecision, at: str, monotonic_s: float, failed: bool = False) -> int | None:
+    def released(self, decision: RoutingDecision, at: str, monotonic_s: float, failed: bool = False) -> ReleaseMark | None:
         self.releases.append((decision.request_id, at, failed))
         return None
 

@@ -137,7 +137,7 @@ def test_v1_records_still_read() -> None:
           "b": {"action": "cordon", "node_id": "n"}}
     c = decode(msgpack.packb(c1, use_bin_type=True)).body
     assert isinstance(c, ControlCommand) and c.profile is None
-    assert SCHEMA_VERSIONS["request_outcome"] == 3 and SCHEMA_VERSIONS["control"] == 2
+    assert SCHEMA_VERSIONS["request_outcome"] == 4 and SCHEMA_VERSIONS["control"] == 2
     env = envelope(outcome(1), producer_id="gw", producer_seq=1, ts_ms=1)
     assert decode(encode(env)).body == outcome(1)
 

@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from conductor.frontdoor.decide import Down, LogUnavailable
+from conductor.frontdoor.decide import Down, LogUnavailable, ReleaseMark
 from conductor.frontdoor.protocol import ClientRequest, Prompt
 from conductor.gateway.app import gateway_app
 from conductor.gateway.auth import key_ring
@@ -71,7 +71,7 @@ class Scripted:
     def waiting(self, request_id: str) -> bool:
         return False
 
-    def released(self, decision: RoutingDecision, at: Any, monotonic_s: float, failed: bool = False) -> int | None:
+    def released(self, decision: RoutingDecision, at: Any, monotonic_s: float, failed: bool = False) -> ReleaseMark | None:
         return None
 
     async def close(self) -> None: ...
