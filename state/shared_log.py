@@ -42,6 +42,10 @@ from .pending import encode_op as encode_pending
 from .reservations import FOLLOW_BLOCK_MS
 
 MAX_BUFFERED = 100_000
+MAX_CUT = 64
+"""Producers a cut names before the quiet ones are dropped (``schemas.records.MAX_SEEN`` bounds it
+on the record; a producer dropped is one whose operations no decision still counts, or, past that,
+the longest quiet)."""
 StreamEntry = tuple[bytes, dict[bytes, bytes]]
 log = logging.getLogger(__name__)
 
@@ -92,7 +96,8 @@ class SharedLog:
         self.events = events if events is not None else EventSeq()
         self._buffer: list[tuple[int, int, Any]] = []
         self._flushing = asyncio.Lock()  # one batch at a time: a producer's entries stay in its order
-        self._seen: dict[str, int] = {}
+        self._seen: dict[str, tuple[int, int]] = {}
+        """Producer -> (the last event number applied from it, its entry's time in ms)."""
         self._own_last: int | None = None
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -110,7 +115,15 @@ class SharedLog:
     def cut(self) -> dict[str, int]:
         """Per producer, the number of the last event whose operations on this stream are applied
         here (this producer's own: the last it appended; a producer not named: none of its)."""
-        out = dict(self._seen)
+        seen = self._seen
+        if len(seen) > MAX_CUT:  # producers quiet for longer than anything they shared can matter go
+            newest = max(ms for _, ms in seen.values())
+            for p in [p for p, (_, ms) in seen.items() if ms < newest - self.retain_ms]:
+                del seen[p]
+            if len(seen) > MAX_CUT:
+                for p, _ in sorted(seen.items(), key=lambda kv: kv[1][1])[:len(seen) - MAX_CUT]:
+                    del seen[p]
+        out = {p: seq for p, (seq, _) in seen.items()}
         if self._own_last is not None:
             out[self.producer_id] = self._own_last
         return out
@@ -214,7 +227,7 @@ class SharedLog:
             if producer is not None and seq is not None:
                 try:
                     p = producer.decode()
-                    self._seen[p] = max(self._seen.get(p, 0), int(seq))
+                    self._seen[p] = (max(self._seen.get(p, (0, 0))[0], int(seq)), int(eid.split(b"-", 1)[0]))
                 except ValueError:
                     log.warning("entry %r of %s has a bad producer or number", eid, self.key)
             for item in items if isinstance(items, list) else ():

@@ -18,7 +18,7 @@ import redis.asyncio as aioredis
 from conductor.settings import Settings
 from state.inflight import InflightLedger, InMemoryInflight, InstanceLoad
 from state.pending import InMemoryPendingBlocks, PendingPrefix, PendingStore
-from state.shared_log import RedisInflight, RedisPendingBlocks, SharedLog
+from state.shared_log import EventSeq, RedisInflight, RedisPendingBlocks, SharedLog
 
 TTL_MS = 2_000
 LEASE_MS = 60_000
@@ -158,3 +158,37 @@ class TestRedisInflight(InflightContract):
             await a.clear()
             for c in clients:
                 await c.aclose()
+
+
+async def test_a_follower_knows_each_producers_last_event_it_applied(settings: Settings) -> None:
+    """The cut a decision records (``SharedLog.cut``): per producer, the last event applied; the
+    operations of one event share its number; a producer's own appends count at once, another's
+    only once its entry arrived."""
+    clients = [aioredis.from_url(str(settings.redis_url)) for _ in range(2)]
+    events = EventSeq(start=100)
+    a_pend, a_infl = (RedisPendingBlocks(clients[0], settings.view_namespace + "-cut", TTL_MS, producer_id="a",
+                                         block_ms=50, events=events),
+                      RedisInflight(clients[0], settings.view_namespace + "-cut", LEASE_MS, producer_id="a",
+                                    block_ms=50, events=events))
+    b = RedisInflight(clients[1], settings.view_namespace + "-cut", LEASE_MS, producer_id="b", block_ms=50)
+    for s in (a_pend, a_infl, b):
+        await s.start(1_000)
+    try:
+        with events.event() as e:  # one decision: its blocks and its charge
+            a_pend.record("r1", {"n": CHAIN}, 1_000)
+            a_infl.charge("r1", "n", "n", 64, 64, 1_000)
+        assert e == 101 and a_pend.log.cut() == {"a": 101} and a_infl.log.cut() == {"a": 101}
+        assert b.log.cut() == {}  # nothing of a's arrived yet
+        a_infl.first_token("r1", 1_005)  # outside an event: a number of its own
+        assert a_infl.log.cut() == {"a": 102}
+        await _caught_up(a_infl.log, b.log)
+        assert b.log.cut() == {"a": 102}
+        b.finish("r1", 1_010)
+        assert b.log.cut()["b"] == b.log.events.last and b.load("n", 1_010) == InstanceLoad()
+    finally:
+        for s in (a_pend, a_infl, b):
+            await s.close()
+        await a_infl.clear()
+        await a_pend.clear()
+        for c in clients:
+            await c.aclose()
