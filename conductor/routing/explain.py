@@ -20,9 +20,15 @@ is re-derived with it, rebuilt from the log by the stores' own folds
 earlier decision places its request's chain on its instances and charges its work at its
 ``view_now_ms``; each ``request-outcomes`` record ends its attempts' work at
 ``first_token_view_ms`` / ``finished_view_ms`` and, for a failed request, releases its blocks.
-(Confirmations by KV events are not replayed: they change what a decision sees only for a
-block evicted within the TTL of being placed; a retried request's earlier attempts end when
-the request does.)
+Which of those operations count is what the decision's router had applied when it decided, not
+what was stamped by then: they reach a router a flush and a round trip after they are made, so
+a release stamped before a decision can arrive after it. A v6 decision records, per producer on
+each shared stream, the last event it had applied (``seen_pending``, ``seen_inflight``: the cut,
+:mod:`state.shared_log`) and its own event; an outcome its releases' events. An operation counts
+when the cut covers its event (whatever its stamp); one without a number (older records) when
+it was stamped by the decision's time. (Confirmations by KV events are not replayed: they change
+what a decision sees only for a block evicted within the TTL of being placed; a retried
+request's earlier attempts end when the request does.)
 """
 
 from __future__ import annotations
