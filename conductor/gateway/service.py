@@ -408,6 +408,10 @@ class Gateway:
 
     def _outcome(self, tr: Trace) -> None:
         self._open.discard(tr.request_id)
+        if tr.held_kv is not None:  # no decode took it and no retry was left to pull it
+            log.warning("request %s: the KV its prefill on %s holds for a decode stays pinned there until "
+                        "vLLM's abort timeout (VLLM_NIXL_ABORT_REQUEST_TIMEOUT): no decode took it",
+                        tr.request_id, tr.held_kv[0])
         self._release_end(tr, failed=tr.error is not None)  # failed as explain reads the outcome
         o = outcome_of(tr, self.config.gateway_id, self.clock())
         self.outcomes.append(o)
