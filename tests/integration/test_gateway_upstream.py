@@ -113,6 +113,14 @@ async def until_gone(engines: FakeEngines, node: str, request: Request) -> Respo
     return Response(status_code=500)
 
 
+async def working(request: Request, seconds: float) -> None:
+    """An engine busy with the request for ``seconds``, or until its caller gives up on it (the test
+    then need not wait out the rest: the server's stop waits for its calls)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not await request.is_disconnected():
+        await asyncio.sleep(0.05)
+
+
 @dataclass
 class Stack:
     gw: Gateway
@@ -226,7 +234,7 @@ async def outcome_of(s: Stack, wait_s: float = 5.0) -> RequestOutcome:
 async def test_an_engine_silent_past_the_first_byte_timeout_is_answered_504_and_never_asked_again(
         settings: Settings) -> None:
     async def slow_headers(kind: str, body: dict[str, Any], request: Request) -> Response:
-        await asyncio.sleep(10.0)  # the engine took the request and works on it: past the first-byte timeout
+        await working(request, 10.0)  # the engine took the request and works on it: past the first-byte timeout
         return default_answer(kind, body)
 
     async with stack(settings, {"p0": "prefill", "p1": "prefill", "d0": "decode", "d1": "decode"},
@@ -271,7 +279,7 @@ async def test_a_long_non_streamed_generation_is_waited_for(settings: Settings) 
 
 async def test_the_total_timeout_bounds_a_whole_request_when_set(settings: Settings) -> None:
     async def long_generation(kind: str, body: dict[str, Any], request: Request) -> Response:
-        await asyncio.sleep(5.0)
+        await working(request, 5.0)
         return default_answer(kind, body)
 
     async with stack(settings, {"p0": "prefill", "d0": "decode"}, gateway_total_timeout_s=1.5) as s:
