@@ -105,8 +105,9 @@ def _decision_time_v5(body: dict[str, Any]) -> dict[str, Any]:
 @upcaster("routing_decision", 5)
 def _sessions(body: dict[str, Any]) -> dict[str, Any]:
     # Request v5 (session) and decision v6 (session_instance, written by some v5 producers too;
-    # event, event_producer, seen_pending, seen_inflight) added optional fields: absent = a request
-    # of no session, decided without one, by a router whose cut of the shared streams is unknown.
+    # event, event_producer, seen_pending, seen_inflight, seen_reservations, reservation_event,
+    # reservation_producer) added optional fields: absent = a request of no session, decided
+    # without one, by a router whose cut of the shared streams is unknown.
     return body
 
 

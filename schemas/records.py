@@ -337,6 +337,13 @@ class RoutingDecision(Record):
     deciding (a producer not named: none of its); None: not recorded (``explain`` goes by time)."""
     seen_inflight: Annotated[dict[Name, int], Field(max_length=MAX_SEEN)] | None = None
     """The same for the in-flight ledger's operations (charges, first tokens, ends)."""
+    seen_reservations: Annotated[dict[Name, int], Field(max_length=MAX_SEEN)] | None = None
+    """The same for the reservations (per replica, its last reservation applied) when the loads
+    were heartbeats plus reservations."""
+    reservation_event: int | None = Field(default=None, ge=0)
+    """This decision's reservation, by number under ``reservation_producer``."""
+    reservation_producer: OptName = None
+    """Whose numbering ``reservation_event`` is (the deciding router's id on the reservations' stream)."""
 
     @property
     def aggregated(self) -> bool:
@@ -707,7 +714,7 @@ BODY_TYPES: dict[str, type[Record]] = {t.model_fields["kind"].default: t for t i
 SCHEMA_VERSIONS: dict[str, int] = {kind: 1 for kind in BODY_TYPES}
 SCHEMA_VERSIONS["heartbeat"] = 4  # v2 added decode_context_tokens and zone; v3 endpoint, dp_rank, bootstrap_port, kv_transfer; v4 kv_events
 SCHEMA_VERSIONS["routing_request"] = 5  # v2 added cache_salt, exclude and retry_of; v3 reachable; v4 decided_by; v5 session
-SCHEMA_VERSIONS["routing_decision"] = 6  # v2 added control_offset, block_size, model_profile, prefill_group, chunk_boundaries; v3 mode, options, endpoints; v4 decided_by, ordinal; v5 pending_ttl_ms, inflight_lease_ms, queued_tokens_ahead, left_holder; v6 session_instance (some v5 records have it), event, event_producer, seen_pending, seen_inflight
+SCHEMA_VERSIONS["routing_decision"] = 6  # v2 added control_offset, block_size, model_profile, prefill_group, chunk_boundaries; v3 mode, options, endpoints; v4 decided_by, ordinal; v5 pending_ttl_ms, inflight_lease_ms, queued_tokens_ahead, left_holder; v6 session_instance (some v5 records have it), event, event_producer, seen_pending, seen_inflight, seen_reservations, reservation_event, reservation_producer
 SCHEMA_VERSIONS["routing_rejection"] = 2  # v2 added control_offset, block_size, model_profile
 SCHEMA_VERSIONS["kv_command"] = 3  # v2 added command_id (required), deadline_ms, token_ids, block_size; v3 by_node
 SCHEMA_VERSIONS["blocks_removed"] = 2  # v2 added node (a shared pool's blocks removed by another producer)

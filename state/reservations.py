@@ -30,6 +30,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
+from .events import Cut, EventSeq
 from .keys import ViewKeys
 
 FOLLOW_BLOCK_MS = 1_000
@@ -178,6 +179,9 @@ class RedisReservations:
 
     def __init__(self, client: aioredis.Redis | RedisCluster, namespace: str, ttl_s: float, *, producer_id: str,
                  flush_after_s: float = 0.01, block_ms: int = FOLLOW_BLOCK_MS) -> None:
+        self.events = EventSeq()
+        """This replica's numbers: one per :meth:`reserve` call (``state.events``)."""
+        self._cut = Cut(producer_id, 2 * int(ttl_s * 1000))
         self.client = client
         self.key = ViewKeys(namespace).reservations
         self.ttl_ms = int(ttl_s * 1000)
@@ -192,14 +196,25 @@ class RedisReservations:
         self._stopping = False
         self._last_id = b"0-0"
         self.applied = 0  # entries of other replicas applied (for tests and metrics)
+        self._flushing = asyncio.Lock()
+        self._last_seq = 0
+        """The number of the last reservation buffered (a batch's entry carries the last of it)."""
 
     # --- writing ----------------------------------------------------------------------
 
+    def cut(self) -> dict[str, int]:
+        """Per replica, the number of its last :meth:`reserve` applied here (``state.events.Cut``)."""
+        return self._cut.as_dict()
+
     async def reserve(self, reservations: Sequence[Reservation], now_ms: int) -> None:
+        """Reserve at once (numbered, before any wait: the number is ``events.last`` after the call)."""
+        seq = self.events.stamp()
+        self._cut.own_last = seq
         for r in reservations:
             a = r.load.as_tuple()
             self.local.add(r.node, now_ms, a)
             self._buffer.append(f"{now_ms},{r.node},{a[0]},{a[1]},{a[2]},{a[3]},{a[4]}")
+        self._last_seq = seq
         if self._timer is None and self._buffer:
             self._timer = asyncio.get_running_loop().call_later(self.flush_after_s, self._flush_soon)
 
@@ -215,6 +230,10 @@ class RedisReservations:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        async with self._flushing:  # one batch at a time: this replica's entries stay in its order
+            await self._flush(wake)
+
+    async def _flush(self, wake: bool) -> None:
         if not self._buffer:
             if wake:
                 await self.client.xadd(self.key, {"p": self.producer_id, "r": ""})
@@ -223,7 +242,7 @@ class RedisReservations:
         newest = max(int(line.split(",", 1)[0]) for line in batch)
         try:
             await self.client.xadd(
-                self.key, {"p": self.producer_id, "r": "\n".join(batch)},
+                self.key, {"p": self.producer_id, "s": str(self._last_seq), "r": "\n".join(batch)},
                 minid=max(newest - 2 * self.ttl_ms, 0), approximate=True,
             )
         except (RedisError, OSError) as e:
@@ -275,6 +294,7 @@ class RedisReservations:
             self._last_id = eid
             if fields.get(b"p") == me:
                 continue
+            self._cut.saw(eid, fields)
             for line in fields.get(b"r", b"").decode().split("\n"):
                 if not line:
                     continue  # an empty batch: a replica waking its own follower to stop (close)

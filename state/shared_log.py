@@ -21,17 +21,16 @@ applies exactly the operations the decision's router had (``conductor.routing.ex
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
+from .events import Cut, EventSeq
 from .inflight import Finished, FirstToken, InMemoryInflight, InstanceLoad
 from .inflight import decode_op as decode_inflight
 from .inflight import encode_op as encode_inflight
@@ -42,39 +41,8 @@ from .pending import encode_op as encode_pending
 from .reservations import FOLLOW_BLOCK_MS
 
 MAX_BUFFERED = 100_000
-MAX_CUT = 64
-"""Producers a cut names before the quiet ones are dropped (``schemas.records.MAX_SEEN`` bounds it
-on the record; a producer dropped is one whose operations no decision still counts, or, past that,
-the longest quiet)."""
 StreamEntry = tuple[bytes, dict[bytes, bytes]]
 log = logging.getLogger(__name__)
-
-
-class EventSeq:
-    """One producer's numbers for what it shares: every operation appended inside one
-    :meth:`event` carries that event's number, any other its own. Numbers only grow, across a
-    restart of the producer too: they start from the wall clock in microseconds."""
-
-    def __init__(self, start: int | None = None) -> None:
-        self.last = start if start is not None else time.time_ns() // 1000
-        """The number of the latest event (the next is one more)."""
-        self._open = False
-
-    @contextlib.contextmanager
-    def event(self) -> Iterator[int]:
-        """Number the operations appended until the block ends as one event; yields its number."""
-        self.last += 1
-        self._open = True
-        try:
-            yield self.last
-        finally:
-            self._open = False
-
-    def stamp(self) -> int:
-        """The number for an operation appended now: the open event's, else a new one."""
-        if not self._open:
-            self.last += 1
-        return self.last
 
 
 class SharedLog:
@@ -96,9 +64,7 @@ class SharedLog:
         self.events = events if events is not None else EventSeq()
         self._buffer: list[tuple[int, int, Any]] = []
         self._flushing = asyncio.Lock()  # one batch at a time: a producer's entries stay in its order
-        self._seen: dict[str, tuple[int, int]] = {}
-        """Producer -> (the last event number applied from it, its entry's time in ms)."""
-        self._own_last: int | None = None
+        self._cut = Cut(producer_id, retain_ms)
         self._timer: asyncio.TimerHandle | None = None
         self._tasks: set[asyncio.Task[None]] = set()
         self._follower: asyncio.Task[None] | None = None
@@ -115,23 +81,12 @@ class SharedLog:
     def cut(self) -> dict[str, int]:
         """Per producer, the number of the last event whose operations on this stream are applied
         here (this producer's own: the last it appended; a producer not named: none of its)."""
-        seen = self._seen
-        if len(seen) > MAX_CUT:  # producers quiet for longer than anything they shared can matter go
-            newest = max(ms for _, ms in seen.values())
-            for p in [p for p, (_, ms) in seen.items() if ms < newest - self.retain_ms]:
-                del seen[p]
-            if len(seen) > MAX_CUT:
-                for p, _ in sorted(seen.items(), key=lambda kv: kv[1][1])[:len(seen) - MAX_CUT]:
-                    del seen[p]
-        out = {p: seq for p, (seq, _) in seen.items()}
-        if self._own_last is not None:
-            out[self.producer_id] = self._own_last
-        return out
+        return self._cut.as_dict()
 
     def append(self, item: Any, at_ms: int) -> int:
         """Share ``item`` (JSON-able, stamped ``at_ms``) with the next batch; returns its event number."""
         seq = self.events.stamp()
-        self._own_last = seq
+        self._cut.own_last = seq
         self._buffer.append((at_ms, seq, item))
         if self._timer is None:
             try:
@@ -223,13 +178,7 @@ class SharedLog:
             except ValueError:
                 log.warning("skipping a malformed entry %r of %s", eid, self.key)
                 continue
-            seq = fields.get(b"s")
-            if producer is not None and seq is not None:
-                try:
-                    p = producer.decode()
-                    self._seen[p] = (max(self._seen.get(p, (0, 0))[0], int(seq)), int(eid.split(b"-", 1)[0]))
-                except ValueError:
-                    log.warning("entry %r of %s has a bad producer or number", eid, self.key)
+            self._cut.saw(eid, fields)
             for item in items if isinstance(items, list) else ():
                 try:
                     self._apply_one(item)

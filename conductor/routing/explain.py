@@ -23,8 +23,8 @@ earlier decision places its request's chain on its instances and charges its wor
 Which of those operations count is what the decision's router had applied when it decided, not
 what was stamped by then: they reach a router a flush and a round trip after they are made, so
 a release stamped before a decision can arrive after it. A v6 decision records, per producer on
-each shared stream, the last event it had applied (``seen_pending``, ``seen_inflight``: the cut,
-:mod:`state.shared_log`) and its own event; an outcome its releases' events. An operation counts
+each shared stream, the last event it had applied (``seen_pending``, ``seen_inflight``,
+``seen_reservations``: the cut, :mod:`state.events`) and its own events; an outcome its releases'. An operation counts
 when the cut covers its event (whatever its stamp); one without a number (older records) when
 it was stamped by the decision's time. (Confirmations by KV events are not replayed: they change
 what a decision sees only for a block evicted within the TTL of being placed; a retried
@@ -197,7 +197,8 @@ async def _earlier_decisions(reads: _Reads, name: str, target: Envelope, at_ms: 
     made (within ``ttl_ms``), in log order: the dispatch records around its time only."""
     body = target.body
     assert isinstance(body, (RoutingDecision, RoutingRejection))
-    cut = isinstance(body, RoutingDecision) and (body.seen_pending is not None or body.seen_inflight is not None)
+    cut = isinstance(body, RoutingDecision) and any(
+        c is not None for c in (body.seen_pending, body.seen_inflight, body.seen_reservations))
     found: list[tuple[int, int, Envelope]] = []
     spans = await reads.window(name, at_ms - ttl_ms - CLOCK_SLACK_MS, at_ms + CLOCK_SLACK_MS)
     async for m, env in reads.envelopes(spans):
@@ -418,7 +419,9 @@ async def explain(settings: Settings, request_id: str, *, max_records: int | Non
         "model_profile": rec.model_profile or settings.model_profile,
     })
     own = isinstance(rec, RoutingDecision) and rec.inflight_lease_ms is not None
-    reservations, n_resv = _reservations(settings, s.block_size, earlier, requests, at_ms - resv_ms, own)
+    reservations, n_resv = _reservations(settings, s.block_size, earlier, requests, at_ms - resv_ms, own,
+                                         _Seen(rec.seen_reservations if isinstance(rec, RoutingDecision) else None,
+                                               at_ms))
     router = Router(s, _ViewAt(store, at_ms), reservations, incremental=False)  # every instance, afresh
     counts = (0, 0, 0)
     if isinstance(rec, RoutingDecision):
@@ -451,16 +454,18 @@ async def explain(settings: Settings, request_id: str, *, max_records: int | Non
 
 def _reservations(settings: Settings, block_size: int, earlier: Sequence[Envelope],
                   requests: Mapping[str, tuple[int, RoutingRequest]], since_ms: int,
-                  own: bool) -> tuple[InMemoryReservations, int]:
-    """The reservations the earlier decisions (made from ``since_ms`` on) still held, and how many;
-    none for a decision that counted its load with the in-flight ledger (``own``)."""
+                  own: bool, seen: _Seen) -> tuple[InMemoryReservations, int]:
+    """The reservations the earlier decisions (made from ``since_ms`` on) still held, and how many:
+    those the decision's router had applied (``seen``: by its cut of the reservations' stream, else
+    by time); none for a decision that counted its load with the in-flight ledger (``own``)."""
     reservations = InMemoryReservations(settings.reservation_ttl_s)
     n = 0
     for env in earlier:
         d = env.body
         assert isinstance(d, RoutingDecision)
         r = requests.get(d.request_id)
-        if r is None or own or _read_at(env) < since_ms:
+        t0 = _read_at(env)
+        if r is None or own or t0 < since_ms or not seen.has(d.reservation_producer, d.reservation_event, t0):
             continue
         reservations.reserve_sync(decision_reservations(r[1], d, block_size), _read_at(env))
         n += 1

@@ -61,7 +61,7 @@ from schemas import (
 from schemas.records import MAX_BLOCKS
 from state.inflight import InflightLedger
 from state.pending import PendingStore
-from state.reservations import InMemoryReservations, Load, Reservation, ReservationStore
+from state.reservations import InMemoryReservations, Load, RedisReservations, Reservation, ReservationStore
 from state.view import ViewReader, ViewSnapshot
 
 log = logging.getLogger(__name__)
@@ -535,6 +535,12 @@ class Router:
         if preq.session_instance is not None:
             fields["session_instance"] = preq.session_instance
         fields.update(self.decision_time.fields())
+        if self.own is None and isinstance(self.reservations, RedisReservations):
+            # What the replicas' reservations had reached here, and this one's number: taken next,
+            # in this step (``_reserve`` numbers it before any wait).
+            fields["seen_reservations"] = self.reservations.cut()
+            fields["reservation_event"] = self.reservations.events.last + 1
+            fields["reservation_producer"] = self.reservations.producer_id
         pre = _instance_of(cluster)(out.prefill_instance)
         if pre is not None:
             fields["queued_tokens_ahead"] = pre.queued_prefill_tokens

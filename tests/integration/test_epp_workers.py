@@ -64,8 +64,12 @@ async def test_two_workers_share_the_port_and_each_decides_under_its_own_id(sett
         for w, served in by_worker.items():
             for a in served:
                 assert decided[a.headers["x-conductor-request-id"]] == w
-        ex = await explain(settings, answers[0].headers["x-conductor-request-id"])
-        assert ex.matches, ex.differences
+        # Every decision, not one: the two workers decide at once and see each other's reservations
+        # a flush later; explain applies what each decision's cut says it had (state.events).
+        for a in answers:
+            rid = a.headers["x-conductor-request-id"]
+            ex = await explain(settings, rid)
+            assert ex.matches, (rid, ex.differences)
     # Stopping the command stops its workers.
     for _ in range(50):
         if not any(alive(p) for p in pids):
