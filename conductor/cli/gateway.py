@@ -204,6 +204,9 @@ LiveEngineKvMib = Annotated[int | None, typer.Option("--engine-kv-mib", min=16, 
     "engine's KV cache in MiB (default: 1024 for tiny, 48 for heavy)")]
 LivePinEngines = Annotated[str | None, typer.Option("--pin-engines", help="--engines vllm: run the engines on these "
     "cores (e.g. 1, 2-3, 1,3) and everything else on the other cores of this process")]
+LiveCalibrate = Annotated[bool, typer.Option("--calibrate", help="--engines vllm: first calibrate a fresh engine of "
+    "the same kind (conductor profile calibrate's sweep, one repeat, a few minutes) and run Conductor's sides on that "
+    "profile (the run's model_profile and calibration say which and how well it fit)")]
 
 
 def bench_live(
@@ -228,11 +231,12 @@ def bench_live(
     engine_model: LiveEngineModel = "tiny",
     engine_kv_mib: LiveEngineKvMib = None,
     pin_engines: LivePinEngines = None,
+    calibrate: LiveCalibrate = False,
     json_out: JsonLine = False,
 ) -> None:
     """The same trace slice through Conductor's gateway and through the SGLang router, on identical engines.
 
-    --engines vllm: the slice through Conductor, through sglang-router (regular HTTP mode, cache_aware) and through sglang-router's round_robin, each in front of fresh identical real vLLM engines (scripts/vllm-kit makes the kit). Per side: ttft_p50_s, ttft_p90_s (as the client saw them), engine_prefix_hit_ratio (the engines' own prefix-cache counters), served, rejected, errors, each the median over --rounds (rounds: each round's values); control_cpu_s, control_cpu_s_by_process, control_cpu_ms_per_request (CPU of everything but the engines and the client over the replay: gateway, router, worker, bridges, broker, Redis; the SGLang router on its sides); engine_evicted_blocks (with a set KV cache size); on Conductor's sides decisions, left_holder_decisions and left_holder_by_reason (null until decisions say why a prefix holder was left). Takes several minutes: every side starts its engines afresh.
+    --engines vllm: the slice through Conductor, through sglang-router (regular HTTP mode, cache_aware) and through sglang-router's round_robin, each in front of fresh identical real vLLM engines (scripts/vllm-kit makes the kit). Per side: ttft_p50_s, ttft_p90_s (as the client saw them), engine_prefix_hit_ratio (the engines' own prefix-cache counters), served, rejected, errors, each the median over --rounds (rounds: each round's values); control_cpu_s, control_cpu_s_by_process, control_cpu_ms_per_request (CPU of everything but the engines and the client over the replay: gateway, router, worker, bridges, broker, Redis; the SGLang router on its sides); engine_evicted_blocks (with a set KV cache size); on Conductor's sides decisions, left_holder_decisions and left_holder_by_reason (null until decisions say why a prefix holder was left); the run's model_profile (the profile Conductor's sides ran on) and calibration (with --calibrate: the fit and its TTFT error on the sweep). Takes several minutes: every side starts its engines afresh.
 
     Conductor side: stream worker, router (CONDUCTOR_POLICY) and gateway (SGLang bootstrap hand-off) in front of fresh emulated engines whose KV events reach the view through bridges. Peer side: `python -m sglang_router.launch_router --pd-disaggregation --policy cache_aware` in front of fresh, identical engines. Each request is a streamed completion sent by the openai client at its trace arrival time, its prompt a text in which each trace block is a fixed run of pseudo-words (the SGLang router matches text). Prints per side: ttft_p50_s, ttft_p90_s (model time, as conductor demo), reuse_ratio (cached / prompt tokens the engines reported), rejected (429/503), errors.
     """
@@ -258,7 +262,7 @@ def bench_live(
             out = run_vllm_live_bench(s, VllmLiveOptions(
                 duration_s=duration, speed=speed, sample=sample, trace=trace, engines=vllm_engines,
                 max_requests=max_requests, max_output_tokens=max_output_tokens or 8, drain_s=max(drain_s, 120.0),
-                rounds=rounds, sides=side_list, engine_model=engine_model, pin_engines=cpus,
+                rounds=rounds, sides=side_list, engine_model=engine_model, pin_engines=cpus, calibrate=calibrate,
                 engine_kv_cache_bytes=engine_kv_mib * 2**20 if engine_kv_mib else None))
         else:
             out = run_live_bench(s, LiveOptions(

@@ -43,7 +43,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +52,9 @@ import openai
 
 from conductor.bridge.scrape import parse_load
 from conductor.costmodel.fitting import prediction_error_summary
+from conductor.costmodel.profiles import load_profile
 from conductor.harness.bench.live import LiveBenchError, block_words, quiet_clients, read_outcomes, servers, trace_slice
+from conductor.harness.calibrate import CalibrateConfig, SweepPlan, calibrate_engine, write_profile
 from conductor.harness.cpu import CpuMeter, affinity
 from conductor.harness.demo import DemoRequest, Processes
 from conductor.harness.devstack import free_port
@@ -118,6 +120,9 @@ class VllmLiveOptions:
     """Each engine's KV cache; None: the kit's 1 GiB (tiny), :data:`HEAVY_KV_CACHE_BYTES` (heavy)."""
     pin_engines: tuple[int, ...] = ()
     """The cores the engines run on (everything else on the others); empty: no pinning."""
+    calibrate: bool = False
+    """Calibrate a fresh engine of the same kind first (``conductor profile calibrate``'s sweep, one
+    repeat) and run Conductor's sides on that profile instead of the configured one."""
 
     def kv_cache_bytes(self) -> int | None:
         if self.engine_kv_cache_bytes is not None:
@@ -454,6 +459,22 @@ async def _router_ready(base: str, procs: Processes, timeout_s: float = 60.0) ->
     raise VllmLiveError(f"sglang-router did not start:\n{procs.log_tail('sglang-router')}")
 
 
+async def _calibrated(settings: Settings, opts: VllmLiveOptions, kit: Path, log_dir: Path,
+                      out: Path) -> dict[str, Any]:
+    """Calibrate one fresh engine like the sides' (pinned alike) and write its profile to ``out``;
+    the calibration's summary (its fit and its error on the sweep)."""
+    engines = await _fresh_engines(replace(opts, engines=1), kit, log_dir / "calibrate")
+    try:
+        plan = SweepPlan(repeats=1, block_size=BLOCK_SIZE)
+        config = CalibrateConfig(engine=engines[0].url, plan=plan, base=load_profile(settings.model_profile),
+                                 model=MODEL, name=f"{settings.model_profile}-{opts.engine_model}-calibrated")
+        cal = await calibrate_engine(config)
+    finally:
+        await asyncio.gather(*(e.stop() for e in engines), return_exceptions=True)
+    write_profile(cal.profile, out)
+    return cal.summary() | {"out": str(out)}
+
+
 def round_orders(sides: Sequence[str], rounds: int) -> list[list[str]]:
     """The order of the sides in each round: rotated by one from round to round, so that each side
     runs first (and last) as often as the others over ``len(sides)`` rounds."""
@@ -514,6 +535,7 @@ def _run_sides(settings: Settings, opts: VllmLiveOptions, what: str) -> tuple[di
     t_all = time.monotonic()
     orders = round_orders(opts.sides, max(1, opts.rounds))
     rows: dict[str, list[dict[str, Any]]] = {side: [] for side in opts.sides}
+    calibration: dict[str, Any] | None = None
     mine = affinity()
     try:
         if pins is not None:
@@ -521,6 +543,10 @@ def _run_sides(settings: Settings, opts: VllmLiveOptions, what: str) -> tuple[di
             # engines' cores; each engine sets its own cores as it starts.
             os.sched_setaffinity(0, pins["others"])
         with servers(settings, data_dir) as base:
+            if opts.calibrate and any(side.startswith("conductor") for side in opts.sides):
+                log.info("%s on real vLLM: calibrating a fresh %s engine first", what, opts.engine_model)
+                calibration = asyncio.run(_calibrated(base, opts, kit, log_dir, log_dir / "profile-calibrated.json"))
+                base = base.model_copy(update={"model_profile": calibration["out"]})
             for r, order in enumerate(orders):
                 for side in order:
                     i = opts.sides.index(side)
@@ -551,6 +577,8 @@ def _run_sides(settings: Settings, opts: VllmLiveOptions, what: str) -> tuple[di
         "engine_model": opts.engine_model,
         "engine_kv_cache_bytes": opts.kv_cache_bytes(),
         "pinning": pins,
+        "model_profile": calibration["out"] if calibration is not None else settings.model_profile,
+        "calibration": calibration,
     }
     return out, run
 
