@@ -35,7 +35,7 @@ from streams.kafka import consumer, ensure_topics, producer
 from streams.topics import topics
 from tests.integration import waiting
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration]
 
 
 def conductor_env(s: Settings) -> dict[str, str]:
@@ -181,6 +181,7 @@ async def test_an_engines_events_make_the_next_request_reuse_its_prefix(
         await view.close()
 
 
+@pytest.mark.slow  # `scripts/test -m slow`
 async def test_the_bridge_command_brings_an_engine_that_does_not_heartbeat_into_the_view(
     settings: Settings, tmp_path: Path
 ) -> None:

@@ -13,9 +13,10 @@ import pytest
 from conductor.harness.devstack import StackState
 from conductor.settings import Settings
 
-pytestmark = [pytest.mark.integration, pytest.mark.slow]
+pytestmark = [pytest.mark.integration]
 
 
+@pytest.mark.slow  # both runs of the demo, ~1 min: `scripts/test -m slow`
 def test_demo_completes_and_compares_with_the_baseline(stack: StackState, settings: Settings, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CONDUCTOR_")}
     # The session's servers: the demo then starts no embedded stack of its own.

@@ -17,7 +17,7 @@ from conductor.settings import Settings
 from schemas import RequestOutcome, RoutingDecision
 from streams.topics import topics
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(240)]  # `scripts/test -m slow`
 
 PROMPT_TOKENS = 16_384
 """The default profile prefills 16k tokens in ~2.6 s on one instance, ~1.4 s on a group of two."""

@@ -19,7 +19,7 @@ from conductor.settings import Settings
 from schemas import RequestOutcome
 from streams.topics import topics
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(240)]  # `scripts/test -m slow`
 
 
 async def test_two_workers_share_the_port_and_stop_together(settings: Settings, tmp_path: Path) -> None:

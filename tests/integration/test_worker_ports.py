@@ -19,7 +19,7 @@ from state.redis_view import RedisViewStore
 from streams.kafka import ensure_topics, producer
 from streams.topics import topics
 
-pytestmark = [pytest.mark.integration]
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # `scripts/test -m slow`
 
 WORKER = [sys.executable, "-c", "from conductor.cli import main; main()", "worker", "--loglevel", "warning"]
 

@@ -32,7 +32,7 @@ from state.redis_view import RedisViewStore
 from streams.kafka import consumer, producer
 from streams.topics import topics
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(600)]
 
 A, B = "vllm-bal-a", "vllm-bal-b"
 

@@ -26,7 +26,7 @@ from state.redis_view import RedisViewStore
 from streams.kafka import producer
 from streams.topics import topics
 
-pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
 
 
 # --- helpers ------------------------------------------------------------------------------------
