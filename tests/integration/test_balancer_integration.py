@@ -111,6 +111,7 @@ async def _changelog_keys(settings: Settings, table: str) -> set[str]:
         await c.stop()
 
 
+@pytest.mark.slow  # `scripts/test -m slow`
 async def test_a_restarted_balance_worker_resumes_with_its_heat(settings: Settings, tmp_path: Path):
     """Heat counted by one run of `conductor balance` is restored from the tables' changelogs by
     the next run (which reads no request again), and a command is planned from it."""

@@ -19,7 +19,7 @@ from conductor.settings import Settings
 from schemas import RoutingRequest
 from streams.topics import topics
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]  # `scripts/test -m slow`
 
 TIGHT, VIP, SLOW = "sk-tight-0123456789abcdef", "sk-vip-0123456789abcdef", "sk-slow-0123456789abcdef"
 

@@ -19,7 +19,7 @@ from conductor.settings import Settings
 from schemas import RoutingRequest
 from streams.topics import topics
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]  # `scripts/test -m slow`
 
 TOOL = {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
                                          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}

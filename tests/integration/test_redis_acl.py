@@ -97,6 +97,7 @@ async def test_the_view_and_its_maintenance_need_no_more(acl_user: tuple[Setting
     assert "cannot reach Redis" in res.output and s.redis_password.get_secret_value() not in res.output
 
 
+@pytest.mark.slow  # `scripts/test -m slow`
 async def test_the_request_path_runs_as_the_least_privileged_user(acl_user: tuple[Settings, aioredis.Redis],
                                                                   tmp_path: Path) -> None:
     s, root = acl_user

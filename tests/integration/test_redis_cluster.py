@@ -82,6 +82,7 @@ async def test_a_namespace_lives_in_one_slot_on_one_primary(cluster_settings, va
         await store.close()
 
 
+@pytest.mark.slow  # `scripts/test -m slow`
 async def test_worker_folds_into_the_cluster_and_the_router_routes_from_it(cluster_settings, tmp_path):
     s = cluster_settings.model_copy(update={"web_port": free_port(), "heartbeat_ttl_s": 600.0})  # worker start-up is slow
     t = topics(s.topic_config())
