@@ -483,6 +483,9 @@ def _step_time(s: OutcomeSample) -> bool:
 
 def _tbt_profile(base: ModelProfile, fit: tuple[float, float]) -> dict[str, float]:
     overhead, scale = fit
+    # A step the fit calls (nearly) free of the model's cost is read at the fastest bandwidth a
+    # profile may have, not a faster one: the profile stays within the schema's bounds.
+    scale = max(scale, base.hbm_bandwidth / MAX_BANDWIDTH)
     return {"step_overhead_s": max(0.0, overhead), "per_sequence_s": base.per_sequence_s * scale,
             "hbm_bandwidth": base.hbm_bandwidth / scale}
 

@@ -205,3 +205,15 @@ def test_the_router_costs_running_requests_with_a_fitted_profile() -> None:
     busy, idle = Instance("p0", "both", batch_size=5), Instance("p1", "both")
     assert Costs(BASE).queue_wait_s(busy) == 0.0  # hand-set: the batch costs a new request nothing
     assert Costs(fitted).queue_wait_s(busy) == pytest.approx(0.1) and Costs(fitted).queue_wait_s(idle) == 0.0
+
+
+def test_a_tbt_fit_that_calls_decoding_nearly_free_stays_within_the_profile_bounds() -> None:
+    """A window whose token gaps the fit explains by the fixed overhead alone (scale ~1e-9) once
+    gave an hbm_bandwidth past the schema's bound, and the fitted profile could not be published
+    (a real-vLLM CI run): the bandwidth is capped at the bound instead."""
+    from conductor.costmodel.profiles import MAX_BANDWIDTH, _tbt_profile, profile_from_dict
+
+    base = load_profile("llama3-70b-a800x8")
+    update = _tbt_profile(base, (0.002, 1e-9))
+    assert update["hbm_bandwidth"] <= MAX_BANDWIDTH
+    profile_from_dict(base.model_copy(update=update).model_dump(), source="set_profile")  # validates
