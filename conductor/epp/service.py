@@ -59,6 +59,7 @@ from conductor.frontdoor.protocol import (
     default_bounds,
     error_body,
     outcome_decision_fields,
+    outcome_release_fields,
     parse_body,
     parse_slo,
     request_id,
@@ -183,9 +184,7 @@ class Picker:
         self.outcomes(RequestOutcome(
             request_id=decision.request_id, gateway=self.config.epp_id, status=status, error=why,
             message=f"the picker's answer was not delivered: {why}", attempts=[decision.request_id],
-            **outcome_decision_fields(decision), finished_view_ms=mark.view_ms if mark is not None else None,
-            release_producer=mark.producer if mark is not None else None,
-            finished_event=mark.event if mark is not None else None))
+            **outcome_decision_fields(decision), **outcome_release_fields(None, mark)))
 
     def _abandon_when_made(self, task: asyncio.Future[Any], why: str, status: int) -> None:
         """Once ``task`` (a decision no one waits for now) ends, :meth:`abandon` what it decided."""

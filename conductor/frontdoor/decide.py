@@ -29,8 +29,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Literal, NamedTuple, Protocol
+from typing import Any, Literal, Protocol
 
+from conductor.frontdoor.protocol import ReleaseMark
 from conductor.gateway.replies import InboxClosed, ReplyInbox
 from conductor.routing.local import LocalRouter, LogUnavailable
 from conductor.settings import Settings
@@ -54,15 +55,6 @@ Release = Literal["first_token", "finished"]
 """What a door reports back about a decision: its first token came, or it ended."""
 
 
-class ReleaseMark(NamedTuple):
-    """A release as the shared records got it: what the request's outcome says of it."""
-
-    view_ms: int
-    """When, on the view's clock (``first_token_view_ms`` / ``finished_view_ms``)."""
-    producer: str | None = None
-    """Who shared it (``release_producer``); None: not shared."""
-    event: int | None = None
-    """Its number under ``producer`` (``first_token_event`` / ``finished_event``)."""
 MAX_TRACKED = 100_000
 """Decisions whose arrival a log-mode door remembers for their view-clock times (the oldest
 forgotten first: a request that outlives that many later ones is past any lease)."""

@@ -12,7 +12,7 @@ import re
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 from pydantic import ValidationError
 
@@ -408,4 +408,26 @@ def outcome_decision_fields(d: RoutingDecision | None) -> dict[str, Any]:
         "predicted_ttft_s": d.predicted_ttft_s if d else None, "predicted_tbt_ms": d.predicted_tbt_ms if d else None,
         "reused_tokens": d.reused_tokens if d else None, "mode": d.mode if d else None,
         "control_offset": d.control_offset if d else None,
+    }
+
+
+class ReleaseMark(NamedTuple):
+    """A release as the shared records got it (``Decider.released``): what the request's outcome says of it."""
+
+    view_ms: int
+    """When, on the view's clock (``first_token_view_ms`` / ``finished_view_ms``)."""
+    producer: str | None = None
+    """Who shared it (``release_producer``); None: not shared."""
+    event: int | None = None
+    """Its number under ``producer`` (``first_token_event`` / ``finished_event``)."""
+
+
+def outcome_release_fields(first: ReleaseMark | None, finished: ReleaseMark | None) -> dict[str, Any]:
+    """What a ``request_outcome`` says of its decision's releases: their times on the view's clock,
+    who shared them and their numbers (each None when not released or not shared)."""
+    by = next((m.producer for m in (finished, first) if m is not None and m.producer is not None), None)
+    return {
+        "first_token_view_ms": first.view_ms if first else None, "first_token_event": first.event if first else None,
+        "finished_view_ms": finished.view_ms if finished else None,
+        "finished_event": finished.event if finished else None, "release_producer": by,
     }

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from conductor.frontdoor.protocol import outcome_decision_fields
+from conductor.frontdoor.protocol import ReleaseMark, outcome_decision_fields, outcome_release_fields
 from conductor.stats import percentile
 from schemas import RequestOutcome, RoutingDecision
 
@@ -36,16 +36,11 @@ class Trace:
     status: int = 200
     error: str | None = None
     message: str = ""
-    first_token_view_ms: int | None = None
-    """The (last) decision's first token on the view's clock, as released (``Decider.released``)."""
-    finished_view_ms: int | None = None
-    """Its end on the view's clock, as released."""
-    release_producer: str | None = None
-    """Who shared those releases on the decision-time streams (None: not shared)."""
-    first_token_event: int | None = None
-    """The first token's release, by its number under ``release_producer``."""
-    finished_event: int | None = None
-    """The end's release, by its number."""
+    first_token_release: ReleaseMark | None = None
+    """The (last) decision's first token as released (``Decider.released``): its time on the view's
+    clock and its number on the shared streams."""
+    finished_release: ReleaseMark | None = None
+    """Its end, as released."""
     finished: str | None = None
     """The attempt whose end was released (a decision's end is released once)."""
     held_kv: tuple[str, dict[str, Any], dict[str, Any]] | None = None
@@ -69,9 +64,5 @@ def outcome_of(tr: Trace, gateway_id: str, now: float) -> RequestOutcome:
         prefill_s=tr.prefill_s if d and not d.aggregated and tr.prefill_s else None,
         decode_ttft_s=(tr.t0 + tr.ttft_s - tr.decode_sent
                        if tr.ttft_s is not None and tr.decode_sent is not None else None),
-        first_token_view_ms=tr.first_token_view_ms if d else None,
-        finished_view_ms=tr.finished_view_ms if d else None,
-        release_producer=tr.release_producer if d else None,
-        first_token_event=tr.first_token_event if d else None,
-        finished_event=tr.finished_event if d else None,
+        **outcome_release_fields(tr.first_token_release if d else None, tr.finished_release if d else None),
     )

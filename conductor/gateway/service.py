@@ -380,22 +380,14 @@ class Gateway:
     def _first_token(self, tr: Trace) -> None:
         """The (last) decision's first token is in: its prefill's in-flight work ends."""
         if tr.decision is not None:
-            mark = self._released(tr.decision, "first_token", False)
-            tr.first_token_view_ms = mark.view_ms if mark is not None else None
-            tr.first_token_event = mark.event if mark is not None else None
-            if mark is not None and mark.producer is not None:
-                tr.release_producer = mark.producer
+            tr.first_token_release = self._released(tr.decision, "first_token", False)
 
     def _release_end(self, tr: Trace, failed: bool) -> None:
         """The (last) decision ended (once per attempt)."""
         d = tr.decision
         if d is not None and tr.finished != d.request_id:
             tr.finished = d.request_id
-            mark = self._released(d, "finished", failed)
-            tr.finished_view_ms = mark.view_ms if mark is not None else None
-            tr.finished_event = mark.event if mark is not None else None
-            if mark is not None and mark.producer is not None:
-                tr.release_producer = mark.producer
+            tr.finished_release = self._released(d, "finished", failed)
 
     def _released(self, d: RoutingDecision, at: Release, failed: bool) -> ReleaseMark | None:
         try:

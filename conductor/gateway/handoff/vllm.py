@@ -9,7 +9,7 @@ from typing import Any
 
 from conductor.gateway.handoff import Call, Opened
 from conductor.gateway.outcome import Trace
-from conductor.gateway.upstream import MAX_ANSWER_BYTES, EngineFailed, Upstream, UpstreamClientError
+from conductor.gateway.upstream import MAX_ANSWER_BYTES, EngineFailed, Upstream
 
 log = logging.getLogger(__name__)
 _freeing: set[asyncio.Task[None]] = set()
@@ -90,12 +90,14 @@ def free_held(up: Upstream, call: Call, held: tuple[str, dict[str, Any], dict[st
             r = await up.send(call.decode_url + call.path, body, hdrs, node, tr, what="decode that frees the KV",
                               first_byte=False)
             await up.read(r, tr, node, "the freeing decode's answer", MAX_ANSWER_BYTES)
-            if r.status_code >= 400:
-                raise UpstreamClientError(r.status_code, f"answered {r.status_code}")
-            log.info("request %s: freed the KV its prefill on %s held (pulled by %s)", tr.request_id, held[0], node)
+            why = None if r.status_code < 400 else f"{node} answered {r.status_code}"
         except Exception as e:  # noqa: BLE001 - a background pull's failure is logged; vLLM's timeout frees them
+            why = str(e)
+        if why is None:
+            log.info("request %s: freed the KV its prefill on %s held (pulled by %s)", tr.request_id, held[0], node)
+        else:
             log.warning("request %s: could not free the KV its prefill on %s holds (vLLM's abort timeout will): %s",
-                        tr.request_id, held[0], e)
+                        tr.request_id, held[0], why)
 
     task = asyncio.ensure_future(pull())
     _freeing.add(task)
