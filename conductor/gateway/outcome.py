@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from conductor.frontdoor.protocol import ReleaseMark, outcome_decision_fields, outcome_release_fields
 from conductor.stats import percentile
 from schemas import RequestOutcome, RoutingDecision
+
+if TYPE_CHECKING:
+    from conductor.gateway.handoff import Call
 
 
 @dataclass
@@ -47,6 +50,8 @@ class Trace:
     """vLLM P/D: (prefill instance, its ``kv_transfer_params``, its answer) of a prefill whose decode
     failed before it took the request: the blocks stay pinned there for a decode to pull, so a
     retry that keeps that prefill instance sends only the decode half (:mod:`.handoff.vllm`)."""
+    held_call: Call | None = None
+    """The call whose prefill ``held_kv`` is (what a later freeing pull repeats, one token long)."""
 
 
 def outcome_of(tr: Trace, gateway_id: str, now: float) -> RequestOutcome:

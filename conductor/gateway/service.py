@@ -123,7 +123,7 @@ class Gateway:
         """What the router may name besides the engines that announce an endpoint."""
         self.directory = directory if directory is not None else EngineDirectory(config.engines)
         """The engines for /tokenize and /v1/models (``run_gateway`` gives it the view)."""
-        self._pd: HandOff = SglangHandOff(config.bootstrap_port) if config.protocol == "sglang" else vllm.hand_off
+        self._pd: HandOff = SglangHandOff(config.bootstrap_port) if config.protocol == "sglang" else vllm.VllmHandOff()
         """The P/D hand-off between two engines (the engines' protocol)."""
         self.outcomes: list[RequestOutcome] = []
         """The last outcomes (bounded), for tests and the bench."""
@@ -401,9 +401,14 @@ class Gateway:
     def _outcome(self, tr: Trace) -> None:
         self._open.discard(tr.request_id)
         if tr.held_kv is not None:  # no decode took it and no retry was left to pull it
-            log.warning("request %s: the KV its prefill on %s holds for a decode stays pinned there until "
-                        "vLLM's abort timeout (VLLM_NIXL_ABORT_REQUEST_TIMEOUT): no decode took it",
-                        tr.request_id, tr.held_kv[0])
+            holder = tr.held_kv[0]
+            if isinstance(self._pd, vllm.VllmHandOff) and self._pd.orphaned(tr):
+                log.warning("request %s: no decode took the KV its prefill on %s holds; the next decode call "
+                            "that opens pulls it (else vLLM's abort timeout frees it)", tr.request_id, holder)
+            else:
+                log.warning("request %s: the KV its prefill on %s holds for a decode stays pinned there until "
+                            "vLLM's abort timeout (VLLM_NIXL_ABORT_REQUEST_TIMEOUT): no decode took it",
+                            tr.request_id, holder)
         self._release_end(tr, failed=tr.error is not None)  # failed as explain reads the outcome
         o = outcome_of(tr, self.config.gateway_id, self.clock())
         self.outcomes.append(o)

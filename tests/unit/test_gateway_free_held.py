@@ -17,7 +17,7 @@ import pytest
 from conductor.gateway.config import UpstreamTimeouts
 from conductor.gateway.handoff import call_of, vllm
 from conductor.gateway.outcome import Trace
-from conductor.gateway.upstream import Upstream
+from conductor.gateway.upstream import EngineFailed, Upstream
 from schemas import RoutingDecision
 
 pytestmark = pytest.mark.unit
@@ -92,3 +92,93 @@ async def test_a_pull_that_fails_is_only_logged(caplog: pytest.LogCaptureFixture
                 break
             await asyncio.sleep(0.01)
     assert "could not free the KV its prefill on p0 holds" in caplog.text
+
+
+def _engines(calls: list[tuple[str, dict[str, Any], str]], decode: dict[str, int],
+             hang: asyncio.Event | None = None) -> httpx.MockTransport:
+    """p* prefill (answering FRESH); d* decode with ``decode[host]`` (default 200). With ``hang``,
+    a full decode (more than one token) waits until the event is set: the client leaves meanwhile."""
+
+    async def engine(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        calls.append((request.url.host, body, request.headers["x-request-id"]))
+        if request.url.host.startswith("p"):
+            return httpx.Response(200, json={"choices": [{"text": "x"}], "kv_transfer_params": FRESH})
+        if hang is not None and body.get("max_tokens") != 1:
+            await hang.wait()
+        return httpx.Response(decode.get(request.url.host, 200), json={"choices": [{"text": "hello"}]})
+
+    return httpx.MockTransport(engine)
+
+
+async def _settle() -> None:
+    for _ in range(200):  # the freeing pulls run in the background
+        if not vllm._freeing:
+            return
+        await asyncio.sleep(0.01)
+
+
+def _frees(calls: list[tuple[str, dict[str, Any], str]]) -> list[tuple[str, dict[str, Any], str]]:
+    return [c for c in calls if c[0].startswith("d") and c[1]["max_tokens"] == 1]
+
+
+async def test_a_client_that_leaves_before_the_decode_answers_frees_the_prefills_kv() -> None:
+    calls: list[tuple[str, dict[str, Any], str]] = []
+    async with httpx.AsyncClient(transport=_engines(calls, {}, hang=asyncio.Event())) as client:
+        up = Upstream(client, UpstreamTimeouts(), time.monotonic)
+        tr = Trace(request_id="r", t0=time.monotonic(), stream=False)
+        call = call_of({"model": "m", "prompt": "hi there", "max_tokens": 16}, False, _decision("p1"), "r-2", ENGINES)
+        task = asyncio.ensure_future(vllm.hand_off(up, call, tr))
+        while not any(host == "d0" for host, _, _ in calls):  # the prefill answered, the decode is on its way
+            await asyncio.sleep(0.005)
+        task.cancel()  # the client went away (cancel_on_disconnect)
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await _settle()
+    frees = _frees(calls)
+    assert len(frees) == 1
+    host, body, rid = frees[0]
+    assert (host, rid) == ("d0", "r-2-free") and body["kv_transfer_params"] == FRESH and body["stream"] is False
+
+
+async def test_held_kv_left_when_no_decode_took_it_is_pulled_by_the_next_decode_that_opens() -> None:
+    calls: list[tuple[str, dict[str, Any], str]] = []
+    decode = {"d0": 503}
+    pd = vllm.VllmHandOff()
+    async with httpx.AsyncClient(transport=_engines(calls, decode)) as client:
+        up = Upstream(client, UpstreamTimeouts(), time.monotonic)
+        first = Trace(request_id="r1", t0=time.monotonic(), stream=False)
+        with pytest.raises(EngineFailed):  # the last attempt's decode fails: nothing retries it
+            await pd(up, call_of({"model": "m", "prompt": "one", "max_tokens": 16}, False, _decision("p1"), "r1",
+                                 ENGINES), first)
+        assert first.held_kv is not None and pd.orphaned(first) and first.held_kv is None
+        assert len(pd.orphans) == 1 and not _frees(calls)
+        decode["d0"] = 200  # the decode side is back
+        second = Trace(request_id="r2", t0=time.monotonic(), stream=False)
+        resp, _ = await pd(up, call_of({"model": "m", "prompt": "two", "max_tokens": 16}, False, _decision("p1"), "r2",
+                                       ENGINES), second)
+        await resp.aread()
+        await resp.aclose()
+        await _settle()
+    frees = _frees(calls)
+    assert [(h, b["prompt"], b["kv_transfer_params"], rid) for h, b, rid in frees] == [("d0", "one", FRESH, "r1-free")]
+    assert len(pd.orphans) == 0
+
+
+async def test_a_failed_pull_waits_for_the_next_decode_and_old_orphans_are_dropped() -> None:
+    now = [0.0]
+    orphans = vllm.Orphans(clock=lambda: now[0], limit=2)
+    call = call_of({"model": "m", "prompt": "hi", "max_tokens": 16}, True, _decision("p0"), "r", ENGINES)
+    for i in range(3):  # bounded: the oldest goes
+        orphans.add(call, ("p0", dict(HELD), {}), f"r{i}")
+    assert len(orphans) == 2
+    taken = orphans.take()
+    assert [o.request_id for o in taken] == ["r1", "r2"] and len(orphans) == 0
+    assert taken[0].path == "/v1/chat/completions" and taken[0].body["max_tokens"] == 1
+    assert taken[0].body["kv_transfer_params"] == HELD and taken[0].holder == "p0"
+    orphans.requeue(taken[0])  # its pull failed: kept for the next decode
+    assert len(orphans) == 1
+    now[0] = vllm.ABORT_TIMEOUT_S + 1  # vLLM has freed it by now: not pulled, not kept
+    assert orphans.take() == []
+    orphans.requeue(taken[1])
+    assert len(orphans) == 0

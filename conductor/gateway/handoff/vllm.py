@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
-from collections.abc import Mapping
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from conductor.gateway.handoff import Call, Opened
@@ -14,6 +18,15 @@ from conductor.gateway.upstream import MAX_ANSWER_BYTES, EngineFailed, Upstream
 log = logging.getLogger(__name__)
 _freeing: set[asyncio.Task[None]] = set()
 """Pulls that free an orphaned prefill's KV, running past their request (kept from the collector)."""
+
+ABORT_TIMEOUT_S = 480.0
+"""vLLM's default ``VLLM_NIXL_ABORT_REQUEST_TIMEOUT``: a prefill's KV that no decode pulled is freed
+by the engine itself after this long, so an orphan older than this needs no pull."""
+MAX_ORPHANS = 1024
+"""Orphans kept for a later pull at most (the oldest go first: the engine's timeout frees them)."""
+
+Held = tuple[str, dict[str, Any], dict[str, Any]]
+"""A prefill's held KV: its instance, its ``kv_transfer_params``, its answer."""
 
 
 def _one_token(body: Mapping[str, Any], chat: bool) -> dict[str, Any]:
@@ -45,18 +58,89 @@ def vllm_decode_body(body: Mapping[str, Any], kv_transfer_params: Mapping[str, A
     return out
 
 
-async def hand_off(up: Upstream, call: Call, tr: Trace) -> Opened:
+@dataclass(frozen=True)
+class Orphan:
+    """A prefill's KV that no decode took: the one-token decode that pulls (and so frees) it."""
+
+    request_id: str
+    holder: str
+    """The prefill instance holding the blocks."""
+    path: str
+    body: dict[str, Any]
+    deadline: float
+    """Monotonic time after which vLLM's abort timeout has freed the blocks anyway."""
+
+
+class Orphans:
+    """Held KV waiting for a decode instance that answers (a decode-side outage outlasted the
+    request's retries, or a freeing pull failed): the next decode call that opens pulls them, so
+    prefill KV does not stay pinned through an outage for vLLM's abort timeout (minutes, per
+    request). Bounded (:data:`MAX_ORPHANS`, the oldest dropped); past ``deadline`` one is dropped
+    unpulled (the engine has freed it)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic, limit: int = MAX_ORPHANS) -> None:
+        self.clock = clock
+        self._q: deque[Orphan] = deque(maxlen=limit)
+
+    def __len__(self) -> int:
+        return len(self._q)
+
+    def add(self, call: Call, held: Held, request_id: str) -> None:
+        self._q.append(Orphan(request_id, held[0], call.path, vllm_decode_body(_one_token(call.body, call.chat), held[1]),
+                              self.clock() + ABORT_TIMEOUT_S))
+
+    def take(self) -> list[Orphan]:
+        """The orphans still worth a pull, removed (a failed pull adds its orphan back)."""
+        now = self.clock()
+        out = [o for o in self._q if o.deadline > now]
+        self._q.clear()
+        return out
+
+    def requeue(self, o: Orphan) -> None:
+        if o.deadline > self.clock():
+            self._q.append(o)
+
+
+class VllmHandOff:
+    """vLLM's P/D hand-off with this gateway's :class:`Orphans`: the KV of prefills whose decode
+    never took their request, freed by the next decode call that opens."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.orphans = Orphans(clock)
+
+    async def __call__(self, up: Upstream, call: Call, tr: Trace) -> Opened:
+        opened = await hand_off(up, call, tr, self.orphans)
+        if self.orphans:
+            node = call.decision.decode_instance
+            for o in self.orphans.take():
+                _pull(up, call.decode_url + o.path, o.body, {**call.headers(node), "x-request-id": f"{o.request_id}-free"},
+                      node, o.holder, o.request_id, on_failure=functools.partial(self.orphans.requeue, o))
+        return opened
+
+    def orphaned(self, tr: Trace) -> bool:
+        """Keep ``tr``'s held KV (its request ended with no decode left to take it) for the next
+        decode that opens; True when there was some."""
+        if tr.held_kv is None or tr.held_call is None:
+            return False
+        self.orphans.add(tr.held_call, tr.held_kv, tr.request_id)
+        tr.held_kv = tr.held_call = None
+        return True
+
+
+async def hand_off(up: Upstream, call: Call, tr: Trace, orphans: Orphans | None = None) -> Opened:
     """The prefill half, then the decode with its ``kv_transfer_params``. A prefill done for an
     earlier attempt on the same instance, whose decode failed before taking the request
     (``tr.held_kv``), is not run again: its blocks are pinned there until a decode pulls them (or
-    NIXL's abort timeout), so the new decode pulls those and the prefill's KV is freed now."""
+    vLLM's abort timeout), so the new decode pulls those and the prefill's KV is freed now. When
+    the client leaves after the prefill answered and before the decode did, a one-token decode
+    pulls the KV in the background (the decode call, cancelled, may not have)."""
     d = call.decision
-    held, tr.held_kv = tr.held_kv, None
+    held, tr.held_kv, tr.held_call = tr.held_kv, None, None
     if held is not None and held[0] == d.prefill_instance:
         params, pj = held[1], held[2]
     else:
         if held is not None:  # routed to another prefill: the held blocks would stay pinned
-            free_held(up, call, held, tr)
+            free_held(up, call, held, tr, orphans)
         pj = await up.prefill(call.prefill_url + call.path, vllm_prefill_body(call.body, call.chat),
                               call.headers(d.prefill_instance), d.prefill_instance, tr)
         got = pj.get("kv_transfer_params")
@@ -69,35 +153,51 @@ async def hand_off(up: Upstream, call: Call, tr: Trace) -> Opened:
                                     call.headers(d.decode_instance), d, tr)
     except EngineFailed as e:
         if e.node == d.decode_instance:  # the decode never took it: the prefill's KV waits, pinned, for another
-            tr.held_kv = (d.prefill_instance, params, pj)
+            tr.held_kv, tr.held_call = (d.prefill_instance, params, pj), call
+        raise
+    except asyncio.CancelledError:
+        # The client left while the decode was on its way: whether it pulled the KV is unknown, and a
+        # pull of blocks already freed only costs a one-token decode.
+        free_held(up, call, (d.prefill_instance, params, pj), tr, orphans)
         raise
     return resp, pj
 
 
-def free_held(up: Upstream, call: Call, held: tuple[str, dict[str, Any], dict[str, Any]], tr: Trace) -> None:
-    """Free the KV an earlier attempt's prefill holds for a decode that never took it (``held``:
-    its instance, its ``kv_transfer_params``, its answer) when the retry went to another prefill
-    instance: a one-token decode on this call's decode instance pulls those blocks, which frees
-    them on the holder now instead of at vLLM's abort timeout (minutes of a prefill's KV, per
-    request, through a decode-side outage). In the background; its failure is only logged (the
-    timeout still frees them)."""
+def free_held(up: Upstream, call: Call, held: Held, tr: Trace, orphans: Orphans | None = None) -> None:
+    """Free the KV a prefill holds for a decode that never took it (``held``) with a one-token
+    decode on this call's decode instance that pulls those blocks, which frees them on the holder
+    now instead of at vLLM's abort timeout (minutes of a prefill's KV, per request, through a
+    decode-side outage). In the background; on failure the pull waits in ``orphans`` for the next
+    decode that opens (without: only logged; the timeout still frees them)."""
     node = call.decision.decode_instance
     body = vllm_decode_body(_one_token(call.body, call.chat), held[1])
     hdrs = {**call.headers(node), "x-request-id": f"{call.request_id}-free"}
+    again = None if orphans is None else (lambda: orphans.add(call, held, call.request_id))
+    _pull(up, call.decode_url + call.path, body, hdrs, node, held[0], tr.request_id, on_failure=again)
+
+
+def _pull(up: Upstream, url: str, body: dict[str, Any], hdrs: dict[str, str], node: str, holder: str,
+          request_id: str, on_failure: Callable[[], None] | None) -> None:
+    """A one-token decode on ``node`` that pulls ``holder``'s blocks, in the background, with a
+    time budget of its own (not what is left of its request's)."""
+    tr = Trace(request_id=hdrs["x-request-id"], t0=up.clock(), stream=False)
 
     async def pull() -> None:
         try:
-            r = await up.send(call.decode_url + call.path, body, hdrs, node, tr, what="decode that frees the KV",
-                              first_byte=False)
+            r = await up.send(url, body, hdrs, node, tr, what="decode that frees the KV", first_byte=False)
             await up.read(r, tr, node, "the freeing decode's answer", MAX_ANSWER_BYTES)
             why = None if r.status_code < 400 else f"{node} answered {r.status_code}"
         except Exception as e:  # noqa: BLE001 - a background pull's failure is logged; vLLM's timeout frees them
-            why = str(e)
+            why = str(e) or type(e).__name__
         if why is None:
-            log.info("request %s: freed the KV its prefill on %s held (pulled by %s)", tr.request_id, held[0], node)
+            log.info("request %s: freed the KV its prefill on %s held (pulled by %s)", request_id, holder, node)
+        elif on_failure is not None:
+            log.warning("request %s: could not free the KV its prefill on %s holds (%s); the next decode that "
+                        "answers will try again", request_id, holder, why)
+            on_failure()
         else:
             log.warning("request %s: could not free the KV its prefill on %s holds (vLLM's abort timeout will): %s",
-                        tr.request_id, held[0], why)
+                        request_id, holder, why)
 
     task = asyncio.ensure_future(pull())
     _freeing.add(task)
