@@ -215,9 +215,11 @@ class CostFitter:
 
 def prediction_error_summary(outcomes: Iterable[RequestOutcome], time_scale: float = 1.0) -> dict[str, float | None]:
     """TTFT and TBT prediction error (|predicted - real| / real, p50 and p90) of served requests'
-    outcomes, as their decisions predicted them. ``time_scale``: real seconds are this many
-    model seconds (an emulated engine run faster than its profile)."""
+    outcomes, as their decisions predicted them, and the TTFT error's sign (``ttft_prediction_bias_p50``:
+    the median of (predicted - real) / real; below 0: the predictions are too short). ``time_scale``:
+    real seconds are this many model seconds (an emulated engine run faster than its profile)."""
     ttft: list[float] = []
+    bias: list[float] = []
     tbt: list[float] = []
     for o in outcomes:
         if o.status != 200 or o.error is not None or o.ttft_s is None or o.decided_s is None:
@@ -225,6 +227,7 @@ def prediction_error_summary(outcomes: Iterable[RequestOutcome], time_scale: flo
         real = (o.ttft_s - o.decided_s) * time_scale
         if o.predicted_ttft_s is not None and real > 0:
             ttft.append(abs(o.predicted_ttft_s - real) / real)
+            bias.append((o.predicted_ttft_s - real) / real)
         if o.tbt_p50_ms and o.output_tokens > 1 and o.predicted_tbt_ms is not None:
             real_tbt = o.tbt_p50_ms * time_scale
             tbt.append(abs(o.predicted_tbt_ms - real_tbt) / real_tbt)
@@ -234,6 +237,7 @@ def prediction_error_summary(outcomes: Iterable[RequestOutcome], time_scale: flo
         return None if x is None else round(x, 4)
 
     return {"ttft_prediction_error_p50": q(ttft, 50), "ttft_prediction_error_p90": q(ttft, 90),
+            "ttft_prediction_bias_p50": q(bias, 50),
             "tbt_prediction_error_p50": q(tbt, 50), "tbt_prediction_error_p90": q(tbt, 90)}
 
 

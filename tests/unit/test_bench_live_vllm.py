@@ -19,6 +19,7 @@ from conductor.harness.bench.live_vllm import (
     parse_cpus,
     parse_sides,
     pinning,
+    shared_cores_topology,
     round_orders,
 )
 from schemas import RoutingDecision
@@ -111,3 +112,12 @@ def test_the_heavy_regime_evicts_unless_told_a_size() -> None:
     assert VllmLiveOptions().kv_cache_bytes() is None  # the kit's 1 GiB
     assert VllmLiveOptions(engine_model="heavy").kv_cache_bytes() == HEAVY_KV_CACHE_BYTES
     assert VllmLiveOptions(engine_model="tiny", engine_kv_cache_bytes=2**26).kv_cache_bytes() == 2**26
+
+
+def test_engines_pinned_to_the_same_cores_are_one_capacity_group(tmp_path: Any) -> None:
+    from conductor.topology import load_topology
+
+    path = shared_cores_topology(tmp_path / "t.json", ["vllm-0", "vllm-1"], (1,))
+    topo = load_topology(path)
+    assert topo.capacity_group("vllm-0") == topo.capacity_group("vllm-1") == ("vllm-0", "vllm-1")
+    assert topo.capacity_group("other") == ("other",)

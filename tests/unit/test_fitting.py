@@ -172,6 +172,9 @@ def test_prediction_error_summary_of_outcomes() -> None:
     outs.append(outcome(9, status=503, error="overloaded", ttft_s=None))
     s = prediction_error_summary(outs)
     assert s["ttft_prediction_error_p50"] == pytest.approx(0.25, abs=0.01)
+    # The sign: 0.1 s predicted for 0.2 s real is too short by half; for 0.05 s, twice too long.
+    assert prediction_error_summary(outs[1:2])["ttft_prediction_bias_p50"] == pytest.approx(-0.5, abs=0.01)
+    assert prediction_error_summary(outs[2:3])["ttft_prediction_bias_p50"] == pytest.approx(1.0, abs=0.03)
     assert s["tbt_prediction_error_p50"] == pytest.approx((17.0 - 8.0) / 8.0)
     assert prediction_error_summary([])["ttft_prediction_error_p90"] is None
 

@@ -72,6 +72,7 @@ from conductor.harness.vllm_kit import (
 from conductor.routing.policies import POLICIES
 from conductor.settings import Settings, child_environment
 from conductor.stats import percentile
+from conductor.topology import Topology
 from schemas import RoutingDecision, decode
 from streams.kafka import consumer
 from streams.topics import topics
@@ -172,6 +173,22 @@ def pinning(engines: Sequence[int], available: Sequence[int] | None) -> dict[str
         raise VllmLiveError(f"--pin-engines: core(s) {missing} are not among this process's cores {list(available)}")
     others = [c for c in available if c not in set(engines)]
     return {"engines": list(engines), "others": others or list(available), "shared": not others}
+
+
+def shared_cores_topology(path: Path, nodes: Sequence[str], cores: Sequence[int]) -> Path:
+    """Write a topology whose one capacity group is ``nodes`` (engines pinned to the same
+    ``cores``: work queued on one delays the others as much); return ``path``. Its links are
+    nominal: aggregated engines move no KV between them."""
+    link = {"bandwidth_gbps": 100.0, "transport": "tcp"}
+    topo = Topology.model_validate({
+        "name": "bench-live-shared-cores",
+        "description": f"{len(nodes)} engines pinned to cores {','.join(map(str, cores))}",
+        "links": {"same_rack": link, "cross_rack": link},
+        "capacity_groups": {f"cores-{'-'.join(map(str, cores))}": list(nodes)},
+    })
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(topo.model_dump_json(indent=2))
+    return path
 
 
 def vllm_prompt(r: DemoRequest, opts: VllmLiveOptions) -> str:
@@ -404,6 +421,10 @@ async def _side(name: str, settings: Settings, opts: VllmLiveOptions, requests: 
         if name.startswith("conductor"):
             if ":" in name:
                 settings = settings.model_copy(update={"policy": name.split(":", 1)[1], "policy_params": {}})
+            if opts.pin_engines and opts.engines > 1:
+                # Every engine runs on the same pinned cores: one capacity, as an operator would declare it.
+                settings = settings.model_copy(update={"topology_file": shared_cores_topology(
+                    side_dir / "topology.json", [f"vllm-{i}" for i in range(opts.engines)], opts.pin_engines)})
             nodes = [VllmNode(f"vllm-{i}", "both", e) for i, e in enumerate(engines)]
             async with VllmGatewayCluster(settings, side_dir, nodes=nodes, model=MODEL) as c:
                 # Everything but the engines (not in procs) and this process (the client).
@@ -577,6 +598,8 @@ def _run_sides(settings: Settings, opts: VllmLiveOptions, what: str) -> tuple[di
         "engine_model": opts.engine_model,
         "engine_kv_cache_bytes": opts.kv_cache_bytes(),
         "pinning": pins,
+        "capacity_groups": ({f"cores-{'-'.join(map(str, opts.pin_engines))}": [f"vllm-{i}" for i in range(opts.engines)]}
+                            if opts.pin_engines and opts.engines > 1 else {}),
         "model_profile": calibration["out"] if calibration is not None else settings.model_profile,
         "calibration": calibration,
     }
@@ -616,5 +639,5 @@ def run_vllm_demo(settings: Settings, opts: VllmLiveOptions, policy: str, baseli
 
 
 __all__ = ["HEAVY_KV_CACHE_BYTES", "PEER_SIDES", "SIDES", "VllmLiveError", "VllmLiveOptions", "evicted_blocks",
-           "holder_reason", "left_holder_counts", "median_over_rounds", "metric_total", "parse_cpus", "parse_sides", "pinning", "round_orders",
-           "run_vllm_demo", "run_vllm_live_bench", "vllm_prompt"]
+           "holder_reason", "left_holder_counts", "median_over_rounds", "metric_total", "parse_cpus", "parse_sides",
+           "pinning", "round_orders", "run_vllm_demo", "run_vllm_live_bench", "shared_cores_topology", "vllm_prompt"]
