@@ -42,13 +42,14 @@ import re
 import sys
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
+from pydantic import BaseModel
 
 from conductor.bridge.scrape import parse_load
 from conductor.costmodel.fitting import prediction_error_summary
@@ -173,6 +174,13 @@ def pinning(engines: Sequence[int], available: Sequence[int] | None) -> dict[str
         raise VllmLiveError(f"--pin-engines: core(s) {missing} are not among this process's cores {list(available)}")
     others = [c for c in available if c not in set(engines)]
     return {"engines": list(engines), "others": others or list(available), "shared": not others}
+
+
+def write_jsonl(path: Path, records: Iterable[BaseModel]) -> None:
+    """One JSON object per line, each record's fields."""
+    with path.open("w") as f:
+        for r in records:
+            f.write(r.model_dump_json() + "\n")
 
 
 def shared_cores_topology(path: Path, nodes: Sequence[str], cores: Sequence[int]) -> Path:
@@ -437,8 +445,13 @@ async def _side(name: str, settings: Settings, opts: VllmLiveOptions, requests: 
                 cpu = meter.report(stats.sent)
                 after = await prefix_counters(urls)
                 # What each decision predicted against what its request took (gateway TTFT less routing).
-                errors = prediction_error_summary((await read_outcomes(settings, wait_s=15.0)).values())
-                left = left_holder_counts(await read_decisions(settings))
+                outcomes = await read_outcomes(settings, wait_s=15.0)
+                errors = prediction_error_summary(outcomes.values())
+                decisions = await read_decisions(settings)
+                left = left_holder_counts(decisions)
+                # Kept beside the logs: what each request was predicted and took, to read after the stack is gone.
+                write_jsonl(side_dir / "decisions.jsonl", decisions)
+                write_jsonl(side_dir / "outcomes.jsonl", outcomes.values())
             return {"router": "conductor", "policy": settings.policy, **summary(stats, before, after, wall), **errors,
                     **cpu, **left}
         policy = PEER_SIDES[name]
