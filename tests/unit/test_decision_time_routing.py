@@ -11,7 +11,7 @@ import pytest
 from conductor.costmodel.costs import Costs
 from conductor.costmodel.profiles import DEFAULT_PROFILE, load_profile
 from conductor.routing.local import LocalRouter, LogUnavailable
-from conductor.routing.own_load import OwnLoads, own_extra
+from conductor.routing.own_load import OwnLoads, own_extra, shared
 from conductor.routing.policies.prefill_plan import PendingCopy, ReusePlanner, stay_on_holder
 from conductor.routing.router import Router
 from conductor.routing.snapshot import Instance, PolicyRequest
@@ -114,6 +114,22 @@ def test_a_capacity_group_counts_its_members_work() -> None:
     assert own.take_touched(20) == {"a", "b"}
     with pytest.raises(ValueError, match="capacity groups"):
         Topology.model_validate({"links": topo.links.model_dump(), "capacity_groups": {"x": ["a"], "y": ["a"]}})
+
+
+def test_a_group_mates_queue_is_felt_as_the_shared_device_runs_it() -> None:
+    """Members run side by side: an idle member feels one of a busy mate's requests, not its
+    backlog; equal queues count as one queue of both; decoding counts whole."""
+    busy = InstanceLoad(requests=3, prefill_requests=3, prefill_tokens=1_500, decode_requests=2,
+                        decode_context_tokens=4_000)
+    idle = InstanceLoad()
+    on_idle = shared(idle, [busy])
+    assert (on_idle.prefill_tokens, on_idle.prefill_requests) == (500, 1)
+    assert (on_idle.decode_requests, on_idle.decode_context_tokens, on_idle.requests) == (2, 4_000, 3)
+    on_busy = shared(busy, [idle])
+    assert (on_busy.prefill_tokens, on_busy.prefill_requests) == (1_500, 3)  # its own queue, whole
+    assert shared(busy, [busy]).prefill_tokens == 3_000 and shared(busy, [busy]).prefill_requests == 6
+    # So a burst spreads: the idle member looks cheaper than the busy one.
+    assert on_idle.prefill_tokens < on_busy.prefill_tokens
 
 
 def test_own_extra_is_what_makes_each_quantity_the_larger() -> None:
