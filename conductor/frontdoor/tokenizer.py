@@ -23,16 +23,23 @@ An engine that refuses the prompt (4xx: a bad tool, an unknown model) refuses th
 request: :class:`PromptRejected` carries its answer to the client. A local ``tokenizer.json`` (the
 ``tokenizers`` library: ``--tokenizer PATH``, else the model's own where :func:`find_tokenizer` finds
 it) tokenizes text completions without a round trip, a long one on a worker thread; chats still go
-to the engine, which owns the template. Each door logs at start-up which way it tokenizes.
+to the engine, which owns the template. Where neither names a file, the door asks an engine which
+files it serves (:class:`ModelFilesTokenizer`: ``/v1/models``' ``root``, as vLLM and SGLang load
+the model) and tokenizes locally once it finds them on its own host and they encode as the engine
+does. Each door logs at start-up which way it tokenizes, and when it changes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
+import logging
+import math
 import os
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -41,6 +48,8 @@ from tokenizers import Tokenizer
 
 from conductor.frontdoor.directory import EngineDirectory
 from conductor.frontdoor.protocol import ClientRequest, Prompt
+
+log = logging.getLogger(__name__)
 
 RENDER_PATH = "/v1/chat/completions/render"
 TOKENIZE_CHAT_FIELDS = ("tools", "chat_template", "chat_template_kwargs", "add_generation_prompt",
@@ -236,6 +245,11 @@ def prompt_tokenizer(engine: PromptTokenizer, path: str | None, model: str | Non
     ``engine`` (render or ``/tokenize``) for chats; else the ``engine`` for all. ``ValueError`` for a bad ``path``."""
     found = path or find_tokenizer(model)
     if found is None:
+        if isinstance(engine, EngineTokenizer):
+            return ModelFilesTokenizer(engine), (
+                f"tokenizing through the engines' /tokenize: no tokenizer.json found for model {model!r}; text "
+                "prompts go local once an engine's /v1/models names model files found on this host "
+                "(--tokenizer PATH names them)")
         return engine, (f"tokenizing through the engines' /tokenize: no tokenizer.json found for model {model!r} "
                         "(--tokenizer PATH tokenizes text prompts locally)")
     try:
@@ -277,3 +291,92 @@ class LocalTokenizer:
         # encode_batch lets go of the GIL while it works (encode does not), so the loop runs meanwhile.
         [enc] = await asyncio.to_thread(self.tok.encode_batch, [text], add_special_tokens=special)
         return Prompt(list(enc.ids))
+
+
+PROBE_TEXT = "Conductor checks its tokenizer: 0123456789, Ünïcødé, 日本語, emoji 🙂 and  two  spaces."
+"""What a door encodes both ways before it trusts model files it found (special tokens on, as a completion)."""
+MODELS_RETRY_S = 30.0
+"""How long after an engine could not be asked (down, or not answering ``/v1/models``) a door asks again."""
+
+
+class ModelFilesTokenizer:
+    """The engines' routes until an engine names the model's files and they are on this host.
+
+    A text completion for a model not settled yet starts one look in the background (the request
+    itself goes to the engine, as before): an engine's ``/v1/models`` gives each served name's
+    ``root``, the path or hub name the engine loaded (vLLM, SGLang); :func:`find_tokenizer` looks
+    for its ``tokenizer.json`` here. Files found are used only when they encode :data:`PROBE_TEXT`
+    to the engine's own ``/tokenize`` ids (an engine started with another ``--tokenizer`` does
+    not match). A model whose engine answered is settled either way; one no engine answered for
+    is asked again after ``retry_s``. Chats stay with the engine (its template)."""
+
+    def __init__(self, engine: EngineTokenizer, *, retry_s: float = MODELS_RETRY_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.engine = engine
+        self.retry_s = retry_s
+        self.clock = clock
+        self.local: dict[str, LocalTokenizer] = {}
+        """Served model name → its files, checked against an engine."""
+        self._again: dict[str, float] = {}
+        """Served model name → when it may be looked for again (``inf``: settled)."""
+        self._looking: asyncio.Task[None] | None = None
+
+    async def prompt(self, req: ClientRequest) -> Prompt:
+        if req.chat or req.prompt_ids is not None:
+            return await self.engine.prompt(req)
+        tok = self.local.get(req.model or "")
+        if tok is not None:
+            return await tok.prompt(req)
+        self.look(req)
+        return await self.engine.prompt(req)
+
+    def look(self, req: ClientRequest) -> asyncio.Task[None] | None:
+        """Start looking for the files of ``req``'s model unless a look runs or it is not due; the
+        look, or None."""
+        model = req.model or ""
+        if self._looking is not None or self.clock() < self._again.get(model, 0.0):
+            return None
+        self._again[model] = self.clock() + self.retry_s  # until the look ends
+        probe = dataclasses.replace(req, chat=False, prompt_text=PROBE_TEXT, prompt_ids=None, messages=None,
+                                    prompt_fields={})
+        self._looking = asyncio.ensure_future(self._look(model, probe))
+        self._looking.add_done_callback(self._looked)
+        return self._looking
+
+    def _looked(self, task: asyncio.Task[None]) -> None:
+        self._looking = None
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("looking for the model's tokenizer failed: %r", task.exception())
+
+    async def _look(self, model: str, probe: ClientRequest) -> None:
+        if self.engine.directory is not None:
+            await self.engine.directory.refresh()
+        for url in self.engine.urls:
+            try:
+                r = await self.engine.client.get(f"{url}/v1/models")
+                r.raise_for_status()
+                cards = r.json().get("data") or []
+            except (httpx.HTTPError, ValueError, AttributeError):
+                continue
+            roots = [c.get("root") for c in cards if isinstance(c, dict) and c.get("id") == model]
+            root = roots[0] if roots and isinstance(roots[0], str) else None
+            self._again[model] = math.inf  # an engine answered: settled, found or not
+            found = find_tokenizer(root) if root else None
+            if found is None:
+                log.info("tokenizing %r through the engines: %s", model,
+                         f"no tokenizer.json for {root!r} on this host" if root else f"{url} serves no model {model!r}")
+                return
+            try:
+                local = LocalTokenizer(found, self.engine)
+                mine, theirs = await local.prompt(probe), await self.engine.prompt(probe)
+            except (ValueError, TokenizeError, PromptRejected) as e:
+                log.warning("tokenizing %r through the engines: %s could not be checked: %s", model, found, e)
+                return
+            if mine.token_ids != theirs.token_ids:
+                log.warning("tokenizing %r through the engines: %s encodes differently from the engine (started "
+                            "with another --tokenizer?)", model, found)
+                return
+            self.local[model] = local
+            log.info("tokenizing text prompts for %r locally with %s (the files the engine at %s serves)",
+                     model, found, url)
+            return
