@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from conductor.frontdoor.protocol import parse_body
-from conductor.frontdoor.tokenizer import LocalTokenizer
+from conductor.frontdoor.tokenizer import EngineTokenizer, LocalTokenizer, ModelFilesTokenizer
 from conductor.harness.vllm_kit import VllmEngine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -41,3 +41,17 @@ async def test_local_tokenizer_gives_the_ids_vllm_prefills(vllm_aggregated: Vllm
                 assert r.status_code == 200, r.text
                 # vLLM puts a completion's prompt ids on its choice (a chat's at the top)
                 assert ours == r.json()["choices"][0]["prompt_token_ids"], (text, special)
+
+
+async def test_a_door_finds_the_engines_model_files_through_v1_models(vllm_aggregated: VllmEngine) -> None:
+    """No --tokenizer: the door asks the engine which files it serves (/v1/models' root, the kit's
+    model directory), checks them against its /tokenize, and then tokenizes text prompts locally."""
+    async with httpx.AsyncClient(timeout=120) as http:
+        tok = ModelFilesTokenizer(EngineTokenizer(http, [vllm_aggregated.url]))
+        req = parse_body({"model": vllm_aggregated.model, "prompt": PROMPTS[2], "max_tokens": 1}, chat=False)
+        first = (await tok.prompt(req)).token_ids  # the engine's, while the look starts
+        look = tok._looking
+        assert look is not None
+        await look
+        assert vllm_aggregated.model in tok.local
+        assert (await tok.prompt(req)).token_ids == first
