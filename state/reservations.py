@@ -30,13 +30,15 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
+from .connect import block_ms_within, read_timeout_s
 from .events import Cut, EventSeq
 from .keys import ViewKeys
 
 FOLLOW_BLOCK_MS = 1_000
 """How long a follower's XREAD blocks when nothing is written (entries end it at once, so this
 is not a delay; it is how often an idle follower asks again). :meth:`RedisReservations.close`
-does not wait it out: it wakes its own read with a write (the buffered batch, else an empty one)."""
+does not wait it out: it wakes its own read with a write (the buffered batch, else an empty one).
+On a client with a shorter read timeout a follower blocks less (:func:`state.connect.block_ms_within`)."""
 
 FIELDS = 5
 MAX_BUFFERED = 100_000
@@ -187,7 +189,8 @@ class RedisReservations:
         self.ttl_ms = int(ttl_s * 1000)
         self.producer_id = producer_id
         self.flush_after_s = flush_after_s
-        self.block_ms = block_ms
+        self.block_ms = block_ms_within(block_ms, read_timeout_s(client))
+        """How long each read of the follower blocks: ``block_ms``, within the client's read timeout."""
         self.local = InMemoryReservations(ttl_s)
         self._buffer: list[str] = []
         self._timer: asyncio.TimerHandle | None = None

@@ -30,6 +30,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
+from .connect import block_ms_within, read_timeout_s
 from .events import Cut, EventSeq
 from .inflight import Finished, FirstToken, InMemoryInflight, InstanceLoad
 from .inflight import decode_op as decode_inflight
@@ -59,7 +60,8 @@ class SharedLog:
         self.producer_id = producer_id
         self.retain_ms = retain_ms
         self.flush_after_s = flush_after_s
-        self.block_ms = block_ms
+        self.block_ms = block_ms_within(block_ms, read_timeout_s(client))
+        """How long each read of the follower blocks: ``block_ms``, within the client's read timeout."""
         self._apply_one = apply
         self.events = events if events is not None else EventSeq()
         self._buffer: list[tuple[int, int, Any]] = []

@@ -194,7 +194,12 @@ class ResumeGuard:
 
 
 class LogReader:
-    """Reads offset ranges straight from the log, with a consumer of its own (no group)."""
+    """Reads offset ranges straight from the log, with a consumer of its own (no group).
+
+    Between reads its partitions are paused: an assigned partition is fetched in the background
+    whether or not anyone reads it (two fetches a second each on the embedded broker, for as long
+    as the worker runs: each lane's reader did that after its first rebuild). The next read's
+    ``assign`` starts them again."""
 
     def __init__(self, kafka: KafkaConnection, *, timeout_s: float = 30.0) -> None:
         self.kafka = kafka
@@ -214,7 +219,10 @@ class LogReader:
         c = await self._started()
         tpl = [TopicPartition(t, p) for t, p in tps]
         c.assign(tpl)
-        got = await end_offsets(c, tpl)
+        try:
+            got = await end_offsets(c, tpl)
+        finally:
+            _pause_all(c)
         return {(tp.topic, tp.partition): off for tp, off in got.items()}
 
     async def fetch_range(self, topic: str, partition: int, start: int, end: int) -> list[RawRecord]:
@@ -225,21 +233,32 @@ class LogReader:
         out: list[RawRecord] = []
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_s
-        while loop.time() < deadline:
-            got = await c.getmany(tp, timeout_ms=200)
-            for m in got.get(tp, []):
-                if start <= m.offset < end:
-                    out.append(RawRecord(m.topic, m.partition, m.offset, m.key, m.value, m.timestamp or 0))
-            if await c.position(tp) >= end:
-                break
-        else:
-            log.error("%s:%d: reading offsets %d..%d timed out after %.0fs", topic, partition, start, end - 1, self.timeout_s)
+        try:
+            while loop.time() < deadline:
+                got = await c.getmany(tp, timeout_ms=200)
+                for m in got.get(tp, []):
+                    if start <= m.offset < end:
+                        out.append(RawRecord(m.topic, m.partition, m.offset, m.key, m.value, m.timestamp or 0))
+                if await c.position(tp) >= end:
+                    break
+            else:
+                log.error("%s:%d: reading offsets %d..%d timed out after %.0fs", topic, partition, start, end - 1,
+                          self.timeout_s)
+        finally:
+            _pause_all(c)
         return out
 
     async def close(self) -> None:
         if self._consumer is not None:
             await self._consumer.stop()
             self._consumer = None
+
+
+def _pause_all(c: AIOKafkaConsumer) -> None:
+    """No more background fetches for ``c``'s partitions until they are assigned again."""
+    held = c.assignment()
+    if held:
+        c.pause(*held)
 
 
 class RangeReader(Protocol):

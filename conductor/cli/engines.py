@@ -151,6 +151,8 @@ EmulatedRack = Annotated[str | None, typer.Option("--rack", help="this instance'
 EmulatedZone = Annotated[str | None, typer.Option("--zone", help="this instance's zone, carried in its heartbeats")]
 EmulatedKvCommands = Annotated[bool, typer.Option("--kv-commands/--no-kv-commands", help="carry out this node's KV "
     "commands (replicate, migrate, demote, evict) and answer them on kv-command-results")]
+EmulatedDispatch = Annotated[bool, typer.Option("--dispatch/--no-dispatch", help="carry out the decisions naming "
+    "this node on dispatch; --no-dispatch: requests come by HTTP only (behind a gateway, as a real engine)")]
 EmulatedMooncakeMaster = Annotated[str | None, typer.Option("--mooncake-master", metavar="HOST:PORT", help="join this "
     "Mooncake Store as the shared KV pool (needs the mooncake extra): blocks leaving the last local tier are put "
     "there, prefixes the router reads from the pool are read back from it, a demote to DRAM without --dram-blocks "
@@ -183,6 +185,7 @@ def engine(
     rack: EmulatedRack = None,
     zone: EmulatedZone = None,
     kv_commands: EmulatedKvCommands = True,
+    dispatch: EmulatedDispatch = True,
     mooncake_master: EmulatedMooncakeMaster = None,
     pool_node_id: EmulatedPoolNodeId = POOL_NODE,
     pool_segment_mb: EmulatedPoolSegmentMb = 256,
@@ -191,7 +194,7 @@ def engine(
 ) -> None:
     """Run an emulated prefill/decode instance that speaks vLLM's KV-event protocol.
 
-    It reads its decisions from the dispatch topic, executes them with CONDUCTOR_MODEL_PROFILE's timing model, keeps an LRU prefix cache and heartbeats.
+    It reads its decisions from the dispatch topic (unless --no-dispatch), executes them with CONDUCTOR_MODEL_PROFILE's timing model, keeps an LRU prefix cache and heartbeats.
 
     With --http-port it also serves what vLLM serves (/v1/completions, /v1/chat/completions with SSE, /tokenize, /v1/models, /health, /metrics) including vLLM's kv_transfer_params and SGLang's bootstrap room hand-off: the path `conductor gateway` uses.
 
@@ -203,7 +206,7 @@ def engine(
             kv_blocks=kv_blocks, dram_blocks=dram_blocks, time_scale=time_scale,
             max_output_tokens=max_output_tokens, heartbeat_s=heartbeat_s, report=report, http_port=http_port,
             model=model, metrics_port=metrics_port, self_heartbeat=self_heartbeat, rack=rack, zone=zone,
-            kv_commands=kv_commands, tokenizer=tokenizer,
+            kv_commands=kv_commands, dispatch=dispatch, tokenizer=tokenizer,
             pool=PoolOptions(mooncake_master, pool_node_id, pool_segment_mb, pool_block_bytes)
             if mooncake_master is not None else None,
         )

@@ -61,6 +61,10 @@ class GatewayCluster:
     """How often each engine heartbeats (tests: short, so engines are live soon; a deployment's bridge: 1 s)."""
     engine_args: list[str] = field(default_factory=list)
     """More ``conductor engine`` options, the same for every engine (e.g. ``--kv-blocks``)."""
+    engine_dispatch: bool = False
+    """Engines also follow ``dispatch`` (``--dispatch``). Off by default: every request reaches them by
+    HTTP, as a real engine behind a gateway (the dispatch path skips a gateway's requests anyway), and
+    their followers' fetches were about half the embedded broker's on an idle cluster."""
     bridges: bool = False
     """Carry each engine's KV events into ``kv-events`` (``conductor bridge`` per engine, a process each).
     Heartbeats stay the engines' own: bridges scraping ``/metrics`` from a busy process (the live bench's,
@@ -124,6 +128,8 @@ class GatewayCluster:
                 args = ["engine", "--role", role, "--node-id", node, "--http-port", "0",
                         "--time-scale", str(self.time_scale), *self.engine_args]
                 args += ["--heartbeat-s", str(self.engine_heartbeat_s)]
+                if not self.engine_dispatch:
+                    args.append("--no-dispatch")
                 if self.report:
                     args.append("--report")
                 if self.max_output_tokens:

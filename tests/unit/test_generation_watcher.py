@@ -198,3 +198,67 @@ def test_a_new_generation_forgets_the_fences_seen() -> None:
     w, _ = watcher(FakeView(), FakeLog({}), [])
     w.fences_moved_back("g1", {"a:0": 5})
     assert w.fences_moved_back("g2", {"a:0": 1}) == {}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def paced(view: FakeView, log: FakeLog, assigned: list[tuple[str, int]]) -> tuple[GenerationWatcher, Clock]:
+    w, _ = watcher(view, log, assigned)
+    clock = Clock()
+    w.check_every_s, w._clock = 2.0, clock
+    return w, clock
+
+
+async def test_a_steady_view_is_read_only_every_check_interval() -> None:
+    view, log = FakeView(), FakeLog({(KV, 0): range(5)})
+    view.wm = {f"{KV}:0": 4}
+    w, clock = paced(view, log, [(KV, 0)])
+    for _ in range(4):  # 0.5 s ticks: the first reads, the next three do not
+        await w.tick()
+        clock.t += 0.5
+    assert w.checks == 1
+    await w.tick()  # 2 s after the first
+    assert w.checks == 2
+
+
+async def test_a_generation_an_agent_adopted_is_checked_at_the_next_tick() -> None:
+    view, log = FakeView(), FakeLog({(KV, 0): range(3), (HB, 0): range(2)})
+    view.wm = {f"{KV}:0": 2, f"{HB}:0": 1}
+    w, clock = paced(view, log, [(KV, 0), (HB, 0)])
+    await w.tick()
+    view.gen, view.wm = None, {}  # Redis lost; the heartbeats' guard finds out first and adopts
+    await view.adopt_generation(ALL)
+    clock.t += 0.5
+    await w.tick()  # not 2 s yet, but the adopted generation changed: read back at once
+    assert w.checks == 2 and view.wm == {f"{KV}:0": 2, f"{HB}:0": 1}
+    assert f"{KV}:0" not in view.rebuild and f"{HB}:0" not in view.rebuild  # (the others: not assigned here)
+
+
+async def test_a_view_lost_with_no_traffic_is_read_back_within_the_check_interval() -> None:
+    view, log = FakeView(), FakeLog({(KV, 0): range(3)})
+    view.wm = {f"{KV}:0": 2}
+    w, clock = paced(view, log, [(KV, 0)])
+    await w.tick()
+    view.gen, view.wm = None, {}
+    clock.t += 0.5
+    await w.tick()
+    assert view.wm == {}  # nothing told this process yet
+    clock.t += 1.5
+    await w.tick()
+    assert view.wm == {f"{KV}:0": 2}
+
+
+async def test_a_view_that_cannot_be_read_is_tried_again_at_the_next_tick() -> None:
+    view, log = FakeView(), FakeLog({})
+    w, clock = paced(view, log, [(KV, 0)])
+    view.down = True
+    await w.tick()
+    clock.t += 0.5
+    await w.tick()
+    assert w.checks == 2

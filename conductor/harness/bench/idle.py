@@ -8,8 +8,8 @@ process's CPU time (:mod:`conductor.harness.cpu`) over ``seconds`` with no reque
 the engines' own is reported apart (``engines_core_percent_by_process``): they are not Conductor's.
 The engines heartbeat every ``heartbeat_s`` (default 1 s, as a ``conductor bridge`` does for a
 real engine; the tests' clusters use 0.3 s): heartbeats are the one traffic an idle cluster has.
-The emulated engines also follow ``dispatch`` (a real engine does not): their fetches are part
-of the broker's share.
+The emulated engines do not follow ``dispatch`` (``GatewayCluster`` starts them with
+``--no-dispatch``: every request reaches them by HTTP, as a real engine behind a gateway).
 """
 
 from __future__ import annotations

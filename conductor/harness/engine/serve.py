@@ -86,6 +86,9 @@ class EngineServeConfig:
     rack: str | None = None
     zone: str | None = None
     kv_commands: bool = True
+    dispatch: bool = True
+    """Carry out the decisions naming this node on ``dispatch`` (the closed-world path); off: requests
+    come by HTTP only, as to a real engine behind a gateway (no ``dispatch`` follower fetching)."""
     pool: PoolOptions | None = None
     tokenizer: str | None = None
     """A ``tokenizer.json`` for text prompts (``/tokenize`` and generation), as a real engine's; default: one id per word."""
@@ -116,7 +119,8 @@ class EngineNode:
         """Carry out this node's decisions (and its KV commands, and serve HTTP) until ``stop`` or
         until one of them fails (its error is raised)."""
         s, cfg = self.settings, self.config
-        stream = decisions_for(s, cfg.node_id, since_ms=self.started_ms - CLOCK_SLACK_MS, stop=stop)
+        stream = (decisions_for(s, cfg.node_id, since_ms=self.started_ms - CLOCK_SLACK_MS, stop=stop)
+                  if cfg.dispatch else _none_until(stop))
         tasks = [asyncio.create_task(self.engine.run(stream))]
         if self.sock is not None:
             app = engine_app(self.engine, s.bind_host, self.sock.getsockname()[1], tokenizer=cfg.tokenizer)
@@ -125,6 +129,13 @@ class EngineNode:
             executor = EngineCommandExecutor(self.engine, self.command_results)
             tasks.append(asyncio.create_task(executor.run(commands_for(s, cfg.node_id, stop))))
         await run_until_stopped(stop, *tasks)
+
+
+async def _none_until(stop: asyncio.Event) -> AsyncIterator[Any]:
+    """No assignment, until ``stop`` (what an engine that does not follow ``dispatch`` runs on)."""
+    await stop.wait()
+    return
+    yield
 
 
 async def serve(config: EngineServeConfig, settings: Settings, *, stop: asyncio.Event,
