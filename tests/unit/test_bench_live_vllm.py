@@ -19,8 +19,8 @@ from conductor.harness.bench.live_vllm import (
     parse_cpus,
     parse_sides,
     pinning,
-    shared_cores_topology,
     round_orders,
+    shared_cores_topology,
 )
 from schemas import RoutingDecision
 

@@ -437,12 +437,14 @@ async def _side(name: str, settings: Settings, opts: VllmLiveOptions, requests: 
             async with VllmGatewayCluster(settings, side_dir, nodes=nodes, model=MODEL) as c:
                 # Everything but the engines (not in procs) and this process (the client).
                 meter = CpuMeter(c.control_pids())
+                engines_meter = _engines_meter(engines)
                 before = await prefix_counters(urls)
                 meter.start()
+                engines_meter.start()
                 t0 = time.monotonic()
                 stats = await replay(c.gateway_url, requests, opts, name, api_key=c.api_key)
                 wall = time.monotonic() - t0
-                cpu = meter.report(stats.sent)
+                cpu = {**meter.report(stats.sent), **engines_meter.report(stats.sent, prefix="engine_")}
                 after = await prefix_counters(urls)
                 # What each decision predicted against what its request took (gateway TTFT less routing).
                 outcomes = await read_outcomes(settings, wait_s=15.0)
@@ -466,18 +468,26 @@ async def _side(name: str, settings: Settings, opts: VllmLiveOptions, requests: 
         try:
             await _router_ready(base, procs)
             meter = CpuMeter({"sglang-router": router.pid})
+            engines_meter = _engines_meter(engines)
             before = await prefix_counters(urls)
             meter.start()
+            engines_meter.start()
             t0 = time.monotonic()
             stats = await replay(base, requests, opts, name)
             wall = time.monotonic() - t0
-            cpu = meter.report(stats.sent)
+            cpu = {**meter.report(stats.sent), **engines_meter.report(stats.sent, prefix="engine_")}
             after = await prefix_counters(urls)
         finally:
             await procs.stop()
         return {"router": "sglang-router", "policy": policy, **summary(stats, before, after, wall), **cpu}
     finally:
         await asyncio.gather(*(e.stop() for e in engines), return_exceptions=True)
+
+
+def _engines_meter(engines: Sequence[VllmEngine]) -> CpuMeter:
+    """The engines' own CPU over the replay (server and engine core): what a router's traffic and
+    polling cost the engines (``engine_cpu_s``, ``engine_cpu_ms_per_request``, by engine)."""
+    return CpuMeter({e.name: e.proc.pid if e.proc is not None else None for e in engines})
 
 
 async def _router_ready(base: str, procs: Processes, timeout_s: float = 60.0) -> None:
