@@ -400,15 +400,10 @@ class Gateway:
 
     def _outcome(self, tr: Trace) -> None:
         self._open.discard(tr.request_id)
-        if tr.held_kv is not None:  # no decode took it and no retry was left to pull it
-            holder = tr.held_kv[0]
-            if isinstance(self._pd, vllm.VllmHandOff) and self._pd.orphaned(tr):
-                log.warning("request %s: no decode took the KV its prefill on %s holds; the next decode call "
-                            "that opens pulls it (else vLLM's abort timeout frees it)", tr.request_id, holder)
-            else:
-                log.warning("request %s: the KV its prefill on %s holds for a decode stays pinned there until "
-                            "vLLM's abort timeout (VLLM_NIXL_ABORT_REQUEST_TIMEOUT): no decode took it",
-                            tr.request_id, holder)
+        held = tr.held_kv  # no decode took it and no retry was left to pull it (vLLM's hand-off sets it)
+        if held is not None and isinstance(self._pd, vllm.VllmHandOff) and self._pd.orphaned(tr):
+            log.warning("request %s: no decode took the KV its prefill on %s holds; the next decode call "
+                        "that opens pulls it (else vLLM's abort timeout frees it)", tr.request_id, held[0])
         self._release_end(tr, failed=tr.error is not None)  # failed as explain reads the outcome
         o = outcome_of(tr, self.config.gateway_id, self.clock())
         self.outcomes.append(o)

@@ -168,9 +168,9 @@ async def test_held_kv_left_when_no_decode_took_it_is_pulled_by_the_next_decode_
 async def test_a_failed_pull_waits_for_the_next_decode_and_old_orphans_are_dropped() -> None:
     now = [0.0]
     orphans = vllm.Orphans(clock=lambda: now[0], limit=2)
-    call = call_of({"model": "m", "prompt": "hi", "max_tokens": 16}, True, _decision("p0"), "r", ENGINES)
     for i in range(3):  # bounded: the oldest goes
-        orphans.add(call, ("p0", dict(HELD), {}), f"r{i}")
+        call = call_of({"model": "m", "prompt": "hi", "max_tokens": 16}, True, _decision("p0"), f"r{i}", ENGINES)
+        orphans.add(call, ("p0", dict(HELD), {}))
     assert len(orphans) == 2
     taken = orphans.take()
     assert [o.request_id for o in taken] == ["r1", "r2"] and len(orphans) == 0

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
 from collections import deque
@@ -63,12 +62,19 @@ class Orphan:
     """A prefill's KV that no decode took: the one-token decode that pulls (and so frees) it."""
 
     request_id: str
+    """The attempt whose prefill holds it (the pull's id: ``<it>-free``)."""
     holder: str
     """The prefill instance holding the blocks."""
     path: str
     body: dict[str, Any]
     deadline: float
     """Monotonic time after which vLLM's abort timeout has freed the blocks anyway."""
+
+    @classmethod
+    def of(cls, call: Call, held: Held, now: float) -> Orphan:
+        """The pull of ``held``, a prefill of ``call`` (its body asking for one token)."""
+        return cls(call.request_id, held[0], call.path, vllm_decode_body(_one_token(call.body, call.chat), held[1]),
+                   now + ABORT_TIMEOUT_S)
 
 
 class Orphans:
@@ -85,9 +91,8 @@ class Orphans:
     def __len__(self) -> int:
         return len(self._q)
 
-    def add(self, call: Call, held: Held, request_id: str) -> None:
-        self._q.append(Orphan(request_id, held[0], call.path, vllm_decode_body(_one_token(call.body, call.chat), held[1]),
-                              self.clock() + ABORT_TIMEOUT_S))
+    def add(self, call: Call, held: Held) -> None:
+        self.requeue(Orphan.of(call, held, self.clock()))
 
     def take(self) -> list[Orphan]:
         """The orphans still worth a pull, removed (a failed pull adds its orphan back)."""
@@ -110,11 +115,8 @@ class VllmHandOff:
 
     async def __call__(self, up: Upstream, call: Call, tr: Trace) -> Opened:
         opened = await hand_off(up, call, tr, self.orphans)
-        if self.orphans:
-            node = call.decision.decode_instance
-            for o in self.orphans.take():
-                _pull(up, call.decode_url + o.path, o.body, {**call.headers(node), "x-request-id": f"{o.request_id}-free"},
-                      node, o.holder, o.request_id, on_failure=functools.partial(self.orphans.requeue, o))
+        for o in self.orphans.take() if self.orphans else ():
+            _pull(up, call, o, self.orphans)
         return opened
 
     def orphaned(self, tr: Trace) -> bool:
@@ -122,7 +124,7 @@ class VllmHandOff:
         decode that opens; True when there was some."""
         if tr.held_kv is None or tr.held_call is None:
             return False
-        self.orphans.add(tr.held_call, tr.held_kv, tr.request_id)
+        self.orphans.add(tr.held_call, tr.held_kv)
         tr.held_kv = tr.held_call = None
         return True
 
@@ -140,7 +142,7 @@ async def hand_off(up: Upstream, call: Call, tr: Trace, orphans: Orphans | None 
         params, pj = held[1], held[2]
     else:
         if held is not None:  # routed to another prefill: the held blocks would stay pinned
-            free_held(up, call, held, tr, orphans)
+            free_held(up, call, held, orphans)
         pj = await up.prefill(call.prefill_url + call.path, vllm_prefill_body(call.body, call.chat),
                               call.headers(d.prefill_instance), d.prefill_instance, tr)
         got = pj.get("kv_transfer_params")
@@ -158,46 +160,44 @@ async def hand_off(up: Upstream, call: Call, tr: Trace, orphans: Orphans | None 
     except asyncio.CancelledError:
         # The client left while the decode was on its way: whether it pulled the KV is unknown, and a
         # pull of blocks already freed only costs a one-token decode.
-        free_held(up, call, (d.prefill_instance, params, pj), tr, orphans)
+        free_held(up, call, (d.prefill_instance, params, pj), orphans)
         raise
     return resp, pj
 
 
-def free_held(up: Upstream, call: Call, held: Held, tr: Trace, orphans: Orphans | None = None) -> None:
+def free_held(up: Upstream, call: Call, held: Held, orphans: Orphans | None = None) -> None:
     """Free the KV a prefill holds for a decode that never took it (``held``) with a one-token
     decode on this call's decode instance that pulls those blocks, which frees them on the holder
     now instead of at vLLM's abort timeout (minutes of a prefill's KV, per request, through a
     decode-side outage). In the background; on failure the pull waits in ``orphans`` for the next
     decode that opens (without: only logged; the timeout still frees them)."""
+    _pull(up, call, Orphan.of(call, held, orphans.clock() if orphans is not None else up.clock()), orphans)
+
+
+def _pull(up: Upstream, call: Call, o: Orphan, orphans: Orphans | None) -> None:
+    """``o``'s pull on ``call``'s decode instance, in the background, with a time budget of its own
+    (not what is left of a request's); on failure ``o`` goes back to ``orphans``."""
     node = call.decision.decode_instance
-    body = vllm_decode_body(_one_token(call.body, call.chat), held[1])
-    hdrs = {**call.headers(node), "x-request-id": f"{call.request_id}-free"}
-    again = None if orphans is None else (lambda: orphans.add(call, held, call.request_id))
-    _pull(up, call.decode_url + call.path, body, hdrs, node, held[0], tr.request_id, on_failure=again)
-
-
-def _pull(up: Upstream, url: str, body: dict[str, Any], hdrs: dict[str, str], node: str, holder: str,
-          request_id: str, on_failure: Callable[[], None] | None) -> None:
-    """A one-token decode on ``node`` that pulls ``holder``'s blocks, in the background, with a
-    time budget of its own (not what is left of its request's)."""
+    hdrs = {**call.headers(node), "x-request-id": f"{o.request_id}-free"}
     tr = Trace(request_id=hdrs["x-request-id"], t0=up.clock(), stream=False)
 
     async def pull() -> None:
         try:
-            r = await up.send(url, body, hdrs, node, tr, what="decode that frees the KV", first_byte=False)
+            r = await up.send(call.decode_url + o.path, o.body, hdrs, node, tr, what="decode that frees the KV",
+                              first_byte=False)
             await up.read(r, tr, node, "the freeing decode's answer", MAX_ANSWER_BYTES)
             why = None if r.status_code < 400 else f"{node} answered {r.status_code}"
         except Exception as e:  # noqa: BLE001 - a background pull's failure is logged; vLLM's timeout frees them
             why = str(e) or type(e).__name__
         if why is None:
-            log.info("request %s: freed the KV its prefill on %s held (pulled by %s)", request_id, holder, node)
-        elif on_failure is not None:
+            log.info("request %s: freed the KV its prefill on %s held (pulled by %s)", o.request_id, o.holder, node)
+        elif orphans is not None:
             log.warning("request %s: could not free the KV its prefill on %s holds (%s); the next decode that "
-                        "answers will try again", request_id, holder, why)
-            on_failure()
+                        "answers will try again", o.request_id, o.holder, why)
+            orphans.requeue(o)
         else:
             log.warning("request %s: could not free the KV its prefill on %s holds (vLLM's abort timeout will): %s",
-                        request_id, holder, why)
+                        o.request_id, o.holder, why)
 
     task = asyncio.ensure_future(pull())
     _freeing.add(task)

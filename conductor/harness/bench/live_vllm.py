@@ -131,6 +131,12 @@ class VllmLiveOptions:
             return self.engine_kv_cache_bytes
         return HEAVY_KV_CACHE_BYTES if self.engine_model == "heavy" else None
 
+    def capacity_groups(self) -> dict[str, list[str]]:
+        """The engines pinned to the same cores as one capacity group (none unpinned or alone)."""
+        if not self.pin_engines or self.engines < 2:
+            return {}
+        return shared_cores_groups([f"vllm-{i}" for i in range(self.engines)], self.pin_engines)
+
 
 def parse_sides(text: str) -> tuple[str, ...]:
     """``conductor,conductor:POLICY,peer,round_robin`` (any subset, in the order to run) as a tuple;
@@ -183,16 +189,21 @@ def write_jsonl(path: Path, records: Iterable[BaseModel]) -> None:
             f.write(r.model_dump_json() + "\n")
 
 
+def shared_cores_groups(nodes: Sequence[str], cores: Sequence[int]) -> dict[str, list[str]]:
+    """``nodes`` (engines pinned to the same ``cores``) as one capacity group, named by the cores."""
+    return {f"cores-{'-'.join(map(str, cores))}": list(nodes)}
+
+
 def shared_cores_topology(path: Path, nodes: Sequence[str], cores: Sequence[int]) -> Path:
     """Write a topology whose one capacity group is ``nodes`` (engines pinned to the same
-    ``cores``: work queued on one delays the others as much); return ``path``. Its links are
-    nominal: aggregated engines move no KV between them."""
+    ``cores``: they share that capacity); return ``path``. Its links are nominal: aggregated
+    engines move no KV between them."""
     link = {"bandwidth_gbps": 100.0, "transport": "tcp"}
     topo = Topology.model_validate({
         "name": "bench-live-shared-cores",
         "description": f"{len(nodes)} engines pinned to cores {','.join(map(str, cores))}",
         "links": {"same_rack": link, "cross_rack": link},
-        "capacity_groups": {f"cores-{'-'.join(map(str, cores))}": list(nodes)},
+        "capacity_groups": shared_cores_groups(nodes, cores),
     })
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(topo.model_dump_json(indent=2))
@@ -429,23 +440,15 @@ async def _side(name: str, settings: Settings, opts: VllmLiveOptions, requests: 
         if name.startswith("conductor"):
             if ":" in name:
                 settings = settings.model_copy(update={"policy": name.split(":", 1)[1], "policy_params": {}})
-            if opts.pin_engines and opts.engines > 1:
+            if opts.capacity_groups():
                 # Every engine runs on the same pinned cores: one capacity, as an operator would declare it.
                 settings = settings.model_copy(update={"topology_file": shared_cores_topology(
                     side_dir / "topology.json", [f"vllm-{i}" for i in range(opts.engines)], opts.pin_engines)})
             nodes = [VllmNode(f"vllm-{i}", "both", e) for i, e in enumerate(engines)]
             async with VllmGatewayCluster(settings, side_dir, nodes=nodes, model=MODEL) as c:
                 # Everything but the engines (not in procs) and this process (the client).
-                meter = CpuMeter(c.control_pids())
-                engines_meter = _engines_meter(engines)
-                before = await prefix_counters(urls)
-                meter.start()
-                engines_meter.start()
-                t0 = time.monotonic()
-                stats = await replay(c.gateway_url, requests, opts, name, api_key=c.api_key)
-                wall = time.monotonic() - t0
-                cpu = {**meter.report(stats.sent), **engines_meter.report(stats.sent, prefix="engine_")}
-                after = await prefix_counters(urls)
+                stats, wall, cpu, before, after = await _measured_replay(
+                    c.gateway_url, c.control_pids(), engines, requests, opts, name, api_key=c.api_key)
                 # What each decision predicted against what its request took (gateway TTFT less routing).
                 outcomes = await read_outcomes(settings, wait_s=15.0)
                 errors = prediction_error_summary(outcomes.values())
@@ -467,16 +470,8 @@ async def _side(name: str, settings: Settings, opts: VllmLiveOptions, requests: 
         base = f"http://{settings.bind_host}:{port}"
         try:
             await _router_ready(base, procs)
-            meter = CpuMeter({"sglang-router": router.pid})
-            engines_meter = _engines_meter(engines)
-            before = await prefix_counters(urls)
-            meter.start()
-            engines_meter.start()
-            t0 = time.monotonic()
-            stats = await replay(base, requests, opts, name)
-            wall = time.monotonic() - t0
-            cpu = {**meter.report(stats.sent), **engines_meter.report(stats.sent, prefix="engine_")}
-            after = await prefix_counters(urls)
+            stats, wall, cpu, before, after = await _measured_replay(
+                base, {"sglang-router": router.pid}, engines, requests, opts, name)
         finally:
             await procs.stop()
         return {"router": "sglang-router", "policy": policy, **summary(stats, before, after, wall), **cpu}
@@ -484,10 +479,24 @@ async def _side(name: str, settings: Settings, opts: VllmLiveOptions, requests: 
         await asyncio.gather(*(e.stop() for e in engines), return_exceptions=True)
 
 
-def _engines_meter(engines: Sequence[VllmEngine]) -> CpuMeter:
-    """The engines' own CPU over the replay (server and engine core): what a router's traffic and
-    polling cost the engines (``engine_cpu_s``, ``engine_cpu_ms_per_request``, by engine)."""
-    return CpuMeter({e.name: e.proc.pid if e.proc is not None else None for e in engines})
+async def _measured_replay(url: str, control: dict[str, int | None], engines: Sequence[VllmEngine],
+                           requests: Sequence[DemoRequest], opts: VllmLiveOptions, name: str,
+                           api_key: str = "bench") -> tuple[SideStats, float, dict[str, Any], EngineCounters,
+                                                            EngineCounters]:
+    """The replay through ``url``: its stats, wall seconds, the CPU of the ``control`` processes
+    (``control_cpu_*``) and of the engines, server and engine core (``engine_cpu_*``: what a
+    router's traffic and polling cost them), and the engines' prefix counters before and after."""
+    urls = [e.url for e in engines]
+    meter = CpuMeter(control)
+    engines_meter = CpuMeter({e.name: e.proc.pid if e.proc is not None else None for e in engines})
+    before = await prefix_counters(urls)
+    meter.start()
+    engines_meter.start()
+    t0 = time.monotonic()
+    stats = await replay(url, requests, opts, name, api_key=api_key)
+    wall = time.monotonic() - t0
+    cpu = {**meter.report(stats.sent), **engines_meter.report(stats.sent, prefix="engine_")}
+    return stats, wall, cpu, before, await prefix_counters(urls)
 
 
 async def _router_ready(base: str, procs: Processes, timeout_s: float = 60.0) -> None:
@@ -621,8 +630,7 @@ def _run_sides(settings: Settings, opts: VllmLiveOptions, what: str) -> tuple[di
         "engine_model": opts.engine_model,
         "engine_kv_cache_bytes": opts.kv_cache_bytes(),
         "pinning": pins,
-        "capacity_groups": ({f"cores-{'-'.join(map(str, opts.pin_engines))}": [f"vllm-{i}" for i in range(opts.engines)]}
-                            if opts.pin_engines and opts.engines > 1 else {}),
+        "capacity_groups": opts.capacity_groups(),
         "model_profile": calibration["out"] if calibration is not None else settings.model_profile,
         "calibration": calibration,
     }
@@ -663,4 +671,5 @@ def run_vllm_demo(settings: Settings, opts: VllmLiveOptions, policy: str, baseli
 
 __all__ = ["HEAVY_KV_CACHE_BYTES", "PEER_SIDES", "SIDES", "VllmLiveError", "VllmLiveOptions", "evicted_blocks",
            "holder_reason", "left_holder_counts", "median_over_rounds", "metric_total", "parse_cpus", "parse_sides",
-           "pinning", "round_orders", "run_vllm_demo", "run_vllm_live_bench", "shared_cores_topology", "vllm_prompt"]
+           "pinning", "round_orders", "run_vllm_demo", "run_vllm_live_bench", "shared_cores_groups",
+           "shared_cores_topology", "vllm_prompt"]
