@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import msgpack
@@ -11,11 +12,13 @@ import pytest
 from conductor.costmodel.fitting import CostFitter, FitConfig, prediction_error_summary, sample_of
 from conductor.costmodel.profiles import (
     DEFAULT_PROFILE,
+    MAX_TTFT_RATIO_P90,
     OutcomeSample,
     fit_moved,
     fit_outcomes,
     load_profile,
     predict_ttft,
+    profile_from_dict,
 )
 from conductor.errors import ConfigError
 from conductor.routing.control import ControlState, apply_control
@@ -220,3 +223,18 @@ def test_a_tbt_fit_that_calls_decoding_nearly_free_stays_within_the_profile_boun
     update = _tbt_profile(base, (0.002, 1e-9))
     assert update["hbm_bandwidth"] <= MAX_BANDWIDTH
     profile_from_dict(base.model_copy(update=update).model_dump(), source="set_profile")  # validates
+
+
+def test_a_tail_past_the_margins_bound_is_held_at_it_and_the_fit_stays_publishable() -> None:
+    # A CI run on a real engine sharing its cores: a fifth of the window took 8-12x what the rest
+    # did, so real / predicted out of sample passes 4 at the 90th percentile. The coefficients are
+    # still a fit; the margin saturates at the schema's bound and the profile can be published.
+    rng = random.Random(3)
+    stalled = [dataclasses.replace(s, ttft_s=s.ttft_s * rng.uniform(8, 12)) if i % 5 == 0 else s
+               for i, s in enumerate(samples(60))]
+    fit = fit_outcomes(stalled, BASE)
+    ratios = sorted(s.ttft_s / predict_ttft(fit.profile, s, BASE) for s in stalled)
+    assert ratios[int(0.9 * len(ratios))] > MAX_TTFT_RATIO_P90  # the tail really is past the bound
+    assert fit.profile.ttft_ratio_p90 == MAX_TTFT_RATIO_P90
+    assert "held at the bound" in fit.profile.description
+    assert profile_from_dict(fit.profile.model_dump()) == fit.profile  # what every reader of set_profile checks
