@@ -9,6 +9,8 @@ import pytest
 from conductor.harness.bench.live_vllm import (
     HEAVY_KV_CACHE_BYTES,
     SIDES,
+    EngineCounters,
+    SideStats,
     VllmLiveError,
     VllmLiveOptions,
     evicted_blocks,
@@ -21,6 +23,7 @@ from conductor.harness.bench.live_vllm import (
     pinning,
     round_orders,
     shared_cores_topology,
+    summary,
 )
 from schemas import RoutingDecision
 
@@ -121,3 +124,15 @@ def test_engines_pinned_to_the_same_cores_are_one_capacity_group(tmp_path: Any) 
     topo = load_topology(path)
     assert topo.capacity_group("vllm-0") == topo.capacity_group("vllm-1") == ("vllm-0", "vllm-1")
     assert topo.capacity_group("other") == ("other",)
+
+
+def test_the_engines_own_ttft_and_queue_wait_are_means_over_the_replay() -> None:
+    stats = SideStats(sent=4, ttft=[0.1, 0.2, 0.3, 0.4])
+    before = EngineCounters(ttft_s=10.0, ttfts=100.0, queue_s=1.0, queues=100.0)
+    after = EngineCounters(ttft_s=10.6, ttfts=104.0, queue_s=1.2, queues=104.0)
+    out = summary(stats, before, after, 5.0)
+    assert out["ttft_mean_s"] == 0.25  # the client's, set beside the engines' own
+    assert out["engine_ttft_s_mean"] == 0.15 and out["engine_queue_s_mean"] == 0.05
+    # An engine that does not report them: null, not zero.
+    blank = summary(stats, EngineCounters(), EngineCounters(), 5.0)
+    assert blank["engine_ttft_s_mean"] is None and blank["engine_queue_s_mean"] is None

@@ -282,6 +282,11 @@ EVICTED = "vllm:kv_block_idle_before_evict_seconds_count"
 PREFILL_S = "vllm:request_prefill_time_seconds"
 COMPUTED = "vllm:request_prefill_kv_computed_tokens"
 """Per request, the engine's own prefill seconds and the prompt tokens it computed (not read from its cache)."""
+ENGINE_TTFT_S = "vllm:time_to_first_token_seconds"
+QUEUE_S = "vllm:request_queue_time_seconds"
+"""Per request, the engine's own time to first token (from the request reaching its server to the
+first token leaving its engine core) and the part of it spent waiting to be scheduled: set beside the
+client's TTFT, what the engines took and what the path before them added."""
 
 
 def metric_total(metrics: str, name: str) -> float | None:
@@ -309,6 +314,10 @@ class EngineCounters:
     prefill_s: float | None = None
     prefills: float | None = None
     computed_tokens: float | None = None
+    ttft_s: float | None = None
+    ttfts: float | None = None
+    queue_s: float | None = None
+    queues: float | None = None
 
 
 def _add(a: float | None, b: float | None) -> float | None:
@@ -329,7 +338,11 @@ async def prefix_counters(urls: Sequence[str]) -> EngineCounters:
                 evicted_blocks=_add(total.evicted_blocks, evicted_blocks(text)),
                 prefill_s=_add(total.prefill_s, metric_total(text, PREFILL_S + "_sum")),
                 prefills=_add(total.prefills, metric_total(text, PREFILL_S + "_count")),
-                computed_tokens=_add(total.computed_tokens, metric_total(text, COMPUTED + "_sum")))
+                computed_tokens=_add(total.computed_tokens, metric_total(text, COMPUTED + "_sum")),
+                ttft_s=_add(total.ttft_s, metric_total(text, ENGINE_TTFT_S + "_sum")),
+                ttfts=_add(total.ttfts, metric_total(text, ENGINE_TTFT_S + "_count")),
+                queue_s=_add(total.queue_s, metric_total(text, QUEUE_S + "_sum")),
+                queues=_add(total.queues, metric_total(text, QUEUE_S + "_count")))
     return total
 
 
@@ -342,6 +355,9 @@ def summary(stats: SideStats, before: EngineCounters, after: EngineCounters, wal
     evicted = _diff(before.evicted_blocks, after.evicted_blocks)
     prefill_s, prefills = _diff(before.prefill_s, after.prefill_s), _diff(before.prefills, after.prefills)
     computed = _diff(before.computed_tokens, after.computed_tokens)
+
+    def mean(total_s: float | None, n: float | None) -> float | None:
+        return round(total_s / n, 4) if total_s is not None and n else None
     rejected = sum(n for k, n in stats.statuses.items() if k in ("429", "503"))
     served = stats.statuses.get("served", 0)
 
@@ -357,6 +373,7 @@ def summary(stats: SideStats, before: EngineCounters, after: EngineCounters, wal
         "statuses": dict(stats.statuses),
         "ttft_p50_s": pct(50),
         "ttft_p90_s": pct(90),
+        "ttft_mean_s": round(sum(stats.ttft) / len(stats.ttft), 4) if stats.ttft else None,
         "engine_prefix_hit_ratio": round(hits / queries, 4) if queries > 0 else None,
         "engine_prefix_hit_tokens": int(hits),
         "engine_prefix_query_tokens": int(queries),
@@ -364,8 +381,12 @@ def summary(stats: SideStats, before: EngineCounters, after: EngineCounters, wal
         "engine_evicted_blocks": None if evicted is None else int(evicted),
         # The engines' own prefill: seconds a request's prefill took once scheduled (batched with others),
         # and the prompt tokens it computed; what says which regime (tiny, heavy) the run was in.
-        "engine_prefill_s_mean": round(prefill_s / prefills, 4) if prefill_s is not None and prefills else None,
+        "engine_prefill_s_mean": mean(prefill_s, prefills),
         "engine_computed_tokens_mean": round(computed / prefills, 1) if computed is not None and prefills else None,
+        # The engines' own TTFT and queue wait, means over the replay: the client's TTFT less these is
+        # what the path in front of the engines (router, network, the engines' HTTP servers' wait) added.
+        "engine_ttft_s_mean": mean(_diff(before.ttft_s, after.ttft_s), _diff(before.ttfts, after.ttfts)),
+        "engine_queue_s_mean": mean(_diff(before.queue_s, after.queue_s), _diff(before.queues, after.queues)),
     }
 
 
