@@ -12,6 +12,7 @@ from typing import Any
 
 import httpx
 from fastapi import FastAPI, Request
+from fastapi.telemetry import TelemetryConfig
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from conductor import web
@@ -23,6 +24,7 @@ from conductor.gateway.admission import InFlightBound
 from conductor.gateway.auth import ApiKeyGuard, Caller, KeyRing
 from conductor.gateway.config import GatewayConfig
 from conductor.gateway.service import Gateway
+from conductor.gateway.upstream import EnginePools
 from conductor.settings import Settings
 from state.connect import open_client
 from state.redis_view import RedisViewStore
@@ -35,6 +37,14 @@ KEEPALIVE_EXPIRY_S = 4.0
 """Idle connections to engines are dropped before the engines' own keep-alive (uvicorn's 5 s in
 vLLM and SGLang) closes them: a request sent on a connection the engine is closing fails after
 it left, and such a failure is not routed again (the engine may have taken the request)."""
+
+
+NO_FRAMEWORK_TELEMETRY: TelemetryConfig = {"tracing": False, "metrics": False, "logs": False}
+"""FastAPI's own OpenTelemetry (on by default since 0.163 once a meter provider is installed, as
+``conductor.telemetry`` does) is off: per request it attached a context, walked the middleware
+stack, wrapped every ``send`` (each SSE chunk of a stream) and recorded an
+``http.server.request.duration`` histogram and an active-requests counter that nothing reads; the
+gateway's own ``conductor_gateway_*`` metrics say what it serves (``GatewayMetrics``, admission)."""
 
 
 class BodyTooLarge(Exception):
@@ -61,7 +71,7 @@ def gateway_app(gw: Gateway, keys: KeyRing, metrics_text: Callable[[], str] = la
     bound of requests in flight (``max_in_flight``, 0 = none: :class:`~conductor.gateway.admission.InFlightBound`);
     a body past ``max_body_bytes`` is 413 (:func:`read_body`)."""
     body_limit = max_body_bytes
-    app = FastAPI(title="conductor gateway", docs_url=None, redoc_url=None)
+    app = FastAPI(title="conductor gateway", docs_url=None, redoc_url=None, telemetry=NO_FRAMEWORK_TELEMETRY)
     app.add_middleware(ApiKeyGuard, keys=keys)
     # Outermost: a full gateway answers 429 before it reads anything else of the request.
     app.add_middleware(InFlightBound, limit=max_in_flight)
@@ -133,7 +143,7 @@ async def run_gateway(settings: Settings, config: GatewayConfig, sock: socket.so
     tps = topics(settings.topic_config())
     await ensure_topics(settings.kafka(), (tps.requests, tps.dispatch, tps.request_outcomes))
     limits = httpx.Limits(max_connections=4096, max_keepalive_connections=1024, keepalive_expiry=KEEPALIVE_EXPIRY_S)
-    client = httpx.AsyncClient(timeout=config.timeouts.outside_requests(), limits=limits)
+    client = httpx.AsyncClient(timeout=config.timeouts.outside_requests(), transport=EnginePools(limits))
     view = None
     if settings.redis_url:
         view = RedisViewStore(open_client(settings.redis().connection_url(), decode_responses=False, **settings.redis().tls_options(),

@@ -31,6 +31,35 @@ T = TypeVar("T")
 _JSON = {"content-type": "application/json"}
 
 
+class EnginePools(httpx.AsyncBaseTransport):
+    """httpx's own transport, one connection pool per engine (origin) instead of one for all.
+
+    httpcore's pool looks at every connection it holds each time a request enters or leaves it
+    (expiry, a ``poll`` of each idle socket, and a count of all connections per idle one), so its
+    cost per call grows with the connections of every engine together: at 50 clients that walk
+    was the gateway's largest cost after the routing itself. Split by engine, each walk sees one
+    engine's connections. ``limits`` hold per engine; ``make`` builds one engine's transport."""
+
+    def __init__(self, limits: httpx.Limits | None = None,
+                 make: Callable[[], httpx.AsyncBaseTransport] | None = None) -> None:
+        self._make = make if make is not None else (
+            lambda: httpx.AsyncHTTPTransport(limits=limits if limits is not None else httpx.Limits()))
+        self.pools: dict[tuple[bytes, bytes, int | None], httpx.AsyncBaseTransport] = {}
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        url = request.url
+        key = (url.raw_scheme, url.raw_host, url.port)
+        pool = self.pools.get(key)
+        if pool is None:
+            pool = self.pools[key] = self._make()
+        return await pool.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        pools, self.pools = list(self.pools.values()), {}
+        for pool in pools:
+            await pool.aclose()
+
+
 class EngineFailed(Exception):
     """Nothing of the request runs on ``node`` (never reached, or it answered the call whole with
     a 5xx): the request is routed again without it."""
