@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import contextlib
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -180,17 +181,22 @@ class RedisReservations:
     """
 
     def __init__(self, client: aioredis.Redis | RedisCluster, namespace: str, ttl_s: float, *, producer_id: str,
-                 flush_after_s: float = 0.01, block_ms: int = FOLLOW_BLOCK_MS) -> None:
+                 flush_after_s: float = 0.01, block_ms: int = FOLLOW_BLOCK_MS,
+                 follow_client: aioredis.Redis | RedisCluster | None = None) -> None:
         self.events = EventSeq()
         """This replica's numbers: one per :meth:`reserve` call (``state.events``)."""
         self._cut = Cut(producer_id, 2 * int(ttl_s * 1000))
         self.client = client
+        self.follow_client = follow_client if follow_client is not None else client
+        """What the follower reads with: a client of its own (``follow_client``, closed by
+        :meth:`close`) lets it block longer than ``client``'s read timeout allows."""
+        self._own_follow_client = follow_client is not None
         self.key = ViewKeys(namespace).reservations
         self.ttl_ms = int(ttl_s * 1000)
         self.producer_id = producer_id
         self.flush_after_s = flush_after_s
-        self.block_ms = block_ms_within(block_ms, read_timeout_s(client))
-        """How long each read of the follower blocks: ``block_ms``, within the client's read timeout."""
+        self.block_ms = block_ms_within(block_ms, read_timeout_s(self.follow_client))
+        """How long each read of the follower blocks: ``block_ms``, within its client's read timeout."""
         self.local = InMemoryReservations(ttl_s)
         self._buffer: list[str] = []
         self._timer: asyncio.TimerHandle | None = None
@@ -279,7 +285,7 @@ class RedisReservations:
         while not self._stopping:
             try:
                 res = cast(list[tuple[bytes, list[StreamEntry]]] | None,  # bytes: the client decodes nothing
-                           await self.client.xread({self.key: self._last_id}, block=self.block_ms, count=1000))
+                           await self.follow_client.xread({self.key: self._last_id}, block=self.block_ms, count=1000))
             except asyncio.CancelledError:
                 raise
             except (RedisError, OSError) as e:
@@ -330,6 +336,9 @@ class RedisReservations:
                 follower.cancel()
                 await asyncio.wait({follower}, timeout=0.2)  # never wait on a read stuck in the driver
                 log.warning("the reservation follower did not stop in time; abandoned it")
+        if self._own_follow_client:
+            with contextlib.suppress(RedisError, OSError):
+                await self.follow_client.aclose()
 
     async def clear(self) -> None:
         """Delete the log (benchmarks and tests)."""

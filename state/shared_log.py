@@ -54,14 +54,17 @@ class SharedLog:
 
     def __init__(self, client: aioredis.Redis | RedisCluster, key: str, *, producer_id: str, retain_ms: int,
                  apply: Callable[[Any], None], flush_after_s: float = 0.01, block_ms: int = FOLLOW_BLOCK_MS,
-                 events: EventSeq | None = None) -> None:
+                 events: EventSeq | None = None, follow_client: aioredis.Redis | RedisCluster | None = None) -> None:
         self.client = client
+        self.follow_client = follow_client if follow_client is not None else client
+        """What the follower reads with (its owner closes it): a client of its own lets it block
+        longer than ``client``'s read timeout allows."""
         self.key = key
         self.producer_id = producer_id
         self.retain_ms = retain_ms
         self.flush_after_s = flush_after_s
-        self.block_ms = block_ms_within(block_ms, read_timeout_s(client))
-        """How long each read of the follower blocks: ``block_ms``, within the client's read timeout."""
+        self.block_ms = block_ms_within(block_ms, read_timeout_s(self.follow_client))
+        """How long each read of the follower blocks: ``block_ms``, within its client's read timeout."""
         self._apply_one = apply
         self.events = events if events is not None else EventSeq()
         self._buffer: list[tuple[int, int, Any]] = []
@@ -156,7 +159,7 @@ class SharedLog:
         while not self._stopping:
             try:
                 res = cast(list[tuple[bytes, list[StreamEntry]]] | None,
-                           await self.client.xread({self.key: self._last_id}, block=self.block_ms, count=1000))
+                           await self.follow_client.xread({self.key: self._last_id}, block=self.block_ms, count=1000))
             except asyncio.CancelledError:
                 raise
             except (RedisError, OSError) as e:
@@ -220,11 +223,13 @@ class RedisPendingBlocks:
 
     def __init__(self, client: aioredis.Redis | RedisCluster, namespace: str, ttl_ms: int, *, producer_id: str,
                  capacity: Mapping[str, int] | None = None, flush_after_s: float = 0.01,
-                 block_ms: int = FOLLOW_BLOCK_MS, events: EventSeq | None = None) -> None:
+                 block_ms: int = FOLLOW_BLOCK_MS, events: EventSeq | None = None,
+                 follow_client: aioredis.Redis | RedisCluster | None = None) -> None:
         self.local = InMemoryPendingBlocks(ttl_ms, capacity)
         self.log = SharedLog(client, ViewKeys(namespace).pending, producer_id=producer_id, retain_ms=2 * ttl_ms,
                              apply=lambda item: self.local.apply(decode_pending(item)),
-                             flush_after_s=flush_after_s, block_ms=block_ms, events=events)
+                             flush_after_s=flush_after_s, block_ms=block_ms, events=events,
+                             follow_client=follow_client)
 
     def record(self, request_id: str, placements: Mapping[str, Sequence[int]], at_ms: int) -> None:
         for op in self.local.record(request_id, placements, at_ms):
@@ -267,11 +272,13 @@ class RedisInflight:
     never wait on Redis."""
 
     def __init__(self, client: aioredis.Redis | RedisCluster, namespace: str, lease_ms: int, *, producer_id: str,
-                 flush_after_s: float = 0.01, block_ms: int = FOLLOW_BLOCK_MS, events: EventSeq | None = None) -> None:
+                 flush_after_s: float = 0.01, block_ms: int = FOLLOW_BLOCK_MS, events: EventSeq | None = None,
+                 follow_client: aioredis.Redis | RedisCluster | None = None) -> None:
         self.local = InMemoryInflight(lease_ms)
         self.log = SharedLog(client, ViewKeys(namespace).inflight, producer_id=producer_id, retain_ms=2 * lease_ms,
                              apply=lambda item: self.local.apply(decode_inflight(item)),
-                             flush_after_s=flush_after_s, block_ms=block_ms, events=events)
+                             flush_after_s=flush_after_s, block_ms=block_ms, events=events,
+                             follow_client=follow_client)
 
     def charge(self, request_id: str, prefill_node: str, decode_node: str, uncached_tokens: int,
                context_tokens: int, now_ms: int) -> None:

@@ -123,6 +123,8 @@ class Follower:
     records whose Kafka headers it says yes to are passed over before any decoding (their positions
     move on; counted in :attr:`skipped`), e.g. requests decided where they arrived
     (:func:`schemas.decided_by`); records without such a header are handed over as any other.
+    ``fetch_wait_ms`` (paced, :class:`streams.kafka.FetchPace`) and ``idle_steps`` (its steps;
+    None: the default ones): see the module docstring.
     """
 
     def __init__(self, kafka: KafkaConnection, starts: Sequence[tuple[Topic, Start]], *, on_bad: OnBad,
@@ -130,7 +132,8 @@ class Follower:
                  fetch_wait_ms: int | None = None, poll_ms: int = 200, max_records: int | None = 500,
                  counts: Counter[str] | None = None, count_prefix: str = "bad_record:",
                  track_end: bool = False, letters: DeadLetters | None = None,
-                 skip: Callable[[Sequence[tuple[str, bytes]]], bool] | None = None) -> None:
+                 skip: Callable[[Sequence[tuple[str, bytes]]], bool] | None = None,
+                 idle_steps: Sequence[tuple[float, int]] | None = None) -> None:
         if group is not None and any(not isinstance(s, Earliest) for _, s in starts):
             raise ValueError("a consumer group starts where the group stopped: give Earliest")
         if on_bad in (OnBad.DEAD_LETTER, OnBad.DEAD_LETTER_AND_ANSWER) and letters is None and dead_letter is None:
@@ -157,7 +160,7 @@ class Follower:
         self._consumer: AIOKafkaConsumer = consumer(
             kafka, *([t.name for t, _ in starts] if group is not None else []), group_id=group,
             **({"fetch_max_wait_ms": fetch_wait_ms} if fetch_wait_ms is not None else {}))
-        self._pace = FetchPace(fetch_wait_ms) if fetch_wait_ms is not None else None
+        self._pace = FetchPace(fetch_wait_ms, steps=idle_steps) if fetch_wait_ms is not None else None
         self.partitions: list[TopicPartition] = []
         self.ends: dict[tuple[str, int], int] = {}
         """Each partition's end when the follower started (with ``track_end``, or a start that needs it)."""

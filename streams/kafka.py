@@ -118,6 +118,18 @@ DEEP_IDLE_FETCH_WAIT_MS = 500
 """...this long per fetch (Kafka's own default fetch wait)."""
 
 
+KAFKA_FETCH_WAIT_MS = 500
+"""aiokafka's (and Kafka's) default fetch wait."""
+QUIET_FETCH_WAIT_MS = 1000
+"""The fetch wait of a follower nobody waits on (``control``, ``kv-commands``) after
+:data:`DEEP_IDLE_AFTER_S` without a record (:data:`QUIET_STEPS`)."""
+QUIET_STEPS = ((DEEP_IDLE_AFTER_S, QUIET_FETCH_WAIT_MS),)
+"""The :class:`FetchPace` steps of such a follower, from :data:`KAFKA_FETCH_WAIT_MS`: after 10 s
+without a record, one fetch a second on the embedded broker instead of two; a record after such a
+spell waits up to ~500 ms there instead of ~250 ms (Tansu looks half-way), never longer on Kafka
+(which answers as soon as a record is there)."""
+
+
 class FetchPace:
     """The fetch wait of a consumer that asks for a short one: ``short_ms`` while records come,
     then longer the longer nothing comes (``steps``: after so many seconds without a record, so

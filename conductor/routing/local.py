@@ -114,7 +114,8 @@ class LocalRouter:
         await ensure_topics(self.settings.kafka(), (t.requests, t.dispatch, t.control))
         if self._router is None:
             view, reservations = redis_stores(self.settings, producer_id=self.producer_id)
-            pending, inflight = decision_time_stores(self.settings, reservations.client, self.producer_id)
+            pending, inflight = decision_time_stores(self.settings, reservations.client, self.producer_id,
+                                                     follow_client=reservations.follow_client)
             self._router = Router(self.settings, view, reservations, pending=pending,
                                   inflight=inflight if self.charges_work else None)
             self._index = decision_index(self.settings, getattr(reservations, "client", None))

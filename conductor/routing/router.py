@@ -326,10 +326,11 @@ class Router:
         await self.decision_time.start(now_ms)
 
     async def close(self) -> None:
-        """Share the last reservations, pending blocks and charges, and stop following."""
+        """Share the last reservations, pending blocks and charges, and stop following (the
+        reservations last: they close the followers' client, ``conductor.routing.stores``)."""
+        await self.decision_time.close()
         if isinstance(self.reservations, SharedReservations):
             await self.reservations.close()
-        await self.decision_time.close()
 
     # --- runtime control (the control topic, in log order) ------------------------------
 

@@ -19,7 +19,8 @@ def build_router(settings: Settings, router_id: str | None = None) -> RouterWork
     the decision index (``decision_index_ttl_s``) on the reservations' connection."""
     rid = router_id or default_router_id()
     view, reservations = redis_stores(settings, producer_id=rid)
-    pending, inflight = decision_time_stores(settings, reservations.client, rid)
+    pending, inflight = decision_time_stores(settings, reservations.client, rid,
+                                             follow_client=reservations.follow_client)
     return RouterWorker(settings, Router(settings, view, reservations, pending=pending, inflight=inflight),
                         router_id=rid, decisions=decision_index(settings, reservations.client))
 

@@ -33,13 +33,23 @@ def default_router_id() -> str:
     return f"router-{socket.gethostname()}-{os.getpid()}-{INCARNATION}"
 
 
+FOLLOW_READ_TIMEOUT_S = 2.0
+"""The read timeout of the shared logs' followers' own client: room for a 1 s ``XREAD`` block
+(``state.reservations.FOLLOW_BLOCK_MS``) and its answer's trip back. On the router's 0.5 s
+client they blocked 400 ms: three reads every 400 ms on an idle stack instead of one a second.
+A follower waits in the background (a decision never waits on it), so its longer timeout
+delays nothing but its own reconnect to a Redis that went silent."""
+
+
 def redis_stores(settings: Settings, producer_id: str | None = None) -> tuple[Any, Any]:
     """The Redis view reader and reservation log of ``settings``, with short timeouts.
 
     Timeouts are short on purpose: a router that waits on a dead Redis answers nobody;
-    one that fails fast answers from its last snapshot.
+    one that fails fast answers from its last snapshot. The followers of the shared logs
+    (the reservations', and the decision-time stores' given ``follow_client``) read on a client
+    of their own (``reservations.follow_client``, :data:`FOLLOW_READ_TIMEOUT_S`), closed with
+    the reservations.
     """
-
 
     if not settings.redis_url:
         raise ViewStoreError("redis_url is not set (start the embedded stack with `conductor dev up`)")
@@ -48,6 +58,9 @@ def redis_stores(settings: Settings, producer_id: str | None = None) -> tuple[An
         url, decode_responses=False, **settings.redis().tls_options(), socket_timeout=0.5, socket_connect_timeout=0.5,
         health_check_interval=0, connection_class=HiredisPackedConnection,
     )
+    follow_client = open_client(
+        url, decode_responses=False, **settings.redis().tls_options(), socket_timeout=FOLLOW_READ_TIMEOUT_S,
+        socket_connect_timeout=0.5, health_check_interval=0)
     view = RedisViewStore(client, settings.view_namespace)
     # The raw reader speaks plain RESP (with AUTH user password), to one server or to the
     # primary of the namespace's one slot of a Redis Cluster; TLS (rediss://) and unix sockets
@@ -63,20 +76,21 @@ def redis_stores(settings: Settings, producer_id: str | None = None) -> tuple[An
         reader = RawSnapshotReader(url, settings.view_namespace, store=view) if raw else view
     return (reader,
             RedisReservations(client, settings.view_namespace, settings.reservation_ttl_s,
-                              producer_id=producer_id or default_router_id()))
+                              producer_id=producer_id or default_router_id(), follow_client=follow_client))
 
 
-def decision_time_stores(settings: Settings, client: Any, producer_id: str | None = None,
-                         ) -> tuple[RedisPendingBlocks, RedisInflight]:
+def decision_time_stores(settings: Settings, client: Any, producer_id: str | None = None, *,
+                         follow_client: Any = None) -> tuple[RedisPendingBlocks, RedisInflight]:
     """The pending blocks and the in-flight ledger of ``settings``, shared through the view's
     Redis on ``client`` (the reservations' connection): what every router, gateway and picker
-    writes at decision time and reads from memory (``state.shared_log``)."""
+    writes at decision time and reads from memory (``state.shared_log``). ``follow_client``: what
+    their followers read with (the reservations' ``follow_client``; default ``client``)."""
     pid = producer_id or default_router_id()
     events = EventSeq()  # one numbering for both: a placement's blocks and its charge are one event
     return (RedisPendingBlocks(client, settings.view_namespace, max(int(settings.pending_ttl_s * 1000), 1),
-                               producer_id=pid, events=events),
+                               producer_id=pid, events=events, follow_client=follow_client),
             RedisInflight(client, settings.view_namespace, max(int(settings.inflight_lease_s * 1000), 1),
-                          producer_id=pid, events=events))
+                          producer_id=pid, events=events, follow_client=follow_client))
 
 
 def decision_index(settings: Settings, client: Any = None) -> RedisDecisionIndex | None:

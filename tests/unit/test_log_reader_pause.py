@@ -36,6 +36,9 @@ class FakeConsumer:
     def pause(self, *tps: TopicPartition) -> None:
         self.paused.update(tps)
 
+    def unsubscribe(self) -> None:
+        self.assigned, self.paused = [], set()
+
     def seek(self, tp: TopicPartition, offset: int) -> None:
         self.pos[tp] = offset
 
@@ -73,6 +76,7 @@ def test_a_log_reader_fetches_nothing_between_reads(monkeypatch: pytest.MonkeyPa
         got = await reader.fetch_range("t", 0, 2, 5)
         assert [r.offset for r in got] == [2, 3, 4]
         assert fake.fetching == set()  # without the pause: fetched twice a second for good
+        assert fake.assignment() == set()  # paused, aiokafka's fetcher still wakes every 200 ms
         assert [r.offset for r in await reader.fetch_range("t", 0, 0, 2)] == [0, 1]  # a new read fetches again
 
     asyncio.run(main())

@@ -28,3 +28,26 @@ def test_followers_block_within_their_clients_timeout(url: str) -> None:
     assert RedisReservations(client, "ns", 5.0, producer_id="r").block_ms == 400
     assert SharedLog(client, "k", producer_id="r", retain_ms=1000, apply=lambda _: None).block_ms == 400
     assert RedisReservations(open_client(url), "ns", 5.0, producer_id="r").block_ms == FOLLOW_BLOCK_MS
+
+
+@pytest.mark.parametrize("url", ["redis://127.0.0.1:1", "redis+cluster://127.0.0.1:1"])
+def test_a_follower_client_of_its_own_blocks_a_full_second(url: str) -> None:
+    """The router's short-timeout client writes; its followers read on one that allows a 1 s block."""
+    client, follower = open_client(url, socket_timeout=0.5), open_client(url, socket_timeout=2.0)
+    resv = RedisReservations(client, "ns", 5.0, producer_id="r", follow_client=follower)
+    log = SharedLog(client, "k", producer_id="r", retain_ms=1000, apply=lambda _: None, follow_client=follower)
+    assert (resv.block_ms, log.block_ms) == (FOLLOW_BLOCK_MS, FOLLOW_BLOCK_MS)
+    assert resv.client is client and resv.follow_client is follower and log.follow_client is follower
+
+
+def test_the_routers_stores_follow_on_a_client_of_their_own() -> None:
+    from conductor.routing.stores import FOLLOW_READ_TIMEOUT_S, decision_time_stores, redis_stores
+    from conductor.settings import load_settings
+
+    settings = load_settings(redis_url="redis://127.0.0.1:1/0")
+    _, resv = redis_stores(settings, producer_id="r")
+    pending, inflight = decision_time_stores(settings, resv.client, "r", follow_client=resv.follow_client)
+    assert read_timeout_s(resv.client) == 0.5  # decisions still fail fast on a dead Redis
+    assert read_timeout_s(resv.follow_client) == FOLLOW_READ_TIMEOUT_S
+    assert [s.block_ms for s in (resv, pending.log, inflight.log)] == [FOLLOW_BLOCK_MS] * 3
+    assert pending.log.follow_client is resv.follow_client is inflight.log.follow_client
