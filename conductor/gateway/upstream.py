@@ -8,6 +8,7 @@ request never runs again; an engine's own 4xx (:class:`UpstreamClientError`) is 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -31,6 +32,35 @@ T = TypeVar("T")
 _JSON = {"content-type": "application/json"}
 
 
+class _Counted(httpx.AsyncByteStream):
+    """A response body that tells its pool when it is closed (the call no longer uses a connection)."""
+
+    def __init__(self, inner: httpx.AsyncByteStream, done: Callable[[], None]) -> None:
+        self._inner, self._done = inner, done
+
+    async def __aiter__(self) -> Any:
+        async for part in self._inner:
+            yield part
+
+    async def aclose(self) -> None:
+        done, self._done = self._done, _nothing
+        try:
+            await self._inner.aclose()
+        finally:
+            done()
+
+
+def _nothing() -> None:
+    return None
+
+
+class _Pool:
+    __slots__ = ("last_used", "open_calls", "transport")
+
+    def __init__(self, transport: httpx.AsyncBaseTransport, now: float) -> None:
+        self.transport, self.open_calls, self.last_used = transport, 0, now
+
+
 class EnginePools(httpx.AsyncBaseTransport):
     """httpx's own transport, one connection pool per engine (origin) instead of one for all.
 
@@ -38,26 +68,52 @@ class EnginePools(httpx.AsyncBaseTransport):
     (expiry, a ``poll`` of each idle socket, and a count of all connections per idle one), so its
     cost per call grows with the connections of every engine together: at 50 clients that walk
     was the gateway's largest cost after the routing itself. Split by engine, each walk sees one
-    engine's connections. ``limits`` hold per engine; ``make`` builds one engine's transport."""
+    engine's connections. ``limits`` hold per engine; ``make`` builds one engine's transport.
+
+    Engines come and go (a rollout gives every pod a new address): past ``keep`` pools, a new one
+    closes those with no call open that were last used ``idle_s`` or more ago, so a long-lived
+    gateway keeps the pools of the engines it still talks to, not of every engine it ever met."""
 
     def __init__(self, limits: httpx.Limits | None = None,
-                 make: Callable[[], httpx.AsyncBaseTransport] | None = None) -> None:
+                 make: Callable[[], httpx.AsyncBaseTransport] | None = None, *, keep: int = 64,
+                 idle_s: float = 300.0, clock: Callable[[], float] = time.monotonic) -> None:
         self._make = make if make is not None else (
             lambda: httpx.AsyncHTTPTransport(limits=limits if limits is not None else httpx.Limits()))
-        self.pools: dict[tuple[bytes, bytes, int | None], httpx.AsyncBaseTransport] = {}
+        self.keep, self.idle_s, self.clock = keep, idle_s, clock
+        self.pools: dict[tuple[bytes, bytes, int | None], _Pool] = {}
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         url = request.url
         key = (url.raw_scheme, url.raw_host, url.port)
+        now = self.clock()
         pool = self.pools.get(key)
         if pool is None:
-            pool = self.pools[key] = self._make()
-        return await pool.handle_async_request(request)
+            if len(self.pools) >= self.keep:
+                await self._close_idle(now)
+            pool = self.pools[key] = _Pool(self._make(), now)
+        pool.last_used = now
+        pool.open_calls += 1
+        try:
+            resp = await pool.transport.handle_async_request(request)
+        except BaseException:
+            pool.open_calls -= 1
+            raise
+        assert isinstance(resp.stream, httpx.AsyncByteStream)
+
+        def closed() -> None:
+            pool.open_calls -= 1
+        resp.stream = _Counted(resp.stream, closed)
+        return resp
+
+    async def _close_idle(self, now: float) -> None:
+        idle = [k for k, p in self.pools.items() if p.open_calls == 0 and now - p.last_used >= self.idle_s]
+        for k in idle:
+            await self.pools.pop(k).transport.aclose()
 
     async def aclose(self) -> None:
         pools, self.pools = list(self.pools.values()), {}
         for pool in pools:
-            await pool.aclose()
+            await pool.transport.aclose()
 
 
 class EngineFailed(Exception):
