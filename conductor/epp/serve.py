@@ -25,7 +25,7 @@ from conductor.errors import ConfigError
 from conductor.frontdoor.decide import ROUTINGS, Decider, Routing, make_decider, parse_routing
 from conductor.frontdoor.directory import EngineDirectory
 from conductor.frontdoor.protocol import default_bounds
-from conductor.frontdoor.tokenizer import EngineTokenizer, prompt_tokenizer
+from conductor.frontdoor.tokenizer import EngineTokenizer, ModelFilesTokenizer, prompt_tokenizer
 from conductor.settings import Settings
 from schemas import RequestOutcome, envelope
 from state.connect import open_client
@@ -176,6 +176,7 @@ async def serve(config: EppConfig, settings: Settings, *, port: int, stop: async
         health_pb2_grpc.add_HealthServicer_to_server(checks, server)
     address = f"{settings.bind_host}:{port}"
     health_task: asyncio.Task[None] | None = None
+    warming: asyncio.Future[None] | None = None
     try:
         try:
             bound = (server.add_secure_port(address, grpc.ssl_server_credentials([(tls.key, tls.cert)]))
@@ -186,6 +187,8 @@ async def serve(config: EppConfig, settings: Settings, *, port: int, stop: async
         if not len(directory):
             log.warning("no engine known yet: none announces an endpoint in the view and no --engine was given")
         await decider.start()
+        if isinstance(tok, ModelFilesTokenizer):  # the model's files looked for now, not by the first requests
+            warming = asyncio.ensure_future(tok.warm())
         await server.start()
         if health_service:
             await checks.set("liveness", health_pb2.HealthCheckResponse.SERVING)
@@ -202,6 +205,10 @@ async def serve(config: EppConfig, settings: Settings, *, port: int, stop: async
             health_task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await health_task
+        if warming is not None:
+            warming.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await warming
         await decider.close()
         if writer is not None:
             await writer.close()

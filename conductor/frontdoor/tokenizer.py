@@ -330,6 +330,35 @@ class ModelFilesTokenizer:
         self.look(req)
         return await self.engine.prompt(req)
 
+    async def warm(self, *, tries: int = 120, every_s: float = 1.0) -> None:
+        """At start-up, settle every model the first engine to answer serves, before any request
+        asks: the first requests then neither wait on the engine's ``/tokenize`` nor share the
+        gateway with the look, and the log says which way each model tokenizes before traffic.
+        Tries every ``every_s`` while no engine is known or answers; a model no engine names
+        stays for :meth:`prompt` to look for when it is asked for."""
+        for attempt in range(tries):
+            if attempt:
+                await asyncio.sleep(every_s)
+            if self.engine.directory is not None:
+                await self.engine.directory.refresh()
+            for url in self.engine.urls:
+                try:
+                    r = await self.engine.client.get(f"{url}/v1/models")
+                    r.raise_for_status()
+                    cards = r.json().get("data") or []
+                except (httpx.HTTPError, ValueError, AttributeError):
+                    continue
+                for model in dict.fromkeys(c.get("id") for c in cards if isinstance(c, dict)):
+                    if isinstance(model, str) and model not in self.local:
+                        while self._looking is not None:  # a request's look: let it end
+                            await asyncio.wait({self._looking})
+                        task = self.look(ClientRequest(chat=False, model=model, stream=False, include_usage=False,
+                                                       max_tokens=None, prompt_text=PROBE_TEXT, prompt_ids=None,
+                                                       messages=None, cache_salt=None, lora_name=None))
+                        if task is not None:
+                            await asyncio.wait({task})
+                return
+
     def look(self, req: ClientRequest) -> asyncio.Task[None] | None:
         """Start looking for the files of ``req``'s model unless a look runs or it is not due; the
         look, or None."""

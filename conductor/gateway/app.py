@@ -19,7 +19,7 @@ from conductor import web
 from conductor.frontdoor.decide import make_decider
 from conductor.frontdoor.directory import EngineDirectory
 from conductor.frontdoor.protocol import SloBounds, error_body
-from conductor.frontdoor.tokenizer import EngineTokenizer, prompt_tokenizer
+from conductor.frontdoor.tokenizer import EngineTokenizer, ModelFilesTokenizer, prompt_tokenizer
 from conductor.gateway.admission import InFlightBound
 from conductor.gateway.auth import ApiKeyGuard, Caller, KeyRing
 from conductor.gateway.config import GatewayConfig
@@ -163,6 +163,8 @@ async def run_gateway(settings: Settings, config: GatewayConfig, sock: socket.so
     decider = make_decider(settings, config.routing, producer_id=config.gateway_id,
                            timeout_s=config.decision_timeout_s, producer=prod, seq=seq)
     gw = Gateway(settings, config, tok, client, prod, decider, directory=directory, seq=seq)
+    # The model's files looked for now, not by the first requests (they would pay for it).
+    warming = asyncio.ensure_future(tok.warm()) if isinstance(tok, ModelFilesTokenizer) else None
     try:
         await decider.start()
         if on_ready is not None:
@@ -172,6 +174,10 @@ async def run_gateway(settings: Settings, config: GatewayConfig, sock: socket.so
                         grace_s=config.drain_s, on_stop=gw.drain)
     finally:
         stop.set()
+        if warming is not None:
+            warming.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await warming
         with contextlib.suppress(Exception):
             await decider.close()
         await prod.stop()

@@ -68,3 +68,29 @@ async def test_files_not_on_this_host_leave_the_engine_tokenizing_and_are_not_as
     assert tok.local == {} and calls == ["/tokenize", "/v1/models", "/tokenize"]
     req = parse_body({"model": "m", "prompt": "x"}, chat=False)
     assert tok.look(req) is None  # settled: an engine answered
+
+
+async def test_the_files_are_settled_at_start_up_before_any_request(tmp_path: Path) -> None:
+    # warm() runs as the door starts: once the engine answers, its models tokenize locally and the
+    # first request goes to no engine at all. An engine not there yet is asked again.
+    (tmp_path / "model").mkdir()
+    file = bench_tokenizer(tmp_path / "model" / "tokenizer.json")
+    calls: list[str] = []
+    engine = _engine(str(tmp_path / "model"), Tokenizer.from_file(str(file)), calls)
+    down = [2]
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if down[0]:
+            down[0] -= 1
+            raise httpx.ConnectError("not up yet", request=request)
+        return engine.handler(request)  # type: ignore[no-any-return]
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+        tok, _ = prompt_tokenizer(EngineTokenizer(client, ["http://e0"]), None, None)
+        assert isinstance(tok, ModelFilesTokenizer)
+        await tok.warm(every_s=0.0)
+        # the models listed, then the look at "m" and its probe
+        assert "m" in tok.local and calls == ["/v1/models", "/v1/models", "/tokenize"]
+        req = parse_body({"model": "m", "prompt": "lorem ipsum 12345 dolor"}, chat=False)
+        assert (await tok.prompt(req)).token_ids
+        assert calls == ["/v1/models", "/v1/models", "/tokenize"]  # the request itself asked no engine
