@@ -344,10 +344,13 @@ class ModelFilesTokenizer:
             for url in self.engine.urls:
                 try:
                     r = await self.engine.client.get(f"{url}/v1/models")
+                except httpx.HTTPError:
+                    continue  # not up yet
+                try:
                     r.raise_for_status()
                     cards = r.json().get("data") or []
                 except (httpx.HTTPError, ValueError, AttributeError):
-                    continue
+                    return  # it answered without a model list: asking again gives none either
                 for model in dict.fromkeys(c.get("id") for c in cards if isinstance(c, dict)):
                     if isinstance(model, str) and model not in self.local:
                         while self._looking is not None:  # a request's look: let it end

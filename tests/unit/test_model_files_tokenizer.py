@@ -94,3 +94,17 @@ async def test_the_files_are_settled_at_start_up_before_any_request(tmp_path: Pa
         req = parse_body({"model": "m", "prompt": "lorem ipsum 12345 dolor"}, chat=False)
         assert (await tok.prompt(req)).token_ids
         assert calls == ["/v1/models", "/v1/models", "/tokenize"]  # the request itself asked no engine
+
+
+async def test_an_engine_with_no_model_list_is_not_asked_again_at_start_up() -> None:
+    calls: list[str] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        calls.append(request.url.path)
+        return httpx.Response(404, json={"detail": "Not Found"})
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(answer)) as client:
+        tok, _ = prompt_tokenizer(EngineTokenizer(client, ["http://e0"]), None, None)
+        assert isinstance(tok, ModelFilesTokenizer)
+        await tok.warm(every_s=0.0)
+    assert calls == ["/v1/models"] and tok.local == {}
