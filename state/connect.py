@@ -125,6 +125,13 @@ def block_ms_within(want_ms: int, timeout_s: float | None) -> int:
     return max(1, min(want_ms, int(timeout_s * 1000 * BLOCK_SHARE)))
 
 
+def follower_read(client: Any, follow_client: Any, want_ms: int) -> tuple[Any, int]:
+    """What a shared log's follower reads with (``follow_client``, else ``client``) and how long
+    each of its blocking reads may block there (``want_ms`` within that client's read timeout)."""
+    reader = follow_client if follow_client is not None else client
+    return reader, block_ms_within(want_ms, read_timeout_s(reader))
+
+
 def open_sync_client(url: str, **options: Any) -> redis.Redis | SyncRedisCluster:
     """The blocking client of ``url`` (command-line checks)."""
     if is_cluster_url(url):

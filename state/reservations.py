@@ -31,7 +31,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
-from .connect import block_ms_within, read_timeout_s
+from .connect import follower_read
 from .events import Cut, EventSeq
 from .keys import ViewKeys
 
@@ -187,16 +187,15 @@ class RedisReservations:
         """This replica's numbers: one per :meth:`reserve` call (``state.events``)."""
         self._cut = Cut(producer_id, 2 * int(ttl_s * 1000))
         self.client = client
-        self.follow_client = follow_client if follow_client is not None else client
-        """What the follower reads with: a client of its own (``follow_client``, closed by
-        :meth:`close`) lets it block longer than ``client``'s read timeout allows."""
+        self.follow_client, self.block_ms = follower_read(client, follow_client, block_ms)
+        """What the follower reads with, and how long each read blocks: a client of its own
+        (``follow_client``, closed by :meth:`close`) lets it block longer than ``client``'s read
+        timeout allows."""
         self._own_follow_client = follow_client is not None
         self.key = ViewKeys(namespace).reservations
         self.ttl_ms = int(ttl_s * 1000)
         self.producer_id = producer_id
         self.flush_after_s = flush_after_s
-        self.block_ms = block_ms_within(block_ms, read_timeout_s(self.follow_client))
-        """How long each read of the follower blocks: ``block_ms``, within its client's read timeout."""
         self.local = InMemoryReservations(ttl_s)
         self._buffer: list[str] = []
         self._timer: asyncio.TimerHandle | None = None

@@ -30,7 +30,7 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import RedisError
 
-from .connect import block_ms_within, read_timeout_s
+from .connect import follower_read
 from .events import Cut, EventSeq
 from .inflight import Finished, FirstToken, InMemoryInflight, InstanceLoad
 from .inflight import decode_op as decode_inflight
@@ -56,15 +56,13 @@ class SharedLog:
                  apply: Callable[[Any], None], flush_after_s: float = 0.01, block_ms: int = FOLLOW_BLOCK_MS,
                  events: EventSeq | None = None, follow_client: aioredis.Redis | RedisCluster | None = None) -> None:
         self.client = client
-        self.follow_client = follow_client if follow_client is not None else client
-        """What the follower reads with (its owner closes it): a client of its own lets it block
-        longer than ``client``'s read timeout allows."""
+        self.follow_client, self.block_ms = follower_read(client, follow_client, block_ms)
+        """What the follower reads with (its owner closes it), and how long each read blocks: a
+        client of its own lets it block longer than ``client``'s read timeout allows."""
         self.key = key
         self.producer_id = producer_id
         self.retain_ms = retain_ms
         self.flush_after_s = flush_after_s
-        self.block_ms = block_ms_within(block_ms, read_timeout_s(self.follow_client))
-        """How long each read of the follower blocks: ``block_ms``, within its client's read timeout."""
         self._apply_one = apply
         self.events = events if events is not None else EventSeq()
         self._buffer: list[tuple[int, int, Any]] = []

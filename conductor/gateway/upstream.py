@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import httpx
@@ -33,25 +33,23 @@ _JSON = {"content-type": "application/json"}
 
 
 class _Counted(httpx.AsyncByteStream):
-    """A response body that tells its pool when it is closed (the call no longer uses a connection)."""
+    """A response body that tells its pool when it is closed (the call no longer uses a connection).
+    Its chunks come straight from the body it wraps: nothing is added per chunk of a stream."""
 
     def __init__(self, inner: httpx.AsyncByteStream, done: Callable[[], None]) -> None:
-        self._inner, self._done = inner, done
+        self._inner: httpx.AsyncByteStream = inner
+        self._done: Callable[[], None] | None = done
 
-    async def __aiter__(self) -> Any:
-        async for part in self._inner:
-            yield part
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._inner.__aiter__()
 
     async def aclose(self) -> None:
-        done, self._done = self._done, _nothing
         try:
             await self._inner.aclose()
         finally:
-            done()
-
-
-def _nothing() -> None:
-    return None
+            done, self._done = self._done, None
+            if done is not None:
+                done()
 
 
 class _Pool:
