@@ -399,7 +399,8 @@ async def test_the_balance_worker_copies_a_prefix_hot_on_two_instances_into_the_
     master: str, settings: Settings, tmp_path: Path
 ) -> None:
     """The closed loop with the real ``conductor balance``: A is held whole by p0 and p1 and
-    requested four times (the hot threshold); the planner's pool rule (held by two instances)
+    requested six times (over the hot threshold of 4, so that requests straddling a heat window's
+    boundary still count past it); the planner's pool rule (held by two instances)
     publishes a ``replicate`` into the pool keyed by the least loaded holder, which pushes it
     (real puts), answers ``done``, and the view shows A on the pool node."""
     s = settings.model_copy(update={"policy": "kvcache-centric",
@@ -412,7 +413,7 @@ async def test_the_balance_worker_copies_a_prefix_hot_on_two_instances_into_the_
         keys = chain_keys(a, bs)
         await c.compute("p0", "a0", a)
         await c.compute("p1", "a1", a)
-        for i in range(4):
+        for i in range(6):
             req = RoutingRequest(request_id=f"hot-{i}", token_ids=a + [i, i], prompt_tokens=len(a) + 2,
                                  expected_output_tokens=2)
             await c.send(c.tps.requests.name, req, req.request_id.encode(), seq=i)
