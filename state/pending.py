@@ -132,6 +132,10 @@ class _Group:
     confirmed: dict[int, int] | None = None
 
 
+_NONE: dict[int, _Group] = {}
+"""An empty placement map (read only) for a block with none."""
+
+
 class InMemoryPendingBlocks:
     """The pending record of one process (tests, the simulator, explain, and each router's copy
     of the shared log). ``now`` passed to queries should not go backwards: expired placements
@@ -148,8 +152,10 @@ class InMemoryPendingBlocks:
         self._now = -NEVER
         self._groups: dict[tuple[str, str, int], _Group] = {}
         self._by_request: dict[str, set[tuple[str, str, int]]] = {}
-        self._on: dict[str, dict[int, list[_Group]]] = {}
-        """node -> block -> the placements on it holding the block."""
+        self._on: dict[str, dict[int, dict[int, _Group]]] = {}
+        """node -> block -> the placements on it holding the block, in the order they were placed
+        (keyed by ``id``: an expired one leaves in O(1); a list made each expiry a scan of every
+        placement on a shared prefix, quadratic in the cluster's rate)."""
         self._starts: dict[int, dict[str, int]] = {}
         """first block of a placement -> node -> how many placements there start with it."""
         self._expiry: list[tuple[int, str, str, tuple[str, str, int]]] = []
@@ -205,7 +211,7 @@ class InMemoryPendingBlocks:
                 continue
             new = []
             for b in chain[:held[node]]:
-                for g in on.get(b, ()):
+                for g in on.get(b, _NONE).values():
                     if self._counts(g, b, at_ms, True):
                         new.append(b)
                         break
@@ -275,7 +281,7 @@ class InMemoryPendingBlocks:
             return True
         groups = self._on.get(node, {}).get(block)
         evented = node not in self._capacity
-        return bool(groups) and any(self._counts(g, block, now_ms, evented) for g in groups or ())
+        return bool(groups) and any(self._counts(g, block, now_ms, evented) for g in (groups or _NONE).values())
 
     def record_of(self, node: str) -> list[int]:
         """An instance's settled LRU record, least recently placed first (empty for an instance
@@ -343,7 +349,7 @@ class InMemoryPendingBlocks:
         n = len(chain)
         while i < n:
             b = chain[i]
-            g = next((g for g in on.get(b, ()) if self._counts(g, b, now_ms, evented)), None)
+            g = next((g for g in on.get(b, _NONE).values() if self._counts(g, b, now_ms, evented)), None)
             if g is None:
                 if lru is not None and b in lru:
                     i += 1
@@ -386,7 +392,7 @@ class InMemoryPendingBlocks:
                     group.confirmed[b] = tc
         on = self._on.setdefault(op.node, {})
         for b in op.blocks:
-            on.setdefault(b, []).append(group)
+            on.setdefault(b, {})[id(group)] = group
         starts = self._starts.setdefault(op.blocks[0], {})
         starts[op.node] = starts.get(op.node, 0) + 1
         self._groups[key] = group
@@ -414,7 +420,7 @@ class InMemoryPendingBlocks:
                 continue
             times.append(tc)
             self._marks.append((tc, "confirmed", (op.node, b)))
-            for g in on.get(b, ()):
+            for g in on.get(b, _NONE).values():
                 if g.op.at_ms <= tc < g.op.at_ms + ttl:
                     if g.confirmed is None:
                         g.confirmed = {}
@@ -428,12 +434,9 @@ class InMemoryPendingBlocks:
                 groups = on.get(b)
                 if groups is None:
                     continue
-                if len(groups) == 1 and groups[0] is group:
+                groups.pop(id(group), None)
+                if not groups:
                     del on[b]
-                else:
-                    groups[:] = [g for g in groups if g is not group]
-                    if not groups:
-                        del on[b]
             if not on:
                 del self._on[node]
         starts = self._starts.get(blocks[0])

@@ -24,6 +24,7 @@ from conductor.cli.common import (
     settings_or_exit,
 )
 from conductor.costmodel.profiles import fit_profile, list_profiles, load_profile, read_timings_csv
+from conductor.harness.bench.decision_record import run_decision_record_bench
 from conductor.harness.bench.explain import run_explain_bench
 from conductor.harness.bench.route import run_route_bench
 from conductor.harness.bench.stack import with_redis, with_servers
@@ -160,6 +161,32 @@ def bench_explain(json_out: JsonLine = False, records: ExplainSizes = "100000,30
         s = s.model_copy(update={"topic_prefix": f"benchx{int(time.time())}.", "view_namespace": "benchx"})
         out = asyncio.run(run_explain_bench(s, sizes=sizes, rate=rate,
                                             progress=None if json_out else (lambda m: err.print(m))))
+    print_result(out, json_out)
+
+
+RecordRates = Annotated[str, typer.Option(help="the cluster's decisions per second to replay, comma-separated")]
+RecordSeconds = Annotated[float, typer.Option(min=1.0, help="model seconds of decisions at each rate")]
+
+
+def bench_decision_record(json_out: JsonLine = False, rates: RecordRates = "100,500,2000,5000",
+                          seconds: RecordSeconds = 10.0) -> None:
+    """What folding the decision-time record costs each router, gateway worker and picker, by cluster rate.
+
+    Each of them folds every decision of the cluster (pending blocks and in-flight charges), so its cost per decision follows the cluster's rate. Replays synthetic P/D decisions in model time (a shared system prefix the view shows on 8 prefill instances, blocks of their own, the whole chain placed on one of 4 decode instances, engine events, first tokens and finishes 20 decisions later) and times each decision's reads and writes of the record.
+
+    Pure code, one process, no servers. Prints, per rate: us_per_decision_p50, us_per_decision_p99, us_per_decision_mean, core_share_at_rate (the share of one core the fold takes at that rate) and placements_live.
+    """
+    try:
+        wanted = [int(x) for x in rates.split(",") if x.strip()]
+    except ValueError:
+        err.print(f"[red]error:[/red] --rates: not comma-separated integers: {rates!r}")
+        raise typer.Exit(2) from None
+    if not wanted or min(wanted) < 1:
+        err.print(f"[red]error:[/red] --rates: give one or more rates of at least 1, not {rates!r}")
+        raise typer.Exit(2)
+    s = settings_or_exit()
+    out = run_decision_record_bench(wanted, seconds=seconds, ttl_s=s.pending_ttl_s,
+                                    progress=None if json_out else (lambda m: err.print(m)))
     print_result(out, json_out)
 
 
@@ -346,6 +373,7 @@ def register(groups: dict[str, typer.Typer]) -> None:
     app.command("policies")(policies_cmd)
     groups["bench"].command("route")(bench_route)
     groups["bench"].command("explain")(bench_explain)
+    groups["bench"].command("decision-record")(bench_decision_record)
     app.add_typer(profile_app, name="profile")
     profile_app.command("list")(profile_list)
     profile_app.command("show")(profile_show)
