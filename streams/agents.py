@@ -37,7 +37,11 @@ from streams.topics import Topic, topics
 log = logging.getLogger(__name__)
 
 BATCH_MAX = 2000
-BATCH_WITHIN_S = 0.01
+BATCH_WITHIN_S = 0.002
+"""A batch closes this long after its first record (or at BATCH_MAX). A fetch's records reach the
+agent together, and while a batch is written the next one fills, so under load batches are as
+large with 2 ms as with 10; at a light rate a longer window only held each record back: 10 -> 2 ms
+took `bench ingest`'s staleness p50 / p99 from ~19 / ~26 ms to ~11.5 / ~17 ms at the same rate."""
 HEARTBEAT_BATCH_WITHIN_S = BATCH_WITHIN_S
 """Heartbeats close their batch as soon as kv-events do. A longer window (250 ms was tried) saves
 a fence read and a view write per heartbeat only when many nodes beat within it, about 1 % of a

@@ -181,6 +181,10 @@ StalenessS = Annotated[float, typer.Option(min=1.0, help="length of the stalenes
 StreamSeed = Annotated[int, typer.Option(help="seed of the synthetic stream")]
 
 
+IngestWorkers = Annotated[int, typer.Option(min=1, max=64, help="`conductor worker` processes (one consumer group: "
+    "they split the partitions, CONDUCTOR_PARTITIONS of each topic)")]
+
+
 def bench_ingest(
     json_out: JsonResults = False,
     nodes: IngestNodes = 16,
@@ -189,18 +193,20 @@ def bench_ingest(
     offered_rate: OfferedRate = 10_000,
     staleness_s: StalenessS = 6.0,
     seed: StreamSeed = 0,
+    workers: IngestWorkers = 1,
 ) -> None:
     """Measure the pipeline end to end: publish a realistic KV-event stream, run the stream
     worker (a `conductor worker` subprocess), and time until the effects are visible in Redis.
 
     Uses CONDUCTOR_KAFKA_URL / CONDUCTOR_REDIS_URL when set, else starts (and stops) an
     embedded broker and Redis. Prints block_events_per_s, records_per_s, blocks_per_record,
-    staleness_ms_p50/p99 (publish → visible at the offered rate) and view_bytes_per_block.
+    staleness_ms_p50/p99 (publish → visible at the offered rate) and view_bytes_per_block;
+    with --workers N, N worker processes share the topics' partitions.
     """
     s = settings_or_exit()
     cfg = IngestBenchConfig(
         nodes=nodes, block_events=block_events, mean_blocks=mean_blocks, offered_rate=offered_rate,
-        staleness_s=staleness_s, seed=seed,
+        staleness_s=staleness_s, seed=seed, workers=workers,
     )
     logging.getLogger("aiokafka").setLevel(logging.WARNING)
     try:

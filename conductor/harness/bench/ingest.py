@@ -58,6 +58,9 @@ class IngestBenchConfig:
     heartbeat_every: int = 20
     """Records between two heartbeats of a node."""
     shared_prefixes: int = 64
+    workers: int = 1
+    """``conductor worker`` processes folding the stream (one consumer group: they split the
+    partitions, and one folds while Redis runs another's write)."""
     """Distinct shared prompt prefixes (system prompts, documents) across the cluster."""
 
 
@@ -148,7 +151,7 @@ async def run_ingest_bench(
         run = await _IngestRun.start(settings, cfg, Path(tmp.name), say)
         try:
             await run.ready()
-            meter = CpuMeter({"worker": run.worker.pid, **server_pids(settings.kafka_url, settings.redis_url)}).start()
+            meter = CpuMeter({**run.worker_pids(), **server_pids(settings.kafka_url, settings.redis_url)}).start()
             phase1 = await run.throughput()
             cpu = cpu_report(meter.used(), phase1.blocks)
             stale = await run.staleness()
@@ -170,6 +173,7 @@ async def run_ingest_bench(
             "phase1_seconds": round(phase1.seconds, 3),
             "indexed_blocks": n_blocks,
             "nodes": cfg.nodes,
+            "workers": cfg.workers,
             "embedded": stack is not None,
             # Phase 1's control-plane CPU (worker, broker, Redis; the synthetic engines are this process).
             "control_cpu_s": cpu["control_cpu_s"],
@@ -198,9 +202,10 @@ class _IngestRun:
     producer and the synthetic engines publishing, the view watched."""
 
     def __init__(self, cfg: IngestBenchConfig, t: Topics, store: RedisViewStore, mem0: int,
-                 worker: subprocess.Popen[bytes], prod: AIOKafkaProducer, say: Callable[[str], None]) -> None:
+                 workers: list[subprocess.Popen[bytes]], prod: AIOKafkaProducer, say: Callable[[str], None]) -> None:
         self.cfg, self.topics, self.store, self.mem0 = cfg, t, store, mem0
-        self.worker, self.prod, self.say = worker, prod, say
+        self.workers, self.prod, self.say = workers, prod, say
+        self.worker = workers[0]
         self.engines = SyntheticEngines(cfg, t.kv_events.name, t.heartbeats.name)
 
     @classmethod
@@ -214,18 +219,38 @@ class _IngestRun:
         await ensure_topics(s.kafka(), t.all())
         store = RedisViewStore.connect(s.redis(), s.view_namespace)
         mem0 = await store.memory_bytes()
-        worker = start_worker_process(s, tmp / "worker.log")
-        return cls(cfg, t, store, mem0, worker, producer(s.kafka()), say)
+        workers = [start_worker_process(s.model_copy(update={"web_port": free_port(s.bind_host)}) if i else s,
+                                        tmp / f"worker-{i}.log") for i in range(cfg.workers)]
+        return cls(cfg, t, store, mem0, workers, producer(s.kafka()), say)
+
+    def worker_pids(self) -> dict[str, int]:
+        if len(self.workers) == 1:
+            return {"worker": self.workers[0].pid}
+        return {f"worker-{i}": w.pid for i, w in enumerate(self.workers)}
 
     async def ready(self) -> None:
-        """Start the producer; ready = a probe heartbeat is visible (the worker joined and folds)."""
+        """Start the producer; ready = a probe heartbeat is visible (the worker joined and folds). With
+        several workers, a probe on every partition of both topics, twice (the group has settled:
+        every partition is folded by someone after the workers' joins)."""
         await self.prod.start()
         t_ready0 = time.monotonic()
-        probe = envelope(Heartbeat(role="store"), producer_id="bench-probe", producer_seq=0, ts_ms=int(time.time() * 1000))
-        md = await self.prod.send_and_wait(self.topics.heartbeats.name, encode(probe), key=b"bench-probe",
-                                           headers=headers(probe))
-        await _wait_visible(self.store, {f"{md.topic}:{md.partition}": md.offset}, 90.0, self.worker)
-        self.say(f"worker ready in {time.monotonic() - t_ready0:.1f}s")
+        rounds = 1 if len(self.workers) == 1 else 2
+        for r in range(rounds):
+            want: dict[str, int] = {}
+            names = (self.topics.heartbeats.name,) if len(self.workers) == 1 else (
+                self.topics.heartbeats.name, self.topics.kv_events.name)
+            for name in names:
+                for part in sorted(await self.prod.partitions_for(name)) if len(self.workers) > 1 else [None]:
+                    probe = envelope(Heartbeat(role="store"), producer_id=f"bench-probe-{r}-{part}", producer_seq=0,
+                                     ts_ms=int(time.time() * 1000))
+                    md = await self.prod.send_and_wait(self.topics.heartbeats.name if part is None else name,
+                                                       encode(probe), key=b"bench-probe", headers=headers(probe),
+                                                       partition=part)
+                    want[f"{md.topic}:{md.partition}"] = md.offset
+            await _wait_visible(self.store, want, 90.0, self.worker)
+            if r + 1 < rounds:
+                await asyncio.sleep(3.0)
+        self.say(f"{len(self.workers)} worker(s) ready in {time.monotonic() - t_ready0:.1f}s")
 
     async def throughput(self) -> _Throughput:
         """Phase 1: ``block_events`` block events published as fast as the producer goes, until all are visible."""
@@ -295,7 +320,8 @@ class _IngestRun:
         await asyncio.gather(*pending)
 
     async def close(self) -> None:
-        stop_worker_process(self.worker)
+        for w in self.workers:
+            stop_worker_process(w)
         with contextlib.suppress(KafkaError):  # a failed last flush must not skip the clean-up
             await self.prod.stop()
         await self.store.clear()
