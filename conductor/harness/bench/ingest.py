@@ -241,7 +241,9 @@ class _IngestRun:
                 self.topics.heartbeats.name, self.topics.kv_events.name)
             for name in names:
                 for part in sorted(await self.prod.partitions_for(name)) if len(self.workers) > 1 else [None]:
-                    probe = envelope(Heartbeat(role="store"), producer_id=f"bench-probe-{r}-{part}", producer_seq=0,
+                    # A heartbeat, or on kv-events a removal of nothing: each folds to no block.
+                    body = BlocksRemoved(block_keys=[]) if name == self.topics.kv_events.name else Heartbeat(role="store")
+                    probe = envelope(body, producer_id=f"bench-probe-{r}-{part}", producer_seq=0,
                                      ts_ms=int(time.time() * 1000))
                     md = await self.prod.send_and_wait(self.topics.heartbeats.name if part is None else name,
                                                        encode(probe), key=b"bench-probe", headers=headers(probe),
