@@ -85,7 +85,7 @@ async def test_a_held_prefill_is_freed_by_the_gateways_pull_and_an_orphan_by_the
         after_prefill = await usage(http, p)
         assert after_prefill > base, (base, after_prefill)
         await asyncio.sleep(HELD_S)
-        assert await usage(http, p) >= after_prefill, "P freed the blocks by itself: nothing for the pull to prove"
+        assert await usage(http, p) > base, "P freed the blocks by itself: nothing for the pull to prove"
 
         # The gateway's pull (what it sends when the client leaves mid-decode) frees them now.
         handoff.free_held(up, first, held)
