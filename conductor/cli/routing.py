@@ -185,7 +185,7 @@ def bench_decision_record(json_out: JsonLine = False, rates: RecordRates = "100,
         err.print(f"[red]error:[/red] --rates: give one or more rates of at least 1, not {rates!r}")
         raise typer.Exit(2)
     s = settings_or_exit()
-    out = run_decision_record_bench(wanted, seconds=seconds, ttl_s=s.pending_ttl_s,
+    out = run_decision_record_bench(wanted, seconds=seconds, ttl_s=s.pending_ttl_s, lease_s=s.inflight_lease_s,
                                     progress=None if json_out else (lambda m: err.print(m)))
     print_result(out, json_out)
 

@@ -10,7 +10,7 @@ reader does: the view's confirmed prefix applied (``confirm_held``), the pending
 the placements recorded, the charge made, and the first token, finish and the engine's own
 events of a decision made a little earlier.
 
-The traffic: every prompt starts with one shared system prefix (``--shared-blocks``) that the
+The traffic: every prompt starts with one shared system prefix (``shared_blocks``) that the
 view shows on every prefill instance, then blocks of its own; P/D, so each decision also places
 the whole chain on its decode instance, where no engine event confirms it (the pull's copy is
 not announced before the TTL runs out on the emulated and the vLLM decode side alike). That is
@@ -25,6 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from conductor.stats import percentile
 from state.inflight import InMemoryInflight
 from state.pending import InMemoryPendingBlocks
 
@@ -80,12 +81,13 @@ def _one_rate(rate: int, seconds: float, prefill: int, decode: int, shared: int,
         took.append(time.perf_counter() - t)
         made.append((rid, p, chain))
     steady = took[len(took) // 2:]  # past the first TTL's build-up
-    live = sum(1 for _ in pending.pending_requests())
+    live = len(pending.pending_requests())
+    mean_s = statistics.fmean(steady)
     return {
         "decisions": n,
-        "us_per_decision_p50": round(statistics.median(steady) * 1e6, 1),
-        "us_per_decision_p99": round(sorted(steady)[int(0.99 * (len(steady) - 1))] * 1e6, 1),
-        "us_per_decision_mean": round(statistics.fmean(steady) * 1e6, 1),
-        "core_share_at_rate": round(statistics.fmean(steady) * rate, 4),
+        "us_per_decision_p50": round(percentile(steady, 50, empty=0.0) * 1e6, 1),
+        "us_per_decision_p99": round(percentile(steady, 99, empty=0.0) * 1e6, 1),
+        "us_per_decision_mean": round(mean_s * 1e6, 1),
+        "core_share_at_rate": round(mean_s * rate, 4),
         "placements_live": live,
     }

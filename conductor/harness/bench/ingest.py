@@ -58,10 +58,10 @@ class IngestBenchConfig:
     heartbeat_every: int = 20
     """Records between two heartbeats of a node."""
     shared_prefixes: int = 64
+    """Distinct shared prompt prefixes (system prompts, documents) across the cluster."""
     workers: int = 1
     """``conductor worker`` processes folding the stream (one consumer group: they split the
     partitions, and one folds while Redis runs another's write)."""
-    """Distinct shared prompt prefixes (system prompts, documents) across the cluster."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,29 +229,25 @@ class _IngestRun:
         return {f"worker-{i}": w.pid for i, w in enumerate(self.workers)}
 
     async def ready(self) -> None:
-        """Start the producer; ready = a probe heartbeat is visible (the worker joined and folds). With
-        several workers, a probe on every partition of both topics, twice (the group has settled:
-        every partition is folded by someone after the workers' joins)."""
+        """Start the producer; ready = a probe on every partition of both topics is visible (a
+        heartbeat, on ``kv-events`` a removal of nothing: neither folds to a block). With several
+        workers the probes go twice, 3 s apart, so the group has settled after the workers' joins."""
         await self.prod.start()
         t_ready0 = time.monotonic()
-        rounds = 1 if len(self.workers) == 1 else 2
-        for r in range(rounds):
+        kv, hb = self.topics.kv_events.name, self.topics.heartbeats.name
+        for r in range(1 if len(self.workers) == 1 else 2):
+            if r:
+                await asyncio.sleep(3.0)
             want: dict[str, int] = {}
-            names = (self.topics.heartbeats.name,) if len(self.workers) == 1 else (
-                self.topics.heartbeats.name, self.topics.kv_events.name)
-            for name in names:
-                for part in sorted(await self.prod.partitions_for(name)) if len(self.workers) > 1 else [None]:
-                    # A heartbeat, or on kv-events a removal of nothing: each folds to no block.
-                    body = BlocksRemoved(block_keys=[]) if name == self.topics.kv_events.name else Heartbeat(role="store")
+            for name in (hb, kv):
+                for part in sorted(await self.prod.partitions_for(name)):
+                    body = BlocksRemoved(block_keys=[]) if name == kv else Heartbeat(role="store")
                     probe = envelope(body, producer_id=f"bench-probe-{r}-{part}", producer_seq=0,
                                      ts_ms=int(time.time() * 1000))
-                    md = await self.prod.send_and_wait(self.topics.heartbeats.name if part is None else name,
-                                                       encode(probe), key=b"bench-probe", headers=headers(probe),
+                    md = await self.prod.send_and_wait(name, encode(probe), key=b"bench-probe", headers=headers(probe),
                                                        partition=part)
                     want[f"{md.topic}:{md.partition}"] = md.offset
             await _wait_visible(self.store, want, 90.0, self.worker)
-            if r + 1 < rounds:
-                await asyncio.sleep(3.0)
         self.say(f"{len(self.workers)} worker(s) ready in {time.monotonic() - t_ready0:.1f}s")
 
     async def throughput(self) -> _Throughput:
