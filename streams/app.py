@@ -19,9 +19,13 @@ consumer answers Faust's highwater question with the end probed from the last ba
 
 A 10 ms wait is a hundred fetches a second whether or not anything is written (the worker's
 consumer thread and the broker were most of an idle stack's CPU), so the embedded consumer's
-wait is paced (:class:`streams.kafka.FetchPace`): 10 ms while records come, 500 ms after 2 s
-without one (two fetches a second; Tansu looks again half-way through a wait of 250 ms or
-more, so a record that comes during a 500 ms wait is answered within about 250 ms). Records
+wait is paced (:class:`streams.kafka.FetchPace`): 10 ms while records come at 50 a second or
+more, longer while they trickle in (a wait that brings about half a record, at most 50 ms: a
+live cluster's few requests a second are ~10 KV records a second, and nine in ten 10 ms fetches
+came back empty, the worker's and the broker's largest share of the control plane's CPU on the
+live A/B), 500 ms after 2 s without one (two fetches a second; Tansu looks again half-way
+through a wait of 250 ms or more, so a record that comes during a 500 ms wait is answered
+within about 250 ms). Records
 of ``quiet_topics`` do not count as coming: the worker names ``heartbeats``, which arrive
 every second or so per engine and whose staleness is measured against the liveness TTL (5 s
 by default), so an idle cluster's heartbeats alone keep the long wait. The first KV event
@@ -51,6 +55,9 @@ from .kafka import IDLE_AFTER_S, FetchPace, end_offsets, security_options, ssl_c
 TANSU_FETCH_MAX_WAIT_MS = 10
 TANSU_IDLE_FETCH_WAIT_MS = 500
 """The embedded consumer's fetch wait after 2 s without a record of a topic that is not quiet."""
+TANSU_TRICKLE_FETCH_WAIT_MS = 50
+"""Its longest wait while records trickle in (fewer than one per two 10 ms fetches:
+:class:`streams.kafka.FetchPace`'s ``trickle_max_ms``)."""
 
 WEB_PORT = 6066
 """Faust's web port when ``web_port`` is unset (Faust's own default)."""
@@ -96,7 +103,8 @@ class _TansuConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
     def _create_worker_consumer(self, transport: Any) -> Any:
         consumer = super()._create_worker_consumer(transport)
         consumer._fetch_max_wait_ms = TANSU_FETCH_MAX_WAIT_MS  # read by AIOKafkaConsumer.start()
-        self._pace = FetchPace(TANSU_FETCH_MAX_WAIT_MS, steps=((IDLE_AFTER_S, TANSU_IDLE_FETCH_WAIT_MS),))
+        self._pace = FetchPace(TANSU_FETCH_MAX_WAIT_MS, steps=((IDLE_AFTER_S, TANSU_IDLE_FETCH_WAIT_MS),),
+                               trickle_max_ms=TANSU_TRICKLE_FETCH_WAIT_MS)
         return consumer
 
     async def _fetch_records(self, consumer: Any, active_partitions: Any, timeout: float | None = None,
@@ -105,7 +113,8 @@ class _TansuConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
         if self._pace is not None:
             app = self.app
             quiet = app.quiet_topics if isinstance(app, EmbeddedApp) else frozenset()
-            self._pace.after_fetch(consumer, any(msgs and tp.topic not in quiet for tp, msgs in records.items()))
+            n = sum(len(msgs) for tp, msgs in records.items() if tp.topic not in quiet)
+            self._pace.after_fetch(consumer, n > 0, n)
         return records
 
     async def _highwaters(self, partitions: list[Any]) -> Mapping[Any, int]:

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import ssl
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -118,6 +119,13 @@ DEEP_IDLE_FETCH_WAIT_MS = 500
 """...this long per fetch (Kafka's own default fetch wait)."""
 
 
+TRICKLE_RECORDS_PER_FETCH = 0.5
+"""What a trickle-paced consumer (:class:`FetchPace` with ``trickle_max_ms``) wants a fetch to
+bring on average: fewer, and most fetches are empty spins; more, and records wait longer."""
+TRICKLE_WINDOW_S = 1.0
+"""The span over which such a consumer counts its records' rate."""
+
+
 KAFKA_FETCH_WAIT_MS = 500
 """aiokafka's (and Kafka's) default fetch wait."""
 QUIET_FETCH_WAIT_MS = 1000
@@ -143,18 +151,34 @@ class FetchPace:
     fetches ten, then two times a second; the first record after a quiet spell waits up to
     ~100 ms, after a long one up to ~250 ms longer on the embedded broker (it looks again
     half-way through a wait of 250 ms or more); on Kafka, which answers as soon as a record is
-    there, no longer. Steps at or below ``short_ms`` are left out."""
+    there, no longer. Steps at or below ``short_ms`` are left out.
+
+    ``trickle_max_ms``: while records come, but fewer than one per two short waits (a cluster's
+    few requests a second, a KV event now and then), most short fetches bring nothing and
+    only cost: the wait then follows the rate, long enough for :data:`TRICKLE_RECORDS_PER_FETCH`
+    records a fetch, at most ``trickle_max_ms`` (the rate counted over the last
+    :data:`TRICKLE_WINDOW_S`; callers pass each fetch's record count). A record of a trickle
+    waits up to that much longer on the embedded broker; at a rate of ``1 /
+    (2 x short_ms)`` or more the wait is ``short_ms`` as without it. The first record after a
+    quiet spell brings the short wait back (a burst's next records may follow at once); it grows
+    again as the trickle shows itself."""
 
     def __init__(self, short_ms: int, *, steps: Sequence[tuple[float, int]] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, trickle_max_ms: int | None = None) -> None:
         if steps is None:
             steps = ((IDLE_AFTER_S, IDLE_FETCH_WAIT_MS), (DEEP_IDLE_AFTER_S, DEEP_IDLE_FETCH_WAIT_MS))
         self.short_ms = short_ms
         self.steps = tuple(sorted((after_s, ms) for after_s, ms in steps if ms > short_ms))
         self.wait_ms = short_ms
         """The wait the consumer asks for now."""
+        self.trickle_max_ms = trickle_max_ms if trickle_max_ms is not None and trickle_max_ms > short_ms else None
         self._clock = clock
         self._last_record_s = clock()
+        self._since_s = self._last_record_s
+        """When the rate's window began (the first record after a quiet spell, at most
+        :data:`TRICKLE_WINDOW_S` ago)."""
+        self._arrivals: deque[tuple[float, int]] = deque()
+        """(when, records) of the fetches in the rate's window that brought records."""
 
     @property
     def paced(self) -> bool:
@@ -165,28 +189,50 @@ class FetchPace:
     def idle(self) -> bool:
         return self.wait_ms != self.short_ms
 
-    def saw(self, got_records: bool) -> int | None:
-        """After a fetch: the wait the next fetches should ask for when it changes, else None."""
-        if not self.steps:
+    def saw(self, got_records: bool, count: int = 1) -> int | None:
+        """After a fetch: the wait the next fetches should ask for when it changes, else None.
+        ``count``: the records it brought (when ``got_records``; only a trickle pace reads it)."""
+        if not self.steps and self.trickle_max_ms is None:
             return None
         now = self._clock()
         if got_records:
+            if self.trickle_max_ms is not None:
+                if now - self._last_record_s >= TRICKLE_WINDOW_S:
+                    self._arrivals.clear()  # after a quiet spell the rate starts again from here
+                    self._since_s = now
+                self._arrivals.append((now, max(count, 1)))
             self._last_record_s = now
-            want = self.short_ms
+            want = self._busy_wait(now)
         else:
             quiet_s = now - self._last_record_s
-            want = self.short_ms
+            if self.trickle_max_ms is None:
+                want = self.short_ms
+            else:  # the trickle's wait while its window lasts, then the longest it waits
+                want = self._busy_wait(now) if quiet_s < TRICKLE_WINDOW_S else self.trickle_max_ms
             for after_s, ms in self.steps:
                 if quiet_s >= after_s:
-                    want = ms
+                    want = max(want, ms)
         if want == self.wait_ms:
             return None
         self.wait_ms = want
         return want
 
-    def after_fetch(self, c: AIOKafkaConsumer, got_records: bool) -> None:
+    def _busy_wait(self, now: float) -> int:
+        """The wait while records come: ``short_ms``, or for a trickle the wait that brings
+        :data:`TRICKLE_RECORDS_PER_FETCH` records at the window's rate (at most ``trickle_max_ms``)."""
+        if self.trickle_max_ms is None:
+            return self.short_ms
+        while self._arrivals and now - self._arrivals[0][0] > TRICKLE_WINDOW_S:
+            self._arrivals.popleft()
+        span_s = max(min(now - self._since_s, TRICKLE_WINDOW_S), self.short_ms / 1000.0)
+        rate = sum(n for _, n in self._arrivals) / span_s
+        if rate <= 0:
+            return self.trickle_max_ms
+        return int(min(max(1000.0 * TRICKLE_RECORDS_PER_FETCH / rate, self.short_ms), self.trickle_max_ms))
+
+    def after_fetch(self, c: AIOKafkaConsumer, got_records: bool, count: int = 1) -> None:
         """:meth:`saw`, and the new wait (if any) set on ``c`` (:func:`set_fetch_wait`)."""
-        set_fetch_wait(c, self.saw(got_records))
+        set_fetch_wait(c, self.saw(got_records, count))
 
 
 async def ensure_topics(kafka: KafkaConnection, wanted: tuple[Topic, ...]) -> list[str]:

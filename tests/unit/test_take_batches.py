@@ -96,3 +96,49 @@ def test_steps_no_longer_than_the_short_wait_are_left_out() -> None:
     pace = FetchPace(IDLE_FETCH_WAIT_MS, steps=((2.0, IDLE_FETCH_WAIT_MS), (10.0, 50)), clock=clock)
     clock.now = 60.0
     assert not pace.paced and pace.saw(False) is None and pace.saw(True) is None
+
+
+def _fetch_at_rate(pace: FetchPace, clock: Clock, per_s: float, seconds: float) -> list[int]:
+    """Fetches against records arriving ``per_s`` a second; each fetch lasts the wait it asked for
+    (the embedded broker answers when the wait runs out). The waits asked for, in order."""
+    waits: list[int] = []
+    due, end = clock.now, clock.now + seconds
+    while clock.now < end:
+        clock.now += pace.wait_ms / 1000.0
+        n = 0
+        while due <= clock.now:
+            n, due = n + 1, due + 1.0 / per_s
+        pace.saw(n > 0, n)
+        waits.append(pace.wait_ms)
+    return waits
+
+
+def test_a_trickle_of_records_lengthens_the_wait_to_about_half_a_record_a_fetch() -> None:
+    clock = Clock()
+    pace = FetchPace(10, steps=((2.0, 500),), clock=clock, trickle_max_ms=50)
+    assert _fetch_at_rate(pace, clock, 10.0, 3.0)[-1] == 50  # 0.5 / 10 a second: 50 ms, the cap
+    assert _fetch_at_rate(pace, clock, 25.0, 3.0)[-1] == 20  # 0.5 / 25 a second
+    assert _fetch_at_rate(pace, clock, 200.0, 3.0)[-5:] == [10] * 5  # a stream: the short wait
+    waits = _fetch_at_rate(pace, clock, 25.0, 3.0)  # a stream slowing to a trickle follows it down
+    assert waits[0] == 10 and waits[-1] == 20
+
+
+def test_a_trickle_pace_keeps_its_longest_busy_wait_until_the_idle_step_then_a_record_shortens_it() -> None:
+    clock = Clock()
+    pace = FetchPace(10, steps=((2.0, 500),), clock=clock, trickle_max_ms=50)
+    _fetch_at_rate(pace, clock, 200.0, 1.0)
+    last = clock.now
+    clock.now = last + 1.5  # past the rate's window, before the idle step: the trickle's cap
+    assert pace.saw(False) == 50
+    clock.now = last + 2.0
+    assert pace.saw(False) == 500
+    clock.now += 30.0
+    assert pace.saw(True, 1) == 10  # the first record after a quiet spell: others may follow at once
+    clock.now += 0.2
+    assert pace.saw(False) == 50  # none did: a trickle
+
+
+def test_without_a_trickle_cap_the_count_changes_nothing() -> None:
+    clock = Clock()
+    pace = FetchPace(10, steps=((2.0, 500),), clock=clock)
+    assert _fetch_at_rate(pace, clock, 10.0, 3.0)[-1] == 10

@@ -13,7 +13,8 @@ each record's publish → visible time gives ``staleness_ms_p50/p99`` (the water
 polled every ~2 ms, which bounds the resolution).
 ``view_bytes_per_block``: Redis ``used_memory`` growth over the run / block keys indexed.
 ``control_cpu_s`` (``_by_process``: worker, broker, Redis) and ``control_cpu_us_per_block_event``:
-their CPU over phase 1 (:mod:`conductor.harness.cpu`).
+their CPU over phase 1 (:mod:`conductor.harness.cpu`); ``staleness_control_cpu_*`` the same over
+phase 2 (per record, and ``_share``: of one core over the phase's wall time).
 """
 
 from __future__ import annotations
@@ -154,7 +155,11 @@ async def run_ingest_bench(
             meter = CpuMeter({**run.worker_pids(), **server_pids(settings.kafka_url, settings.redis_url)}).start()
             phase1 = await run.throughput()
             cpu = cpu_report(meter.used(), phase1.blocks)
+            meter2 = CpuMeter(meter.pids).start()
             stale = await run.staleness()
+            used2 = meter2.used()
+            cpu2 = cpu_report(used2, len(stale), prefix="staleness_control_")
+            stale_wall_s = meter2.wall_s
             mem1 = await run.store.memory_bytes()
             n_blocks = await run.store.block_count()
         finally:
@@ -180,6 +185,13 @@ async def run_ingest_bench(
             "control_cpu_s_by_process": cpu["control_cpu_s_by_process"],
             "control_cpu_us_per_block_event": (None if cpu["control_cpu_s"] is None or not phase1.blocks
                                                else round(1e6 * cpu["control_cpu_s"] / phase1.blocks, 3)),
+            # Phase 2's (a steady trickle of records: the regime of a live cluster's few requests a
+            # second, where the cost per fetch, not per record, dominates).
+            "staleness_control_cpu_s": cpu2["staleness_control_cpu_s"],
+            "staleness_control_cpu_s_by_process": cpu2["staleness_control_cpu_s_by_process"],
+            "staleness_control_cpu_ms_per_record": cpu2["staleness_control_cpu_ms_per_request"],
+            "staleness_control_cpu_share": (None if cpu2["staleness_control_cpu_s"] is None or stale_wall_s <= 0
+                                            else round(cpu2["staleness_control_cpu_s"] / stale_wall_s, 4)),
         }
     finally:
         if stack is not None:
