@@ -21,6 +21,7 @@ applies exactly the operations the decision's router had (``conductor.routing.ex
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 from collections.abc import Callable, Mapping, Sequence
@@ -54,11 +55,18 @@ class SharedLog:
 
     def __init__(self, client: aioredis.Redis | RedisCluster, key: str, *, producer_id: str, retain_ms: int,
                  apply: Callable[[Any], None], flush_after_s: float = 0.01, block_ms: int = FOLLOW_BLOCK_MS,
-                 events: EventSeq | None = None, follow_client: aioredis.Redis | RedisCluster | None = None) -> None:
+                 events: EventSeq | None = None, follow_client: aioredis.Redis | RedisCluster | None = None,
+                 group: LogGroup | None = None) -> None:
         self.client = client
-        self.follow_client, self.block_ms = follower_read(client, follow_client, block_ms)
+        self.group = group
+        """The logs this one is written and followed with (:class:`LogGroup`), else None: alone."""
+        if group is not None:
+            group.join(self)
+        self.follow_client, self.block_ms = ((group.follow_client, group.block_ms) if group is not None
+                                             else follower_read(client, follow_client, block_ms))
         """What the follower reads with (its owner closes it), and how long each read blocks: a
-        client of its own lets it block longer than ``client``'s read timeout allows."""
+        client of its own lets it block longer than ``client``'s read timeout allows (in a
+        group, the group's)."""
         self.key = key
         self.producer_id = producer_id
         self.retain_ms = retain_ms
@@ -91,6 +99,9 @@ class SharedLog:
         seq = self.events.stamp()
         self._cut.own_last = seq
         self._buffer.append((at_ms, seq, item))
+        if self.group is not None:
+            self.group.schedule()
+            return seq
         if self._timer is None:
             try:
                 loop = asyncio.get_running_loop()
@@ -107,7 +118,11 @@ class SharedLog:
 
     async def flush(self, *, wake: bool = False) -> None:
         """Append the buffered operations to the stream now. ``wake``: append an empty batch when
-        nothing is buffered (every follower's read returns; readers apply nothing)."""
+        nothing is buffered (every follower's read returns; readers apply nothing). In a group,
+        the group's other logs are appended in the same round trip."""
+        if self.group is not None:
+            await self.group.flush(wake=self if wake else None)
+            return
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
@@ -117,20 +132,34 @@ class SharedLog:
     async def _flush(self, wake: bool) -> None:
         if not self._buffer:
             if wake:
-                await self.client.xadd(self.key, {"p": self.producer_id, "o": "[]"})
+                await self.client.xadd(self.key, self._empty_entry())
             return
-        batch, self._buffer = self._buffer, []
-        newest = max(at for at, _, _ in batch)
+        batch = self._take()
+        fields, minid = self._entry(batch)
         try:
-            await self.client.xadd(
-                self.key, {"p": self.producer_id, "s": str(max(seq for _, seq, _ in batch)),
-                           "o": json.dumps([item for _, _, item in batch], separators=(",", ":"))},
-                minid=max(newest - self.retain_ms, 0), approximate=True,
-            )
+            await self.client.xadd(self.key, fields, minid=minid, approximate=True)
         except (RedisError, OSError) as e:
-            # Retried with the next batch; past MAX_BUFFERED the oldest go (long past mattering).
-            self._buffer = (batch + self._buffer)[-MAX_BUFFERED:]
-            log.warning("%d operation(s) not shared on %s yet: %s", len(self._buffer), self.key, e)
+            self._restore(batch, e)
+
+    def _take(self) -> list[tuple[int, int, Any]]:
+        batch, self._buffer = self._buffer, []
+        return batch
+
+    def _entry(self, batch: list[tuple[int, int, Any]]) -> tuple[dict[Any, Any], int]:
+        """The stream entry of ``batch`` and the oldest id the stream keeps (``MINID``)."""
+        newest = max(at for at, _, _ in batch)
+        return ({"p": self.producer_id, "s": str(max(seq for _, seq, _ in batch)),
+                 "o": json.dumps([item for _, _, item in batch], separators=(",", ":"))},
+                max(newest - self.retain_ms, 0))
+
+    def _empty_entry(self) -> dict[Any, Any]:
+        return {"p": self.producer_id, "o": "[]"}
+
+    def _restore(self, batch: list[tuple[int, int, Any]], e: BaseException) -> None:
+        """``batch`` was not appended: retried with the next one; past MAX_BUFFERED the oldest go
+        (long past mattering)."""
+        self._buffer = (batch + self._buffer)[-MAX_BUFFERED:]
+        log.warning("%d operation(s) not shared on %s yet: %s", len(self._buffer), self.key, e)
 
     async def start(self, now_ms: int) -> None:
         """Catch up on the stream's last ``retain_ms`` and follow it from there."""
@@ -147,6 +176,9 @@ class SharedLog:
                 self._apply(entries)
         except (RedisError, OSError) as e:
             log.warning("%s not readable yet: %s", self.key, e)
+        if self.group is not None:
+            self._follower = self.group.follow(self)
+            return
         self._follower = asyncio.ensure_future(self._follow())
 
     async def _follow(self) -> None:
@@ -195,6 +227,8 @@ class SharedLog:
         read, so an idle follower's long block is not waited out (state/reservations.py)."""
         self._stopping = True
         follower, self._follower = self._follower, None
+        if self.group is not None and follower is not None and not self.group.unfollow(self):
+            follower = None  # the group's read goes on for its other logs (without this one's key)
         try:
             await asyncio.wait_for(self.flush(wake=follower is not None), timeout_s / 2)
         except TimeoutError:
@@ -214,6 +248,124 @@ class SharedLog:
         await self.client.delete(self.key)
 
 
+class LogGroup:
+    """Shared logs on one Redis (one namespace: its keys share a hash slot) written in one round
+    trip (one MULTI: a blocked read of them returns once, with all of them) and followed with
+    one read.
+
+    A decision shares its pending blocks and its in-flight charge on two streams: alone, each
+    log flushed on its own timer and followed with its own blocking XREAD, so every decision was
+    two appends, and (each append ending every follower's read, the writer's own included) two
+    reads more in every process that follows them. In a group, an append starts the group's one
+    timer, a flush appends every log's batch in one pipeline, and one XREAD follows every
+    started log's stream. A log that starts while the group's read is blocked ends that read (an
+    empty entry on a stream it reads), so the next one reads its stream too."""
+
+    def __init__(self, client: aioredis.Redis | RedisCluster, *, flush_after_s: float = 0.01,
+                 block_ms: int = FOLLOW_BLOCK_MS, follow_client: aioredis.Redis | RedisCluster | None = None) -> None:
+        self.client = client
+        self.follow_client, self.block_ms = follower_read(client, follow_client, block_ms)
+        self.flush_after_s = flush_after_s
+        self.members: list[SharedLog] = []
+        self.following: list[SharedLog] = []
+        """The started logs the group's read follows."""
+        self._timer: asyncio.TimerHandle | None = None
+        self._flushing = asyncio.Lock()  # one pipeline at a time: each producer's entries stay in order
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._follower: asyncio.Task[None] | None = None
+        self._reading: SharedLog | None = None
+        """While the group's read is blocked: a log whose stream it reads (a write there ends it)."""
+        self.reads = 0
+        """Blocking reads issued (for tests and benchmarks)."""
+
+    def join(self, member: SharedLog) -> None:
+        self.members.append(member)
+
+    def schedule(self) -> None:
+        """Flush every log ``flush_after_s`` from now (once, whoever appended)."""
+        if self._timer is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # no loop (a synchronous caller): the next flush() sends it
+            return
+        self._timer = loop.call_later(self.flush_after_s, self._flush_soon)
+
+    def _flush_soon(self) -> None:
+        self._timer = None
+        task = asyncio.ensure_future(self.flush())
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def flush(self, *, wake: SharedLog | None = None) -> None:
+        """Append every log's buffered operations in one round trip; ``wake``: a log that gets an
+        empty entry when it has nothing buffered (its followers' reads return)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        async with self._flushing:
+            batches = [(m, m._take()) for m in self.members if m._buffer]
+            if not batches and wake is None:
+                return
+            # One MULTI: a follower's blocked read returns once, with every log's entry.
+            pipe = self.client.pipeline(transaction=True)
+            for m, batch in batches:
+                fields, minid = m._entry(batch)
+                pipe.xadd(m.key, fields, minid=minid, approximate=True)
+            if wake is not None and all(m is not wake for m, _ in batches):
+                pipe.xadd(wake.key, wake._empty_entry())
+            try:
+                await pipe.execute()
+            except (RedisError, OSError) as e:
+                for m, batch in batches:
+                    m._restore(batch, e)
+                if wake is not None and not batches:
+                    raise
+
+    def follow(self, member: SharedLog) -> asyncio.Task[None]:
+        """Follow ``member``'s stream (from its position) with the group's read; the read's task."""
+        if member not in self.following:
+            self.following.append(member)
+        if self._follower is None or self._follower.done():
+            self._follower = asyncio.ensure_future(self._follow())
+        elif self._reading is not None:  # a read without this log's key is blocked: end it now
+            task = asyncio.ensure_future(self.flush(wake=self._reading))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return self._follower
+
+    def unfollow(self, member: SharedLog) -> bool:
+        """Stop following ``member``; True when no log is followed any more (the read then ends
+        when it returns)."""
+        with contextlib.suppress(ValueError):
+            self.following.remove(member)
+        return not self.following
+
+    async def _follow(self) -> None:
+        failing = False
+        while self.following:
+            by_key = {m.key.encode(): m for m in self.following}
+            try:
+                self.reads += 1
+                self._reading = self.following[0]
+                res = cast(list[tuple[bytes, list[StreamEntry]]] | None, await self.follow_client.xread(
+                    {m.key: m.position for m in by_key.values()}, block=self.block_ms, count=1000))
+            except asyncio.CancelledError:
+                raise
+            except (RedisError, OSError) as e:
+                (log.debug if failing else log.warning)("%s unreachable: %s", ", ".join(m.key for m in by_key.values()), e)
+                failing = True
+                await asyncio.sleep(0.2)
+                continue
+            finally:
+                self._reading = None
+            failing = False
+            for key, entries in res or ():
+                m = by_key.get(key if isinstance(key, bytes) else str(key).encode())
+                if m is not None:
+                    m._apply(entries)
+
+
 class RedisPendingBlocks:
     """:class:`~state.pending.InMemoryPendingBlocks` shared by every router, gateway and picker
     (``ns|pend-log``). Call :meth:`start` once and :meth:`close` at the end; writes and reads
@@ -222,12 +374,12 @@ class RedisPendingBlocks:
     def __init__(self, client: aioredis.Redis | RedisCluster, namespace: str, ttl_ms: int, *, producer_id: str,
                  capacity: Mapping[str, int] | None = None, flush_after_s: float = 0.01,
                  block_ms: int = FOLLOW_BLOCK_MS, events: EventSeq | None = None,
-                 follow_client: aioredis.Redis | RedisCluster | None = None) -> None:
+                 follow_client: aioredis.Redis | RedisCluster | None = None, group: LogGroup | None = None) -> None:
         self.local = InMemoryPendingBlocks(ttl_ms, capacity)
         self.log = SharedLog(client, ViewKeys(namespace).pending, producer_id=producer_id, retain_ms=2 * ttl_ms,
                              apply=lambda item: self.local.apply(decode_pending(item)),
                              flush_after_s=flush_after_s, block_ms=block_ms, events=events,
-                             follow_client=follow_client)
+                             follow_client=follow_client, group=group)
 
     def record(self, request_id: str, placements: Mapping[str, Sequence[int]], at_ms: int) -> None:
         for op in self.local.record(request_id, placements, at_ms):
@@ -271,12 +423,12 @@ class RedisInflight:
 
     def __init__(self, client: aioredis.Redis | RedisCluster, namespace: str, lease_ms: int, *, producer_id: str,
                  flush_after_s: float = 0.01, block_ms: int = FOLLOW_BLOCK_MS, events: EventSeq | None = None,
-                 follow_client: aioredis.Redis | RedisCluster | None = None) -> None:
+                 follow_client: aioredis.Redis | RedisCluster | None = None, group: LogGroup | None = None) -> None:
         self.local = InMemoryInflight(lease_ms)
         self.log = SharedLog(client, ViewKeys(namespace).inflight, producer_id=producer_id, retain_ms=2 * lease_ms,
                              apply=lambda item: self.local.apply(decode_inflight(item)),
                              flush_after_s=flush_after_s, block_ms=block_ms, events=events,
-                             follow_client=follow_client)
+                             follow_client=follow_client, group=group)
 
     def charge(self, request_id: str, prefill_node: str, decode_node: str, uncached_tokens: int,
                context_tokens: int, now_ms: int) -> None:
@@ -310,4 +462,4 @@ class RedisInflight:
         await self.log.clear()
 
 
-__all__ = ["EventSeq", "RedisInflight", "RedisPendingBlocks", "SharedLog"]
+__all__ = ["EventSeq", "LogGroup", "RedisInflight", "RedisPendingBlocks", "SharedLog"]

@@ -42,7 +42,7 @@ from state.inflight import encode_op as encode_inflight
 from state.keys import ViewKeys
 from state.pending import Released
 from state.pending import encode_op as encode_pending
-from state.shared_log import EventSeq, SharedLog
+from state.shared_log import EventSeq, LogGroup, SharedLog
 from streams.kafka import acknowledged, ensure_topics, producer
 from streams.topics import topics
 
@@ -164,10 +164,11 @@ class SharedReleases:
         keys = ViewKeys(settings.view_namespace)
         self.events = EventSeq()  # one number per release across both streams
         # Trimmed as the routers trim them (2 x the TTL, 2 x the lease: state.shared_log's readers).
+        group = LogGroup(client)  # a failed request's two releases are one append
         self.pending = SharedLog(client, keys.pending, producer_id=producer_id, events=self.events,
-                                 retain_ms=2 * max(int(settings.pending_ttl_s * 1000), 1), apply=_unread)
+                                 retain_ms=2 * max(int(settings.pending_ttl_s * 1000), 1), apply=_unread, group=group)
         self.inflight = SharedLog(client, keys.inflight, producer_id=producer_id, events=self.events,
-                                  retain_ms=2 * max(int(settings.inflight_lease_s * 1000), 1), apply=_unread)
+                                  retain_ms=2 * max(int(settings.inflight_lease_s * 1000), 1), apply=_unread, group=group)
 
     def first_token(self, request_id: str, at_ms: int) -> int:
         """Share the release of ``request_id``'s prefill work; returns its event number."""

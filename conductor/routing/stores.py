@@ -19,7 +19,7 @@ from state.decisions import RedisDecisionIndex
 from state.reader import RawSnapshotReader
 from state.redis_view import RedisViewStore
 from state.reservations import RedisReservations
-from state.shared_log import EventSeq, RedisInflight, RedisPendingBlocks
+from state.shared_log import EventSeq, LogGroup, RedisInflight, RedisPendingBlocks
 from state.tracking import TrackingSnapshotReader
 
 INCARNATION = secrets.token_hex(3)
@@ -87,10 +87,11 @@ def decision_time_stores(settings: Settings, client: Any, producer_id: str | Non
     their followers read with (the reservations' ``follow_client``; default ``client``)."""
     pid = producer_id or default_router_id()
     events = EventSeq()  # one numbering for both: a placement's blocks and its charge are one event
+    group = LogGroup(client, follow_client=follow_client)  # one append and one read for both
     return (RedisPendingBlocks(client, settings.view_namespace, max(int(settings.pending_ttl_s * 1000), 1),
-                               producer_id=pid, events=events, follow_client=follow_client),
+                               producer_id=pid, events=events, group=group),
             RedisInflight(client, settings.view_namespace, max(int(settings.inflight_lease_s * 1000), 1),
-                          producer_id=pid, events=events, follow_client=follow_client))
+                          producer_id=pid, events=events, group=group))
 
 
 def decision_index(settings: Settings, client: Any = None) -> RedisDecisionIndex | None:

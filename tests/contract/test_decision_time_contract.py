@@ -9,6 +9,7 @@ writes at once, with no ``sync``: a decision must see the one before it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -18,7 +19,7 @@ import redis.asyncio as aioredis
 from conductor.settings import Settings
 from state.inflight import InflightLedger, InMemoryInflight, InstanceLoad
 from state.pending import InMemoryPendingBlocks, PendingPrefix, PendingStore
-from state.shared_log import EventSeq, RedisInflight, RedisPendingBlocks, SharedLog
+from state.shared_log import EventSeq, LogGroup, RedisInflight, RedisPendingBlocks, SharedLog
 
 TTL_MS = 2_000
 LEASE_MS = 60_000
@@ -192,3 +193,67 @@ async def test_a_follower_knows_each_producers_last_event_it_applied(settings: S
         await a_pend.clear()
         for c in clients:
             await c.aclose()
+
+
+class TestRedisPendingInAGroup(PendingContract):
+    """The same, each process's pending blocks in a :class:`LogGroup` with its in-flight ledger."""
+
+    @pytest.fixture
+    async def pair(self, settings: Settings) -> AsyncIterator[tuple[PendingStore, PendingStore, Sync]]:
+        async with _grouped(settings) as ((a, _), (b, _)):
+            yield a, b, lambda: _caught_up(a.log, b.log)
+
+
+class TestRedisInflightInAGroup(InflightContract):
+    @pytest.fixture
+    async def pair(self, settings: Settings) -> AsyncIterator[tuple[InflightLedger, InflightLedger, Sync]]:
+        async with _grouped(settings) as ((_, a), (_, b)):
+            yield a, b, lambda: _caught_up(a.log, b.log)
+
+
+@contextlib.asynccontextmanager
+async def _grouped(settings: Settings, namespace: str | None = None, block_ms: int = 50,
+                   ) -> AsyncIterator[list[tuple[RedisPendingBlocks, RedisInflight]]]:
+    """Two processes' pending blocks and in-flight ledgers, each process's pair in one group."""
+    ns = namespace or settings.view_namespace
+    clients = [aioredis.from_url(str(settings.redis_url)) for _ in range(2)]
+    pairs = []
+    for c, p in zip(clients, "ab", strict=True):
+        group, events = LogGroup(c, block_ms=block_ms), EventSeq()
+        pairs.append((RedisPendingBlocks(c, ns, TTL_MS, producer_id=p, events=events, group=group),
+                      RedisInflight(c, ns, LEASE_MS, producer_id=p, events=events, group=group)))
+    for pend, infl in pairs:
+        await pend.start(1_000)
+        await infl.start(1_000)
+    try:
+        yield pairs
+    finally:
+        for pend, infl in pairs:
+            await pend.close()
+            await infl.close()
+        await pairs[0][0].clear()
+        await pairs[0][1].clear()
+        for c in clients:
+            await c.aclose()
+
+
+async def test_a_group_appends_a_decisions_two_records_at_once_and_follows_them_with_one_read(settings: Settings) -> None:
+    """A decision's pending blocks and its charge go in one append (one MULTI over both streams),
+    and a group that follows both reads them with one blocking read, not one per stream."""
+    async with _grouped(settings, settings.view_namespace + "-grp", block_ms=5_000) as ((a_pend, a_infl), (b_pend, b_infl)):
+        group = b_pend.log.group
+        assert group is not None and group is b_infl.log.group
+        await asyncio.sleep(0.2)  # both logs joined the group's first read
+        before = group.reads
+        decisions = 20
+        for i in range(decisions):
+            with a_pend.log.events.event():
+                a_pend.record(f"r{i}", {"p0": CHAIN}, 1_000 + i)
+                a_infl.charge(f"r{i}", "p0", "p0", 64, 64, 1_000 + i)
+            await a_pend.log.flush()
+            await _caught_up(a_infl.log, b_infl.log)
+            await _caught_up(a_pend.log, b_pend.log)
+        assert b_infl.load("p0", 1_100).requests == decisions
+        assert set(b_pend.prefixes(CHAIN, 1_100)) == {"p0"}
+        reads = group.reads - before
+        assert decisions <= reads <= decisions + 2, reads  # alone, each stream's follower reads once a decision

@@ -51,3 +51,4 @@ def test_the_routers_stores_follow_on_a_client_of_their_own() -> None:
     assert read_timeout_s(resv.follow_client) == FOLLOW_READ_TIMEOUT_S
     assert [s.block_ms for s in (resv, pending.log, inflight.log)] == [FOLLOW_BLOCK_MS] * 3
     assert pending.log.follow_client is resv.follow_client is inflight.log.follow_client
+    assert pending.log.group is not None and pending.log.group is inflight.log.group  # one read for both
