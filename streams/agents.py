@@ -17,7 +17,8 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -26,7 +27,7 @@ import faust
 from schemas import DeadLetter, encode, headers
 from schemas.errors import ViewRefused, ViewStoreError
 from state.view import RebuildingView, ViewStore
-from streams.app import make_app
+from streams.app import EmbeddedApp, make_app
 from streams.batches import take_batches
 from streams.config import WorkerConfig
 from streams.generation import GenerationWatcher
@@ -93,8 +94,12 @@ def build_worker(config: WorkerConfig, store: ViewStore, *, metrics: bool = True
     lanes = TopicLanes(config.kafka, store.watermark, view, all_parts, metrics=metrics)
 
     # Two functions, not one: Faust names an agent after its function.
+    def folded() -> None:  # the embedded consumer is not idle while its records are being folded
+        if isinstance(app, EmbeddedApp):
+            app.folded_at = time.monotonic()
+
     async def kv_events(stream: faust.StreamT[Any]) -> None:
-        await consume(stream, ingestor, lanes, t.kv_events.name)
+        await consume(stream, ingestor, lanes, t.kv_events.name, applied=folded)
 
     async def heartbeats(stream: faust.StreamT[Any]) -> None:
         await consume(stream, ingestor, lanes, t.heartbeats.name, within_s=HEARTBEAT_BATCH_WITHIN_S)
@@ -122,13 +127,16 @@ def build_worker(config: WorkerConfig, store: ViewStore, *, metrics: bool = True
 
 
 async def consume(stream: faust.StreamT[Any], ingestor: Ingestor, lanes: TopicLanes, topic: str, *,
-                  within_s: float = BATCH_WITHIN_S) -> None:
+                  within_s: float = BATCH_WITHIN_S, applied: Callable[[], None] | None = None) -> None:
     """An agent's loop: each batch of ``topic``'s records (closed ``within_s`` after its first)
     through its lane to the view. The lane resumes each partition from the view's fence, reading
-    back from the log what the consumer skipped (see streams.resume)."""
+    back from the log what the consumer skipped (see streams.resume). ``applied``: called after
+    each batch."""
     try:
         async for events in take_batches(stream, BATCH_MAX, within_s):
             await apply_batch(ingestor, lanes(topic), [raw_record(e.message) for e in events])
+            if applied is not None:
+                applied()
     finally:
         await lanes.close(topic)
 

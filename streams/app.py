@@ -28,7 +28,10 @@ through a wait of 250 ms or more, so a record that comes during a 500 ms wait is
 within about 250 ms). Records
 of ``quiet_topics`` do not count as coming: the worker names ``heartbeats``, which arrive
 every second or so per engine and whose staleness is measured against the liveness TTL (5 s
-by default), so an idle cluster's heartbeats alone keep the long wait. The first KV event
+by default), so an idle cluster's heartbeats alone keep the long wait. A spell counts as quiet from
+the later of the last record and the last batch folded (``EmbeddedApp.folded_at``): a worker that
+fetched a burst at once and folds it for seconds is busy, not idle (two workers sharing a burst
+were: the first records after it waited out a 500 ms fetch). The first KV event
 after a quiet spell reaches the view up to ~250 ms later than under load; decisions made
 meanwhile count the blocks they placed themselves (pending blocks, state/pending.py).
 """
@@ -112,9 +115,9 @@ class _TansuConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
         records = await super()._fetch_records(consumer, active_partitions, timeout=timeout, max_records=max_records)
         if self._pace is not None:
             app = self.app
-            quiet = app.quiet_topics if isinstance(app, EmbeddedApp) else frozenset()
+            quiet, busy_at = (app.quiet_topics, app.folded_at) if isinstance(app, EmbeddedApp) else (frozenset(), 0.0)
             n = sum(len(msgs) for tp, msgs in records.items() if tp.topic not in quiet)
-            self._pace.after_fetch(consumer, n > 0, n)
+            self._pace.after_fetch(consumer, n > 0, n, busy_at=busy_at)
         return records
 
     async def _highwaters(self, partitions: list[Any]) -> Mapping[Any, int]:
@@ -171,6 +174,9 @@ class EmbeddedApp(ConductorApp):
     """The brokers and credentials of the highwater probe (set by make_app)."""
     quiet_topics: frozenset[str] = frozenset()
     """Topics whose records do not keep the consumer's fetch wait short (see the module docstring)."""
+    folded_at: float = 0.0
+    """When (``time.monotonic()``) the worker last finished folding a batch of a topic that is not
+    quiet: the consumer is not idle while what it fetched is still being folded."""
 
     def _new_transport(self) -> Any:
         return _TansuTransport(self.conf.broker_consumer, self)

@@ -189,9 +189,13 @@ class FetchPace:
     def idle(self) -> bool:
         return self.wait_ms != self.short_ms
 
-    def saw(self, got_records: bool, count: int = 1) -> int | None:
+    def saw(self, got_records: bool, count: int = 1, busy_at: float = 0.0) -> int | None:
         """After a fetch: the wait the next fetches should ask for when it changes, else None.
-        ``count``: the records it brought (when ``got_records``; only a trickle pace reads it)."""
+        ``count``: the records it brought (when ``got_records``; only a trickle pace reads it);
+        ``busy_at``: when (on the pace's clock) the consumer's owner last finished working on
+        records it fetched before: a quiet spell counts from the later of that and the last
+        record (a worker that fetched a burst at once and folds it for seconds is not idle, and
+        the first record after the burst must not wait out an idle fetch)."""
         if not self.steps and self.trickle_max_ms is None:
             return None
         now = self._clock()
@@ -204,7 +208,7 @@ class FetchPace:
             self._last_record_s = now
             want = self._busy_wait(now)
         else:
-            quiet_s = now - self._last_record_s
+            quiet_s = now - max(self._last_record_s, busy_at)
             if self.trickle_max_ms is None:
                 want = self.short_ms
             else:  # the trickle's wait while its window lasts, then the longest it waits
@@ -230,9 +234,9 @@ class FetchPace:
             return self.trickle_max_ms
         return int(min(max(1000.0 * TRICKLE_RECORDS_PER_FETCH / rate, self.short_ms), self.trickle_max_ms))
 
-    def after_fetch(self, c: AIOKafkaConsumer, got_records: bool, count: int = 1) -> None:
+    def after_fetch(self, c: AIOKafkaConsumer, got_records: bool, count: int = 1, busy_at: float = 0.0) -> None:
         """:meth:`saw`, and the new wait (if any) set on ``c`` (:func:`set_fetch_wait`)."""
-        set_fetch_wait(c, self.saw(got_records, count))
+        set_fetch_wait(c, self.saw(got_records, count, busy_at))
 
 
 async def ensure_topics(kafka: KafkaConnection, wanted: tuple[Topic, ...]) -> list[str]:

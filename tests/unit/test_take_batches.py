@@ -142,3 +142,16 @@ def test_without_a_trickle_cap_the_count_changes_nothing() -> None:
     clock = Clock()
     pace = FetchPace(10, steps=((2.0, 500),), clock=clock)
     assert _fetch_at_rate(pace, clock, 10.0, 3.0)[-1] == 10
+
+
+def test_a_consumer_still_folding_what_it_fetched_is_not_idle() -> None:
+    """A burst fetched at once and folded for seconds: the quiet spell counts from the last batch
+    folded, so the first record after the burst is not held by an idle fetch."""
+    clock = Clock()
+    pace = FetchPace(10, steps=((2.0, 500),), clock=clock)
+    pace.saw(True, 5_000)  # the burst, all in one fetch
+    for t in (1.0, 2.0, 3.0, 3.5):  # folding it: a batch done a moment before each fetch
+        clock.now = t
+        assert pace.saw(False, busy_at=t - 0.01) is None and pace.wait_ms == 10
+    clock.now = 3.5 + 2.0  # folded; then 2 s of nothing: idle
+    assert pace.saw(False, busy_at=3.5) == 500
