@@ -257,8 +257,9 @@ class LogGroup:
     log flushed on its own timer and followed with its own blocking XREAD, so every decision was
     two appends, and (each append ending every follower's read, the writer's own included) two
     reads more in every process that follows them. In a group, an append starts the group's one
-    timer, a flush appends every log's batch in one pipeline, and one XREAD follows every
-    started log's stream. A log that starts while the group's read is blocked ends that read (an
+    timer, a flush appends every log's batch in one MULTI (a batch of one stream alone, a first
+    token's or an end's, is a plain append: a MULTI costs three commands), and one XREAD follows
+    every started log's stream. A log that starts while the group's read is blocked ends that read (an
     empty entry on a stream it reads), so the next one reads its stream too."""
 
     def __init__(self, client: aioredis.Redis | RedisCluster, *, flush_after_s: float = 0.01,
@@ -307,15 +308,23 @@ class LogGroup:
             batches = [(m, m._take()) for m in self.members if m._buffer]
             if not batches and wake is None:
                 return
-            # One MULTI: a follower's blocked read returns once, with every log's entry.
-            pipe = self.client.pipeline(transaction=True)
+            appends: list[tuple[str, dict[Any, Any], int | None]] = []
             for m, batch in batches:
-                fields, minid = m._entry(batch)
-                pipe.xadd(m.key, fields, minid=minid, approximate=True)
+                entry, oldest = m._entry(batch)
+                appends.append((m.key, entry, oldest))
             if wake is not None and all(m is not wake for m, _ in batches):
-                pipe.xadd(wake.key, wake._empty_entry())
+                appends.append((wake.key, wake._empty_entry(), None))
             try:
-                await pipe.execute()
+                if len(appends) == 1:  # one stream (a first token, an end): a plain append
+                    key, fields, minid = appends[0]
+                    await self.client.xadd(key, fields, minid=minid, approximate=minid is not None)
+                else:
+                    # One MULTI: a follower's blocked read returns once, with every log's entry
+                    # (pipelined without it, the read returns after the first).
+                    pipe = self.client.pipeline(transaction=True)
+                    for key, fields, minid in appends:
+                        pipe.xadd(key, fields, minid=minid, approximate=minid is not None)
+                    await pipe.execute()
             except (RedisError, OSError) as e:
                 for m, batch in batches:
                     m._restore(batch, e)
