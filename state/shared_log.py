@@ -58,28 +58,21 @@ class SharedLog:
                  events: EventSeq | None = None, follow_client: aioredis.Redis | RedisCluster | None = None,
                  group: LogGroup | None = None) -> None:
         self.client = client
-        self.group = group
-        """The logs this one is written and followed with (:class:`LogGroup`), else None: alone."""
-        if group is not None:
-            group.join(self)
-        self.follow_client, self.block_ms = ((group.follow_client, group.block_ms) if group is not None
-                                             else follower_read(client, follow_client, block_ms))
+        self.group = group if group is not None else LogGroup(client, flush_after_s=flush_after_s, block_ms=block_ms,
+                                                              follow_client=follow_client)
+        """The logs this one is written and followed with (:class:`LogGroup`; alone, a group of its own)."""
+        self.group.join(self)
+        self.follow_client, self.block_ms = self.group.follow_client, self.group.block_ms
         """What the follower reads with (its owner closes it), and how long each read blocks: a
-        client of its own lets it block longer than ``client``'s read timeout allows (in a
-        group, the group's)."""
+        client of its own lets it block longer than ``client``'s read timeout allows (the group's)."""
         self.key = key
         self.producer_id = producer_id
         self.retain_ms = retain_ms
-        self.flush_after_s = flush_after_s
         self._apply_one = apply
         self.events = events if events is not None else EventSeq()
         self._buffer: list[tuple[int, int, Any]] = []
-        self._flushing = asyncio.Lock()  # one batch at a time: a producer's entries stay in its order
         self._cut = Cut(producer_id, retain_ms)
-        self._timer: asyncio.TimerHandle | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
         self._follower: asyncio.Task[None] | None = None
-        self._stopping = False
         self._last_id = b"0-0"
         self.applied = 0
         """Operations of other producers applied (for tests and metrics)."""
@@ -99,47 +92,14 @@ class SharedLog:
         seq = self.events.stamp()
         self._cut.own_last = seq
         self._buffer.append((at_ms, seq, item))
-        if self.group is not None:
-            self.group.schedule()
-            return seq
-        if self._timer is None:
-            try:
-                loop = asyncio.get_running_loop()
-            except RuntimeError:  # no loop (a synchronous caller): the next flush() sends it
-                return seq
-            self._timer = loop.call_later(self.flush_after_s, self._flush_soon)
+        self.group.schedule()
         return seq
 
-    def _flush_soon(self) -> None:
-        self._timer = None
-        task = asyncio.ensure_future(self.flush())
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
     async def flush(self, *, wake: bool = False) -> None:
-        """Append the buffered operations to the stream now. ``wake``: append an empty batch when
-        nothing is buffered (every follower's read returns; readers apply nothing). In a group,
-        the group's other logs are appended in the same round trip."""
-        if self.group is not None:
-            await self.group.flush(wake=self if wake else None)
-            return
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        async with self._flushing:
-            await self._flush(wake)
-
-    async def _flush(self, wake: bool) -> None:
-        if not self._buffer:
-            if wake:
-                await self.client.xadd(self.key, self._empty_entry())
-            return
-        batch = self._take()
-        fields, minid = self._entry(batch)
-        try:
-            await self.client.xadd(self.key, fields, minid=minid, approximate=True)
-        except (RedisError, OSError) as e:
-            self._restore(batch, e)
+        """Append the buffered operations to the stream now, with the group's other logs' in the
+        same round trip. ``wake``: append an empty batch when nothing is buffered (every
+        follower's read returns; readers apply nothing)."""
+        await self.group.flush(wake=self if wake else None)
 
     def _take(self) -> list[tuple[int, int, Any]]:
         batch, self._buffer = self._buffer, []
@@ -165,7 +125,6 @@ class SharedLog:
         """Catch up on the stream's last ``retain_ms`` and follow it from there."""
         if self._follower is not None:
             return
-        self._stopping = False
         self._last_id = f"{max(now_ms - self.retain_ms, 0)}-0".encode()
         try:
             while True:
@@ -176,30 +135,7 @@ class SharedLog:
                 self._apply(entries)
         except (RedisError, OSError) as e:
             log.warning("%s not readable yet: %s", self.key, e)
-        if self.group is not None:
-            self._follower = self.group.follow(self)
-            return
-        self._follower = asyncio.ensure_future(self._follow())
-
-    async def _follow(self) -> None:
-        failing = False
-        # Stopped by a flag, not by cancelling (a task cancelled inside XREAD BLOCK can hang in
-        # the driver's clean-up: state/reservations.py); each read blocks at most ``block_ms``
-        # (close's own write ends it sooner).
-        while not self._stopping:
-            try:
-                res = cast(list[tuple[bytes, list[StreamEntry]]] | None,
-                           await self.follow_client.xread({self.key: self._last_id}, block=self.block_ms, count=1000))
-            except asyncio.CancelledError:
-                raise
-            except (RedisError, OSError) as e:
-                (log.debug if failing else log.warning)("%s unreachable: %s", self.key, e)
-                failing = True
-                await asyncio.sleep(0.2)
-                continue
-            failing = False
-            for _, entries in res or ():
-                self._apply(entries)
+        self._follower = self.group.follow(self)
 
     def _apply(self, entries: Sequence[StreamEntry]) -> None:
         me = self.producer_id.encode()
@@ -225,9 +161,8 @@ class SharedLog:
         """Share what is buffered and stop following; returns within about ``timeout_s`` whatever
         Redis does. The write (an empty batch if nothing is buffered) ends the follower's blocked
         read, so an idle follower's long block is not waited out (state/reservations.py)."""
-        self._stopping = True
         follower, self._follower = self._follower, None
-        if self.group is not None and follower is not None and not self.group.unfollow(self):
+        if follower is not None and not self.group.unfollow(self):
             follower = None  # the group's read goes on for its other logs (without this one's key)
         try:
             await asyncio.wait_for(self.flush(wake=follower is not None), timeout_s / 2)

@@ -157,8 +157,7 @@ async def run_ingest_bench(
             cpu = cpu_report(meter.used(), phase1.blocks)
             meter2 = CpuMeter(meter.pids).start()
             stale = await run.staleness()
-            used2 = meter2.used()
-            cpu2 = cpu_report(used2, len(stale), prefix="staleness_control_")
+            cpu2 = meter2.report(len(stale), prefix="staleness_control_")
             stale_wall_s = meter2.wall_s
             mem1 = await run.store.memory_bytes()
             n_blocks = await run.store.block_count()
