@@ -41,6 +41,10 @@ GatewayEngineProtocol = Annotated[str, typer.Option("--engine-protocol", help="t
 GatewayTokenizer = Annotated[str | None, typer.Option("--tokenizer", help="the engines' tokenizer.json (or the "
     "model directory holding it): text prompts tokenized in the gateway, no round trip; chats still go to the engine, "
     "which owns the template [default: the engines' /tokenize]")]
+GatewayEnginePrompt = Annotated[str, typer.Option("--engine-prompt", help="how a text completion's prompt reaches "
+    "vLLM engines: ids (the token ids the gateway tokenized it to, the engine's own, so the engine does not "
+    "tokenize it again; echoed or engine-truncated prompts and chats keep their text) or text (the client's "
+    "prompt as it came); sglang engines always get the text")]
 GatewayId = Annotated[str | None, typer.Option("--gateway-id", help="names this gateway's reply topic "
     "[default: gw-HOST-PID]")]
 GatewayModel = Annotated[str | None, typer.Option("--model", help="the engines' base model: another model name in a "
@@ -71,6 +75,7 @@ def gateway(
     engine: GatewayEngine = None,
     engine_protocol: GatewayEngineProtocol = "vllm",
     tokenizer: GatewayTokenizer = None,
+    engine_prompt: GatewayEnginePrompt = "ids",
     gateway_id: GatewayId = None,
     model: GatewayModel = None,
     decision_timeout_s: GatewayDecisionTimeoutS = 5.0,
@@ -90,6 +95,7 @@ def gateway(
     with exit_on():
         protocol = gateway_config.engine_protocol(engine_protocol)
         mode = gateway_config.routing_mode(routing)
+        prompt_form = gateway_config.engine_prompt(engine_prompt)
         engines = engine_map(engine or [])
     s = settings_or_exit()
     need_kafka_url(s)
@@ -97,7 +103,7 @@ def gateway(
         config = gateway_config.gateway_config(
             s, gateway_id=gateway_id, engines=engines, protocol=protocol, base_model=model,
             decision_timeout_s=decision_timeout_s, max_attempts=max_attempts, bootstrap_port=bootstrap_port,
-            routing=mode, drain_s=drain_s)
+            routing=mode, drain_s=drain_s, prompt_form=prompt_form)
     with exit_on(soft_wrap=True):  # one line, however wide the terminal
         keys = key_ring(s, insecure=insecure)
     if keys.open:

@@ -20,6 +20,8 @@ EngineProtocol = Literal["vllm", "sglang"]
 ENGINE_PROTOCOLS: tuple[EngineProtocol, ...] = get_args(EngineProtocol)
 RoutingMode = Routing
 ROUTING_MODES = ROUTINGS
+EnginePrompt = Literal["ids", "text"]
+ENGINE_PROMPTS: tuple[EnginePrompt, ...] = get_args(EnginePrompt)
 
 
 def _setting(name: str) -> int:
@@ -89,6 +91,11 @@ class GatewayConfig:
     """``colocated``: decide in this process (:class:`~conductor.frontdoor.decide.Colocated`) and
     write the request and decision to the log before calling the engines; ``log``: send the
     routing request onto ``requests`` and wait for a router's decision on the reply topic."""
+    engine_prompt: EnginePrompt = "ids"
+    """How a text completion's prompt reaches a vLLM engine: ``ids``, the token ids the gateway
+    tokenized it to for the decision (the engine's own, :mod:`conductor.frontdoor.tokenizer`), so the
+    engine does not tokenize it again; ``text``, the client's text as it came
+    (:func:`~conductor.gateway.handoff.engine_body` says which requests keep their text either way)."""
     timeouts: UpstreamTimeouts = field(default_factory=UpstreamTimeouts)
     """The calls to the engines, by phase (settings ``gateway_*_timeout_s``)."""
     max_in_flight: int = field(default_factory=lambda: _setting("gateway_max_in_flight"))
@@ -137,6 +144,14 @@ def engine_protocol(text: str) -> EngineProtocol:
     raise ConfigError(f"--engine-protocol must be one of {', '.join(ENGINE_PROTOCOLS)}")
 
 
+def engine_prompt(text: str) -> EnginePrompt:
+    """``text`` as an engine prompt form; :class:`ConfigError` naming ``--engine-prompt`` otherwise."""
+    for form in ENGINE_PROMPTS:
+        if text == form:
+            return form
+    raise ConfigError(f"--engine-prompt must be one of {', '.join(ENGINE_PROMPTS)} (got {text!r})")
+
+
 def routing_mode(text: str) -> RoutingMode:
     """``text`` as a routing mode; :class:`ConfigError` naming ``--routing`` otherwise."""
     mode = parse_routing(text)
@@ -156,7 +171,8 @@ def check_gateway_id(settings: Settings, gateway_id: str) -> None:
 def gateway_config(settings: Settings, *, gateway_id: str | None, engines: dict[str, str],
                    protocol: EngineProtocol, base_model: str | None = None, decision_timeout_s: float = 5.0,
                    max_attempts: int = 3, bootstrap_port: int | None = None,
-                   routing: RoutingMode = "colocated", drain_s: float | None = None) -> GatewayConfig:
+                   routing: RoutingMode = "colocated", drain_s: float | None = None,
+                   prompt_form: EnginePrompt = "ids") -> GatewayConfig:
     """The gateway's configuration: the settings' ``gateway_*`` timeouts and bounds, the command's
     options over them. ``gateway_id`` must name a valid reply topic (default: :func:`default_gateway_id`);
     colocated routing needs the view (``redis_url``)."""
@@ -166,7 +182,8 @@ def gateway_config(settings: Settings, *, gateway_id: str | None, engines: dict[
         raise ConfigError("--routing colocated reads the view: set redis_url (CONDUCTOR_REDIS_URL), or use --routing log")
     return GatewayConfig(gateway_id=gid, engines=engines, protocol=protocol, base_model=base_model,
                          decision_timeout_s=decision_timeout_s, max_attempts=max_attempts,
-                         bootstrap_port=bootstrap_port, routing=routing, timeouts=UpstreamTimeouts.of(settings),
+                         bootstrap_port=bootstrap_port, routing=routing, engine_prompt=prompt_form,
+                         timeouts=UpstreamTimeouts.of(settings),
                          max_in_flight=settings.gateway_max_in_flight, max_deciding=settings.gateway_max_deciding,
                          engine_max_in_flight=settings.gateway_engine_max_in_flight,
                          max_body_bytes=settings.gateway_max_body_bytes,

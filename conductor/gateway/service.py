@@ -59,7 +59,7 @@ from conductor.frontdoor.protocol import (
 from conductor.frontdoor.tokenizer import PromptRejected, PromptTokenizer, TokenizeError
 from conductor.gateway.admission import RETRY_AFTER_S, DecidingBound, EngineBusy, EngineSlots
 from conductor.gateway.config import GatewayConfig
-from conductor.gateway.handoff import HandOff, aggregated, call_of, cpp, vllm
+from conductor.gateway.handoff import HandOff, aggregated, call_of, cpp, engine_body, vllm
 from conductor.gateway.handoff.sglang import SglangHandOff
 from conductor.gateway.health import LogHealth
 from conductor.gateway.outcome import Trace, outcome_of
@@ -172,6 +172,8 @@ class Gateway:
         prompt = await self._prompt(creq, tr)
         if isinstance(prompt, Response):
             return prompt
+        if self.config.engine_prompt == "ids" and self.config.protocol == "vllm":
+            body = engine_body(body, creq, prompt)
         for attempt in range(self.config.max_attempts):
             arid = tr.request_id if attempt == 0 else f"{tr.request_id}.r{attempt}"
             tr.attempts.append(arid)

@@ -7,11 +7,14 @@ import pytest
 from conductor.frontdoor.protocol import (
     REJECTION_STATUS,
     BadRequest,
+    Prompt,
     parse_body,
     parse_engine_map,
     parse_slo,
     rejection_response,
 )
+from conductor.gateway.config import ConfigError, engine_prompt
+from conductor.gateway.handoff import engine_body
 from conductor.gateway.handoff.sglang import sglang_bodies
 from conductor.gateway.handoff.vllm import vllm_decode_body, vllm_prefill_body
 from conductor.harness.engine.http import chat_prompt, emulated_tokens
@@ -73,6 +76,35 @@ def test_vllm_hand_off_bodies() -> None:
     d = vllm_decode_body(body, kv)
     assert d["kv_transfer_params"] == kv and d["max_tokens"] == 50 and d["stream_options"]["include_usage"] is True
     assert body["stream_options"] == {"include_usage": False}  # the client's body is not changed
+
+
+def test_a_text_completion_reaches_the_engine_as_the_ids_it_was_tokenized_to() -> None:
+    ids = Prompt([1, 450, 4996, 17354])
+    body = {"model": "m", "prompt": "the quick fox", "max_tokens": 5, "stream": True, "add_special_tokens": True}
+    out = engine_body(body, parse_body(body, chat=False), ids)
+    assert out == {**body, "prompt": [1, 450, 4996, 17354]}
+    assert body["prompt"] == "the quick fox"  # the client's body is not changed
+    # and the P/D halves carry them on (prefill and decode alike)
+    assert vllm_prefill_body(out, chat=False)["prompt"] == ids.token_ids
+    assert vllm_decode_body(out, {"do_remote_prefill": True})["prompt"] == ids.token_ids
+
+
+@pytest.mark.parametrize("body,chat,why", [
+    ({"model": "m", "messages": [{"role": "user", "content": "hi"}]}, True, "a chat: the template is the engine's"),
+    ({"model": "m", "prompt": "hi", "echo": True}, False, "echoed: the client's own text comes back"),
+    ({"model": "m", "prompt": "hi", "truncate_prompt_tokens": 1}, False, "truncated by the engine, on its text"),
+    ({"model": "m", "prompt": [1, 2, 3]}, False, "ids already"),
+])
+def test_what_keeps_its_prompt_as_the_client_sent_it(body, chat, why) -> None:  # type: ignore[no-untyped-def]
+    assert engine_body(body, parse_body(body, chat=chat), Prompt([1, 2, 3])) is body, why
+
+
+def test_no_ids_no_rewrite_and_the_option_names_itself() -> None:
+    body = {"model": "m", "prompt": ""}
+    assert engine_body(body, parse_body(body, chat=False), Prompt([])) is body
+    assert engine_prompt("ids") == "ids" and engine_prompt("text") == "text"
+    with pytest.raises(ConfigError, match="--engine-prompt must be one of ids, text"):
+        engine_prompt("tokens")
 
 
 def test_sglang_hand_off_bodies_share_one_room() -> None:

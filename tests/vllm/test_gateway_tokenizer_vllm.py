@@ -14,6 +14,7 @@ import pytest
 
 from conductor.frontdoor.protocol import parse_body
 from conductor.frontdoor.tokenizer import EngineTokenizer, LocalTokenizer, ModelFilesTokenizer
+from conductor.gateway.handoff import engine_body
 from conductor.harness.vllm_kit import VllmEngine
 
 pytestmark = [pytest.mark.vllm, pytest.mark.timeout(900)]
@@ -55,3 +56,24 @@ async def test_a_door_finds_the_engines_model_files_through_v1_models(vllm_aggre
         await look
         assert vllm_aggregated.model in tok.local
         assert (await tok.prompt(req)).token_ids == first
+
+
+async def test_the_ids_the_gateway_sends_run_as_the_text_would(vllm_aggregated: VllmEngine, tiny_model: Path) -> None:
+    """``--engine-prompt ids`` (the gateway's default): a text completion reaches vLLM as the ids the gateway
+    tokenized it to (:func:`~conductor.gateway.handoff.engine_body`), and the engine prefills the same
+    ids and answers the same tokens as it does for the text (greedy, so one answer per prompt)."""
+    local = LocalTokenizer(str(tiny_model), fallback=None)
+    async with httpx.AsyncClient(timeout=120) as http:
+        for text in PROMPTS:
+            body = {"model": vllm_aggregated.model, "prompt": text, "max_tokens": 6, "temperature": 0.0,
+                    "return_token_ids": True}
+            creq = parse_body(body, chat=False)
+            sent = engine_body(body, creq, await local.prompt(creq))
+            assert isinstance(sent["prompt"], list), sent
+            answers = []
+            for b in (body, sent):
+                r = await http.post(vllm_aggregated.url + "/v1/completions", json=b)
+                assert r.status_code == 200, r.text
+                c = r.json()["choices"][0]
+                answers.append((c["prompt_token_ids"], c["token_ids"], c["text"], r.json()["usage"]["prompt_tokens"]))
+            assert answers[0] == answers[1], text
