@@ -43,7 +43,7 @@ GatewayTokenizer = Annotated[str | None, typer.Option("--tokenizer", help="the e
     "which owns the template [default: the engines' /tokenize]")]
 GatewayEnginePrompt = Annotated[str, typer.Option("--engine-prompt", help="how a text completion's prompt reaches "
     "vLLM engines: ids (the token ids the gateway tokenized it to, the engine's own, so the engine does not "
-    "tokenize it again; echoed or engine-truncated prompts and chats keep their text) or text (the client's "
+    "tokenize it again; chats, LoRA adapters' prompts and echoed or engine-truncated ones keep their text) or text (the client's "
     "prompt as it came); sglang engines always get the text")]
 GatewayId = Annotated[str | None, typer.Option("--gateway-id", help="names this gateway's reply topic "
     "[default: gw-HOST-PID]")]

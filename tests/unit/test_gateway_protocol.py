@@ -99,6 +99,13 @@ def test_what_keeps_its_prompt_as_the_client_sent_it(body, chat, why) -> None:  
     assert engine_body(body, parse_body(body, chat=chat), Prompt([1, 2, 3])) is body, why
 
 
+def test_a_lora_adapters_prompt_keeps_its_text() -> None:
+    body = {"model": "my-adapter", "prompt": "hi"}  # an adapter may bring a tokenizer of its own
+    assert engine_body(body, parse_body(body, chat=False, base_model="base"), Prompt([1, 2])) is body
+    body = {"model": "base", "prompt": "hi"}
+    assert engine_body(body, parse_body(body, chat=False, base_model="base"), Prompt([1, 2]))["prompt"] == [1, 2]
+
+
 def test_no_ids_no_rewrite_and_the_option_names_itself() -> None:
     body = {"model": "m", "prompt": ""}
     assert engine_body(body, parse_body(body, chat=False), Prompt([])) is body

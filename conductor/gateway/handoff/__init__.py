@@ -61,16 +61,17 @@ class Call:
 
 def engine_body(body: dict[str, Any], creq: ClientRequest, prompt: Prompt) -> dict[str, Any]:
     """``body`` with its text prompt replaced by ``prompt``'s token ids, where the engine would have
-    tokenized it to those very ids: one text completion (a chat's template is the engine's to apply),
-    not echoed (the echo is the client's own text) and not truncated (``truncate_prompt_tokens``:
-    left to the engine, on the text). Else ``body`` unchanged.
+    tokenized it to those very ids: one text completion (a chat's template is the engine's to apply)
+    for the base model (a LoRA adapter may bring a tokenizer of its own), not echoed (the echo is
+    the client's own text) and not truncated (``truncate_prompt_tokens``: left to the engine, on the
+    text). Else ``body`` unchanged.
 
     The ids are the engine's own (its ``/tokenize``, or the model's files checked against it:
     :mod:`conductor.frontdoor.tokenizer`), so the engine runs what it would have run, without
     tokenizing the prompt a second time: on a 1,500-token prompt that was ~5 ms of the engine's
     CPU before its headers came back (live A/B, tiny model; docs/benchmarks.md)."""
     text = body.get("prompt")
-    if (creq.chat or not isinstance(text, str) or not prompt.token_ids or body.get("echo")
+    if (creq.chat or not isinstance(text, str) or not prompt.token_ids or body.get("echo") or creq.lora_name
             or "truncate_prompt_tokens" in creq.prompt_fields or prompt.mm_items or prompt.unhashed_media):
         return body
     return {**body, "prompt": prompt.token_ids}
