@@ -152,6 +152,9 @@ BenchGatewayLocalTokenizer = Annotated[bool, typer.Option("--local-tokenizer/--e
 BenchGatewayWorkers = Annotated[int, typer.Option("--workers", min=1, max=64, help="the gateway under test runs "
     "this many processes on its port (`conductor gateway --workers`); requests_per_s and the gateway's CPU are "
     "theirs together")]
+BenchGatewayPromptWords = Annotated[int | None, typer.Option("--prompt-words", min=10, max=3000, help="each "
+    "prompt's length in words, about (a word is a token of the bench's tokenizer): the gateway's cost at your "
+    "prompts' length [default: ~100 tokens]")]
 BenchGatewayArg = Annotated[list[str] | None, typer.Option("--gateway-arg", help="one more `conductor gateway` "
     "option for the gateway under test (repeat; e.g. --gateway-arg=--routing --gateway-arg=log)")]
 
@@ -163,6 +166,7 @@ def bench_gateway(
     gateway_arg: BenchGatewayArg = None,
     local_tokenizer: BenchGatewayLocalTokenizer = True,
     workers: BenchGatewayWorkers = 1,
+    prompt_words: BenchGatewayPromptWords = None,
     json_out: JsonLine = False,
 ) -> None:
     """Gateway overhead over calling the chosen engines directly, with zero-compute emulated engines.
@@ -172,7 +176,7 @@ def bench_gateway(
     s = settings_or_exit()
     out = run_gateway_bench(s, levels=tuple(clients), requests_per_client=requests_per_client,
                             max_tokens=max_tokens, gateway_args=gateway_arg or [],
-                            local_tokenizer=local_tokenizer, workers=workers)
+                            local_tokenizer=local_tokenizer, workers=workers, prompt_words=prompt_words)
     print_result(out, json_out)
 
 

@@ -108,3 +108,17 @@ async def test_an_engine_with_no_model_list_is_not_asked_again_at_start_up() -> 
         assert isinstance(tok, ModelFilesTokenizer)
         await tok.warm(every_s=0.0)
     assert calls == ["/v1/models"] and tok.local == {}
+
+
+def test_bench_gateway_prompts_are_as_long_as_asked(tmp_path: Path) -> None:
+    """`conductor bench gateway --prompt-words N`: about N tokens of the bench's tokenizer before the
+    per-request tail; without it, the bench's usual prompt (~100 tokens)."""
+    from conductor.harness.bench.gateway import _body
+
+    tok = Tokenizer.from_file(str(bench_tokenizer(tmp_path / "tokenizer.json")))
+    usual = len(tok.encode(_body(1, 8)["prompt"]).ids)
+    assert 90 <= usual <= 115  # 80 of prefix, 16-32 of tail (the digits of i one by one)
+    for words in (100, 1450):
+        n = len(tok.encode(_body(3, 8, words)["prompt"]).ids)
+        assert words <= n <= words + 30, (words, n)
+    assert _body(3, 8, 1450)["prompt"] != _body(4, 8, 1450)["prompt"]  # each request its own tail

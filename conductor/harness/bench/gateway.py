@@ -64,9 +64,15 @@ def bench_tokenizer(path: Path) -> Path:
     return path
 
 
-def _body(i: int, max_tokens: int) -> dict[str, Any]:
+PREFIX = "you are a helpful assistant "
+"""The shared system prefix of every prompt: five words, five tokens of the bench's tokenizer."""
+
+
+def _body(i: int, max_tokens: int, prompt_words: int | None = None) -> dict[str, Any]:
     # Shared system prefix + a per-request tail: realistic block sharing for the router.
-    return {"model": "default", "prompt": "you are a helpful assistant " * 16 + f"question {i} " * 8,
+    # ``prompt_words``: the prefix repeated to about that many words (default 80) before the tail.
+    repeats = 16 if prompt_words is None else max(1, prompt_words // 5)
+    return {"model": "default", "prompt": PREFIX * repeats + f"question {i} " * 8,
             "max_tokens": max_tokens, "stream": True}
 
 
@@ -296,11 +302,13 @@ async def routing_ms_since(settings: Settings, since_ms: int) -> list[float]:
 
 def run_gateway_bench(settings: Settings, *, levels: tuple[int, ...], requests_per_client: int,
                       max_tokens: int, gateway_args: list[str] | None = None,
-                      local_tokenizer: bool = True, workers: int = 1) -> dict[str, Any]:
+                      local_tokenizer: bool = True, workers: int = 1,
+                      prompt_words: int | None = None) -> dict[str, Any]:
     """Run the bench (starting the embedded broker and Redis when no URLs are set); one result dict.
     ``gateway_args``: more ``conductor gateway`` options (e.g. ``--routing log``); ``local_tokenizer``:
     the engines and the gateway share a ``tokenizer.json`` (:func:`bench_tokenizer`), else the
-    gateway asks an engine's ``/tokenize``; ``workers``: the gateway's ``--workers`` (its processes' CPU summed)."""
+    gateway asks an engine's ``/tokenize``; ``workers``: the gateway's ``--workers`` (its processes' CPU summed);
+    ``prompt_words``: each prompt's length in words, about (None: the bench's usual ~100 tokens)."""
     stack = None
     tmp = Path(tempfile.mkdtemp(prefix="conductor-bench-gw-"))
     if not (settings.kafka_url and settings.redis_url):
@@ -311,14 +319,15 @@ def run_gateway_bench(settings: Settings, *, levels: tuple[int, ...], requests_p
     try:
         tok = bench_tokenizer(tmp / "tokenizer.json") if local_tokenizer else None
         return asyncio.run(_bench(settings, tmp, levels, requests_per_client, max_tokens, list(gateway_args or []), tok,
-                                  workers))
+                                  workers, prompt_words))
     finally:
         if stack is not None:
             stack.down()
 
 
 async def _bench(settings: Settings, tmp: Path, levels: tuple[int, ...], requests_per_client: int,
-                 max_tokens: int, gateway_args: list[str], tokenizer: Path | None, workers: int = 1) -> dict[str, Any]:
+                 max_tokens: int, gateway_args: list[str], tokenizer: Path | None, workers: int = 1,
+                 prompt_words: int | None = None) -> dict[str, Any]:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     tag = uuid.uuid4().hex[:8]
     s = settings.model_copy(update={"topic_prefix": f"bench-gw-{tag}.", "view_namespace": f"bgw{tag}",
@@ -326,7 +335,8 @@ async def _bench(settings: Settings, tmp: Path, levels: tuple[int, ...], request
     tok_args = ["--tokenizer", str(tokenizer)] if tokenizer is not None else []
     if workers > 1:
         gateway_args = [*gateway_args, "--workers", str(workers)]
-    out: dict[str, Any] = {"prefill": 2, "decode": 2, "max_tokens": max_tokens, "gateway_args": gateway_args,
+    out: dict[str, Any] = {"prefill": 2, "decode": 2, "max_tokens": max_tokens, "prompt_words": prompt_words,
+                           "gateway_args": gateway_args,
                            "gateway_workers": workers,
                            "tokenizer": "local" if tokenizer is not None else "engine", "levels": {}}
     async with GatewayCluster(s, tmp / "logs", time_scale=ZERO_COMPUTE, gateway_args=[*tok_args, *gateway_args],
@@ -339,11 +349,11 @@ async def _bench(settings: Settings, tmp: Path, levels: tuple[int, ...], request
             pairs = [(c.engine_urls[p], c.engine_urls[d]) for p, d in PAIRS]
 
             async def via(i: int) -> float:
-                return await _stream_ttft(client, gw, _body(i, max_tokens))
+                return await _stream_ttft(client, gw, _body(i, max_tokens, prompt_words))
 
             async def direct(i: int) -> float:
                 p_url, d_url = pairs[i % len(pairs)]
-                return await _direct(client, p_url, d_url, _body(i, max_tokens))
+                return await _direct(client, p_url, d_url, _body(i, max_tokens, prompt_words))
 
             for i in range(20):  # warm up connections, caches and the router
                 await via(i)
