@@ -157,8 +157,8 @@ async def run_gateway(settings: Settings, config: GatewayConfig, sock: socket.so
     engine_tok = EngineTokenizer(client, directory)
     tok, how = prompt_tokenizer(engine_tok, tokenizer_path, config.base_model)
     log.info("gateway %s: %s; %s", config.gateway_id, how,
-             "text completions reach the engines as their token ids" if config.engine_prompt == "ids"
-             and config.protocol == "vllm" else "prompts reach the engines as the clients sent them")
+             "text completions reach the engines as their token ids" if config.sends_prompt_ids
+             else "prompts reach the engines as the clients sent them")
     prod = producer(settings.kafka(), linger_ms=0)
     await prod.start()
     seq = itertools.count(1)  # this gateway's records on the log: its routing requests and its outcomes

@@ -7,7 +7,7 @@ import os
 import socket
 import time
 from dataclasses import dataclass, field
-from typing import Literal, get_args
+from typing import Literal, TypeVar, get_args
 
 import httpx
 
@@ -22,6 +22,7 @@ RoutingMode = Routing
 ROUTING_MODES = ROUTINGS
 EnginePrompt = Literal["ids", "text"]
 ENGINE_PROMPTS: tuple[EnginePrompt, ...] = get_args(EnginePrompt)
+C = TypeVar("C", bound=str)
 
 
 def _setting(name: str) -> int:
@@ -112,6 +113,11 @@ class GatewayConfig:
     log_failures_to_trip: int = field(default_factory=lambda: _setting("gateway_log_failures_to_trip"))
     """Unacknowledged decisions in a row that make the gateway unready (settings ``gateway_log_failures_to_trip``)."""
 
+    @property
+    def sends_prompt_ids(self) -> bool:
+        """Whether text completions reach the engines as their token ids (``engine_prompt`` ids, to vLLM)."""
+        return self.engine_prompt == "ids" and self.protocol == "vllm"
+
     @staticmethod
     def max_body_bytes_default() -> int:
         return _setting("gateway_max_body_bytes")
@@ -136,20 +142,22 @@ def _base36(n: int) -> str:
             return out
 
 
+def _one_of(option: str, text: str, choices: tuple[C, ...]) -> C:
+    """``text`` as one of ``choices``; :class:`ConfigError` naming ``option`` otherwise."""
+    for choice in choices:
+        if text == choice:
+            return choice
+    raise ConfigError(f"{option} must be one of {', '.join(choices)} (got {text!r})")
+
+
 def engine_protocol(text: str) -> EngineProtocol:
     """``text`` as an engine protocol; :class:`ConfigError` naming ``--engine-protocol`` otherwise."""
-    for protocol in ENGINE_PROTOCOLS:
-        if text == protocol:
-            return protocol
-    raise ConfigError(f"--engine-protocol must be one of {', '.join(ENGINE_PROTOCOLS)}")
+    return _one_of("--engine-protocol", text, ENGINE_PROTOCOLS)
 
 
 def engine_prompt(text: str) -> EnginePrompt:
     """``text`` as an engine prompt form; :class:`ConfigError` naming ``--engine-prompt`` otherwise."""
-    for form in ENGINE_PROMPTS:
-        if text == form:
-            return form
-    raise ConfigError(f"--engine-prompt must be one of {', '.join(ENGINE_PROMPTS)} (got {text!r})")
+    return _one_of("--engine-prompt", text, ENGINE_PROMPTS)
 
 
 def routing_mode(text: str) -> RoutingMode:

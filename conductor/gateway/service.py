@@ -172,7 +172,7 @@ class Gateway:
         prompt = await self._prompt(creq, tr)
         if isinstance(prompt, Response):
             return prompt
-        if self.config.engine_prompt == "ids" and self.config.protocol == "vllm":
+        if self.config.sends_prompt_ids:
             body = engine_body(body, creq, prompt)
         for attempt in range(self.config.max_attempts):
             arid = tr.request_id if attempt == 0 else f"{tr.request_id}.r{attempt}"

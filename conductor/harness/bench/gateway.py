@@ -65,13 +65,14 @@ def bench_tokenizer(path: Path) -> Path:
 
 
 PREFIX = "you are a helpful assistant "
-"""The shared system prefix of every prompt: five words, five tokens of the bench's tokenizer."""
+"""The shared system prefix of every prompt (each word a token of the bench's tokenizer)."""
+PREFIX_WORDS = len(PREFIX.split())
 
 
 def _body(i: int, max_tokens: int, prompt_words: int | None = None) -> dict[str, Any]:
     # Shared system prefix + a per-request tail: realistic block sharing for the router.
     # ``prompt_words``: the prefix repeated to about that many words (default 80) before the tail.
-    repeats = 16 if prompt_words is None else max(1, prompt_words // 5)
+    repeats = 16 if prompt_words is None else max(1, prompt_words // PREFIX_WORDS)
     return {"model": "default", "prompt": PREFIX * repeats + f"question {i} " * 8,
             "max_tokens": max_tokens, "stream": True}
 
