@@ -143,7 +143,8 @@ async def run_gateway(settings: Settings, config: GatewayConfig, sock: socket.so
     tps = topics(settings.topic_config())
     await ensure_topics(settings.kafka(), (tps.requests, tps.dispatch, tps.request_outcomes))
     limits = httpx.Limits(max_connections=4096, max_keepalive_connections=1024, keepalive_expiry=KEEPALIVE_EXPIRY_S)
-    client = httpx.AsyncClient(timeout=config.timeouts.outside_requests(), transport=EnginePools(limits))
+    pools = EnginePools(limits)
+    client = httpx.AsyncClient(timeout=config.timeouts.outside_requests(), transport=pools)
     view = None
     if settings.redis_url:
         view = RedisViewStore(open_client(settings.redis().connection_url(), decode_responses=False, **settings.redis().tls_options(),
@@ -164,7 +165,7 @@ async def run_gateway(settings: Settings, config: GatewayConfig, sock: socket.so
     seq = itertools.count(1)  # this gateway's records on the log: its routing requests and its outcomes
     decider = make_decider(settings, config.routing, producer_id=config.gateway_id,
                            timeout_s=config.decision_timeout_s, producer=prod, seq=seq)
-    gw = Gateway(settings, config, tok, client, prod, decider, directory=directory, seq=seq)
+    gw = Gateway(settings, config, tok, client, prod, decider, directory=directory, seq=seq, engines=pools)
     # The model's files looked for now, not by the first requests (they would pay for it).
     warming = asyncio.ensure_future(tok.warm()) if isinstance(tok, ModelFilesTokenizer) else None
     try:

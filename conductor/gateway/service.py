@@ -94,12 +94,14 @@ class Gateway:
 
     ``decider``: who decides (:func:`conductor.frontdoor.decide.make_decider`); ``producer``: sends
     the outcomes; ``seq``: this gateway's producer sequence on the log (shared with its decider);
-    ``directory``: the engines for ``/tokenize`` and ``/v1/models``."""
+    ``directory``: the engines for ``/tokenize`` and ``/v1/models``; ``engines``: the transport the
+    calls to the engines take (the one under ``client``, without the client's layer), default
+    through ``client``."""
 
     def __init__(self, settings: Settings, config: GatewayConfig, tokenizer: PromptTokenizer,
                  client: httpx.AsyncClient, producer: Any, decider: Decider,
                  clock: Callable[[], float] = time.perf_counter, *, directory: EngineDirectory | None = None,
-                 seq: Iterator[int] | None = None) -> None:
+                 seq: Iterator[int] | None = None, engines: httpx.AsyncBaseTransport | None = None) -> None:
         self.settings = settings
         self.config = config
         self.tokenizer = tokenizer
@@ -109,7 +111,7 @@ class Gateway:
         self.clock = clock
         self.topics = topics(settings.topic_config())
         self.metrics = GatewayMetrics()
-        self.upstream = Upstream(client, config.timeouts, clock)
+        self.upstream = Upstream(engines if engines is not None else client, config.timeouts, clock)
         self.engine_slots = EngineSlots(config.engine_max_in_flight)
         self.deciding = DecidingBound(config.max_deciding)
         self.log_health = LogHealth(config.log_failures_to_trip)

@@ -17,6 +17,7 @@ import httpx
 from conductor.frontdoor.protocol import error_body
 from conductor.gateway.config import UpstreamTimeouts
 from conductor.gateway.outcome import Trace
+from conductor.gateway.transport import EngineTransport
 from conductor.web import json_body, json_bytes
 from schemas import RoutingDecision
 
@@ -60,13 +61,12 @@ class _Pool:
 
 
 class EnginePools(httpx.AsyncBaseTransport):
-    """httpx's own transport, one connection pool per engine (origin) instead of one for all.
+    """One connection pool per engine (origin): an :class:`EngineTransport` each, by default.
 
-    httpcore's pool looks at every connection it holds each time a request enters or leaves it
-    (expiry, a ``poll`` of each idle socket, and a count of all connections per idle one), so its
-    cost per call grows with the connections of every engine together: at 50 clients that walk
-    was the gateway's largest cost after the routing itself. Split by engine, each walk sees one
-    engine's connections. ``limits`` hold per engine; ``make`` builds one engine's transport.
+    A pool of its own per engine keeps ``limits`` per engine and keeps each pool's bookkeeping to
+    one engine's connections (httpcore's pool, used before, walked all of its connections on every
+    call: at 50 clients that walk had been the gateway's largest cost after the routing itself).
+    ``make`` builds one engine's transport.
 
     Engines come and go (a rollout gives every pod a new address): past ``keep`` pools, a new one
     closes those with no call open that were last used ``idle_s`` or more ago, so a long-lived
@@ -76,11 +76,10 @@ class EnginePools(httpx.AsyncBaseTransport):
                  make: Callable[[], httpx.AsyncBaseTransport] | None = None, *, keep: int = 64,
                  idle_s: float = 300.0, clock: Callable[[], float] = time.monotonic) -> None:
         if make is None:
-            # One TLS context for every engine's pool: httpx builds one per transport otherwise (the
+            # One TLS context for every engine's pool, not one each (the
             # CA bundle loaded each time, tens of ms of CPU for each engine a gateway first meets).
             tls = httpx.create_ssl_context()
-            make = lambda: httpx.AsyncHTTPTransport(limits=limits if limits is not None else httpx.Limits(),
-                                                    verify=tls)
+            make = lambda: EngineTransport(limits, tls)
         self._make = make
         self.keep, self.idle_s, self.clock = keep, idle_s, clock
         self.pools: dict[tuple[bytes, bytes, int | None], _Pool] = {}
@@ -148,13 +147,31 @@ class UpstreamClientError(Exception):
         self.status, self.body = status, body
 
 
-class Upstream:
-    """Calls to the engines over one HTTP client, each phase within :class:`UpstreamTimeouts`."""
+class Through(httpx.AsyncBaseTransport):
+    """Calls sent through an httpx client (its transport, hooks and auth): for an :class:`Upstream`
+    handed a client rather than the engines' transport (the tests' mock engines)."""
 
-    def __init__(self, client: httpx.AsyncClient, timeouts: UpstreamTimeouts, clock: Callable[[], float]) -> None:
+    def __init__(self, client: httpx.AsyncClient) -> None:
         self.client = client
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        return await self.client.send(request, stream=True)
+
+
+class Upstream:
+    """Calls to the engines on one transport, each phase within :class:`UpstreamTimeouts`.
+
+    ``engines`` is the transport itself (the gateway's :class:`EnginePools`), not a client around
+    it: httpx's client adds nothing a call to an engine uses (redirects, cookies, auth, default
+    headers), and measured on the gateway that layer cost more CPU than the transport under it."""
+
+    def __init__(self, engines: httpx.AsyncBaseTransport | httpx.AsyncClient, timeouts: UpstreamTimeouts,
+                 clock: Callable[[], float]) -> None:
+        self.engines = Through(engines) if isinstance(engines, httpx.AsyncClient) else engines
         self.timeouts = timeouts
         self.clock = clock
+        self._timeouts = timeouts.for_httpx().as_dict()
+        self._urls: dict[str, httpx.URL] = {}
         self.cut_at: float | None = None
         """The loop time (``loop.time()``) at which every call still waiting is cut (:meth:`cut`)."""
         self._waiting: set[asyncio.Timeout] = set()
@@ -201,15 +218,26 @@ class Upstream:
         """POST ``body``; the response once its headers are in (the body not read yet). Headers wait
         ``first_byte_s`` when ``first_byte``, else only the total. Never reached: :class:`EngineFailed`;
         broken or timed out once the engine had the request: :class:`EngineLost`."""
-        req = self.client.build_request("POST", url, content=json_bytes(body), headers={**hdrs, **_JSON},
-                                        timeout=self.timeouts.for_httpx())
+        req = httpx.Request("POST", self._url(url), content=json_bytes(body), headers={**hdrs, **_JSON},
+                            extensions={"timeout": self._timeouts})
         limit = self.timeouts.first_byte_s if first_byte else 0.0
         try:
-            return await self.phase(self.client.send(req, stream=True), tr, node, f"answer to the {what}", limit)
+            resp = await self.phase(self.engines.handle_async_request(req), tr, node, f"answer to the {what}", limit)
         except _NOT_REACHED as e:
             raise EngineFailed(node, f"{what} not sent: {type(e).__name__}: {e}") from None
         except httpx.HTTPError as e:
             raise EngineLost(node, f"{what}: the connection broke before the answer: {type(e).__name__}: {e}") from None
+        resp.request = req
+        return resp
+
+    def _url(self, url: str) -> httpx.URL:
+        """``url`` parsed once: a gateway calls a few paths on each of its engines, over and over."""
+        parsed = self._urls.get(url)
+        if parsed is None:
+            if len(self._urls) >= 4096:  # engines come and go: a bound, not a record of every address
+                self._urls.clear()
+            parsed = self._urls[url] = httpx.URL(url)
+        return parsed
 
     async def read(self, resp: httpx.Response, tr: Trace, node: str, what: str, limit: int) -> bytes:
         """``resp``'s body (the response closed after): each read within ``idle_s``, at most ``limit`` bytes."""
