@@ -144,7 +144,9 @@ async def run_gateway(settings: Settings, config: GatewayConfig, sock: socket.so
     await ensure_topics(settings.kafka(), (tps.requests, tps.dispatch, tps.request_outcomes))
     limits = httpx.Limits(max_connections=4096, max_keepalive_connections=1024, keepalive_expiry=KEEPALIVE_EXPIRY_S)
     pools = EnginePools(limits)
-    client = httpx.AsyncClient(timeout=config.timeouts.outside_requests(), transport=pools)
+    # The engines are called straight, never through HTTP(S)_PROXY from the environment: the hand-off
+    # calls the pools itself, and /tokenize and /v1/models (through this client) go the same way.
+    client = httpx.AsyncClient(timeout=config.timeouts.outside_requests(), transport=pools, trust_env=False)
     view = None
     if settings.redis_url:
         view = RedisViewStore(open_client(settings.redis().connection_url(), decode_responses=False, **settings.redis().tls_options(),
