@@ -19,6 +19,7 @@ risk running a request twice.
 
 from __future__ import annotations
 
+import functools
 import ssl
 from collections.abc import AsyncIterator
 
@@ -26,11 +27,26 @@ import aiohttp
 import httpx
 import yarl
 
-_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "upgrade", "proxy-connection"})
+_HOP = frozenset({b"connection", b"keep-alive", b"transfer-encoding", b"upgrade", b"proxy-connection"})
 """Request headers this transport leaves to aiohttp (it frames the request and keeps the connection)."""
 _UNWRITTEN = ("Can not write request body", "Failed to send bytes")
 """The start of aiohttp's message for a request it could not write (the body and the headers
 coalesced with it): ``ClientOSError`` says the same for a reset while reading the answer."""
+
+
+@functools.lru_cache(maxsize=1024)
+def _url(url: str) -> yarl.URL:
+    """``url`` as aiohttp takes it, parsed once: a gateway calls a few paths of each engine over and
+    over (the bound: engines come and go)."""
+    return yarl.URL(url, encoded=True)
+
+
+@functools.lru_cache(maxsize=64)
+def _timeout(connect: float | None, pool: float | None, read: float | None) -> aiohttp.ClientTimeout:
+    """httpx's timeouts as aiohttp's (its ``connect`` bounds the wait for a pooled connection and the
+    connect together); one object per distinct set, not one per call."""
+    both = None if connect is None and pool is None else (pool or 0) + (connect or 0)
+    return aiohttp.ClientTimeout(total=None, connect=both, sock_connect=connect, sock_read=read)
 
 
 def _mapped(e: BaseException) -> httpx.TransportError:
@@ -78,13 +94,13 @@ class _Body(httpx.AsyncByteStream):
 
 class EngineTransport(httpx.AsyncBaseTransport):
     """One engine's connection pool on aiohttp: at most ``limits.max_connections`` open, idle ones
-    kept ``limits.keepalive_expiry`` seconds. Made outside a loop, its session opens on first use."""
+    kept ``limits.keepalive_expiry`` seconds (aiohttp has no cap on how many are kept idle, so
+    ``max_keepalive_connections`` does not apply). Made outside a loop, its session opens on first use."""
 
     def __init__(self, limits: httpx.Limits | None = None, tls: ssl.SSLContext | None = None) -> None:
         self.limits = limits if limits is not None else httpx.Limits()
         self.tls = tls
         self._session: aiohttp.ClientSession | None = None
-        self._urls: dict[str, yarl.URL] = {}
 
     def _open(self) -> aiohttp.ClientSession:
         lim = self.limits
@@ -100,16 +116,12 @@ class EngineTransport(httpx.AsyncBaseTransport):
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         session = self._session or self._open()
         t = request.extensions.get("timeout") or {}
-        connect = t.get("connect")
-        # aiohttp's `connect` bounds the wait for a pooled connection and the connect together.
-        pool_and_connect = None if connect is None and t.get("pool") is None else (t.get("pool") or 0) + (connect or 0)
-        timeout = aiohttp.ClientTimeout(total=None, connect=pool_and_connect, sock_connect=connect,
-                                        sock_read=t.get("read"))
+        timeout = _timeout(t.get("connect"), t.get("pool"), t.get("read"))
         headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw
-                   if k.lower().decode("latin-1") not in _HOP]
+                   if k.lower() not in _HOP]
         body = await request.aread()
         try:
-            resp = await session.request(request.method, self._url(request.url), data=body or None,
+            resp = await session.request(request.method, _url(str(request.url)), data=body or None,
                                          headers=headers,
                                          allow_redirects=False, timeout=timeout)
         except (aiohttp.ClientError, OSError) as e:
@@ -117,16 +129,6 @@ class EngineTransport(httpx.AsyncBaseTransport):
         return httpx.Response(resp.status, headers=resp.raw_headers, stream=_Body(resp),
                               extensions={"http_version": b"HTTP/1.1",
                                           "reason_phrase": (resp.reason or "").encode("latin-1")})
-
-    def _url(self, url: httpx.URL) -> yarl.URL:
-        """``url`` as aiohttp takes it, parsed once per path (one engine: a few paths, called over and over)."""
-        key = str(url)
-        parsed = self._urls.get(key)
-        if parsed is None:
-            if len(self._urls) >= 256:
-                self._urls.clear()
-            parsed = self._urls[key] = yarl.URL(key, encoded=True)
-        return parsed
 
     async def aclose(self) -> None:
         session, self._session = self._session, None

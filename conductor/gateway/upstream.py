@@ -8,6 +8,7 @@ request never runs again; an engine's own 4xx (:class:`UpstreamClientError`) is 
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -30,6 +31,9 @@ _NOT_REACHED = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, htt
 """Failures before the engine had the whole request: it cannot have started on it, so it is safe
 to send the request elsewhere."""
 T = TypeVar("T")
+_url = functools.lru_cache(maxsize=4096)(httpx.URL)
+"""An engine's URL parsed once: a gateway calls a few paths of each engine over and over (the bound:
+engines come and go)."""
 _JSON = {"content-type": "application/json"}
 
 
@@ -171,7 +175,6 @@ class Upstream:
         self.timeouts = timeouts
         self.clock = clock
         self._timeouts = timeouts.for_httpx().as_dict()
-        self._urls: dict[str, httpx.URL] = {}
         self.cut_at: float | None = None
         """The loop time (``loop.time()``) at which every call still waiting is cut (:meth:`cut`)."""
         self._waiting: set[asyncio.Timeout] = set()
@@ -218,7 +221,7 @@ class Upstream:
         """POST ``body``; the response once its headers are in (the body not read yet). Headers wait
         ``first_byte_s`` when ``first_byte``, else only the total. Never reached: :class:`EngineFailed`;
         broken or timed out once the engine had the request: :class:`EngineLost`."""
-        req = httpx.Request("POST", self._url(url), content=json_bytes(body), headers={**hdrs, **_JSON},
+        req = httpx.Request("POST", _url(url), content=json_bytes(body), headers={**hdrs, **_JSON},
                             extensions={"timeout": self._timeouts})
         limit = self.timeouts.first_byte_s if first_byte else 0.0
         try:
@@ -229,15 +232,6 @@ class Upstream:
             raise EngineLost(node, f"{what}: the connection broke before the answer: {type(e).__name__}: {e}") from None
         resp.request = req
         return resp
-
-    def _url(self, url: str) -> httpx.URL:
-        """``url`` parsed once: a gateway calls a few paths on each of its engines, over and over."""
-        parsed = self._urls.get(url)
-        if parsed is None:
-            if len(self._urls) >= 4096:  # engines come and go: a bound, not a record of every address
-                self._urls.clear()
-            parsed = self._urls[url] = httpx.URL(url)
-        return parsed
 
     async def read(self, resp: httpx.Response, tr: Trace, node: str, what: str, limit: int) -> bytes:
         """``resp``'s body (the response closed after): each read within ``idle_s``, at most ``limit`` bytes."""
