@@ -1,6 +1,7 @@
 """The gateway's calls to the engines, on the real broker and Redis: timeouts by phase, what is
 routed again and what never is, the SSE relay's bound, SGLang's hand-off closing what it opened,
-``/health`` when the reply inbox dies, and a client that goes away.
+``/health`` when the reply inbox dies, a client that goes away, and the in-flight work and pending
+blocks a request gives back however it ends (as another gateway's followers see them).
 
 The gateway and a router run in this process on the session's broker and Valkey; the engines are
 one small HTTP server of the test's own (``FakeEngines``), each engine a path prefix on it, whose
@@ -35,10 +36,11 @@ from conductor.gateway.auth import key_ring
 from conductor.gateway.config import RoutingMode, engine_protocol, gateway_config
 from conductor.gateway.service import Gateway
 from conductor.routing.router import Router
-from conductor.routing.stores import redis_stores
+from conductor.routing.stores import decision_time_stores, redis_stores
 from conductor.routing.worker import RouterWorker
 from conductor.settings import Settings
 from schemas import Heartbeat, RequestOutcome, RoutingRequest, envelope
+from state.shared_log import RedisInflight, RedisPendingBlocks
 from streams.kafka import ensure_topics
 from streams.topics import topics
 
@@ -457,3 +459,109 @@ async def test_a_client_that_goes_away_cancels_the_engine_calls(settings: Settin
         while "d0-stream" not in s.engines.gone and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         assert "d0-stream" in s.engines.gone
+
+
+# --- decision-time state ends with the request, however it ends ----------------------------------
+
+
+@contextlib.asynccontextmanager
+async def shared_state(settings: Settings) -> AsyncIterator[tuple[RedisPendingBlocks, RedisInflight]]:
+    """The pending blocks and in-flight ledger as another gateway sees them: its own followers of
+    the shared logs on a connection of its own (nothing read from the gateway under test)."""
+    _, resv = redis_stores(settings, producer_id="watcher")
+    pending, inflight = decision_time_stores(settings, resv.client, "watcher")
+    now = int(time.time() * 1000)
+    await pending.start(now)
+    await inflight.start(now)
+    try:
+        yield pending, inflight
+    finally:
+        await pending.close()
+        await inflight.close()
+        await resv.close()
+
+
+async def settled(s: Stack, pending: RedisPendingBlocks, inflight: RedisInflight, request_id: str,
+                  wait_s: float = 5.0) -> tuple[bool, dict[str, int]]:
+    """Whether ``request_id`` still counts in flight, and the blocks of its prompt still pending per
+    instance, as the watcher sees them: once both ended, or after ``wait_s``."""
+    reqs = [r for r in await s.routing_requests(wait_s=0.5) if r.request_id == request_id]
+    assert reqs, f"{request_id} is not on the log"
+    chain = s.gw.decider.router.router.chain_of(reqs[0])  # type: ignore[attr-defined]
+    assert chain, "a prompt of no full block places nothing"
+    deadline = time.monotonic() + wait_s
+    while True:
+        now = int(time.time() * 1000)
+        charged = request_id in inflight.local.in_flight()
+        placed = {node: p.pending for node, p in pending.prefixes(chain, now).items() if p.pending}
+        if (not charged and not placed and inflight.log.applied >= 2) or time.monotonic() > deadline:
+            return charged, placed
+        await asyncio.sleep(0.05)
+
+
+async def test_a_request_that_ends_badly_gives_back_its_load_and_its_pending_blocks_at_once(
+        settings: Settings) -> None:
+    """Conductor's own load and pending blocks end when the request ends, not after the lease or the
+    TTL (both far longer here): a client that leaves before the first token, an engine that fails,
+    an engine that drops the connection inside the stream, a client that stops reading."""
+    async def hold(kind: str, body: dict[str, Any], request: Request) -> Response:
+        return await until_gone(s.engines, "d0", request)
+
+    async def fails(kind: str, body: dict[str, Any], request: Request) -> Response:
+        return JSONResponse({"error": {"message": "boom"}}, status_code=500)
+
+    async def cut_inside(kind: str, body: dict[str, Any], request: Request) -> Response:
+        async def events() -> AsyncIterator[bytes]:
+            yield b'data: {"choices": [{"index": 0, "text": " a"}]}\n\n'
+            await asyncio.sleep(0.05)
+            raise ConnectionResetError("engine died inside the stream")
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    async def slow_stream(kind: str, body: dict[str, Any], request: Request) -> Response:
+        async def events() -> AsyncIterator[bytes]:
+            for _ in range(600):
+                yield b'data: {"choices": [{"index": 0, "text": " a"}]}\n\n'
+                await asyncio.sleep(0.05)
+
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    long = {"pending_ttl_s": 600.0, "inflight_lease_s": 600.0}
+    async with stack(settings, {"p0": "prefill", "d0": "decode"}, **long) as s, shared_state(s.settings) as (pend, infl):
+        async def ended(case: str, blocks_end: bool = True) -> RequestOutcome:
+            """``blocks_end``: the request ended before its prefill did, so no engine holds its blocks
+            (after the first token they are in the engine's prefix cache: its KV events say so)."""
+            o = await outcome_of(s)
+            assert o.decode_instance == "d0", (case, o)  # decided, so charged and placed
+            charged, placed = await settled(s, pend, infl, o.request_id)
+            assert not charged, f"{case}: {o.request_id} still counted in flight ({o.status} {o.error})"
+            if blocks_end:
+                assert not placed, f"{case}: {o.request_id} still pending on {placed} ({o.status} {o.error})"
+            s.gw.outcomes.clear()
+            return o
+
+        s.engines.on["d0"] = hold
+        async with s.client(timeout=1.0) as c:
+            with pytest.raises(httpx.ReadTimeout):
+                await c.post("/v1/completions", json=completion())
+        assert (await ended("client gone before the first token")).status == 499
+
+        s.engines.on["d0"] = fails
+        async with s.client() as c:
+            assert (await c.post("/v1/completions", json=completion())).status_code >= 500
+        assert (await ended("engine answered 500")).status >= 500
+
+        s.engines.on["d0"] = cut_inside
+        async with s.client() as c:
+            with contextlib.suppress(httpx.HTTPError):
+                async with c.stream("POST", "/v1/completions", json=completion(stream=True)) as r:
+                    async for _ in r.aiter_bytes():
+                        pass
+        assert (await ended("engine dropped the stream", blocks_end=False)).error is not None
+
+        s.engines.on["d0"] = slow_stream
+        async with s.client() as c, c.stream("POST", "/v1/completions", json=completion(stream=True)) as r:
+            async for _ in r.aiter_bytes():
+                break
+        stopped = await ended("client stopped reading mid-stream", blocks_end=False)
+        assert stopped.error == "client_closed", stopped.error  # the 200 was sent; the outcome says who ended it
