@@ -526,8 +526,8 @@ async def test_a_request_that_ends_badly_gives_back_its_load_and_its_pending_blo
 
         return StreamingResponse(events(), media_type="text/event-stream")
 
-    long = {"pending_ttl_s": 600.0, "inflight_lease_s": 600.0}
-    async with stack(settings, {"p0": "prefill", "d0": "decode"}, **long) as s, shared_state(s.settings) as (pend, infl):
+    async with (stack(settings, {"p0": "prefill", "d0": "decode"}, pending_ttl_s=600.0, inflight_lease_s=600.0) as s,
+                shared_state(s.settings) as (pend, infl)):
         async def ended(case: str, blocks_end: bool = True) -> RequestOutcome:
             """``blocks_end``: the request ended before its prefill did, so no engine holds its blocks
             (after the first token they are in the engine's prefix cache: its KV events say so)."""
