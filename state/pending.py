@@ -518,6 +518,31 @@ def encode_op(op: PendingOp) -> list[Any]:
     return ["C", op.node, op.at_ms, list(op.blocks)]
 
 
+SESSION_TAG = "S"
+"""The tag of a session placement on the pending blocks' shared log (:func:`encode_session`)."""
+
+
+def encode_session(session: str, node: str, at_ms: int) -> list[Any]:
+    """A decision at ``at_ms`` placed the conversation ``session`` on ``node``, in the shared
+    log's form: every router, gateway and picker following the log learns where the session is,
+    whichever of them decides its next turn. Not a :data:`PendingOp` (it places no blocks)."""
+    return [SESSION_TAG, session, node, at_ms]
+
+
+def decode_session(item: Any) -> tuple[str, str, int] | None:
+    """(session, node, at_ms) of an item :func:`encode_session` wrote; None for an item of another
+    kind; ValueError for a malformed one."""
+    if not (isinstance(item, list) and item and item[0] == SESSION_TAG):
+        return None
+    try:
+        session, node, at_ms = item[1], item[2], int(item[3])
+    except (TypeError, IndexError, ValueError) as e:
+        raise ValueError(f"not a session placement: {str(item)[:200]}") from e
+    if not isinstance(session, str) or not isinstance(node, str) or not session or not node:
+        raise ValueError(f"not a session placement: {str(item)[:200]}")
+    return session, node, at_ms
+
+
 def decode_op(item: Any) -> PendingOp:
     """The operation :func:`encode_op` wrote; ValueError for anything else."""
     try:
@@ -534,6 +559,7 @@ def decode_op(item: Any) -> PendingOp:
 
 
 __all__ = [
+    "SESSION_TAG",
     "Confirmed",
     "InMemoryPendingBlocks",
     "PendingOp",
@@ -542,6 +568,8 @@ __all__ = [
     "Placed",
     "Released",
     "decode_op",
+    "decode_session",
     "encode_op",
+    "encode_session",
     "pending_from_log",
 ]

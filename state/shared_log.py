@@ -37,7 +37,7 @@ from .inflight import Finished, FirstToken, InMemoryInflight, InstanceLoad
 from .inflight import decode_op as decode_inflight
 from .inflight import encode_op as encode_inflight
 from .keys import ViewKeys
-from .pending import Confirmed, InMemoryPendingBlocks, PendingPrefix, Released
+from .pending import Confirmed, InMemoryPendingBlocks, PendingPrefix, Released, decode_session, encode_session
 from .pending import decode_op as decode_pending
 from .pending import encode_op as encode_pending
 from .reservations import FOLLOW_BLOCK_MS
@@ -320,8 +320,10 @@ class RedisPendingBlocks:
                  block_ms: int = FOLLOW_BLOCK_MS, events: EventSeq | None = None,
                  follow_client: aioredis.Redis | RedisCluster | None = None, group: LogGroup | None = None) -> None:
         self.local = InMemoryPendingBlocks(ttl_ms, capacity)
+        self.on_session: Callable[[str, str, int], None] | None = None
+        """Called with (session, node, at_ms) for each session placement another producer shared."""
         self.log = SharedLog(client, ViewKeys(namespace).pending, producer_id=producer_id, retain_ms=2 * ttl_ms,
-                             apply=lambda item: self.local.apply(decode_pending(item)),
+                             apply=self._apply_item,
                              flush_after_s=flush_after_s, block_ms=block_ms, events=events,
                              follow_client=follow_client, group=group)
 
@@ -332,6 +334,17 @@ class RedisPendingBlocks:
     def release(self, request_id: str, at_ms: int) -> None:
         self.local.release(request_id, at_ms)
         self.log.append(encode_pending(Released(request_id, at_ms)), at_ms)
+
+    def share_session(self, session: str, node: str, at_ms: int) -> None:
+        """Tell every follower that a decision at ``at_ms`` placed ``session`` on ``node``."""
+        self.log.append(encode_session(session, node, at_ms), at_ms)
+
+    def _apply_item(self, item: Any) -> None:
+        placed = decode_session(item)
+        if placed is None:
+            self.local.apply(decode_pending(item))
+        elif self.on_session is not None:
+            self.on_session(*placed)
 
     def confirm(self, node: str, blocks: Sequence[int], at_ms: int) -> None:
         self.local.confirm(node, blocks, at_ms)

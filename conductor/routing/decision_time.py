@@ -7,7 +7,9 @@ A :class:`DecisionTime` holds, for one :class:`~conductor.routing.router.Router`
 - the **in-flight ledger** (:mod:`state.inflight`) as the picture counts it
   (:class:`~conductor.routing.own_load.OwnLoads`): each placement's uncached tokens and decoding
   sequence, released at the first token and at the end;
-- the **sessions**: a session key -> the instance this router placed it on last;
+- the **sessions**: a session key -> the instance it was placed on last, by this router or by
+  any other that shares the pending blocks' log (a conversation's turns may reach different
+  gateway processes);
 - the **decision clock**: a decision never reads before the one it follows.
 
 Its interface is what the router calls in the step between a view read and the decision's
@@ -125,8 +127,13 @@ class DecisionTime:
         self.pending_ttl_ms = _pending_ttl_ms(pending, settings)
         self.inflight_lease_ms = _lease_ms(inflight, settings)
         self.sessions: OrderedDict[str, str] = sessions if sessions is not None else OrderedDict()
-        """Session key -> the prefill instance this router placed the session on last (its own
-        decisions, the least recently decided forgotten past :data:`MAX_SESSIONS`)."""
+        """Session key -> the prefill instance the session was placed on last (this router's
+        decisions and, with shared pending blocks, every other router's, gateway's and picker's
+        on the log; the least recently placed forgotten past :data:`MAX_SESSIONS`)."""
+        self._session_at: dict[str, int] = {}
+        """When each session was placed last (view's clock): an older placement read late loses."""
+        if isinstance(pending, RedisPendingBlocks):
+            pending.on_session = self._place_session
         self._decided_ms = 0
         self._capacity: dict[str, int | None] = {}
         """Capacity given to the pending store per node (only changes are passed on)."""
@@ -202,11 +209,10 @@ class DecisionTime:
         its prefill instance (and, disaggregated, its decode instance, after the pull); its
         uncached prompt tokens and one decoding sequence charged to the ledger."""
         if req.session is not None:
-            self.sessions[req.session] = d.prefill_instance
-            self.sessions.move_to_end(req.session)
-            if len(self.sessions) > MAX_SESSIONS:
-                self.sessions.popitem(last=False)
+            self._place_session(req.session, d.prefill_instance, at_ms)
         with self._event():  # the number fields() wrote on ``d`` (no other event in between)
+            if req.session is not None and isinstance(self.pending, RedisPendingBlocks):
+                self.pending.share_session(req.session, d.prefill_instance, at_ms)
             if self.pending is not None and chain:
                 self.pending.record(d.request_id, {d.prefill_instance: chain, d.decode_instance: chain}, at_ms)
             if self.inflight is not None and releases_its_work(req):
@@ -235,6 +241,18 @@ class DecisionTime:
     def producer_id(self) -> str | None:
         """This router's id on the shared streams (None: nothing shared)."""
         return self._shared[0].producer_id if self._shared else None
+
+    def _place_session(self, key: str, node: str, at_ms: int) -> None:
+        """``key`` was placed on ``node`` at ``at_ms`` (here, or by another router read from the
+        log): remembered unless a later placement of it is known already."""
+        if at_ms < self._session_at.get(key, at_ms):
+            return
+        self._session_at[key] = at_ms
+        self.sessions[key] = node
+        self.sessions.move_to_end(key)
+        while len(self.sessions) > MAX_SESSIONS:
+            old, _ = self.sessions.popitem(last=False)
+            self._session_at.pop(old, None)
 
     def _event(self) -> contextlib.AbstractContextManager[int | None]:
         return self.events.event() if self.events is not None else contextlib.nullcontext(None)

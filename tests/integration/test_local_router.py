@@ -30,9 +30,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 PROMPT = list(range(1, 4097))  # 4,096 tokens: a prefill long enough that a queue of one shows
 
 
-def request(rid: str, tokens: list[int] = PROMPT) -> RoutingRequest:
+def request(rid: str, tokens: list[int] = PROMPT, session: str | None = None) -> RoutingRequest:
     return RoutingRequest(request_id=rid, token_ids=tokens, prompt_tokens=len(tokens), expected_output_tokens=16,
-                          ttft_slo_s=600.0)
+                          ttft_slo_s=600.0, session=session)
 
 
 @contextlib.asynccontextmanager
@@ -104,6 +104,38 @@ async def test_two_gateways_share_reservations_and_every_decision_is_logged_once
         ex = await explain(s, "b-1")
         assert ex.matches, ex.differences
         assert ex.in_flight >= 1  # a's decision was in flight when b decided, and explain counts it
+
+
+async def test_a_session_placed_by_one_gateway_is_kept_by_another(settings: Settings) -> None:
+    """A conversation's turns reach different gateway processes (``--workers``, replicas behind a
+    balancer): the session's instance is shared on the pending blocks' log, so the gateway that
+    decides the next turn knows it even when the prompt shares no block with the last one."""
+    async with cluster(settings) as s:
+        a, b = LocalRouter(s, producer_id="gw-a"), LocalRouter(s, producer_id="gw-b")
+        await a.start()
+        await b.start()
+        try:
+            first = await a.decide(request("a-1", PROMPT[:256], session="conv-1"))  # a short first turn
+            assert isinstance(first, RoutingDecision) and first.session_instance is None
+            deadline = time.monotonic() + 10
+            while b.router.sessions.get("conv-1") is None and time.monotonic() < deadline:
+                await asyncio.sleep(0.02)
+            assert b.router.sessions.get("conv-1") == first.prefill_instance
+            other = [t + 50_000 for t in PROMPT]  # no block in common with the first turn
+            turn = await b.decide(request("b-1", other, session="conv-1"))
+            assert isinstance(turn, RoutingDecision)
+            # The session's instance has only the short first turn queued: leaving does not pay.
+            assert turn.session_instance == first.prefill_instance and turn.left_holder is None
+            assert turn.prefill_instance == first.prefill_instance
+            # A later placement wins over an older one read late; an unknown session has no instance.
+            assert b.router.decision_time.session_of("conv-2") is None
+            b.router.decision_time._place_session("conv-1", "p9", (turn.view_now_ms or 0) - 60_000)
+            assert b.router.sessions["conv-1"] == turn.prefill_instance
+        finally:
+            await a.close()
+            await b.close()
+        ex = await explain(s, "b-1")
+        assert ex.matches, ex.differences  # explain re-derives it from the decision's recorded session
 
 
 async def test_a_decision_the_broker_does_not_take_is_said_not_handed_back(settings: Settings) -> None:

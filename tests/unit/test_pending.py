@@ -13,7 +13,9 @@ from state.pending import (
     Placed,
     Released,
     decode_op,
+    decode_session,
     encode_op,
+    encode_session,
     pending_from_log,
 )
 
@@ -160,6 +162,16 @@ def test_operations_survive_the_shared_logs_form() -> None:
     for bad in ([], ["X", 1], ["P", "r1"], None):
         with pytest.raises(ValueError):
             decode_op(bad)
+
+
+def test_a_session_placement_survives_the_shared_logs_form_and_is_no_block_operation() -> None:
+    assert decode_session(encode_session("conv 1,\n", "p0", 7)) == ("conv 1,\n", "p0", 7)
+    assert decode_session(encode_op(Released("r1", 6))) is None  # another kind: the pending store's
+    with pytest.raises(ValueError):
+        decode_op(encode_session("conv-1", "p0", 7))  # a reader that does not know it skips it
+    for bad in (["S"], ["S", "conv-1", "p0"], ["S", "", "p0", 1], ["S", "conv-1", 3, 1], ["S", "c", "p0", "x"]):
+        with pytest.raises(ValueError):
+            decode_session(bad)
 
 
 def test_ttl_must_be_positive() -> None:
