@@ -36,7 +36,7 @@ several primaries, several namespaces (models, clusters) do.
     re-reads the whole node hash (versions of a cleared view mean nothing to it).
 ``ns|resv-log``  stream of the routers' in-flight reservations (:mod:`state.reservations`).
 ``ns|pend-log``  stream of the decisions' pending blocks (:mod:`state.pending`, shared by
-    :mod:`state.shared_log`).
+    :mod:`state.shared_log`) and of where each decision placed its session.
 ``ns|infl-log``  stream of the in-flight ledger's charges and releases (:mod:`state.inflight`).
 """
 
