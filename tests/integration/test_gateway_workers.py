@@ -1,6 +1,6 @@
 """``conductor gateway --workers 2`` (issue 35 item 4) on the real broker and Redis: one port, two
-gateway processes with ids of their own, both serving, one ready line, and a SIGTERM that ends
-them all."""
+gateway processes with ids of their own, both serving, one ready line, a SIGTERM that ends
+them all, and a conversation whose turns reach both workers kept on one instance."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from kvstream import read_all
 
 from conductor.harness.gateway_cluster import GatewayCluster, child_pids
 from conductor.settings import Settings
-from schemas import RequestOutcome
+from schemas import RequestOutcome, RoutingDecision
 from streams.topics import topics
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(240)]  # `scripts/test -m slow`
@@ -58,6 +58,54 @@ async def test_two_workers_share_the_port_and_stop_together(settings: Settings, 
         while time.monotonic() < deadline and (child_pids(parent) or _alive(parent)):
             await asyncio.sleep(0.1)
         assert not child_pids(parent), "a worker outlived the SIGTERM"
+
+
+async def test_a_conversation_spread_over_the_workers_stays_on_its_instance(settings: Settings,
+                                                                           tmp_path: Path) -> None:
+    """Turns of one conversation (the OpenAI ``user`` field), each on a new connection, land on
+    whichever worker the kernel picks; none of their prompts shares a block with another, so only
+    the session says where the conversation is. Every turn after the first is decided knowing the
+    session's instance, whichever worker decides it, and stays there (the engines are idle between
+    turns: leaving never pays)."""
+    async with GatewayCluster(settings, tmp_path / "logs", time_scale=50.0, max_output_tokens=4,
+                              gateway_args=["--workers", "2"]) as c:
+        tag = f"conv{time.time_ns() % 10**9}"
+        turns: list[str] = []
+        served_by: dict[str, int] = {}
+        for i in range(40):  # until both workers served turns (the kernel spreads new connections)
+            async with httpx.AsyncClient(base_url=c.gateway_url, headers=c.auth_headers, timeout=30) as cl:
+                rid = f"{tag}-t{i}"
+                r = await cl.post("/v1/completions", headers={"x-request-id": rid},
+                                  json={"model": "default", "prompt": f"{i} turn words " * 30 + f"turn {i}",
+                                        "max_tokens": 4, "user": tag})
+                assert r.status_code == 200, r.text
+                turns.append(rid)
+            if i >= 7 and len(served_by) == 2:
+                break
+            decided = await _decisions(settings, tag, len(turns))
+            served_by = {}
+            for d in decided.values():
+                served_by[d.decided_by or ""] = served_by.get(d.decided_by or "", 0) + 1
+        decided = await _decisions(settings, tag, len(turns))
+        assert {d.decided_by for d in decided.values()} == {f"{c.gateway_id}-w0", f"{c.gateway_id}-w1"}
+        order = [decided[k] for k in sorted(decided, key=lambda k: int(k.rsplit("-t", 1)[1]))]
+        home = order[0].prefill_instance
+        assert order[0].session_instance is None
+        for d in order[1:]:
+            assert d.session_instance == home, (d.request_id, d.decided_by, d.session_instance, home)
+            assert d.prefill_instance == home and d.left_holder is None, (d.request_id, d.left_holder)
+
+
+async def _decisions(settings: Settings, tag: str, n: int) -> dict[str, RoutingDecision]:
+    """The ``n`` decisions of the conversation ``tag`` on ``dispatch``, by the client's request id."""
+    got: dict[str, RoutingDecision] = {}
+    deadline = time.monotonic() + 20
+    while len(got) < n and time.monotonic() < deadline:
+        for b in await read_all(settings, topics(settings.topic_config()).dispatch.name, 10_000, wait_s=1.0):
+            if isinstance(b, RoutingDecision) and f"-{tag}-t" in b.request_id:
+                got[b.request_id[b.request_id.index(tag):]] = b  # "<worker id>-<tag>-t<i>" → "<tag>-t<i>"
+    assert len(got) == n, sorted(got)
+    return got
 
 
 def _alive(pid: int) -> bool:
