@@ -184,9 +184,10 @@ class Settings(BaseSettings):
         "forgotten first, when its KV cache size is not known (state/pending.py)",
     )
     inflight_lease_s: float = Field(
-        default=300.0, gt=0,
+        default=60.0, gt=0,
         description="a request charged to the in-flight ledger and never released (its gateway died) stops "
-        "counting this long after its last news (state/inflight.py)",
+        "counting this long after its last news (state/inflight.py); a request that runs longer is then "
+        "counted by its engine's heartbeat alone (the picture takes the larger of the two)",
     )
     max_snapshot_age_s: float = Field(default=5.0, gt=0)
     router_concurrency: int = Field(
