@@ -155,6 +155,8 @@ BenchGatewayWorkers = Annotated[int, typer.Option("--workers", min=1, max=64, he
 BenchGatewayPromptWords = Annotated[int | None, typer.Option("--prompt-words", min=10, max=3000, help="each "
     "prompt's length in words, about (a word is a token of the bench's tokenizer): the gateway's cost at your "
     "prompts' length [default: ~100 tokens]")]
+BenchGatewayClient = Annotated[str, typer.Option("--client", help="the load generator's HTTP client: aiohttp (lighter on the cores it shares with the gateway) or httpx "
+    "(the bench's client before 2026-11-29, to compare); client_cpu_ms_per_request says what it spent")]
 BenchGatewayArg = Annotated[list[str] | None, typer.Option("--gateway-arg", help="one more `conductor gateway` "
     "option for the gateway under test (repeat; e.g. --gateway-arg=--routing --gateway-arg=log)")]
 
@@ -167,16 +169,21 @@ def bench_gateway(
     local_tokenizer: BenchGatewayLocalTokenizer = True,
     workers: BenchGatewayWorkers = 1,
     prompt_words: BenchGatewayPromptWords = None,
+    client: BenchGatewayClient = "aiohttp",
     json_out: JsonLine = False,
 ) -> None:
     """Gateway overhead over calling the chosen engines directly, with zero-compute emulated engines.
 
-    Starts (on CONDUCTOR_KAFKA_URL/REDIS_URL, or the embedded ones) a worker, a router, 2 prefill + 2 decode engines and a gateway. At each concurrency: (1) paired: every client sends each of its prompts both through the gateway and straight to a prefill/decode pair (the order alternating), and a request's overhead is its gateway time to first token minus its own direct one; (2) throughput: the same clients send the same number of requests through the gateway only. Fields (headline: the first level; per level under "levels"): gateway_overhead_ms_p50, _p90, _p99 (percentiles of the per-request paired differences; before 2026-11 they were p(gateway) minus p(direct)), requests_per_s (phase 2, all --workers of the gateway together; gateway_processes says how many), gateway_cpu_ms_per_request (the gateway process's CPU time over phase 2, per request; Linux), control_cpu_s, control_cpu_s_by_process and control_cpu_ms_per_request (every control-plane process over phase 2: gateway, router, worker, broker, Redis), throttled (429s, counted apart: the client waits its Retry-After), errors (every other failure, either side; errors_gateway and errors_direct split them, error_kinds counts them by kind), ttft and routing percentiles.
+    Starts (on CONDUCTOR_KAFKA_URL/REDIS_URL, or the embedded ones) a worker, a router, 2 prefill + 2 decode engines and a gateway. At each concurrency: (1) paired: every client sends each of its prompts both through the gateway and straight to a prefill/decode pair (the order alternating), and a request's overhead is its gateway time to first token minus its own direct one; (2) throughput: the same clients send the same number of requests through the gateway only. Fields (headline: the first level; per level under "levels"): gateway_overhead_ms_p50, _p90, _p99 (percentiles of the per-request paired differences; before 2026-11 they were p(gateway) minus p(direct)), requests_per_s (phase 2, all --workers of the gateway together; gateway_processes says how many), gateway_cpu_ms_per_request (the gateway process's CPU time over phase 2, per request; Linux), control_cpu_s, control_cpu_s_by_process and control_cpu_ms_per_request (every control-plane process over phase 2: gateway, router, worker, broker, Redis), throttled (429s, counted apart: the client waits its Retry-After), errors (every other failure, either side; errors_gateway and errors_direct split them, error_kinds counts them by kind), ttft and routing percentiles, client (the load generator's HTTP client) and per level client_cpu_ms_per_request (the bench process's own CPU over phase 2, per request: it shares the cores).
     """
+    if client not in ("aiohttp", "httpx"):
+        err.print(f"[red]error:[/red] --client must be aiohttp or httpx, not {client!r}")
+        raise typer.Exit(2)
     s = settings_or_exit()
     out = run_gateway_bench(s, levels=tuple(clients), requests_per_client=requests_per_client,
                             max_tokens=max_tokens, gateway_args=gateway_arg or [],
-                            local_tokenizer=local_tokenizer, workers=workers, prompt_words=prompt_words)
+                            local_tokenizer=local_tokenizer, workers=workers, prompt_words=prompt_words,
+                            client=client)
     print_result(out, json_out)
 
 

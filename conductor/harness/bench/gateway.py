@@ -19,6 +19,11 @@ A 429 (the gateway's backpressure, or an SLO rejection) is counted as ``throttle
 error; the client waits the ``Retry-After`` it was given before its next request. ``errors``
 counts everything else that failed (any status other than 200 and 429, a stream with no token).
 Routing time per request is read from the gateway's ``request_outcome`` records.
+
+The clients are one aiohttp session (``client``: ``aiohttp``), since the ninth session: the load
+generator shares the machine's cores with the gateway and the engines, and httpx cost it several
+times more CPU per call, which the gateway then did not get (``client_cpu_ms_per_request``
+says what the bench's own process spent). ``client="httpx"`` runs the earlier clients, to compare.
 """
 
 from __future__ import annotations
@@ -33,8 +38,9 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
+import aiohttp
 import httpx
 from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -85,34 +91,93 @@ class Throttled(Exception):
         self.retry_after_s = retry_after_s
 
 
-async def _stream_ttft(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> float:
-    t0 = time.perf_counter()
-    ttft = None
-    async with client.stream("POST", url, json=body) as r:
-        if r.status_code == 429:
-            await r.aread()
-            try:
-                raise Throttled(float(r.headers.get("retry-after") or 1))
-            except ValueError:
-                raise Throttled(1.0) from None
-        if r.status_code != 200:
-            await r.aread()
-            raise RuntimeError(f"{r.status_code}: {r.text[:200]}")
-        async for chunk in r.aiter_raw():
-            if ttft is None and (b'"text": "' in chunk or b'"text":"' in chunk):
-                ttft = time.perf_counter() - t0
-    if ttft is None:
-        raise RuntimeError("no token")
-    return ttft
+def _throttled(headers: Any) -> Throttled:
+    try:
+        return Throttled(float(headers.get("retry-after") or 1))
+    except ValueError:
+        return Throttled(1.0)
 
 
-async def _direct(client: httpx.AsyncClient, p_url: str, d_url: str, body: dict[str, Any]) -> float:
+def _has_token(chunk: bytes) -> bool:
+    return b'"text": "' in chunk or b'"text":"' in chunk
+
+
+class _Client:
+    """The bench's HTTP client: a streamed completion's time to its first token, and a plain POST's
+    JSON. On aiohttp (the default) or httpx (``kind``), one pool of up to 1,000 connections."""
+
+    def __init__(self, kind: str, headers: dict[str, str]) -> None:
+        if kind not in ("aiohttp", "httpx"):
+            raise ValueError(f"client must be aiohttp or httpx, not {kind!r}")
+        self.kind = kind
+        self._headers = headers
+        self._aio: aiohttp.ClientSession | None = None
+        self._httpx: httpx.AsyncClient | None = None
+
+    async def __aenter__(self) -> Self:
+        if self.kind == "aiohttp":
+            self._aio = aiohttp.ClientSession(
+                headers=self._headers, timeout=aiohttp.ClientTimeout(total=60),
+                connector=aiohttp.TCPConnector(limit=1000, force_close=False), trust_env=False)
+        else:
+            self._httpx = httpx.AsyncClient(
+                timeout=60, headers=self._headers, trust_env=False,
+                limits=httpx.Limits(max_connections=1000, max_keepalive_connections=1000))
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        if self._aio is not None:
+            await self._aio.close()
+        if self._httpx is not None:
+            await self._httpx.aclose()
+
+    async def post_json(self, url: str, body: dict[str, Any]) -> Any:
+        if self._aio is not None:
+            async with self._aio.post(url, json=body) as r:
+                r.raise_for_status()
+                return await r.json()
+        assert self._httpx is not None
+        resp = await self._httpx.post(url, json=body)
+        resp.raise_for_status()
+        return resp.json()
+
+    async def stream_ttft(self, url: str, body: dict[str, Any]) -> float:
+        """Seconds to the first chunk that carries a token; the rest of the stream read to its end."""
+        t0 = time.perf_counter()
+        ttft = None
+        if self._aio is not None:
+            async with self._aio.post(url, json=body) as r:
+                if r.status == 429:
+                    await r.read()
+                    raise _throttled(r.headers)
+                if r.status != 200:
+                    raise RuntimeError(f"{r.status}: {(await r.text())[:200]}")
+                async for chunk in r.content.iter_any():
+                    if ttft is None and _has_token(chunk):
+                        ttft = time.perf_counter() - t0
+        else:
+            assert self._httpx is not None
+            async with self._httpx.stream("POST", url, json=body) as resp:
+                if resp.status_code == 429:
+                    await resp.aread()
+                    raise _throttled(resp.headers)
+                if resp.status_code != 200:
+                    await resp.aread()
+                    raise RuntimeError(f"{resp.status_code}: {resp.text[:200]}")
+                async for chunk in resp.aiter_raw():
+                    if ttft is None and _has_token(chunk):
+                        ttft = time.perf_counter() - t0
+        if ttft is None:
+            raise RuntimeError("no token")
+        return ttft
+
+
+async def _direct(client: _Client, p_url: str, d_url: str, body: dict[str, Any]) -> float:
     """The same hand-off a client would do itself against a known pair (no tokenize, no routing)."""
     t0 = time.perf_counter()
-    r = await client.post(p_url + "/v1/completions", json=vllm_prefill_body(body, chat=False))
-    r.raise_for_status()
-    dbody = vllm_decode_body(body, r.json()["kv_transfer_params"])
-    return (time.perf_counter() - t0) + await _stream_ttft(client, d_url + "/v1/completions", dbody)
+    answer = await client.post_json(p_url + "/v1/completions", vllm_prefill_body(body, chat=False))
+    dbody = vllm_decode_body(body, answer["kv_transfer_params"])
+    return (time.perf_counter() - t0) + await client.stream_ttft(d_url + "/v1/completions", dbody)
 
 
 @dataclass
@@ -304,12 +369,16 @@ async def routing_ms_since(settings: Settings, since_ms: int) -> list[float]:
 def run_gateway_bench(settings: Settings, *, levels: tuple[int, ...], requests_per_client: int,
                       max_tokens: int, gateway_args: list[str] | None = None,
                       local_tokenizer: bool = True, workers: int = 1,
-                      prompt_words: int | None = None) -> dict[str, Any]:
+                      prompt_words: int | None = None, client: str = "aiohttp") -> dict[str, Any]:
     """Run the bench (starting the embedded broker and Redis when no URLs are set); one result dict.
     ``gateway_args``: more ``conductor gateway`` options (e.g. ``--routing log``); ``local_tokenizer``:
     the engines and the gateway share a ``tokenizer.json`` (:func:`bench_tokenizer`), else the
     gateway asks an engine's ``/tokenize``; ``workers``: the gateway's ``--workers`` (its processes' CPU summed);
-    ``prompt_words``: each prompt's length in words, about (None: the bench's usual ~100 tokens)."""
+    ``prompt_words``: each prompt's length in words, about (None: the bench's usual ~100 tokens);
+    ``client``: the load generator's HTTP client, ``aiohttp`` or ``httpx`` (the one before the ninth
+    session)."""
+    if client not in ("aiohttp", "httpx"):
+        raise ValueError(f"client must be aiohttp or httpx, not {client!r}")
     stack = None
     tmp = Path(tempfile.mkdtemp(prefix="conductor-bench-gw-"))
     if not (settings.kafka_url and settings.redis_url):
@@ -320,7 +389,7 @@ def run_gateway_bench(settings: Settings, *, levels: tuple[int, ...], requests_p
     try:
         tok = bench_tokenizer(tmp / "tokenizer.json") if local_tokenizer else None
         return asyncio.run(_bench(settings, tmp, levels, requests_per_client, max_tokens, list(gateway_args or []), tok,
-                                  workers, prompt_words))
+                                  workers, prompt_words, client))
     finally:
         if stack is not None:
             stack.down()
@@ -328,7 +397,7 @@ def run_gateway_bench(settings: Settings, *, levels: tuple[int, ...], requests_p
 
 async def _bench(settings: Settings, tmp: Path, levels: tuple[int, ...], requests_per_client: int,
                  max_tokens: int, gateway_args: list[str], tokenizer: Path | None, workers: int = 1,
-                 prompt_words: int | None = None) -> dict[str, Any]:
+                 prompt_words: int | None = None, client_kind: str = "aiohttp") -> dict[str, Any]:
     logging.getLogger("httpx").setLevel(logging.WARNING)
     tag = uuid.uuid4().hex[:8]
     s = settings.model_copy(update={"topic_prefix": f"bench-gw-{tag}.", "view_namespace": f"bgw{tag}",
@@ -339,18 +408,18 @@ async def _bench(settings: Settings, tmp: Path, levels: tuple[int, ...], request
     out: dict[str, Any] = {"prefill": 2, "decode": 2, "max_tokens": max_tokens, "prompt_words": prompt_words,
                            "gateway_args": gateway_args,
                            "gateway_workers": workers,
-                           "tokenizer": "local" if tokenizer is not None else "engine", "levels": {}}
+                           "tokenizer": "local" if tokenizer is not None else "engine", "client": client_kind,
+                           "levels": {}}
     async with GatewayCluster(s, tmp / "logs", time_scale=ZERO_COMPUTE, gateway_args=[*tok_args, *gateway_args],
                               engine_args=tok_args) as c:
-        limits = httpx.Limits(max_connections=1000, max_keepalive_connections=1000)
-        # The key goes to the engines too on the direct path: they ignore it.
-        async with httpx.AsyncClient(timeout=60, limits=limits, headers=c.auth_headers) as client:
+        client = _Client(client_kind, dict(c.auth_headers))  # the key goes to the engines too: they ignore it
+        async with client:
             gw = c.gateway_url + "/v1/completions"
             gw_pids = [pid for pid in c.gateway_pids().values() if pid is not None]
             pairs = [(c.engine_urls[p], c.engine_urls[d]) for p, d in PAIRS]
 
             async def via(i: int) -> float:
-                return await _stream_ttft(client, gw, _body(i, max_tokens, prompt_words))
+                return await client.stream_ttft(gw, _body(i, max_tokens, prompt_words))
 
             async def direct(i: int) -> float:
                 p_url, d_url = pairs[i % len(pairs)]
@@ -367,12 +436,17 @@ async def _bench(settings: Settings, tmp: Path, levels: tuple[int, ...], request
                 routing = await routing_ms_since(s, since)
                 cpu0 = _cpu_sum(gw_pids)
                 meter = CpuMeter(c.control_pids()).start()
+                own0 = time.process_time()
                 load = await _gateway_only(conc, n, _from(via, base + n))
+                own = time.process_time() - own0
                 control = meter.report(len(load.via))
                 cpu1 = _cpu_sum(gw_pids)
                 cpu = cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None
                 base += 2 * n  # fresh prompts for every phase: no phase reuses another's tails
                 out["levels"][str(conc)] = _level(conc, n, paired, load, routing, cpu, control, workers)
+                # The load generator's own CPU (this process) per request it sent in that phase.
+                out["levels"][str(conc)]["client_cpu_ms_per_request"] = (
+                    round(1000 * own / n, 2) if n else None)
     first = out["levels"][str(levels[0])]
     for k in ("gateway_overhead_ms_p50", "gateway_overhead_ms_p90", "gateway_overhead_ms_p99", "requests_per_s"):
         out[k] = first[k]  # the headline fields: the first (lowest) concurrency level
