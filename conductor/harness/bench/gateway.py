@@ -91,6 +91,17 @@ class Throttled(Exception):
         self.retry_after_s = retry_after_s
 
 
+CLIENTS = ("aiohttp", "httpx")
+"""The load generator's HTTP clients (``client``): aiohttp, the default; httpx, the earlier one."""
+
+
+def check_client(kind: str) -> str:
+    """``kind`` when it names one of :data:`CLIENTS`, else ValueError."""
+    if kind not in CLIENTS:
+        raise ValueError(f"client must be aiohttp or httpx, not {kind!r}")
+    return kind
+
+
 def _throttled(headers: Any) -> Throttled:
     try:
         return Throttled(float(headers.get("retry-after") or 1))
@@ -107,9 +118,7 @@ class _Client:
     JSON. On aiohttp (the default) or httpx (``kind``), one pool of up to 1,000 connections."""
 
     def __init__(self, kind: str, headers: dict[str, str]) -> None:
-        if kind not in ("aiohttp", "httpx"):
-            raise ValueError(f"client must be aiohttp or httpx, not {kind!r}")
-        self.kind = kind
+        self.kind = check_client(kind)
         self._headers = headers
         self._aio: aiohttp.ClientSession | None = None
         self._httpx: httpx.AsyncClient | None = None
@@ -322,9 +331,12 @@ def _ms_or_none(xs: list[float], q: float) -> float | None:
 
 
 def _level(conc: int, n: int, paired: _Tally, load: _Tally, routing: list[float],
-           cpu_s: float | None, control: dict[str, Any], workers: int = 1) -> dict[str, Any]:
+           cpu_s: float | None, control: dict[str, Any], workers: int = 1,
+           client_cpu_s: float | None = None) -> dict[str, Any]:
     return {
         "clients": conc, "requests": n,
+        # The load generator's own CPU (this process) per request it sent in the throughput phase.
+        "client_cpu_ms_per_request": round(1000 * client_cpu_s / n, 2) if client_cpu_s is not None and n else None,
         "gateway_overhead_ms_p50": _ms_or_none(paired.overhead, 50),
         "gateway_overhead_ms_p90": _ms_or_none(paired.overhead, 90),
         "gateway_overhead_ms_p99": _ms_or_none(paired.overhead, 99),
@@ -377,8 +389,7 @@ def run_gateway_bench(settings: Settings, *, levels: tuple[int, ...], requests_p
     ``prompt_words``: each prompt's length in words, about (None: the bench's usual ~100 tokens);
     ``client``: the load generator's HTTP client, ``aiohttp`` or ``httpx`` (the one before the ninth
     session)."""
-    if client not in ("aiohttp", "httpx"):
-        raise ValueError(f"client must be aiohttp or httpx, not {client!r}")
+    check_client(client)  # before anything starts
     stack = None
     tmp = Path(tempfile.mkdtemp(prefix="conductor-bench-gw-"))
     if not (settings.kafka_url and settings.redis_url):
@@ -443,10 +454,7 @@ async def _bench(settings: Settings, tmp: Path, levels: tuple[int, ...], request
                 cpu1 = _cpu_sum(gw_pids)
                 cpu = cpu1 - cpu0 if cpu0 is not None and cpu1 is not None else None
                 base += 2 * n  # fresh prompts for every phase: no phase reuses another's tails
-                out["levels"][str(conc)] = _level(conc, n, paired, load, routing, cpu, control, workers)
-                # The load generator's own CPU (this process) per request it sent in that phase.
-                out["levels"][str(conc)]["client_cpu_ms_per_request"] = (
-                    round(1000 * own / n, 2) if n else None)
+                out["levels"][str(conc)] = _level(conc, n, paired, load, routing, cpu, control, workers, own)
     first = out["levels"][str(levels[0])]
     for k in ("gateway_overhead_ms_p50", "gateway_overhead_ms_p90", "gateway_overhead_ms_p99", "requests_per_s"):
         out[k] = first[k]  # the headline fields: the first (lowest) concurrency level
