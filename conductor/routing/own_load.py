@@ -10,13 +10,13 @@ the next heartbeat" (:mod:`state.reservations`), whose decode part a heartbeat s
 the decode call could clear.
 
 Instances that share capacity (one device, one set of cores: the topology's
-``capacity_groups``) count their group-mates' work as the device shares it (:func:`shared`):
-members run side by side, each at a share of the device, so a request on one is slowed by
-another member's queue only while that queue lasts, at most by as much work as it waits for on
-its own instance plus one of that member's requests. Decoding sequences count whole. (Measured
-on two vLLM CPU engines pinned to one core: bursts of 4 prompts of ~2,000 tokens sent to one
-engine got their first tokens at 0.28-0.35 s on average, spread over both at 0.20-0.23 s; a
-group counted as one queue kept every request on the prefix holder.)
+``capacity_groups``) count their group-mates' work whole (:func:`shared`): the device runs the
+group's queue, whichever member holds it, so a request on any member waits for all of it, and
+members differ only in what they hold. Spreading inside a group buys no capacity; it splits the
+device between engines that each batch apart. (Measured on two tiny vLLM CPU engines pinned to
+one core, 2026-11-29, the live A/B's 40-request replay at 10x, 3 alternating rounds: all on one
+engine TTFT p50 0.048 s and p90 0.114 s against 0.084 and 0.147 s spread over both; heavy at 3x,
+0.117 / 0.245 s against 0.182 / 0.449 s.)
 
 The picture takes the extra over the heartbeat as a reservation-like :class:`Load`
 (:func:`own_extra`), so :func:`~conductor.routing.snapshot.build_cluster` and the
@@ -51,26 +51,36 @@ def own_extra(node: NodeState, own: InstanceLoad) -> Load | None:
 
 
 def shared(me: InstanceLoad, mates: Iterable[InstanceLoad]) -> InstanceLoad:
-    """``me``'s load with its capacity group-mates' as the shared device makes it felt.
-
-    A mate's prefill queue (q tokens over k requests) runs beside ``me``'s, each at a share of
-    the device: a request placed on ``me`` waits for ``me``'s own queue (q_me) and is slowed by
-    the mate's work only while both run, so it feels at most q_me plus one of the mate's
-    requests (q / k) of it: ``min(q, q_me + q / k)`` tokens, and as many of its requests. Equal
-    queues count twice (one queue of the group's work); an idle member feels one request of a
-    busy mate's, not its backlog. Decoding sequences and their context count whole."""
+    """``me``'s load with its capacity group-mates' added whole: the shared device runs the
+    group's prefill queue and decoding sequences, whichever member holds them, so every member
+    sees the group's work (and a request stays where its prefix is; see
+    :func:`~conductor.routing.policies.prefill_plan.pick_prefill` for ties inside a group)."""
     r, pr, pt, dr, dc = me.requests, me.prefill_requests, me.prefill_tokens, me.decode_requests, \
         me.decode_context_tokens
     for m in mates:
         r += m.requests
+        pr += m.prefill_requests
+        pt += m.prefill_tokens
         dr += m.decode_requests
         dc += m.decode_context_tokens
-        if m.prefill_tokens > 0:
-            each = m.prefill_tokens / max(m.prefill_requests, 1)
-            felt = min(m.prefill_tokens, me.prefill_tokens + each)
-            pt += int(felt)
-            pr += min(m.prefill_requests, max(1, round(felt / each)))
     return InstanceLoad(r, pr, pt, dr, dc)
+
+
+def _heartbeat(n: NodeState) -> InstanceLoad:
+    return InstanceLoad(n.queue_depth + n.batch_size, n.queue_depth, n.queued_prefill_tokens, n.batch_size,
+                        n.decode_context_tokens)
+
+
+def _plus(a: InstanceLoad, b: InstanceLoad) -> InstanceLoad:
+    return InstanceLoad(a.requests + b.requests, a.prefill_requests + b.prefill_requests,
+                        a.prefill_tokens + b.prefill_tokens, a.decode_requests + b.decode_requests,
+                        a.decode_context_tokens + b.decode_context_tokens)
+
+
+def _larger(a: InstanceLoad, b: InstanceLoad) -> InstanceLoad:
+    return InstanceLoad(max(a.requests, b.requests), max(a.prefill_requests, b.prefill_requests),
+                        max(a.prefill_tokens, b.prefill_tokens), max(a.decode_requests, b.decode_requests),
+                        max(a.decode_context_tokens, b.decode_context_tokens))
 
 
 class OwnLoads:
@@ -82,6 +92,9 @@ class OwnLoads:
         self.ledger = ledger
         self.group_of = group_of
         self._seen: dict[str, InstanceLoad] = {}
+        self._heard: dict[tuple[str, ...], InstanceLoad] = {}
+        """Per capacity group, its members' heartbeats added up (:meth:`hear`)."""
+        self._heard_from: object = None
 
     def load(self, node: str, now_ms: int) -> InstanceLoad:
         """Conductor's work on ``node`` at ``now_ms``, with its capacity group-mates' as the
@@ -92,8 +105,34 @@ class OwnLoads:
         return shared(self.ledger.load(node, now_ms), (self.ledger.load(m, now_ms) for m in group if m != node))
 
     def extra(self, node: NodeState, now_ms: int) -> Load | None:
-        """What the picture adds to ``node``'s heartbeat (:func:`own_extra` of :meth:`load`)."""
-        return own_extra(node, self.load(node.node_id, now_ms))
+        """What the picture adds to ``node``'s heartbeat (:func:`own_extra` of :meth:`load`); in
+        a capacity group, up to the larger of the group's own work and its members' heartbeats
+        added up (:meth:`hear`), so every member shows the device's whole load, whichever member
+        a heartbeat or a charge came from."""
+        own = self.load(node.node_id, now_ms)
+        if self._heard:
+            heard = self._heard.get(self.group_of(node.node_id)) if self.group_of is not None else None
+            if heard is not None:
+                own = _larger(own, heard)
+        return own_extra(node, own)
+
+    def hear(self, nodes: Iterable[NodeState]) -> set[str]:
+        """Take the heartbeats of the capacity groups' members from a snapshot's ``nodes``; the
+        members of every group whose sum changed since the last call (what an index redoes).
+        Nothing without groups."""
+        if self.group_of is None or nodes is self._heard_from:
+            return set()
+        self._heard_from = nodes
+        heard: dict[tuple[str, ...], InstanceLoad] = {}
+        for n in nodes:
+            g = self.group_of(n.node_id)
+            if len(g) > 1:
+                heard[g] = _plus(heard.get(g, _NONE), _heartbeat(n))
+        old = self._heard
+        changed = {m for g, x in heard.items() if old.get(g) != x for m in g}
+        changed.update(m for g in old if g not in heard for m in g)
+        self._heard = heard
+        return changed
 
     def extras(self, nodes: Iterable[NodeState], now_ms: int) -> dict[str, Load]:
         """:meth:`extra` of every node that has one (what ``build_cluster`` takes as ``pending``)."""

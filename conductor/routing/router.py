@@ -455,6 +455,7 @@ class Router:
         """:meth:`cluster` with each instance's load the larger of its heartbeat and the ledger's."""
         now = snap.now_ms + int(age_ms)
         touched = own.take_touched(now)
+        touched |= own.hear(snap.nodes)
         for index in self._indexes.values():
             index.touch(touched)
         if self._incremental and not exclude:

@@ -4,6 +4,7 @@ router's own in-flight load instead of reservations, capacity groups, and the st
 from __future__ import annotations
 
 import itertools
+import random
 from typing import Any
 
 import pytest
@@ -12,6 +13,7 @@ from conductor.costmodel.costs import Costs
 from conductor.costmodel.profiles import DEFAULT_PROFILE, load_profile
 from conductor.routing.local import LocalRouter, LogUnavailable
 from conductor.routing.own_load import OwnLoads, own_extra, shared
+from conductor.routing.policies.parts import pick_lowest
 from conductor.routing.policies.prefill_plan import PendingCopy, ReusePlanner, stay_on_holder
 from conductor.routing.router import Router
 from conductor.routing.snapshot import Instance, PolicyRequest
@@ -116,20 +118,49 @@ def test_a_capacity_group_counts_its_members_work() -> None:
         Topology.model_validate({"links": topo.links.model_dump(), "capacity_groups": {"x": ["a"], "y": ["a"]}})
 
 
-def test_a_group_mates_queue_is_felt_as_the_shared_device_runs_it() -> None:
-    """Members run side by side: an idle member feels one of a busy mate's requests, not its
-    backlog; equal queues count as one queue of both; decoding counts whole."""
+def test_a_group_mates_work_counts_whole_on_every_member() -> None:
+    """The device runs the group's queue whichever member holds it: an idle member beside a busy
+    one looks as busy as the busy one, so moving inside a group never looks cheaper."""
     busy = InstanceLoad(requests=3, prefill_requests=3, prefill_tokens=1_500, decode_requests=2,
                         decode_context_tokens=4_000)
     idle = InstanceLoad()
     on_idle = shared(idle, [busy])
-    assert (on_idle.prefill_tokens, on_idle.prefill_requests) == (500, 1)
-    assert (on_idle.decode_requests, on_idle.decode_context_tokens, on_idle.requests) == (2, 4_000, 3)
     on_busy = shared(busy, [idle])
-    assert (on_busy.prefill_tokens, on_busy.prefill_requests) == (1_500, 3)  # its own queue, whole
-    assert shared(busy, [busy]).prefill_tokens == 3_000 and shared(busy, [busy]).prefill_requests == 6
-    # So a burst spreads: the idle member looks cheaper than the busy one.
-    assert on_idle.prefill_tokens < on_busy.prefill_tokens
+    assert on_idle == on_busy == busy
+    both = shared(busy, [busy])
+    assert (both.prefill_tokens, both.prefill_requests, both.decode_requests, both.requests) == (3_000, 6, 4, 6)
+
+
+def test_a_members_heartbeat_counts_on_its_group_mates() -> None:
+    """A heartbeat that still shows work the ledger has released (or traffic Conductor did not
+    send) is the device's load: every member shows it, not only the one that reported it."""
+    topo = topology_from_dict({"links": {"same_rack": {"bandwidth_gbps": 100}, "cross_rack": {"bandwidth_gbps": 10}},
+                               "capacity_groups": {"core1": ["a", "b"]}})
+    own = OwnLoads(InMemoryInflight(1_000), topo.capacity_group)
+    a = NodeState("a", "both", queue_depth=2, queued_prefill_tokens=900, batch_size=3, decode_context_tokens=700)
+    b, c = NodeState("b", "both"), NodeState("c", "both", queue_depth=1, queued_prefill_tokens=50)
+    assert own.hear((a, b, c)) == {"a", "b"}
+    assert own.hear((a, b, c)) == set()  # the same snapshot: nothing new
+    e = own.extra(b, 10)
+    assert e is not None and (e.prefill_tokens, e.prefill_requests, e.decode_requests, e.decode_context_tokens) == \
+        (900, 2, 3, 700)
+    assert own.extra(a, 10) is None and own.extra(c, 10) is None  # its own heartbeat; no group
+    assert own.hear((NodeState("a", "both"), b, c)) == {"a", "b"}
+    assert own.extra(b, 10) is None
+
+
+def test_ties_inside_a_capacity_group_go_to_one_member() -> None:
+    """Equal TTFTs: across devices the seed picks (work spreads), inside one group the first
+    member in node-id order takes them all (work gathers where one engine batches it)."""
+    topo = topology_from_dict({"links": {"same_rack": {"bandwidth_gbps": 100}, "cross_rack": {"bandwidth_gbps": 10}},
+                               "capacity_groups": {"core1": ["b", "a"]}})
+    nodes = ["b", "a", "c"]
+    grouped = {pick_lowest(nodes, [1.0, 1.0, 1.0], random.Random(s), node_id=str, group_of=topo.capacity_group)
+               for s in range(40)}
+    assert grouped == {"a", "c"}
+    assert {pick_lowest(nodes, [1.0, 1.0, 1.0], random.Random(s), node_id=str) for s in range(40)} == {"a", "b", "c"}
+    # Not a tie: the lower score wins, group or not.
+    assert pick_lowest(nodes, [0.5, 1.0, 1.0], random.Random(0), node_id=str, group_of=topo.capacity_group) == "b"
 
 
 def test_own_extra_is_what_makes_each_quantity_the_larger() -> None:

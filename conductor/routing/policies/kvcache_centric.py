@@ -132,6 +132,9 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
         super().__init__(*args, **kwargs)
         p = self.p
         self.planner = ReusePlanner(self.costs, lambda: self._same_rack_class())
+        topo = self.costs.topology
+        self.group_of = topo.capacity_group if topo.capacity_groups else None
+        """Ties inside a capacity group go to one member (:func:`.prefill_plan.pick_prefill`)."""
         self.admission = Admission.of(self.profile, enabled=p.early_rejection, slo_margin=p.slo_margin,
                                       priority_shift=p.priority_shift, queue_wait_safety=p.queue_wait_safety)
 
@@ -215,7 +218,7 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
         costed = walk_queues(self.costs, request, ix, bs, best_reuse, bare_floor, tie_margin(p.prefill_tie_s))
         self._add_longest_holders(costed, ix, best_reuse)
         self._add_session(request, costed, ix, best_reuse)
-        chosen, left = self._stay(request, costed, pick_prefill(costed, rng, p.prefill_tie_s))
+        chosen, left = self._stay(request, costed, pick_prefill(costed, rng, p.prefill_tie_s, group_of=self.group_of))
         mark(CANDIDATES)
         adm = self.admission
         ttft = costed.ttfts[chosen]
@@ -291,7 +294,7 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
                                                             self.costs.queue_wait_s)
         best_reuse, _, _ = self._reuse_planner(request, holders, bs, copies, pending=pending)
         costed = cost_candidates(pool, best_reuse)
-        chosen, left = self._stay(request, costed, pick_prefill(costed, rng, p.prefill_tie_s))
+        chosen, left = self._stay(request, costed, pick_prefill(costed, rng, p.prefill_tie_s, group_of=self.group_of))
         mark(PREFILL_PLAN)
         out = self._admit(request, prefills, every_wait, costed, chosen, bs, rng)
         mark(ADMISSION)
@@ -315,7 +318,7 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
             # The fastest instance fails the guarded check; one with a shorter queue may pass it.
             safe = [i for i in range(len(costed.pool)) if guard(ttfts[i], waits[i]) <= ttft_budget]
             if safe:
-                chosen = pick_prefill(costed, rng, p.prefill_tie_s, safe)
+                chosen = pick_prefill(costed, rng, p.prefill_tie_s, safe, self.group_of)
                 ttft = ttfts[chosen]
         guarded = guard(ttft, waits[chosen])
         single_fits = guarded <= ttft_budget if adm.enabled else ttft <= ttft_budget

@@ -91,11 +91,14 @@ def by_node(items: Sequence[Instance]) -> list[Instance]:
 
 
 def pick_lowest(items: Sequence[T], scores: Sequence[float], rng: random.Random, *, tol: float = 1e-9,
-                node_id: Any = None) -> T:
+                node_id: Any = None, group_of: Callable[[str], tuple[str, ...]] | None = None) -> T:
     """The item of lowest score; ties (within ``tol``) broken by ``rng`` in node-id order.
 
     Sorting the tied group first makes the pick independent of snapshot order, so a
     decision re-derived from the log with the same seed lands on the same instance.
+    ``group_of`` (a node's capacity group, the topology's): of tied items sharing one device only
+    the first in node-id order stays in the draw, so a group's work gathers on one member
+    instead of being split between engines that batch apart.
     """
     lo = min(scores)
     group = [it for it, s in zip(items, scores) if s <= lo + tol]
@@ -103,6 +106,17 @@ def pick_lowest(items: Sequence[T], scores: Sequence[float], rng: random.Random,
         return group[0]
     key = node_id or (lambda it: it.node_id)
     group.sort(key=key)
+    if group_of is not None:
+        seen: set[tuple[str, ...]] = set()
+        kept = []
+        for it in group:
+            g = group_of(key(it))
+            if g not in seen:
+                seen.add(g)
+                kept.append(it)
+        if len(kept) == 1:
+            return kept[0]
+        group = kept
     return group[rng.randrange(len(group))]
 
 

@@ -106,12 +106,14 @@ def cost_candidates(pool: Sequence[tuple[Instance, float]], best_reuse: BestReus
     return Costed([inst for inst, _ in pool], reuses, waits, [ttft_s(w, r) for w, r in zip(waits, reuses)])
 
 
-def pick_prefill(c: Costed, rng: random.Random, tie_s: float, among: Sequence[int] | None = None) -> int:
-    """Index of the lowest TTFT (of ``among``, default all); ties within ``tie_s`` by ``rng`` in node-id order."""
+def pick_prefill(c: Costed, rng: random.Random, tie_s: float, among: Sequence[int] | None = None,
+                 group_of: Callable[[str], tuple[str, ...]] | None = None) -> int:
+    """Index of the lowest TTFT (of ``among``, default all); ties within ``tie_s`` by ``rng`` in
+    node-id order, one member per capacity group (``group_of``: :func:`.parts.pick_lowest`)."""
     idx = range(len(c.pool)) if among is None else among
     ttfts = c.ttfts if among is None else [c.ttfts[i] for i in among]
     pool = c.pool
-    return pick_lowest(idx, ttfts, rng, tol=tie_s, node_id=lambda i: pool[i].node_id)
+    return pick_lowest(idx, ttfts, rng, tol=tie_s, node_id=lambda i: pool[i].node_id, group_of=group_of)
 
 
 def holder_error(profile: ModelProfile, stay_margin: float) -> float:
