@@ -4,6 +4,7 @@ router's own in-flight load instead of reservations, capacity groups, and the st
 from __future__ import annotations
 
 import itertools
+import json
 import random
 from typing import Any
 
@@ -161,6 +162,36 @@ def test_ties_inside_a_capacity_group_go_to_one_member() -> None:
     assert {pick_lowest(nodes, [1.0, 1.0, 1.0], random.Random(s), node_id=str) for s in range(40)} == {"a", "b", "c"}
     # Not a tie: the lower score wins, group or not.
     assert pick_lowest(nodes, [0.5, 1.0, 1.0], random.Random(0), node_id=str, group_of=topo.capacity_group) == "b"
+
+
+@pytest.mark.parametrize("incremental", [True, False])
+async def test_unrelated_requests_gather_on_one_member_of_a_capacity_group(incremental: bool, tmp_path: Any) -> None:
+    """Two aggregated engines on one device take a stream of unrelated prompts: grouped, every
+    one lands on the same member (its queue is the device's, whoever holds it); as two devices
+    they spread, the work in flight on one making the other the shorter queue."""
+    def route_all(topology_file: str | None) -> Any:
+        settings = load_settings(block_size=BS, policy="kvcache-centric", seed=7, topology_file=topology_file)
+        view = InMemoryViewStore()
+        router = Router(settings, view, InMemoryReservations(settings.reservation_ttl_s),
+                        pending=InMemoryPendingBlocks(5_000), inflight=InMemoryInflight(300_000),
+                        incremental=incremental)
+        for n in ("e1", "e0"):
+            heartbeat(view, n, "both")
+        return router
+
+    topo = tmp_path / "topology.json"
+    topo.write_text(json.dumps({"links": {"same_rack": {"bandwidth_gbps": 100}, "cross_rack": {"bandwidth_gbps": 10}},
+                                "capacity_groups": {"core1": ["e0", "e1"]}}))
+    placed: dict[str | None, list[str]] = {}
+    for name, path in (("grouped", str(topo)), ("apart", None)):
+        router = route_all(path)
+        placed[name] = []
+        for i in range(8):
+            d = await router.route(gw_request(f"r{i}", list(range(10_000 * (i + 1), 10_000 * (i + 1) + 8 * BS))))
+            assert isinstance(d, RoutingDecision) and d.left_holder is None
+            placed[name].append(d.prefill_instance)
+    assert placed["grouped"] == ["e0"] * 8
+    assert set(placed["apart"]) == {"e0", "e1"}
 
 
 def test_own_extra_is_what_makes_each_quantity_the_larger() -> None:
