@@ -7,15 +7,25 @@ from ~15 ms to 0.1-10 s). The kit's copy of this file (``conductor_nixl_tune.py`
 site-packages; a ``.pth`` line calls :func:`install` at every start) makes the agent take the delay in
 ``KIT_NIXL_PTHR_DELAY_US`` instead; in a process without that variable it does nothing.
 
+The same start-up hook also asks Linux for the AMX tile state (:func:`allow_amx`). vLLM's CPU
+attention picks its AMX kernel on CPUs that have AMX (bf16, blocks of 32), and a process that
+runs an AMX instruction before asking dies of SIGILL. An aggregated engine's first forward is a
+prefill whose bf16 matmuls (oneDNN) ask on its behalf; a P/D decode engine's first forward can be
+a one-token step over pulled KV that no such matmul precedes, and its worker died on the first
+hand-off (seen on a Xeon with AMX, 2026-11-29). Asking first costs one system call, and nothing
+where the CPU or the kernel has no AMX.
+
 It runs in the kit's own venv, where Conductor is not installed: standard library only.
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib.abc
 import importlib.machinery
 import importlib.util
 import os
+import platform
 import sys
 from collections.abc import Callable, Sequence
 from types import ModuleType
@@ -62,8 +72,28 @@ class _Finder(importlib.abc.MetaPathFinder):
         return spec
 
 
+ARCH_PRCTL = 158
+"""x86-64's ``arch_prctl`` system call."""
+ARCH_REQ_XCOMP_PERM = 0x1023
+XFEATURE_XTILEDATA = 18
+
+
+def allow_amx() -> bool:
+    """Ask Linux for the AMX tile data state for this process (what oneDNN asks before its AMX
+    kernels); True when granted. False, and nothing else, on other systems and CPUs."""
+    if sys.platform != "linux" or platform.machine() != "x86_64":
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.syscall(ARCH_PRCTL, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
 def install() -> None:
-    """Hook NIXL's import when ``KIT_NIXL_PTHR_DELAY_US`` holds a number of microseconds."""
+    """Allow AMX (:func:`allow_amx`); hook NIXL's import when ``KIT_NIXL_PTHR_DELAY_US`` holds a
+    number of microseconds."""
+    allow_amx()
     value = os.environ.get(ENV, "")
     if value.isdigit():
         sys.meta_path.insert(0, _Finder(int(value)))

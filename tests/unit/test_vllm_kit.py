@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import ctypes
 import importlib
 import itertools
 import json
+import platform
 import sys
 from pathlib import Path
 
@@ -100,6 +102,19 @@ def test_nixl_tune_gives_the_agent_its_delay(tmp_path: Path, monkeypatch: pytest
     again = importlib.import_module("nixl_cu99._bindings")
     config = again.nixlAgentConfig()
     assert again.nixlAgent("a", config).delay == 0
+
+
+@pytest.mark.skipif(sys.platform != "linux" or platform.machine() != "x86_64", reason="AMX is x86-64 Linux only")
+def test_the_kits_processes_ask_for_amx_where_the_cpu_has_it() -> None:
+    """vLLM's CPU attention runs AMX kernels where the CPU has AMX; a process that has not asked
+    Linux for the tile state dies of SIGILL on the first one (a P/D decode engine's first step)."""
+    has_amx = "amx_tile" in Path("/proc/cpuinfo").read_text().split()
+    assert nixl_tune.allow_amx() is has_amx
+    if has_amx:  # granted: ARCH_GET_XCOMP_PERM now lists the tile data
+        libc = ctypes.CDLL(None, use_errno=True)
+        mask = ctypes.c_uint64(0)
+        assert libc.syscall(nixl_tune.ARCH_PRCTL, 0x1022, ctypes.byref(mask)) == 0
+        assert mask.value & (1 << nixl_tune.XFEATURE_XTILEDATA)
 
 
 def test_kit_dir_from_the_settings(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
