@@ -10,7 +10,9 @@ Two bounds (settings; 0 = none):
   ``429 gateway_busy`` before the view is read or anything is written to the log.
 - ``gateway_engine_max_in_flight``: requests this gateway has open on one engine (prefill or
   decode instance, each member of a CPP group). :class:`EngineSlots` is asked once a decision
-  names the engines; one at its bound makes the request ``429 engine_busy`` before any engine
+  names the engines; one at its bound sends the request to be routed once more without it (a
+  capacity group's work gathers on one member, whose mate can take it), and makes it ``429
+  engine_busy`` when nothing else takes it or that engine is at its bound too, before any engine
   is called.
 
 Why 429 and not a queue or a 503: the client (or its load balancer) can retry after a second or

@@ -22,6 +22,9 @@ class Trace:
     stream: bool
     attempts: list[str] = field(default_factory=list)
     excluded: list[str] = field(default_factory=list)
+    busy: str | None = None
+    """Why an engine this gateway had at its bound turned the request away (it is routed again once
+    without that engine; the client's 429 if nothing else takes it)."""
     decision: RoutingDecision | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0

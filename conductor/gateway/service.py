@@ -196,7 +196,14 @@ class Gateway:
                 if e.node not in tr.excluded:
                     tr.excluded.append(e.node)
             except EngineBusy as e:
-                return self._fail(tr, 429, "engine_busy", str(e), kind="requests", retry_after=RETRY_AFTER_S)
+                # Once: another instance (a capacity-group mate the group's work gathered beside, or
+                # any other) may take it; if none can, or it is busy too, the client gets the 429.
+                if tr.busy is not None or attempt + 1 >= self.config.max_attempts:
+                    return self._fail(tr, 429, "engine_busy", str(e), kind="requests", retry_after=RETRY_AFTER_S)
+                self._release_end(tr, failed=True)  # nothing of it runs: its work and blocks end now
+                tr.busy = str(e)
+                if e.node not in tr.excluded:
+                    tr.excluded.append(e.node)
             except EngineLost as e:
                 log.warning("request %s: %s failed after taking the request (%s); not run again", arid, e.node, e)
                 return self._fail(tr, e.status, e.code, f"{e} (instance {e.node}; it had taken the request, so "
@@ -317,6 +324,8 @@ class Gateway:
             return self._fail(tr, *rejection_response(
                 "decision_timeout", f"no decision within {self.config.decision_timeout_s:g}s {self.decider.late}"))
         if isinstance(answer, RoutingRejection):
+            if tr.busy is not None:  # nothing else could take what a busy engine could not
+                return self._fail(tr, 429, "engine_busy", tr.busy, kind="requests", retry_after=RETRY_AFTER_S)
             return self._fail(tr, *rejection_response(answer.reason, answer.message), code=answer.reason)
         return answer
 

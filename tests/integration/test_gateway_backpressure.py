@@ -7,7 +7,9 @@ Uses the in-process stack of ``test_gateway_upstream`` (fake engines whose every
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -96,3 +98,23 @@ async def test_more_requests_deciding_at_once_than_the_bound_get_429_not_a_decis
         got = await burst(s, 12)
         check_served_or_throttled(got, "gateway_busy", 1)
         assert s.gw.deciding.deciding == 0
+
+
+async def test_a_request_turned_away_by_a_busy_engine_is_routed_once_more_without_it(
+        settings: Settings, tmp_path: Path) -> None:
+    # Two aggregated engines on one device: the group's work gathers on e0 (the prefix holder),
+    # and past e0's bound of 2 the next requests go to its mate instead of being answered 429.
+    topo = tmp_path / "topology.json"
+    topo.write_text(json.dumps({"links": {"same_rack": {"bandwidth_gbps": 100}, "cross_rack": {"bandwidth_gbps": 10}},
+                                "capacity_groups": {"dev0": ["e0", "e1"]}}))
+    async with stack(settings, {"e0": "both", "e1": "both"}, gateway_max_in_flight=0,
+                     gateway_engine_max_in_flight=2, topology_file=topo) as s:
+        s.engines.on.update(e0=slow_stream, e1=slow_stream)
+        got = await burst(s, 4)
+        assert [g[0] for g in got] == [200] * 4, got
+        assert s.engines.count("decode", "e0") == 2 and s.engines.count("decode", "e1") == 2
+        assert s.gw.engine_slots.open == {}
+        # Past both bounds, nothing else can take it: the client's answer is still the 429.
+        got = await burst(s, 6)
+        check_served_or_throttled(got, "engine_busy", 4)
+        assert s.gw.engine_slots.open == {}
