@@ -145,8 +145,7 @@ class EngineSlots:
         if self.limit:
             for n in want:
                 if self.open.get(n, 0) >= self.limit:
-                    instruments().throttled.add(1, {"reason": "engine_busy"})
-                    raise EngineBusy(n, self.open[n])
+                    raise EngineBusy(n, self.open[n])  # counted when the client is answered 429
         for n in want:
             self.open[n] = self.open.get(n, 0) + 1
         return Held(self, want)

@@ -57,7 +57,7 @@ from conductor.frontdoor.protocol import (
     with_session,
 )
 from conductor.frontdoor.tokenizer import PromptRejected, PromptTokenizer, TokenizeError
-from conductor.gateway.admission import RETRY_AFTER_S, DecidingBound, EngineBusy, EngineSlots
+from conductor.gateway.admission import RETRY_AFTER_S, DecidingBound, EngineBusy, EngineSlots, instruments
 from conductor.gateway.config import GatewayConfig
 from conductor.gateway.handoff import HandOff, aggregated, call_of, cpp, engine_body, vllm
 from conductor.gateway.handoff.sglang import SglangHandOff
@@ -199,7 +199,7 @@ class Gateway:
                 # Once: another instance (a capacity-group mate the group's work gathered beside, or
                 # any other) may take it; if none can, or it is busy too, the client gets the 429.
                 if tr.busy is not None or attempt + 1 >= self.config.max_attempts:
-                    return self._fail(tr, 429, "engine_busy", str(e), kind="requests", retry_after=RETRY_AFTER_S)
+                    return self._engine_busy(tr, str(e))
                 self._release_end(tr, failed=True)  # nothing of it runs: its work and blocks end now
                 tr.busy = str(e)
                 if e.node not in tr.excluded:
@@ -276,6 +276,11 @@ class Gateway:
         self.upstream.cut(grace_s)
         log.info("gateway %s: draining; calls to engines still open in %gs are cut", self.config.gateway_id, grace_s)
 
+    def _engine_busy(self, tr: Trace, why: str) -> Response:
+        """429 ``engine_busy`` (counted as throttled): an engine at its bound, and nothing else took it."""
+        instruments().throttled.add(1, {"reason": "engine_busy"})
+        return self._fail(tr, 429, "engine_busy", why, kind="requests", retry_after=RETRY_AFTER_S)
+
     def _fail(self, tr: Trace, status: int, body_or_code: Any, message_or_headers: Any = "", *,
               code: str | None = None, kind: str = "invalid_request_error", param: str | None = None,
               retry_after: int | None = None) -> Response:
@@ -325,7 +330,7 @@ class Gateway:
                 "decision_timeout", f"no decision within {self.config.decision_timeout_s:g}s {self.decider.late}"))
         if isinstance(answer, RoutingRejection):
             if tr.busy is not None:  # nothing else could take what a busy engine could not
-                return self._fail(tr, 429, "engine_busy", tr.busy, kind="requests", retry_after=RETRY_AFTER_S)
+                return self._engine_busy(tr, tr.busy)
             return self._fail(tr, *rejection_response(answer.reason, answer.message), code=answer.reason)
         return answer
 
