@@ -18,6 +18,7 @@ costs are exactly what they were before topologies existed.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Literal, Protocol
 
@@ -165,6 +166,11 @@ class Topology(BaseModel):
         """The nodes sharing ``node``'s capacity, ``node`` among them, in id order (``(node,)``
         when the file puts it in no group): work queued on any of them delays all of them."""
         return self._group_of.get(node, (node,))
+
+    @property
+    def grouping(self) -> Callable[[str], tuple[str, ...]] | None:
+        """:meth:`capacity_group` where the file names any group, else None (every node alone)."""
+        return self.capacity_group if self.capacity_groups else None
 
     # --- where a node is -----------------------------------------------------------
 

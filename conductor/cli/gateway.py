@@ -24,7 +24,7 @@ from conductor.gateway import config as gateway_config
 from conductor.gateway import serve as gateway_serve
 from conductor.gateway import workers as gateway_workers
 from conductor.gateway.auth import KeyRing, key_ring
-from conductor.harness.bench.gateway import CLIENTS, run_gateway_bench
+from conductor.harness.bench.gateway import check_client, run_gateway_bench
 from conductor.harness.bench.live import PEERS, LiveBenchError, LiveOptions, run_live_bench
 from conductor.settings import Settings
 from conductor.telemetry import scrape, setup_metrics
@@ -176,9 +176,11 @@ def bench_gateway(
 
     Starts (on CONDUCTOR_KAFKA_URL/REDIS_URL, or the embedded ones) a worker, a router, 2 prefill + 2 decode engines and a gateway. At each concurrency: (1) paired: every client sends each of its prompts both through the gateway and straight to a prefill/decode pair (the order alternating), and a request's overhead is its gateway time to first token minus its own direct one; (2) throughput: the same clients send the same number of requests through the gateway only. Fields (headline: the first level; per level under "levels"): gateway_overhead_ms_p50, _p90, _p99 (percentiles of the per-request paired differences; before 2026-11 they were p(gateway) minus p(direct)), requests_per_s (phase 2, all --workers of the gateway together; gateway_processes says how many), gateway_cpu_ms_per_request (the gateway process's CPU time over phase 2, per request; Linux), control_cpu_s, control_cpu_s_by_process and control_cpu_ms_per_request (every control-plane process over phase 2: gateway, router, worker, broker, Redis), throttled (429s, counted apart: the client waits its Retry-After), errors (every other failure, either side; errors_gateway and errors_direct split them, error_kinds counts them by kind), ttft and routing percentiles, client (the load generator's HTTP client) and per level client_cpu_ms_per_request (the bench process's own CPU over phase 2, per request: it shares the cores).
     """
-    if client not in CLIENTS:
-        err.print(f"[red]error:[/red] --client must be aiohttp or httpx, not {client!r}")
-        raise typer.Exit(2)
+    try:
+        check_client(client)
+    except ValueError as e:
+        err.print(f"[red]error:[/red] --{e}")
+        raise typer.Exit(2) from None
     s = settings_or_exit()
     out = run_gateway_bench(s, levels=tuple(clients), requests_per_client=requests_per_client,
                             max_tokens=max_tokens, gateway_args=gateway_arg or [],

@@ -56,6 +56,11 @@ class Trace:
     held_call: Call | None = None
     """The call whose prefill ``held_kv`` is (what a later freeing pull repeats, one token long)."""
 
+    def exclude(self, node: str) -> None:
+        """Route this request's next attempt without ``node`` (it failed, or was at its bound)."""
+        if node not in self.excluded:
+            self.excluded.append(node)
+
 
 def outcome_of(tr: Trace, gateway_id: str, now: float) -> RequestOutcome:
     """``tr`` as its ``request_outcome``, ``now`` on the clock of ``tr.t0``."""

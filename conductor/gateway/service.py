@@ -193,8 +193,7 @@ class Gateway:
                 self._release_end(tr, failed=True)  # nothing of it runs: its work and blocks end now
                 log.warning("request %s: %s failed (%s); %s", arid, e.node, e,
                             "routing again without it" if attempt + 1 < self.config.max_attempts else "giving up")
-                if e.node not in tr.excluded:
-                    tr.excluded.append(e.node)
+                tr.exclude(e.node)
             except EngineBusy as e:
                 # Once: another instance (a capacity-group mate the group's work gathered beside, or
                 # any other) may take it; if none can, or it is busy too, the client gets the 429.
@@ -202,8 +201,7 @@ class Gateway:
                     return self._engine_busy(tr, str(e))
                 self._release_end(tr, failed=True)  # nothing of it runs: its work and blocks end now
                 tr.busy = str(e)
-                if e.node not in tr.excluded:
-                    tr.excluded.append(e.node)
+                tr.exclude(e.node)
             except EngineLost as e:
                 log.warning("request %s: %s failed after taking the request (%s); not run again", arid, e.node, e)
                 return self._fail(tr, e.status, e.code, f"{e} (instance {e.node}; it had taken the request, so "

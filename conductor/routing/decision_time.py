@@ -122,7 +122,7 @@ class DecisionTime:
         self.inflight = inflight
         self.own: OwnLoads | None = (
             None if inflight is None else
-            OwnLoads(inflight, topology.capacity_group if topology is not None and topology.capacity_groups else None))
+            OwnLoads(inflight, topology.grouping if topology is not None else None))
         """The ledger as the picture reads it (None: heartbeats plus reservations)."""
         self.pending_ttl_ms = _pending_ttl_ms(pending, settings)
         self.inflight_lease_ms = _lease_ms(inflight, settings)

@@ -50,22 +50,6 @@ def own_extra(node: NodeState, own: InstanceLoad) -> Load | None:
     return extra if extra else None
 
 
-def shared(me: InstanceLoad, mates: Iterable[InstanceLoad]) -> InstanceLoad:
-    """``me``'s load with its capacity group-mates' added whole: the shared device runs the
-    group's prefill queue and decoding sequences, whichever member holds them, so every member
-    sees the group's work (and a request stays where its prefix is; see
-    :func:`~conductor.routing.policies.prefill_plan.pick_prefill` for ties inside a group)."""
-    r, pr, pt, dr, dc = me.requests, me.prefill_requests, me.prefill_tokens, me.decode_requests, \
-        me.decode_context_tokens
-    for m in mates:
-        r += m.requests
-        pr += m.prefill_requests
-        pt += m.prefill_tokens
-        dr += m.decode_requests
-        dc += m.decode_context_tokens
-    return InstanceLoad(r, pr, pt, dr, dc)
-
-
 def _heartbeat(n: NodeState) -> InstanceLoad:
     return InstanceLoad(n.queue_depth + n.batch_size, n.queue_depth, n.queued_prefill_tokens, n.batch_size,
                         n.decode_context_tokens)
@@ -81,6 +65,16 @@ def _larger(a: InstanceLoad, b: InstanceLoad) -> InstanceLoad:
     return InstanceLoad(max(a.requests, b.requests), max(a.prefill_requests, b.prefill_requests),
                         max(a.prefill_tokens, b.prefill_tokens), max(a.decode_requests, b.decode_requests),
                         max(a.decode_context_tokens, b.decode_context_tokens))
+
+
+def shared(me: InstanceLoad, mates: Iterable[InstanceLoad]) -> InstanceLoad:
+    """``me``'s load with its capacity group-mates' added whole: the shared device runs the
+    group's prefill queue and decoding sequences, whichever member holds them, so every member
+    sees the group's work (and a request stays where its prefix is; see
+    :func:`~conductor.routing.policies.prefill_plan.pick_prefill` for ties inside a group)."""
+    for m in mates:
+        me = _plus(me, m)
+    return me
 
 
 class OwnLoads:

@@ -132,8 +132,7 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
         super().__init__(*args, **kwargs)
         p = self.p
         self.planner = ReusePlanner(self.costs, lambda: self._same_rack_class())
-        topo = self.costs.topology
-        self.group_of = topo.capacity_group if topo.capacity_groups else None
+        self.group_of = self.costs.topology.grouping
         """Ties inside a capacity group go to one member (:func:`.prefill_plan.pick_prefill`)."""
         self.admission = Admission.of(self.profile, enabled=p.early_rejection, slo_margin=p.slo_margin,
                                       priority_shift=p.priority_shift, queue_wait_safety=p.queue_wait_safety)
