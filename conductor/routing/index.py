@@ -337,7 +337,7 @@ class ClusterIndex:
         inst = Instance(base.node_id, base.role, prefix, base.queued_prefill_tokens, base.queued_requests,
                         base.running_requests, base.batch_size, base.decode_context_tokens,
                         base.free_kv_blocks, base.total_kv_blocks, base.rack, base.zone, base.handoff, base.endpoint,
-                        base.dp_rank, base.bootstrap_port)
+                        base.dp_rank, base.bootstrap_port, base.resident_blocks)
         memo[(node, prefix)] = (base, inst)
         return inst
 

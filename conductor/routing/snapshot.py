@@ -50,6 +50,10 @@ class Instance:
     bootstrap port: carried into the decisions that name it."""
     dp_rank: int | None = None
     bootstrap_port: int | None = None
+    resident_blocks: int = 0
+    """Blocks the view holds on this node in HBM (its KV events: stored, not yet removed), whatever
+    the request: with ``total_kv_blocks``, whether a request's new blocks fit beside them or
+    evict some (vLLM counts its cached blocks as free, so ``free_kv_blocks`` cannot say)."""
 
     @property
     def can_hand_off(self) -> bool:
@@ -261,6 +265,7 @@ def instance(node: NodeState, prefix: tuple[int, int, int], pending: PendingLoad
         endpoint=node.endpoint,
         dp_rank=node.dp_rank,
         bootstrap_port=node.bootstrap_port,
+        resident_blocks=node.blocks.get("hbm", 0),
     )
 
 

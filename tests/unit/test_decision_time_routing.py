@@ -15,7 +15,7 @@ from conductor.costmodel.profiles import DEFAULT_PROFILE, load_profile
 from conductor.routing.local import LocalRouter, LogUnavailable
 from conductor.routing.own_load import OwnLoads, own_extra, shared
 from conductor.routing.policies.parts import pick_lowest
-from conductor.routing.policies.prefill_plan import PendingCopy, ReusePlanner, stay_on_holder
+from conductor.routing.policies.prefill_plan import PendingCopy, ReusePlanner, fits_in_cache, stay_on_holder
 from conductor.routing.router import Router
 from conductor.routing.snapshot import Instance, PolicyRequest
 from conductor.settings import load_settings
@@ -162,6 +162,60 @@ def test_ties_inside_a_capacity_group_go_to_one_member() -> None:
     assert {pick_lowest(nodes, [1.0, 1.0, 1.0], random.Random(s), node_id=str) for s in range(40)} == {"a", "b", "c"}
     # Not a tie: the lower score wins, group or not.
     assert pick_lowest(nodes, [0.5, 1.0, 1.0], random.Random(0), node_id=str, group_of=topo.capacity_group) == "b"
+
+
+def test_a_group_gathers_on_the_first_member_whose_cache_takes_the_request() -> None:
+    """Tied inside a group: the first member in node-id order that ``fits``, else the first."""
+    topo = topology_from_dict({"links": {"same_rack": {"bandwidth_gbps": 100}, "cross_rack": {"bandwidth_gbps": 10}},
+                               "capacity_groups": {"core1": ["a", "b", "c"]}})
+    nodes = ["c", "b", "a"]
+    pick = lambda fits, s=0: pick_lowest(nodes, [1.0, 1.0, 1.0], random.Random(s), node_id=str,
+                                         group_of=topo.capacity_group, fits=fits)
+    assert pick(lambda n: True) == "a"
+    assert pick(lambda n: n != "a") == "b"
+    assert pick(lambda n: n == "c") == "c"
+    assert pick(lambda n: False) == "a"  # every cache full: the group evicts where it gathers
+    # Not a tie: the lower score wins even where it does not fit.
+    assert pick_lowest(nodes, [1.0, 0.5, 1.0], random.Random(0), node_id=str, group_of=topo.capacity_group,
+                       fits=lambda n: n != "b") == "b"
+
+
+def test_a_request_fits_where_its_new_blocks_go_in_beside_the_cached_ones() -> None:
+    inst = Instance("a", "both", prefix_blocks=(4, 4, 4), total_kv_blocks=100, resident_blocks=90)
+    assert fits_in_cache(inst, 14) and not fits_in_cache(inst, 15)  # 10 new blocks fit, 11 do not
+    assert fits_in_cache(Instance("a", "both", total_kv_blocks=100), 500)  # nothing known cached
+    assert fits_in_cache(Instance("a", "both", resident_blocks=90), 500)  # no KV size reported
+
+
+@pytest.mark.parametrize("incremental", [True, False])
+async def test_a_groups_work_moves_to_the_next_member_once_the_first_ones_cache_is_full(incremental: bool,
+                                                                                        tmp_path: Any) -> None:
+    """The group's KV capacity is every member's cache: once e0 holds as many blocks as its KV
+    size (its KV events say so), unrelated prompts gather on e1 instead of evicting e0's."""
+    topo = tmp_path / "topology.json"
+    topo.write_text(json.dumps({"links": {"same_rack": {"bandwidth_gbps": 100}, "cross_rack": {"bandwidth_gbps": 10}},
+                                "capacity_groups": {"core1": ["e0", "e1"]}}))
+    settings = load_settings(block_size=BS, policy="kvcache-centric", seed=7, topology_file=str(topo))
+    view = InMemoryViewStore()
+    router = Router(settings, view, InMemoryReservations(settings.reservation_ttl_s),
+                    pending=InMemoryPendingBlocks(5_000), inflight=InMemoryInflight(300_000), incremental=incremental)
+    for n in ("e0", "e1"):
+        heartbeat(view, n, "both", total_kv_blocks=40, free_kv_blocks=40)
+    prompt = lambda i: list(range(10_000 * (i + 1), 10_000 * (i + 1) + 8 * BS))
+    first = await router.route(gw_request("r0", prompt(0)))
+    assert isinstance(first, RoutingDecision) and first.prefill_instance == "e0"
+    stored(view, "e0", list(range(900_000, 900_035)))  # 35 of 40 blocks cached: 8 more do not fit
+    heartbeat(view, "e0", "both", total_kv_blocks=40, free_kv_blocks=40)  # vLLM counts cached blocks free
+    placed = []
+    for i in range(1, 4):
+        d = await router.route(gw_request(f"r{i}", prompt(i)))
+        assert isinstance(d, RoutingDecision)
+        placed.append(d.prefill_instance)
+    assert placed == ["e1"] * 3
+    # Both caches full: the group evicts on the first member again.
+    stored(view, "e1", list(range(800_000, 800_035)))
+    d = await router.route(gw_request("r9", prompt(9)))
+    assert isinstance(d, RoutingDecision) and d.prefill_instance == "e0"
 
 
 @pytest.mark.parametrize("incremental", [True, False])

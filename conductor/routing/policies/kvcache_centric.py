@@ -53,6 +53,7 @@ from conductor.routing.policies.prefill_plan import (
     Shape,
     cost_candidates,
     cpp_group,
+    fits_in_cache,
     holder_error,
     own_blocks,
     pick_prefill,
@@ -133,9 +134,18 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
         p = self.p
         self.planner = ReusePlanner(self.costs, lambda: self._same_rack_class())
         self.group_of = self.costs.topology.grouping
-        """Ties inside a capacity group go to one member (:func:`.prefill_plan.pick_prefill`)."""
+        """Ties inside a capacity group go to one member (:func:`.prefill_plan.pick_prefill`): the
+        first whose cache the request fits in (:meth:`_fits`)."""
         self.admission = Admission.of(self.profile, enabled=p.early_rejection, slo_margin=p.slo_margin,
                                       priority_shift=p.priority_shift, queue_wait_safety=p.queue_wait_safety)
+
+    def _fits(self, request: PolicyRequest) -> Callable[[Instance], bool] | None:
+        """Whether ``request`` goes into an instance's cache without evicting: what decides which
+        member of a capacity group its work gathers on (None without groups: nothing to ask)."""
+        if self.group_of is None:
+            return None
+        n = request.chain_len
+        return lambda inst: fits_in_cache(inst, n)
 
     def decide(self, request: PolicyRequest, snapshot: ClusterSnapshot, rng: random.Random) -> Decision:
         return self.decide_staged(request, snapshot, rng, no_mark)
@@ -217,7 +227,7 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
         costed = walk_queues(self.costs, request, ix, bs, best_reuse, bare_floor, tie_margin(p.prefill_tie_s))
         self._add_longest_holders(costed, ix, best_reuse)
         self._add_session(request, costed, ix, best_reuse)
-        chosen, left = self._stay(request, costed, pick_prefill(costed, rng, p.prefill_tie_s, group_of=self.group_of))
+        chosen, left = self._stay(request, costed, pick_prefill(costed, rng, p.prefill_tie_s, group_of=self.group_of, fits=self._fits(request)))
         mark(CANDIDATES)
         adm = self.admission
         ttft = costed.ttfts[chosen]
@@ -293,7 +303,7 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
                                                             self.costs.queue_wait_s)
         best_reuse, _, _ = self._reuse_planner(request, holders, bs, copies, pending=pending)
         costed = cost_candidates(pool, best_reuse)
-        chosen, left = self._stay(request, costed, pick_prefill(costed, rng, p.prefill_tie_s, group_of=self.group_of))
+        chosen, left = self._stay(request, costed, pick_prefill(costed, rng, p.prefill_tie_s, group_of=self.group_of, fits=self._fits(request)))
         mark(PREFILL_PLAN)
         out = self._admit(request, prefills, every_wait, costed, chosen, bs, rng)
         mark(ADMISSION)
@@ -317,7 +327,7 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
             # The fastest instance fails the guarded check; one with a shorter queue may pass it.
             safe = [i for i in range(len(costed.pool)) if guard(ttfts[i], waits[i]) <= ttft_budget]
             if safe:
-                chosen = pick_prefill(costed, rng, p.prefill_tie_s, safe, self.group_of)
+                chosen = pick_prefill(costed, rng, p.prefill_tie_s, safe, self.group_of, self._fits(request))
                 ttft = ttfts[chosen]
         guarded = guard(ttft, waits[chosen])
         single_fits = guarded <= ttft_budget if adm.enabled else ttft <= ttft_budget

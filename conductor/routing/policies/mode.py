@@ -44,7 +44,7 @@ from conductor.routing.policies.base import (
     StagedPolicy,
     slo_budgets,
 )
-from conductor.routing.policies.prefill_plan import holder_error, stay_on_holder
+from conductor.routing.policies.prefill_plan import fits_in_cache, holder_error, stay_on_holder
 from conductor.routing.policies.stages import DECIDE, MODE, Mark, no_mark
 from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
 from schemas import Mode
@@ -203,9 +203,14 @@ def _weigh(costs: Costs, request: PolicyRequest, pd: Decision, both: list[Instan
     if picked is not None:
         best = aggs[picked]
     else:
-        # The lowest TTFT among those that fit, else among all (node id breaks ties).
+        # The lowest TTFT among those that fit, else among all; of equals (a capacity group's
+        # members count the device's load alike) the first in node order whose cache the request
+        # goes into without evicting, so a group's work gathers on one member until its cache is
+        # full, then on the next.
         pool = [a for a in aggs.values() if a[1]] or list(aggs.values())
-        best = min(pool, key=lambda a: (a[0].predicted_ttft_s, a[0].predicted_tbt_ms, a[0].prefill))
+        room = {i.node_id: fits_in_cache(i, request.chain_len) for i in both}
+        best = min(pool, key=lambda a: (a[0].predicted_ttft_s, a[0].predicted_tbt_ms, not room[a[0].prefill],
+                                        a[0].prefill))
         if stay_error is not None:
             best = _stay(pool, best, stay_error, request.session_instance)
 

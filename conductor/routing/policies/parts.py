@@ -91,14 +91,17 @@ def by_node(items: Sequence[Instance]) -> list[Instance]:
 
 
 def pick_lowest(items: Sequence[T], scores: Sequence[float], rng: random.Random, *, tol: float = 1e-9,
-                node_id: Any = None, group_of: Callable[[str], tuple[str, ...]] | None = None) -> T:
+                node_id: Any = None, group_of: Callable[[str], tuple[str, ...]] | None = None,
+                fits: Callable[[T], bool] | None = None) -> T:
     """The item of lowest score; ties (within ``tol``) broken by ``rng`` in node-id order.
 
     Sorting the tied group first makes the pick independent of snapshot order, so a
     decision re-derived from the log with the same seed lands on the same instance.
     ``group_of`` (a node's capacity group, the topology's): of tied items sharing one device only
-    the first in node-id order stays in the draw, so a group's work gathers on one member
-    instead of being split between engines that batch apart.
+    one stays in the draw, so a group's work gathers on one member instead of being split
+    between engines that batch apart: the first in node-id order that ``fits`` (the request's
+    new blocks go in beside what its cache holds), else the first. So the group's work fills
+    one member's cache, then the next one's, and evicts only once every member is full.
     """
     lo = min(scores)
     group = [it for it, s in zip(items, scores) if s <= lo + tol]
@@ -107,16 +110,17 @@ def pick_lowest(items: Sequence[T], scores: Sequence[float], rng: random.Random,
     key = node_id or (lambda it: it.node_id)
     group.sort(key=key)
     if group_of is not None:
-        seen: set[tuple[str, ...]] = set()
-        kept = []
+        kept: dict[tuple[str, ...], tuple[T, bool]] = {}
         for it in group:
             g = group_of(key(it))
-            if g not in seen:
-                seen.add(g)
-                kept.append(it)
+            have = kept.get(g)
+            if have is None:
+                kept[g] = (it, fits is None or fits(it))
+            elif not have[1] and fits is not None and fits(it):
+                kept[g] = (it, True)
         if len(kept) == 1:
-            return kept[0]
-        group = kept
+            return next(iter(kept.values()))[0]
+        group = sorted((it for it, _ in kept.values()), key=key)
     return group[rng.randrange(len(group))]
 
 

@@ -107,13 +107,26 @@ def cost_candidates(pool: Sequence[tuple[Instance, float]], best_reuse: BestReus
 
 
 def pick_prefill(c: Costed, rng: random.Random, tie_s: float, among: Sequence[int] | None = None,
-                 group_of: Callable[[str], tuple[str, ...]] | None = None) -> int:
+                 group_of: Callable[[str], tuple[str, ...]] | None = None,
+                 fits: Callable[[Instance], bool] | None = None) -> int:
     """Index of the lowest TTFT (of ``among``, default all); ties within ``tie_s`` by ``rng`` in
-    node-id order, one member per capacity group (``group_of``: :func:`.parts.pick_lowest`)."""
+    node-id order, one member per capacity group (``group_of``), the first whose cache the
+    request ``fits`` in (:func:`.parts.pick_lowest`)."""
     idx = range(len(c.pool)) if among is None else among
     ttfts = c.ttfts if among is None else [c.ttfts[i] for i in among]
     pool = c.pool
-    return pick_lowest(idx, ttfts, rng, tol=tie_s, node_id=lambda i: pool[i].node_id, group_of=group_of)
+    return pick_lowest(idx, ttfts, rng, tol=tie_s, node_id=lambda i: pool[i].node_id, group_of=group_of,
+                       fits=None if fits is None else (lambda i: fits(pool[i])))
+
+
+def fits_in_cache(inst: Instance, chain_len: int) -> bool:
+    """Whether the request's blocks this instance does not hold yet go in beside the blocks its
+    cache holds (the view's, from its KV events) without evicting any; True where either count
+    is unknown (an engine that reports no KV size or publishes no events)."""
+    total, held = inst.total_kv_blocks, inst.resident_blocks
+    if total <= 0 or held <= 0:
+        return True
+    return held + max(chain_len - inst.prefix_blocks[0], 0) <= total
 
 
 def holder_error(profile: ModelProfile, stay_margin: float) -> float:
