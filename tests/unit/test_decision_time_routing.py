@@ -15,7 +15,13 @@ from conductor.costmodel.profiles import DEFAULT_PROFILE, load_profile
 from conductor.routing.local import LocalRouter, LogUnavailable
 from conductor.routing.own_load import OwnLoads, own_extra, shared
 from conductor.routing.policies.parts import pick_lowest
-from conductor.routing.policies.prefill_plan import PendingCopy, ReusePlanner, fits_in_cache, stay_on_holder
+from conductor.routing.policies.prefill_plan import (
+    PendingCopy,
+    ReusePlanner,
+    fits_in_cache,
+    spill_in_group,
+    stay_on_holder,
+)
 from conductor.routing.router import Router
 from conductor.routing.snapshot import Instance, PolicyRequest
 from conductor.settings import load_settings
@@ -216,6 +222,53 @@ async def test_a_groups_work_moves_to_the_next_member_once_the_first_ones_cache_
     stored(view, "e1", list(range(800_000, 800_035)))
     d = await router.route(gw_request("r9", prompt(9)))
     assert isinstance(d, RoutingDecision) and d.prefill_instance == "e0"
+
+
+def test_a_full_cache_spills_to_a_group_mate_only_within_the_margin() -> None:
+    group = {"a": ("a", "b"), "b": ("a", "b"), "c": ("c",)}.__getitem__
+    full = Instance("a", "both", prefix_blocks=(2, 2, 2), total_kv_blocks=100, resident_blocks=95)
+    room = Instance("b", "both", total_kv_blocks=100, resident_blocks=10)
+    other = Instance("c", "both", total_kv_blocks=100)
+    # A short shared prefix on a: b costs 10 % more, within the 25 % margin: spill, and say why.
+    at, why = spill_in_group([full, room, other], [1.0, 1.1, 0.5], 20, 0, 0.25, group)
+    assert at == 1 and why is not None and why.startswith("cache full on a (95 of 100 blocks held, 18 more needed)")
+    # A long prefix on a (b would cost twice as much): stay, and evict there.
+    assert spill_in_group([full, room], [1.0, 2.0], 20, 0, 0.25, group) == (0, None)
+    # Room on a, or no group, or no mate in the group with room: nothing moves.
+    assert spill_in_group([full, room], [1.0, 1.1], 5, 0, 0.25, group) == (0, None)
+    assert spill_in_group([full, room], [1.0, 1.1], 20, 0, 0.25, None) == (0, None)
+    assert spill_in_group([full, other], [1.0, 1.0], 20, 0, 0.25, group) == (0, None)
+
+
+@pytest.mark.parametrize("incremental", [True, False])
+@pytest.mark.parametrize("role", ["both", "prefill"])
+async def test_a_shared_prefix_holder_with_a_full_cache_spills_to_its_group_mate(incremental: bool, role: str,
+                                                                                 tmp_path: Any) -> None:
+    """Every prompt starts with the same short system prompt, held by e0 alone, whose cache is
+    full: the next prompt goes to its mate e1 (a few blocks more to compute, nothing evicted),
+    aggregated or as a P/D prefill, with the reason in ``left_holder``; a conversation whose long
+    context is on e0 stays there."""
+    topo = tmp_path / "topology.json"
+    topo.write_text(json.dumps({"links": {"same_rack": {"bandwidth_gbps": 100}, "cross_rack": {"bandwidth_gbps": 10}},
+                                "capacity_groups": {"core1": ["e0", "e1"]}}))
+    settings = load_settings(block_size=BS, policy="kvcache-centric", seed=7, topology_file=str(topo))
+    view = InMemoryViewStore()
+    router = Router(settings, view, InMemoryReservations(settings.reservation_ttl_s),
+                    pending=InMemoryPendingBlocks(5_000), inflight=InMemoryInflight(300_000), incremental=incremental)
+    for n in ("e0", "e1"):
+        heartbeat(view, n, role, total_kv_blocks=60, free_kv_blocks=60)
+    if role == "prefill":
+        heartbeat(view, "d0", "decode")
+    system = list(range(1, 1 + 2 * BS))
+    context = system + list(range(50_000, 50_000 + 30 * BS))
+    stored(view, "e0", chain_keys(context, BS))  # 32 blocks: the system prompt and one long context
+    stored(view, "e0", list(range(900_000, 900_025)))  # 57 of 60 held
+    heartbeat(view, "e0", role, total_kv_blocks=60, free_kv_blocks=60)
+    d = await router.route(gw_request("new", system + list(range(70_000, 70_000 + 8 * BS))))
+    assert isinstance(d, RoutingDecision) and d.prefill_instance == "e1"
+    assert d.left_holder is not None and d.left_holder.startswith("cache full on e0 (57 of 60 blocks held")
+    turn = await router.route(gw_request("turn", context + list(range(80_000, 80_000 + 4 * BS))))
+    assert isinstance(turn, RoutingDecision) and turn.prefill_instance == "e0" and turn.left_holder is None
 
 
 @pytest.mark.parametrize("incremental", [True, False])

@@ -58,6 +58,7 @@ from conductor.routing.policies.prefill_plan import (
     own_blocks,
     pick_prefill,
     same_rack_class,
+    spill_in_group,
     stay_on_holder,
     ttft_s,
 )
@@ -227,7 +228,10 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
         costed = walk_queues(self.costs, request, ix, bs, best_reuse, bare_floor, tie_margin(p.prefill_tie_s))
         self._add_longest_holders(costed, ix, best_reuse)
         self._add_session(request, costed, ix, best_reuse)
-        chosen, left = self._stay(request, costed, pick_prefill(costed, rng, p.prefill_tie_s, group_of=self.group_of, fits=self._fits(request)))
+        mates = self._costed_mates(costed, best_reuse, lambda group: [
+            (ix.with_prefix(n, ix.prefix.get(n, NO_PREFIX)), ix.wait_of[n]) for n in sorted(group) if n in ix.wait_of])
+        chosen, left = self._stay(request, costed, pick_prefill(costed, rng, p.prefill_tie_s, group_of=self.group_of,
+                                                                fits=self._fits(request)), mates)
         mark(CANDIDATES)
         adm = self.admission
         ttft = costed.ttfts[chosen]
@@ -272,14 +276,40 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
         costed.waits.append(w)
         costed.ttfts.append(ttft_s(w, r))
 
-    def _stay(self, request: PolicyRequest, costed: Costed, chosen: int) -> tuple[int, str | None]:
-        """:func:`.prefill_plan.stay_on_holder` over the candidates, with this policy's error."""
+    def _stay(self, request: PolicyRequest, costed: Costed, chosen: int,
+              add_mates: Callable[[str], None] | None = None) -> tuple[int, str | None]:
+        """:func:`.prefill_plan.stay_on_holder` over the candidates, with this policy's error; then,
+        where the instance kept has no room in its cache for the request,
+        :func:`.prefill_plan.spill_in_group` over its capacity group (``add_mates`` costs into
+        ``costed`` the mates of a node that the candidates left out)."""
         pool = costed.pool
         nodes = [i.node_id for i in pool]
         session = request.session_instance
-        return stay_on_holder(costed.ttfts, [own_blocks(i) for i in pool], nodes, chosen,
-                              holder_error(self.profile, self.p.stay_margin),
-                              nodes.index(session) if session is not None and session in nodes else -1)
+        error = holder_error(self.profile, self.p.stay_margin)
+        at, why = stay_on_holder(costed.ttfts, [own_blocks(i) for i in pool], nodes, chosen, error,
+                                 nodes.index(session) if session is not None and session in nodes else -1)
+        if self.group_of is None or fits_in_cache(pool[at], request.chain_len):
+            return at, why
+        if add_mates is not None:
+            add_mates(pool[at].node_id)
+        to, spilled = spill_in_group(costed.pool, costed.ttfts, request.chain_len, at, error, self.group_of)
+        return (at, why) if spilled is None else (to, spilled)
+
+    def _costed_mates(self, costed: Costed, best_reuse: BestReuse,
+                      candidates: Callable[[set[str]], Sequence[tuple[Instance, float]]]) -> Callable[[str], None]:
+        """What :meth:`_stay` calls to cost a node's capacity-group mates into ``costed``: those
+        ``candidates`` gives (instance, queue wait) of the group's nodes that it lacks."""
+        def add(node: str) -> None:
+            assert self.group_of is not None
+            have = {i.node_id for i in costed.pool}
+            for inst, w in candidates(set(self.group_of(node)) - have):
+                if inst.role in PREFILL_ROLES:
+                    r = best_reuse(inst)
+                    costed.pool.append(inst)
+                    costed.reuses.append(r)
+                    costed.waits.append(w)
+                    costed.ttfts.append(ttft_s(w, r))
+        return add
 
     def _prefill(self, request: PolicyRequest, snapshot: ClusterSnapshot, prefills: tuple[Instance, ...],
                  rng: random.Random, mark: Mark = no_mark) -> PrefillPlan | Rejection:
@@ -303,7 +333,10 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
                                                             self.costs.queue_wait_s)
         best_reuse, _, _ = self._reuse_planner(request, holders, bs, copies, pending=pending)
         costed = cost_candidates(pool, best_reuse)
-        chosen, left = self._stay(request, costed, pick_prefill(costed, rng, p.prefill_tie_s, group_of=self.group_of, fits=self._fits(request)))
+        mates = self._costed_mates(costed, best_reuse, lambda group: [
+            (inst, w) for inst, w in zip(prefills, every_wait) if inst.node_id in group])
+        chosen, left = self._stay(request, costed, pick_prefill(costed, rng, p.prefill_tie_s, group_of=self.group_of,
+                                                                fits=self._fits(request)), mates)
         mark(PREFILL_PLAN)
         out = self._admit(request, prefills, every_wait, costed, chosen, bs, rng)
         mark(ADMISSION)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final, Literal, Protocol, runtime_checkable
 
@@ -44,7 +44,7 @@ from conductor.routing.policies.base import (
     StagedPolicy,
     slo_budgets,
 )
-from conductor.routing.policies.prefill_plan import fits_in_cache, holder_error, stay_on_holder
+from conductor.routing.policies.prefill_plan import fits_in_cache, holder_error, spill_in_group, stay_on_holder
 from conductor.routing.policies.stages import DECIDE, MODE, Mark, no_mark
 from conductor.routing.snapshot import ClusterSnapshot, Instance, PolicyRequest
 from schemas import Mode
@@ -143,6 +143,24 @@ def _stay(pool: list[tuple[Placement, bool, RejectCode | Literal[""]]],
     return out if why is None else (dataclasses.replace(out[0], left_holder=why), out[1], out[2])
 
 
+def _spill(pool: list[tuple[Placement, bool, RejectCode | Literal[""]]],
+           best: tuple[Placement, bool, RejectCode | Literal[""]], error: float, request: PolicyRequest,
+           both: Sequence[Instance], group_of: Callable[[str], tuple[str, ...]] | None,
+           ) -> tuple[Placement, bool, RejectCode | Literal[""]]:
+    """``best``, or a mate of its capacity group with room in its cache when ``best``'s is full
+    (:func:`.prefill_plan.spill_in_group`; the reason recorded as the holder left)."""
+    if group_of is None:
+        return best
+    inst_of = {i.node_id: i for i in both}
+    nodes = [a[0].prefill for a in pool]
+    at, why = spill_in_group([inst_of[n] for n in nodes], [a[0].predicted_ttft_s for a in pool], request.chain_len,
+                             nodes.index(best[0].prefill), error, group_of)
+    if why is None:
+        return best
+    out = pool[at]
+    return dataclasses.replace(out[0], left_holder=why), out[1], out[2]
+
+
 def _option(mode: Mode, p: Placement, fits: bool) -> Option:
     return Option(mode, p.prefill, p.decode, p.predicted_ttft_s, p.predicted_tbt_ms, fits)
 
@@ -213,6 +231,7 @@ def _weigh(costs: Costs, request: PolicyRequest, pd: Decision, both: list[Instan
                                         a[0].prefill))
         if stay_error is not None:
             best = _stay(pool, best, stay_error, request.session_instance)
+            best = _spill(pool, best, stay_error, request, both, costs.topology.grouping)
 
     if isinstance(pd, Placement) and pd.prefill == pd.decode:
         return ModeChoice(pd, (_option(AGGREGATED, pd, True),))

@@ -163,6 +163,34 @@ def stay_on_holder(ttfts: Sequence[float], held: Sequence[int], nodes: Sequence[
                     f"better by {gain:.3f}s > margin {margin:.3f}s")
 
 
+def spill_in_group(insts: Sequence[Instance], ttfts: Sequence[float], chain_len: int, chosen: int, error: float,
+                   group_of: Callable[[str], tuple[str, ...]] | None) -> tuple[int, str | None]:
+    """``chosen``, or a member of its capacity group whose cache the request fits in when
+    ``chosen``'s does not (:func:`fits_in_cache`) and the member's predicted TTFT is at most
+    ``chosen``'s x (1 + ``error``): the group's work gathers where a short shared prefix is (a
+    system prompt) until that cache is full, then spills to a mate with room rather than evict,
+    while a long prefix (a conversation's context) keeps its request where it is. With, when it
+    spilled, why. Pure."""
+    if group_of is None:
+        return chosen, None
+    c = insts[chosen]
+    if fits_in_cache(c, chain_len):
+        return chosen, None
+    group = group_of(c.node_id)
+    bound = ttfts[chosen] * (1.0 + error)
+    mate = -1
+    for i, inst in enumerate(insts):
+        if (i != chosen and ttfts[i] <= bound and group_of(inst.node_id) == group and fits_in_cache(inst, chain_len)
+                and (mate < 0 or (ttfts[i], inst.node_id) < (ttfts[mate], insts[mate].node_id))):
+            mate = i
+    if mate < 0:
+        return chosen, None
+    m = insts[mate]
+    return mate, (f"cache full on {c.node_id} ({c.resident_blocks} of {c.total_kv_blocks} blocks held, "
+                  f"{max(chain_len - c.prefix_blocks[0], 0)} more needed): {m.node_id} of its capacity group "
+                  f"predicted {ttfts[mate]:.3f}s against {ttfts[chosen]:.3f}s, within the margin {error:.2f}")
+
+
 def own_blocks(inst: Instance) -> int:
     """Blocks of the chain ``inst`` holds in its own cache, any tier (pending ones counted)."""
     return inst.prefix_blocks[2]
