@@ -189,6 +189,13 @@ class Settings(BaseSettings):
         "counting this long after its last news (state/inflight.py); a request that runs longer is then "
         "counted by its engine's heartbeat alone (the picture takes the larger of the two)",
     )
+    inflight_lost_after_s: float = Field(
+        default=10.0, gt=0,
+        description="a gateway or picker silent this long on the in-flight log while its charges are open has "
+        "died: the first other one to notice ends its charges (with a request_outcome, error gateway_lost) "
+        "instead of waiting out inflight_lease_s; each producer with open charges says it is alive every fifth "
+        "of this (state/shared_log.py, RedisInflight)",
+    )
     max_snapshot_age_s: float = Field(default=5.0, gt=0)
     router_concurrency: int = Field(
         default=2, ge=1, le=64, description="view reads a router keeps in flight (pipelined on one connection)"

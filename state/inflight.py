@@ -188,6 +188,11 @@ class InMemoryInflight:
         self.expire(now_ms)
         return {node: InstanceLoad(*t) for node, t in self._totals.items()}
 
+    def charged(self, request_id: str) -> Charged | None:
+        """The last charge of ``request_id`` still counting (None: none)."""
+        live = [c.op for c in self._by_request.get(request_id, ()) if c.counted]
+        return max(live, key=lambda op: op.at_ms) if live else None
+
     def in_flight(self) -> set[str]:
         """The requests with a charge still counting (for tests and metrics)."""
         return {rid for rid, cs in self._by_request.items() if any(c.counted for c in cs)}

@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
@@ -33,7 +34,7 @@ from redis.exceptions import RedisError
 
 from .connect import follower_read
 from .events import Cut, EventSeq
-from .inflight import Finished, FirstToken, InMemoryInflight, InstanceLoad
+from .inflight import Charged, Finished, FirstToken, InflightOp, InMemoryInflight, InstanceLoad
 from .inflight import decode_op as decode_inflight
 from .inflight import encode_op as encode_inflight
 from .keys import ViewKeys
@@ -43,6 +44,10 @@ from .pending import encode_op as encode_pending
 from .reservations import FOLLOW_BLOCK_MS
 
 MAX_BUFFERED = 100_000
+KEEPALIVE_MS = 2_000
+"""A producer with open charges appends at least this often (an empty entry when it has nothing else)."""
+DEAD_AFTER_MS = 10_000
+"""A producer silent this long with open charges has died: a follower ends its charges for it."""
 StreamEntry = tuple[bytes, dict[bytes, bytes]]
 log = logging.getLogger(__name__)
 
@@ -56,8 +61,11 @@ class SharedLog:
     def __init__(self, client: aioredis.Redis | RedisCluster, key: str, *, producer_id: str, retain_ms: int,
                  apply: Callable[[Any], None], flush_after_s: float = 0.01, block_ms: int = FOLLOW_BLOCK_MS,
                  events: EventSeq | None = None, follow_client: aioredis.Redis | RedisCluster | None = None,
-                 group: LogGroup | None = None) -> None:
+                 group: LogGroup | None = None, heard: Callable[[str, int], None] | None = None) -> None:
         self.client = client
+        self._heard = heard
+        """Told (producer, the entry's stream time in ms) of every other producer's entry, empty
+        ones too, before its operations are applied."""
         self.group = group if group is not None else LogGroup(client, flush_after_s=flush_after_s, block_ms=block_ms,
                                                               follow_client=follow_client)
         """The logs this one is written and followed with (:class:`LogGroup`; alone, a group of its own)."""
@@ -81,6 +89,11 @@ class SharedLog:
     def position(self) -> bytes:
         """The id of the last stream entry read (``b"0-0"`` before any)."""
         return self._last_id
+
+    @property
+    def buffered(self) -> bool:
+        """Whether operations wait for the next flush."""
+        return bool(self._buffer)
 
     def cut(self) -> dict[str, int]:
         """Per producer, the number of the last event whose operations on this stream are applied
@@ -144,6 +157,9 @@ class SharedLog:
             producer = fields.get(b"p")
             if producer == me:
                 continue  # applied when made
+            if self._heard is not None and producer is not None:
+                with contextlib.suppress(ValueError):
+                    self._heard(producer.decode(), int(eid.split(b"-", 1)[0]))
             try:
                 items = json.loads(fields.get(b"o", b"[]"))
             except ValueError:
@@ -376,29 +392,66 @@ class RedisPendingBlocks:
 class RedisInflight:
     """:class:`~state.inflight.InMemoryInflight` shared by every gateway, router and picker
     (``ns|infl-log``). Call :meth:`start` once and :meth:`close` at the end; writes and reads
-    never wait on Redis."""
+    never wait on Redis.
+
+    **Lost producers.** A producer with open charges says it is alive: an empty entry when it has
+    appended nothing for ``keepalive_ms`` (:meth:`keep_alive`, on a timer from :meth:`start`). Every
+    follower remembers, per producer, when its last entry reached the stream and which open charges
+    are its (:meth:`lost`): a producer silent for ``dead_after_ms`` with charges still open has died
+    (a gateway killed, its machine gone), and one follower, the first to take its Redis lock
+    (:meth:`claim`), ends those charges for it as its own releases (``conductor.routing.local``), so
+    its work stops counting seconds after it went, not a lease later."""
 
     def __init__(self, client: aioredis.Redis | RedisCluster, namespace: str, lease_ms: int, *, producer_id: str,
                  flush_after_s: float = 0.01, block_ms: int = FOLLOW_BLOCK_MS, events: EventSeq | None = None,
-                 follow_client: aioredis.Redis | RedisCluster | None = None, group: LogGroup | None = None) -> None:
+                 follow_client: aioredis.Redis | RedisCluster | None = None, group: LogGroup | None = None,
+                 keepalive_ms: int = KEEPALIVE_MS, dead_after_ms: int = DEAD_AFTER_MS) -> None:
         self.local = InMemoryInflight(lease_ms)
-        self.log = SharedLog(client, ViewKeys(namespace).inflight, producer_id=producer_id, retain_ms=2 * lease_ms,
-                             apply=lambda item: self.local.apply(decode_inflight(item)),
-                             flush_after_s=flush_after_s, block_ms=block_ms, events=events,
-                             follow_client=follow_client, group=group)
+        self.client = client
+        self.key = ViewKeys(namespace).inflight
+        self.producer_id = producer_id
+        self.keepalive_ms = keepalive_ms
+        self.dead_after_ms = dead_after_ms
+        self._from = producer_id
+        """The producer of the entry being applied."""
+        self.owner: dict[str, str] = {}
+        """request id -> the producer that charged it (followed from the stream; this one's own are not here)."""
+        self.heard: dict[str, int] = {}
+        """producer -> stream time (ms) of its last entry read here."""
+        self._keepalive: asyncio.Task[None] | None = None
+        self._appended_ms = 0
+        self.log = SharedLog(client, self.key, producer_id=producer_id, retain_ms=2 * lease_ms,
+                             apply=self._apply, flush_after_s=flush_after_s, block_ms=block_ms, events=events,
+                             follow_client=follow_client, group=group, heard=self._heard)
+
+    def _heard(self, producer: str, at_ms: int) -> None:
+        self._from = producer
+        if at_ms > self.heard.get(producer, 0):
+            self.heard[producer] = at_ms
+
+    def _apply(self, item: Any) -> None:
+        op = decode_inflight(item)
+        self.local.apply(op)
+        if isinstance(op, Charged):
+            self.owner[op.request_id] = self._from
+
+    def _append(self, op: InflightOp, now_ms: int) -> None:
+        self.log.append(encode_inflight(op), now_ms)
+        self._appended_ms = int(time.time() * 1000)
 
     def charge(self, request_id: str, prefill_node: str, decode_node: str, uncached_tokens: int,
                context_tokens: int, now_ms: int) -> None:
         op = self.local.charge(request_id, prefill_node, decode_node, uncached_tokens, context_tokens, now_ms)
-        self.log.append(encode_inflight(op), now_ms)
+        self.owner.pop(request_id, None)  # this producer's own from here on
+        self._append(op, now_ms)
 
     def first_token(self, request_id: str, now_ms: int) -> None:
         self.local.first_token(request_id, now_ms)
-        self.log.append(encode_inflight(FirstToken(request_id, now_ms)), now_ms)
+        self._append(FirstToken(request_id, now_ms), now_ms)
 
     def finish(self, request_id: str, now_ms: int) -> None:
         self.local.finish(request_id, now_ms)
-        self.log.append(encode_inflight(Finished(request_id, now_ms)), now_ms)
+        self._append(Finished(request_id, now_ms), now_ms)
 
     def load(self, node: str, now_ms: int) -> InstanceLoad:
         return self.local.load(node, now_ms)
@@ -406,13 +459,71 @@ class RedisInflight:
     def loads(self, now_ms: int) -> dict[str, InstanceLoad]:
         return self.local.loads(now_ms)
 
+    # --- lost producers -------------------------------------------------------------------------
+
+    async def keep_alive(self) -> bool:
+        """An empty entry when this producer has open charges of its own and appended nothing for
+        ``keepalive_ms``: the others hear it is alive (a long stream sends nothing for minutes).
+        Whether one was written."""
+        now = int(time.time() * 1000)
+        if now - self._appended_ms < self.keepalive_ms or self.log.buffered:
+            return False
+        if all(r in self.owner for r in self.local.in_flight()):
+            return False  # nothing of its own in flight: nothing anyone could take for lost
+        await self.log.flush(wake=True)
+        self._appended_ms = now
+        return True
+
+    def lost(self, now_ms: int) -> dict[str, list[str]]:
+        """Producers silent for ``dead_after_ms`` (``now_ms`` on the stream's clock: Redis time,
+        :meth:`now_ms`) with charges still open here, each with those charges' request ids
+        (sorted). Forgets the owners of charges that ended."""
+        open_ = self.local.in_flight()
+        for rid in [r for r in self.owner if r not in open_]:
+            del self.owner[rid]
+        out: dict[str, list[str]] = {}
+        for rid, producer in self.owner.items():
+            if now_ms - self.heard.get(producer, 0) > self.dead_after_ms:
+                out.setdefault(producer, []).append(rid)
+        return {p: sorted(rids) for p, rids in sorted(out.items())}
+
+    async def claim(self, producer: str) -> bool:
+        """Whether this process takes on ending ``producer``'s lost charges: a Redis lock, whoever
+        takes it first, held for two leases (the others' next look finds the charges ended)."""
+        try:
+            return bool(await self.client.set(f"{self.key}|reap|{producer}", self.producer_id, nx=True,
+                                              px=2 * self.local.lease_ms))
+        except (RedisError, OSError) as e:
+            log.warning("could not claim the lost producer %s's charges: %s", producer, e)
+            return False
+
+    async def now_ms(self) -> int:
+        """The stream's clock (Redis ``TIME``) in ms: what its entry ids are stamped with."""
+        sec, usec = await self.client.time()
+        return int(sec) * 1000 + int(usec) // 1000
+
+    async def _keep_alive_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.keepalive_ms / 2000)
+            try:
+                await self.keep_alive()
+            except (RedisError, OSError) as e:
+                log.debug("keep-alive on %s not written: %s", self.key, e)
+
     async def start(self, now_ms: int) -> None:
         await self.log.start(now_ms)
+        if self._keepalive is None and self.keepalive_ms > 0:
+            self._keepalive = asyncio.create_task(self._keep_alive_loop())
 
     async def flush(self) -> None:
         await self.log.flush()
 
     async def close(self, timeout_s: float = 2.0) -> None:
+        task, self._keepalive = self._keepalive, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         await self.log.close(timeout_s)
 
     async def clear(self) -> None:

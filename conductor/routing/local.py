@@ -42,10 +42,11 @@ from conductor.routing.ordered import Turns
 from conductor.routing.router import Router
 from conductor.routing.stores import decision_index, decision_time_stores, redis_stores
 from conductor.settings import Settings
-from schemas import RoutingDecision, RoutingRejection, RoutingRequest, envelope
+from schemas import RequestOutcome, RoutingDecision, RoutingRejection, RoutingRequest, envelope
 from state.decisions import DecisionIndex, DecisionPosition
 from state.inflight import InflightLedger
 from state.pending import PendingStore
+from state.shared_log import RedisInflight
 from streams.kafka import acknowledged, ensure_topics, producer
 from streams.topics import topics
 
@@ -98,6 +99,9 @@ class LocalRouter:
         """request id -> (its decision's view time, this process's monotonic time when it was made)."""
         self._started = False
         self.decided = 0
+        self._reaper: asyncio.Task[None] | None = None
+        self.reaped = 0
+        """Lost producers' charges this process ended (:meth:`reap_lost`)."""
 
     @property
     def router(self) -> Router:
@@ -111,7 +115,7 @@ class LocalRouter:
         """Make the topics, start the producer, the shared reservations and the control follower
         (caught up before the first decision, as a router is)."""
         t = self.topics
-        await ensure_topics(self.settings.kafka(), (t.requests, t.dispatch, t.control))
+        await ensure_topics(self.settings.kafka(), (t.requests, t.dispatch, t.control, t.request_outcomes))
         if self._router is None:
             view, reservations = redis_stores(self.settings, producer_id=self.producer_id)
             pending, inflight = decision_time_stores(self.settings, reservations.client, self.producer_id,
@@ -125,6 +129,8 @@ class LocalRouter:
         self._control = ControlFollower(self.settings, self.router)
         await self._control.start()
         self._control_task = asyncio.create_task(self._follow_control(self._control))
+        if isinstance(self.router.decision_time.inflight, RedisInflight):
+            self._reaper = asyncio.create_task(self._reap_lost_forever(self.router.decision_time.inflight))
         self._started = True
 
     async def close(self) -> None:
@@ -132,10 +138,11 @@ class LocalRouter:
         if self._turns.last is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(asyncio.shield(self._turns.last), self.ack_timeout_s)
-        if self._control_task is not None:
-            self._control_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._control_task
+        for task in (self._control_task, self._reaper):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
         if self._index_task is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._index_task, 5.0)
@@ -278,6 +285,56 @@ class LocalRouter:
                 await index.record(batch)
             except Exception as e:  # noqa: BLE001 - explain falls back to a scan for these
                 log.warning("decision index: %d entries not written: %s", len(batch), e)
+
+    # --- lost producers ------------------------------------------------------------------
+
+    async def reap_lost(self) -> list[str]:
+        """End the open charges of every producer that went silent (a gateway or picker that died:
+        ``state.shared_log.RedisInflight.lost``) and that this process claims first: each ends as
+        a failure of this process's own, shared at once, with a ``request_outcome`` (error
+        ``gateway_lost``, this process its ``release_producer``) so that ``explain`` re-derives the
+        same picture. Returns the request ids ended."""
+        ledger = self.router.decision_time.inflight
+        if not isinstance(ledger, RedisInflight):
+            return []
+        now = await ledger.now_ms()
+        ended: list[str] = []
+        for lost_id, rids in ledger.lost(now).items():
+            if not await ledger.claim(lost_id):
+                continue
+            silent_s = (now - ledger.heard.get(lost_id, 0)) / 1000
+            at = max(now, self.router.decision_time.last_ms)
+            sends = []
+            for rid in rids:
+                charge = ledger.local.charged(rid)
+                event = self.router.decision_time.end(rid, at, failed=True)
+                outcome = RequestOutcome(
+                    request_id=rid, gateway=lost_id, status=502, error="gateway_lost",
+                    message=(f"{lost_id} went silent {silent_s:.1f}s ago with this request in flight; "
+                             f"{self.producer_id} ended its charge"),
+                    attempts=[rid], prefill_instance=charge.prefill if charge else None,
+                    decode_instance=charge.decode if charge else None,
+                    finished_view_ms=at, finished_event=event, release_producer=self.producer_id)
+                env = envelope(outcome, producer_id=self.producer_id, producer_seq=next(self._seq),
+                               ts_ms=time.time_ns() // 1_000_000)
+                sends.append(await self.topics.request_outcomes.send(self._producer, env, rid))
+            log.warning("%s went silent %.1fs ago with %d request(s) in flight: their charges ended here (%s)",
+                        lost_id, silent_s, len(rids), ", ".join(rids[:5]) + (" ..." if len(rids) > 5 else ""))
+            ended += rids
+            with contextlib.suppress(Exception):
+                await acknowledged(self._producer, sends, warn_after_s=1.0, what=f"{lost_id}'s lost requests")
+        self.reaped += len(ended)
+        return ended
+
+    async def _reap_lost_forever(self, ledger: RedisInflight) -> None:
+        while True:
+            await asyncio.sleep(ledger.keepalive_ms / 1000)
+            try:
+                await self.reap_lost()
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:  # noqa: BLE001 - Redis or the broker away: the next look retries
+                log.warning("looking for lost producers' charges failed: %s", e)
 
     async def _follow_control(self, control: ControlFollower) -> None:
         while True:

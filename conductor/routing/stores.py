@@ -91,7 +91,9 @@ def decision_time_stores(settings: Settings, client: Any, producer_id: str | Non
     return (RedisPendingBlocks(client, settings.view_namespace, max(int(settings.pending_ttl_s * 1000), 1),
                                producer_id=pid, events=events, group=group),
             RedisInflight(client, settings.view_namespace, max(int(settings.inflight_lease_s * 1000), 1),
-                          producer_id=pid, events=events, group=group))
+                          producer_id=pid, events=events, group=group,
+                          dead_after_ms=max(int(settings.inflight_lost_after_s * 1000), 1),
+                          keepalive_ms=max(int(settings.inflight_lost_after_s * 200), 1)))
 
 
 def decision_index(settings: Settings, client: Any = None) -> RedisDecisionIndex | None:

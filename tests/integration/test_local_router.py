@@ -149,3 +149,53 @@ async def test_a_decision_the_broker_does_not_take_is_said_not_handed_back(setti
                 await local.decide(request("c-1"))
         finally:
             await local.close()
+
+
+async def test_a_gateway_that_died_has_its_charges_ended_by_another_within_seconds(settings: Settings) -> None:
+    """A gateway killed with requests in flight says nothing more: the others hear it go silent
+    (every producer with open charges appends at least every fifth of ``inflight_lost_after_s``),
+    one of them (the first to claim it) ends its charges as its own failures, with a
+    ``request_outcome`` that says so, and explain re-derives a later decision with them ended. A
+    gateway that is alive but idle on a long request keeps its charge."""
+    async with cluster(settings.model_copy(update={"inflight_lost_after_s": 1.0})) as s:
+        a, b, c = (LocalRouter(s, producer_id=f"gw-{x}") for x in "abc")
+        for r in (a, b, c):
+            await r.start()
+        try:
+            gone = [await a.decide(request(f"a-{i}", [t + 30_000 * i for t in PROMPT]).model_copy(
+                update={"releases": True})) for i in (1, 2)]
+            kept = await b.decide(request("b-1", [t + 90_000 for t in PROMPT]).model_copy(update={"releases": True}))
+            assert all(isinstance(d, RoutingDecision) for d in [*gone, kept])
+            # gw-a dies: no release, no keep-alive, no close (kill -9).
+            ledger_a = a.router.decision_time.inflight
+            assert isinstance(ledger_a, RedisInflight) and ledger_a._keepalive is not None
+            ledger_a._keepalive.cancel()
+            assert a._reaper is not None
+            a._reaper.cancel()
+            ledgers = [r.router.decision_time.inflight for r in (b, c)]
+            assert all(isinstance(x, RedisInflight) for x in ledgers)
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and any(
+                    {"a-1", "a-2"} & x.local.in_flight() for x in ledgers):  # type: ignore[union-attr]
+                await asyncio.sleep(0.1)
+            for x in ledgers:
+                assert isinstance(x, RedisInflight)
+                assert not {"a-1", "a-2"} & x.local.in_flight()
+                assert "b-1" in x.local.in_flight()  # gw-b's, idle on it but alive: kept
+            assert b.reaped + c.reaped == 2  # one of them, once
+            later = await c.decide(request("c-1", [t + 150_000 for t in PROMPT]).model_copy(update={"releases": True}))
+            assert isinstance(later, RoutingDecision)
+        finally:
+            for r in (b, c):
+                await r.close()
+            with contextlib.suppress(Exception):
+                await a.close()
+        t = topics(s.topic_config())
+        lost = [o for o in await read_all(s, t.request_outcomes.name, 2) if getattr(o, "error", None) == "gateway_lost"]
+        assert sorted(o.request_id for o in lost) == ["a-1", "a-2"]
+        assert {o.gateway for o in lost} == {"gw-a"} and {o.release_producer for o in lost} <= {"gw-b", "gw-c"}
+        assert all(o.finished_view_ms is not None and o.finished_event is not None for o in lost)
+        assert {o.request_id: o.prefill_instance for o in lost} == {d.request_id: d.prefill_instance for d in gone
+                                                                    if isinstance(d, RoutingDecision)}
+        ex = await explain(s, "c-1")
+        assert ex.matches, ex.differences

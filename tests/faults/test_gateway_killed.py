@@ -1,0 +1,73 @@
+"""A gateway process killed (SIGKILL) with streams in flight: its in-flight charges stop counting
+within ``inflight_lost_after_s`` plus a look, ended by another gateway (here a colocated router
+in the test process, as a second gateway's), not a lease later; the outcome says so."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from pathlib import Path
+
+import httpx
+
+from conductor.harness.gateway_cluster import GatewayCluster
+from conductor.routing.local import LocalRouter
+from conductor.settings import Settings
+from schemas import RequestOutcome
+from state.shared_log import RedisInflight
+from streams.topics import topics
+from tests.integration.kvstream import read_all
+
+
+async def test_a_killed_gateways_charges_end_seconds_later_not_a_lease_later(settings: Settings,
+                                                                            tmp_path: Path) -> None:
+    s = settings.model_copy(update={"inflight_lost_after_s": 3.0, "inflight_lease_s": 600.0})
+    async with GatewayCluster(s, tmp_path / "logs", time_scale=1.0, max_output_tokens=400) as c:
+        other = LocalRouter(s, producer_id="gw-other")
+        await other.start()
+        clients: list[asyncio.Task[None]] = []
+        try:
+            ledger = other.router.decision_time.inflight
+            assert isinstance(ledger, RedisInflight)
+
+            async def stream(i: int) -> None:
+                async with httpx.AsyncClient(base_url=c.gateway_url, headers=c.auth_headers, timeout=60) as cl:
+                    with contextlib.suppress(httpx.HTTPError):
+                        async with cl.stream("POST", "/v1/completions", json={
+                                "model": "default", "prompt": f"stream {i} " * 200, "max_tokens": 400,
+                                "stream": True}) as r:
+                            async for _ in r.aiter_bytes():
+                                pass
+
+            clients = [asyncio.create_task(stream(i)) for i in range(4)]
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and len(ledger.owner) < 4:
+                await asyncio.sleep(0.05)
+            assert len(ledger.owner) == 4 and set(ledger.owner.values()) == {c.gateway_id}
+            await asyncio.sleep(2.0)  # past a keep-alive or two: a live gateway with long streams is not lost
+            assert len(ledger.owner) == 4 and other.reaped == 0
+            pid = c.gateway_pids()["gateway"]
+            assert pid is not None
+            os.kill(pid, signal.SIGKILL)
+            killed = time.monotonic()
+            while time.monotonic() < killed + 20 and other.reaped < 4:
+                await asyncio.sleep(0.1)
+            took = time.monotonic() - killed
+            assert other.reaped == 4, other.reaped
+            # Silent for the limit (counted from its last entry, up to a keep-alive before the kill),
+            # then the next look; a lease (600 s here) later before.
+            assert 3.0 - 0.6 - 0.3 <= took < 15.0, took
+            now = await ledger.now_ms()
+            assert not ledger.local.loads(now)  # no instance carries the dead gateway's work
+        finally:
+            for t in clients:
+                t.cancel()
+            await asyncio.gather(*clients, return_exceptions=True)
+            await other.close()
+        outs = [o for o in await read_all(s, topics(s.topic_config()).request_outcomes.name, 4)
+                if isinstance(o, RequestOutcome) and o.error == "gateway_lost"]
+        assert len(outs) == 4 and {o.gateway for o in outs} == {c.gateway_id}
+        assert {o.release_producer for o in outs} == {"gw-other"}
