@@ -6,16 +6,30 @@ first one's end taken from its request outcome."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+from pathlib import Path
 
 import pytest
 
 from conductor.routing.explain import explain
+from conductor.routing.local import LocalRouter
 from conductor.routing.router import Router
 from conductor.routing.stores import decision_index, decision_time_stores, redis_stores
 from conductor.routing.worker import RouterWorker
 from conductor.settings import Settings
-from schemas import Heartbeat, RequestOutcome, Role, RoutingDecision, RoutingRequest, decode, encode, envelope
+from schemas import (
+    BlocksStored,
+    Heartbeat,
+    RequestOutcome,
+    Role,
+    RoutingDecision,
+    RoutingRequest,
+    chain_keys,
+    decode,
+    encode,
+    envelope,
+)
 from state.inflight import FirstToken, encode_op
 from state.keys import ViewKeys
 from state.redis_view import RedisViewStore
@@ -145,3 +159,47 @@ async def test_explain_counts_only_the_releases_the_router_had_when_it_decided(s
         ex = await explain(s, rid)
         assert ex.matches, (rid, ex.differences)
     assert (await explain(s, "dt-2")).in_flight == 1
+
+
+async def test_a_spill_to_a_group_mate_is_re_derived_by_explain(settings: Settings, tmp_path: Path) -> None:
+    """Two aggregated engines in one capacity group; the one holding the shared system prompt
+    has its cache full (its KV events against its KV size): the request goes to its mate, says
+    why, and explain, folding the same events to the decision's watermark, re-derives it."""
+    topo = tmp_path / "topology.json"
+    topo.write_text(json.dumps({"links": {"same_rack": {"bandwidth_gbps": 100}, "cross_rack": {"bandwidth_gbps": 10}},
+                                "capacity_groups": {"core1": ["e0", "e1"]}}))
+    s = settings.model_copy(update={"heartbeat_ttl_s": 3600.0, "topology_file": str(topo),
+                                    "view_namespace": settings.view_namespace + "-spill"})
+    bs = s.block_size
+    now = int(time.time() * 1000)
+    t = topics(s.topic_config())
+    await kafka.ensure_topics(s.kafka(), t.all())
+    prod = kafka.producer(s.kafka())
+    await prod.start()
+    system = list(range(1, 1 + 2 * bs))
+    try:
+        for i, node in enumerate(("e0", "e1")):
+            hb = Heartbeat(role="both", rack="r0", total_kv_blocks=60, free_kv_blocks=60)
+            await prod.send_and_wait(t.heartbeats.name, encode(envelope(hb, producer_id=node, producer_seq=i,
+                                                                        ts_ms=now)), key=node.encode())
+        held = [*chain_keys(system, bs), *range(900_000, 900_055)]  # 57 of 60 blocks
+        ev = BlocksStored(block_keys=held, block_size=bs)
+        await prod.send_and_wait(t.kv_events.name, encode(envelope(ev, producer_id="e0", producer_seq=0, ts_ms=now)),
+                                 key=b"e0")
+        view = RedisViewStore.connect(s.redis(), s.view_namespace)
+        await replay_into(s.kafka(), s.topic_config(), view, idle_timeout_s=1.0)
+        await view.close()
+        local = LocalRouter(s, producer_id="gw-spill")
+        await local.start()
+        try:
+            tokens = system + list(range(70_000, 70_000 + 8 * bs))
+            d = await local.decide(RoutingRequest(request_id="spill-1", token_ids=tokens, prompt_tokens=len(tokens),
+                                                  releases=True))
+        finally:
+            await local.close()
+    finally:
+        await prod.stop()
+    assert isinstance(d, RoutingDecision) and d.prefill_instance == "e1"
+    assert d.left_holder is not None and d.left_holder.startswith("cache full on e0 (57 of 60 blocks held")
+    ex = await explain(s, "spill-1")
+    assert ex.matches, ex.differences
