@@ -193,18 +193,23 @@ def test_a_request_fits_where_its_new_blocks_go_in_beside_the_cached_ones() -> N
     assert fits_in_cache(Instance("a", "both", resident_blocks=90), 500)  # no KV size reported
 
 
-@pytest.mark.parametrize("incremental", [True, False])
-async def test_a_groups_work_moves_to_the_next_member_once_the_first_ones_cache_is_full(incremental: bool,
-                                                                                        tmp_path: Any) -> None:
-    """The group's KV capacity is every member's cache: once e0 holds as many blocks as its KV
-    size (its KV events say so), unrelated prompts gather on e1 instead of evicting e0's."""
+def grouped_router(tmp_path: Any, incremental: bool) -> tuple[Router, InMemoryViewStore]:
+    """A router (and its view) that knows e0 and e1 as one capacity group."""
     topo = tmp_path / "topology.json"
     topo.write_text(json.dumps({"links": {"same_rack": {"bandwidth_gbps": 100}, "cross_rack": {"bandwidth_gbps": 10}},
                                 "capacity_groups": {"core1": ["e0", "e1"]}}))
     settings = load_settings(block_size=BS, policy="kvcache-centric", seed=7, topology_file=str(topo))
     view = InMemoryViewStore()
-    router = Router(settings, view, InMemoryReservations(settings.reservation_ttl_s),
-                    pending=InMemoryPendingBlocks(5_000), inflight=InMemoryInflight(300_000), incremental=incremental)
+    return Router(settings, view, InMemoryReservations(settings.reservation_ttl_s), pending=InMemoryPendingBlocks(5_000),
+                  inflight=InMemoryInflight(300_000), incremental=incremental), view
+
+
+@pytest.mark.parametrize("incremental", [True, False])
+async def test_a_groups_work_moves_to_the_next_member_once_the_first_ones_cache_is_full(incremental: bool,
+                                                                                        tmp_path: Any) -> None:
+    """The group's KV capacity is every member's cache: once e0 holds as many blocks as its KV
+    size (its KV events say so), unrelated prompts gather on e1 instead of evicting e0's."""
+    router, view = grouped_router(tmp_path, incremental)
     for n in ("e0", "e1"):
         heartbeat(view, n, "both", total_kv_blocks=40, free_kv_blocks=40)
     prompt = lambda i: list(range(10_000 * (i + 1), 10_000 * (i + 1) + 8 * BS))
@@ -248,13 +253,7 @@ async def test_a_shared_prefix_holder_with_a_full_cache_spills_to_its_group_mate
     full: the next prompt goes to its mate e1 (a few blocks more to compute, nothing evicted),
     aggregated or as a P/D prefill, with the reason in ``left_holder``; a conversation whose long
     context is on e0 stays there."""
-    topo = tmp_path / "topology.json"
-    topo.write_text(json.dumps({"links": {"same_rack": {"bandwidth_gbps": 100}, "cross_rack": {"bandwidth_gbps": 10}},
-                                "capacity_groups": {"core1": ["e0", "e1"]}}))
-    settings = load_settings(block_size=BS, policy="kvcache-centric", seed=7, topology_file=str(topo))
-    view = InMemoryViewStore()
-    router = Router(settings, view, InMemoryReservations(settings.reservation_ttl_s),
-                    pending=InMemoryPendingBlocks(5_000), inflight=InMemoryInflight(300_000), incremental=incremental)
+    router, view = grouped_router(tmp_path, incremental)
     for n in ("e0", "e1"):
         heartbeat(view, n, role, total_kv_blocks=60, free_kv_blocks=60)
     if role == "prefill":
