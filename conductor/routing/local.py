@@ -321,6 +321,7 @@ class LocalRouter:
             log.warning("%s went silent %.1fs ago with %d request(s) in flight: their charges ended here (%s)",
                         lost_id, silent_s, len(rids), ", ".join(rids[:5]) + (" ..." if len(rids) > 5 else ""))
             ended += rids
+            self.router.metrics.lost_charges.add(len(rids), {"producer": lost_id})
             with contextlib.suppress(Exception):
                 await acknowledged(self._producer, sends, warn_after_s=1.0, what=f"{lost_id}'s lost requests")
         self.reaped += len(ended)

@@ -225,6 +225,15 @@ class RouterMetrics:
             "conductor_router_stage_latency", unit="ms",
             description="each stage of a decision (view_read, cluster, the policy's stages, mode), by stage",
         )
+        self.left_holder = m.create_counter(
+            "conductor_router_left_holder",
+            description="decisions that left the holder of the request's longest prefix, by reason (better_ttft: "
+            "another instance faster by more than the stay margin; cache_full: spilled to a capacity-group mate)",
+        )
+        self.lost_charges = m.create_counter(
+            "conductor_router_lost_producer_charges",
+            description="in-flight charges of a gateway or picker that went silent, ended here, by lost producer",
+        )
 
 
 class Router:
@@ -621,6 +630,9 @@ class Router:
         self.metrics.routed_prompt.add(req.prompt_tokens, node)
         if out.reuse_source == out.prefill_instance:
             self.metrics.predicted_reuse.add(out.reused_tokens, node)
+        if out.left_holder:
+            self.metrics.left_holder.add(1, {"reason": "cache_full" if out.left_holder.startswith("cache full")
+                                             else "better_ttft"})
 
     async def view_health(self) -> tuple[bool, str]:
         """Whether the view is the truth (it has a generation and no partition is being rebuilt

@@ -9,6 +9,9 @@ import random
 from typing import Any
 
 import pytest
+from opentelemetry import metrics
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
 from conductor.costmodel.costs import Costs
 from conductor.costmodel.profiles import DEFAULT_PROFILE, load_profile
@@ -497,3 +500,21 @@ async def test_a_decision_the_log_did_not_take_gives_its_reservation_back() -> N
         await local.decide(gw_request("r1", PROMPT[: 8 * BS]))
     after = reservations.pending_sync(since, served.view_now_ms + 1)
     assert after == kept  # r1's reservation is gone, r0's stays
+
+
+async def test_a_spill_is_counted_for_dashboards(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    monkeypatch.setattr(metrics, "get_meter", lambda name, *a, **k: provider.get_meter(name))
+    router, view = grouped_router(tmp_path, True)
+    for n in ("e0", "e1"):
+        heartbeat(view, n, "both", total_kv_blocks=60, free_kv_blocks=60)
+    system = list(range(1, 1 + 2 * BS))
+    stored(view, "e0", [*chain_keys(system, BS), *range(900_000, 900_055)])
+    d = await router.route(gw_request("new", system + list(range(70_000, 70_000 + 8 * BS))))
+    assert isinstance(d, RoutingDecision) and d.prefill_instance == "e1"
+    data = reader.get_metrics_data()
+    points = [(dict(p.attributes or {}), p.value) for rm in (data.resource_metrics if data else ())
+              for sm in rm.scope_metrics for m in sm.metrics if m.name == "conductor_router_left_holder"
+              for p in m.data.data_points]
+    assert points == [({"reason": "cache_full"}, 1)]
