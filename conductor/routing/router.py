@@ -44,6 +44,7 @@ from conductor.routing.index import ClusterIndex
 from conductor.routing.own_load import OwnLoads
 from conductor.routing.policies import Placement, Policy, Rejection, make_policy
 from conductor.routing.policies.mode import ModeChoice, decide_mode
+from conductor.routing.policies.prefill_plan import CACHE_FULL
 from conductor.routing.policies.stages import CLUSTER, VIEW_READ, StageTimes
 from conductor.routing.snapshot import ClusterSnapshot, Instance, InstanceMemo, PolicyRequest, Shape, build_cluster
 from conductor.settings import Settings
@@ -631,7 +632,7 @@ class Router:
         if out.reuse_source == out.prefill_instance:
             self.metrics.predicted_reuse.add(out.reused_tokens, node)
         if out.left_holder:
-            self.metrics.left_holder.add(1, {"reason": "cache_full" if out.left_holder.startswith("cache full")
+            self.metrics.left_holder.add(1, {"reason": "cache_full" if out.left_holder.startswith(CACHE_FULL)
                                              else "better_ttft"})
 
     async def view_health(self) -> tuple[bool, str]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from conductor.costmodel.costs import Costs, PlaceKey
-from conductor.routing.policies.prefill_plan import BestReuse, Costed, Shape, ttft_s
+from conductor.routing.policies.prefill_plan import BestReuse, Costed, Shape
 from conductor.routing.snapshot import NO_PREFIX, IndexView, Instance, PolicyRequest
 
 
@@ -79,13 +79,7 @@ def walk_queues(costs: Costs, request: PolicyRequest, ix: IndexView, bs: int, be
                 shortest[k] = w
             elif w > s + margin:
                 continue
-        r = best_reuse(inst)
-        t = ttft_s(w, r)
-        out.pool.append(inst)
-        out.reuses.append(r)
-        out.waits.append(w)
-        out.ttfts.append(t)
-        lo = min(lo, t)
+        lo = min(lo, out.add(inst, w, best_reuse(inst)))
     return out
 
 

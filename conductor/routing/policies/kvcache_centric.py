@@ -60,7 +60,6 @@ from conductor.routing.policies.prefill_plan import (
     same_rack_class,
     spill_in_group,
     stay_on_holder,
-    ttft_s,
 )
 from conductor.routing.policies.stages import ADMISSION, CANDIDATES, DECODE_PICK, PREFILL_PLAN, Mark, no_mark
 from conductor.routing.snapshot import NO_PREFIX, ClusterSnapshot, IndexView, Instance, PolicyRequest
@@ -228,7 +227,7 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
         costed = walk_queues(self.costs, request, ix, bs, best_reuse, bare_floor, tie_margin(p.prefill_tie_s))
         self._add_longest_holders(costed, ix, best_reuse)
         self._add_session(request, costed, ix, best_reuse)
-        mates = self._costed_mates(costed, best_reuse, lambda group: [
+        mates = None if self.group_of is None else self._costed_mates(costed, best_reuse, lambda group: [
             (ix.with_prefix(n, ix.prefix.get(n, NO_PREFIX)), ix.wait_of[n]) for n in sorted(group) if n in ix.wait_of])
         chosen, left = self._stay(request, costed, pick_prefill(costed, rng, p.prefill_tie_s, group_of=self.group_of,
                                                                 fits=self._fits(request)), mates)
@@ -252,12 +251,7 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
         for inst, shape in zip(ix.holders, ix.shapes):
             if inst.role in PREFILL_ROLES and shape[2] == longest and inst.node_id not in have:
                 h = ix.with_prefix(inst.node_id, shape)
-                w = ix.wait_of[h.node_id]
-                r = best_reuse(h)
-                costed.pool.append(h)
-                costed.reuses.append(r)
-                costed.waits.append(w)
-                costed.ttfts.append(ttft_s(w, r))
+                costed.add(h, ix.wait_of[h.node_id], best_reuse(h))
 
     def _add_session(self, request: PolicyRequest, costed: Costed, ix: IndexView, best_reuse: BestReuse) -> None:
         """The session's instance, costed into ``costed`` where the walk left it out (the stay rule
@@ -270,11 +264,7 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
         if w is None:
             return
         h = ix.with_prefix(base.node_id, ix.prefix.get(base.node_id, NO_PREFIX))
-        r = best_reuse(h)
-        costed.pool.append(h)
-        costed.reuses.append(r)
-        costed.waits.append(w)
-        costed.ttfts.append(ttft_s(w, r))
+        costed.add(h, w, best_reuse(h))
 
     def _stay(self, request: PolicyRequest, costed: Costed, chosen: int,
               add_mates: Callable[[str], None] | None = None) -> tuple[int, str | None]:
@@ -304,11 +294,7 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
             have = {i.node_id for i in costed.pool}
             for inst, w in candidates(set(self.group_of(node)) - have):
                 if inst.role in PREFILL_ROLES:
-                    r = best_reuse(inst)
-                    costed.pool.append(inst)
-                    costed.reuses.append(r)
-                    costed.waits.append(w)
-                    costed.ttfts.append(ttft_s(w, r))
+                    costed.add(inst, w, best_reuse(inst))
         return add
 
     def _prefill(self, request: PolicyRequest, snapshot: ClusterSnapshot, prefills: tuple[Instance, ...],
@@ -333,7 +319,7 @@ class KvCacheCentric(RoleSplitPolicy[KvCacheCentricParams]):
                                                             self.costs.queue_wait_s)
         best_reuse, _, _ = self._reuse_planner(request, holders, bs, copies, pending=pending)
         costed = cost_candidates(pool, best_reuse)
-        mates = self._costed_mates(costed, best_reuse, lambda group: [
+        mates = None if self.group_of is None else self._costed_mates(costed, best_reuse, lambda group: [
             (inst, w) for inst, w in zip(prefills, every_wait) if inst.node_id in group])
         chosen, left = self._stay(request, costed, pick_prefill(costed, rng, p.prefill_tie_s, group_of=self.group_of,
                                                                 fits=self._fits(request)), mates)

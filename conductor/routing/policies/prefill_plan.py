@@ -93,6 +93,15 @@ class Costed:
     waits: list[float]
     ttfts: list[float]
 
+    def add(self, inst: Instance, wait: float, reuse: Reuse) -> float:
+        """Cost ``inst`` in after the others (its queue ``wait``, its plan ``reuse``); its TTFT."""
+        t = ttft_s(wait, reuse)
+        self.pool.append(inst)
+        self.reuses.append(reuse)
+        self.waits.append(wait)
+        self.ttfts.append(t)
+        return t
+
 
 def ttft_s(wait: float, reuse: Reuse) -> float:
     """Predicted TTFT of an instance: its queue wait plus its reuse plan (load and compute)."""
@@ -163,6 +172,10 @@ def stay_on_holder(ttfts: Sequence[float], held: Sequence[int], nodes: Sequence[
                     f"better by {gain:.3f}s > margin {margin:.3f}s")
 
 
+CACHE_FULL = "cache full"
+"""How the reason a decision spilled to a group mate begins (``left_holder``; what the metrics count by)."""
+
+
 def spill_in_group(insts: Sequence[Instance], ttfts: Sequence[float], chain_len: int, chosen: int, error: float,
                    group_of: Callable[[str], tuple[str, ...]] | None) -> tuple[int, str | None]:
     """``chosen``, or a member of its capacity group whose cache the request fits in when
@@ -186,7 +199,7 @@ def spill_in_group(insts: Sequence[Instance], ttfts: Sequence[float], chain_len:
     if mate < 0:
         return chosen, None
     m = insts[mate]
-    return mate, (f"cache full on {c.node_id} ({c.resident_blocks} of {c.total_kv_blocks} blocks held, "
+    return mate, (f"{CACHE_FULL} on {c.node_id} ({c.resident_blocks} of {c.total_kv_blocks} blocks held, "
                   f"{max(chain_len - c.prefix_blocks[0], 0)} more needed): {m.node_id} of its capacity group "
                   f"predicted {ttfts[mate]:.3f}s against {ttfts[chosen]:.3f}s, within the margin {error:.2f}")
 
