@@ -78,6 +78,11 @@ class SharedLog:
         self.retain_ms = retain_ms
         self._apply_one = apply
         self.events = events if events is not None else EventSeq()
+        self._born = self.events.last
+        """Event numbers above this are this process's own (applied when made). An entry under this
+        producer id numbered at or below it is an earlier process's that ran under the same id (a
+        gateway restarted with a fixed ``--gateway-id``): applied like another producer's, since the
+        others count it too (:meth:`RedisInflight.leftovers` ends its charges)."""
         self._buffer: list[tuple[int, int, Any]] = []
         self._cut = Cut(producer_id, retain_ms)
         self._follower: asyncio.Task[None] | None = None
@@ -155,7 +160,7 @@ class SharedLog:
         for eid, fields in entries:
             self._last_id = eid
             producer = fields.get(b"p")
-            if producer == me:
+            if producer == me and not self._predecessor(fields):
                 continue  # applied when made
             if self._heard is not None and producer is not None:
                 with contextlib.suppress(ValueError):
@@ -172,6 +177,15 @@ class SharedLog:
                     self.applied += 1
                 except ValueError as e:
                     log.warning("skipping an operation of %s: %s", self.key, e)
+
+    def _predecessor(self, fields: dict[bytes, bytes]) -> bool:
+        """Whether an entry under this producer id was appended by an earlier process (see ``_born``;
+        an empty keep-alive, which has no number, applies nothing either way)."""
+        seq = fields.get(b"s")
+        try:
+            return seq is not None and int(seq) <= self._born
+        except ValueError:
+            return False
 
     async def close(self, timeout_s: float = 2.0) -> None:
         """Share what is buffered and stop following; returns within about ``timeout_s`` whatever
@@ -418,6 +432,9 @@ class RedisInflight:
         """request id -> the producer that charged it (followed from the stream; this one's own are not here)."""
         self.heard: dict[str, int] = {}
         """producer -> stream time (ms) of its last entry read here."""
+        self.inherited: set[str] = set()
+        """Request ids charged by an earlier process under this producer id (read at :meth:`start`):
+        nothing of this process's, so none is in flight here (:meth:`leftovers`)."""
         self._keepalive: asyncio.Task[None] | None = None
         self._appended_ms = 0
         self.log = SharedLog(client, self.key, producer_id=producer_id, retain_ms=2 * lease_ms,
@@ -433,7 +450,10 @@ class RedisInflight:
         op = decode_inflight(item)
         self.local.apply(op)
         if isinstance(op, Charged):
-            self.owner[op.request_id] = self._from
+            if self._from == self.producer_id:
+                self.inherited.add(op.request_id)
+            else:
+                self.owner[op.request_id] = self._from
 
     def _append(self, op: InflightOp, now_ms: int) -> None:
         self.log.append(encode_inflight(op), now_ms)
@@ -486,6 +506,14 @@ class RedisInflight:
             if now_ms - self.heard.get(producer, 0) > self.dead_after_ms:
                 out.setdefault(producer, []).append(rid)
         return {p: sorted(rids) for p, rids in sorted(out.items())}
+
+    def leftovers(self) -> list[str]:
+        """The charges still open that an earlier process under this producer id made (sorted): it
+        died or was restarted with requests in flight, and a fresh process has none, so they are
+        ended at start (``conductor.routing.local``) rather than a lease later (the others hear this
+        id alive again, so nobody would take them for lost). Forgets those that ended."""
+        self.inherited &= self.local.in_flight()
+        return sorted(self.inherited)
 
     async def claim(self, producer: str) -> bool:
         """Whether this process takes on ending ``producer``'s lost charges: a Redis lock, whoever

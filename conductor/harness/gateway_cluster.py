@@ -50,6 +50,8 @@ class GatewayCluster:
     max_output_tokens: int | None = None
     protocol: str = "vllm"
     gateway_args: list[str] = field(default_factory=list)
+    _gateway_start_args: list[str] = field(default_factory=list, init=False, repr=False)
+    """The options the gateway was started with (:meth:`restart_gateway` starts it again with them)."""
     report: bool = False
     """Engines print a JSON line per finished step (``--report``), collected in ``reports``."""
     reports: list[dict[str, Any]] = field(default_factory=list)
@@ -114,6 +116,15 @@ class GatewayCluster:
     async def _start_gateway(self, args: list[str]) -> None:
         """``conductor gateway`` with ``args`` and :attr:`gateway_args`, behind :attr:`api_key` (made up when empty)."""
         self.gateway_id = f"gw-test-{time.time_ns() % 10**9}"
+        self._gateway_start_args = args
+        await self._launch_gateway(args)
+
+    async def restart_gateway(self) -> None:
+        """Start the gateway again, under the same id and options (after it was killed: a container
+        restarted with a fixed ``--gateway-id``); :attr:`gateway_url` becomes the new one's."""
+        await self._launch_gateway(self._gateway_start_args)
+
+    async def _launch_gateway(self, args: list[str]) -> None:
         self.api_key = self.api_key or f"sk-test-{secrets.token_urlsafe(18)}"
         gw_env = child_environment(self.settings.model_copy(update={"gateway_api_key": SecretStr(self.api_key)}))
         gw = await self.procs.start("gateway", ["gateway", "--port", "0", "--gateway-id", self.gateway_id, *args,
@@ -193,7 +204,7 @@ class GatewayCluster:
 
     def gateway_pids(self) -> dict[str, int | None]:
         """The gateway's process and, with ``--workers``, its workers (``gateway-w<i>``, in pid order; Linux /proc)."""
-        parent = next((p.pid for n, p in self.procs.procs if n == "gateway"), None)
+        parent = next((p.pid for n, p in reversed(self.procs.procs) if n == "gateway"), None)  # the latest
         if parent is None:
             return {}
         kids = sorted(child_pids(parent))

@@ -130,6 +130,7 @@ class LocalRouter:
         await self._control.start()
         self._control_task = asyncio.create_task(self._follow_control(self._control))
         if isinstance(self.router.decision_time.inflight, RedisInflight):
+            await self.end_leftovers()
             self._reaper = asyncio.create_task(self._reap_lost_forever(self.router.decision_time.inflight))
         self._started = True
 
@@ -303,29 +304,57 @@ class LocalRouter:
             if not await ledger.claim(lost_id):
                 continue
             silent_s = (now - ledger.heard.get(lost_id, 0)) / 1000
-            at = max(now, self.router.decision_time.last_ms)
-            sends = []
-            for rid in rids:
-                charge = ledger.local.charged(rid)
-                event = self.router.decision_time.end(rid, at, failed=True)
-                outcome = RequestOutcome(
-                    request_id=rid, gateway=lost_id, status=502, error="gateway_lost",
-                    message=(f"{lost_id} went silent {silent_s:.1f}s ago with this request in flight; "
-                             f"{self.producer_id} ended its charge"),
-                    attempts=[rid], prefill_instance=charge.prefill if charge else None,
-                    decode_instance=charge.decode if charge else None,
-                    finished_view_ms=at, finished_event=event, release_producer=self.producer_id)
-                env = envelope(outcome, producer_id=self.producer_id, producer_seq=next(self._seq),
-                               ts_ms=time.time_ns() // 1_000_000)
-                sends.append(await self.topics.request_outcomes.send(self._producer, env, rid))
+            await self._end_charges(ledger, lost_id, rids, now, "gateway_lost",
+                                    f"{lost_id} went silent {silent_s:.1f}s ago with this request in flight; "
+                                    f"{self.producer_id} ended its charge")
             log.warning("%s went silent %.1fs ago with %d request(s) in flight: their charges ended here (%s)",
-                        lost_id, silent_s, len(rids), ", ".join(rids[:5]) + (" ..." if len(rids) > 5 else ""))
+                        lost_id, silent_s, len(rids), _some(rids))
             ended += rids
-            self.router.metrics.lost_charges.add(len(rids), {"producer": lost_id})
-            with contextlib.suppress(Exception):
-                await acknowledged(self._producer, sends, warn_after_s=1.0, what=f"{lost_id}'s lost requests")
         self.reaped += len(ended)
         return ended
+
+    async def end_leftovers(self) -> list[str]:
+        """At start, end the charges an earlier process under this producer id left open (it was
+        killed or restarted with requests in flight; a process that just started has none, and
+        the others hear this id alive again, so none of them would take those for lost): each
+        ends as a failure, with a ``request_outcome`` (error ``gateway_restarted``). Returns the
+        request ids ended."""
+        ledger = self.router.decision_time.inflight
+        if not isinstance(ledger, RedisInflight):
+            return []
+        rids = ledger.leftovers()
+        if not rids:
+            return []
+        await self._end_charges(ledger, self.producer_id, rids, await ledger.now_ms(), "gateway_restarted",
+                                f"{self.producer_id} started again with this request in flight from its "
+                                "earlier run; its charge ended at start")
+        ledger.leftovers()  # forget them
+        log.warning("%d request(s) were in flight under %s when it last stopped: their charges ended at "
+                    "start (%s); another process running under the same id would have lost its charges too",
+                    len(rids), self.producer_id, _some(rids))
+        self.reaped += len(rids)
+        return rids
+
+    async def _end_charges(self, ledger: RedisInflight, owner: str, rids: list[str], now_ms: int, error: str,
+                           message: str) -> None:
+        """End ``owner``'s charges ``rids`` as failures of this process's own, shared at once, each with
+        a ``request_outcome`` (``error``, ``message``, this process its ``release_producer``)."""
+        at = max(now_ms, self.router.decision_time.last_ms)
+        sends = []
+        for rid in rids:
+            charge = ledger.local.charged(rid)
+            event = self.router.decision_time.end(rid, at, failed=True)
+            outcome = RequestOutcome(
+                request_id=rid, gateway=owner, status=502, error=error, message=message,
+                attempts=[rid], prefill_instance=charge.prefill if charge else None,
+                decode_instance=charge.decode if charge else None,
+                finished_view_ms=at, finished_event=event, release_producer=self.producer_id)
+            env = envelope(outcome, producer_id=self.producer_id, producer_seq=next(self._seq),
+                           ts_ms=time.time_ns() // 1_000_000)
+            sends.append(await self.topics.request_outcomes.send(self._producer, env, rid))
+        self.router.metrics.lost_charges.add(len(rids), {"producer": owner, "reason": error})
+        with contextlib.suppress(Exception):
+            await acknowledged(self._producer, sends, warn_after_s=1.0, what=f"{owner}'s ended requests")
 
     async def _reap_lost_forever(self, ledger: RedisInflight) -> None:
         while True:
@@ -346,6 +375,11 @@ class LocalRouter:
             except Exception as e:  # noqa: BLE001 - said by problem(); the next poll tries again
                 log.warning("control topic: %s", e)
                 await asyncio.sleep(1.0)
+
+
+def _some(rids: list[str]) -> str:
+    """The first few of ``rids``, for a log line."""
+    return ", ".join(rids[:5]) + (" ..." if len(rids) > 5 else "")
 
 
 __all__ = ["LocalRouter", "LogUnavailable"]

@@ -233,7 +233,8 @@ class RouterMetrics:
         )
         self.lost_charges = m.create_counter(
             "conductor_router_lost_producer_charges",
-            description="in-flight charges of a gateway or picker that went silent, ended here, by lost producer",
+            description="in-flight charges ended here for the process that made them, by producer and reason "
+            "(gateway_lost: it went silent; gateway_restarted: this process's own id, left open by its earlier run)",
         )
 
 

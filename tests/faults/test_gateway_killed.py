@@ -1,6 +1,7 @@
 """A gateway process killed (SIGKILL) with streams in flight: its in-flight charges stop counting
 within ``inflight_lost_after_s`` plus a look, ended by another gateway (here a colocated router
-in the test process, as a second gateway's), not a lease later; the outcome says so."""
+in the test process, as a second gateway's), not a lease later; the outcome says so. Started again
+under the same id, the gateway ends the killed run's charges itself before it serves."""
 
 from __future__ import annotations
 
@@ -71,3 +72,60 @@ async def test_a_killed_gateways_charges_end_seconds_later_not_a_lease_later(set
                 if isinstance(o, RequestOutcome) and o.error == "gateway_lost"]
         assert len(outs) == 4 and {o.gateway for o in outs} == {c.gateway_id}
         assert {o.release_producer for o in outs} == {"gw-other"}
+
+
+async def test_a_gateway_restarted_under_its_own_id_ends_its_killed_runs_charges_at_start(settings: Settings,
+                                                                                          tmp_path: Path) -> None:
+    """Killed with streams in flight and started again under the same ``--gateway-id`` (a container
+    restarted with a fixed id): the others hear that id alive again at once, so nobody takes the
+    killed run's charges for lost (the limit is a minute here, the lease ten); the new process ends
+    them itself before it serves, each with a ``gateway_restarted`` outcome."""
+    s = settings.model_copy(update={"inflight_lost_after_s": 60.0, "inflight_lease_s": 600.0})
+    async with GatewayCluster(s, tmp_path / "logs", time_scale=1.0, max_output_tokens=400) as c:
+        other = LocalRouter(s, producer_id="gw-other")
+        await other.start()
+        clients: list[asyncio.Task[None]] = []
+        try:
+            ledger = other.router.decision_time.inflight
+            assert isinstance(ledger, RedisInflight)
+
+            async def stream(i: int) -> None:
+                async with httpx.AsyncClient(base_url=c.gateway_url, headers=c.auth_headers, timeout=60) as cl:
+                    with contextlib.suppress(httpx.HTTPError):
+                        async with cl.stream("POST", "/v1/completions", json={
+                                "model": "default", "prompt": f"stream {i} " * 200, "max_tokens": 400,
+                                "stream": True}) as r:
+                            async for _ in r.aiter_bytes():
+                                pass
+
+            clients = [asyncio.create_task(stream(i)) for i in range(4)]
+            deadline = time.monotonic() + 30
+            while time.monotonic() < deadline and len(ledger.local.in_flight()) < 4:
+                await asyncio.sleep(0.05)
+            killed_charges = set(ledger.local.in_flight())
+            assert len(killed_charges) == 4 and set(ledger.owner.values()) == {c.gateway_id}
+            pid = c.gateway_pids()["gateway"]
+            assert pid is not None
+            os.kill(pid, signal.SIGKILL)
+            await asyncio.gather(*clients, return_exceptions=True)
+            killed = time.monotonic()
+            await c.restart_gateway()
+            while time.monotonic() < killed + 30 and killed_charges & ledger.local.in_flight():
+                await asyncio.sleep(0.1)
+            took = time.monotonic() - killed
+            assert not killed_charges & ledger.local.in_flight()
+            assert took < 30.0 and other.reaped == 0, (took, other.reaped)  # the new run's, not a reaper's
+            # The restarted gateway serves.
+            async with httpx.AsyncClient(base_url=c.gateway_url, headers=c.auth_headers, timeout=60) as cl:
+                r = await cl.post("/v1/completions", json={"model": "default", "prompt": "after the restart " * 50,
+                                                           "max_tokens": 4})
+                assert r.status_code == 200, r.text
+        finally:
+            for t in clients:
+                t.cancel()
+            await asyncio.gather(*clients, return_exceptions=True)
+            await other.close()
+        outs = [o for o in await read_all(s, topics(s.topic_config()).request_outcomes.name, 4)
+                if isinstance(o, RequestOutcome) and o.error == "gateway_restarted"]
+        assert sorted(o.request_id for o in outs) == sorted(killed_charges)
+        assert {o.gateway for o in outs} == {c.gateway_id} and {o.release_producer for o in outs} == {c.gateway_id}

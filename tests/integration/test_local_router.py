@@ -199,3 +199,62 @@ async def test_a_gateway_that_died_has_its_charges_ended_by_another_within_secon
                                                                     if isinstance(d, RoutingDecision)}
         ex = await explain(s, "c-1")
         assert ex.matches, ex.differences
+
+
+async def test_a_gateway_restarted_under_its_own_id_ends_its_earlier_runs_charges_at_start(settings: Settings) -> None:
+    """A gateway killed with requests in flight and started again under the same id (a fixed
+    ``--gateway-id``) is heard alive at once, so nobody takes its earlier run's charges for lost:
+    the new process reads them when it starts and ends each before its first decision, with a
+    ``request_outcome`` (``gateway_restarted``), well before the lease or the lost-producer
+    delay; the other gateways stop counting them, and explain re-derives the new process's
+    next decision with them ended."""
+    async with cluster(settings.model_copy(update={"inflight_lost_after_s": 60.0})) as s:
+        first, other = LocalRouter(s, producer_id="gw-fixed"), LocalRouter(s, producer_id="gw-other")
+        for r in (first, other):
+            await r.start()
+        again = None
+        try:
+            left = [await first.decide(request(f"f-{i}", [t + 30_000 * i for t in PROMPT]).model_copy(
+                update={"releases": True})) for i in (1, 2)]
+            assert all(isinstance(d, RoutingDecision) for d in left)
+            ledger_other = other.router.decision_time.inflight
+            assert isinstance(ledger_other, RedisInflight)
+            deadline = time.monotonic() + 5
+            while time.monotonic() < deadline and not {"f-1", "f-2"} <= ledger_other.local.in_flight():
+                await asyncio.sleep(0.05)
+            assert {"f-1", "f-2"} <= ledger_other.local.in_flight()
+            # The first run dies (kill -9: no release, no keep-alive, no close) and starts again.
+            ledger_first = first.router.decision_time.inflight
+            assert isinstance(ledger_first, RedisInflight) and ledger_first._keepalive is not None
+            ledger_first._keepalive.cancel()
+            assert first._reaper is not None
+            first._reaper.cancel()
+            started = time.monotonic()
+            again = LocalRouter(s, producer_id="gw-fixed")
+            await again.start()
+            assert again.reaped == 2
+            ledger_again = again.router.decision_time.inflight
+            assert isinstance(ledger_again, RedisInflight)
+            assert not {"f-1", "f-2"} & ledger_again.local.in_flight()
+            while time.monotonic() < started + 5 and {"f-1", "f-2"} & ledger_other.local.in_flight():
+                await asyncio.sleep(0.05)
+            assert not {"f-1", "f-2"} & ledger_other.local.in_flight()
+            assert time.monotonic() - started < 5  # the lease is 60 s, the lost-producer delay 60 s
+            assert other.reaped == 0
+            later = await again.decide(request("c-1", [t + 30_000 for t in PROMPT]).model_copy(update={"releases": True}))
+            assert isinstance(later, RoutingDecision)
+        finally:
+            for r in (again, other):
+                if r is not None:
+                    await r.close()
+            with contextlib.suppress(Exception):
+                await first.close()
+        t = topics(s.topic_config())
+        ended = [o for o in await read_all(s, t.request_outcomes.name, 2)
+                 if getattr(o, "error", None) == "gateway_restarted"]
+        assert sorted(o.request_id for o in ended) == ["f-1", "f-2"]
+        assert {o.gateway for o in ended} == {"gw-fixed"} and {o.release_producer for o in ended} == {"gw-fixed"}
+        assert {o.request_id: o.prefill_instance for o in ended} == {d.request_id: d.prefill_instance for d in left
+                                                                     if isinstance(d, RoutingDecision)}
+        ex = await explain(s, "c-1")
+        assert ex.matches, ex.differences
