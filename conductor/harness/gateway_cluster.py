@@ -72,6 +72,10 @@ class GatewayCluster:
     Heartbeats stay the engines' own: bridges scraping ``/metrics`` from a busy process (the live bench's,
     when they ran in it) missed scrapes, and the engines looked dead (``no_live_instance``)."""
     ready_info: dict[str, dict[str, Any]] = field(default_factory=dict)
+    router: bool = True
+    """Start a ``conductor router`` (it decides for doors that route through the log). A colocated
+    gateway decides in its own process and needs none: the live A/B's Conductor side runs without
+    one, as a deployment of colocated gateways would."""
     discover: bool = False
     """Start the gateway without ``--engine``: it finds the engines through the view (their
     bridges announce the URLs)."""
@@ -103,7 +107,8 @@ class GatewayCluster:
         self.procs = Processes(self.log_dir, cwd=None)
         try:
             await self.procs.start("worker", ["worker"], env)
-            await self.procs.start("router", ["-v", "router"], env)
+            if self.router:
+                await self.procs.start("router", ["-v", "router"], env)
             await self._start_engines(env)
             if self.bridges:
                 await self._start_bridges(env)

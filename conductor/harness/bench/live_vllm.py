@@ -481,7 +481,8 @@ async def _side(name: str, settings: Settings, opts: VllmLiveOptions, requests: 
                     side_dir / "topology.json", [f"vllm-{i}" for i in range(opts.engines)], opts.pin_engines,
                     turns=turns)})
             nodes = [VllmNode(f"vllm-{i}", "both", e) for i, e in enumerate(engines)]
-            async with VllmGatewayCluster(settings, side_dir, nodes=nodes, model=MODEL) as c:
+            # The gateway decides colocated (its default): no router process, as such a deployment runs.
+            async with VllmGatewayCluster(settings, side_dir, nodes=nodes, model=MODEL, router=False) as c:
                 # Everything but the engines (not in procs) and this process (the client).
                 stats, wall, cpu, before, after = await _measured_replay(
                     c.gateway_url, c.control_pids(), engines, requests, opts, name, api_key=c.api_key)
