@@ -214,8 +214,7 @@ LiveRounds = Annotated[int, typer.Option("--rounds", min=1, max=20, help="--engi
     "times, the order rotating from round to round; a side's fields are the medians over its rounds, each round's "
     "own under rounds")]
 LiveSides = Annotated[str | None, typer.Option("--sides", help="--engines vllm: the sides, in order, comma-separated: "
-    "conductor, conductor:POLICY (any of Conductor's policies, e.g. conductor:sglang-style), either with +turns "
-    "(the pinned engines' capacity group takes turns at prefill, as --prefill-turns), peer (sglang-router "
+    "conductor, conductor:POLICY (any of Conductor's policies, e.g. conductor:sglang-style), peer (sglang-router "
     "cache_aware), round_robin (sglang-router round_robin); default conductor,peer,round_robin")]
 LiveEngineModel = Annotated[str, typer.Option("--engine-model", help="--engines vllm: tiny (a 1,500-token prefill "
     "~25 ms) or heavy (a larger dummy-weight model of the kit, ~300 ms or more on one core, with a KV cache small "

@@ -31,10 +31,7 @@ from schemas import RoutingDecision
 def test_sides_are_checked_and_kept_in_order() -> None:
     assert parse_sides("peer, conductor:sglang-style,conductor") == ("peer", "conductor:sglang-style", "conductor")
     assert parse_sides(",".join(SIDES)) == SIDES
-    assert parse_sides("conductor,conductor+turns,conductor:sglang-style+turns") == (
-        "conductor", "conductor+turns", "conductor:sglang-style+turns")
     for bad, why in (("conductor:nonesuch", "no Conductor policy"), ("nginx", "is not conductor"),
-                     ("conductor:nonesuch+turns", "no Conductor policy"), ("peer+turns", "is not conductor"),
                      ("peer,peer", "twice"), (" , ", "no side")):
         with pytest.raises(ValueError, match=why):
             parse_sides(bad)

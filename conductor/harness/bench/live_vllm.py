@@ -141,26 +141,19 @@ class VllmLiveOptions:
         return shared_cores_groups([f"vllm-{i}" for i in range(self.engines)], self.pin_engines)
 
 
-TURNS_SUFFIX = "+turns"
-"""A Conductor side named with it (``conductor+turns``, ``conductor:POLICY+turns``) runs with the
-pinned engines' capacity group taking turns at prefill (as ``--prefill-turns`` does for every side)."""
-
-
 def parse_sides(text: str) -> tuple[str, ...]:
-    """``conductor,conductor:POLICY,peer,round_robin`` (any subset, in the order to run; a Conductor
-    side with ``+turns``: :data:`TURNS_SUFFIX`) as a tuple; ValueError naming what is wrong."""
+    """``conductor,conductor:POLICY,peer,round_robin`` (any subset, in the order to run) as a tuple;
+    ValueError naming what is wrong."""
     sides = tuple(x.strip() for x in text.split(",") if x.strip())
     if not sides:
         raise ValueError("--sides names no side")
     for side in sides:
-        side = side.removesuffix(TURNS_SUFFIX) if side.startswith("conductor") else side
         if side.startswith("conductor:"):
             policy = side.split(":", 1)[1]
             if policy not in POLICIES:
                 raise ValueError(f"--sides: no Conductor policy {policy!r} (one of {', '.join(sorted(POLICIES))})")
         elif side != "conductor" and side not in PEER_SIDES:
-            raise ValueError(f"--sides: {side!r} is not conductor, conductor:POLICY (either with +turns), peer "
-                             "or round_robin")
+            raise ValueError(f"--sides: {side!r} is not conductor, conductor:POLICY, peer or round_robin")
     if len(set(sides)) != len(sides):
         raise ValueError("--sides names a side twice")
     return sides
@@ -471,15 +464,13 @@ async def _side(name: str, settings: Settings, opts: VllmLiveOptions, requests: 
     urls = [e.url for e in engines]
     try:
         if name.startswith("conductor"):
-            turns = opts.prefill_turns or name.endswith(TURNS_SUFFIX)
             if ":" in name:
-                policy = name.removesuffix(TURNS_SUFFIX).split(":", 1)[1]
-                settings = settings.model_copy(update={"policy": policy, "policy_params": {}})
+                settings = settings.model_copy(update={"policy": name.split(":", 1)[1], "policy_params": {}})
             if opts.capacity_groups():
                 # Every engine runs on the same pinned cores: one capacity, as an operator would declare it.
                 settings = settings.model_copy(update={"topology_file": shared_cores_topology(
                     side_dir / "topology.json", [f"vllm-{i}" for i in range(opts.engines)], opts.pin_engines,
-                    turns=turns)})
+                    turns=opts.prefill_turns)})
             nodes = [VllmNode(f"vllm-{i}", "both", e) for i, e in enumerate(engines)]
             # The gateway decides colocated (its default): no router process, as such a deployment runs.
             async with VllmGatewayCluster(settings, side_dir, nodes=nodes, model=MODEL, router=False) as c:
@@ -706,25 +697,7 @@ def run_vllm_demo(settings: Settings, opts: VllmLiveOptions, policy: str, baseli
     }
 
 
-__all__ = [
-    "HEAVY_KV_CACHE_BYTES",
-    "PEER_SIDES",
-    "SIDES",
-    "TURNS_SUFFIX",
-    "VllmLiveError",
-    "VllmLiveOptions",
-    "evicted_blocks",
-    "holder_reason",
-    "left_holder_counts",
-    "median_over_rounds",
-    "metric_total",
-    "parse_cpus",
-    "parse_sides",
-    "pinning",
-    "round_orders",
-    "run_vllm_demo",
-    "run_vllm_live_bench",
-    "shared_cores_groups",
-    "shared_cores_topology",
-    "vllm_prompt",
-]
+__all__ = ["HEAVY_KV_CACHE_BYTES", "PEER_SIDES", "SIDES", "VllmLiveError", "VllmLiveOptions", "evicted_blocks",
+           "holder_reason", "left_holder_counts", "median_over_rounds", "metric_total", "parse_cpus", "parse_sides",
+           "pinning", "round_orders", "run_vllm_demo", "run_vllm_live_bench", "shared_cores_groups",
+           "shared_cores_topology", "vllm_prompt"]
