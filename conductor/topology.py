@@ -131,15 +131,8 @@ class Topology(BaseModel):
         description="group name -> the nodes that share one capacity (engines on one device or one set of "
         "cores): each one's queue counts the in-flight work of the whole group",
     )
-    prefill_turns: list[str] = Field(
-        default_factory=list, max_length=65_536,
-        description="capacity groups whose members take turns at prefill, one engine at a time, first come "
-        "first served (the gateway holds a request for one member while another prefills): engines on one "
-        "set of cores, where two prefills at once each run at half speed",
-    )
     _pairs: dict[tuple[str, str], Link] = PrivateAttr(default_factory=dict)
     _group_of: dict[str, tuple[str, ...]] = PrivateAttr(default_factory=dict)
-    _turns_of: dict[str, tuple[str, ...]] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="after")
     def _known_racks(self) -> Topology:
@@ -160,18 +153,12 @@ class Topology(BaseModel):
                 other = grouped.setdefault(node, name)
                 if other != name:
                     raise ValueError(f"node {node!r} is in capacity groups {other!r} and {name!r}: one at most")
-        for name in self.prefill_turns:
-            if name not in self.capacity_groups:
-                raise ValueError(f"prefill_turns names {name!r}, not among capacity_groups "
-                                 f"{sorted(self.capacity_groups)}")
         return self
 
     def model_post_init(self, _: object) -> None:
         self._pairs = {(min(p.racks), max(p.racks)): p.link for p in self.rack_pairs}
         self._group_of = {node: tuple(sorted(set(members)))
                           for members in self.capacity_groups.values() for node in members}
-        self._turns_of = {node: self._group_of[node] for name in self.prefill_turns if name in self.capacity_groups
-                          for node in self.capacity_groups[name]}
 
     # --- what shares capacity ----------------------------------------------------------
 
@@ -184,11 +171,6 @@ class Topology(BaseModel):
     def grouping(self) -> Callable[[str], tuple[str, ...]] | None:
         """:meth:`capacity_group` where the file names any group, else None (every node alone)."""
         return self.capacity_group if self.capacity_groups else None
-
-    def turn_group(self, node: str) -> tuple[str, ...]:
-        """``node``'s capacity group when that group takes turns at prefill (``prefill_turns``), else
-        ``(node,)`` (``conductor.gateway.turns``)."""
-        return self._turns_of.get(node, (node,))
 
     # --- where a node is -----------------------------------------------------------
 

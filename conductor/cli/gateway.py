@@ -223,9 +223,6 @@ LiveEngineKvMib = Annotated[int | None, typer.Option("--engine-kv-mib", min=16, 
     "engine's KV cache in MiB (default: 1024 for tiny, 48 for heavy)")]
 LivePinEngines = Annotated[str | None, typer.Option("--pin-engines", help="--engines vllm: run the engines on these "
     "cores (e.g. 1, 2-3, 1,3) and everything else on the other cores of this process")]
-LivePrefillTurns = Annotated[bool, typer.Option("--prefill-turns", help="--engines vllm with --pin-engines: the "
-    "engines sharing the pinned cores take turns at prefill, one engine at a time, first come first served (the "
-    "topology's prefill_turns; the gateway holds a request for one while the other prefills)")]
 LiveCalibrate = Annotated[bool, typer.Option("--calibrate", help="--engines vllm: first calibrate a fresh engine of "
     "the same kind (conductor profile calibrate's sweep, one repeat, a few minutes) and run Conductor's sides on that "
     "profile (the run's model_profile and calibration say which and how well it fit)")]
@@ -254,7 +251,6 @@ def bench_live(
     engine_kv_mib: LiveEngineKvMib = None,
     pin_engines: LivePinEngines = None,
     calibrate: LiveCalibrate = False,
-    prefill_turns: LivePrefillTurns = False,
     json_out: JsonLine = False,
 ) -> None:
     """The same trace slice through Conductor's gateway and through the SGLang router, on identical engines.
@@ -286,7 +282,6 @@ def bench_live(
                 duration_s=duration, speed=speed, sample=sample, trace=trace, engines=vllm_engines,
                 max_requests=max_requests, max_output_tokens=max_output_tokens or 8, drain_s=max(drain_s, 120.0),
                 rounds=rounds, sides=side_list, engine_model=engine_model, pin_engines=cpus, calibrate=calibrate,
-                prefill_turns=prefill_turns,
                 engine_kv_cache_bytes=engine_kv_mib * 2**20 if engine_kv_mib else None))
         else:
             out = run_live_bench(s, LiveOptions(

@@ -6,7 +6,6 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from conductor.frontdoor.protocol import ReleaseMark, outcome_decision_fields, outcome_release_fields
-from conductor.gateway.turns import NO_TURN, Turn
 from conductor.stats import percentile
 from schemas import RequestOutcome, RoutingDecision
 
@@ -27,9 +26,6 @@ class Trace:
     """Why an engine this gateway had at its bound turned the request away (it is routed again once
     without that engine; the client's 429 if nothing else takes it)."""
     decision: RoutingDecision | None = None
-    turn: Turn = NO_TURN
-    """The attempt's turn at prefill in its capacity group (:mod:`conductor.gateway.turns`), ended at its
-    first token or when the attempt ends."""
     prompt_tokens: int = 0
     cached_tokens: int = 0
     output_tokens: int = 0

@@ -64,7 +64,6 @@ from conductor.gateway.handoff.sglang import SglangHandOff
 from conductor.gateway.health import LogHealth
 from conductor.gateway.outcome import Trace, outcome_of
 from conductor.gateway.relay import RelayResponse, respond
-from conductor.gateway.turns import PrefillTurns
 from conductor.gateway.upstream import EngineFailed, EngineLost, Upstream, UpstreamClientError, cached
 from conductor.settings import Settings
 from conductor.web import FastJSONResponse
@@ -85,9 +84,6 @@ class GatewayMetrics:
         self.routing = m.create_histogram("conductor_gateway_routing", unit="ms",
                                           description="tokenize + routing through the log, per request")
         self.retries = m.create_counter("conductor_gateway_retries", description="re-routes after an engine failed")
-        self.turn_wait = m.create_histogram(
-            "conductor_gateway_prefill_turn_wait", unit="s", description="how long a request waited for its "
-            "capacity group's turn at prefill (topology prefill_turns), the requests that waited")
         self.unhashed_media = m.create_counter(
             "conductor_gateway_unhashed_media", description="chats with images or audio tokenized without the "
             "items' hashes (the engine's render route off or absent): routed on the text before the first item")
@@ -117,9 +113,6 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.upstream = Upstream(engines if engines is not None else client, config.timeouts, clock)
         self.engine_slots = EngineSlots(config.engine_max_in_flight)
-        topo = settings.cluster_topology()
-        self.turns = PrefillTurns(topo.turn_group) if topo is not None and topo.prefill_turns else None
-        """Turns at prefill for the capacity groups that take them (None: no group does)."""
         self.deciding = DecidingBound(config.max_deciding)
         self.log_health = LogHealth(config.log_failures_to_trip)
         """Colocated: unacknowledged decisions in a row; tripped, the gateway is unready (:meth:`problem`)."""
@@ -373,24 +366,13 @@ class Gateway:
         its bound: :class:`EngineBusy`, before any call) until the answer is sent whole."""
         held = self.engine_slots.take((d.prefill_instance, *(d.prefill_group or ()), d.decode_instance))
         try:
-            if self.turns is not None:
-                tr.turn = await self.turns.take(d.prefill_instance)
-                if tr.turn.waited_s:
-                    self.metrics.turn_wait.record(tr.turn.waited_s)
             resp = await self._hand_off(creq, body, d, arid, tr)
         except BaseException:
-            tr.turn.end()
             held.release()
             raise
         if isinstance(resp, RelayResponse):
-            turn = tr.turn
-
-            def close() -> None:
-                turn.end()
-                held.release()
-            resp.on_close = close
+            resp.on_close = held.release
         else:
-            tr.turn.end()
             held.release()
         return resp
 
@@ -413,7 +395,6 @@ class Gateway:
 
     def _first_token(self, tr: Trace) -> None:
         """The (last) decision's first token is in: its prefill's in-flight work ends."""
-        tr.turn.end()  # the group's next prefill may start
         if tr.decision is not None:
             tr.first_token_release = self._released(tr.decision, "first_token", False)
 

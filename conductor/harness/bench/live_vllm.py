@@ -122,9 +122,6 @@ class VllmLiveOptions:
     """Each engine's KV cache; None: the kit's 1 GiB (tiny), :data:`HEAVY_KV_CACHE_BYTES` (heavy)."""
     pin_engines: tuple[int, ...] = ()
     """The cores the engines run on (everything else on the others); empty: no pinning."""
-    prefill_turns: bool = False
-    """With the engines pinned to shared cores: their capacity group takes turns at prefill
-    (topology ``prefill_turns``: one engine prefills at a time, first come first served)."""
     calibrate: bool = False
     """Calibrate a fresh engine of the same kind first (``conductor profile calibrate``'s sweep, one
     repeat) and run Conductor's sides on that profile instead of the configured one."""
@@ -197,18 +194,16 @@ def shared_cores_groups(nodes: Sequence[str], cores: Sequence[int]) -> dict[str,
     return {f"cores-{'-'.join(map(str, cores))}": list(nodes)}
 
 
-def shared_cores_topology(path: Path, nodes: Sequence[str], cores: Sequence[int], *, turns: bool = False) -> Path:
+def shared_cores_topology(path: Path, nodes: Sequence[str], cores: Sequence[int]) -> Path:
     """Write a topology whose one capacity group is ``nodes`` (engines pinned to the same
-    ``cores``: they share that capacity; ``turns``: they take turns at prefill); return ``path``.
-    Its links are nominal: aggregated engines move no KV between them."""
+    ``cores``: they share that capacity); return ``path``. Its links are nominal: aggregated
+    engines move no KV between them."""
     link = {"bandwidth_gbps": 100.0, "transport": "tcp"}
-    groups = shared_cores_groups(nodes, cores)
     topo = Topology.model_validate({
         "name": "bench-live-shared-cores",
         "description": f"{len(nodes)} engines pinned to cores {','.join(map(str, cores))}",
         "links": {"same_rack": link, "cross_rack": link},
-        "capacity_groups": groups,
-        "prefill_turns": sorted(groups) if turns else [],
+        "capacity_groups": shared_cores_groups(nodes, cores),
     })
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(topo.model_dump_json(indent=2))
@@ -469,8 +464,7 @@ async def _side(name: str, settings: Settings, opts: VllmLiveOptions, requests: 
             if opts.capacity_groups():
                 # Every engine runs on the same pinned cores: one capacity, as an operator would declare it.
                 settings = settings.model_copy(update={"topology_file": shared_cores_topology(
-                    side_dir / "topology.json", [f"vllm-{i}" for i in range(opts.engines)], opts.pin_engines,
-                    turns=opts.prefill_turns)})
+                    side_dir / "topology.json", [f"vllm-{i}" for i in range(opts.engines)], opts.pin_engines)})
             nodes = [VllmNode(f"vllm-{i}", "both", e) for i, e in enumerate(engines)]
             # The gateway decides colocated (its default): no router process, as such a deployment runs.
             async with VllmGatewayCluster(settings, side_dir, nodes=nodes, model=MODEL, router=False) as c:
