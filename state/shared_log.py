@@ -64,8 +64,8 @@ class SharedLog:
                  group: LogGroup | None = None, heard: Callable[[str, int], None] | None = None) -> None:
         self.client = client
         self._heard = heard
-        """Told (producer, the entry's stream time in ms) of every other producer's entry, empty
-        ones too, before its operations are applied."""
+        """Told (producer, the entry's stream time in ms) of every entry applied here (another
+        producer's, or an earlier process's under this id), empty ones too, before its operations."""
         self.group = group if group is not None else LogGroup(client, flush_after_s=flush_after_s, block_ms=block_ms,
                                                               follow_client=follow_client)
         """The logs this one is written and followed with (:class:`LogGroup`; alone, a group of its own)."""

@@ -101,7 +101,8 @@ class LocalRouter:
         self.decided = 0
         self._reaper: asyncio.Task[None] | None = None
         self.reaped = 0
-        """Lost producers' charges this process ended (:meth:`reap_lost`)."""
+        """Charges this process ended for the process that made them: lost producers'
+        (:meth:`reap_lost`) and its own earlier run's (:meth:`end_leftovers`)."""
 
     @property
     def router(self) -> Router:
@@ -328,7 +329,7 @@ class LocalRouter:
         await self._end_charges(ledger, self.producer_id, rids, await ledger.now_ms(), "gateway_restarted",
                                 f"{self.producer_id} started again with this request in flight from its "
                                 "earlier run; its charge ended at start")
-        ledger.leftovers()  # forget them
+        ledger.inherited.difference_update(rids)  # ended: nothing of the earlier run is left to end
         log.warning("%d request(s) were in flight under %s when it last stopped: their charges ended at "
                     "start (%s); another process running under the same id would have lost its charges too",
                     len(rids), self.producer_id, _some(rids))

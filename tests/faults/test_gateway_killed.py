@@ -10,6 +10,8 @@ import contextlib
 import os
 import signal
 import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -22,28 +24,57 @@ from state.shared_log import RedisInflight
 from streams.topics import topics
 from tests.integration.kvstream import read_all
 
+STREAMS = 4
+
+
+async def stream(c: GatewayCluster, i: int) -> None:
+    """One long streamed completion through the cluster's gateway, read to its end (or its gateway's death)."""
+    async with httpx.AsyncClient(base_url=c.gateway_url, headers=c.auth_headers, timeout=60) as cl:
+        with contextlib.suppress(httpx.HTTPError):
+            async with cl.stream("POST", "/v1/completions", json={
+                    "model": "default", "prompt": f"stream {i} " * 200, "max_tokens": 400, "stream": True}) as r:
+                async for _ in r.aiter_bytes():
+                    pass
+
+
+@dataclass
+class Watch:
+    """Another gateway's colocated router in the test process, its in-flight ledger, and the streams
+    the test opened through the cluster's gateway."""
+
+    other: LocalRouter
+    ledger: RedisInflight
+    clients: list[asyncio.Task[None]] = field(default_factory=list)
+
+    def open_streams(self, c: GatewayCluster) -> None:
+        self.clients = [asyncio.create_task(stream(c, i)) for i in range(STREAMS)]
+
+
+@contextlib.asynccontextmanager
+async def watching(s: Settings) -> AsyncIterator[Watch]:
+    other = LocalRouter(s, producer_id="gw-other")
+    await other.start()
+    w = None
+    try:
+        ledger = other.router.decision_time.inflight
+        assert isinstance(ledger, RedisInflight)
+        w = Watch(other, ledger)
+        yield w
+    finally:
+        clients = w.clients if w is not None else []
+        for t in clients:
+            t.cancel()
+        await asyncio.gather(*clients, return_exceptions=True)
+        await other.close()
+
 
 async def test_a_killed_gateways_charges_end_seconds_later_not_a_lease_later(settings: Settings,
                                                                             tmp_path: Path) -> None:
     s = settings.model_copy(update={"inflight_lost_after_s": 3.0, "inflight_lease_s": 600.0})
     async with GatewayCluster(s, tmp_path / "logs", time_scale=1.0, max_output_tokens=400) as c:
-        other = LocalRouter(s, producer_id="gw-other")
-        await other.start()
-        clients: list[asyncio.Task[None]] = []
-        try:
-            ledger = other.router.decision_time.inflight
-            assert isinstance(ledger, RedisInflight)
-
-            async def stream(i: int) -> None:
-                async with httpx.AsyncClient(base_url=c.gateway_url, headers=c.auth_headers, timeout=60) as cl:
-                    with contextlib.suppress(httpx.HTTPError):
-                        async with cl.stream("POST", "/v1/completions", json={
-                                "model": "default", "prompt": f"stream {i} " * 200, "max_tokens": 400,
-                                "stream": True}) as r:
-                            async for _ in r.aiter_bytes():
-                                pass
-
-            clients = [asyncio.create_task(stream(i)) for i in range(4)]
+        async with watching(s) as w:
+            other, ledger = w.other, w.ledger
+            w.open_streams(c)
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline and len(ledger.owner) < 4:
                 await asyncio.sleep(0.05)
@@ -63,11 +94,6 @@ async def test_a_killed_gateways_charges_end_seconds_later_not_a_lease_later(set
             assert 3.0 - 0.6 - 0.3 <= took < 15.0, took
             now = await ledger.now_ms()
             assert not ledger.local.loads(now)  # no instance carries the dead gateway's work
-        finally:
-            for t in clients:
-                t.cancel()
-            await asyncio.gather(*clients, return_exceptions=True)
-            await other.close()
         outs = [o for o in await read_all(s, topics(s.topic_config()).request_outcomes.name, 4)
                 if isinstance(o, RequestOutcome) and o.error == "gateway_lost"]
         assert len(outs) == 4 and {o.gateway for o in outs} == {c.gateway_id}
@@ -82,23 +108,9 @@ async def test_a_gateway_restarted_under_its_own_id_ends_its_killed_runs_charges
     them itself before it serves, each with a ``gateway_restarted`` outcome."""
     s = settings.model_copy(update={"inflight_lost_after_s": 60.0, "inflight_lease_s": 600.0})
     async with GatewayCluster(s, tmp_path / "logs", time_scale=1.0, max_output_tokens=400) as c:
-        other = LocalRouter(s, producer_id="gw-other")
-        await other.start()
-        clients: list[asyncio.Task[None]] = []
-        try:
-            ledger = other.router.decision_time.inflight
-            assert isinstance(ledger, RedisInflight)
-
-            async def stream(i: int) -> None:
-                async with httpx.AsyncClient(base_url=c.gateway_url, headers=c.auth_headers, timeout=60) as cl:
-                    with contextlib.suppress(httpx.HTTPError):
-                        async with cl.stream("POST", "/v1/completions", json={
-                                "model": "default", "prompt": f"stream {i} " * 200, "max_tokens": 400,
-                                "stream": True}) as r:
-                            async for _ in r.aiter_bytes():
-                                pass
-
-            clients = [asyncio.create_task(stream(i)) for i in range(4)]
+        async with watching(s) as w:
+            other, ledger = w.other, w.ledger
+            w.open_streams(c)
             deadline = time.monotonic() + 30
             while time.monotonic() < deadline and len(ledger.local.in_flight()) < 4:
                 await asyncio.sleep(0.05)
@@ -107,7 +119,7 @@ async def test_a_gateway_restarted_under_its_own_id_ends_its_killed_runs_charges
             pid = c.gateway_pids()["gateway"]
             assert pid is not None
             os.kill(pid, signal.SIGKILL)
-            await asyncio.gather(*clients, return_exceptions=True)
+            await asyncio.gather(*w.clients, return_exceptions=True)
             killed = time.monotonic()
             await c.restart_gateway()
             while time.monotonic() < killed + 30 and killed_charges & ledger.local.in_flight():
@@ -120,11 +132,6 @@ async def test_a_gateway_restarted_under_its_own_id_ends_its_killed_runs_charges
                 r = await cl.post("/v1/completions", json={"model": "default", "prompt": "after the restart " * 50,
                                                            "max_tokens": 4})
                 assert r.status_code == 200, r.text
-        finally:
-            for t in clients:
-                t.cancel()
-            await asyncio.gather(*clients, return_exceptions=True)
-            await other.close()
         outs = [o for o in await read_all(s, topics(s.topic_config()).request_outcomes.name, 4)
                 if isinstance(o, RequestOutcome) and o.error == "gateway_restarted"]
         assert sorted(o.request_id for o in outs) == sorted(killed_charges)
