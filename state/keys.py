@@ -38,6 +38,8 @@ several primaries, several namespaces (models, clusters) do.
 ``ns|pend-log``  stream of the decisions' pending blocks (:mod:`state.pending`, shared by
     :mod:`state.shared_log`) and of where each decision placed its session.
 ``ns|infl-log``  stream of the in-flight ledger's charges and releases (:mod:`state.inflight`).
+``ns|claim|<producer>``  string, with a short expiry: the token of the one live process writing
+    decision-time records under that producer id (:mod:`state.claim`).
 """
 
 from __future__ import annotations
@@ -314,6 +316,10 @@ class ViewKeys:
         self.reservations = f"{p}resv-log"
         self.pending = f"{p}pend-log"
         self.inflight = f"{p}infl-log"
+
+    def claim(self, producer: str) -> str:
+        """The claim on ``producer``'s id (:class:`state.claim.ProducerClaim`)."""
+        return f"{self.prefix}claim|{producer}"
 
     def block(self, key: int) -> bytes:
         return self.block_prefix + key.to_bytes(BLOCK_KEY_BYTES, "big")

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 from conductor import web
 from conductor.cli.common import (
@@ -28,6 +29,7 @@ from conductor.harness.bench.gateway import check_client, run_gateway_bench
 from conductor.harness.bench.live import PEERS, LiveBenchError, LiveOptions, run_live_bench
 from conductor.settings import Settings
 from conductor.telemetry import scrape, setup_metrics
+from state.claim import ProducerIdInUse
 
 # --- conductor gateway --------------------------------------------------------------
 
@@ -112,9 +114,10 @@ def gateway(
     if workers > 1:
         raise typer.Exit(_gateway_workers(config, s, workers, port=port, keys=keys, tokenizer=tokenizer))
     setup_metrics("conductor-gateway", s.bind_host, s.metrics_port)
-    run_until_signalled(lambda stop: gateway_serve.serve(
-        config, s, port=port, stop=stop, keys=keys, tokenizer_path=tokenizer, metrics_text=scrape,
-        on_ready=print_json), loop_factory=web.loop_factory())
+    with exit_on(ProducerIdInUse):  # another live gateway runs under this --gateway-id
+        run_until_signalled(lambda stop: gateway_serve.serve(
+            config, s, port=port, stop=stop, keys=keys, tokenizer_path=tokenizer, metrics_text=scrape,
+            on_ready=print_json), loop_factory=web.loop_factory())
 
 
 def _gateway_workers(config: gateway_config.GatewayConfig, s: Settings, workers: int, *, port: int, keys: KeyRing,
@@ -130,10 +133,14 @@ def _gateway_workers(config: gateway_config.GatewayConfig, s: Settings, workers:
 
     def one(i: int, ready: gateway_workers.Ready) -> int:
         setup_metrics("conductor-gateway", s.bind_host, s.metrics_port + i if s.metrics_port else 0)
-        run_until_signalled(lambda stop: gateway_serve.serve(
-            dataclasses.replace(config, gateway_id=ids[i]), s, port=port, stop=stop, keys=keys,
-            tokenizer_path=tokenizer, metrics_text=scrape, on_ready=lambda line: ready({**line, "worker": i}),
-            sock=sock), loop_factory=web.loop_factory())
+        try:
+            run_until_signalled(lambda stop: gateway_serve.serve(
+                dataclasses.replace(config, gateway_id=ids[i]), s, port=port, stop=stop, keys=keys,
+                tokenizer_path=tokenizer, metrics_text=scrape, on_ready=lambda line: ready({**line, "worker": i}),
+                sock=sock), loop_factory=web.loop_factory())
+        except ProducerIdInUse as e:  # another live gateway runs under this worker's id
+            err.print(f"[red]error:[/red] {escape(str(e))}")
+            return 2
         return 0
 
     return gateway_workers.run_workers(workers, sock, one, print_json)
@@ -203,7 +210,8 @@ LiveBlockSize = Annotated[int, typer.Option(min=1, max=4096, help="tokens per KV
 LiveKvBlocks = Annotated[int, typer.Option(min=1, help="prefix-cache capacity of each engine, in blocks")]
 LiveMaxRequests = Annotated[int | None, typer.Option(min=1, help="send at most this many requests of the slice")]
 LiveMaxOutputTokens = Annotated[int | None, typer.Option(min=1, help="cap each request's output tokens")]
-LivePeerPolicy = Annotated[str, typer.Option(help="the SGLang router's policy (prefill and decode)")]
+LivePeerPolicy = Annotated[str, typer.Option(help="the SGLang router's policy (prefill and decode; --engines vllm: the "
+                                            "peer side's, round_robin keeps its own)")]
 LiveDrainS = Annotated[float, typer.Option(min=1.0, help="after the last arrival, wait this long for answers")]
 LivePeerFirst = Annotated[bool, typer.Option("--peer-first", help="run the peer's side before Conductor's")]
 LiveEngines = Annotated[str, typer.Option("--engines", help="emulated (the default: 2P2D emulated engines, model "
@@ -215,7 +223,7 @@ LiveRounds = Annotated[int, typer.Option("--rounds", min=1, max=20, help="--engi
     "own under rounds")]
 LiveSides = Annotated[str | None, typer.Option("--sides", help="--engines vllm: the sides, in order, comma-separated: "
     "conductor, conductor:POLICY (any of Conductor's policies, e.g. conductor:sglang-style), peer (sglang-router "
-    "cache_aware), round_robin (sglang-router round_robin); default conductor,peer,round_robin")]
+    "with --peer-policy, cache_aware by default), round_robin (sglang-router round_robin); default conductor,peer,round_robin")]
 LiveEngineModel = Annotated[str, typer.Option("--engine-model", help="--engines vllm: tiny (a 1,500-token prefill "
     "~25 ms) or heavy (a larger dummy-weight model of the kit, ~300 ms or more on one core, with a KV cache small "
     "enough that the engines evict during the replay)")]
@@ -255,9 +263,9 @@ def bench_live(
 ) -> None:
     """The same trace slice through Conductor's gateway and through the SGLang router, on identical engines.
 
-    --engines vllm: the slice through Conductor, through sglang-router (regular HTTP mode, cache_aware) and through sglang-router's round_robin, each in front of fresh identical real vLLM engines (scripts/vllm-kit makes the kit). Per side: ttft_p50_s, ttft_p90_s (as the client saw them), engine_prefix_hit_ratio (the engines' own prefix-cache counters), served, rejected, errors, each the median over --rounds (rounds: each round's values); control_cpu_s, control_cpu_s_by_process, control_cpu_ms_per_request (CPU of everything but the engines and the client over the replay: gateway, worker, bridges, broker, Redis, no router process since the gateway decides colocated; the SGLang router on its sides); engine_evicted_blocks (with a set KV cache size); on Conductor's sides decisions, left_holder_decisions and left_holder_by_reason (null until decisions say why a prefix holder was left); the run's model_profile (the profile Conductor's sides ran on) and calibration (with --calibrate: the fit and its TTFT error on the sweep). Takes several minutes: every side starts its engines afresh.
+    --engines vllm: the slice through Conductor, through sglang-router (regular HTTP mode, --peer-policy: cache_aware by default) and through sglang-router's round_robin, each in front of fresh identical real vLLM engines (scripts/vllm-kit makes the kit). Per side: ttft_p50_s, ttft_p90_s (as the client saw them), engine_prefix_hit_ratio (the engines' own prefix-cache counters), served, rejected, errors, each the median over --rounds (rounds: each round's values); control_cpu_s, control_cpu_s_by_process, control_cpu_ms_per_request (CPU of everything but the engines and the client over the replay: gateway, worker, bridges, broker, Redis, no router process since the gateway decides colocated; the SGLang router on its sides); engine_evicted_blocks (with a set KV cache size); on Conductor's sides decisions, left_holder_decisions and left_holder_by_reason (null until decisions say why a prefix holder was left); the run's model_profile (the profile Conductor's sides ran on) and calibration (with --calibrate: the fit and its TTFT error on the sweep). Takes several minutes: every side starts its engines afresh.
 
-    Conductor side: stream worker, router (CONDUCTOR_POLICY) and gateway (SGLang bootstrap hand-off) in front of fresh emulated engines whose KV events reach the view through bridges. Peer side: `python -m sglang_router.launch_router --pd-disaggregation --policy cache_aware` in front of fresh, identical engines. Each request is a streamed completion sent by the openai client at its trace arrival time, its prompt a text in which each trace block is a fixed run of pseudo-words (the SGLang router matches text). Prints per side: ttft_p50_s, ttft_p90_s (model time, as conductor demo), reuse_ratio (cached / prompt tokens the engines reported), rejected (429/503), errors.
+    --engines emulated: Conductor side: stream worker, router (CONDUCTOR_POLICY) and gateway (SGLang bootstrap hand-off) in front of fresh emulated engines whose KV events reach the view through bridges. Peer side: `python -m sglang_router.launch_router --pd-disaggregation --policy cache_aware` in front of fresh, identical engines. Each request is a streamed completion sent by the openai client at its trace arrival time, its prompt a text in which each trace block is a fixed run of pseudo-words (the SGLang router matches text). Prints per side: ttft_p50_s, ttft_p90_s (model time, as conductor demo), reuse_ratio (cached / prompt tokens the engines reported), rejected (429/503), errors.
     """
     s = settings_or_exit()
     if engines not in ("emulated", "vllm"):
@@ -282,7 +290,7 @@ def bench_live(
                 duration_s=duration, speed=speed, sample=sample, trace=trace, engines=vllm_engines,
                 max_requests=max_requests, max_output_tokens=max_output_tokens or 8, drain_s=max(drain_s, 120.0),
                 rounds=rounds, sides=side_list, engine_model=engine_model, pin_engines=cpus, calibrate=calibrate,
-                engine_kv_cache_bytes=engine_kv_mib * 2**20 if engine_kv_mib else None))
+                engine_kv_cache_bytes=engine_kv_mib * 2**20 if engine_kv_mib else None, peer_policy=peer_policy))
         else:
             out = run_live_bench(s, LiveOptions(
                 duration_s=duration, speed=speed, sample=sample, trace=trace, prefill=prefill, decode=decode,

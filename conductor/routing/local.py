@@ -43,10 +43,11 @@ from conductor.routing.router import Router
 from conductor.routing.stores import decision_index, decision_time_stores, redis_stores
 from conductor.settings import Settings
 from schemas import RequestOutcome, RoutingDecision, RoutingRejection, RoutingRequest, envelope
+from state.claim import ProducerClaim
 from state.decisions import DecisionIndex, DecisionPosition
 from state.inflight import InflightLedger
 from state.pending import PendingStore
-from state.shared_log import RedisInflight
+from state.shared_log import RedisInflight, RedisPendingBlocks
 from streams.kafka import acknowledged, ensure_topics, producer
 from streams.topics import topics
 
@@ -100,6 +101,9 @@ class LocalRouter:
         self._started = False
         self.decided = 0
         self._reaper: asyncio.Task[None] | None = None
+        self.claim: ProducerClaim | None = None
+        """This process's claim on ``producer_id`` (:mod:`state.claim`) while its decision-time records
+        are shared through Redis: one live process per id."""
         self.reaped = 0
         """Charges this process ended for the process that made them: lost producers'
         (:meth:`reap_lost`) and its own earlier run's (:meth:`end_leftovers`)."""
@@ -124,6 +128,11 @@ class LocalRouter:
             self._router = Router(self.settings, view, reservations, pending=pending,
                                   inflight=inflight if self.charges_work else None)
             self._index = decision_index(self.settings, getattr(reservations, "client", None))
+        self.claim = self._claim_of(self.router)
+        if self.claim is not None:
+            # Before anything is written under the id: a second live process under it fails here.
+            await self.claim.take()
+            self.claim.start()
         self._producer = producer(self.settings.kafka(), linger_ms=0)
         await self._producer.start()
         await self.router.start()
@@ -134,6 +143,14 @@ class LocalRouter:
             await self.end_leftovers()
             self._reaper = asyncio.create_task(self._reap_lost_forever(self.router.decision_time.inflight))
         self._started = True
+
+    def _claim_of(self, router: Router) -> ProducerClaim | None:
+        """A claim on this process's id when its decision-time records go through Redis (else none:
+        they stay in this process)."""
+        for store in (router.decision_time.inflight, router.decision_time.pending):
+            if isinstance(store, RedisInflight | RedisPendingBlocks):
+                return ProducerClaim(store.log.client, self.settings.view_namespace, self.producer_id)
+        return None
 
     async def close(self) -> None:
         """Wait for the decisions in flight, then stop following and close the producer."""
@@ -157,6 +174,8 @@ class LocalRouter:
             await self._control.stop()
         if self._producer is not None:
             await self._producer.stop()
+        if self.claim is not None:
+            await self.claim.close()  # last: the router's last releases were written under it
         self._started = False
 
     def problem(self) -> str | None:
@@ -165,6 +184,8 @@ class LocalRouter:
             return "the colocated router is starting"
         if self._control_task is not None and self._control_task.done():
             return "the colocated router stopped following the control topic"
+        if self.claim is not None and self.claim.problem is not None:
+            return self.claim.problem
         return None
 
     @property

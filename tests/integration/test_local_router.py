@@ -20,6 +20,7 @@ from conductor.routing.stores import redis_stores
 from conductor.routing.worker import RouterWorker
 from conductor.settings import Settings
 from schemas import Heartbeat, RoutingDecision, RoutingRequest, encode, envelope, headers
+from state.claim import ProducerIdInUse
 from state.shared_log import RedisInflight
 from state.view import SourcePosition
 from streams.kafka import ensure_topics, producer
@@ -227,8 +228,9 @@ async def test_a_gateway_restarted_under_its_own_id_ends_its_earlier_runs_charge
             ledger_first = first.router.decision_time.inflight
             assert isinstance(ledger_first, RedisInflight) and ledger_first._keepalive is not None
             ledger_first._keepalive.cancel()
-            assert first._reaper is not None
+            assert first._reaper is not None and first.claim is not None
             first._reaper.cancel()
+            first.claim.abandon()
             started = time.monotonic()
             again = LocalRouter(s, producer_id="gw-fixed")
             await again.start()
@@ -258,3 +260,33 @@ async def test_a_gateway_restarted_under_its_own_id_ends_its_earlier_runs_charge
                                                                      if isinstance(d, RoutingDecision)}
         ex = await explain(s, "c-1")
         assert ex.matches, ex.differences
+
+
+async def test_a_second_gateway_under_a_live_gateways_id_fails_at_start_and_the_first_goes_on(
+        settings: Settings) -> None:
+    """Two live processes under one id would skip each other's decision-time records and end each
+    other's charges: the second one to start is refused before it writes anything, naming the
+    option, and the first keeps deciding; once the first is closed (its claim given back) the id
+    starts at once."""
+    async with cluster(settings) as s:
+        first = LocalRouter(s, producer_id="gw-twin")
+        await first.start()
+        twin = LocalRouter(s, producer_id="gw-twin")
+        try:
+            with pytest.raises(ProducerIdInUse, match="--gateway-id"):
+                await twin.start()
+            assert first.problem() is None
+            d = await first.decide(request("t-1"))
+            assert isinstance(d, RoutingDecision)
+        finally:
+            with contextlib.suppress(Exception):
+                await twin.close()
+            await first.close()
+        again = LocalRouter(s, producer_id="gw-twin")
+        t0 = time.monotonic()
+        await again.start()
+        try:
+            assert time.monotonic() - t0 < 10 and again.problem() is None
+            assert isinstance(await again.decide(request("t-2")), RoutingDecision)
+        finally:
+            await again.close()

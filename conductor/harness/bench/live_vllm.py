@@ -125,6 +125,8 @@ class VllmLiveOptions:
     calibrate: bool = False
     """Calibrate a fresh engine of the same kind first (``conductor profile calibrate``'s sweep, one
     repeat) and run Conductor's sides on that profile instead of the configured one."""
+    peer_policy: str = PEER_SIDES["peer"]
+    """The SGLang router's policy on the ``peer`` side (``round_robin`` keeps its own)."""
 
     def kv_cache_bytes(self) -> int | None:
         if self.engine_kv_cache_bytes is not None:
@@ -481,7 +483,7 @@ async def _side(name: str, settings: Settings, opts: VllmLiveOptions, requests: 
                 write_jsonl(side_dir / "outcomes.jsonl", outcomes.values())
             return {"router": "conductor", "policy": settings.policy, **summary(stats, before, after, wall), **errors,
                     **cpu, **left}
-        policy = PEER_SIDES[name]
+        policy = opts.peer_policy if name == "peer" else PEER_SIDES[name]
         procs = Processes(side_dir, cwd=None)
         port = free_port(settings.bind_host)
         args = ["--host", settings.bind_host, "--port", str(port), "--policy", policy, "--worker-urls", *urls,
