@@ -65,7 +65,8 @@ class Down:
     """Why a door can decide nothing now: its error ``code`` and ``message``."""
 
     code: str
-    """``starting`` (not ready yet), ``router_down`` or ``reply_inbox_down``."""
+    """``starting`` (not ready yet), ``router_down``, ``reply_inbox_down`` or ``producer_id_in_use``
+    (another live process holds this door's id: :mod:`state.claim`)."""
     message: str
 
 

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator
 import pytest
 from kvstream import read_all
 
+from conductor.frontdoor.decide import Colocated
 from conductor.routing.explain import explain
 from conductor.routing.local import LocalRouter, LogUnavailable
 from conductor.routing.router import Router
@@ -243,6 +244,11 @@ async def test_a_gateway_restarted_under_its_own_id_ends_its_earlier_runs_charge
             assert not {"f-1", "f-2"} & ledger_other.local.in_flight()
             assert time.monotonic() - started < 5  # the lease is 60 s, the lost-producer delay 60 s
             assert other.reaped == 0
+            # Were the first run alive after all (stalled, cut off from Redis), it would learn it lost
+            # its id and stop deciding: the door answers 503 producer_id_in_use.
+            assert first.problem() is None and not await first.claim.renew()
+            down = Colocated(first).down("gateway")
+            assert down is not None and down.code == "producer_id_in_use" and "gw-fixed" in down.message
             later = await again.decide(request("c-1", [t + 30_000 for t in PROMPT]).model_copy(update={"releases": True}))
             assert isinstance(later, RoutingDecision)
         finally:

@@ -62,21 +62,32 @@ def test_decided_url_prefers_the_override() -> None:
     assert decided_url("x", d, {}) is None
 
 
+class StubClaim:
+    def __init__(self, problem: str | None) -> None:
+        self.problem = problem
+
+
 class StubRouter:
-    def __init__(self, ready: bool, problem: str | None) -> None:
-        self.ready, self._problem = ready, problem
+    def __init__(self, ready: bool, problem: str | None, claim: StubClaim | None = None) -> None:
+        self.ready, self._problem, self.claim = ready, problem, claim
 
     def problem(self) -> str | None:
         return self._problem
 
 
-@pytest.mark.parametrize("ready,problem,down", [
-    (True, None, None),
-    (False, "the colocated router is starting", Down("starting", "the colocated router is starting")),
-    (True, "stopped following", Down("router_down", "stopped following")),
+TAKEN = "another process (h:1:ab) holds the producer id 'gw-1'"
+
+
+@pytest.mark.parametrize("ready,problem,claim,down", [
+    (True, None, None, None),
+    (True, None, StubClaim(None), None),
+    (False, "the colocated router is starting", None, Down("starting", "the colocated router is starting")),
+    (True, "stopped following", StubClaim(None), Down("router_down", "stopped following")),
+    (True, TAKEN, StubClaim(TAKEN), Down("producer_id_in_use", TAKEN)),
 ])
-def test_colocated_says_why_it_cannot_decide(ready: bool, problem: str | None, down: Down | None) -> None:
-    router: Any = StubRouter(ready, problem)
+def test_colocated_says_why_it_cannot_decide(ready: bool, problem: str | None, claim: StubClaim | None,
+                                             down: Down | None) -> None:
+    router: Any = StubRouter(ready, problem, claim)
     assert Colocated(router).down("gateway") == down
 
 
