@@ -213,6 +213,9 @@ LiveMaxOutputTokens = Annotated[int | None, typer.Option(min=1, help="cap each r
 LivePeerPolicy = Annotated[str, typer.Option(help="the SGLang router's policy (prefill and decode; --engines vllm: the "
                                             "peer side's, round_robin keeps its own)")]
 LiveDrainS = Annotated[float, typer.Option(min=1.0, help="after the last arrival, wait this long for answers")]
+LivePeerArgs = Annotated[str | None, typer.Option("--peer-args", help="--engines vllm: more arguments of the SGLang "
+    "router on its sides, as shell words (e.g. '--cache-threshold 0.3 --balance-abs-threshold 16'); the engines, "
+    "ports and policy are the bench's (--peer-policy)")]
 LivePeerFirst = Annotated[bool, typer.Option("--peer-first", help="run the peer's side before Conductor's")]
 LiveEngines = Annotated[str, typer.Option("--engines", help="emulated (the default: 2P2D emulated engines, model "
     "time) or vllm (real vLLM CPU engines from scripts/vllm-kit, aggregated, fresh for each side; conductor, "
@@ -251,6 +254,7 @@ def bench_live(
     peer_policy: LivePeerPolicy = "cache_aware",
     drain_s: LiveDrainS = 60.0,
     peer_first: LivePeerFirst = False,
+    peer_args: LivePeerArgs = None,
     engines: LiveEngines = "emulated",
     vllm_engines: LiveVllmEngines = 2,
     rounds: LiveRounds = 3,
@@ -271,18 +275,24 @@ def bench_live(
     if engines not in ("emulated", "vllm"):
         err.print(f"[red]error:[/red] --engines must be emulated or vllm, not {engines!r}")
         raise typer.Exit(2)
+    if peer_args is not None and engines != "vllm":
+        err.print("[red]error:[/red] --peer-args is for --engines vllm (the emulated side-by-side starts its peer "
+                  "in PD mode with its own arguments)")
+        raise typer.Exit(2)
     with exit_on(LiveBenchError):  # VllmLiveError is one
         if engines == "vllm":
             from conductor.harness.bench.live_vllm import (
                 SIDES,
                 VllmLiveOptions,
                 parse_cpus,
+                parse_peer_args,
                 parse_sides,
                 run_vllm_live_bench,
             )
             try:
                 side_list = parse_sides(sides) if sides is not None else SIDES
                 cpus = parse_cpus(pin_engines) if pin_engines is not None else ()
+                extra = parse_peer_args(peer_args) if peer_args is not None else ()
             except ValueError as e:
                 err.print(f"[red]error:[/red] {e}")
                 raise typer.Exit(2) from None
@@ -290,7 +300,8 @@ def bench_live(
                 duration_s=duration, speed=speed, sample=sample, trace=trace, engines=vllm_engines,
                 max_requests=max_requests, max_output_tokens=max_output_tokens or 8, drain_s=max(drain_s, 120.0),
                 rounds=rounds, sides=side_list, engine_model=engine_model, pin_engines=cpus, calibrate=calibrate,
-                engine_kv_cache_bytes=engine_kv_mib * 2**20 if engine_kv_mib else None, peer_policy=peer_policy))
+                engine_kv_cache_bytes=engine_kv_mib * 2**20 if engine_kv_mib else None, peer_policy=peer_policy,
+                peer_args=extra))
         else:
             out = run_live_bench(s, LiveOptions(
                 duration_s=duration, speed=speed, sample=sample, trace=trace, prefill=prefill, decode=decode,

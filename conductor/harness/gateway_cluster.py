@@ -129,12 +129,21 @@ class GatewayCluster:
         restarted with a fixed ``--gateway-id``); :attr:`gateway_url` becomes the new one's."""
         await self._launch_gateway(self._gateway_start_args)
 
+    async def start_twin_gateway(self, name: str = "gateway-twin") -> asyncio.subprocess.Process:
+        """Another gateway process under the running one's id and options (a second replica given
+        the same fixed ``--gateway-id``); its process, its output in ``NAME.log`` (it exits at start)."""
+        return await self.procs.start(name, self._gateway_argv(self._gateway_start_args), self._gateway_env())
+
     async def _launch_gateway(self, args: list[str]) -> None:
-        self.api_key = self.api_key or f"sk-test-{secrets.token_urlsafe(18)}"
-        gw_env = child_environment(self.settings.model_copy(update={"gateway_api_key": SecretStr(self.api_key)}))
-        gw = await self.procs.start("gateway", ["gateway", "--port", "0", "--gateway-id", self.gateway_id, *args,
-                                                *self.gateway_args], gw_env, stdout_pipe=True)
+        gw = await self.procs.start("gateway", self._gateway_argv(args), self._gateway_env(), stdout_pipe=True)
         self.gateway_url = (await self._ready_line("gateway", gw))["url"]
+
+    def _gateway_argv(self, args: list[str]) -> list[str]:
+        return ["gateway", "--port", "0", "--gateway-id", self.gateway_id, *args, *self.gateway_args]
+
+    def _gateway_env(self) -> dict[str, str]:
+        self.api_key = self.api_key or f"sk-test-{secrets.token_urlsafe(18)}"
+        return child_environment(self.settings.model_copy(update={"gateway_api_key": SecretStr(self.api_key)}))
 
     async def _start_engines(self, env: dict[str, str]) -> None:
         """Every prefill and decode engine, serving HTTP; their URLs in ``engine_urls``."""

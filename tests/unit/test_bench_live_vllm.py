@@ -19,6 +19,7 @@ from conductor.harness.bench.live_vllm import (
     median_over_rounds,
     metric_total,
     parse_cpus,
+    parse_peer_args,
     parse_sides,
     pinning,
     round_orders,
@@ -35,6 +36,17 @@ def test_sides_are_checked_and_kept_in_order() -> None:
                      ("peer,peer", "twice"), (" , ", "no side")):
         with pytest.raises(ValueError, match=why):
             parse_sides(bad)
+
+
+def test_the_peers_extra_arguments_are_shell_words_that_leave_the_benchs_own_alone() -> None:
+    assert parse_peer_args("--cache-threshold 0.3 --balance-abs-threshold=16") == (
+        "--cache-threshold", "0.3", "--balance-abs-threshold=16")
+    assert parse_peer_args("") == ()
+    assert VllmLiveOptions().peer_args == () and VllmLiveOptions().peer_policy == "cache_aware"
+    for bad, why in (("--policy random", "--peer-policy"), ("--worker-urls=http://x", "set by the bench"),
+                     ("--port 1", "set by the bench"), ("--cache-threshold '0.3", "--peer-args")):
+        with pytest.raises(ValueError, match=why):
+            parse_peer_args(bad)
 
 
 def test_cores_as_taskset_writes_them() -> None:

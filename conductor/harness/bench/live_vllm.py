@@ -39,6 +39,7 @@ import dataclasses
 import logging
 import os
 import re
+import shlex
 import sys
 import time
 from collections import Counter
@@ -127,6 +128,8 @@ class VllmLiveOptions:
     repeat) and run Conductor's sides on that profile instead of the configured one."""
     peer_policy: str = PEER_SIDES["peer"]
     """The SGLang router's policy on the ``peer`` side (``round_robin`` keeps its own)."""
+    peer_args: tuple[str, ...] = ()
+    """More arguments of the SGLang router on its sides (its thresholds, say: :func:`parse_peer_args`)."""
 
     def kv_cache_bytes(self) -> int | None:
         if self.engine_kv_cache_bytes is not None:
@@ -156,6 +159,26 @@ def parse_sides(text: str) -> tuple[str, ...]:
     if len(set(sides)) != len(sides):
         raise ValueError("--sides names a side twice")
     return sides
+
+
+PEER_ARGS_SET = ("--host", "--port", "--policy", "--worker-urls", "--prometheus-host", "--prometheus-port",
+                 "--pd-disaggregation", "--prefill", "--decode")
+"""The SGLang router's arguments the bench sets itself (the engines, the ports, the policy)."""
+
+
+def parse_peer_args(text: str) -> tuple[str, ...]:
+    """``--peer-args`` (shell words, e.g. ``--cache-threshold 0.3 --balance-abs-threshold 16``) as a
+    tuple; ValueError naming an argument the bench sets itself or text that is not shell words."""
+    try:
+        words = tuple(shlex.split(text))
+    except ValueError as e:
+        raise ValueError(f"--peer-args: {e}") from None
+    for w in words:
+        flag = w.split("=", 1)[0]
+        if flag in PEER_ARGS_SET:
+            raise ValueError(f"--peer-args: {flag} is set by the bench (the engines, ports and policy: use "
+                             "--peer-policy for the policy)")
+    return words
 
 
 def parse_cpus(text: str) -> tuple[int, ...]:
@@ -488,7 +511,7 @@ async def _side(name: str, settings: Settings, opts: VllmLiveOptions, requests: 
         port = free_port(settings.bind_host)
         args = ["--host", settings.bind_host, "--port", str(port), "--policy", policy, "--worker-urls", *urls,
                 "--prometheus-host", settings.bind_host, "--prometheus-port", str(free_port(settings.bind_host)),
-                "--log-level", "warn"]
+                "--log-level", "warn", *opts.peer_args]
         router = await procs.start("sglang-router", args, child_environment(settings),
                                    program=[sys.executable, "-m", "sglang_router.launch_router"])
         base = f"http://{settings.bind_host}:{port}"
@@ -693,7 +716,25 @@ def run_vllm_demo(settings: Settings, opts: VllmLiveOptions, policy: str, baseli
     }
 
 
-__all__ = ["HEAVY_KV_CACHE_BYTES", "PEER_SIDES", "SIDES", "VllmLiveError", "VllmLiveOptions", "evicted_blocks",
-           "holder_reason", "left_holder_counts", "median_over_rounds", "metric_total", "parse_cpus", "parse_sides",
-           "pinning", "round_orders", "run_vllm_demo", "run_vllm_live_bench", "shared_cores_groups",
-           "shared_cores_topology", "vllm_prompt"]
+__all__ = [
+    "HEAVY_KV_CACHE_BYTES",
+    "PEER_SIDES",
+    "SIDES",
+    "VllmLiveError",
+    "VllmLiveOptions",
+    "evicted_blocks",
+    "holder_reason",
+    "left_holder_counts",
+    "median_over_rounds",
+    "metric_total",
+    "parse_cpus",
+    "parse_peer_args",
+    "parse_sides",
+    "pinning",
+    "round_orders",
+    "run_vllm_demo",
+    "run_vllm_live_bench",
+    "shared_cores_groups",
+    "shared_cores_topology",
+    "vllm_prompt",
+]
