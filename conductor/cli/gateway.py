@@ -114,7 +114,7 @@ def gateway(
     if workers > 1:
         raise typer.Exit(_gateway_workers(config, s, workers, port=port, keys=keys, tokenizer=tokenizer))
     setup_metrics("conductor-gateway", s.bind_host, s.metrics_port)
-    with exit_on(ProducerIdInUse):  # another live gateway runs under this --gateway-id
+    with exit_on(ProducerIdInUse, soft_wrap=True):  # another live gateway runs under this --gateway-id: one line
         run_until_signalled(lambda stop: gateway_serve.serve(
             config, s, port=port, stop=stop, keys=keys, tokenizer_path=tokenizer, metrics_text=scrape,
             on_ready=print_json), loop_factory=web.loop_factory())
@@ -139,7 +139,7 @@ def _gateway_workers(config: gateway_config.GatewayConfig, s: Settings, workers:
                 tokenizer_path=tokenizer, metrics_text=scrape, on_ready=lambda line: ready({**line, "worker": i}),
                 sock=sock), loop_factory=web.loop_factory())
         except ProducerIdInUse as e:  # another live gateway runs under this worker's id
-            err.print(f"[red]error:[/red] {escape(str(e))}")
+            err.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)
             return 2
         return 0
 
