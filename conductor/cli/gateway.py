@@ -216,7 +216,8 @@ LiveDrainS = Annotated[float, typer.Option(min=1.0, help="after the last arrival
 LivePeerArgs = Annotated[str | None, typer.Option("--peer-args", help="--engines vllm: more arguments of the SGLang "
     "router on its sides, as shell words (e.g. '--cache-threshold 0.3 --balance-abs-threshold 16'); the engines, "
     "ports and policy are the bench's (--peer-policy)")]
-LivePeerFirst = Annotated[bool, typer.Option("--peer-first", help="run the peer's side before Conductor's")]
+LivePeerFirst = Annotated[bool, typer.Option("--peer-first", help="run the peer's side before Conductor's "
+                                             "(--engines emulated; with vllm, --sides orders them)")]
 LiveEngines = Annotated[str, typer.Option("--engines", help="emulated (the default: 2P2D emulated engines, model "
     "time) or vllm (real vLLM CPU engines from scripts/vllm-kit, aggregated, fresh for each side; conductor, "
     "sglang-router cache_aware and round_robin; wall-clock TTFT)")]
@@ -274,6 +275,10 @@ def bench_live(
     s = settings_or_exit()
     if engines not in ("emulated", "vllm"):
         err.print(f"[red]error:[/red] --engines must be emulated or vllm, not {engines!r}")
+        raise typer.Exit(2)
+    if peer_first and engines == "vllm":
+        err.print("[red]error:[/red] --peer-first is for --engines emulated: with --engines vllm, --sides says the "
+                  "order (e.g. --sides peer,conductor), and it rotates from round to round")
         raise typer.Exit(2)
     if peer_args is not None and engines != "vllm":
         err.print("[red]error:[/red] --peer-args is for --engines vllm (the emulated side-by-side starts its peer "

@@ -148,3 +148,18 @@ def test_the_engines_own_ttft_and_queue_wait_are_means_over_the_replay() -> None
     # An engine that does not report them: null, not zero.
     blank = summary(stats, EngineCounters(), EngineCounters(), 5.0)
     assert blank["engine_ttft_s_mean"] is None and blank["engine_queue_s_mean"] is None
+
+
+@pytest.mark.parametrize("args,said", [
+    (["--engines", "vllm", "--peer-first"], "--sides says the order"),
+    (["--engines", "emulated", "--peer-args", "--cache-threshold 0.3"], "--peer-args is for --engines vllm"),
+    (["--engines", "vllm", "--peer-args", "--worker-urls http://x"], "set by the bench"),
+])
+def test_options_that_would_do_nothing_are_refused_before_anything_starts(args: list[str], said: str) -> None:
+    from typer.testing import CliRunner
+
+    from conductor.cli import app
+
+    res = CliRunner().invoke(app, ["bench", "live", *args])
+    assert res.exit_code == 2, res.output
+    assert said in " ".join(res.output.split())
