@@ -117,10 +117,8 @@ class ProducerClaim:
 
     async def _holder(self) -> tuple[bytes | None, int | None]:
         """(the claim's token, its life left in ms), Nones when there is none."""
-        async with self.client.pipeline(transaction=False) as p:
-            p.get(self.key)
-            p.pttl(self.key)
-            holder, left = await p.execute()
+        holder = await self.client.get(self.key)  # two reads (only when the claim was found held):
+        left = await self.client.pttl(self.key)  # the same on a single Redis and a cluster
         return holder, (int(left) if left is not None and int(left) >= 0 else None)
 
     async def renew(self) -> bool:

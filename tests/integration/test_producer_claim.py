@@ -93,3 +93,24 @@ async def test_a_claim_given_back_is_taken_at_once_and_one_that_lapsed_is_taken_
 async def test_a_claim_needs_its_renewal_within_its_life(client: aioredis.Redis, settings: Settings) -> None:
     with pytest.raises(ValueError, match="within its life"):
         ProducerClaim(client, settings.view_namespace, "gw", renew_ms=1_000, ttl_ms=1_000)
+
+
+async def test_a_claim_on_a_redis_cluster_is_refused_taken_over_and_given_back_the_same(
+        cluster_settings: Settings) -> None:
+    from state.connect import open_client
+
+    c = open_client(str(cluster_settings.redis_url), decode_responses=False)
+    try:
+        first, twin = claim(c, cluster_settings), claim(c, cluster_settings)  # type: ignore[arg-type]
+        await first.take()
+        first.start()
+        with pytest.raises(ProducerIdInUse):
+            await twin.take()
+        first.abandon()
+        again = claim(c, cluster_settings)  # type: ignore[arg-type]
+        await again.take()
+        assert again.held and await c.get(again.key) == again.token.encode()
+        await again.close()
+        assert await c.get(again.key) is None
+    finally:
+        await c.aclose()
