@@ -75,6 +75,11 @@ def settings_or_exit(**overrides: object) -> Settings:
         raise typer.Exit(2) from None
 
 
+def say_error(e: Exception, *, soft_wrap: bool = False) -> None:
+    """``e`` as the one ``error:`` line on stderr (``soft_wrap``: one line, however wide the terminal)."""
+    err.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=soft_wrap)  # an error's [...] is text, not markup
+
+
 @contextlib.contextmanager
 def exit_on(*kinds: type[Exception], soft_wrap: bool = False) -> Iterator[None]:
     """An error of ``kinds`` (default: :class:`ConductorError`) becomes one line on stderr and exit status 2."""
@@ -82,7 +87,7 @@ def exit_on(*kinds: type[Exception], soft_wrap: bool = False) -> Iterator[None]:
     try:
         yield
     except caught as e:
-        err.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=soft_wrap)  # an error's [...] is text, not markup
+        say_error(e, soft_wrap=soft_wrap)
         raise typer.Exit(2) from None
 
 

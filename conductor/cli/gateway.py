@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.markup import escape
 
 from conductor import web
 from conductor.cli.common import (
@@ -18,6 +17,7 @@ from conductor.cli.common import (
     print_json,
     print_result,
     run_until_signalled,
+    say_error,
     settings_or_exit,
 )
 from conductor.frontdoor.protocol import engine_map
@@ -139,7 +139,7 @@ def _gateway_workers(config: gateway_config.GatewayConfig, s: Settings, workers:
                 tokenizer_path=tokenizer, metrics_text=scrape, on_ready=lambda line: ready({**line, "worker": i}),
                 sock=sock), loop_factory=web.loop_factory())
         except ProducerIdInUse as e:  # another live gateway runs under this worker's id
-            err.print(f"[red]error:[/red] {escape(str(e))}", soft_wrap=True)
+            say_error(e, soft_wrap=True)
             return 2
         return 0
 

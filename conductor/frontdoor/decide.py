@@ -129,12 +129,12 @@ class Colocated:
         return self.router.problem()
 
     def down(self, door: str) -> Down | None:
+        claim = self.router.claim
+        if claim is not None and claim.problem is not None:
+            return Down("producer_id_in_use", claim.problem)
         why = self.router.problem()
         if why is None:
             return None
-        claim = self.router.claim
-        if claim is not None and claim.problem == why:
-            return Down("producer_id_in_use", why)
         return Down("starting" if not self.router.ready else "router_down", why)
 
     def waiting(self, request_id: str) -> bool:
